@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for fastddpm in ./.venv (idempotent; fast when already done).
+#
+#   - torch: on a machine without an NVIDIA GPU the CPU build is installed first (FASTDDPM_TORCH, default
+#     torch==2.13.0; set FASTDDPM_TORCH_INDEX to a CPU wheel index if your pip would otherwise pull CUDA wheels).
+#     With a GPU, pip resolves torch from the package's range, which admits your CUDA build.
+#   - the default dataset: Fashion-MNIST from Debian's dataset-fashion-mnist package (works offline).
+#   - EXTRAS=test also installs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${FASTDDPM_VENV:-.venv}
+EXTRAS=${EXTRAS:-}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating virtual environment $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: torch comes from the package's dependency range (a CUDA build)"
+  else
+    echo "setup: no NVIDIA GPU: installing the CPU build of torch (${FASTDDPM_TORCH:-torch==2.13.0})"
+    if [ -n "${FASTDDPM_TORCH_INDEX:-}" ]; then
+      pip_install "${FASTDDPM_TORCH:-torch==2.13.0}" --index-url "$FASTDDPM_TORCH_INDEX"
+    else
+      pip_install "${FASTDDPM_TORCH:-torch==2.13.0}"
+    fi
+  fi
+fi
+
+stamp="$VENV/.fastddpm-installed-$EXTRAS"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing fastddpm${EXTRAS:+[$EXTRAS]} and its dependencies"
+  pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+  touch "$stamp"
+fi
+
+# The default dataset, offline: Debian ships the full Fashion-MNIST as IDX files.
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+    echo "setup: installing Debian's dataset-fashion-mnist (the default dataset)"
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
+      echo "setup: could not install dataset-fashion-mnist; fastddpm will try to download Fashion-MNIST instead"
+  fi
+fi

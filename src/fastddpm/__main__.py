@@ -1,0 +1,5 @@
+import sys
+
+from fastddpm.cli import main
+
+sys.exit(main())

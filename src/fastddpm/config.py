@@ -1,0 +1,424 @@
+"""Typed run configuration: one keyword-only dataclass per component, each field documented and validated.
+
+A run's config is resolved in layers, later layers winning:
+    preset (a plain function below)  <  --config FILE (YAML or JSON)  <  command-line flags
+and, when resuming, the checkpoint's own config takes the place of the preset. The resolved config is written
+into every run directory as config.json, and `fastddpm train --help` is generated from the field docs here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _doc(text: str, *, cli: str | None = None, choices: tuple[str, ...] | None = None) -> dict:
+    """Field metadata: the help text, an optional CLI flag name, and allowed string values."""
+    return {"help": text, "cli": cli, "choices": choices}
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration. The message names the field, the bad value and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(section: str, obj: Any, name: str) -> None:
+    choices = obj.__dataclass_fields__[name].metadata["choices"]
+    value = getattr(obj, name)
+    _require(value in choices, f"{section}.{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The seed's U-Net (../shared/CONTEXT.md). Defaults are the public DDPM-Pytorch code's default config."""
+
+    image_channels: int | None = field(default=None, metadata=_doc("Input channels; none = taken from the data."))
+    image_size: int | None = field(default=None, metadata=_doc("Square image side in pixels; none = from the data."))
+    down_channels: tuple[int, ...] = field(
+        default=(32, 64, 128, 256), metadata=_doc("Channels at each U-Net level, comma-separated.")
+    )
+    mid_channels: tuple[int, ...] = field(
+        default=(256, 256, 128),
+        metadata=_doc("Channels through the mid blocks; first = last down channel, last = second-to-last."),
+    )
+    down_sample: tuple[bool, ...] = field(
+        default=(True, True, False), metadata=_doc("Whether each down block halves the resolution (one per block).")
+    )
+    time_emb_dim: int = field(default=128, metadata=_doc("Width of the sinusoidal time embedding (even)."))
+    num_down_layers: int = field(default=2, metadata=_doc("ResNet+attention layers per down block."))
+    num_mid_layers: int = field(default=2, metadata=_doc("Attention+ResNet pairs per mid block (after one ResNet)."))
+    num_up_layers: int = field(default=2, metadata=_doc("ResNet+attention layers per up block."))
+    num_heads: int = field(default=4, metadata=_doc("Attention heads."))
+    norm_groups: int = field(default=8, metadata=_doc("GroupNorm groups; every channel count must divide by it."))
+    attention: bool = field(default=True, metadata=_doc("Self-attention after each ResNet block (off = faster on CPU)."))
+    out_block_channels: int = field(default=16, metadata=_doc("Channels of the last up block (the seed's code: 16)."))
+
+    def __post_init__(self) -> None:
+        self.down_channels = tuple(int(c) for c in self.down_channels)
+        self.mid_channels = tuple(int(c) for c in self.mid_channels)
+        self.down_sample = tuple(bool(d) for d in self.down_sample)
+        dc, mc = self.down_channels, self.mid_channels
+        _require(len(dc) >= 2, f"model.down_channels={dc} needs at least two levels, e.g. 32,64,128,256")
+        _require(len(mc) >= 2, f"model.mid_channels={mc} needs at least two entries, e.g. 256,256,128")
+        _require(
+            mc[0] == dc[-1] and mc[-1] == dc[-2],
+            f"model.mid_channels={mc} must start at the last down channel ({dc[-1]}) and end at the "
+            f"second-to-last ({dc[-2]}), e.g. {dc[-1]},{dc[-1]},{dc[-2]}",
+        )
+        _require(
+            len(self.down_sample) == len(dc) - 1,
+            f"model.down_sample has {len(self.down_sample)} entries but down_channels={dc} makes {len(dc) - 1} "
+            "down blocks: give one true/false per block",
+        )
+        _require(self.time_emb_dim > 0 and self.time_emb_dim % 2 == 0,
+                 f"model.time_emb_dim={self.time_emb_dim} must be a positive even number")
+        for name in ("num_down_layers", "num_up_layers"):
+            _require(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)} must be >= 1")
+        _require(self.num_mid_layers >= 0, f"model.num_mid_layers={self.num_mid_layers} must be >= 0")
+        for c in (*dc, *mc, self.out_block_channels):
+            _require(c % self.norm_groups == 0,
+                     f"channel count {c} is not divisible by model.norm_groups={self.norm_groups}: "
+                     "change the channels or norm_groups")
+            if self.attention:
+                _require(c % self.num_heads == 0,
+                         f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
+
+    def validate_resolved(self) -> None:
+        """Checks that need the data's shape, once image_channels and image_size are known."""
+        _require(self.image_channels is not None and self.image_size is not None,
+                 "model.image_channels and model.image_size must be set (they come from the data)")
+        factor = 2 ** sum(self.down_sample)
+        _require(
+            self.image_size % factor == 0,
+            f"model.image_size={self.image_size} must divide by {factor} (the U-Net halves it {sum(self.down_sample)} "
+            f"times): resize the data (--resize) or change model.down_sample",
+        )
+
+
+@dataclass(kw_only=True)
+class DiffusionConfig:
+    """Forward process and training target (Ho et al. 2020; Nichol & Dhariwal 2021; Salimans & Ho 2022)."""
+
+    num_timesteps: int = field(default=1000, metadata=_doc("Diffusion steps T."))
+    schedule: str = field(default="linear", metadata=_doc("Beta schedule.", choices=("linear", "cosine")))
+    beta_start: float = field(default=1e-4, metadata=_doc("First beta of the linear schedule."))
+    beta_end: float = field(default=0.02, metadata=_doc("Last beta of the linear schedule."))
+    prediction: str = field(
+        default="epsilon", metadata=_doc("What the network predicts: the noise, or v.", choices=("epsilon", "v"))
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("diffusion", self, "schedule")
+        _check_choice("diffusion", self, "prediction")
+        _require(self.num_timesteps >= 2, f"diffusion.num_timesteps={self.num_timesteps} must be >= 2")
+        _require(0 < self.beta_start < self.beta_end < 1,
+                 f"diffusion betas must satisfy 0 < beta_start ({self.beta_start}) < beta_end ({self.beta_end}) < 1")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the images come from and how they are cached (decoded once into a uint8 array)."""
+
+    source: str = field(
+        default="fashion-mnist",
+        metadata=_doc("A named dataset (mnist, fashion-mnist, cifar10) or a path: IDX folder, image folder "
+                      "root/<label>/*.png, .zip of that folder, CIFAR-10 batches folder or .tar.gz, .npy/.npz.",
+                      cli="data"),
+    )
+    split: str = field(default="train", metadata=_doc("Split of IDX/CIFAR sources.", choices=("train", "test")))
+    resize: int | None = field(default=None, metadata=_doc("Resize images to NxN when caching (none = keep)."))
+    resize_mode: str = field(
+        default="center-crop", metadata=_doc("How --resize fits the image.", choices=("center-crop", "stretch"))
+    )
+    image_mode: str | None = field(
+        default=None,
+        metadata=_doc("Convert every image to L (gray) or RGB when caching; none = keep, must be uniform.",
+                      choices=(None, "L", "RGB")),
+    )
+    skip_bad: bool = field(default=False, metadata=_doc("Skip unreadable images (counted and reported) instead of stopping."))
+    cache_dir: str | None = field(default=None, metadata=_doc("Dataset cache root (default $FASTDDPM_CACHE or ~/.cache/fastddpm)."))
+    hflip: bool = field(default=False, metadata=_doc("Random horizontal flips (on for CIFAR-like data, off for digits)."))
+
+    def __post_init__(self) -> None:
+        _check_choice("data", self, "split")
+        _check_choice("data", self, "resize_mode")
+        _check_choice("data", self, "image_mode")
+        _require(self.resize is None or self.resize >= 8, f"data.resize={self.resize} must be >= 8 pixels")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation, the length of the run, and what it writes along the way."""
+
+    batch_size: int = field(default=192, metadata=_doc("Images per optimizer step (the seed's final recipe: 192)."))
+    max_steps: int | None = field(default=None, metadata=_doc("Stop after this many optimizer steps."))
+    max_images: int | None = field(default=None, metadata=_doc("Stop after this many training images (edm2-style kimg)."))
+    max_epochs: float | None = field(default=None, metadata=_doc("Stop after this many passes over the data."))
+    lr: float = field(default=1e-4, metadata=_doc("AdamW learning rate (the seed: Adam 1e-4)."))
+    adam_betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_doc("AdamW betas."))
+    weight_decay: float = field(default=0.0, metadata=_doc("AdamW decoupled weight decay (0 = Adam, as the seed)."))
+    warmup_images: int = field(default=0, metadata=_doc("Linear learning-rate warm-up over this many images."))
+    grad_clip: float | None = field(default=1.0, metadata=_doc("Clip the global gradient norm to this (none = off)."))
+    ema_decay: float = field(default=0.9999, metadata=_doc("EMA decay of the weights used for sampling."))
+    ema_warmup: bool = field(
+        default=True, metadata=_doc("Ramp the EMA decay as min(decay, (1+step)/(10+step)) so early EMA is usable.")
+    )
+    precision: str = field(
+        default="auto",
+        metadata=_doc("Autocast precision. auto = bf16 on GPUs that support it, fp16+GradScaler on older GPUs, "
+                      "fp32 on CPU.", choices=("auto", "fp32", "bf16", "fp16")),
+    )
+    compile: bool = field(default=False, metadata=_doc("torch.compile the model."))
+    device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
+    seed: int = field(default=0, metadata=_doc("Seed; data order, timesteps and noise are functions of (seed, step)."))
+    log_every: int = field(default=50, metadata=_doc("Steps between metric log lines (the only host syncs)."))
+    checkpoint_every: int | None = field(default=1000, metadata=_doc("Steps between checkpoints (none = only at the end)."))
+    keep_checkpoints: int = field(default=3, metadata=_doc("How many recent checkpoints to keep (>= 1)."))
+    sample_every_images: int | None = field(
+        default=None, metadata=_doc("Write a sample grid every this many images (none = only at the end).")
+    )
+    num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
+    sampler: str = field(default="ddim", metadata=_doc("Sampler for the grids.", choices=("ddpm", "ddim")))
+    sample_steps: int = field(default=50, metadata=_doc("Sampling steps for DDIM grids (DDPM always uses T)."))
+    progress: bool = field(default=True, metadata=_doc("Show a progress bar."))
+
+    def __post_init__(self) -> None:
+        self.adam_betas = tuple(float(b) for b in self.adam_betas)
+        _check_choice("train", self, "precision")
+        _check_choice("train", self, "sampler")
+        _require(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
+        for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images"):
+            v = getattr(self, name)
+            _require(v is None or v > 0, f"train.{name}={v} must be positive (or none)")
+        given = [n for n in ("max_steps", "max_images", "max_epochs") if getattr(self, n) is not None]
+        _require(len(given) <= 1,
+                 f"give only one of --max-steps, --max-images, --max-epochs (got {', '.join(given)})")
+        _require(self.lr > 0, f"train.lr={self.lr} must be > 0")
+        _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+                 f"train.adam_betas={self.adam_betas} must be two numbers in [0, 1)")
+        _require(0 <= self.ema_decay < 1, f"train.ema_decay={self.ema_decay} must be in [0, 1)")
+        _require(self.grad_clip is None or self.grad_clip > 0, f"train.grad_clip={self.grad_clip} must be > 0")
+        _require(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        _require(self.num_sample_images >= 1, f"train.num_sample_images={self.num_sample_images} must be >= 1")
+        _require(self.sample_steps >= 1, f"train.sample_steps={self.sample_steps} must be >= 1")
+        _require(self.warmup_images >= 0, f"train.warmup_images={self.warmup_images} must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    preset: str | None = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "diffusion": DiffusionConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+# ----------------------------------------------------------------------------------------------------------------
+# Presets: plain functions returning a RunConfig. Each says what it is for.
+
+
+def preset_tiny() -> RunConfig:
+    """Seconds on a CPU: a 2-level U-Net with ~60k parameters, for tests and smoke runs."""
+    return RunConfig(
+        preset="tiny",
+        model=ModelConfig(down_channels=(16, 32, 32), mid_channels=(32, 32), down_sample=(True, False),
+                          time_emb_dim=32, num_down_layers=1, num_mid_layers=1, num_up_layers=1,
+                          num_heads=2, out_block_channels=16),
+        train=TrainConfig(batch_size=16, max_steps=20, lr=1e-3, log_every=5, checkpoint_every=10,
+                          num_sample_images=16, sample_steps=10, ema_decay=0.99),
+    )
+
+
+def preset_cpu_demo() -> RunConfig:
+    """About eight minutes on a 2-core CPU, recognisable Fashion-MNIST samples.
+
+    A narrower U-Net without attention (attention at 28x28 dominates CPU time), a larger learning rate with a
+    short warm-up, and a faster EMA, so quality arrives within ~3 epochs instead of 40.
+    """
+    return RunConfig(
+        preset="cpu-demo",
+        model=ModelConfig(down_channels=(32, 64, 64), mid_channels=(64, 64), down_sample=(True, True),
+                          time_emb_dim=64, num_down_layers=1, num_mid_layers=1, num_up_layers=1,
+                          attention=False, out_block_channels=32),
+        diffusion=DiffusionConfig(schedule="cosine"),
+        train=TrainConfig(batch_size=64, max_images=180_000, lr=2e-3, warmup_images=10_000, ema_decay=0.999,
+                          log_every=20, checkpoint_every=1000, sample_every_images=60_000, sample_steps=50),
+    )
+
+
+def preset_seed_1layer() -> RunConfig:
+    """The seed notebook's U-Net (one ResNet + attention per block, ~6.1M params) and recipe: batch 192,
+    Adam 1e-4, 40 epochs of 60,000 images, linear schedule, epsilon prediction."""
+    return RunConfig(
+        preset="seed-1layer",
+        model=ModelConfig(num_down_layers=1, num_mid_layers=1, num_up_layers=1),
+        train=TrainConfig(batch_size=192, max_epochs=40, lr=1e-4, checkpoint_every=2000,
+                          sample_every_images=600_000),
+    )
+
+
+def preset_seed_2layer() -> RunConfig:
+    """The public DDPM-Pytorch default U-Net (two layers per block, ~10.2M params), same recipe as the seed."""
+    return RunConfig(
+        preset="seed-2layer",
+        model=ModelConfig(),
+        train=TrainConfig(batch_size=192, max_epochs=40, lr=1e-4, checkpoint_every=2000,
+                          sample_every_images=600_000),
+    )
+
+
+PRESETS = {
+    "tiny": preset_tiny,
+    "cpu-demo": preset_cpu_demo,
+    "seed-1layer": preset_seed_1layer,
+    "seed-2layer": preset_seed_2layer,
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        hint = difflib.get_close_matches(name, PRESETS, n=1)
+        raise ConfigError(
+            f"unknown preset {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+            + f"; choose one of: {', '.join(PRESETS)}"
+        )
+    return PRESETS[name]()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading, merging and coercing values from files and the command line.
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Turn a JSON/YAML/CLI value into the field's declared type, or raise a ConfigError naming `where`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return coerce(value, inner, where)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where}={value!r}: expected a comma-separated list")
+        elem = args[0]
+        return tuple(coerce(v.strip() if isinstance(v, str) else v, elem, where) for v in items)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, str):
+                value = value.replace("_", "")
+                return int(float(value)) if ("e" in value.lower() and float(value).is_integer()) else int(value)
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r} is not a valid {getattr(tp, '__name__', tp)}") from None
+    return value
+
+
+def _unknown_key(section: str, key: str, valid) -> ConfigError:
+    hint = difflib.get_close_matches(key, list(valid), n=1)
+    return ConfigError(
+        f"unknown config field {section}.{key}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        + f"; valid fields: {', '.join(valid)}"
+    )
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "config") -> RunConfig:
+    """Return a new RunConfig with {section: {field: value}} (or {"section.field": value}) applied and validated."""
+    nested: dict[str, dict[str, Any]] = {}
+    preset = cfg.preset
+    for key, value in overrides.items():
+        if key == "preset":
+            preset = value
+            continue
+        if "." in key:
+            sec, name = key.split(".", 1)
+            nested.setdefault(sec, {})[name] = value
+        elif key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: section {key!r} must be a mapping of field: value")
+            nested.setdefault(key, {}).update(value)
+        else:
+            raise _unknown_key(source, key, ["preset", *SECTIONS])
+    sections = {}
+    for sec, cls in SECTIONS.items():
+        current = dataclasses.asdict(getattr(cfg, sec))
+        types = field_types(cls)
+        for name, value in nested.pop(sec, {}).items():
+            name = name.replace("-", "_")
+            if name not in types:
+                raise _unknown_key(sec, name, types)
+            current[name] = coerce(value, types[name], f"{sec}.{name}")
+        sections[sec] = cls(**current)
+    if nested:
+        raise _unknown_key(source, next(iter(nested)), ["preset", *SECTIONS])
+    return RunConfig(preset=preset, **sections)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (sections model/diffusion/data/train, optional preset)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # the parser's own message says where
+        raise ConfigError(f"could not parse config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping (sections model/diffusion/data/train)")
+    return data
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from its to_dict() form (e.g. a checkpoint's config)."""
+    return apply_overrides(RunConfig(preset=d.get("preset")),
+                           {k: v for k, v in d.items() if k != "preset"}, source="checkpoint config")
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -1,0 +1,119 @@
+"""Reverse-process samplers: DDPM ancestral sampling and DDIM.
+
+DDPM (Ho et al. 2020, arXiv:2006.11239): x_{t-1} ~ q(x_{t-1} | x_t, x0_hat), the Gaussian posterior of eq. 6-7,
+    mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),  ct_t = sqrt(alpha_t)(1 - a_{t-1}) / (1 - a_t)
+with variance beta_tilde_t (eq. 7, "fixed small") or beta_t ("fixed large"); a_t = alpha_bar_t.
+Writing the mean through x0_hat is the same as eq. 11 and lets x0_hat be clipped to the data range.
+
+DDIM (Song et al. 2021, arXiv:2010.02502, eq. 12), over a sub-sequence of timesteps tau:
+    x_prev = sqrt(a_prev) x0_hat + sqrt(1 - a_prev - sigma^2) eps_hat + sigma z,
+    sigma  = eta * sqrt((1 - a_prev) / (1 - a_t)) * sqrt(1 - a_t / a_prev)                              (eq. 16)
+eta = 0 is deterministic DDIM; eta = 1 matches DDPM's variance on the sub-sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fastddpm.diffusion.objective import predict_eps_and_x0
+from fastddpm.diffusion.schedule import NoiseSchedule
+
+
+def ddim_timesteps(num_timesteps: int, steps: int) -> list[int]:
+    """Evenly spaced 'trailing' timesteps, from T-1 down (Lin et al. 2024, arXiv:2305.08891, table 2).
+
+    Trailing spacing always starts at the last, noisiest step t = T-1, so the sampler begins where training noise
+    ends; steps == T gives every timestep.
+    """
+    if not 1 <= steps <= num_timesteps:
+        raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({num_timesteps})")
+    ratio = num_timesteps / steps
+    return [int(round(num_timesteps - i * ratio)) - 1 for i in range(steps)]
+
+
+def _model_out(model, x_t: torch.Tensor, t: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    t_B = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
+    ctx = (torch.autocast(x_t.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+           else contextlib.nullcontext())
+    with ctx:
+        return model(x_t, t_B).float()
+
+
+def _eps_x0(schedule, prediction, out, x_t, t, clip):
+    t_B = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
+    eps, x0 = predict_eps_and_x0(schedule, prediction, out, x_t, t_B)
+    if clip:
+        # Clip x0_hat to the data range and re-derive eps from it, so the update stays consistent.
+        x0 = x0.clamp(-1.0, 1.0)
+        a, s = schedule.sqrt_alpha_bar[t], schedule.sqrt_one_minus_alpha_bar[t]
+        eps = (x_t - a * x0) / s
+    return eps, x0
+
+
+@torch.no_grad()
+def ddpm_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, prediction: str = "epsilon",
+                generator: torch.Generator, device: torch.device | str, variance: str = "posterior",
+                clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
+    """Ancestral sampling over all T steps. Returns images in [-1, 1], float32, shape `shape`."""
+    sched = schedule.to(device)
+    x = torch.randn(shape, generator=generator, device=device)
+    ab = sched.float64("alpha_bar")
+    ab_prev = sched.float64("alpha_bar_prev")
+    betas = sched.float64("betas")
+    alphas = sched.float64("alphas")
+    var = sched.float64("posterior_variance") if variance == "posterior" else betas
+    for t in reversed(range(sched.num_timesteps)):
+        out = _model_out(model, x, t, autocast_dtype)
+        _, x0 = _eps_x0(sched, prediction, out, x, t, clip)
+        c0 = float(ab_prev[t].sqrt() * betas[t] / (1 - ab[t]))
+        ct = float(alphas[t].sqrt() * (1 - ab_prev[t]) / (1 - ab[t]))
+        x = c0 * x0 + ct * x
+        if t > 0:
+            x = x + float(var[t].sqrt()) * torch.randn(shape, generator=generator, device=device)
+        if progress is not None:
+            progress.update(1)
+    return x
+
+
+@torch.no_grad()
+def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps: int = 50, eta: float = 0.0,
+                prediction: str = "epsilon", generator: torch.Generator, device: torch.device | str,
+                clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
+    """DDIM over `steps` trailing timesteps. Returns images in [-1, 1], float32, shape `shape`."""
+    sched = schedule.to(device)
+    ab = sched.float64("alpha_bar")
+    ts = ddim_timesteps(sched.num_timesteps, steps)
+    x = torch.randn(shape, generator=generator, device=device)
+    for i, t in enumerate(ts):
+        out = _model_out(model, x, t, autocast_dtype)
+        eps, x0 = _eps_x0(sched, prediction, out, x, t, clip)
+        a_t = ab[t]
+        a_prev = ab[ts[i + 1]] if i + 1 < len(ts) else torch.tensor(1.0, dtype=torch.float64)
+        sigma = eta * ((1 - a_prev) / (1 - a_t)).sqrt() * (1 - a_t / a_prev).sqrt()
+        x = float(a_prev.sqrt()) * x0 + float((1 - a_prev - sigma**2).clamp(min=0).sqrt()) * eps
+        if eta > 0 and i + 1 < len(ts):
+            x = x + float(sigma) * torch.randn(shape, generator=generator, device=device)
+        if progress is not None:
+            progress.update(1)
+    return x
+
+
+def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: str = "ddim", steps: int = 50,
+           eta: float = 0.0, prediction: str = "epsilon", seed: int = 0, device: torch.device | str = "cpu",
+           autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
+    """Draw images with a sampler; the result is a function of (weights, seed, sampler settings)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if sampler == "ddpm":
+        return ddpm_sample(model, schedule, shape, prediction=prediction, generator=generator, device=device,
+                           autocast_dtype=autocast_dtype, progress=progress)
+    if sampler == "ddim":
+        return ddim_sample(model, schedule, shape, steps=steps, eta=eta, prediction=prediction, generator=generator,
+                           device=device, autocast_dtype=autocast_dtype, progress=progress)
+    raise ValueError(f"unknown sampler {sampler!r}: choose 'ddpm' or 'ddim'")
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats -> uint8 pixels, rounding to nearest."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

@@ -1,0 +1,46 @@
+"""Image grids and uint8 image files with Pillow and numpy (no torchvision)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def make_grid(images_NCHW: np.ndarray, *, nrow: int | None = None, padding: int = 2, pad_value: int = 0) -> np.ndarray:
+    """(N, C, H, W) uint8 -> one (H', W', C) uint8 grid, nrow images per row (default: square-ish)."""
+    images_NCHW = np.asarray(images_NCHW)
+    if images_NCHW.dtype != np.uint8 or images_NCHW.ndim != 4:
+        raise ValueError(f"make_grid wants uint8 (N, C, H, W), got {images_NCHW.dtype} {images_NCHW.shape}")
+    n, c, h, w = images_NCHW.shape
+    nrow = nrow or max(1, math.ceil(math.sqrt(n)))
+    ncol = math.ceil(n / nrow)
+    grid = np.full((padding + ncol * (h + padding), padding + nrow * (w + padding), c), pad_value, np.uint8)
+    for i in range(n):
+        r, k = divmod(i, nrow)
+        y, x = padding + r * (h + padding), padding + k * (w + padding)
+        grid[y:y + h, x:x + w] = images_NCHW[i].transpose(1, 2, 0)
+    return grid
+
+
+def save_png(array_HWC: np.ndarray, path: str | Path) -> Path:
+    """Write an (H, W, C) uint8 array as PNG, atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "L" if array_HWC.shape[2] == 1 else "RGB"
+    img = Image.fromarray(array_HWC[:, :, 0] if mode == "L" else array_HWC, mode=mode)
+    tmp = path.with_name(f".{path.name}.tmp")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path
+
+
+def save_grid(images_NCHW: np.ndarray, path: str | Path, *, nrow: int | None = None, scale: int = 1) -> Path:
+    """Save a grid PNG; `scale` enlarges it with nearest-neighbour so 28x28 samples are easy to see."""
+    grid = make_grid(images_NCHW, nrow=nrow)
+    if scale > 1:
+        grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
+    return save_png(grid, path)

@@ -1,0 +1,183 @@
+"""The seed's DDPM U-Net, rebuilt: same blocks and parameter layout, fused attention, correct time embedding.
+
+The architecture follows the public DDPM-Pytorch code the seed started from (see ../shared/CONTEXT.md):
+
+    conv_in -> DownBlock* -> MidBlock* -> UpBlock* (skip concatenation) -> GN -> SiLU -> conv_out
+
+    ResNet block:  GN -> SiLU -> conv3x3 -> + Linear(SiLU(t_emb)) -> GN -> SiLU -> conv3x3, + 1x1 conv(input)
+    Attention:     x + SelfAttention(GN(x)) over the H*W positions
+    Down:          [ResNet, Attention] x num_layers, then a 4x4 stride-2 conv (or nothing)
+    Mid:           ResNet, then [Attention, ResNet] x num_layers
+    Up:            4x4 stride-2 transposed conv (or nothing), concat skip, [ResNet, Attention] x num_layers
+
+Two deliberate differences from that code, neither of which changes the parameter count:
+  * The sinusoidal time embedding uses the real frequencies 10000^(-i / (d/2)) (Vaswani et al. 2017,
+    sec. 3.5). The seed notebook's variant used integer division, which made every frequency equal.
+  * Attention runs through F.scaled_dot_product_attention, which reaches the fused flash / memory-efficient
+    kernels. nn.MultiheadAttention(need_weights=True) never does, and materialises B x heads x HW x HW.
+    The projections keep nn.MultiheadAttention's shapes (one C -> 3C in-projection, one C -> C out-projection,
+    both with bias).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastddpm.config import ModelConfig
+
+
+def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
+    """Timesteps (B,) -> (B, dim) embedding [sin(t * w_i), cos(t * w_i)], w_i = 10000^(-i / (dim/2))."""
+    half = dim // 2
+    exponent = torch.arange(half, dtype=torch.float32, device=t_B.device) / half
+    freqs = torch.exp(-math.log(10000.0) * exponent)  # (half,)
+    angles = t_B.to(torch.float32)[:, None] * freqs[None, :]  # (B, half)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, t_emb_dim: int, groups: int):
+        super().__init__()
+        self.conv1 = nn.Sequential(
+            nn.GroupNorm(groups, in_channels), nn.SiLU(), nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        )
+        self.t_proj = nn.Sequential(nn.SiLU(), nn.Linear(t_emb_dim, out_channels))
+        self.conv2 = nn.Sequential(
+            nn.GroupNorm(groups, out_channels), nn.SiLU(), nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        )
+        # The seed's code always has a 1x1 residual conv, even when in == out channels; kept for parity.
+        self.skip = nn.Conv2d(in_channels, out_channels, 1)
+
+    def forward(self, x_BCHW: torch.Tensor, t_emb_BD: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x_BCHW)
+        h = h + self.t_proj(t_emb_BD)[:, :, None, None]
+        h = self.conv2(h)
+        return h + self.skip(x_BCHW)
+
+
+class SelfAttention(nn.Module):
+    """Pre-norm multi-head self-attention over the H*W positions of a feature map, with a residual."""
+
+    def __init__(self, channels: int, num_heads: int, groups: int):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"attention channels {channels} are not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.norm = nn.GroupNorm(groups, channels)
+        self.qkv = nn.Linear(channels, 3 * channels)
+        self.proj = nn.Linear(channels, channels)
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x_BCHW.shape
+        h = self.norm(x_BCHW).flatten(2).transpose(1, 2)  # (B, HW, C)
+        q, k, v = self.qkv(h).view(B, H * W, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        # q, k, v: (B, nh, HW, hs)
+        out = F.scaled_dot_product_attention(q, k, v)  # (B, nh, HW, hs)
+        out = self.proj(out.transpose(1, 2).reshape(B, H * W, C))  # (B, HW, C)
+        return x_BCHW + out.transpose(1, 2).reshape(B, C, H, W)
+
+
+class DownBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_channels: int, out_channels: int, down_sample: bool):
+        super().__init__()
+        n = cfg.num_down_layers
+        g, d = cfg.norm_groups, cfg.time_emb_dim
+        self.resnets = nn.ModuleList(
+            [ResnetBlock(in_channels if i == 0 else out_channels, out_channels, d, g) for i in range(n)]
+        )
+        self.attns = nn.ModuleList(
+            [SelfAttention(out_channels, cfg.num_heads, g) if cfg.attention else nn.Identity() for _ in range(n)]
+        )
+        self.down = nn.Conv2d(out_channels, out_channels, 4, stride=2, padding=1) if down_sample else nn.Identity()
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        for resnet, attn in zip(self.resnets, self.attns):
+            x = attn(resnet(x, t_emb))
+        return self.down(x)
+
+
+class MidBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_channels: int, out_channels: int):
+        super().__init__()
+        n = cfg.num_mid_layers
+        g, d = cfg.norm_groups, cfg.time_emb_dim
+        self.resnets = nn.ModuleList(
+            [ResnetBlock(in_channels if i == 0 else out_channels, out_channels, d, g) for i in range(n + 1)]
+        )
+        self.attns = nn.ModuleList(
+            [SelfAttention(out_channels, cfg.num_heads, g) if cfg.attention else nn.Identity() for _ in range(n)]
+        )
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x, t_emb)
+        for attn, resnet in zip(self.attns, self.resnets[1:]):
+            x = resnet(attn(x), t_emb)
+        return x
+
+
+class UpBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_channels: int, out_channels: int, up_sample: bool):
+        super().__init__()
+        n = cfg.num_up_layers
+        g, d = cfg.norm_groups, cfg.time_emb_dim
+        # The incoming feature map has in_channels // 2 channels; the skip brings the other half.
+        half = in_channels // 2
+        self.up = nn.ConvTranspose2d(half, half, 4, stride=2, padding=1) if up_sample else nn.Identity()
+        self.resnets = nn.ModuleList(
+            [ResnetBlock(in_channels if i == 0 else out_channels, out_channels, d, g) for i in range(n)]
+        )
+        self.attns = nn.ModuleList(
+            [SelfAttention(out_channels, cfg.num_heads, g) if cfg.attention else nn.Identity() for _ in range(n)]
+        )
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.up(x), skip], dim=1)
+        for resnet, attn in zip(self.resnets, self.attns):
+            x = attn(resnet(x, t_emb))
+        return x
+
+
+class UNet(nn.Module):
+    """eps_theta(x_t, t): (B, C, H, W) images in [-1, 1] and (B,) integer timesteps -> (B, C, H, W)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate_resolved()
+        self.cfg = cfg
+        dc, mc = cfg.down_channels, cfg.mid_channels
+        d = cfg.time_emb_dim
+        self.t_proj = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        self.conv_in = nn.Conv2d(cfg.image_channels, dc[0], 3, padding=1)
+        self.downs = nn.ModuleList(
+            [DownBlock(cfg, dc[i], dc[i + 1], cfg.down_sample[i]) for i in range(len(dc) - 1)]
+        )
+        self.mids = nn.ModuleList([MidBlock(cfg, mc[i], mc[i + 1]) for i in range(len(mc) - 1)])
+        self.ups = nn.ModuleList(
+            [
+                UpBlock(cfg, dc[i] * 2, dc[i - 1] if i != 0 else cfg.out_block_channels, cfg.down_sample[i])
+                for i in reversed(range(len(dc) - 1))
+            ]
+        )
+        self.norm_out = nn.GroupNorm(cfg.norm_groups, cfg.out_block_channels)
+        self.conv_out = nn.Conv2d(cfg.out_block_channels, cfg.image_channels, 3, padding=1)
+
+    def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
+        t_emb = self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim))
+        h = self.conv_in(x_BCHW)
+        skips = []
+        for down in self.downs:
+            skips.append(h)
+            h = down(h, t_emb)
+        for mid in self.mids:
+            h = mid(h, t_emb)
+        for up in self.ups:
+            h = up(h, skips.pop(), t_emb)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

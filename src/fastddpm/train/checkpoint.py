@@ -1,0 +1,160 @@
+"""Checkpoints that survive crashes, and weights that anyone can load safely.
+
+A checkpoint is `checkpoints/ckpt_<step>.pt` (torch.save of plain dicts and tensors) plus a `.sha256` beside it.
+Writing goes: temp file -> fsync -> digest file -> os.replace into place -> fsync the directory, so the final
+path only ever holds a complete file, and a crash at any point leaves the previous checkpoint intact.
+Loading uses torch.load(weights_only=True), which refuses pickled code, and checks the digest: a truncated or
+bit-flipped file is detected, and `--resume latest` falls back to the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_FORMAT = 1
+_NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what to do."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that `path` holds either its old content or all of `data`, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"ckpt_{step:09d}.pt"
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Checkpoint files in `ckpt_dir`, oldest first (by step number in the name)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int) -> Path:
+    """Serialise `state` to ckpt_<step>.pt atomically, then delete all but the newest `keep` checkpoints."""
+    buf = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, **state}, buf)
+    data = buf.getvalue()
+    path = checkpoint_path(ckpt_dir, step)
+    # The digest goes in first: a checkpoint without its digest is never at the final path.
+    atomic_write_bytes(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+    atomic_write_bytes(path, data)
+    prune_checkpoints(ckpt_dir, keep=keep)
+    return path
+
+
+def prune_checkpoints(ckpt_dir: Path, *, keep: int) -> None:
+    """Keep the newest `keep` checkpoints. A failed delete is a warning, never a stopped run."""
+    for old in list_checkpoints(ckpt_dir)[:-keep]:
+        for p in (old, old.with_suffix(".sha256")):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:
+                warnings.warn(f"could not delete old checkpoint {p}: {e}", stacklevel=2)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and verify one checkpoint. Raises CheckpointError naming the file on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    digest_file = path.with_suffix(".sha256")
+    if digest_file.is_file():
+        expected = digest_file.read_text().strip()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); "
+                "resume from an earlier checkpoint in the same folder, or with --resume latest"
+            )
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
+            "resume from an earlier checkpoint"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies; broken newer ones are skipped with a warning naming them."""
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except CheckpointError as e:
+            warnings.warn(f"skipping unusable checkpoint: {e}", stacklevel=2)
+    return None
+
+
+def export_safetensors(state_dict: dict[str, torch.Tensor], path: Path, metadata: dict[str, Any]) -> Path:
+    """Write weights as safetensors (no code, loadable anywhere), atomically. Metadata values become JSON strings."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+    return path
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    tensors = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    return tensors, meta
+
+
+def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip wrapper prefixes (torch.compile's `_orig_mod.`, DDP's `module.`) so every model's keys agree."""
+    out = {}
+    for k, v in state_dict.items():
+        while k.startswith(("_orig_mod.", "module.")):
+            k = k.split(".", 1)[1]
+        out[k] = v
+    return out

@@ -1,0 +1,382 @@
+"""The training loop, top to bottom: set up, then while {step, log, sample, checkpoint, stop?}.
+
+Progress is counted in steps and images seen. Every step's data order, timesteps and noise are functions of
+(seed, step) (fastddpm.rng), and all mutable state is in state_dict() objects saved by each checkpoint, so a
+resumed run reproduces the uninterrupted one exactly. The only host syncs are on logging steps, labelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fastddpm
+from fastddpm.config import ConfigError, RunConfig, from_dict, save_config
+from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+from fastddpm.grid import save_grid
+from fastddpm.models import UNet, count_parameters
+from fastddpm.rng import derive_seed
+from fastddpm.train.batches import ResidentBatches
+from fastddpm.train.checkpoint import (
+    CheckpointError,
+    clean_state_dict,
+    export_safetensors,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+)
+from fastddpm.train.ema import EMA
+from fastddpm.train.metrics import MetricsLog
+from fastddpm.train.runtime import resolve_device, resolve_precision
+from fastddpm.train.step import train_step
+
+EXIT_SIGTERM, EXIT_SIGINT = 143, 130
+
+
+class TrainingInterrupted(Exception):
+    """Raised after a SIGTERM/SIGINT once the checkpoint is written; `exit_code` is 143 or 130."""
+
+    def __init__(self, exit_code: int, checkpoint: Path):
+        super().__init__(f"stopped by signal; checkpoint {checkpoint}")
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    images_seen: int
+    last_loss: float | None
+    checkpoint: Path | None
+    grid: Path | None
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current step, checkpoints and exits (143 / 130).
+    A second SIGINT falls through to Python's default (KeyboardInterrupt) for an impatient user."""
+
+    def __init__(self):
+        self.exit_code: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig, code in ((signal.SIGTERM, EXIT_SIGTERM), (signal.SIGINT, EXIT_SIGINT)):
+                self._old[sig] = signal.signal(sig, self._handler(code))
+        return self
+
+    def _handler(self, code):
+        def handle(signum, frame):
+            if self.exit_code is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.exit_code = code
+        return handle
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
+    """Fill model.image_channels / image_size from the data, or check the ones the user set."""
+    _, c, h, w = images_NCHW_shape
+    if h != w:
+        raise ConfigError(f"the data's images are {h}x{w}; the U-Net wants square images: use --resize N")
+    m = cfg.model
+    for name, have in (("image_channels", c), ("image_size", h)):
+        want = getattr(m, name)
+        if want is not None and want != have:
+            raise ConfigError(
+                f"model.{name}={want} but the data has {have}: drop the setting (it comes from the data) "
+                + ("or use --resize" if name == "image_size" else "or use --image-mode L|RGB")
+            )
+    model = dataclasses.replace(m, image_channels=c, image_size=h)
+    model.validate_resolved()
+    return dataclasses.replace(cfg, model=model)
+
+
+def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
+    """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
+    for section in ("model", "diffusion"):
+        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
+        for key in a:
+            if a[key] != b[key]:
+                raise ConfigError(
+                    f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
+                    f"now; drop the change, or start a new run directory"
+                )
+
+
+def total_steps_for(cfg: RunConfig, steps_per_epoch: int) -> int:
+    t = cfg.train
+    if t.max_steps is not None:
+        return t.max_steps
+    if t.max_images is not None:
+        return math.ceil(t.max_images / t.batch_size)
+    if t.max_epochs is not None:
+        return math.ceil(t.max_epochs * steps_per_epoch)
+    raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a --preset)")
+
+
+def resolve_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | None:
+    """`latest` = the newest checkpoint in RUN_DIR that verifies (None if there is none yet); else a path."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        return load_latest(run_dir / "checkpoints")
+    path = Path(resume)
+    if path.is_dir():  # a run directory
+        found = load_latest(path / "checkpoints")
+        if found is None:
+            raise CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}")
+        return found
+    return path, load_checkpoint(path)
+
+
+def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Path) -> Path:
+    """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable."""
+    m = cfg.model
+    shape = (cfg.train.num_sample_images, m.image_channels, m.image_size, m.image_size)
+    x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
+               prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
+               autocast_dtype=precision.autocast_dtype)
+    scale = max(1, 128 // m.image_size)  # 28x28 digits are too small to judge at 1x
+    return save_grid(to_uint8(x).cpu().numpy(), path, scale=min(scale, 4))
+
+
+def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict] | None = None,
+          log=print) -> TrainResult:
+    """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or an already
+    loaded (path, state) pair (what resolve_resume returns)."""
+    from fastddpm.data import prepare
+
+    # ------------------------------------------------------------------ set-up
+    run_dir = Path(out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device, device_reason = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    if device.type == "cuda":
+        # TF32 for the fp32 matmuls/convs that remain outside autocast (10-bit mantissa, fp32 range).
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    data = prepare(cfg.data.source, split=cfg.data.split, resize=cfg.data.resize, resize_mode=cfg.data.resize_mode,
+                   image_mode=cfg.data.image_mode, skip_bad=cfg.data.skip_bad,
+                   cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else None, progress=cfg.train.progress)
+    cfg = resolve_model_shape(cfg, data.images.shape)
+
+    resumed = resume if isinstance(resume, tuple) else resolve_resume(resume, run_dir)
+    if resume == "latest" and resumed is None:
+        log(f"--resume latest: no checkpoint in {run_dir / 'checkpoints'} yet, starting a new run")
+    if resumed is not None:
+        check_same_architecture(resolve_model_shape(from_dict(resumed[1]["config"]), data.images.shape), cfg,
+                                resumed[0])
+
+    torch.manual_seed(derive_seed(cfg.train.seed, "init"))
+    model = UNet(cfg.model).to(device)
+    ema = EMA(model, cfg.train.ema_decay, warmup=cfg.train.ema_warmup)
+    t = cfg.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
+                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    schedule = schedule_from_config(cfg.diffusion).to(device)
+    batches = ResidentBatches(data.images, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
+                              seed=t.seed, device=device, hflip=cfg.data.hflip)
+    total_steps = total_steps_for(cfg, batches.steps_per_epoch)
+
+    step, images_seen = 0, 0
+    if resumed is not None:
+        path, state = resumed
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        if device.type == "cuda" and state["rng"].get("torch_cuda") is not None:
+            torch.cuda.set_rng_state(state["rng"]["torch_cuda"], device)
+        step, images_seen = int(state["step"]), int(state["images_seen"])
+        log(f"resumed from {path} at step {step:,} ({images_seen:,} images)")
+
+    forward = torch.compile(model) if t.compile else model
+    save_config(cfg, run_dir / "config.json")
+    run_info = {
+        "fastddpm": fastddpm.__version__, "torch": torch.__version__, "python": platform.python_version(),
+        "device": str(device), "device_reason": device_reason, "precision": precision.name,
+        "precision_reason": precision.reason, "parameters": count_parameters(model),
+        "data": {"source": cfg.data.source, "cache": str(data.cache_path), "shape": list(data.images.shape)},
+        "steps_per_epoch": batches.steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
+    }
+    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+    log(f"model: U-Net, {count_parameters(model):,} parameters ({cfg.preset or 'custom'} preset)")
+    log(f"data: {data.images.shape[0]:,} images {tuple(data.images.shape[1:])} from {cfg.data.source}, "
+        f"resident on {device} as uint8; {batches.steps_per_epoch:,} steps/epoch at batch {t.batch_size}")
+    log(f"device: {device} ({device_reason}); precision: {precision.name} ({precision.reason})")
+    log(f"training to step {total_steps:,} ({total_steps * t.batch_size:,} images); run dir {run_dir}")
+
+    def checkpoint_state() -> dict:
+        return {
+            "model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
+            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+            "step": step, "images_seen": images_seen, "config": cfg.to_dict(),
+            "rng": {"torch_cpu": torch.get_rng_state(),
+                    "torch_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+        }
+
+    def write_checkpoint() -> Path:
+        path = save_checkpoint(run_dir / "checkpoints", step, checkpoint_state(), keep=t.keep_checkpoints)
+        export_safetensors(clean_state_dict(ema.state_dict()), run_dir / "ema.safetensors",
+                           {"config": cfg.to_dict(), "step": step, "images_seen": images_seen,
+                            "format": "fastddpm-ema-1"})
+        return path
+
+    # ------------------------------------------------------------------ loop
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    loss_sum = torch.zeros((), device=device)  # accumulated on the device: no sync per step
+    loss_count = 0
+    last_loss: float | None = None
+    last_ckpt: Path | None = None
+    last_grid: Path | None = None
+    t_log, images_at_log = time.perf_counter(), images_seen
+    t_start = t_log
+    bar = None
+    if t.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
+        log = bar.write
+
+    with _StopFlag() as stop:
+        while step < total_steps:
+            batch = batches.get(step)
+            lr = t.lr * min(1.0, (images_seen + t.batch_size) / t.warmup_images) if t.warmup_images else t.lr
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = train_step(forward, optimizer, scaler, schedule, cfg.diffusion.prediction, batch, precision,
+                              t.grad_clip)
+            ema.update(step)
+            loss_sum += loss
+            loss_count += 1
+            step += 1
+            images_seen += t.batch_size
+
+            if step % t.log_every == 0 or step == total_steps:
+                last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
+                if not math.isfinite(last_loss):
+                    raise FloatingPointError(
+                        f"loss became {last_loss} by step {step}: lower --lr, keep --grad-clip on, or use "
+                        "--precision fp32; resume from the last checkpoint with --resume latest"
+                    )
+                now = time.perf_counter()
+                img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
+                metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],
+                               "loss": last_loss, "images_per_s": img_per_s, "lr": lr,
+                               "wall_s": now - t_start})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{img_per_s:,.0f}", refresh=False)
+                loss_sum.zero_()
+                loss_count = 0
+                t_log, images_at_log = now, images_seen
+            if bar is not None:
+                bar.update(1)
+
+            done = step == total_steps
+            if t.sample_every_images and not done and (
+                    images_seen // t.sample_every_images > (images_seen - t.batch_size) // t.sample_every_images):
+                last_grid = write_grid(ema.model, schedule, cfg, device, precision,
+                                       run_dir / "samples" / f"grid_{images_seen:09d}.png")
+                log(f"step {step:,}: wrote {last_grid}")
+            if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.exit_code is not None:
+                last_ckpt = write_checkpoint()
+            if stop.exit_code is not None:
+                if bar is not None:
+                    bar.close()
+                log(f"stopped by signal at step {step:,}; checkpoint {last_ckpt}; resume with --resume latest")
+                raise TrainingInterrupted(stop.exit_code, last_ckpt)
+
+    if bar is not None:
+        bar.close()
+    if last_ckpt is None:  # resumed at or past the end: nothing trained, still leave weights and a grid
+        last_ckpt = write_checkpoint()
+    last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
+    log(f"done: step {step:,}, {images_seen:,} images, loss {last_loss}; grid {last_grid}; "
+        f"weights {run_dir / 'ema.safetensors'}")
+    return TrainResult(run_dir=run_dir, step=step, images_seen=images_seen, last_loss=last_loss,
+                       checkpoint=last_ckpt, grid=last_grid)
+
+
+def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weights: str = "ema"):
+    """Load a model from a checkpoint (.pt), an ema.safetensors export, or a run directory.
+    Returns (model in eval mode, RunConfig)."""
+    from fastddpm.train.checkpoint import load_safetensors
+
+    path = Path(path)
+    if path.is_dir():
+        found = load_latest(path / "checkpoints")
+        if found is None:
+            st = path / "ema.safetensors"
+            if not st.is_file():
+                raise CheckpointError(f"{path} holds no checkpoint and no ema.safetensors")
+            path = st
+        else:
+            path = found[0]
+    if path.suffix == ".safetensors":
+        if weights != "ema":
+            raise CheckpointError(f"{path} holds only the EMA weights; use --weights ema or pass a .pt checkpoint")
+        state_dict, meta = load_safetensors(path)
+        if "config" not in meta:
+            raise CheckpointError(f"{path} has no fastddpm config in its metadata; it was not written by fastddpm")
+        cfg = from_dict(json.loads(meta["config"]))
+    else:
+        state = load_checkpoint(path)
+        cfg = from_dict(state["config"])
+        state_dict = state["ema" if weights == "ema" else "model"]
+    model = UNet(cfg.model)
+    model.load_state_dict(state_dict)
+    return model.to(device).eval(), cfg
+
+
+def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
+                    batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
+                    progress: bool = True) -> np.ndarray:
+    """Sample `num_images` in batches; write a PNG grid (up to 256 images) and an .npz of uint8 (N, C, H, W)."""
+    device = torch.device(device)
+    prec = resolve_precision(precision, device)
+    schedule = schedule_from_config(cfg.diffusion)
+    m = cfg.model
+    chunks = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
+        bar = tqdm(total=math.ceil(num_images / batch_size) * per_batch, unit="model-call", dynamic_ncols=True)
+    for i, start in enumerate(range(0, num_images, batch_size)):
+        n = min(batch_size, num_images - start)
+        x = sample(model, schedule, (n, m.image_channels, m.image_size, m.image_size), sampler=sampler,
+                   steps=steps, eta=eta, prediction=cfg.diffusion.prediction, seed=derive_seed(seed, "sample", i),
+                   device=device, autocast_dtype=prec.autocast_dtype, progress=bar)
+        chunks.append(to_uint8(x).cpu().numpy())
+    if bar is not None:
+        bar.close()
+    images = np.concatenate(chunks)
+    save_grid(images[:256], out_grid, scale=min(4, max(1, 128 // m.image_size)))
+    if out_npz is not None:
+        out_npz.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_npz.with_name(f".{out_npz.stem}.tmp.npz")
+        np.savez(tmp, images=images)
+        tmp.replace(out_npz)
+    return images

@@ -1,0 +1,44 @@
+"""Shared fixtures: a private dataset cache per test session, and real Fashion-MNIST slices."""
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Never touch the user's ~/.cache/fastddpm from tests."""
+    old = os.environ.get("FASTDDPM_CACHE")
+    os.environ["FASTDDPM_CACHE"] = str(tmp_path_factory.mktemp("fastddpm-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FASTDDPM_CACHE", None)
+    else:
+        os.environ["FASTDDPM_CACHE"] = old
+
+
+def read_fmnist(n: int, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """The first n real Fashion-MNIST images (N, 1, 28, 28) uint8 and labels, straight from the IDX files."""
+    prefix = "train" if split == "train" else "t10k"
+    images_path = FMNIST_DIR / f"{prefix}-images-idx3-ubyte.gz"
+    if not images_path.is_file():
+        pytest.skip("Fashion-MNIST files are missing: run `apt-get install dataset-fashion-mnist`")
+    with gzip.open(images_path) as f:
+        images = np.frombuffer(f.read(16 + n * 784), np.uint8, offset=16).reshape(n, 1, 28, 28)
+    with gzip.open(FMNIST_DIR / f"{prefix}-labels-idx1-ubyte.gz") as f:
+        labels = np.frombuffer(f.read(8 + n), np.uint8, offset=8).astype(np.int64)
+    return images.copy(), labels
+
+
+@pytest.fixture(scope="session")
+def fmnist_npz(tmp_path_factory) -> Path:
+    """256 real Fashion-MNIST training images as an .npz source."""
+    images, labels = read_fmnist(256)
+    path = tmp_path_factory.mktemp("fmnist") / "fmnist256.npz"
+    np.savez(path, images=images, labels=labels)
+    return path

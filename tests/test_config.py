@@ -1,0 +1,91 @@
+"""Config layering (preset < file < --set < flags), validation messages that name the field, and --help."""
+
+import json
+
+import pytest
+
+from fastddpm.cli import build_parser, main, resolve_train_config
+from fastddpm.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, get_preset
+
+
+def _args(argv):
+    parser, dests = build_parser()
+    return parser.parse_args(["train", *argv]), dests
+
+
+def test_layers_preset_file_set_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\ntrain:\n  lr: 0.005\n  batch_size: 8\ndiffusion: {schedule: cosine}\n")
+    args, dests = _args(["--out", str(tmp_path / "r"), "--config", str(f), "--set", "train.lr=0.002",
+                         "--batch-size", "4", "--down-channels", "16,32,32", "--no-attention"])
+    cfg = resolve_train_config(args, dests)
+    assert cfg.preset == "tiny"
+    assert cfg.train.lr == 0.002           # --set beats the file
+    assert cfg.train.batch_size == 4       # a flag beats the file
+    assert cfg.diffusion.schedule == "cosine"
+    assert cfg.model.down_channels == (16, 32, 32) and cfg.model.attention is False
+    assert cfg.train.max_steps == 20       # from the preset
+
+
+def test_json_config_and_length_flags_replace_each_other(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"train": {"max_epochs": 2}}))
+    args, dests = _args(["--out", "r", "--preset", "seed-1layer", "--config", str(f), "--max-images", "1000"])
+    cfg = resolve_train_config(args, dests)
+    assert cfg.train.max_images == 1000 and cfg.train.max_epochs is None and cfg.train.max_steps is None
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"train.lr": -1}, r"train.lr=-1.0 must be > 0"),
+    ({"train.batch_sise": 3}, r"unknown config field train.batch_sise \(did you mean 'batch_size'\?\)"),
+    ({"train.batch_size": "lots"}, r"train.batch_size='lots' is not a valid int"),
+    ({"diffusion.schedule": "sigmoid"}, r"diffusion.schedule='sigmoid' is not one of"),
+    ({"train.max_steps": 5, "train.max_images": 10}, r"give only one of"),
+    ({"modle.attention": False}, r"did you mean 'model'"),
+])
+def test_validation_names_field_and_fix(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(get_preset("tiny"), overrides)
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(ConfigError, match="did you mean 'cpu-demo'"):
+        get_preset("cpu_demo")
+
+
+def test_round_trip_through_dict():
+    cfg = get_preset("seed-2layer")
+    assert from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_keyword_only():
+    with pytest.raises(TypeError):
+        TrainConfig(16)  # noqa
+    assert isinstance(RunConfig(), RunConfig)
+
+
+def test_train_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    from fastddpm.config import SECTIONS
+    import dataclasses
+
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            flag = "--" + (f.metadata.get("cli") or f.name).replace("_", "-")
+            assert flag in out, flag
+    for word in ("--preset", "--resume", "--config", "--out", "cpu-demo", "seed-1layer", "Examples"):
+        assert word in out
+
+
+def test_print_config(capsys, tmp_path):
+    assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--lr", "0.01", "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["train"]["lr"] == 0.01 and cfg["preset"] == "tiny"
+
+
+def test_cli_config_error_exit_code(capsys, tmp_path):
+    assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--ema-decay", "1.5"]) == 2
+    assert "train.ema_decay=1.5 must be in [0, 1)" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""The seed's U-Net: shapes, parameter counts against ../shared/CONTEXT.md, the fixed time embedding,
+and fused attention that computes what plain attention computes."""
+
+import math
+
+import pytest
+import torch
+
+from fastddpm.config import ModelConfig, get_preset
+from fastddpm.models import UNet, count_parameters, sinusoidal_time_embedding
+from fastddpm.models.unet import SelfAttention
+
+
+def _model(preset, channels=1, size=28):
+    cfg = get_preset(preset).model
+    cfg.image_channels, cfg.image_size = channels, size
+    return UNet(cfg)
+
+
+@pytest.mark.parametrize("preset,params", [("seed-1layer", 6_067_857), ("seed-2layer", 10_188_081)])
+def test_seed_unets_shapes_and_parameter_counts(preset, params):
+    torch.manual_seed(0)
+    model = _model(preset)
+    # CONTEXT.md: ~6.1M (notebook's one-layer variant) and ~10.2M (public code's default).
+    assert count_parameters(model) == params
+    x = torch.randn(2, 1, 28, 28)
+    out = model(x, torch.tensor([0, 999]))
+    assert out.shape == x.shape and out.dtype == torch.float32
+
+
+def test_rgb_32x32_unet():
+    model = _model("seed-2layer", channels=3, size=32)
+    x = torch.randn(2, 3, 32, 32)
+    assert model(x, torch.tensor([5, 500])).shape == (2, 3, 32, 32)
+
+
+def test_time_embedding_has_distinct_frequencies():
+    """The seed notebook's integer division made every frequency 1; here they span 1 .. 1e-4."""
+    emb = sinusoidal_time_embedding(torch.tensor([1.0, 500.0]), 128)
+    assert emb.shape == (2, 128)
+    sines = emb[0, :64]
+    assert len(set(sines.tolist())) == 64
+    expected = [math.sin(1.0 * 10000 ** (-i / 64)) for i in range(64)]
+    torch.testing.assert_close(sines, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(emb[1, 64], torch.tensor(math.cos(500.0)), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_attention_equals_explicit_softmax_attention():
+    torch.manual_seed(0)
+    attn = SelfAttention(32, num_heads=4, groups=8)
+    x = torch.randn(2, 32, 5, 5)
+    B, C, H, W = x.shape
+    h = attn.norm(x).flatten(2).transpose(1, 2)
+    q, k, v = attn.qkv(h).chunk(3, dim=-1)
+    split = lambda z: z.view(B, H * W, 4, 8).transpose(1, 2)  # noqa: E731
+    q, k, v = split(q), split(k), split(v)
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), dim=-1)
+    ref = attn.proj((w @ v).transpose(1, 2).reshape(B, H * W, C)).transpose(1, 2).reshape(B, C, H, W)
+    torch.testing.assert_close(attn(x), x + ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_can_be_switched_off():
+    cfg = get_preset("cpu-demo").model
+    cfg.image_channels, cfg.image_size = 1, 28
+    model = UNet(cfg)
+    assert not any(isinstance(m, SelfAttention) for m in model.modules())
+    assert model(torch.randn(1, 1, 28, 28), torch.tensor([3])).shape == (1, 1, 28, 28)
+
+
+def test_bad_model_configs_name_the_field():
+    with pytest.raises(ValueError, match="mid_channels"):
+        ModelConfig(down_channels=(32, 64, 128), mid_channels=(64, 64))
+    with pytest.raises(ValueError, match="down_sample"):
+        ModelConfig(down_sample=(True, False))
+    with pytest.raises(ValueError, match="norm_groups"):
+        ModelConfig(down_channels=(12, 64, 128, 256))
+    cfg = ModelConfig(image_channels=1, image_size=30)
+    with pytest.raises(ValueError, match="image_size=30 must divide by 4"):
+        UNet(cfg)
