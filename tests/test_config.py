@@ -89,3 +89,12 @@ def test_print_config(capsys, tmp_path):
 def test_cli_config_error_exit_code(capsys, tmp_path):
     assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--ema-decay", "1.5"]) == 2
     assert "train.ema_decay=1.5 must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_docs_config_reference_is_current():
+    from pathlib import Path
+
+    from fastddpm.config import reference_markdown
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert doc.read_text() == reference_markdown(), "regenerate: python -m fastddpm.config > docs/config.md"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastddpm.config import ConfigError
 from fastddpm.rng import generator_for
 
 
@@ -32,7 +33,7 @@ class ResidentBatches:
                  device: torch.device, hflip: bool = False):
         num_images = int(images_NCHW.shape[0])
         if num_images < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the dataset has {num_images} images, fewer than batch_size={batch_size}: "
                 f"lower --batch-size to at most {num_images}"
             )

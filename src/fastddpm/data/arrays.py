@@ -1,0 +1,101 @@
+"""Images already decoded into a .npy / .npz file (uint8), e.g. a dataset someone exported with numpy.
+
+Always `allow_pickle=False`: an object array in a .npy is a pickle and could run code when loaded.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from fastddpm.data.decode import ArrayData
+from fastddpm.data.errors import DataError
+
+IMAGE_KEYS = ("images", "x", "arr_0")
+LABEL_KEYS = ("labels", "y")
+CLASS_NAMES_KEY = "class_names"  # optional str array in an .npz
+LAYOUTS = "(N, H, W), (N, H, W, C) with C in 1/3/4, or (N, C, H, W) with C in 1/3"
+
+
+def to_nchw(images: np.ndarray, *, source: str) -> np.ndarray:
+    """Bring a uint8 image array to (N, C, H, W); channels-last wins when the last dim could be channels."""
+    if images.dtype != np.uint8:
+        hint = ("if the values are in [0, 1], save (x * 255).round().astype(np.uint8); "
+                "if they are in [-1, 1], save ((x + 1) * 127.5).round().astype(np.uint8)"
+                if images.dtype.kind == "f" else "save x.astype(np.uint8) if the values are already 0..255")
+        raise DataError(f"{source}: images are {images.dtype}, but a prepared dataset stores uint8 pixels. "
+                        f"Fix: {hint}.")
+    if images.ndim == 3:
+        return images[:, None]
+    if images.ndim == 4 and images.shape[3] in (1, 3, 4):
+        return images.transpose(0, 3, 1, 2)
+    if images.ndim == 4 and images.shape[1] in (1, 3):
+        return images
+    raise DataError(f"{source}: images have shape {images.shape}; expected {LAYOUTS}.")
+
+
+def _labels(labels: np.ndarray | None, n: int, *, source: str) -> tuple[np.ndarray, list[str]]:
+    if labels is None:
+        return np.full(n, -1, dtype=np.int64), []
+    if labels.dtype.kind not in "iu" or labels.shape != (n,):
+        raise DataError(f"{source}: labels are {labels.dtype} {labels.shape}; expected integers of shape ({n},)")
+    labels = labels.astype(np.int64)
+    if n and labels.min() < 0:
+        raise DataError(f"{source}: labels must be class indices >= 0, found {labels.min()}")
+    return labels, [str(i) for i in range((int(labels.max()) + 1) if n else 0)]
+
+
+def _load(path: Path, **kwargs: object) -> object:
+    try:
+        return np.load(path, allow_pickle=False, **kwargs)
+    except ValueError as e:  # "Object arrays cannot be loaded when allow_pickle=False"
+        raise DataError(f"{path}: cannot load without pickle ({e}). Fix: save plain numeric arrays "
+                        "(np.save/np.savez of uint8 images and integer labels).") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"{path}: unreadable numpy file ({type(e).__name__}: {e})") from None
+
+
+def read_npy(path: Path) -> ArrayData:
+    # mmap: a large .npy is copied into the cache chunk by chunk instead of being loaded whole.
+    images = _load(path, mmap_mode="r")
+    images_nchw = to_nchw(images, source=str(path))
+    labels, names = _labels(None, len(images_nchw), source=str(path))
+    return ArrayData(images_nchw=images_nchw, labels=labels, class_names=names,
+                     notes=["a .npy holds no labels: labels -1"])
+
+
+def npz_split_keys(keys: list[str], split: str) -> tuple[str, str | None] | None:
+    """Keras-style x_train/y_train/x_test/y_test keys for a split, or None if the file has none."""
+    if f"x_{split}" in keys:
+        return f"x_{split}", (f"y_{split}" if f"y_{split}" in keys else None)
+    return None
+
+
+def read_npz(path: Path, split: str) -> ArrayData:
+    with _load(path) as npz:
+        keys = list(npz.files)
+        split_keys = npz_split_keys(keys, split)
+        if split_keys is not None:
+            image_key, label_key = split_keys
+        else:
+            if any(k.startswith("x_") for k in keys):
+                have = sorted(k[2:] for k in keys if k.startswith("x_"))
+                raise DataError(f"{path}: no x_{split} array for split {split!r}; it has {have}. "
+                                f"Fix: pass --split {' or --split '.join(have)}.")
+            image_key = next((k for k in IMAGE_KEYS if k in keys), None)
+            label_key = next((k for k in LABEL_KEYS if k in keys), None)
+        if image_key is None:
+            raise DataError(f"{path}: no images array; looked for keys {', '.join(IMAGE_KEYS)} but found "
+                            f"{', '.join(keys) or 'none'}. Fix: np.savez(path, images=x, labels=y).")
+        images_nchw = to_nchw(npz[image_key], source=f"{path}[{image_key}]")
+        labels, names = _labels(npz[label_key] if label_key else None, len(images_nchw),
+                                source=f"{path}[{label_key}]")
+        notes = [] if label_key else [f"no labels array ({', '.join(LABEL_KEYS)}) in the .npz: labels -1"]
+        if CLASS_NAMES_KEY in keys and label_key:
+            given = [str(s) for s in npz[CLASS_NAMES_KEY].tolist()]
+            if len(given) < len(names):
+                raise DataError(f"{path}: {len(given)} class_names for labels up to {len(names) - 1}")
+            names = given
+    return ArrayData(images_nchw=images_nchw, labels=labels, class_names=names, notes=notes)

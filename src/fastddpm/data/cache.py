@@ -1,0 +1,266 @@
+"""Decode once: the prepared-dataset cache on disk, and how it is built without ever being half-written.
+
+Layout: <cache_dir>/prepared/<slug>-<key>/{images.npy, labels.npy, meta.json}
+  images.npy  uint8 (N, C, H, W), memory-mapped by training: no decode, no per-file I/O, page cache only
+  labels.npy  int64 (N,), -1 where the source has no labels
+  meta.json   what was read, how, its fingerprint, per-class counts, skipped files (written last)
+
+A build goes into a temp directory beside the final one and is renamed into place only when complete
+and fsynced, so a crash, Ctrl-C or full disk leaves either the old cache or nothing, never a mixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from fastddpm.data.errors import DataError
+
+CACHE_FORMAT_VERSION = 1  # bump when the layout or meaning of a cache changes; old caches then rebuild
+IMAGES_FILE = "images.npy"
+LABELS_FILE = "labels.npy"
+META_FILE = "meta.json"
+# A fixed-size .npy header (a multiple of 64 so the pixel data stays aligned for mmap). Fixed size lets
+# us write the header before knowing how many images survive, and patch N in place at the end.
+_NPY_HEADER_BYTES = 128
+
+
+def default_cache_dir() -> Path:
+    """$FASTDDPM_CACHE if set, else ~/.cache/fastddpm."""
+    env = os.environ.get("FASTDDPM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fastddpm"
+
+
+@dataclass(kw_only=True)
+class PreparedData:
+    """A prepared dataset: uint8 pixels memory-mapped from the cache, labels in RAM."""
+
+    images: np.ndarray = field(repr=False)  # uint8 (N, C, H, W), read-only np.memmap of images.npy
+    labels: np.ndarray = field(repr=False)  # int64 (N,); -1 where the source has no labels
+    class_names: list[str]  # label -> name; empty for an unlabeled set
+    meta: dict = field(repr=False)  # the contents of meta.json
+    cache_path: Path  # the cache directory
+
+    @property
+    def num_images(self) -> int:
+        return int(self.images.shape[0])
+
+    @property
+    def channels(self) -> int:
+        return int(self.images.shape[1])
+
+    @property
+    def height(self) -> int:
+        return int(self.images.shape[2])
+
+    @property
+    def width(self) -> int:
+        return int(self.images.shape[3])
+
+
+def cache_dir_name(*, slug: str, identity: dict, split: str | None, transform: dict) -> str:
+    """<slug>-<16 hex>: readable in `ls`, unique per (source identity, split, pixel-changing options)."""
+    blob = json.dumps({"source": identity, "split": split, "transform": transform}, sort_keys=True)
+    key = hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", slug).strip("-.")[:48] or "data"
+    return f"{slug}-{key}"
+
+
+class CacheInvalid(Exception):
+    """A cache directory that cannot be used as it is; the message says why (shown by `info`)."""
+
+
+def load_prepared(path: Path) -> PreparedData:
+    """Open a complete cache directory, checking that its files agree with meta.json."""
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise CacheInvalid(f"no {META_FILE} in {path}")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CacheInvalid(f"unreadable {meta_path} ({e})") from None
+    if meta.get("format_version") != CACHE_FORMAT_VERSION:
+        raise CacheInvalid(f"{path} was written by cache format {meta.get('format_version')!r}, "
+                           f"this version uses {CACHE_FORMAT_VERSION}")
+    try:
+        images = np.load(path / IMAGES_FILE, mmap_mode="r", allow_pickle=False)
+        labels = np.load(path / LABELS_FILE, allow_pickle=False)
+    except (OSError, ValueError) as e:  # missing file, truncated file (mmap longer than the file)
+        raise CacheInvalid(f"unreadable cache arrays in {path} ({e})") from None
+    expected = (meta["num_images"], meta["channels"], meta["height"], meta["width"])
+    if images.dtype != np.uint8 or images.shape != expected:
+        raise CacheInvalid(f"{path / IMAGES_FILE} is {images.dtype} {images.shape}, meta.json says uint8 {expected}")
+    if labels.dtype != np.int64 or labels.shape != (expected[0],):
+        raise CacheInvalid(f"{path / LABELS_FILE} is {labels.dtype} {labels.shape}, expected int64 ({expected[0]},)")
+    return PreparedData(images=images, labels=labels, class_names=list(meta["class_names"]), meta=meta,
+                        cache_path=path)
+
+
+@contextlib.contextmanager
+def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]:
+    """One builder per cache directory across processes (e.g. every rank of a DDP job calling prepare).
+
+    POSIX only (fcntl); elsewhere concurrent builders each finish and the last rename wins, which is
+    wasteful but still never leaves a partial cache.
+    """
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(final_dir.parent / f".{final_dir.name}.lock", "a+b") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process that is preparing {final_dir.name} ...")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (the directory entry makes a rename durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def npy_header(shape: tuple[int, ...]) -> bytes:
+    """A version 1.0 .npy header for uint8 C-order data, padded to exactly _NPY_HEADER_BYTES."""
+    text = "{'descr': '|u1', 'fortran_order': False, 'shape': %r, }" % (tuple(int(d) for d in shape),)
+    body_bytes = _NPY_HEADER_BYTES - 10  # magic (6) + version (2) + header length (2)
+    if len(text) >= body_bytes:
+        raise AssertionError(f"npy header for shape {shape} does not fit in {_NPY_HEADER_BYTES} bytes")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", body_bytes) + (text.ljust(body_bytes - 1) + "\n").encode()
+
+
+class ImageRowWriter:
+    """Streams uint8 (C, H, W) rows into images.npy; N in the header is fixed up when fewer arrive.
+
+    Plain sequential writes rather than a memmap: a full disk then raises OSError(ENOSPC), which we
+    can clean up after, instead of SIGBUS on a page fault into a sparse file.
+    """
+
+    def __init__(self, path: Path, shape_nchw: tuple[int, int, int, int]) -> None:
+        self.path = path
+        self.shape_nchw = tuple(int(d) for d in shape_nchw)
+        self.rows_written = 0
+        self._file = open(path, "wb")
+        self._file.write(npy_header(self.shape_nchw))
+
+    def write(self, rows_nchw: np.ndarray) -> None:
+        assert rows_nchw.dtype == np.uint8 and rows_nchw.shape[1:] == self.shape_nchw[1:], rows_nchw.shape
+        assert self.rows_written + len(rows_nchw) <= self.shape_nchw[0], "more rows than planned"
+        self._file.write(memoryview(np.ascontiguousarray(rows_nchw)).cast("B"))
+        self.rows_written += len(rows_nchw)
+
+    def close(self) -> None:
+        """Fix N if some rows were skipped during decoding, then flush and fsync."""
+        if self.rows_written != self.shape_nchw[0]:
+            self._file.seek(0)
+            self._file.write(npy_header((self.rows_written, *self.shape_nchw[1:])))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove_leftovers(final_dir: Path) -> None:
+    """Temp/old directories of this cache left by a killed build. Only call while holding build_lock."""
+    for pattern in (f".tmp-{final_dir.name}-*", f".old-{final_dir.name}-*"):
+        for leftover in final_dir.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+class CacheBuilder:
+    """Builds one cache directory in a temp dir beside `final_dir`; `commit` swaps it in atomically.
+
+    Use as a context manager: leaving it without commit (any exception, KeyboardInterrupt included)
+    deletes the temp dir and leaves an existing cache at `final_dir` untouched.
+    """
+
+    def __init__(self, final_dir: Path) -> None:
+        self.final_dir = final_dir
+        self.temp_dir = final_dir.parent / f".tmp-{final_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._writer: ImageRowWriter | None = None
+        self._committed = False
+
+    def __enter__(self) -> CacheBuilder:
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(self.final_dir)
+        self.temp_dir.mkdir()
+        return self
+
+    def open_images(self, shape_nchw: tuple[int, int, int, int]) -> ImageRowWriter:
+        assert self._writer is None, "open_images called twice"
+        self._writer = ImageRowWriter(self.temp_dir / IMAGES_FILE, shape_nchw)
+        return self._writer
+
+    def commit(self, *, labels: np.ndarray, meta: dict) -> None:
+        """Write labels and meta (last: its presence marks a complete cache), fsync, rename into place."""
+        assert self._writer is not None and self._writer.closed, "images must be written and closed first"
+        _write_npy(self.temp_dir / LABELS_FILE, labels.astype(np.int64, copy=False))
+        _write_json(self.temp_dir / META_FILE, meta)
+        _fsync_path(self.temp_dir)
+        if self.final_dir.exists():
+            # rename() cannot replace a non-empty directory, so move the old one aside first; the old
+            # cache is only gone once the new one is complete and in place.
+            old = self.final_dir.parent / f".old-{self.final_dir.name}-{secrets.token_hex(4)}"
+            os.replace(self.final_dir, old)
+            os.replace(self.temp_dir, self.final_dir)
+            _fsync_path(self.final_dir.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.temp_dir, self.final_dir)
+            _fsync_path(self.final_dir.parent)
+        self._committed = True
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        if self._writer is not None and not self._writer.closed:
+            self._writer.abort()
+        if not self._committed:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise DataError(
+                f"no space left on the device while writing the cache in {self.final_dir.parent}; nothing was "
+                "kept. Fix: free some space, or pass --cache-dir / set FASTDDPM_CACHE to a bigger disk."
+            ) from exc
+        return False

@@ -1,0 +1,228 @@
+"""Image folders and zips of them: root/<label>/*.png (labels from folder names) or images directly
+in root (one unlabeled set). Zips are read member by member, never extracted: one archive, not
+60,000 small files on a slow (network) disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import re
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from fastddpm.data.decode import ImageEntry, ImageListing
+from fastddpm.data.errors import BadFile, DataError
+from fastddpm.data.images import IMAGE_EXTENSIONS, BadImage
+from fastddpm.data.options import SPLIT_ALIASES
+
+EXPECTED_LAYOUT = (
+    "expected ROOT/<label>/*.png (also .jpg, .jpeg, .bmp, .webp), e.g. mnist/0/00001.png, "
+    "or image files directly in ROOT for an unlabeled set"
+)
+
+
+@dataclass(kw_only=True, frozen=True)
+class FileStat:
+    """An image file of a folder: the listing that both the fingerprint and the reader use."""
+
+    rel: str  # POSIX path relative to the root
+    size: int  # bytes; -1 if it could not be stat'ed (e.g. a broken symlink)
+    mtime_ns: int
+
+
+def _skip_name(name: str) -> bool:
+    """Dot-files (.DS_Store, ._x.png AppleDouble) and macOS zip metadata are never data."""
+    return name.startswith(".") or name == "__MACOSX"
+
+
+def is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
+    """Every image file under `root` in sorted order, and the relative paths of the other files.
+
+    Symlinked directories are not followed (a link loop would never end); symlinked files are.
+    """
+    images: list[FileStat] = []
+    others: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not _skip_name(d))
+        # Plain strings, not Path objects: this loop runs once per file (60,000 for MNIST).
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        for name in sorted(filenames):
+            if _skip_name(name):
+                continue
+            rel = prefix + name
+            if not is_image_name(name):
+                others.append(rel)
+                continue
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+                images.append(FileStat(rel=rel, size=st.st_size, mtime_ns=st.st_mtime_ns))
+            except OSError:
+                images.append(FileStat(rel=rel, size=-1, mtime_ns=0))  # reported as unreadable later
+    images.sort(key=lambda s: s.rel)
+    return images, others
+
+
+@dataclass(kw_only=True)
+class Layout:
+    """How relative image paths map to (split, class, label)."""
+
+    split: str | None  # the split folder used; None when the source has no split folders
+    class_names: list[str]
+    labeled: bool
+    items: list[tuple[str, int]]  # (original relative path, label) in training order
+    stray: list[str]  # images beside class folders: reported as bad files
+    notes: list[str]
+
+
+def _class_order(names: set[str]) -> list[str]:
+    """Numeric order when every class folder is an integer (so '10' follows '9'), else sorted names."""
+    if all(re.fullmatch(r"\d+", n, re.ASCII) for n in names):
+        return sorted(names, key=lambda n: (int(n), n))
+    return sorted(names)
+
+
+def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool) -> Layout:
+    """Classes from folder names, with two tolerances for how datasets get packed:
+
+    - strip_top (zips): one common top folder is ignored (`mnist_train/0/1.png` reads as `0/1.png`);
+    - split folders: if every top folder is a split name (train/, test/, training/, testing/, val/),
+      the one matching `split` is read, e.g. the Kaggle `mnist_png/{training,testing}/<digit>/` layout.
+    """
+    parts = {p: p.split("/") for p in rel_paths}
+    notes: list[str] = []
+    firsts = {ps[0] for ps in parts.values()}
+    if strip_top and len(firsts) == 1 and all(len(ps) >= 2 for ps in parts.values()) and any(
+            len(ps) >= 3 for ps in parts.values()):
+        top = firsts.pop()
+        parts = {p: ps[1:] for p, ps in parts.items()}
+        notes.append(f"ignored the common top-level folder {top}/")
+
+    chosen_split = None
+    top_dirs = {ps[0] for ps in parts.values() if len(ps) >= 2}
+    if top_dirs and all(d.lower() in SPLIT_ALIASES for d in top_dirs):
+        wanted = sorted(d for d in top_dirs if SPLIT_ALIASES[d.lower()] == split)
+        if len(wanted) != 1:
+            problem = (f"several folders for split {split!r}: {wanted}" if wanted
+                       else f"no folder for split {split!r}")
+            available = sorted({SPLIT_ALIASES[d.lower()] for d in top_dirs})
+            raise DataError(f"{where} has split folders {sorted(top_dirs)} but {problem}. "
+                            f"Fix: pass --split {' or --split '.join(available)}.")
+        chosen_split = split
+        ignored = sum(1 for ps in parts.values() if len(ps) < 2 or ps[0] != wanted[0])
+        parts = {p: ps[1:] for p, ps in parts.items() if len(ps) >= 2 and ps[0] == wanted[0]}
+        notes.append(f"read the {wanted[0]}/ folder for split {split}"
+                     + (f" ({ignored:,} images elsewhere ignored)" if ignored else ""))
+
+    class_dirs = {ps[0] for ps in parts.values() if len(ps) >= 2}
+    if not class_dirs:
+        items = [(p, -1) for p in sorted(parts)]
+        notes.append(f"no class folders: the {len(items):,} images are one unlabeled set (labels -1)")
+        return Layout(split=chosen_split, class_names=[], labeled=False, items=items, stray=[], notes=notes)
+    class_names = _class_order(class_dirs)
+    label_of = {name: i for i, name in enumerate(class_names)}
+    items = sorted(((p, label_of[ps[0]]) for p, ps in parts.items() if len(ps) >= 2), key=lambda t: (t[1], t[0]))
+    stray = sorted(p for p, ps in parts.items() if len(ps) == 1)
+    return Layout(split=chosen_split, class_names=class_names, labeled=True, items=items, stray=stray, notes=notes)
+
+
+def _stray_bad(stray: list[str]) -> list[BadFile]:
+    return [BadFile(path=p, reason="image beside the class folders, so it has no label: move it into a class "
+                                   "folder or delete it", kind="layout") for p in stray]
+
+
+def no_images_error(where: str, others: list[str]) -> DataError:
+    seen = f" (found {len(others):,} other files, e.g. {', '.join(others[:3])})" if others else ""
+    return DataError(f"no images found in {where}{seen}: {EXPECTED_LAYOUT}.")
+
+
+def list_folder(root: Path, stats: list[FileStat], *, split: str) -> ImageListing:
+    """The image files of `root` (from `walk_folder`), ordered by class then path."""
+    layout = plan_layout([s.rel for s in stats], split=split, where=str(root), strip_top=False)
+    size_of = {s.rel: s.size for s in stats}
+    root_str = str(root)
+    entries = [ImageEntry(path=rel, label=label, size_bytes=size_of[rel],
+                          open=functools.partial(open, os.path.join(root_str, rel), "rb"))
+               for rel, label in layout.items]
+    return ImageListing(where=str(root), entries=entries, class_names=layout.class_names, labeled=layout.labeled,
+                        layout_bad=_stray_bad(layout.stray), notes=layout.notes)
+
+
+# ---------------------------------------------------------------------------------------------- zips
+
+def unsafe_member_names(names: list[str]) -> list[str]:
+    """Absolute paths and '..' components: harmless to us (we never extract) but a sign of a malicious
+    archive, and a trap for anyone who unzips it later. Backslashes count as separators (Windows zips)."""
+    bad = []
+    for name in names:
+        pieces = re.split(r"[/\\]", name)
+        if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or ".." in pieces:
+            bad.append(name)
+    return bad
+
+
+def open_zip(path: Path) -> zipfile.ZipFile:
+    """Open and check member names before reading any member's data."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise DataError(f"{path}: not a readable zip archive ({e}). Fix: re-download or re-create it.") from None
+    unsafe = unsafe_member_names(zf.namelist())
+    if unsafe:
+        zf.close()
+        listed = "\n".join(f"  {n}" for n in unsafe)
+        raise DataError(
+            f"{path}: refusing to read a zip with absolute or '..' member paths (a path-traversal archive):\n"
+            f"{listed}\nFix: re-create the zip from inside the dataset folder, e.g. `cd ROOT && zip -r ../data.zip .`."
+        )
+    return zf
+
+
+def zip_image_members(zf: zipfile.ZipFile) -> tuple[list[zipfile.ZipInfo], list[str]]:
+    """Image members (sorted by name) and other member names, skipping folders, dot-files and __MACOSX/."""
+    images, others = [], []
+    for info in zf.infolist():
+        if info.is_dir() or any(_skip_name(part) for part in info.filename.split("/")):
+            continue
+        (images if is_image_name(info.filename) else others).append(info)
+    images.sort(key=lambda i: i.filename)
+    return images, [o.filename for o in others]
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, lock: threading.Lock, max_bytes: int) -> io.BytesIO:
+    if info.file_size > max_bytes:
+        # The declared size bounds what zipfile will inflate, so checking it stops a zip bomb early.
+        raise BadImage(f"zip member claims {info.file_size:,} bytes uncompressed, over the {max_bytes:,}-byte "
+                       "limit for one image; refused as a possible zip bomb", "bomb")
+    with lock:  # ZipFile bookkeeping is not documented as thread-safe; decoding happens outside the lock
+        return io.BytesIO(zf.read(info))
+
+
+@contextlib.contextmanager
+def list_zip(path: Path, *, split: str, max_image_pixels: int) -> Iterator[ImageListing]:
+    """The image members of a zip as an ImageListing; the archive stays open while the listing is used."""
+    zf = open_zip(path)
+    with zf:
+        members, others = zip_image_members(zf)
+        if not members:
+            raise no_images_error(str(path), others)
+        by_name = {m.filename: m for m in members}
+        layout = plan_layout(list(by_name), split=split, where=str(path), strip_top=True)
+        lock = threading.Lock()
+        # An image file can hardly be larger than 4 bytes/pixel (RGBA BMP) plus metadata.
+        max_bytes = 4 * max_image_pixels + 2**20
+        entries = [ImageEntry(path=name, label=label, size_bytes=by_name[name].file_size,
+                              open=functools.partial(_read_member, zf, by_name[name], lock, max_bytes))
+                   for name, label in layout.items]
+        yield ImageListing(where=str(path), entries=entries, class_names=layout.class_names,
+                           labeled=layout.labeled, layout_bad=_stray_bad(layout.stray), notes=layout.notes)

@@ -1,0 +1,187 @@
+"""prepare(): SOURCE -> the uint8 cache, decoded once and reused; info(): what prepare would use or do."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from fastddpm.data.cache import (
+    CACHE_FORMAT_VERSION,
+    CacheBuilder,
+    CacheInvalid,
+    PreparedData,
+    build_lock,
+    default_cache_dir,
+    load_prepared,
+)
+from fastddpm.data.decode import ArrayData, Decoded, write_array_data, write_image_listing
+from fastddpm.data.errors import BadFile, DataError, bad_files_message
+from fastddpm.data.options import PrepareOptions
+from fastddpm.data.sources import Source, read_source, resolve_source
+from fastddpm.data.summary import describe, describe_source, prepare_command
+
+
+def _sayer(progress: bool) -> Callable[[str], None]:
+    """Status lines go to stderr with the progress bars, leaving stdout for the summary."""
+    def say(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
+    return say
+
+
+def prepare(
+    source: str | os.PathLike,
+    *,
+    split: str = "train",
+    resize: int | None = None,
+    resize_mode: str = "center-crop",
+    image_mode: str | None = None,
+    skip_bad: bool = False,
+    cache_dir: Path | None = None,
+    rebuild: bool = False,
+    progress: bool = True,
+    max_image_pixels: int = 2**26,
+) -> PreparedData:
+    """Decode SOURCE once into <cache_dir>/prepared/<name>/ and return it memory-mapped.
+
+    A cache whose source fingerprint and options match is reused without decoding anything; a changed
+    source is rebuilt. Raises DataError (listing every bad file, with the fix) for unusable data.
+    """
+    options = PrepareOptions(split=split, resize=resize, resize_mode=resize_mode, image_mode=image_mode,
+                             skip_bad=skip_bad, max_image_pixels=max_image_pixels)
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    say = _sayer(progress)
+    # download=False first: a named dataset that is already prepared needs no download.
+    src = resolve_source(source, split=options.split, cache_root=cache_root, download=False)
+    final_dir = src.cache_dir(cache_root, options)
+    with build_lock(final_dir, say=say):
+        if not rebuild:
+            reused = _reuse(final_dir, src, options, say)
+            if reused is not None:
+                return reused
+        if src.path is None:
+            src = resolve_source(source, split=options.split, cache_root=cache_root, download=True, progress=progress)
+        return _build(src, options, final_dir, progress=progress, say=say)
+
+
+def _reuse(final_dir: Path, src: Source, options: PrepareOptions, say: Callable[[str], None]) -> PreparedData | None:
+    """The existing cache if it is complete and current, else None (after saying why it is rebuilt)."""
+    try:
+        data = load_prepared(final_dir)
+    except CacheInvalid as e:
+        if final_dir.exists():
+            say(f"cache unusable ({e}): rebuilding")
+        return None
+    # src.fingerprint is None only for a named dataset whose downloads were deleted after preparing:
+    # its content is fixed by the official checksums, so the cache is still right.
+    if src.fingerprint is not None and data.meta["fingerprint"] != src.fingerprint:
+        say("source changed: rebuilding")
+        return None
+    skipped = [BadFile(path=s["path"], reason=s["reason"], kind=s.get("kind", "corrupt")) for s in data.meta["skipped"]]
+    if skipped and not options.skip_bad:
+        raise DataError(
+            bad_files_message(where=str(src.path or src.display), bad=skipped, total_files=data.meta["total_files"])
+            + f"\n(The cache {final_dir} was prepared with --skip-bad; pass --skip-bad to use it as it is.)"
+        )
+    if skipped:
+        _say_skipped(len(skipped), data.meta["total_files"])
+    return data
+
+
+def _build(src: Source, options: PrepareOptions, final_dir: Path, *, progress: bool,
+           say: Callable[[str], None]) -> PreparedData:
+    say(f"preparing {src.display} ({src.kind}{', ' + src.split if src.split else ''}) -> {final_dir}")
+    start_s = time.monotonic()
+    with CacheBuilder(final_dir) as builder:
+        with read_source(src, options) as data:
+            if isinstance(data, ArrayData):
+                decoded = write_array_data(data, where=str(src.path), options=options, builder=builder,
+                                           progress=progress)
+            else:
+                decoded = write_image_listing(data, options=options, builder=builder, progress=progress)
+        meta = _meta(src, options, decoded, build_seconds=time.monotonic() - start_s)
+        builder.commit(labels=decoded.labels, meta=meta)
+    # A bad-file list from an earlier failed attempt would now be misleading.
+    final_dir.with_name(final_dir.name + ".bad-files.txt").unlink(missing_ok=True)
+    if decoded.skipped:
+        _say_skipped(len(decoded.skipped), decoded.total_files)
+    return load_prepared(final_dir)
+
+
+def _say_skipped(num_skipped: int, total_files: int) -> None:
+    # Printed even without progress: training on fewer images than the user has should never be silent.
+    print(f"skipped {num_skipped:,} of {total_files:,} files as bad (--skip-bad); they are listed in meta.json",
+          file=sys.stderr, flush=True)
+
+
+def _meta(src: Source, options: PrepareOptions, decoded: Decoded, *, build_seconds: float) -> dict:
+    labels = decoded.labels
+    counts = np.bincount(labels[labels >= 0], minlength=len(decoded.class_names)) if len(decoded.class_names) else []
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "source": src.display,
+        "source_path": str(src.path),
+        "name": src.name,
+        "kind": src.kind,
+        "split": src.split,
+        "transform": options.transform_key(),
+        "fingerprint": src.fingerprint,
+        "files": [str(f) for f in src.files],
+        "num_images": decoded.num_images,
+        "channels": decoded.channels,
+        "height": decoded.height,
+        "width": decoded.width,
+        "labeled": decoded.labeled,
+        "class_names": decoded.class_names,
+        "class_counts": {name: int(n) for name, n in zip(decoded.class_names, counts)},
+        "total_files": decoded.total_files,
+        "skipped": [{"path": b.path, "reason": b.reason, "kind": b.kind} for b in decoded.skipped],
+        "notes": decoded.notes,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
+        "build_seconds": round(build_seconds, 3),
+    }
+
+
+def info(
+    source: str | os.PathLike,
+    *,
+    split: str = "train",
+    resize: int | None = None,
+    resize_mode: str = "center-crop",
+    image_mode: str | None = None,
+    skip_bad: bool = False,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    max_image_pixels: int = 2**26,
+) -> str:
+    """Describe SOURCE and its prepared cache, if any. Never decodes, downloads or builds anything."""
+    del progress, max_image_pixels  # accepted so info() takes the same options as prepare()
+    options = PrepareOptions(split=split, resize=resize, resize_mode=resize_mode, image_mode=image_mode,
+                             skip_bad=skip_bad)
+    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    src = resolve_source(source, split=options.split, cache_root=cache_root, download=False)
+    final_dir = src.cache_dir(cache_root, options)
+    try:
+        data: PreparedData | None = load_prepared(final_dir)
+    except CacheInvalid:
+        data = None
+    if data is not None and (src.fingerprint is None or data.meta["fingerprint"] == src.fingerprint):
+        text = describe(data)
+        if src.path is None:
+            text += "\n  note:        the downloaded files are gone; the prepared cache is complete without them"
+        return text
+    lines = describe_source(src, cache_root)
+    command = prepare_command(src.display, options, cache_dir)
+    if data is not None:
+        lines.append(f"  STALE: source changed since it was prepared at {data.meta['created']} "
+                     f"(fingerprint {data.meta['fingerprint']} -> {src.fingerprint}); "
+                     f"run `{command}` to rebuild {final_dir}")
+    else:
+        lines.append(f"  not prepared yet: run `{command}`")
+    return "\n".join(lines)

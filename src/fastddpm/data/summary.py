@@ -1,0 +1,150 @@
+"""Human-readable summaries: of a prepared dataset (`describe`) and of a source not prepared yet."""
+
+from __future__ import annotations
+
+import gzip
+import shlex
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from fastddpm.data import named
+from fastddpm.data.cache import PreparedData
+from fastddpm.data.errors import MAX_LISTED_BAD_FILES
+from fastddpm.data.imagefolder import open_zip, plan_layout, zip_image_members
+from fastddpm.data.options import PrepareOptions
+from fastddpm.data.sources import Source
+
+_LABEL_WIDTH = 13
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def _transform_text(transform: dict) -> str:
+    parts = []
+    if transform.get("resize"):
+        parts.append(f"resize to {transform['resize']}x{transform['resize']} ({transform['resize_mode']})")
+    if transform.get("image_mode"):
+        parts.append(f"convert to {transform['image_mode']}")
+    return ", ".join(parts) or "none (pixels as in the source)"
+
+
+def describe(prepared: PreparedData) -> str:
+    """The summary of a prepared dataset: size, shape, classes, where it lives, what was skipped."""
+    meta = prepared.meta
+    split = f", {meta['split']} split" if meta.get("split") else ""
+    disk_bytes = sum(f.stat().st_size for f in prepared.cache_path.iterdir() if f.is_file())
+    lines = [
+        f"{meta['source']}{split}: {prepared.num_images:,} images, "
+        f"{prepared.channels}x{prepared.height}x{prepared.width} uint8 (C x H x W)",
+        f"  source:      {meta['kind']}  {meta['source_path']}",
+        f"  transform:   {_transform_text(meta['transform'])}",
+    ]
+    if meta["labeled"]:
+        lines.append(f"  classes:     {len(prepared.class_names)}")
+        width = max([_LABEL_WIDTH, *(len(n) for n in prepared.class_names)])
+        for label, name in enumerate(prepared.class_names):
+            lines.append(f"    {label:>3}  {name:<{width}} {meta['class_counts'][name]:>10,}")
+        unlabeled = prepared.num_images - sum(meta["class_counts"].values())
+        if unlabeled:
+            lines.append(f"    {'-1':>3}  {'(unlabeled)':<{width}} {unlabeled:>10,}")
+    else:
+        lines.append("  classes:     none (unlabeled: labels are -1)")
+    lines += [
+        f"  cache:       {prepared.cache_path}  ({_mib(disk_bytes)} on disk)",
+        f"  fingerprint: {meta['fingerprint']}",
+        f"  built:       {meta['created']} in {meta['build_seconds']:.1f} s",
+    ]
+    skipped = meta["skipped"]
+    if not skipped:
+        lines.append("  skipped:     none")
+    else:
+        lines.append(f"  skipped:     {len(skipped):,} of {meta['total_files']:,} files (prepared with --skip-bad):")
+        lines += [f"    {s['path']}: {s['reason']}" for s in skipped[:MAX_LISTED_BAD_FILES]]
+        if len(skipped) > MAX_LISTED_BAD_FILES:
+            lines.append(f"    ... and {len(skipped) - MAX_LISTED_BAD_FILES:,} more (all in meta.json)")
+    lines += [f"  note:        {n}" for n in meta.get("notes", [])]
+    return "\n".join(lines)
+
+
+def prepare_command(display: str, options: PrepareOptions, cache_dir: Path | None) -> str:
+    """The exact `fastddpm data prepare` line that builds the cache `info` looked for."""
+    args = ["fastddpm", "data", "prepare", display]
+    if options.split != "train":
+        args += ["--split", options.split]
+    if options.resize is not None:
+        args += ["--resize", str(options.resize)]
+        if options.resize_mode != "center-crop":
+            args += ["--resize-mode", options.resize_mode]
+    if options.image_mode:
+        args += ["--image-mode", options.image_mode]
+    if options.skip_bad:
+        args.append("--skip-bad")
+    if cache_dir is not None:
+        args += ["--cache-dir", str(cache_dir)]
+    return shlex.join(args)
+
+
+def _idx_count(path: Path) -> str:
+    """'60,000 images of 28x28' from the 16-byte header, without reading the rest."""
+    with open(path, "rb") as raw:
+        is_gzip = raw.read(2) == b"\x1f\x8b"
+    with (gzip.open(path, "rb") if is_gzip else open(path, "rb")) as f:
+        header = f.read(16)
+    if len(header) < 16:
+        return "unreadable header"
+    _, n, h, w = struct.unpack(">4I", header)
+    return f"{n:,} images of {h}x{w}"
+
+
+def _npy_shape(path: Path) -> tuple[int, ...]:
+    return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
+
+
+def _npz_shapes(path: Path) -> str:
+    """Shapes of each array in an .npz, read from the member headers only."""
+    shapes = []
+    with zipfile.ZipFile(path) as zf:
+        for member in zf.namelist():
+            with zf.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                shape = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                         else np.lib.format.read_array_header_2_0(f))[0]
+            shapes.append(f"{member.removesuffix('.npy')} {shape}")
+    return ", ".join(shapes)
+
+
+def describe_source(src: Source, cache_root: Path) -> list[str]:
+    """What the source is, from names and headers only (no decoding)."""
+    split = f", {src.split} split" if src.split else ""
+    if src.path is None:
+        ds = named.DATASETS[src.name]
+        files = ", ".join(ds.files_for(src.split or "train"))
+        return [f"{src.name}{split}: named dataset, not downloaded yet",
+                f"  prepare downloads {files} from {named.mirrors(ds)[0]}",
+                f"  into {named.download_dir(cache_root, ds.name)} (looked for a local copy in: "
+                + ", ".join(str(d) for d in named.search_dirs(ds, cache_root)) + ")"]
+    lines = [f"{src.display}{split}: {src.kind} at {src.path}"]
+    if src.kind == "image-folder":
+        layout = plan_layout([s.rel for s in src.tree], split=src.split or "train", where=str(src.path),
+                             strip_top=False)
+        classes = (f"{len(layout.class_names)} class folders ({', '.join(layout.class_names[:10])}"
+                   f"{', ...' if len(layout.class_names) > 10 else ''})" if layout.labeled else "no class folders")
+        lines.append(f"  {len(layout.items):,} image files, {classes}, {_mib(sum(s.size for s in src.tree))}")
+    elif src.kind == "zip":
+        with open_zip(src.path) as zf:
+            members, _ = zip_image_members(zf)
+        lines.append(f"  {len(members):,} image members, {_mib(src.path.stat().st_size)} zip")
+    elif src.kind == "idx":
+        lines += [f"  {f.name}: {_idx_count(f) if 'idx3' in f.name else 'labels'}" for f in src.files]
+    elif src.kind == "npy":
+        lines.append(f"  array shape {_npy_shape(src.path)}")
+    elif src.kind == "npz":
+        lines.append(f"  arrays: {_npz_shapes(src.path)}")
+    else:
+        lines += [f"  {f.name} ({_mib(f.stat().st_size)})" for f in src.files]
+    return lines

@@ -1,0 +1,195 @@
+"""Image folders and zips of them: labels from folder names, exact pixels, layouts, zip safety."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from data_fixtures import (
+    cache_dir,  # noqa: F401  (fixture)
+    leftovers,
+    make_class_folder,
+    needs_fashion,
+    real_fashion_slice,
+    rng_images,
+    save_image,
+    zip_folder,
+)
+from fastddpm.data import DataError, prepare
+
+
+def _expected(per_class: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Images in (class, file name) order as N C H W, and their labels."""
+    images = np.concatenate(list(per_class.values()))
+    if images.ndim == 3:
+        images = images[:, None]
+    else:
+        images = images.transpose(0, 3, 1, 2)
+    labels = np.concatenate([[i] * len(v) for i, v in enumerate(per_class.values())])
+    return images, labels
+
+
+@pytest.mark.parametrize("channels", [None, 3])
+def test_png_class_folders_give_exact_pixels_and_labels(tmp_path: Path, cache_dir: Path, channels: int | None) -> None:
+    per_class = {"0": rng_images(3, 6, 5, c=channels, seed=1), "1": rng_images(2, 6, 5, c=channels, seed=2),
+                 "2": rng_images(4, 6, 5, c=channels, seed=3)}
+    make_class_folder(tmp_path / "root", per_class)
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    images, labels = _expected(per_class)
+    np.testing.assert_array_equal(np.asarray(data.images), images)
+    np.testing.assert_array_equal(data.labels, labels)
+    assert data.class_names == ["0", "1", "2"]
+    assert data.meta["class_counts"] == {"0": 3, "1": 2, "2": 4}
+    assert data.meta["kind"] == "image-folder" and data.meta["skipped"] == []
+
+
+def test_integer_class_folders_sort_numerically(tmp_path: Path, cache_dir: Path) -> None:
+    per_class = {str(k): rng_images(1, 4, 4, seed=k) for k in (2, 10, 9, 0, 1)}
+    make_class_folder(tmp_path / "root", per_class)
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert data.class_names == ["0", "1", "2", "9", "10"]
+    for label, name in enumerate(data.class_names):
+        np.testing.assert_array_equal(data.images[data.labels == label][0, 0], per_class[name][0])
+
+
+def test_named_class_folders_sort_by_name(tmp_path: Path, cache_dir: Path) -> None:
+    per_class = {"dog": rng_images(2, 4, 4, seed=1), "cat": rng_images(1, 4, 4, seed=2),
+                 "bird": rng_images(1, 4, 4, seed=3)}
+    make_class_folder(tmp_path / "root", per_class)
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert data.class_names == ["bird", "cat", "dog"]
+    assert data.labels.tolist() == [0, 1, 2, 2]
+    np.testing.assert_array_equal(data.images[0, 0], per_class["bird"][0])
+
+
+def test_files_directly_in_root_are_one_unlabeled_set(tmp_path: Path, cache_dir: Path) -> None:
+    images = rng_images(3, 5, 5)
+    for i, im in enumerate(images):
+        save_image(tmp_path / "flat" / f"{i}.png", im)
+    (tmp_path / "flat" / "README.txt").write_text("not an image, ignored")
+    (tmp_path / "flat" / ".DS_Store").write_bytes(b"\0\0")
+    data = prepare(tmp_path / "flat", cache_dir=cache_dir, progress=False)
+    np.testing.assert_array_equal(data.images[:, 0], images)
+    assert data.labels.tolist() == [-1, -1, -1]
+    assert data.class_names == [] and data.meta["labeled"] is False
+    assert any("unlabeled" in note for note in data.meta["notes"])
+
+
+def test_empty_folder_names_folder_and_expected_layout(tmp_path: Path, cache_dir: Path) -> None:
+    (tmp_path / "empty" / "0").mkdir(parents=True)
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "empty", cache_dir=cache_dir, progress=False)
+    message = str(err.value)
+    assert str(tmp_path / "empty") in message
+    assert "<label>/*.png" in message and "notes.txt" in message
+
+
+def test_split_folders_are_picked_with_split(tmp_path: Path, cache_dir: Path) -> None:
+    train = {"0": rng_images(2, 4, 4, seed=1), "1": rng_images(2, 4, 4, seed=2)}
+    test = {"0": rng_images(1, 4, 4, seed=3), "1": rng_images(1, 4, 4, seed=4)}
+    make_class_folder(tmp_path / "root" / "training", train)
+    make_class_folder(tmp_path / "root" / "testing", test)
+    for split, per_class in (("train", train), ("test", test)):
+        data = prepare(tmp_path / "root", split=split, cache_dir=cache_dir, progress=False)
+        images, labels = _expected(per_class)
+        np.testing.assert_array_equal(np.asarray(data.images), images)
+        np.testing.assert_array_equal(data.labels, labels)
+        assert data.class_names == ["0", "1"] and data.meta["split"] == split
+    with pytest.raises(DataError, match="no folder for split 'val'"):
+        prepare(tmp_path / "root", split="val", cache_dir=cache_dir, progress=False)
+
+
+def test_split_on_a_source_without_splits_is_an_error(tmp_path: Path, cache_dir: Path) -> None:
+    make_class_folder(tmp_path / "root", {"a": rng_images(1, 4, 4)})
+    with pytest.raises(DataError, match="has no splits"):
+        prepare(tmp_path / "root", split="test", cache_dir=cache_dir, progress=False)
+
+
+def test_jpeg_folder_matches_pillow_decode(tmp_path: Path, cache_dir: Path) -> None:
+    per_class = {"a": rng_images(2, 16, 16, c=3, seed=5), "b": rng_images(1, 16, 16, c=3, seed=6)}
+    written = make_class_folder(tmp_path / "root", per_class, ext=".jpg")
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    for row, (rel, label) in enumerate(written):
+        with Image.open(tmp_path / "root" / rel) as im:
+            np.testing.assert_array_equal(data.images[row], np.asarray(im).transpose(2, 0, 1))
+        assert data.labels[row] == label
+
+
+def test_zip_reads_same_pixels_as_folder_without_extracting(tmp_path: Path, cache_dir: Path) -> None:
+    per_class = {"0": rng_images(3, 6, 6, seed=1), "1": rng_images(2, 6, 6, seed=2)}
+    make_class_folder(tmp_path / "root", per_class)
+    zip_dir = tmp_path / "zips"
+    zip_dir.mkdir()
+    zip_path = zip_folder(tmp_path / "root", zip_dir / "data.zip", prefix="mnist_train/",
+                          extra={"__MACOSX/mnist_train/0/._000.png": b"junk", "mnist_train/.hidden.png": b"junk"})
+    before = sorted(p.name for p in zip_dir.iterdir())
+    data = prepare(zip_path, cache_dir=cache_dir, progress=False)
+    assert sorted(p.name for p in zip_dir.iterdir()) == before == ["data.zip"]
+    images, labels = _expected(per_class)
+    np.testing.assert_array_equal(np.asarray(data.images), images)
+    np.testing.assert_array_equal(data.labels, labels)
+    assert data.class_names == ["0", "1"] and data.meta["kind"] == "zip"
+    assert any("mnist_train/" in note for note in data.meta["notes"])
+    assert data.cache_path.parent == cache_dir / "prepared"
+
+
+def test_zip_with_split_folders_kaggle_layout(tmp_path: Path, cache_dir: Path) -> None:
+    train = {"0": rng_images(2, 4, 4, seed=1), "1": rng_images(1, 4, 4, seed=2)}
+    test = {"0": rng_images(1, 4, 4, seed=3), "1": rng_images(2, 4, 4, seed=4)}
+    make_class_folder(tmp_path / "root" / "training", train)
+    make_class_folder(tmp_path / "root" / "testing", test)
+    zip_path = zip_folder(tmp_path / "root", tmp_path / "mnist_png.zip", prefix="mnist_png/")
+    data = prepare(zip_path, split="test", cache_dir=cache_dir, progress=False)
+    images, labels = _expected(test)
+    np.testing.assert_array_equal(np.asarray(data.images), images)
+    np.testing.assert_array_equal(data.labels, labels)
+
+
+@pytest.mark.parametrize("evil", ["../evil.png", "/abs/evil.png", "0/../../evil.png", "..\\win.png"])
+def test_zip_traversal_members_are_refused_before_reading(tmp_path: Path, cache_dir: Path, evil: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    make_class_folder(tmp_path / "root", {"0": rng_images(2, 4, 4)})
+    zip_path = tmp_path / "evil.zip"
+    zip_folder(tmp_path / "root", zip_path)
+    with zipfile.ZipFile(zip_path, "a") as zf:
+        info = zipfile.ZipInfo("placeholder")
+        info.filename = evil  # ZipInfo() would sanitise the name; real attack archives are not so kind
+        zf.writestr(info, b"payload")
+
+    def no_member_reads(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a member was read before the names were checked")
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", no_member_reads)
+    with pytest.raises(DataError) as err:
+        prepare(zip_path, cache_dir=cache_dir, progress=False)
+    assert evil in str(err.value) and "refusing" in str(err.value)
+    assert leftovers(cache_dir) == []
+
+
+def test_zip_with_no_images_is_explained(tmp_path: Path, cache_dir: Path) -> None:
+    zip_path = tmp_path / "docs.zip"
+    with zipfile.ZipFile(zip_path, "w") as zf:
+        zf.writestr("readme.md", "hi")
+    with pytest.raises(DataError, match=r"no images found in .*docs\.zip.*readme\.md"):
+        prepare(zip_path, cache_dir=cache_dir, progress=False)
+
+
+@needs_fashion
+def test_real_fashion_mnist_as_png_folder_and_zip_equals_idx_pixels(tmp_path: Path, cache_dir: Path) -> None:
+    images, labels = real_fashion_slice(50)
+    for i, (im, label) in enumerate(zip(images, labels)):
+        save_image(tmp_path / "fm" / str(label) / f"{i:05d}.png", im)
+    zip_path = zip_folder(tmp_path / "fm", tmp_path / "fm.zip", prefix="fashion_train/")
+    # Folder order is (class, file name); file names are the original indices.
+    order = np.lexsort((np.arange(50), labels))
+    for source in (tmp_path / "fm", zip_path):
+        data = prepare(source, cache_dir=cache_dir, progress=False)
+        np.testing.assert_array_equal(data.images[:, 0], images[order])
+        present = sorted(set(labels.tolist()))
+        assert data.class_names == [str(c) for c in present]
+        np.testing.assert_array_equal(np.asarray(data.class_names)[data.labels].astype(int), labels[order])

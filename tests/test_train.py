@@ -1,0 +1,228 @@
+"""The trainer end to end on real Fashion-MNIST slices: it learns, it resumes exactly, it writes what it says."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.cli import main
+from fastddpm.config import ConfigError, apply_overrides, get_preset
+from fastddpm.train.checkpoint import (
+    CheckpointError,
+    clean_state_dict,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    load_safetensors,
+)
+from fastddpm.train.loop import train
+from fastddpm.train.metrics import read_metrics
+
+
+def tiny_cfg(source, **train_overrides):
+    over = {"data.source": str(source), "train.progress": False}
+    over.update({f"train.{k}": v for k, v in train_overrides.items()})
+    return apply_overrides(get_preset("tiny"), over)
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_tiny_model_overfits_a_handful_of_real_images(tmp_path, fmnist_npz):
+    """8 real Fashion-MNIST images at batch 8: the mean loss of the last 25 steps is at most a third of the first 25."""
+    from conftest import read_fmnist
+
+    images, labels = read_fmnist(8)
+    src = tmp_path / "eight.npz"
+    np.savez(src, images=images, labels=labels)
+    cfg = tiny_cfg(src, batch_size=8, max_steps=300, lr=3e-3, log_every=1, checkpoint_every=None,
+                   sample_steps=5, num_sample_images=4)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 300
+    first, last = np.mean(losses[:25]), np.mean(losses[-25:])
+    assert last <= first / 3, (first, last)
+
+
+def _params(path):
+    state = load_checkpoint(path)
+    return state["model"], state["ema"], state["optimizer"]
+
+
+def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz):
+    """N + N steps (the second N in a fresh process) equal 2N steps: losses, weights, EMA, optimizer state."""
+    n = 6
+    cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n)
+    full = tmp_path / "full"
+    train(cfg, out_dir=full, log=quiet)
+
+    half = tmp_path / "half"
+    train(apply_overrides(cfg, {"train.max_steps": n}), out_dir=half, log=quiet)
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    r = subprocess.run([sys.executable, "-m", "fastddpm", "train", "--out", str(half), "--resume", "latest",
+                        "--max-steps", str(2 * n)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+    la = [m["loss"] for m in read_metrics(full / "metrics.jsonl")]
+    lb = [m["loss"] for m in read_metrics(half / "metrics.jsonl")]
+    assert len(la) == len(lb) == 2 * n
+    assert la == lb
+    ma, ea, oa = _params(list_checkpoints(full / "checkpoints")[-1])
+    mb, eb, ob = _params(list_checkpoints(half / "checkpoints")[-1])
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+        assert torch.equal(ea[k], eb[k]), k
+    for i, sa in oa["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[key], ob["state"][i][key])
+
+
+def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
+    run = tmp_path / "run"
+    code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "12",
+                 "--checkpoint-every", "5", "--keep-checkpoints", "2", "--sample-every-images", "96",
+                 "--no-progress"])
+    assert code == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["image_channels"] == 1 and cfg["model"]["image_size"] == 28
+    info = json.loads((run / "run.json").read_text())
+    assert info["device"] == "cpu" and info["precision"] == "fp32" and info["parameters"] > 0
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [5, 10, 12]
+    assert {"step", "images_seen", "loss", "images_per_s", "lr", "wall_s"} <= metrics[0].keys()
+    assert metrics[-1]["images_seen"] == 12 * 16
+    # keep-last-2 of the checkpoints at steps 5, 10, 12
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000000010.pt", "ckpt_000000012.pt"]
+    assert (run / "checkpoints" / "ckpt_000000012.sha256").is_file()
+    from PIL import Image
+
+    grids = sorted((run / "samples").glob("*.png"))
+    assert {g.name for g in grids} == {"grid_000000096.png", "final.png"}  # the last one is final.png
+    with Image.open(run / "samples" / "final.png") as im:
+        assert im.mode == "L" and im.size[0] > 28 * 4
+
+    # safetensors export round-trips bit-exactly against the checkpoint's EMA weights
+    tensors, meta = load_safetensors(run / "ema.safetensors")
+    ema = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["ema"]
+    assert tensors.keys() == ema.keys() and all(torch.equal(tensors[k], ema[k]) for k in ema)
+    assert json.loads(meta["step"]) == 12
+
+    # sampling from the run directory, the checkpoint, and the safetensors file
+    for ckpt, sampler, steps in ((run, "ddim", 5), (run / "ema.safetensors", "ddim", 3),
+                                 (list_checkpoints(run / "checkpoints")[-1], "ddpm", 5)):
+        out = tmp_path / f"s_{sampler}_{steps}"
+        assert main(["sample", "--checkpoint", str(ckpt), "--num-images", "6", "--sampler", sampler,
+                     "--steps", str(steps), "--out", str(out), "--no-progress", "--batch-size", "4"]) == 0
+        npz = next(out.glob("*.npz"))
+        images = np.load(npz)["images"]
+        assert images.shape == (6, 1, 28, 28) and images.dtype == np.uint8
+        assert next(out.glob("*.png")).is_file()
+    assert "ddpm1000_n6_seed0.npz" in [p.name for p in (tmp_path / "s_ddpm_5").iterdir()]
+
+
+def test_sample_cli_is_deterministic_for_a_seed(tmp_path, fmnist_npz):
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
+    outs = []
+    for i, seed in enumerate((5, 5, 6)):
+        out = tmp_path / f"o{i}"
+        main(["sample", "--checkpoint", str(run), "--num-images", "4", "--steps", "4", "--seed", str(seed),
+              "--out", str(out), "--no-progress"])
+        outs.append(np.load(next(out.glob("*.npz")))["images"])
+    assert np.array_equal(outs[0], outs[1])
+    assert not np.array_equal(outs[0], outs[2])
+
+
+def test_corrupted_newest_checkpoint_falls_back(tmp_path, fmnist_npz):
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=4, checkpoint_every=2), out_dir=run, log=quiet)
+    ckpts = list_checkpoints(run / "checkpoints")
+    data = bytearray(ckpts[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ckpts[-1].write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="ckpt_000000004.pt is corrupted"):
+        path, state = load_latest(run / "checkpoints")
+    assert path == ckpts[-2] and state["step"] == 2
+    with pytest.raises(CheckpointError, match="ckpt_000000004.pt"):
+        load_checkpoint(ckpts[-1])
+    ckpts[-2].write_bytes(ckpts[-2].read_bytes()[:1000])  # truncated
+    with pytest.raises(CheckpointError, match="ckpt_000000002.pt"):
+        load_checkpoint(ckpts[-2])
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path):
+    _Evil.marker = tmp_path / "pwned"
+    path = tmp_path / "ckpt_000000001.pt"
+    torch.save({"format": 1, "model": _Evil()}, path)
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        load_checkpoint(path)
+    assert not _Evil.marker.exists()
+
+
+def test_resume_with_changed_architecture_names_the_field(tmp_path, fmnist_npz):
+    run = tmp_path / "run"
+    cfg = tiny_cfg(fmnist_npz, max_steps=2)
+    train(cfg, out_dir=run, log=quiet)
+    changed = apply_overrides(cfg, {"model.time_emb_dim": 64, "train.max_steps": 4})
+    with pytest.raises(ConfigError, match="model.time_emb_dim was 32 in the checkpoint but is 64"):
+        train(changed, out_dir=run, resume="latest", log=quiet)
+
+
+def test_state_dict_keys_are_clean():
+    sd = {"_orig_mod.conv_in.weight": 1, "module.conv_out.bias": 2, "module._orig_mod.t_proj.0.weight": 3}
+    assert list(clean_state_dict(sd)) == ["conv_in.weight", "conv_out.bias", "t_proj.0.weight"]
+
+
+def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(fmnist_npz), "--out", str(run), "--preset",
+           "tiny", "--max-steps", "100000", "--log-every", "1", "--checkpoint-every", "100000", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    ckpts = list_checkpoints(run / "checkpoints")
+    assert len(ckpts) == 1
+    step = load_checkpoint(ckpts[0])["step"]
+    assert step >= 3 and read_metrics(metrics)[-1]["step"] == step
+    assert "resume with --resume latest" in out + err
+    # the continuation picks up exactly there
+    assert main(["train", "--out", str(run), "--resume", "latest", "--max-steps", str(step + 2),
+                 "--no-progress"]) == 0
+    assert [m["step"] for m in read_metrics(metrics)][-2:] == [step + 1, step + 2]
+
+
+def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys):
+    code = main(["train", "--data", str(fmnist_npz), "--out", str(tmp_path / "r"), "--preset", "tiny",
+                 "--batch-size", "1000", "--no-progress"])
+    assert code == 2
+    assert "fewer than batch_size=1000" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_training_and_sampling(tmp_path, fmnist_npz):
+    cfg = apply_overrides(tiny_cfg(fmnist_npz, max_steps=20), {"train.device": "cuda", "train.precision": "auto"})
+    result = train(cfg, out_dir=tmp_path / "run", log=quiet)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["device"].startswith("cuda")
+    assert info["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    assert result.last_loss is not None and np.isfinite(result.last_loss)
+    assert (tmp_path / "run" / "samples" / "final.png").is_file()
