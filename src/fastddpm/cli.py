@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -42,6 +43,9 @@ Exit codes: 0 done, 2 bad input or config, 130 SIGINT / 143 SIGTERM (after writi
 """
 
 
+_METAVARS = {"source": "SOURCE", "cache_dir": "DIR", "device": "DEVICE"}
+
+
 def _flag_name(name: str, meta: dict) -> str:
     return "--" + (meta.get("cli") or name).replace("_", "-")
 
@@ -51,7 +55,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
     dests: dict[str, tuple[str, str]] = {}
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} options ({cls.__doc__.splitlines()[0]})")
-        types = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls)
         defaults = cls()
         for f in dataclasses.fields(cls):
             meta = f.metadata
@@ -60,7 +64,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
             default = getattr(defaults, f.name)
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
             help_text = f"{meta['help']} (default {shown}; presets may change it)"
-            tp = types[f.name]
+            tp = hints[f.name]
             dests[dest] = (section, f.name)
             if tp is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
@@ -69,8 +73,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
             choices = meta.get("choices")
             metavar = "{" + ",".join("none" if c is None else c for c in choices) + "}" if choices else None
             if metavar is None:
-                base = typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Union else tp
-                metavar = {int: "N", float: "X", str: "STR"}.get(base, "A,B,..")
+                optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+                base = typing.get_args(tp)[0] if optional else tp
+                metavar = _METAVARS.get(f.name) or {int: "N", float: "X", str: "STR"}.get(base, "A,B,..")
             group.add_argument(flag, dest=dest, default=None, metavar=metavar, help=help_text)
     return dests
 
