@@ -38,7 +38,9 @@ def test_json_config_and_length_flags_replace_each_other(tmp_path):
 @pytest.mark.parametrize("overrides,match", [
     ({"train.lr": -1}, r"train.lr=-1.0 must be > 0"),
     ({"train.batch_sise": 3}, r"unknown config field train.batch_sise \(did you mean 'batch_size'\?\)"),
-    ({"train.batch_size": "lots"}, r"train.batch_size='lots' is not a valid int"),
+    ({"train.log_every": "lots"}, r"train.log_every='lots' is not a valid int"),
+    ({"train.batch_size": "lots"}, r"train.batch_size='lots' must be a positive integer or auto"),
+    ({"train.cuda_graphs": "always"}, r"train.cuda_graphs='always' is not one of"),
     ({"diffusion.schedule": "sigmoid"}, r"diffusion.schedule='sigmoid' is not one of"),
     ({"train.max_steps": 5, "train.max_images": 10}, r"give only one of"),
     ({"modle.attention": False}, r"did you mean 'model'"),

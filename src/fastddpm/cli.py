@@ -63,7 +63,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
             dest = f"cfg__{section}__{f.name}"
             default = getattr(defaults, f.name)
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            help_text = f"{meta['help']} (default {shown}; presets may change it)"
+            help_text = f"{meta['help']} (default {shown}; presets may change it)".replace("%", "%%")
             tp = hints[f.name]
             dests[dest] = (section, f.name)
             if tp is bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,7 +160,14 @@ class DataConfig:
 class TrainConfig:
     """Optimisation, the length of the run, and what it writes along the way."""
 
-    batch_size: int = field(default=192, metadata=_doc("Images per optimizer step (the seed's final recipe: 192)."))
+    batch_size: int | str = field(
+        default=192,
+        metadata=_doc("Images per micro-batch per device (the seed's final recipe: 192), or auto: search for the "
+                      "throughput knee (the batch with the best images/s, not the memory edge) before compiling."),
+    )
+    accum_steps: int = field(
+        default=1, metadata=_doc("Gradient accumulation: micro-batches per optimizer step (batch = size x steps).")
+    )
     max_steps: int | None = field(default=None, metadata=_doc("Stop after this many optimizer steps."))
     max_images: int | None = field(default=None, metadata=_doc("Stop after this many training images (edm2-style kimg)."))
     max_epochs: float | None = field(default=None, metadata=_doc("Stop after this many passes over the data."))
@@ -177,7 +185,39 @@ class TrainConfig:
         metadata=_doc("Autocast precision. auto = bf16 on GPUs that support it, fp16+GradScaler on older GPUs, "
                       "fp32 on CPU.", choices=("auto", "fp32", "bf16", "fp16")),
     )
-    compile: bool = field(default=False, metadata=_doc("torch.compile the model."))
+    compile: str = field(
+        default="auto",
+        metadata=_doc("torch.compile the loss (U-Net fwd+bwd) and the update with static shapes. auto = on for CUDA.",
+                      choices=("auto", "on", "off")),
+    )
+    cuda_graphs: str = field(
+        default="auto",
+        metadata=_doc("CUDA graphs for the step: capture = the whole step in one graph; reduce-overhead = "
+                      "torch.compile's graph trees. auto = capture on CUDA (not with fp16's GradScaler).",
+                      choices=("auto", "off", "capture", "reduce-overhead")),
+    )
+    channels_last: str = field(
+        default="auto",
+        metadata=_doc("NHWC memory format for the U-Net. auto = off (GroupNorm has no NHWC kernel in eager; "
+                      "pending a GPU measurement).", choices=("auto", "on", "off")),
+    )
+    cudnn_benchmark: str = field(
+        default="auto",
+        metadata=_doc("Let cuDNN time its conv algorithms once per shape. auto = on for CUDA (shapes are static).",
+                      choices=("auto", "on", "off")),
+    )
+    grad_checkpointing: bool = field(
+        default=False, metadata=_doc("Recompute each U-Net block's activations in backward: less memory, ~30% more compute.")
+    )
+    data_placement: str = field(
+        default="auto",
+        metadata=_doc("device = the uint8 dataset lives on the GPU; stream = pinned, double-buffered copies from the "
+                      "memory-mapped cache. auto = device when it fits the budget.", choices=("auto", "device", "stream")),
+    )
+    device_memory_budget: float = field(
+        default=0.5, metadata=_doc("Share of free device memory the resident dataset may use (data_placement=auto).")
+    )
+    ema_every: int = field(default=1, metadata=_doc("Update the EMA every k steps (with decay^k), outside CUDA graphs."))
     device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
     seed: int = field(default=0, metadata=_doc("Seed; data order, timesteps and noise are functions of (seed, step)."))
     log_every: int = field(default=50, metadata=_doc("Steps between metric log lines (the only host syncs)."))
@@ -195,7 +235,14 @@ class TrainConfig:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)
         _check_choice("train", self, "precision")
         _check_choice("train", self, "sampler")
-        _require(self.batch_size >= 1, f"train.batch_size={self.batch_size} must be >= 1")
+        _require(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
+                 f"train.batch_size={self.batch_size!r} must be a positive integer or auto")
+        _require(self.accum_steps >= 1, f"train.accum_steps={self.accum_steps} must be >= 1")
+        _require(self.ema_every >= 1, f"train.ema_every={self.ema_every} must be >= 1")
+        _require(0 < self.device_memory_budget <= 1,
+                 f"train.device_memory_budget={self.device_memory_budget} must be in (0, 1]")
+        for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement"):
+            _check_choice("train", self, name)
         for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"train.{name}={v} must be positive (or none)")
@@ -317,11 +364,16 @@ def field_types(cls: type) -> dict[str, Any]:
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Turn a JSON/YAML/CLI value into the field's declared type, or raise a ConfigError naming `where`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
             return None
-        inner = [a for a in args if a is not type(None)][0]
-        return coerce(value, inner, where)
+        options = [a for a in args if a is not type(None)]
+        for option in options[:-1]:  # e.g. int | str: an int if it parses, else the string
+            try:
+                return coerce(value, option, where)
+            except ConfigError:
+                pass
+        return coerce(value, options[-1], where)
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
@@ -338,7 +390,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 return False
             raise ValueError
         if tp is int:
-            if isinstance(value, float) and not value.is_integer():
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             if isinstance(value, str):
                 value = value.replace("_", "")

@@ -1,16 +1,24 @@
 """Where data becomes a batch on the device.
 
-The uint8 dataset is copied to the device once (60,000 MNIST images are 47 MB). Each step gathers its images
-by an epoch permutation, converts them to [-1, 1] floats and draws timesteps and noise, all on the device:
-no DataLoader, no worker processes, no host work per step. The ragged tail of each epoch is dropped so every
-batch has the same shape (what torch.compile and CUDA graphs need; the seed's drop_last=True).
+Two sources of batches, one contract: batch m (a micro-step counter, m = step * accum_steps + micro) holds the
+same images, timesteps and noise whichever source made it, and it is a function of (seed, m) only (see
+fastddpm.rng), so resuming at any step, or switching placement, reproduces an uninterrupted run exactly.
 
-Everything a step draws is a function of (seed, step) (see fastddpm.rng), so resuming at any step reproduces
-exactly the batches of an uninterrupted run.
+- ResidentBatches: the whole uint8 dataset lives on the device (60,000 MNIST images are 47 MB). A step gathers
+  its rows by the epoch permutation and converts them to [-1, 1] floats on the device: no DataLoader, no worker
+  processes, no host work per step.
+- StreamingBatches: for data larger than the device budget. Rows are gathered from the memory-mapped uint8
+  cache into pinned host buffers allocated once, and copied with non_blocking=True on a side stream, double
+  buffered, so the copy of batch m+1 overlaps the compute of batch m.
+
+Both drop the ragged tail of each epoch, so every batch has one static shape (what torch.compile and CUDA
+graphs need; the seed's drop_last=True). The epoch permutation is drawn on the CPU (both sources need the same
+one, and CPU and CUDA generators differ); timesteps, noise and flips are drawn on the device.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,47 +36,171 @@ class Batch:
     indices: torch.Tensor  # (B,) int64 dataset indices (for tests and provenance)
 
 
-class ResidentBatches:
-    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False):
-        num_images = int(images_NCHW.shape[0])
+class _BatchSource(ABC):
+    placement = "?"
+
+    def __init__(self, num_images: int, *, batch_size: int, num_timesteps: int, seed: int, device: torch.device,
+                 hflip: bool):
         if num_images < batch_size:
             raise ConfigError(
                 f"the dataset has {num_images} images, fewer than batch_size={batch_size}: "
                 f"lower --batch-size to at most {num_images}"
             )
-        # One read of the memory-mapped cache into RAM (a private, writable copy), then one copy to the device.
-        self.images_u8 = torch.from_numpy(np.array(images_NCHW, dtype=np.uint8, copy=True)).to(device)
         self.num_images = num_images
         self.batch_size = batch_size
         self.steps_per_epoch = num_images // batch_size  # drop_last: static shapes
         self.num_timesteps = num_timesteps
         self.seed = seed
-        self.device = device
+        self.device = torch.device(device)
         self.hflip = hflip
         self._perm_epoch = -1
-        self._perm: torch.Tensor | None = None
-        self._gen = torch.Generator(device=device)
+        self._perm_cpu: torch.Tensor | None = None
+        self._cpu_gen = torch.Generator()
+        self._dev_gen = torch.Generator(device=self.device)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        """The order of epoch `epoch`: a function of (seed, epoch) only."""
+        """The order of epoch `epoch` (CPU int64): a function of (seed, epoch) only."""
         if epoch != self._perm_epoch:
-            g = generator_for(self.device, self.seed, "epoch-permutation", epoch, self._gen)
-            self._perm = torch.randperm(self.num_images, generator=g, device=self.device)
+            g = generator_for("cpu", self.seed, "epoch-permutation", epoch, self._cpu_gen)
+            self._perm_cpu = torch.randperm(self.num_images, generator=g)
             self._perm_epoch = epoch
-        return self._perm
+            self._on_new_epoch()
+        return self._perm_cpu
 
-    def indices(self, step: int) -> torch.Tensor:
-        epoch, k = divmod(step, self.steps_per_epoch)
+    def _on_new_epoch(self) -> None:
+        pass
+
+    def indices_cpu(self, m: int) -> torch.Tensor:
+        epoch, k = divmod(m, self.steps_per_epoch)
         return self.permutation(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
 
-    def get(self, step: int) -> Batch:
-        idx = self.indices(step)
-        x0 = self.images_u8[idx].to(torch.float32).div_(127.5).sub_(1.0)  # uint8 -> [-1, 1]
-        g = generator_for(self.device, self.seed, "step", step, self._gen)
+    def _finish(self, m: int, x0_u8: torch.Tensor, idx: torch.Tensor) -> Batch:
+        """uint8 rows on the device -> the Batch, drawing t, noise and flips from the (seed, m) generator."""
+        x0 = x0_u8.to(torch.float32).div_(127.5).sub_(1.0)  # uint8 -> [-1, 1]
+        g = generator_for(self.device, self.seed, "step", m, self._dev_gen)  # host-side seeding: no sync
         t = torch.randint(0, self.num_timesteps, (self.batch_size,), generator=g, device=self.device)
         noise = torch.randn(x0.shape, generator=g, device=self.device)
         if self.hflip:
             flip = torch.rand(self.batch_size, generator=g, device=self.device) < 0.5
             x0 = torch.where(flip[:, None, None, None], x0.flip(-1), x0)
         return Batch(x0=x0, t=t, noise=noise, indices=idx)
+
+    @abstractmethod
+    def get(self, m: int) -> Batch:
+        """Batch number m (m = step * accum_steps + micro-step)."""
+
+
+class ResidentBatches(_BatchSource):
+    placement = "device"
+
+    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
+                 device: torch.device, hflip: bool = False):
+        super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
+                         device=device, hflip=hflip)
+        # One read of the memory-mapped cache into RAM (a private, writable copy), then one copy to the device.
+        self.images_u8 = torch.from_numpy(np.array(images_NCHW, dtype=np.uint8, copy=True)).to(self.device)
+        self._perm_dev: torch.Tensor | None = None
+
+    def _on_new_epoch(self) -> None:
+        # Once per epoch: the permutation goes to the device, so per-step slicing launches no copy.
+        perm = self._perm_cpu
+        if self.device.type == "cuda":
+            perm = perm.pin_memory()
+        self._perm_dev = perm.to(self.device, non_blocking=True)
+
+    def indices(self, m: int) -> torch.Tensor:
+        epoch, k = divmod(m, self.steps_per_epoch)
+        self.permutation(epoch)
+        return self._perm_dev[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def get(self, m: int) -> Batch:
+        idx = self.indices(m)
+        return self._finish(m, self.images_u8[idx], idx)
+
+
+class StreamingBatches(_BatchSource):
+    placement = "stream"
+
+    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
+                 device: torch.device, hflip: bool = False):
+        super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
+                         device=device, hflip=hflip)
+        self.images = images_NCHW  # the np.memmap: pages are read on demand, never the whole file
+        shape = (batch_size, *images_NCHW.shape[1:])
+        cuda = self.device.type == "cuda"
+        # Allocated once. Pinned host memory lets the copy engine DMA without a staging copy (the seed's
+        # pin_memory), and lets non_blocking=True return immediately.
+        self._host = [torch.empty(shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self._dev = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(2)] if cuda else None
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copied = [None, None]    # event: H2D copy into slot done (copy stream)
+        self._consumed = [None, None]  # event: compute stream finished reading slot
+        self._ready_m = [-1, -1]
+
+    def _fill_host(self, m: int, slot: int) -> torch.Tensor:
+        idx = self.indices_cpu(m)
+        if self._copied[slot] is not None:
+            # note: host waits for the copy issued two batches ago to leave this pinned buffer; by now it has.
+            self._copied[slot].synchronize()
+        order = np.argsort(idx.numpy())  # read the memmap in file order, then restore the batch order
+        rows = self.images[idx.numpy()[order]]
+        host = self._host[slot]
+        host.numpy()[order] = rows
+        return idx
+
+    def _prefetch(self, m: int) -> None:
+        slot = m % 2
+        if self._ready_m[slot] == m:
+            return
+        self._fill_host(m, slot)
+        with torch.cuda.stream(self._stream):
+            if self._consumed[slot] is not None:
+                self._stream.wait_event(self._consumed[slot])  # don't overwrite rows still being read
+            self._dev[slot].copy_(self._host[slot], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            self._copied[slot] = ev
+        self._ready_m[slot] = m
+
+    def get(self, m: int) -> Batch:
+        if self._stream is None:  # CPU: gather rows straight from the memmap
+            idx = self._fill_host(m, m % 2)
+            return self._finish(m, self._host[m % 2].clone(), idx)
+        slot = m % 2
+        self._prefetch(m)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self._copied[slot])
+        x0_u8 = self._dev[slot]
+        x0_u8.record_stream(current)
+        # The indices stay on the host: copying them from pageable memory would block on the stream.
+        batch = self._finish(m, x0_u8, self.indices_cpu(m))
+        ev = torch.cuda.Event()
+        ev.record(current)
+        self._consumed[slot] = ev
+        self._prefetch(m + 1)  # overlaps with this step's compute
+        return batch
+
+
+def choose_placement(images_NCHW: np.ndarray, device: torch.device, requested: str,
+                     budget_fraction: float) -> tuple[str, str]:
+    """'device' if the uint8 dataset fits `budget_fraction` of free device memory, else 'stream'; with reason."""
+    nbytes = int(np.prod(images_NCHW.shape))
+    mib = nbytes / 2**20
+    if requested != "auto":
+        return requested, f"requested ({mib:,.0f} MiB of uint8 images)"
+    if device.type != "cuda":
+        return "device", f"{device.type}: the {mib:,.0f} MiB dataset is held in RAM"
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = budget_fraction * free
+    if nbytes <= budget:
+        return "device", f"{mib:,.0f} MiB of uint8 images fit the budget ({budget_fraction:.0%} of " \
+                         f"{free / 2**30:.1f} GiB free)"
+    return "stream", f"{mib:,.0f} MiB exceeds the budget ({budget / 2**20:,.0f} MiB): streaming through pinned buffers"
+
+
+def make_batches(images_NCHW: np.ndarray, placement: str, **kwargs) -> _BatchSource:
+    if placement == "device":
+        return ResidentBatches(images_NCHW, **kwargs)
+    if placement == "stream":
+        return StreamingBatches(images_NCHW, **kwargs)
+    raise ConfigError(f"train.data_placement={placement!r}: choose auto, device or stream")

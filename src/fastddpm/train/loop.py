@@ -26,7 +26,8 @@ from fastddpm.diffusion import sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import UNet, count_parameters
 from fastddpm.rng import derive_seed
-from fastddpm.train.batches import ResidentBatches
+from fastddpm.train.batch_finder import find_batch_size, make_trial_fn
+from fastddpm.train.batches import choose_placement, make_batches
 from fastddpm.train.checkpoint import (
     CheckpointError,
     clean_state_dict,
@@ -37,8 +38,9 @@ from fastddpm.train.checkpoint import (
 )
 from fastddpm.train.ema import EMA
 from fastddpm.train.metrics import MetricsLog
-from fastddpm.train.runtime import resolve_device, resolve_precision
-from fastddpm.train.step import train_step
+from fastddpm.train.compile_counters import CompileCounters
+from fastddpm.train.runtime import resolve_device, resolve_fast_path, resolve_precision
+from fastddpm.train.step import TrainStep, make_optimizer
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
@@ -88,6 +90,15 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict with tensor learning rates as floats, so any device or path can load it."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # note: sync, at checkpoint time only
+    return state
 
 
 def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
@@ -185,17 +196,44 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         check_same_architecture(resolve_model_shape(from_dict(resumed[1]["config"]), data.images.shape), cfg,
                                 resumed[0])
 
-    torch.manual_seed(derive_seed(cfg.train.seed, "init"))
-    model = UNet(cfg.model).to(device)
-    ema = EMA(model, cfg.train.ema_decay, warmup=cfg.train.ema_warmup)
     t = cfg.train
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
-                                  **({"fused": True} if device.type == "cuda" else {"foreach": True}))
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    fast = resolve_fast_path(t, device, precision)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = fast.cudnn_benchmark
+    torch.manual_seed(derive_seed(t.seed, "init"))
+    model = UNet(cfg.model).to(device)
+    model.grad_checkpointing = t.grad_checkpointing
+    if fast.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     schedule = schedule_from_config(cfg.diffusion).to(device)
-    batches = ResidentBatches(data.images, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
-                              seed=t.seed, device=device, hflip=cfg.data.hflip)
-    total_steps = total_steps_for(cfg, batches.steps_per_epoch)
+    image_shape = tuple(data.images.shape[1:])
+
+    batch_note = "requested"
+    if t.batch_size == "auto":
+        log("batch size: searching for the throughput knee (uncompiled copy of the model, state untouched)")
+        trial = make_trial_fn(model, schedule, cfg.diffusion.prediction, precision, image_shape=image_shape,
+                              device=device)
+        best, trials = find_batch_size(trial, limit=min(8192, data.images.shape[0]), log=log)
+        batch_note = "auto: " + ", ".join(f"{tr.batch_size}: " + (f"{tr.images_per_s:,.0f} img/s" if tr.images_per_s
+                                          else "OOM") for tr in trials) + f" -> {best}"
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=best))
+        t = cfg.train
+
+    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
+    capture = fast.cuda_graphs == "capture"
+    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
+                               tensor_lr=fast.compile or capture, capturable=capture)
+    lr_template = optimizer.param_groups[0]["lr"]  # a device tensor on the fast path, else a float
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget)
+    batches = make_batches(data.images, placement, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
+                           seed=t.seed, device=device, hflip=cfg.data.hflip)
+    images_per_step = t.batch_size * t.accum_steps
+    steps_per_epoch = batches.steps_per_epoch // t.accum_steps
+    if steps_per_epoch < 1:
+        raise ConfigError(f"batch {t.batch_size} x accum_steps {t.accum_steps} is more than the dataset's "
+                          f"{batches.num_images} images: lower one of them")
+    total_steps = total_steps_for(cfg, steps_per_epoch)
 
     step, images_seen = 0, 0
     if resumed is not None:
@@ -203,6 +241,8 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:  # keep this run's lr representation (tensor or float)
+            group["lr"] = lr_template
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch_cpu"])
@@ -211,26 +251,36 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         step, images_seen = int(state["step"]), int(state["images_seen"])
         log(f"resumed from {path} at step {step:,} ({images_seen:,} images)")
 
-    forward = torch.compile(model) if t.compile else model
+    train_step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
+                              prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
+                              accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
+                              ema_every=t.ema_every, device=device)
     save_config(cfg, run_dir / "config.json")
     run_info = {
         "fastddpm": fastddpm.__version__, "torch": torch.__version__, "python": platform.python_version(),
         "device": str(device), "device_reason": device_reason, "precision": precision.name,
         "precision_reason": precision.reason, "parameters": count_parameters(model),
-        "data": {"source": cfg.data.source, "cache": str(data.cache_path), "shape": list(data.images.shape)},
-        "steps_per_epoch": batches.steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
+        "data": {"source": cfg.data.source, "cache": str(data.cache_path), "shape": list(data.images.shape),
+                 "placement": placement, "placement_reason": placement_reason},
+        "batch_size": t.batch_size, "batch_size_reason": batch_note, "accum_steps": t.accum_steps,
+        "fast_path": fast.reasons, "grad_checkpointing": t.grad_checkpointing,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
     }
     (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     log(f"model: U-Net, {count_parameters(model):,} parameters ({cfg.preset or 'custom'} preset)")
-    log(f"data: {data.images.shape[0]:,} images {tuple(data.images.shape[1:])} from {cfg.data.source}, "
-        f"resident on {device} as uint8; {batches.steps_per_epoch:,} steps/epoch at batch {t.batch_size}")
+    log(f"data: {data.images.shape[0]:,} images {image_shape} from {cfg.data.source}; placement {placement} "
+        f"({placement_reason})")
+    log(f"batch: {t.batch_size} x {t.accum_steps} accumulation = {images_per_step} images/step ({batch_note}); "
+        f"{steps_per_epoch:,} steps/epoch")
     log(f"device: {device} ({device_reason}); precision: {precision.name} ({precision.reason})")
-    log(f"training to step {total_steps:,} ({total_steps * t.batch_size:,} images); run dir {run_dir}")
+    for line in fast.lines():
+        log(line)
+    log(f"training to step {total_steps:,} ({total_steps * images_per_step:,} images); run dir {run_dir}")
 
     def checkpoint_state() -> dict:
         return {
             "model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
-            "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+            "optimizer": portable_optimizer_state(optimizer), "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step, "images_seen": images_seen, "config": cfg.to_dict(),
             "rng": {"torch_cpu": torch.get_rng_state(),
                     "torch_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
@@ -245,6 +295,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
 
     # ------------------------------------------------------------------ loop
     metrics = MetricsLog(run_dir / "metrics.jsonl")
+    compile_counters = CompileCounters(enabled=fast.compile)
     loss_sum = torch.zeros((), device=device)  # accumulated on the device: no sync per step
     loss_count = 0
     last_loss: float | None = None
@@ -261,17 +312,15 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
 
     with _StopFlag() as stop:
         while step < total_steps:
-            batch = batches.get(step)
-            lr = t.lr * min(1.0, (images_seen + t.batch_size) / t.warmup_images) if t.warmup_images else t.lr
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss = train_step(forward, optimizer, scaler, schedule, cfg.diffusion.prediction, batch, precision,
-                              t.grad_clip)
-            ema.update(step)
+            micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
+            lr = t.lr * min(1.0, (images_seen + images_per_step) / t.warmup_images) if t.warmup_images else t.lr
+            loss = train_step_fn(micro, lr=lr, step=step)
             loss_sum += loss
             loss_count += 1
             step += 1
-            images_seen += t.batch_size
+            images_seen += images_per_step
+            if step == min(total_steps, 3):
+                compile_counters.mark_warm()
 
             if step % t.log_every == 0 or step == total_steps:
                 last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
@@ -284,7 +333,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
                 img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
                 metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],
                                "loss": last_loss, "images_per_s": img_per_s, "lr": lr,
-                               "wall_s": now - t_start})
+                               "wall_s": now - t_start, **compile_counters.report()})
                 if bar is not None:
                     bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{img_per_s:,.0f}", refresh=False)
                 loss_sum.zero_()
@@ -295,7 +344,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
 
             done = step == total_steps
             if t.sample_every_images and not done and (
-                    images_seen // t.sample_every_images > (images_seen - t.batch_size) // t.sample_every_images):
+                    images_seen // t.sample_every_images > (images_seen - images_per_step) // t.sample_every_images):
                 last_grid = write_grid(ema.model, schedule, cfg, device, precision,
                                        run_dir / "samples" / f"grid_{images_seen:09d}.png")
                 log(f"step {step:,}: wrote {last_grid}")
@@ -312,6 +361,10 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     if last_ckpt is None:  # resumed at or past the end: nothing trained, still leave weights and a grid
         last_ckpt = write_checkpoint()
     last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
+    if fast.compile:
+        log(f"compile: {compile_counters.report()}")
+    if train_step_fn.graph_failed and fast.cuda_graphs == "capture":
+        log(f"cuda graphs: not used ({train_step_fn.graph_failed})")
     log(f"done: step {step:,}, {images_seen:,} images, loss {last_loss}; grid {last_grid}; "
         f"weights {run_dir / 'ema.safetensors'}")
     return TrainResult(run_dir=run_dir, step=step, images_seen=images_seen, last_loss=last_loss,

@@ -17,10 +17,10 @@ class Precision:
     use_grad_scaler: bool              # fp16 only: bf16 has fp32's exponent range, so nothing underflows
     reason: str
 
-    def autocast(self, device: torch.device):
+    def autocast(self, device: torch.device, cache: bool = True):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=cache)
 
 
 def resolve_device(spec: str) -> tuple[torch.device, str]:
@@ -57,3 +57,56 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
     if spec == "fp16":
         return Precision("fp16", torch.float16, True, "requested (with GradScaler)")
     return Precision("fp32", None, False, "requested")
+
+
+@dataclass
+class FastPath:
+    """What the fast path turned on, and why: printed at start and written to run.json."""
+
+    compile: bool
+    cuda_graphs: str  # "off" | "capture" | "reduce-overhead"
+    channels_last: bool
+    cudnn_benchmark: bool
+    reasons: dict[str, str]
+
+    def lines(self) -> list[str]:
+        return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
+
+
+def resolve_fast_path(train_cfg, device: torch.device, precision: Precision) -> FastPath:
+    cuda = device.type == "cuda"
+    reasons = {}
+    c = train_cfg.compile
+    compile_on = cuda if c == "auto" else c == "on"
+    reasons["compile"] = (f"{'on' if compile_on else 'off'} ("
+                          + ("auto: CUDA" if c == "auto" and cuda else "auto: off on CPU, compile time outweighs "
+                             "the gain for short runs" if c == "auto" else "requested") + ")")
+    g = train_cfg.cuda_graphs
+    if g == "auto":
+        if not cuda:
+            graphs, why = "off", "auto: no CUDA"
+        elif precision.use_grad_scaler:
+            graphs, why = "off", "auto: fp16's GradScaler is not captured; use bf16 for graphs"
+        elif train_cfg.ema_every != 1:
+            graphs, why = "off", "auto: ema_every > 1 runs the EMA outside the step"
+        else:
+            graphs, why = "capture", "auto: the whole step captured in one CUDA graph"
+    else:
+        graphs, why = g, "requested"
+        if g != "off" and not cuda:
+            raise ConfigError(f"train.cuda_graphs={g} needs a CUDA device (device is {device}); use off")
+        if g == "reduce-overhead" and not compile_on:
+            raise ConfigError("train.cuda_graphs=reduce-overhead is torch.compile's mode: turn --compile on")
+    reasons["cuda_graphs"] = f"{graphs} ({why})"
+    cl = train_cfg.channels_last
+    channels_last = cl == "on"
+    reasons["channels_last"] = f"{'on' if channels_last else 'off'} (" + (
+        "requested" if cl != "auto" else "auto: off until measured faster for this U-Net; GroupNorm has no "
+        "NHWC kernel in eager") + ")"
+    cb = train_cfg.cudnn_benchmark
+    bench = (cuda if cb == "auto" else cb == "on")
+    reasons["cudnn_benchmark"] = f"{'on' if bench else 'off'} (" + (
+        "requested" if cb != "auto" else "auto: static shapes, so one search per shape pays off" if cuda
+        else "auto: CPU") + ")"
+    return FastPath(compile=compile_on, cuda_graphs=graphs, channels_last=channels_last, cudnn_benchmark=bench,
+                    reasons=reasons)

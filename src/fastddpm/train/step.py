@@ -1,17 +1,34 @@
-"""One optimizer step: forward, loss, backward, clip, update. No host syncs."""
+"""One optimizer step: forward, loss, backward (over accumulation micro-batches), clip, update, EMA.
+
+`train_step` is the plain, textbook step: the reference every faster path is tested against.
+
+`TrainStep` is the fast path, one callable per step with no host syncs inside:
+  * the learning rate and the EMA decay are device tensors updated with fill_ (a launch, not a sync), so a
+    changing value never makes torch.compile recompile, and a captured CUDA graph sees the new value;
+  * compile=True compiles the loss (q_sample + U-Net + MSE: one graph, with AOTAutograd's backward graph)
+    and, without a GradScaler, the update (clip + AdamW + EMA) with static shapes (dynamic=False);
+  * cuda_graphs="capture" records the whole step (all micro-batches, backward, clip, fused capturable AdamW,
+    EMA) into one CUDA graph and replays it: one launch per step instead of hundreds. The batch is drawn
+    outside the graph (its randomness is a function of (seed, step)) and copied into static input buffers.
+    cuda_graphs="reduce-overhead" uses torch.compile's CUDA graph trees instead.
+"""
 
 from __future__ import annotations
+
+import warnings
+from typing import Sequence
 
 import torch
 
 from fastddpm.diffusion.objective import diffusion_loss
 from fastddpm.train.batches import Batch
+from fastddpm.train.ema import EMA
 from fastddpm.train.runtime import Precision
 
 
 def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, schedule,
                prediction: str, batch: Batch, precision: Precision, grad_clip: float | None) -> torch.Tensor:
-    """Returns the detached loss on the device; reading it (.item()) is the caller's choice of sync point."""
+    """The plain step. Returns the detached loss on the device; reading it (.item()) is the caller's sync."""
     with precision.autocast(batch.x0.device):
         loss = diffusion_loss(model, schedule, prediction, batch.x0, batch.t, batch.noise)
     optimizer.zero_grad(set_to_none=True)
@@ -28,3 +45,159 @@ def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradSc
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         optimizer.step()
     return loss.detach()
+
+
+def make_optimizer(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, device: torch.device,
+                   tensor_lr: bool, capturable: bool) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for all parameters) where this torch supports it on the device."""
+    kwargs = dict(betas=betas, weight_decay=weight_decay)
+    fused_ok = device.type == "cuda" or (device.type == "cpu" and tensor_lr)
+    if fused_ok:
+        kwargs["fused"] = True
+    else:
+        kwargs["foreach"] = True
+    if capturable:
+        kwargs["capturable"] = True
+    lr_value = torch.tensor(lr, dtype=torch.float32, device=device) if tensor_lr else lr
+    return torch.optim.AdamW(model.parameters(), lr=lr_value, **kwargs)
+
+
+class TrainStep:
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
+                 grad_clip: float | None, accum_steps: int = 1, compile: bool = False, cuda_graphs: str = "off",
+                 ema_every: int = 1, device: torch.device):
+        self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
+        self.schedule, self.prediction, self.precision = schedule, prediction, precision
+        self.grad_clip, self.accum_steps, self.ema_every = grad_clip, accum_steps, ema_every
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        lr = optimizer.param_groups[0]["lr"]
+        self.tensor_lr = isinstance(lr, torch.Tensor)
+        self.lr_t = lr if self.tensor_lr else None
+        self.ema_weight_t = torch.zeros((), device=device)  # 1 - beta, refreshed each step with fill_
+        self.compile = compile
+        self.cuda_graphs = cuda_graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_failed: str | None = None
+        self._capturing = False
+        self._static: list[Batch] | None = None
+        self._static_loss: torch.Tensor | None = None
+
+        loss_fn = self._loss
+        update_fn = self._update
+        if compile:
+            mode = "reduce-overhead" if cuda_graphs == "reduce-overhead" else None
+            loss_fn = torch.compile(self._loss, dynamic=False, mode=mode)
+            if scaler is None:
+                update_fn = torch.compile(self._update, dynamic=False, mode=mode)
+        self._loss_fn, self._update_fn = loss_fn, update_fn
+
+    # -- the pieces ------------------------------------------------------------------------------------------
+    def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        # Autocast's weight-cast cache must be off under CUDA graph capture (cached casts would be freed).
+        with self.precision.autocast(x0.device, cache=self.cuda_graphs != "capture"):
+            return diffusion_loss(self.model, self.schedule, self.prediction, x0, t, noise)
+
+    def _update(self) -> None:
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        self.optimizer.step()
+
+    def _ema(self) -> None:
+        torch._foreach_lerp_(self.ema._ema_params, self.params, self.ema_weight_t)
+
+    def _body(self, batches: Sequence[Batch], do_ema: bool) -> torch.Tensor:
+        """forward+backward over the micro-batches, update, EMA. Gradients are zeroed at the start (in place
+        when graphs are on, so their memory stays where the graph recorded it)."""
+        self.optimizer.zero_grad(set_to_none=self.graph is None and not self._capturing)
+        total = torch.zeros((), device=self.device)
+        for b in batches:
+            loss = self._loss_fn(b.x0, b.t, b.noise)
+            if self.scaler is not None:
+                self.scaler.scale(loss / self.accum_steps).backward()
+            else:
+                (loss / self.accum_steps).backward()
+            total = total + loss.detach()
+        if self.scaler is not None:
+            if self.grad_clip is not None:
+                self.scaler.unscale_(self.optimizer)
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self._update_fn()
+        if do_ema:
+            self._ema()
+        return total / len(batches)
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def set_hyper(self, lr: float, step: int) -> None:
+        if self.tensor_lr:
+            self.lr_t.fill_(lr)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        beta = self.ema.beta(step) ** self.ema_every
+        self.ema_weight_t.fill_(1.0 - beta)
+
+    def __call__(self, batches: Sequence[Batch], *, lr: float, step: int) -> torch.Tensor:
+        """One optimizer step over `accum_steps` micro-batches. Returns the mean loss, on the device."""
+        assert len(batches) == self.accum_steps
+        self.set_hyper(lr, step)
+        do_ema = step % self.ema_every == 0
+        if self.cuda_graphs == "capture" and self.graph_failed is None and self.ema_every == 1:
+            if self.graph is None:
+                self._capture(batches)
+            if self.graph is not None:
+                for static, b in zip(self._static, batches):
+                    static.x0.copy_(b.x0)
+                    static.t.copy_(b.t)
+                    static.noise.copy_(b.noise)
+                self.graph.replay()
+                return self._static_loss.clone()
+        if self.compile and self.cuda_graphs == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._body(batches, do_ema)
+
+    # -- CUDA graph capture ----------------------------------------------------------------------------------
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = list(self.params) + list(self.ema._ema_params)
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def _capture(self, batches: Sequence[Batch]) -> None:
+        """Warm up on a side stream, capture one step, then put every state tensor back as it was, so the
+        warm-up steps leave no trace and resume stays exact. On any failure: warn and run without graphs."""
+        if self.scaler is not None or self.device.type != "cuda":
+            self.graph_failed = "CUDA graphs need a CUDA device and no GradScaler (use bf16 or fp32)"
+            return
+        before = {id(t): t.detach().clone() for t in self._state_tensors()}
+        try:
+            self._static = [Batch(x0=b.x0.clone(), t=b.t.clone(), noise=b.noise.clone(), indices=b.indices)
+                            for b in batches]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            self._capturing = True
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up: lazy state init, compile, cuBLAS/cuDNN workspaces
+                    self._body(self._static, True)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._static_loss = self._body(self._static, True)
+            self.graph = graph
+        except Exception as e:  # a capture failure must not kill the run: fall back to the same step, eager
+            self.graph = None
+            self.graph_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture failed, running without graphs: {self.graph_failed}", stacklevel=2)
+        finally:
+            self._capturing = False
+            with torch.no_grad():
+                for t in self._state_tensors():
+                    if id(t) in before:
+                        t.copy_(before[id(t)])
+                    else:  # optimizer state created during warm-up: its fresh value is zero (step, moments)
+                        t.zero_()
+            self.optimizer.zero_grad(set_to_none=self.graph is None)

@@ -1,0 +1,289 @@
+"""The fast path computes what the plain path computes: same loss, gradients and update for the same batch;
+the streaming loader yields exactly the resident loader's batches; the batch finder never touches training
+state. GPU-only behaviour (CUDA graphs, pinned streams, no host syncs) is tested where CUDA exists."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.config import apply_overrides, get_preset
+from fastddpm.diffusion import make_schedule
+from fastddpm.models import UNet
+from fastddpm.train.batch_finder import Trial, choose_knee, find_batch_size, make_trial_fn
+from fastddpm.train.batches import Batch, ResidentBatches, StreamingBatches
+from fastddpm.train.ema import EMA
+from fastddpm.train.loop import train
+from fastddpm.train.metrics import read_metrics
+from fastddpm.train.runtime import resolve_precision
+from fastddpm.train.step import TrainStep, make_optimizer, train_step
+
+CPU = torch.device("cpu")
+
+
+def tiny_model(seed=0):
+    cfg = get_preset("tiny").model
+    cfg.image_channels, cfg.image_size = 1, 28
+    torch.manual_seed(seed)
+    return UNet(cfg)
+
+
+@pytest.fixture(scope="module")
+def real_images():
+    from conftest import read_fmnist
+
+    return read_fmnist(64)[0]
+
+
+def _batch(images, m=0, batch_size=16):
+    return ResidentBatches(images, batch_size=batch_size, num_timesteps=1000, seed=3, device=CPU).get(m)
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _fast_and_plain(precision_name, images, **step_kwargs):
+    schedule = make_schedule("linear", 1000)
+    batch = _batch(images)
+    plain = tiny_model()
+    fast = copy.deepcopy(plain)
+    init = [p.detach().clone() for p in plain.parameters()]
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
+    loss_plain = train_step(plain, opt_plain, None, schedule, "epsilon", batch, resolve_precision("fp32", CPU), 1.0)
+
+    precision = resolve_precision(precision_name, CPU)
+    opt_fast = make_optimizer(fast, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                              capturable=False)
+    ema = EMA(fast, 0.999)
+    step = TrainStep(model=fast, optimizer=opt_fast, scaler=None, ema=ema, schedule=schedule, prediction="epsilon",
+                     precision=precision, grad_clip=1.0, device=CPU, **step_kwargs)
+    loss_fast = step([batch], lr=1e-3, step=0)
+    return plain, fast, loss_plain, loss_fast, (ema, init)
+
+
+def test_fast_step_equals_plain_step_fp32(real_images):
+    plain, fast, loss_plain, loss_fast, (ema, init) = _fast_and_plain("fp32", real_images)
+    assert abs(loss_fast.item() - loss_plain.item()) <= 1e-6
+    for gp, gf in zip(_grads(plain), _grads(fast)):
+        torch.testing.assert_close(gf, gp, rtol=0, atol=1e-6)
+    # fused (fast) and foreach (plain) AdamW: the same update
+    for pp, pf in zip(plain.parameters(), fast.parameters()):
+        torch.testing.assert_close(pf, pp, rtol=0, atol=1e-6)
+    # EMA after the first step with warm-up: beta = min(0.999, (1+0)/(10+0)) = 0.1, so ema = 0.1 init + 0.9 new
+    for e, p, p0 in zip(ema.model.parameters(), fast.parameters(), init):
+        torch.testing.assert_close(e, 0.1 * p0 + 0.9 * p.detach(), rtol=0, atol=1e-6)
+
+
+def test_fast_step_bf16_is_close_to_fp32(real_images):
+    """bf16 autocast keeps 8 bits of mantissa: loss within 2% and gradients pointing the same way (cos > 0.99)."""
+    plain, fast, loss_plain, loss_fast, _ = _fast_and_plain("bf16", real_images)
+    assert loss_fast.item() == pytest.approx(loss_plain.item(), rel=0.02)
+    gp = torch.cat([g.flatten() for g in _grads(plain)])
+    gf = torch.cat([g.flatten() for g in _grads(fast)])
+    assert torch.nn.functional.cosine_similarity(gp, gf, dim=0).item() > 0.99
+
+
+def test_gradient_checkpointing_changes_nothing_but_memory(real_images):
+    schedule = make_schedule("linear", 1000)
+    batch = _batch(real_images)
+    a, b = tiny_model(), tiny_model()
+    b.grad_checkpointing = True
+    from fastddpm.diffusion import diffusion_loss
+
+    la = diffusion_loss(a, schedule, "epsilon", batch.x0, batch.t, batch.noise)
+    lb = diffusion_loss(b, schedule, "epsilon", batch.x0, batch.t, batch.noise)
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) <= 1e-6
+    for ga, gb in zip(_grads(a), _grads(b)):
+        torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
+
+
+def test_accumulation_of_two_halves_equals_one_full_batch(real_images):
+    schedule = make_schedule("linear", 1000)
+    full = _batch(real_images, batch_size=16)
+    halves = [Batch(x0=full.x0[s], t=full.t[s], noise=full.noise[s], indices=full.indices[s])
+              for s in (slice(0, 8), slice(8, 16))]
+    results = []
+    for accum, batches in ((1, [full]), (2, halves)):
+        model = tiny_model()
+        opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                             capturable=False)
+        step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=schedule,
+                         prediction="epsilon", precision=resolve_precision("fp32", CPU), grad_clip=None,
+                         accum_steps=accum, device=CPU)
+        results.append((step(batches, lr=1e-3, step=0), _grads(model)))
+    (l1, g1), (l2, g2) = results
+    assert abs(l1.item() - l2.item()) <= 1e-6
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_yields_exactly_the_resident_batches(real_images, tmp_path):
+    path = tmp_path / "images.npy"
+    np.save(path, real_images)
+    mm = np.load(path, mmap_mode="r")
+    kw = dict(batch_size=12, num_timesteps=1000, seed=7, device=CPU, hflip=True)
+    resident, streaming = ResidentBatches(real_images, **kw), StreamingBatches(mm, **kw)
+    assert resident.steps_per_epoch == streaming.steps_per_epoch == 5  # 64 // 12, ragged tail dropped
+    seen = []
+    for m in range(3 * resident.steps_per_epoch):  # three epochs, across the epoch boundaries
+        a, b = resident.get(m), streaming.get(m)
+        assert torch.equal(a.indices.cpu(), b.indices.cpu())
+        assert torch.equal(a.x0, b.x0) and torch.equal(a.t, b.t) and torch.equal(a.noise, b.noise)
+        seen.append(a.indices)
+    first_epoch = torch.cat(seen[:5])
+    assert len(set(first_epoch.tolist())) == 60  # no repeats within an epoch
+    assert not torch.equal(torch.cat(seen[5:10]), first_epoch)  # a new order each epoch
+
+
+def test_batch_draws_are_a_function_of_seed_and_step(real_images):
+    kw = dict(batch_size=8, num_timesteps=1000, seed=11, device=CPU)
+    a, b = ResidentBatches(real_images, **kw), ResidentBatches(real_images, **kw)
+    later = a.get(13)
+    for m in range(13):  # b walks there; a jumped straight to it
+        b.get(m)
+    again = b.get(13)
+    assert torch.equal(later.x0, again.x0) and torch.equal(later.noise, again.noise)
+
+
+def test_batch_finder_backs_off_at_oom_and_picks_the_knee():
+    curve = {32: 1000.0, 64: 1800.0, 128: 2600.0, 256: 2650.0}
+
+    def trial(bs):
+        if bs > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return curve[bs]
+
+    best, trials = find_batch_size(trial, start=32, limit=4096, log=lambda *a: None)
+    assert [t.batch_size for t in trials] == [32, 64, 128, 256, 512]
+    assert trials[-1].images_per_s is None and trials[-1].error == "out of memory"
+    assert best == 128  # within 5% of the best (2650) at half the memory of 256
+    with pytest.raises(RuntimeError, match="even the smallest"):
+        choose_knee([Trial(32, None, None, "out of memory")], 0.05)
+
+
+def test_batch_finder_stops_when_throughput_is_flat():
+    calls = []
+
+    def trial(bs):
+        calls.append(bs)
+        return 1000.0 if bs >= 64 else 500.0
+
+    best, _ = find_batch_size(trial, start=32, limit=10**6, log=lambda *a: None)
+    assert best == 64 and calls == [32, 64, 128, 256]
+
+
+def test_batch_finder_trials_leave_the_model_untouched():
+    model = tiny_model()
+    before = copy.deepcopy(model.state_dict())
+    trial = make_trial_fn(model, make_schedule("linear", 1000), "epsilon", resolve_precision("fp32", CPU),
+                          image_shape=(1, 28, 28), device=CPU, warmup_steps=1, timed_steps=1)
+    assert trial(4) > 0
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_auto_batch_size_in_a_run(tmp_path, real_images):
+    src = tmp_path / "64.npz"
+    np.savez(src, images=real_images)  # 64 images: the search stops at the dataset size (trials 32, 64)
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,
+                                               "train.batch_size": "auto", "train.max_steps": 2})
+    train(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert info["batch_size"] in (32, 64)
+    assert saved["train"]["batch_size"] == info["batch_size"]  # resume reuses the resolved batch
+    assert info["batch_size_reason"].startswith("auto: 32:")
+
+
+def test_compiled_step_matches_eager_and_does_not_recompile(tmp_path, fmnist_npz):
+    """torch.compile on a tiny model (CPU inductor): the same losses as eager, and the changing warm-up learning
+    rate (a tensor) causes no recompilation after warm-up."""
+    over = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 6, "train.log_every": 1,
+            "train.warmup_images": 1000, "train.checkpoint_every": None, "train.num_sample_images": 2,
+            "train.sample_steps": 2}
+    eager = apply_overrides(get_preset("tiny"), {**over, "train.compile": "off"})
+    compiled = apply_overrides(get_preset("tiny"), {**over, "train.compile": "on"})
+    train(eager, out_dir=tmp_path / "eager", log=lambda *a: None)
+    train(compiled, out_dir=tmp_path / "compiled", log=lambda *a: None)
+    le = [m["loss"] for m in read_metrics(tmp_path / "eager" / "metrics.jsonl")]
+    mc = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
+    np.testing.assert_allclose([m["loss"] for m in mc], le, rtol=1e-4, atol=1e-5)
+    assert mc[-1]["recompiles_after_warmup"] == 0
+    assert mc[-1]["graph_breaks"] >= 0 and mc[-1]["compiled_graphs"] >= 1
+    info = json.loads((tmp_path / "compiled" / "run.json").read_text())
+    assert info["fast_path"]["compile"].startswith("on")
+
+
+def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 1, "train.accum_steps": 2})
+    lines = []
+    train(cfg, out_dir=tmp_path / "run", log=lines.append)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert set(info["fast_path"]) == {"compile", "cuda_graphs", "channels_last", "cudnn_benchmark"}
+    assert info["data"]["placement"] == "device" and info["accum_steps"] == 2
+    text = "\n".join(lines)
+    for word in ("placement device", "16 x 2 accumulation = 32 images/step", "compile: off", "cuda_graphs: off"):
+        assert word in text
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_streaming_equals_resident(real_images, tmp_path):
+    path = tmp_path / "images.npy"
+    np.save(path, real_images)
+    kw = dict(batch_size=12, num_timesteps=1000, seed=7, device=torch.device("cuda"), hflip=True)
+    resident, streaming = ResidentBatches(real_images, **kw), StreamingBatches(np.load(path, mmap_mode="r"), **kw)
+    for m in range(12):
+        a, b = resident.get(m), streaming.get(m)
+        assert torch.equal(a.x0, b.x0) and torch.equal(a.noise, b.noise) and torch.equal(a.t, b.t)
+
+
+def _cuda_run(tmp_path, fmnist_npz, name, **over):
+    base = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 8, "train.log_every": 1,
+            "train.device": "cuda", "train.precision": "bf16", "train.checkpoint_every": None,
+            "train.num_sample_images": 2, "train.sample_steps": 2}
+    cfg = apply_overrides(get_preset("tiny"), {**base, **over})
+    train(cfg, out_dir=tmp_path / name, log=lambda *a: None)
+    return [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
+    eager = _cuda_run(tmp_path, fmnist_npz, "eager", **{"train.compile": "off", "train.cuda_graphs": "off"})
+    graphs = _cuda_run(tmp_path, fmnist_npz, "graphs", **{"train.compile": "off", "train.cuda_graphs": "capture"})
+    compiled = _cuda_run(tmp_path, fmnist_npz, "both", **{"train.compile": "on", "train.cuda_graphs": "capture"})
+    np.testing.assert_allclose(graphs, eager, rtol=2e-2)
+    np.testing.assert_allclose(compiled, eager, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_step_has_no_host_syncs(real_images):
+    device = torch.device("cuda")
+    model = tiny_model().to(device)
+    schedule = make_schedule("linear", 1000).to(device)
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=device, tensor_lr=True,
+                         capturable=False)
+    step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=schedule,
+                     prediction="epsilon", precision=resolve_precision("bf16", device), grad_clip=1.0,
+                     device=device)
+    batches = ResidentBatches(real_images, batch_size=16, num_timesteps=1000, seed=0, device=device)
+    step([batches.get(0)], lr=1e-3, step=0)  # lazy optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(1, 4):
+            step([batches.get(s)], lr=1e-3, step=s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
