@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+# Debian's dataset-fashion-mnist; FASTDDPM_FMNIST_DIR points elsewhere (e.g. a copy carried to a GPU machine).
+FMNIST_DIR = Path(os.environ.get("FASTDDPM_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 
 
 @pytest.fixture(autouse=True, scope="session")

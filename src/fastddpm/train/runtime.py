@@ -97,6 +97,12 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision) -> 
             raise ConfigError(f"train.cuda_graphs={g} needs a CUDA device (device is {device}); use off")
         if g == "reduce-overhead" and not compile_on:
             raise ConfigError("train.cuda_graphs=reduce-overhead is torch.compile's mode: turn --compile on")
+        if g == "capture" and train_cfg.ema_every != 1:
+            raise ConfigError("train.cuda_graphs=capture records the EMA inside the step: use --ema-every 1, or "
+                              "--cuda-graphs reduce-overhead/off with --ema-every > 1")
+        if g == "capture" and precision.use_grad_scaler:
+            raise ConfigError("train.cuda_graphs=capture does not capture fp16's GradScaler: use --precision bf16 "
+                              "(or fp32), or --cuda-graphs off")
     reasons["cuda_graphs"] = f"{graphs} ({why})"
     cl = train_cfg.channels_last
     channels_last = cl == "on"
