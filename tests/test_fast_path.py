@@ -263,6 +263,9 @@ def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
     eager = _cuda_run(tmp_path, fmnist_npz, "eager", **{"train.compile": "off", "train.cuda_graphs": "off"})
     graphs = _cuda_run(tmp_path, fmnist_npz, "graphs", **{"train.compile": "off", "train.cuda_graphs": "capture"})
     compiled = _cuda_run(tmp_path, fmnist_npz, "both", **{"train.compile": "on", "train.cuda_graphs": "capture"})
+    for name in ("graphs", "both"):
+        info = json.loads((tmp_path / name / "run.json").read_text())
+        assert info["cuda_graphs_used"], info["cuda_graphs_failure"]
     np.testing.assert_allclose(graphs, eager, rtol=2e-2)
     np.testing.assert_allclose(compiled, eager, rtol=2e-2)
 
@@ -287,3 +290,37 @@ def test_cuda_step_has_no_host_syncs(real_images):
             step([batches.get(s)], lr=1e-3, step=s)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fast_step_ema_builds_no_autograd_history(real_images):
+    _, fast, _, _, (ema, _) = _fast_and_plain("fp32", real_images)
+    for e in ema.model.parameters():
+        assert e.is_leaf and not e.requires_grad and e.grad_fn is None
+
+
+def test_optimizer_state_resumes_across_implementations():
+    """A checkpoint from the plain path (foreach, float lr) loads into the fast path (fused, tensor lr) and back."""
+    from fastddpm.train.loop import portable_optimizer_state, with_current_optimizer_flags
+
+    model = tiny_model()
+    plain = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=False,
+                           capturable=False)
+    model(torch.randn(2, 1, 28, 28), torch.tensor([1, 2])).square().mean().backward()
+    plain.step()
+    fast = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                          capturable=False)
+    fast.load_state_dict(with_current_optimizer_flags(portable_optimizer_state(plain), fast))
+    # (load_state_dict deep-copies the groups: TrainStep reads the lr tensor after loading, as the loop does)
+    assert isinstance(fast.param_groups[0]["lr"], torch.Tensor) and fast.param_groups[0]["fused"]
+    fast.step()  # would raise "lr as a Tensor is not supported for ... foreach" with the saved flags
+    back = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=False,
+                          capturable=False)
+    back.load_state_dict(with_current_optimizer_flags(portable_optimizer_state(fast), back))
+    assert isinstance(back.param_groups[0]["lr"], float)
+    back.step()
+
+
+def test_schedule_tensors_are_never_replaced_in_place():
+    s = make_schedule("linear", 1000)
+    before = s.sqrt_alpha_bar
+    assert s.to("cpu") is s and s.sqrt_alpha_bar is before

@@ -8,6 +8,7 @@ Indices here run t = 0 .. T-1 (the paper's t = 1 .. T).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -50,13 +51,27 @@ class NoiseSchedule:
             # Posterior q(x_{t-1} | x_t, x_0) variance, beta_tilde_t (Ho et al. eq. 7).
             "posterior_variance": betas * (1.0 - alpha_bar_prev) / (1.0 - alpha_bar),
         }
-        self.to("cpu")
+        self._place("cpu")
 
-    def to(self, device: torch.device | str) -> "NoiseSchedule":
+    def _place(self, device: torch.device | str) -> None:
         for name, value in self._f64.items():
             setattr(self, name, value.to(device=device, dtype=torch.float32))
         self.device = torch.device(device)
-        return self
+
+    def to(self, device: torch.device | str) -> "NoiseSchedule":
+        """This schedule on `device`: itself if already there, else a new object. A schedule's tensors are never
+        replaced in place, so a captured CUDA graph that reads them stays valid."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        here = self.device
+        if here.type == "cuda" and here.index is None:
+            here = torch.device("cuda", torch.cuda.current_device())
+        if device == here:
+            return self
+        moved = copy.copy(self)
+        moved._place(device)
+        return moved
 
     def float64(self, name: str) -> torch.Tensor:
         """A constant in float64 on the CPU, for samplers that want the exact values."""

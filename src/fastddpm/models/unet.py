@@ -171,7 +171,8 @@ class UNet(nn.Module):
 
     def _run(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(block, *args, use_reentrant=False)
+            # The U-Net has no dropout: no RNG state to save (saving it also breaks CUDA graph capture).
+            return checkpoint(block, *args, use_reentrant=False, preserve_rng_state=False)
         return block(*args)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,10 @@ class Trial:
 
 
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    """Out of memory, including the library allocations that fail near the limit (cuBLAS / cuDNN workspaces)."""
+    text = str(e)
+    return (isinstance(e, torch.OutOfMemoryError) or "out of memory" in text.lower()
+            or "STATUS_ALLOC_FAILED" in text)
 
 
 def choose_knee(trials: list[Trial], tolerance: float) -> int:

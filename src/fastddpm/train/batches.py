@@ -133,6 +133,8 @@ class StreamingBatches(_BatchSource):
         self._host = [torch.empty(shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self._dev = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(2)] if cuda else None
         self._stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda:  # the buffers were allocated on the compute stream; the copy stream writes them first
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._copied = [None, None]    # event: H2D copy into slot done (copy stream)
         self._consumed = [None, None]  # event: compute stream finished reading slot
         self._ready_m = [-1, -1]
@@ -171,7 +173,6 @@ class StreamingBatches(_BatchSource):
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self._copied[slot])
         x0_u8 = self._dev[slot]
-        x0_u8.record_stream(current)
         # The indices stay on the host: copying them from pageable memory would block on the stream.
         batch = self._finish(m, x0_u8, self.indices_cpu(m))
         ev = torch.cuda.Event()

@@ -101,6 +101,17 @@ def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     return state
 
 
+def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved optimizer state whose param groups carry this run's implementation flags (fused, foreach,
+    capturable) and lr representation, so a checkpoint from any device or path resumes on this one."""
+    saved = {**saved, "param_groups": [dict(g) for g in saved["param_groups"]]}
+    for group, current in zip(saved["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach", "capturable", "differentiable", "lr"):
+            if key in current:
+                group[key] = current[key]
+    return saved
+
+
 def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
     """Fill model.image_channels / image_size from the data, or check the ones the user set."""
     _, c, h, w = images_NCHW_shape
@@ -178,6 +189,8 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device, device_reason = resolve_device(cfg.train.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # graph capture, bf16 checks and new streams use the current device
     precision = resolve_precision(cfg.train.precision, device)
     if device.type == "cuda":
         # TF32 for the fp32 matmuls/convs that remain outside autocast (10-bit mantissa, fp32 range).
@@ -218,12 +231,13 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
                                           else "OOM") for tr in trials) + f" -> {best}"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=best))
         t = cfg.train
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the trials' cached blocks would make the data look like it doesn't fit
 
     ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
     capture = fast.cuda_graphs == "capture"
     optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
                                tensor_lr=fast.compile or capture, capturable=capture)
-    lr_template = optimizer.param_groups[0]["lr"]  # a device tensor on the fast path, else a float
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget)
     batches = make_batches(data.images, placement, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
@@ -240,9 +254,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         path, state = resumed
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(state["optimizer"])
-        for group in optimizer.param_groups:  # keep this run's lr representation (tensor or float)
-            group["lr"] = lr_template
+        optimizer.load_state_dict(with_current_optimizer_flags(state["optimizer"], optimizer))
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch_cpu"])
@@ -363,8 +375,12 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
     if fast.compile:
         log(f"compile: {compile_counters.report()}")
-    if train_step_fn.graph_failed and fast.cuda_graphs == "capture":
-        log(f"cuda graphs: not used ({train_step_fn.graph_failed})")
+    if fast.cuda_graphs == "capture":
+        run_info["cuda_graphs_used"] = train_step_fn.graph is not None
+        run_info["cuda_graphs_failure"] = train_step_fn.graph_failed
+        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+        if train_step_fn.graph_failed:
+            log(f"cuda graphs: not used ({train_step_fn.graph_failed})")
     log(f"done: step {step:,}, {images_seen:,} images, loss {last_loss}; grid {last_grid}; "
         f"weights {run_dir / 'ema.safetensors'}")
     return TrainResult(run_dir=run_dir, step=step, images_seen=images_seen, last_loss=last_loss,

@@ -104,8 +104,13 @@ class TrainStep:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
         self.optimizer.step()
 
+    @torch.no_grad()  # without it every EMA tensor grows an autograd chain, one node per step
     def _ema(self) -> None:
-        torch._foreach_lerp_(self.ema._ema_params, self.params, self.ema_weight_t)
+        # ema += w * (theta - ema), with w a 0-dim device tensor. _foreach_lerp_ has no tensor-weight overload: it
+        # would read w back to the host (a sync, and a constant baked into a captured graph). mul_ takes a tensor.
+        delta = torch._foreach_sub(self.params, self.ema._ema_params)
+        torch._foreach_mul_(delta, self.ema_weight_t)
+        torch._foreach_add_(self.ema._ema_params, delta)
 
     def _body(self, batches: Sequence[Batch], do_ema: bool) -> torch.Tensor:
         """forward+backward over the micro-batches, update, EMA. Gradients are zeroed at the start (in place
@@ -174,18 +179,24 @@ class TrainStep:
             self.graph_failed = "CUDA graphs need a CUDA device and no GradScaler (use bf16 or fp32)"
             return
         before = {id(t): t.detach().clone() for t in self._state_tensors()}
+        side = torch.cuda.Stream(self.device)
         try:
             self._static = [Batch(x0=b.x0.clone(), t=b.t.clone(), noise=b.noise.clone(), indices=b.indices)
                             for b in batches]
-            side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             self._capturing = True
             with torch.cuda.stream(side):
-                for _ in range(3):  # warm-up: lazy state init, compile, cuBLAS/cuDNN workspaces
-                    self._body(self._static, True)
+                for i in range(3):  # warm-up: lazy state init, compile, cuBLAS/cuDNN workspaces
+                    if i == 2:
+                        # A host sync cannot be captured: find one here, with a clear message, not mid-capture.
+                        torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        self._body(self._static, True)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 self._static_loss = self._body(self._static, True)
             self.graph = graph
         except Exception as e:  # a capture failure must not kill the run: fall back to the same step, eager
@@ -193,6 +204,8 @@ class TrainStep:
             self.graph_failed = f"{type(e).__name__}: {e}"
             warnings.warn(f"CUDA graph capture failed, running without graphs: {self.graph_failed}", stacklevel=2)
         finally:
+            # Side-stream warm-up kernels may still run (after an exception): let them finish before restoring.
+            torch.cuda.current_stream(self.device).wait_stream(side)
             self._capturing = False
             with torch.no_grad():
                 for t in self._state_tensors():
