@@ -1,4 +1,4 @@
-"""The `fastddpm` command: train, sample, data.
+"""The `fastddpm` command: train, sample, data, bench.
 
 `fastddpm train --help` is generated from the config dataclasses (fastddpm.config), so every field has a flag
 and a line of help, and nothing here can drift from what the trainer reads.
@@ -130,9 +130,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    from fastddpm.bench.cli import add_bench_parser
     from fastddpm.data.cli import add_data_parser
 
     add_data_parser(sub)
+    add_bench_parser(sub)
     return parser, dests
 
 
@@ -238,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             from fastddpm.data.cli import run_data
 
             return run_data(args)
+        if args.command == "bench":
+            from fastddpm.bench.cli import run_bench
+
+            return run_bench(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

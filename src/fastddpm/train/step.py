@@ -5,8 +5,9 @@
 `TrainStep` is the fast path, one callable per step with no host syncs inside:
   * the learning rate and the EMA decay are device tensors updated with fill_ (a launch, not a sync), so a
     changing value never makes torch.compile recompile, and a captured CUDA graph sees the new value;
-  * compile=True compiles the loss (q_sample + U-Net + MSE: one graph, with AOTAutograd's backward graph)
-    and, without a GradScaler, the update (clip + AdamW + EMA) with static shapes (dynamic=False);
+  * compile=True compiles the loss (q_sample + U-Net + MSE: one graph, with AOTAutograd's backward graph) with
+    static shapes (dynamic=False). The update is left eager: fused AdamW is already one kernel (dynamo does not
+    trace into it, so compiling it only adds graph breaks) and the clip and EMA are foreach ops;
   * cuda_graphs="capture" records the whole step (all micro-batches, backward, clip, fused capturable AdamW,
     EMA) into one CUDA graph and replays it: one launch per step instead of hundreds. The batch is drawn
     outside the graph (its randomness is a function of (seed, step)) and copied into static input buffers.
@@ -85,13 +86,10 @@ class TrainStep:
         self._static_loss: torch.Tensor | None = None
 
         loss_fn = self._loss
-        update_fn = self._update
         if compile:
             mode = "reduce-overhead" if cuda_graphs == "reduce-overhead" else None
             loss_fn = torch.compile(self._loss, dynamic=False, mode=mode)
-            if scaler is None:
-                update_fn = torch.compile(self._update, dynamic=False, mode=mode)
-        self._loss_fn, self._update_fn = loss_fn, update_fn
+        self._loss_fn = loss_fn
 
     # -- the pieces ------------------------------------------------------------------------------------------
     def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -131,7 +129,7 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            self._update_fn()
+            self._update()
         if do_ema:
             self._ema()
         return total / len(batches)

@@ -1,0 +1,175 @@
+"""`fastddpm bench throughput`: the command-line face of fastddpm.bench.
+
+The top-level CLI calls `add_bench_parser(subparsers)` and, for `bench`, `run_bench(args)`.
+`python -m fastddpm.bench.cli bench throughput ...` runs the same thing standalone.
+Building the parser imports no torch, so `fastddpm --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fastddpm.config import PRESETS  # plain dataclasses: no torch import
+
+_BENCH_DESCRIPTION = """\
+Benchmarks of the training step, honest and self-describing: warmed up before timing, timed
+with CUDA events, repeated (median and spread), MFU against a peak measured in the same run,
+and the device, driver, library versions, git commit and command written next to every number.
+
+  throughput   images/s, step time, compile time, MFU, peak memory, recompiles and input wait
+               for each preset x batch size, with the trainer's own fast path
+"""
+
+_THROUGHPUT_DESCRIPTION = """\
+Time the trainer's step (model + AdamW + EMA + TrainStep, built exactly as `fastddpm train`
+builds them) on synthetic uint8 images (1x28x28, 60,000 resident on the device, or streamed
+from a memory-mapped file with --data-placement stream), for each preset x batch size.
+
+Per variant: compile / warm-up time (the first --warmup-steps steps, timed on their own);
+steady-state step time over --repeats repeats of --steps steps (CUDA events; perf_counter on
+a CPU, where the numbers describe that CPU and are not GPU claims), as median [min-max];
+images/s and its ratio to the first variant; MFU = FlopCounterMode FLOPs of one step / median
+step time / the matmul peak measured in this run (bf16 8192^3 on CUDA, fp32 on a CPU);
+peak memory (CUDA); recompiles after warm-up and graph breaks; and the share of the step
+spent producing the batch. A variant that fails (out of memory, a compile error) is recorded
+as failed with its reason, and the others still run.
+"""
+
+_THROUGHPUT_EPILOG = """\
+examples:
+  fastddpm bench throughput                                   # seed-1layer,seed-2layer x 64,192,512,1024
+  fastddpm bench throughput --presets seed-1layer --batch-sizes 192,512 --out runs/bench-h100
+  fastddpm bench throughput --compile off --cuda-graphs off   # the eager baseline, same table
+  fastddpm bench throughput --data-placement stream           # pinned, double-buffered host->device copies
+  fastddpm bench throughput --quick                           # tiny preset, batch 8,16: < 1 min on a CPU (CI)
+
+--quick sets --presets tiny --batch-sizes 8,16 --warmup-steps 2 --steps 3 --repeats 2;
+flags given explicitly still win.
+
+Writes OUT/throughput.json (every number, the environment and all settings) and
+OUT/throughput.md (the table below plus the environment), and prints the table:
+  | preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % |
+  | peak mem GiB | recompiles | graph breaks | input wait % | status |
+Exit codes: 0 at least one variant ran, 1 every variant failed, 2 bad flags or config.
+"""
+
+def _csv_list(text: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _csv_positive_ints(text: str) -> tuple[int, ...]:
+    out = []
+    for item in _csv_list(text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {item!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected positive integers, got {value}")
+        out.append(value)
+    return tuple(out)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    tp = commands.add_parser("throughput", help="images/s, compile time, MFU, memory per preset x batch size",
+                             description=_THROUGHPUT_DESCRIPTION, epilog=_THROUGHPUT_EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = tp.add_argument_group("what to benchmark")
+    what.add_argument("--presets", type=_csv_list, default=None, metavar="A,B",
+                      help=f"presets to benchmark, from {', '.join(PRESETS)} (default seed-1layer,seed-2layer)")
+    what.add_argument("--batch-sizes", type=_csv_positive_ints, default=None, metavar="N,M",
+                      help="images per step; every preset runs at each (default 64,192,512,1024)")
+    what.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                      help="autocast precision, as `train --precision` (default auto: bf16 on GPUs that have it, "
+                           "fp32 on a CPU)")
+    what.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                      help="torch.compile the loss and the update (default auto: on for CUDA)")
+    what.add_argument("--cuda-graphs", choices=("auto", "off", "capture", "reduce-overhead"), default="auto",
+                      help="CUDA graphs for the step (default auto: capture the whole step on CUDA)")
+    what.add_argument("--data-placement", choices=("device", "stream"), default="device",
+                      help="device: the uint8 dataset resident on the device (default); stream: pinned, "
+                           "double-buffered copies from a memory-mapped file")
+    what.add_argument("--device", default="auto", metavar="DEVICE",
+                      help="auto (CUDA when present, default), cpu, cuda, cuda:N")
+    timing = tp.add_argument_group("how long to time it")
+    timing.add_argument("--warmup-steps", type=_positive_int, default=None, metavar="N",
+                        help="steps timed as compile / warm-up, before the steady state (default 10)")
+    timing.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                        help="steps per timed repeat (default 50)")
+    timing.add_argument("--repeats", type=_positive_int, default=None, metavar="R",
+                        help="timed repeats; the median is reported with [min-max] (default 5)")
+    timing.add_argument("--quick", action="store_true",
+                        help="the CI run: tiny preset, batch 8,16, warm-up 2, 2 x 3 steps (< 1 min on a CPU)")
+    out = tp.add_argument_group("output")
+    out.add_argument("--out", default=None, metavar="DIR",
+                     help="output folder for throughput.json / .md (default runs/bench-throughput-<UTC time>)")
+    return tp
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `bench {throughput}` to a top-level CLI's subparsers; returns the `bench` parser.
+    Sub-commands dispatch through `run_bench` on args.bench_command (a later `ladder` adds one more entry)."""
+    bench = subparsers.add_parser("bench", help="benchmark the training step (throughput, MFU, memory)",
+                                  description=_BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput}", required=True)
+    _add_throughput_parser(commands)
+    bench.set_defaults(func=run_bench)
+    return bench
+
+
+def throughput_settings(args: argparse.Namespace):
+    """The ThroughputSettings the flags ask for: ThroughputSettings' defaults, or --quick's, then every flag given."""
+    from fastddpm.bench.throughput import QUICK, ThroughputSettings
+
+    base = dict(QUICK) if args.quick else {}
+    for name in ("presets", "batch_sizes", "warmup_steps", "steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    return ThroughputSettings(**base, precision=args.precision, compile=args.compile, cuda_graphs=args.cuda_graphs,
+                              data_placement=args.data_placement, device=args.device, quick=args.quick)
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from fastddpm.bench.throughput import run_throughput
+
+    result = run_throughput(throughput_settings(args), args.out)
+    return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
+
+
+_COMMANDS = {"throughput": _run_throughput}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run `bench <command>`; a config error becomes `error: ...` on stderr and exit code 2."""
+    from fastddpm.config import ConfigError
+
+    try:
+        return _COMMANDS[args.bench_command](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastddpm")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""`fastddpm bench throughput`: how fast does the trainer's own step run, and how close is it to the GPU's limit?
+
+For each preset x batch size the model, optimizer, EMA, batch source and TrainStep are built exactly as
+fastddpm.train.loop.train builds them (same resolve_* functions, same make_optimizer flags, same TrainStep),
+on synthetic uint8 images of the data's shape (1x28x28). Each variant then reports:
+
+  compile s      wall time of the first `warmup_steps` steps (compile, autotune, CUDA graph capture, cuDNN
+                 search), synchronised on both sides; never mixed into the steady state
+  step ms        `repeats` x `steps` steady-state steps, each repeat timed with CUDA events (perf_counter on
+                 the CPU): the median over repeats and the [min-max] spread
+  images/s       images per step / median step time; and its ratio to the first variant of the run
+  MFU %          FlopCounterMode FLOPs of one step / median step time / the matmul peak measured in this run
+  peak mem GiB   torch.cuda.max_memory_allocated over the variant (n/a on the CPU)
+  recompiles     graphs compiled after the warm-up, and graph breaks (torch._dynamo's counters)
+  input wait %   batches.get(...) alone, timed the same way for `steps` steps, as a share of the step time
+
+A variant that fails (out of memory, a compile error) is recorded with its reason and the run goes on.
+The data is random uniform uint8: the step has no data-dependent control flow, so its speed does not depend
+on what the images show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import gc
+import json
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fastddpm.bench.timing import (
+    count_step_flops,
+    environment_record,
+    free_device_memory,
+    measure_matmul_peak,
+    peak_memory_bytes,
+    reset_peak_memory,
+    summarize,
+    time_steps,
+    time_wall_s,
+)
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
+from fastddpm.diffusion import schedule_from_config
+from fastddpm.models import UNet, count_parameters
+from fastddpm.rng import derive_seed
+from fastddpm.train.batches import make_batches
+from fastddpm.train.compile_counters import CompileCounters
+from fastddpm.train.ema import EMA
+from fastddpm.train.loop import resolve_model_shape
+from fastddpm.train.runtime import Precision, resolve_device, resolve_fast_path, resolve_precision
+from fastddpm.train.step import TrainStep, make_optimizer
+
+SCHEMA = "fastddpm-bench-throughput-1"
+
+# --quick: what CI runs. Well under a minute on a 2-core CPU.
+QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2)
+
+TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % | "
+                "peak mem GiB | recompiles | graph breaks | input wait % | status |")
+
+
+@dataclass(kw_only=True)
+class ThroughputSettings:
+    """What to benchmark and how long to time it. Every field is a flag of `fastddpm bench throughput`."""
+
+    presets: tuple[str, ...] = ("seed-1layer", "seed-2layer")  # fastddpm.config presets (the model + recipe)
+    batch_sizes: tuple[int, ...] = (64, 192, 512, 1024)  # images per micro-batch; each preset runs at each one
+    warmup_steps: int = 10  # steps timed as compile / warm-up (capture happens in the first, reduce-overhead
+    #                         records in the second and third), never part of the steady state
+    steps: int = 50  # steps per timed repeat: long enough that the two event records are noise
+    repeats: int = 5  # timed repeats; the median is reported, min/max and IQR are the spread
+    precision: str = "auto"  # as train.precision: auto = bf16 on GPUs that have it, fp32 on the CPU
+    compile: str = "auto"  # as train.compile: auto = on for CUDA
+    cuda_graphs: str = "auto"  # as train.cuda_graphs: auto = capture the whole step on CUDA
+    data_placement: str = "device"  # device = resident uint8 dataset; stream = pinned copies from a memmap file
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    num_images: int = 60_000  # synthetic dataset size (MNIST's), so epochs and permutations are realistic
+    image_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the synthetic uint8 images
+    seed: int = 0  # seeds the synthetic data, the model init and the (seed, step) batch draws
+    quick: bool = False  # recorded only: the caller has already applied QUICK's values
+
+    def __post_init__(self) -> None:
+        self.presets = tuple(self.presets)
+        self.batch_sizes = tuple(int(b) for b in self.batch_sizes)
+        self.image_shape = tuple(int(s) for s in self.image_shape)
+        if not self.presets:
+            raise ConfigError("bench throughput: --presets is empty; give at least one, e.g. seed-1layer")
+        for name in self.presets:
+            get_preset(name)  # raises ConfigError naming the valid presets
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"bench throughput: --batch-sizes {self.batch_sizes} must be positive integers")
+        too_big = [b for b in self.batch_sizes if b > self.num_images]
+        if too_big:
+            raise ConfigError(f"bench throughput: batch sizes {too_big} exceed the {self.num_images:,} synthetic "
+                              "images: lower them")
+        for name in ("warmup_steps", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"bench throughput: {name}={getattr(self, name)} must be >= 1")
+        for name, choices in (("precision", ("auto", "bf16", "fp16", "fp32")), ("compile", ("auto", "on", "off")),
+                              ("cuda_graphs", ("auto", "off", "capture", "reduce-overhead")),
+                              ("data_placement", ("device", "stream"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"bench throughput: {name}={getattr(self, name)!r} is not one of "
+                                  f"{', '.join(choices)}")
+
+
+@dataclass
+class Variant:
+    preset: str
+    batch_size: int
+    cfg: RunConfig  # the preset with the benchmark's overrides, model shape resolved
+    fast_reasons: dict[str, str] = field(default_factory=dict)
+
+
+def plan_variants(settings: ThroughputSettings) -> list[Variant]:
+    """One resolved RunConfig per preset x batch size: the preset, with the benchmark's flags layered on top as
+    `fastddpm train` would layer them. Config errors surface here, before anything is timed."""
+    overrides = {"train.precision": settings.precision, "train.compile": settings.compile,
+                 "train.cuda_graphs": settings.cuda_graphs, "train.data_placement": settings.data_placement,
+                 "train.device": settings.device, "train.seed": settings.seed}
+    variants = []
+    for preset in settings.presets:
+        for batch_size in settings.batch_sizes:
+            cfg = apply_overrides(get_preset(preset), {**overrides, "train.batch_size": batch_size},
+                                  source="bench throughput")
+            cfg = resolve_model_shape(cfg, (settings.num_images, *settings.image_shape))
+            variants.append(Variant(preset=preset, batch_size=batch_size, cfg=cfg))
+    return variants
+
+
+def synthetic_images(num_images: int, image_shape: tuple[int, int, int], seed: int) -> np.ndarray:
+    """(N, C, H, W) uniform random uint8, a function of the seed."""
+    rng = np.random.default_rng(derive_seed(seed, "bench-synthetic-images"))
+    return rng.integers(0, 256, size=(num_images, *image_shape), dtype=np.uint8)
+
+
+def as_memmap(images_NCHW: np.ndarray, folder: Path) -> np.ndarray:
+    """Write the images to an .npy file and map it read-only, as the trainer maps its dataset cache."""
+    path = folder / "bench-images.npy"
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=images_NCHW.shape)
+    out[:] = images_NCHW
+    out.flush()
+    del out
+    return np.load(path, mmap_mode="r")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One variant
+
+
+def _empty_row(v: Variant) -> dict:
+    t = v.cfg.train
+    return {
+        "preset": v.preset, "batch_size": v.batch_size, "accum_steps": t.accum_steps,
+        "images_per_step": t.batch_size * t.accum_steps, "status": None, "error": None, "error_type": None,
+        "parameters": None, "precision": None, "fast_path": v.fast_reasons, "data_placement": t.data_placement,
+        "cuda_graphs_failed": None, "compile_s": None, "step_ms": None, "images_per_s": None,
+        "images_per_s_range": None, "ratio_to_first": None, "flops_per_step": None, "gflops_per_image": None,
+        "achieved_tflops": None, "mfu_pct": None, "peak_memory_bytes": None, "peak_memory_gib": None,
+        "compiled_graphs": None, "graph_breaks": None, "recompiles_after_warmup": None,
+        "input_ms_per_step": None, "input_wait_pct": None, "final_loss": None, "config": v.cfg.to_dict(),
+    }
+
+
+def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, precision: Precision,
+                    settings: ThroughputSettings, peak_tflops: float) -> dict:
+    """Build the trainer's step for one variant, warm it up, time it. Raises whatever the step raises."""
+    cfg, t = v.cfg, v.cfg.train
+    row = _empty_row(v)
+    fast = resolve_fast_path(t, device, precision)
+    if fast.compile:
+        import torch._dynamo as dynamo
+
+        # A fresh compile per variant: honest compile time, and no variant falls back to eager because the
+        # earlier ones filled the recompile limit of TrainStep._loss's code object.
+        dynamo.reset()
+    free_device_memory(device)
+    reset_peak_memory(device)
+
+    # ---- the trainer's set-up (fastddpm.train.loop.train), without data loading, logging and checkpoints
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = fast.cudnn_benchmark
+    torch.manual_seed(derive_seed(t.seed, "init"))
+    model = UNet(cfg.model).to(device)
+    model.grad_checkpointing = t.grad_checkpointing
+    if fast.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    schedule = schedule_from_config(cfg.diffusion).to(device)
+    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
+    capture = fast.cuda_graphs == "capture"
+    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
+                               tensor_lr=fast.compile or capture, capturable=capture)
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
+                           num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
+                           hflip=cfg.data.hflip)
+    step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
+                        prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
+                        accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
+                        ema_every=t.ema_every, device=device)
+    flops_per_step = count_step_flops(model, (t.batch_size, *settings.image_shape), accum_steps=t.accum_steps)
+    counters = CompileCounters(enabled=fast.compile)
+    images_per_step = t.batch_size * t.accum_steps
+    last_loss: list[torch.Tensor] = []
+
+    def one_step(step: int) -> None:
+        # As the training loop: draw the micro-batches for this step, then the step (no host sync inside).
+        micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
+        last_loss[:] = [step_fn(micro, lr=t.lr, step=step)]
+
+    def input_only(step: int) -> None:
+        for k in range(t.accum_steps):
+            batches.get(step * t.accum_steps + k)
+
+    # ---- compile / warm-up: its own number, never part of the steady state
+    compile_s = time_wall_s(lambda: [one_step(s) for s in range(settings.warmup_steps)], device)
+    counters.mark_warm()
+
+    # ---- steady state: the step counter runs on, so epochs turn over as in training
+    step_ms_per_repeat = []
+    for r in range(settings.repeats):
+        first = settings.warmup_steps + r * settings.steps
+        elapsed_ms = time_steps(lambda i: one_step(first + i), settings.steps, device)
+        step_ms_per_repeat.append(elapsed_ms / settings.steps)
+    compile_report = counters.report()
+
+    # ---- the batch source alone, on the steps that follow
+    first = settings.warmup_steps + settings.repeats * settings.steps
+    input_ms = time_steps(lambda i: input_only(first + i), settings.steps, device) / settings.steps
+
+    step_ms = summarize(step_ms_per_repeat)
+    step_ms["per_repeat"] = step_ms_per_repeat
+    median_s = step_ms["median"] / 1000
+    achieved_flops = flops_per_step / median_s
+    peak_bytes = peak_memory_bytes(device)
+    final_loss = float(last_loss[0])  # note: sync, once, after all timing
+    row.update({
+        "status": "ok",
+        "parameters": count_parameters(model),
+        "precision": precision.name,
+        "fast_path": fast.reasons,
+        "data_placement": batches.placement,
+        "cuda_graphs_failed": step_fn.graph_failed,
+        "compile_s": compile_s,
+        "step_ms": step_ms,
+        "images_per_s": images_per_step / median_s,
+        "images_per_s_range": [images_per_step / (step_ms["max"] / 1000), images_per_step / (step_ms["min"] / 1000)],
+        "flops_per_step": flops_per_step,
+        "gflops_per_image": flops_per_step / images_per_step / 1e9,
+        "achieved_tflops": achieved_flops / 1e12,
+        "mfu_pct": 100 * achieved_flops / (peak_tflops * 1e12),
+        "peak_memory_bytes": peak_bytes,
+        "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30,
+        "compiled_graphs": compile_report.get("compiled_graphs"),
+        "graph_breaks": compile_report.get("graph_breaks"),
+        "recompiles_after_warmup": compile_report.get("recompiles_after_warmup"),
+        "input_ms_per_step": input_ms,
+        "input_wait_pct": 100 * input_ms / step_ms["median"],
+        "final_loss": final_loss,
+    })
+    return row
+
+
+def run_variant(v: Variant, images_NCHW: np.ndarray, **kwargs) -> dict:
+    """measure_variant, with any exception recorded as a failed row (the run goes on) and memory released."""
+    try:
+        return measure_variant(v, images_NCHW, **kwargs)
+    except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the other variants must still run
+        row = _empty_row(v)
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        row.update({"status": "failed", "error_type": "out of memory" if oom else type(e).__name__,
+                    "error": f"{type(e).__name__}: {e}".strip()})
+        return row
+    finally:
+        gc.collect()  # the failed variant's model, optimizer state and activations, before the next one
+        free_device_memory(kwargs["device"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def default_out_dir(now: _dt.datetime | None = None) -> Path:
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return Path("runs") / f"bench-throughput-{now.strftime('%Y%m%dT%H%M%SZ')}"
+
+
+def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
+                   log: Callable[[str], None] = print) -> dict:
+    """Benchmark every preset x batch size; write throughput.json and throughput.md under `out_dir`; return the
+    result. Config errors (a bad preset, fp16 on a CPU, graphs without CUDA) raise ConfigError before any timing."""
+    device, device_reason = resolve_device(settings.device)
+    precision = resolve_precision(settings.precision, device)
+    variants = plan_variants(settings)
+    for v in variants:
+        v.fast_reasons = resolve_fast_path(v.cfg.train, device, precision).reasons
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    env = environment_record(device, argv)
+    if device.type == "cuda":
+        # As the trainer: TF32 for the fp32 matmuls/convs left outside autocast.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    log(f"bench throughput: {len(variants)} variants on {env['device_name']} ({device}; {device_reason}); "
+        f"precision {precision.name} ({precision.reason}); torch {env['torch']}; commit {str(env['git_commit'])[:12]}")
+    if device.type != "cuda":
+        log("note: CPU timings (perf_counter) describe this CPU only; they are not GPU claims")
+    peak = measure_matmul_peak(device)
+    log(f"peak for MFU: {peak['tflops']:,.3f} TFLOP/s ({peak['label']})")
+
+    images = synthetic_images(settings.num_images, settings.image_shape, settings.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fastddpm-bench-") as tmp:
+        source = as_memmap(images, Path(tmp)) if settings.data_placement == "stream" else images
+        for i, v in enumerate(variants):
+            tag = f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}"
+            log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
+                f"{settings.repeats} x {settings.steps} timed steps")
+            row = run_variant(v, source, device=device, precision=precision, settings=settings,
+                              peak_tflops=peak["tflops"])
+            rows.append(row)
+            log(f"{tag}: {progress_line(row)}")
+        del source
+
+    base = next((r["images_per_s"] for r in rows if r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] == "ok":
+            r["ratio_to_first"] = r["images_per_s"] / base
+
+    result = {
+        "schema": SCHEMA,
+        "benchmark": "throughput",
+        "environment": {**env, "device_reason": device_reason},
+        "settings": {**dataclasses.asdict(settings), "precision_resolved": precision.name,
+                     "precision_reason": precision.reason, "data": "synthetic uniform uint8"},
+        "peak": peak,
+        "notes": notes(device, settings),
+        "results": rows,
+    }
+    write_results(result, out_dir)
+    log("")
+    log(table_markdown(rows))
+    failed = [r for r in rows if r["status"] != "ok"]
+    log(f"\n{len(rows) - len(failed)}/{len(rows)} variants ok; wrote {out_dir / 'throughput.json'} and "
+        f"{out_dir / 'throughput.md'}")
+    result["out_dir"] = str(out_dir)
+    return result
+
+
+def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
+    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    out = [
+        f"step ms: median over {s.repeats} repeats of {s.steps} steps each ({clock}, from a drained queue to the "
+        "last kernel); [min-max] across repeats. Each step draws its batch (batches.get), as the training loop does.",
+        f"compile s: wall time of the first {s.warmup_steps} steps (compile, autotune, CUDA graph capture, cuDNN "
+        "search), synchronised; it is not part of the steady state. Each variant compiles afresh in process "
+        "(torch._dynamo.reset), but Inductor's on-disk caches persist: a first run on a fresh machine is slower.",
+        "MFU: FLOPs of one training step (FlopCounterMode over one uncompiled forward+backward of the U-Net, "
+        "attention via SDPA's math backend = model FLOPs, no recompute) / median step time / the matmul peak "
+        "measured in this run (see 'peak').",
+        f"input wait %: batches.get(...) alone for {s.steps} steps ({clock}) as a share of the median step time; "
+        "an upper bound on the wait, since on a GPU the next batch's kernels can overlap the step.",
+        "peak mem: torch.cuda.max_memory_allocated over the variant (model, AdamW state, EMA, the resident dataset, "
+        "activations, compile/graph pools), reset before each variant.",
+        "recompiles: graphs compiled after the warm-up steps (should be 0: static shapes, tensor learning rate).",
+        f"data: {s.num_images:,} synthetic uniform uint8 images {'x'.join(map(str, s.image_shape))}, "
+        f"placement {s.data_placement}" + (" (streamed from a temporary .npy memmap)"
+                                           if s.data_placement == "stream" else " (resident)") + ".",
+    ]
+    if device.type != "cuda":
+        out.insert(0, "CPU run: timings describe this CPU (perf_counter) and are not GPU claims; the MFU peak is "
+                      "an fp32 CPU matmul.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(value, spec: str, missing: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return format(value, spec)
+
+
+def _short_error(row: dict, limit: int = 100) -> str:
+    first_line = (row["error"] or "").splitlines()[0] if row["error"] else ""
+    text = first_line if len(first_line) <= limit else first_line[:limit - 3] + "..."
+    return text.replace("|", "\\|")
+
+
+def progress_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"FAILED ({_short_error(row, 200)})"
+    s = row["step_ms"]
+    mem = "" if row["peak_memory_gib"] is None else f", peak {row['peak_memory_gib']:.2f} GiB"
+    rec = "" if row["recompiles_after_warmup"] is None else \
+        f", recompiles {row['recompiles_after_warmup']}, graph breaks {row['graph_breaks']}"
+    graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
+        row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
+    return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
+            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}%{mem}{rec}, "
+            f"input wait {row['input_wait_pct']:.1f}%{graphs}")
+
+
+def table_markdown(rows: list[dict]) -> str:
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['preset']} | {r['batch_size']} | failed |" + " - |" * 8
+                         + f" failed: {_short_error(r)} |")
+            continue
+        s = r["step_ms"]
+        lines.append(
+            f"| {r['preset']} | {r['batch_size']} | {r['images_per_s']:,.0f} | {_fmt(r['ratio_to_first'], '.2f')} | "
+            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} | "
+            f"{_fmt(r['peak_memory_gib'], '.2f')} | {_fmt(r['recompiles_after_warmup'], 'd')} | "
+            f"{_fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
+        )
+    return "\n".join(lines)
+
+
+def report_markdown(result: dict) -> str:
+    env, peak, s = result["environment"], result["peak"], result["settings"]
+    commit = str(env["git_commit"])[:12] + (" (uncommitted changes)" if env.get("git_dirty") else "")
+    cuda = "" if env.get("cuda_runtime") is None else f", CUDA runtime {env['cuda_runtime']}"
+    driver = "" if env.get("cuda_driver") is None else f", driver {env['cuda_driver']}"
+    lines = [
+        "# fastddpm bench throughput",
+        "",
+        f"- date (UTC): {env['date_utc']}",
+        f"- device: {env['device_name']} ({env['device']}){driver}{cuda}; {env['torch_threads']} torch threads",
+        f"- software: torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {commit}",
+        f"- command: `{env['command_line']}`",
+        f"- settings: precision {s['precision_resolved']} ({s['precision_reason']}); compile {s['compile']}, "
+        f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
+        f"then {s['repeats']} x {s['steps']} timed steps",
+        f"- peak for MFU: {peak['tflops']:,.3f} TFLOP/s ({peak['label']})",
+        "",
+        table_markdown(result["results"]),
+        "",
+    ]
+    failed = [r for r in result["results"] if r["status"] != "ok"]
+    if failed:
+        lines += ["## Failed variants", ""]
+        lines += [f"- {r['preset']} batch {r['batch_size']} ({r['error_type']}): {r['error']}" for r in failed]
+        lines.append("")
+    ok = [r for r in result["results"] if r["status"] == "ok"]
+    if ok:
+        lines += ["## Per variant", ""]
+        for r in ok:
+            fp = r["fast_path"]
+            lines.append(f"- {r['preset']} batch {r['batch_size']}: {r['parameters']:,} parameters, "
+                         f"{r['gflops_per_image']:.3f} GFLOP per training image, {r['achieved_tflops']:.3f} TFLOP/s; "
+                         f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
+                         + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
+                            and fp["cuda_graphs"].startswith("capture") else "")
+                         + f"; input {r['input_ms_per_step']:.3f} ms/step; final loss {_fmt(r['final_loss'], '.4f')}")
+        lines.append("")
+    lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _json_safe(obj):
+    """NaN and inf become null, so the file is strict JSON any parser reads."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_results(result: dict, out_dir: Path) -> None:
+    (out_dir / "throughput.json").write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False) + "\n")
+    (out_dir / "throughput.md").write_text(report_markdown(result))

@@ -1,0 +1,248 @@
+"""Timing, FLOP counting, peak and environment helpers shared by the `fastddpm bench` benchmarks.
+
+The discipline (airbench / modded-nanogpt): warm up before timing; time the GPU with CUDA events between two
+synchronisations, not with the host clock around asynchronous launches; repeat and report the median and the
+spread; measure the peak that MFU is divided by in the same process, on the same device; and write the code
+version, library versions and device next to every number.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Clocks
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for every kernel queued on `device` (a no-op on the CPU, whose ops are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(fn: Callable[[int], object], steps: int, device: torch.device | str) -> float:
+    """Milliseconds for `fn(0), fn(1), ..., fn(steps - 1)`, from a drained queue to the last kernel's end.
+
+    On CUDA: events recorded on the current stream (GPU timestamps, so the time a step spends waiting for the
+    host to launch it counts, and the host racing ahead does not hide GPU work). On the CPU: perf_counter.
+    """
+    device = torch.device(device)
+    if steps < 1:
+        raise ValueError(f"time_steps: steps={steps} must be >= 1")
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)  # note: sync, so the timed window starts on an empty queue
+        start.record()
+        for i in range(steps):
+            fn(i)
+        end.record()
+        end.synchronize()  # note: sync, the window ends when the last step's kernels have run
+        return float(start.elapsed_time(end))
+    import time
+
+    t0 = time.perf_counter()
+    for i in range(steps):
+        fn(i)
+    return 1000.0 * (time.perf_counter() - t0)
+
+
+def time_wall_s(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of wall time for one call of `fn`, synchronised on both sides (for compile / warm-up time,
+    which is mostly host work: tracing, Inductor codegen, autotuning, graph capture)."""
+    import time
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median and spread of repeated measurements: min, q1, median, q3, max (and the count)."""
+    a = np.asarray(values, dtype=np.float64)
+    q1, median, q3 = np.percentile(a, [25, 50, 75])
+    return {"median": float(median), "min": float(a.min()), "max": float(a.max()), "q1": float(q1),
+            "q3": float(q3), "n": int(a.size)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """torch.cuda.max_memory_allocated since the last reset; None where there is no such counter (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Drop cached blocks so the next variant starts from what it allocates itself (after gc.collect())."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLOPs: counted, and the peak measured
+
+
+def count_step_flops(model: torch.nn.Module, batch_shape: tuple[int, ...], *, accum_steps: int = 1) -> int:
+    """FLOPs of one training step: one forward + backward of `model` per micro-batch of shape `batch_shape`
+    (B, C, H, W), times `accum_steps`, as torch.utils.flop_counter.FlopCounterMode counts them (2 per
+    multiply-add of matmuls and convolutions; norms, activations and the optimizer are not counted).
+
+    Counted on an uncompiled copy of the model on the meta device: exact shapes, no memory, no compute, the
+    same number whichever device the step runs on. Attention is counted through SDPA's math backend (two
+    bmm forward, four backward: the model's FLOPs), because the fused kernels are counted unevenly: the CPU
+    flash kernel has no FLOP formula (it counts zero) and the CUDA flash backward also counts its recompute of
+    Q K^T (hardware FLOPs, not model FLOPs). Gradient checkpointing's recompute is likewise left out.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    meta_model = copy.deepcopy(model).to("meta").train()
+    if hasattr(meta_model, "grad_checkpointing"):
+        meta_model.grad_checkpointing = False
+    x_BCHW = torch.empty(batch_shape, device="meta")
+    t_B = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")  # values never change the count
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        out = meta_model(x_BCHW, t_B)
+        out.float().square().mean().backward()  # the MSE itself is elementwise: it counts zero, like the real loss
+    return int(counter.get_total_flops()) * accum_steps
+
+
+def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dtype: torch.dtype | None = None,
+                        trials: int = 5, iters: int | None = None) -> dict:
+    """The achievable dense-matmul rate on `device`, measured now: the MFU denominator.
+
+    CUDA: an n x n x n bf16 matmul (n = 8192: 1.1 TFLOP each), warmed, timed with CUDA events, best of
+    `trials` trials of `iters` matmuls (an H100 80GB measures ~790-800 TFLOP/s; the datasheet's 989 is not
+    reached by any real kernel). CPU: an fp32 matmul of moderate size (n = 1024) on all of torch's threads.
+    Returns {"tflops", "label", "device", "dtype", "n", "iters", "trials", "per_trial_tflops"}.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    iters = iters or (10 if cuda else 3)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(3):  # warm-up: cuBLAS heuristics and workspace, clocks up, CPU threads spun up
+        torch.matmul(a, b, out=c)
+    rates = []
+    for _ in range(trials):
+        ms = time_steps(lambda i: torch.matmul(a, b, out=c), iters, device)
+        rates.append(2 * n**3 * iters / (ms / 1000) / 1e12)
+    del a, b, c
+    free_device_memory(device)
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    threads = "" if cuda else f", {torch.get_num_threads()} threads"
+    return {
+        "tflops": max(rates),
+        "label": f"measured {name} matmul {n}x{n}x{n} on {device_name(device)}{threads}, best of {trials}",
+        "device": str(device), "dtype": name, "n": n, "iters": iters, "trials": trials,
+        "per_trial_tflops": rates,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where the numbers came from
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or device.type
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state(path: Path | None = None) -> dict[str, object]:
+    """The commit of the fastddpm source tree (not of the current directory), and whether the package's files
+    (changed or new) differ from it. Read-only: GIT_OPTIONAL_LOCKS=0 keeps `git status` from refreshing the index."""
+    path = path or Path(__file__).resolve().parent.parent  # src/fastddpm
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=path, env=env)
+    if commit is None:
+        return {"git_commit": "unknown", "git_dirty": None}
+    status = _run(["git", "status", "--porcelain", "--untracked-files=all", "--", "."], cwd=path, env=env)
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
+def _cuda_driver_version() -> str | None:
+    try:
+        import pynvml  # optional: nvidia-ml-py
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - absent or broken NVML: fall back to nvidia-smi
+        pass
+    out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
+def environment_record(device: torch.device | str, argv: list[str] | None = None) -> dict[str, object]:
+    """Everything needed to know what produced a number: device, driver, library versions, code version,
+    the UTC date and the exact command line."""
+    import fastddpm
+
+    device = torch.device(device)
+    argv = list(sys.argv if argv is None else argv)
+    env: dict[str, object] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": argv,
+        "command_line": shlex.join(argv),
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "fastddpm": fastddpm.__version__,
+        **git_state(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_runtime": torch.version.cuda,
+        "cuda_driver": None,
+        "cudnn": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update({
+            "cuda_driver": _cuda_driver_version(),
+            "cudnn": torch.backends.cudnn.version(),
+            "compute_capability": f"{props.major}.{props.minor}",
+            "device_memory_gib": round(props.total_memory / 2**30, 2),
+            "multiprocessors": props.multi_processor_count,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        })
+    return env

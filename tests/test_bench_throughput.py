@@ -1,0 +1,205 @@
+"""`fastddpm bench throughput`: the --quick run end to end on the CPU, failure isolation, and the FLOP counter
+pinned to the numbers in CONTEXT.md (3.2 / 5.8 GFLOP per training image for the seed U-Nets)."""
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import fastddpm.bench.throughput as throughput
+from fastddpm.bench.cli import add_bench_parser, run_bench
+from fastddpm.bench.throughput import QUICK, TABLE_HEADER, ThroughputSettings, run_throughput
+from fastddpm.bench.timing import count_step_flops, environment_record, summarize, time_steps
+from fastddpm.config import get_preset
+from fastddpm.diffusion import diffusion_loss, schedule_from_config
+from fastddpm.models import UNet
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastddpm")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _model(preset: str) -> UNet:
+    cfg = get_preset(preset)
+    return UNet(dataclasses.replace(cfg.model, image_channels=1, image_size=28))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `fastddpm bench throughput --quick --device cpu` through the parser and run_bench."""
+    out = tmp_path_factory.mktemp("bench") / "quick"
+    args = _parser().parse_args(["bench", "throughput", "--quick", "--device", "cpu", "--out", str(out)])
+    assert run_bench(args) == 0
+    return out, json.loads((out / "throughput.json").read_text())
+
+
+def test_quick_run_json_holds_one_sane_row_per_variant(quick_run):
+    _, result = quick_run
+    rows = result["results"]
+    assert [(r["preset"], r["batch_size"]) for r in rows] == [("tiny", 8), ("tiny", 16)]
+    peak_tflops = result["peak"]["tflops"]
+    assert peak_tflops > 0 and "fp32" in result["peak"]["label"]
+    for r in rows:
+        assert r["status"] == "ok", r["error"]
+        s = r["step_ms"]
+        assert all(math.isfinite(s[k]) for k in ("min", "median", "max"))
+        assert 0 < s["min"] <= s["median"] <= s["max"]
+        assert len(s["per_repeat"]) == QUICK["repeats"]
+        assert r["images_per_s"] > 0
+        assert r["images_per_s"] == pytest.approx(r["batch_size"] / (s["median"] / 1000))
+        assert r["compile_s"] >= 0
+        assert r["flops_per_step"] > 0
+        assert 0 < r["mfu_pct"] <= 100
+        # MFU is exactly counted FLOPs / median step time / the peak measured in this run.
+        assert r["mfu_pct"] == pytest.approx(100 * r["flops_per_step"] / (s["median"] / 1000) / (peak_tflops * 1e12))
+        assert 0 <= r["input_wait_pct"] < 100
+        assert r["peak_memory_bytes"] is None  # CPU: no allocator counter, reported as n/a
+        assert r["recompiles_after_warmup"] is None  # compile is off on the CPU (auto)
+        assert r["precision"] == "fp32" and r["data_placement"] == "device"
+    assert rows[0]["ratio_to_first"] == 1.0
+    assert rows[1]["ratio_to_first"] == pytest.approx(rows[1]["images_per_s"] / rows[0]["images_per_s"])
+
+
+def test_quick_run_records_environment_and_settings(quick_run):
+    _, result = quick_run
+    env = result["environment"]
+    assert env["torch"] == torch.__version__
+    assert env["command"] and isinstance(env["command"], list)
+    assert env["device"] == "cpu" and env["python"] and env["fastddpm"]
+    assert env["git_commit"] == "unknown" or len(env["git_commit"]) == 40
+    assert env["date_utc"].endswith("+00:00")
+    settings = result["settings"]
+    assert settings["quick"] is True and settings["presets"] == ["tiny"] and settings["batch_sizes"] == [8, 16]
+    assert (settings["warmup_steps"], settings["steps"], settings["repeats"]) == (2, 3, 2)
+    assert any("not GPU claims" in n for n in result["notes"])
+
+
+def test_quick_run_flops_match_an_independent_count(quick_run):
+    """The step FLOPs the benchmark used equal a FlopCounterMode count of a real forward+backward of the loss on
+    CPU tensors, and are 3x the forward (backward = 2x forward for matmuls and convolutions)."""
+    _, result = quick_run
+    model = _model("tiny")
+    schedule = schedule_from_config(get_preset("tiny").diffusion)
+    B = 2
+    x0 = torch.rand(B, 1, 28, 28) * 2 - 1
+    t = torch.randint(0, 1000, (B,))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fwd_counter:
+        model(x0, t)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as step_counter:
+        diffusion_loss(model, schedule, "epsilon", x0, t, torch.randn_like(x0)).backward()
+    per_image = step_counter.get_total_flops() / B
+    assert step_counter.get_total_flops() == pytest.approx(3 * fwd_counter.get_total_flops(), rel=0.10)
+    for r in result["results"]:
+        assert r["flops_per_step"] == pytest.approx(per_image * r["batch_size"], rel=0.01)
+
+
+def test_quick_run_markdown_has_the_table(quick_run):
+    out, _ = quick_run
+    md = (out / "throughput.md").read_text()
+    assert TABLE_HEADER in md
+    for name in ("preset", "batch", "images/s", "step ms median [min-max]", "compile s", "MFU %", "peak mem GiB",
+                 "recompiles", "input wait %"):
+        assert f" {name} |" in TABLE_HEADER
+    rows = [line for line in md.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 2
+    assert rows[0].startswith("| tiny | 8 |") and rows[1].startswith("| tiny | 16 |")
+    assert all(line.count("|") == TABLE_HEADER.count("|") for line in rows)
+
+
+def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    class OOMAtBatch8(throughput.TrainStep):
+        def __call__(self, batches, *, lr, step):
+            if batches[0].x0.shape[0] == 8:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted)")
+            return super().__call__(batches, lr=lr, step=step)
+
+    monkeypatch.setattr(throughput, "TrainStep", OOMAtBatch8)
+    lines = []
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(8, 4), warmup_steps=1, steps=1, repeats=1,
+                                  device="cpu", num_images=64)
+    result = run_throughput(settings, tmp_path, log=lines.append)
+    failed, ok = result["results"]
+    assert failed["batch_size"] == 8 and failed["status"] == "failed"
+    assert failed["error_type"] == "out of memory"
+    assert "OutOfMemoryError" in failed["error"] and "planted" in failed["error"]
+    assert failed["images_per_s"] is None and failed["mfu_pct"] is None
+    assert ok["batch_size"] == 4 and ok["status"] == "ok" and ok["images_per_s"] > 0
+    assert ok["ratio_to_first"] == 1.0  # relative to the first variant that ran
+    assert any("tiny batch 8: FAILED" in line for line in lines)
+    md = (tmp_path / "throughput.md").read_text()
+    assert any(line.startswith("| tiny | 8 | failed |") for line in md.splitlines())
+    assert "## Failed variants" in md and "planted" in md
+    assert json.loads((tmp_path / "throughput.json").read_text())["results"][0]["status"] == "failed"
+
+
+def test_streamed_placement_runs_from_a_memmap(tmp_path):
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4,), warmup_steps=1, steps=2, repeats=1,
+                                  data_placement="stream", device="cpu", num_images=64)
+    (row,) = run_throughput(settings, tmp_path, log=lambda line: None)["results"]
+    assert row["status"] == "ok", row["error"]
+    assert row["data_placement"] == "stream" and row["images_per_s"] > 0
+
+
+@pytest.mark.parametrize("preset, gflop_per_image", [("seed-1layer", 3.2), ("seed-2layer", 5.8)])
+def test_step_flops_of_the_seed_unets_match_context(preset, gflop_per_image):
+    """CONTEXT.md: ~3.2 GFLOP per training image (one-layer seed U-Net), ~5.8 (public default)."""
+    model = _model(preset)
+    flops_1 = count_step_flops(model, (1, 1, 28, 28))
+    assert flops_1 / 1e9 == pytest.approx(gflop_per_image, rel=0.15)
+    assert count_step_flops(model, (4, 1, 28, 28)) == 4 * flops_1  # linear in the batch
+    assert count_step_flops(model, (4, 1, 28, 28), accum_steps=3) == 12 * flops_1
+    assert next(model.parameters()).device.type == "cpu"  # counted on a meta copy: the model is untouched
+
+
+def test_time_steps_calls_fn_once_per_step_and_times_them():
+    calls = []
+    ms = time_steps(lambda i: (calls.append(i), time.sleep(0.005)), 3, "cpu")
+    assert calls == [0, 1, 2]
+    assert ms >= 15
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "q1": 1.5, "q3": 2.5, "n": 3}
+
+
+def test_environment_record_names_the_command():
+    env = environment_record("cpu", ["fastddpm", "bench", "throughput", "--quick"])
+    assert env["command_line"] == "fastddpm bench throughput --quick"
+    assert env["torch"] == torch.__version__ and env["cuda_driver"] is None
+
+
+def test_cli_help_and_user_errors(capsys):
+    parser = _parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["bench", "throughput", "--help"])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "examples:" in help_text and "fastddpm bench throughput --quick" in help_text
+    for flag in ("--presets", "--batch-sizes", "--warmup-steps", "--steps", "--repeats", "--precision", "--compile",
+                 "--cuda-graphs", "--data-placement", "--device", "--quick", "--out"):
+        assert flag in help_text
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["bench", "throughput", "--batch-sizes", "64,0"])
+    assert e.value.code == 2
+    # Config errors fail before anything is timed, with the fix in the message.
+    args = parser.parse_args(["bench", "throughput", "--presets", "seed-1layr", "--device", "cpu"])
+    assert run_bench(args) == 2
+    assert "did you mean 'seed-1layer'" in capsys.readouterr().err
+    args = parser.parse_args(["bench", "throughput", "--quick", "--precision", "fp16", "--device", "cpu"])
+    assert run_bench(args) == 2
+    assert "fp16 needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_quick_flags_yield_to_explicit_ones():
+    from fastddpm.bench.cli import throughput_settings
+
+    args = _parser().parse_args(["bench", "throughput", "--quick", "--batch-sizes", "4", "--repeats", "3"])
+    s = throughput_settings(args)
+    assert (s.presets, s.batch_sizes, s.warmup_steps, s.steps, s.repeats) == (("tiny",), (4,), 2, 3, 3)
+    full = throughput_settings(_parser().parse_args(["bench", "throughput"]))
+    assert full.presets == ("seed-1layer", "seed-2layer") and full.batch_sizes == (64, 192, 512, 1024)
