@@ -12,7 +12,6 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import fastddpm.bench.throughput as throughput
 from fastddpm.bench.cli import add_bench_parser, run_bench
 from fastddpm.bench.throughput import QUICK, TABLE_HEADER, ThroughputSettings, run_throughput
 from fastddpm.bench.timing import count_step_flops, environment_record, summarize, time_steps
@@ -115,13 +114,16 @@ def test_quick_run_markdown_has_the_table(quick_run):
 
 
 def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
-    class OOMAtBatch8(throughput.TrainStep):
+    from fastddpm.train import setup
+    from fastddpm.train.step import TrainStep
+
+    class OOMAtBatch8(TrainStep):
         def __call__(self, batches, *, lr, step):
             if batches[0].x0.shape[0] == 8:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted)")
             return super().__call__(batches, lr=lr, step=step)
 
-    monkeypatch.setattr(throughput, "TrainStep", OOMAtBatch8)
+    monkeypatch.setattr(setup, "TrainStep", OOMAtBatch8)  # the builder the benchmark shares with the trainer
     lines = []
     settings = ThroughputSettings(presets=("tiny",), batch_sizes=(8, 4), warmup_steps=1, steps=1, repeats=1,
                                   device="cpu", num_images=64)

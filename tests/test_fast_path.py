@@ -300,7 +300,7 @@ def test_fast_step_ema_builds_no_autograd_history(real_images):
 
 def test_optimizer_state_resumes_across_implementations():
     """A checkpoint from the plain path (foreach, float lr) loads into the fast path (fused, tensor lr) and back."""
-    from fastddpm.train.loop import portable_optimizer_state, with_current_optimizer_flags
+    from fastddpm.train.checkpoint import portable_optimizer_state, with_current_optimizer_flags
 
     model = tiny_model()
     plain = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=False,

@@ -46,15 +46,13 @@ from fastddpm.bench.timing import (
     time_wall_s,
 )
 from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
-from fastddpm.diffusion import schedule_from_config
-from fastddpm.models import UNet, count_parameters
+from fastddpm.models import count_parameters
 from fastddpm.rng import derive_seed
 from fastddpm.train.batches import make_batches
 from fastddpm.train.compile_counters import CompileCounters
-from fastddpm.train.ema import EMA
 from fastddpm.train.loop import resolve_model_shape
 from fastddpm.train.runtime import Precision, resolve_device, resolve_fast_path, resolve_precision
-from fastddpm.train.step import TrainStep, make_optimizer
+from fastddpm.train.setup import build_model, build_optimization
 
 SCHEMA = "fastddpm-bench-throughput-1"
 
@@ -183,27 +181,12 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
     free_device_memory(device)
     reset_peak_memory(device)
 
-    # ---- the trainer's set-up (fastddpm.train.loop.train), without data loading, logging and checkpoints
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = fast.cudnn_benchmark
-    torch.manual_seed(derive_seed(t.seed, "init"))
-    model = UNet(cfg.model).to(device)
-    model.grad_checkpointing = t.grad_checkpointing
-    if fast.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    schedule = schedule_from_config(cfg.diffusion).to(device)
-    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
-    capture = fast.cuda_graphs == "capture"
-    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
-                               tensor_lr=fast.compile or capture, capturable=capture)
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    # ---- the trainer's own set-up (fastddpm.train.setup), without data loading, logging and checkpoints
+    model, schedule = build_model(cfg, device=device, fast=fast)
+    step_fn = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).step_fn
     batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
                            num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
                            hflip=cfg.data.hflip)
-    step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
-                        prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
-                        accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
-                        ema_every=t.ema_every, device=device)
     flops_per_step = count_step_flops(model, (t.batch_size, *settings.image_shape), accum_steps=t.accum_steps)
     counters = CompileCounters(enabled=fast.compile)
     images_per_step = t.batch_size * t.accum_steps

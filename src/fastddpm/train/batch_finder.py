@@ -88,24 +88,22 @@ def make_trial_fn(model: torch.nn.Module, schedule, prediction: str, precision, 
             loss.backward()
             opt.step()
 
-        try:
-            for _ in range(warmup_steps):
+        for _ in range(warmup_steps):
+            step()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(timed_steps):
                 step()
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(timed_steps):
-                    step()
-                end.record()
-                end.synchronize()  # note: sync, trials only
-                seconds = start.elapsed_time(end) / 1000
-            else:
-                t0 = time.perf_counter()
-                for _ in range(timed_steps):
-                    step()
-                seconds = time.perf_counter() - t0
-        finally:
-            del trial_model, opt
+            end.record()
+            end.synchronize()  # note: sync, trials only
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            for _ in range(timed_steps):
+                step()
+            seconds = time.perf_counter() - t0
+        # The trial's model and optimizer go out of scope here; an OOM's traceback is dropped by the caller.
         return batch_size * timed_steps / seconds
 
     return trial

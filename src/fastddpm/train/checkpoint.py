@@ -158,3 +158,23 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             k = k.split(".", 1)[1]
         out[k] = v
     return out
+
+
+def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict with tensor learning rates as floats, so any device or path can load it."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # note: sync, at checkpoint time only
+    return state
+
+
+def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved optimizer state whose param groups carry this run's implementation flags (fused, foreach,
+    capturable) and lr representation, so a checkpoint from any device or path resumes on this one."""
+    saved = {**saved, "param_groups": [dict(g) for g in saved["param_groups"]]}
+    for group, current in zip(saved["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach", "capturable", "differentiable", "lr"):
+            if key in current:
+                group[key] = current[key]
+    return saved

@@ -34,13 +34,13 @@ from fastddpm.train.checkpoint import (
     export_safetensors,
     load_checkpoint,
     load_latest,
+    portable_optimizer_state,
     save_checkpoint,
 )
-from fastddpm.train.ema import EMA
 from fastddpm.train.metrics import MetricsLog
 from fastddpm.train.compile_counters import CompileCounters
 from fastddpm.train.runtime import resolve_device, resolve_fast_path, resolve_precision
-from fastddpm.train.step import TrainStep, make_optimizer
+from fastddpm.train.setup import build_model, build_optimization
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
@@ -90,26 +90,6 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state_dict with tensor learning rates as floats, so any device or path can load it."""
-    state = optimizer.state_dict()
-    for group in state["param_groups"]:
-        if isinstance(group.get("lr"), torch.Tensor):
-            group["lr"] = float(group["lr"])  # note: sync, at checkpoint time only
-    return state
-
-
-def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """A saved optimizer state whose param groups carry this run's implementation flags (fused, foreach,
-    capturable) and lr representation, so a checkpoint from any device or path resumes on this one."""
-    saved = {**saved, "param_groups": [dict(g) for g in saved["param_groups"]]}
-    for group, current in zip(saved["param_groups"], optimizer.param_groups):
-        for key in ("fused", "foreach", "capturable", "differentiable", "lr"):
-            if key in current:
-                group[key] = current[key]
-    return saved
 
 
 def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
@@ -211,14 +191,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
 
     t = cfg.train
     fast = resolve_fast_path(t, device, precision)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = fast.cudnn_benchmark
-    torch.manual_seed(derive_seed(t.seed, "init"))
-    model = UNet(cfg.model).to(device)
-    model.grad_checkpointing = t.grad_checkpointing
-    if fast.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    schedule = schedule_from_config(cfg.diffusion).to(device)
+    model, schedule = build_model(cfg, device=device, fast=fast)
     image_shape = tuple(data.images.shape[1:])
 
     batch_note = "requested"
@@ -234,11 +207,6 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the trials' cached blocks would make the data look like it doesn't fit
 
-    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
-    capture = fast.cuda_graphs == "capture"
-    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
-                               tensor_lr=fast.compile or capture, capturable=capture)
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget)
     batches = make_batches(data.images, placement, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
                            seed=t.seed, device=device, hflip=cfg.data.hflip)
@@ -250,23 +218,17 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     total_steps = total_steps_for(cfg, steps_per_epoch)
 
     step, images_seen = 0, 0
+    opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
+                             resume_state=resumed[1] if resumed is not None else None)
+    ema, optimizer, scaler, train_step_fn = opt.ema, opt.optimizer, opt.scaler, opt.step_fn
     if resumed is not None:
         path, state = resumed
-        model.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        optimizer.load_state_dict(with_current_optimizer_flags(state["optimizer"], optimizer))
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if device.type == "cuda" and state["rng"].get("torch_cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"], device)
         step, images_seen = int(state["step"]), int(state["images_seen"])
         log(f"resumed from {path} at step {step:,} ({images_seen:,} images)")
 
-    train_step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
-                              prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
-                              accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
-                              ema_every=t.ema_every, device=device)
     save_config(cfg, run_dir / "config.json")
     run_info = {
         "fastddpm": fastddpm.__version__, "torch": torch.__version__, "python": platform.python_version(),

@@ -1,0 +1,65 @@
+"""Building the model and its optimisation, the same way for `fastddpm train` and `fastddpm bench`.
+
+The benchmark must time exactly the step the trainer runs, so both build it here: the U-Net with its
+training-only switches, then EMA, AdamW, loss scaler and the fast TrainStep, with any resumed state loaded
+in between (the step reads the optimizer's learning-rate tensor only after the optimizer state is loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastddpm.config import RunConfig
+from fastddpm.diffusion import NoiseSchedule, schedule_from_config
+from fastddpm.models import UNet
+from fastddpm.rng import derive_seed
+from fastddpm.train.checkpoint import with_current_optimizer_flags
+from fastddpm.train.ema import EMA
+from fastddpm.train.runtime import FastPath, Precision
+from fastddpm.train.step import TrainStep, make_optimizer
+
+
+@dataclass
+class Optimization:
+    ema: EMA
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    step_fn: TrainStep
+
+
+def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath) -> tuple[UNet, NoiseSchedule]:
+    """The U-Net (initialised from (seed, "init")) and the noise schedule, on `device`."""
+    t = cfg.train
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = fast.cudnn_benchmark
+    torch.manual_seed(derive_seed(t.seed, "init"))
+    model = UNet(cfg.model).to(device)
+    model.grad_checkpointing = t.grad_checkpointing
+    if fast.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, schedule_from_config(cfg.diffusion).to(device)
+
+
+def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, device: torch.device,
+                       precision: Precision, fast: FastPath, resume_state: dict | None = None) -> Optimization:
+    """EMA, AdamW, loss scaler and the TrainStep; `resume_state` (a checkpoint) is loaded before the step is built."""
+    t = cfg.train
+    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
+    capture = fast.cuda_graphs == "capture"
+    # A tensor learning rate: changing it never recompiles, and a captured graph reads its current value.
+    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
+                               tensor_lr=fast.compile or capture, capturable=capture)
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    if resume_state is not None:
+        model.load_state_dict(resume_state["model"])
+        ema.load_state_dict(resume_state["ema"])
+        optimizer.load_state_dict(with_current_optimizer_flags(resume_state["optimizer"], optimizer))
+        if scaler is not None and resume_state.get("scaler"):
+            scaler.load_state_dict(resume_state["scaler"])
+    step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
+                        prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
+                        accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
+                        ema_every=t.ema_every, device=device)
+    return Optimization(ema=ema, optimizer=optimizer, scaler=scaler, step_fn=step_fn)
