@@ -33,6 +33,7 @@ from fastddpm.train.checkpoint import (
     clean_state_dict,
     export_safetensors,
     load_checkpoint,
+    list_checkpoints,
     load_latest,
     portable_optimizer_state,
     save_checkpoint,
@@ -296,13 +297,22 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
             if step == min(total_steps, 3):
                 compile_counters.mark_warm()
 
-            if step % t.log_every == 0 or step == total_steps:
-                last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
-                if not math.isfinite(last_loss):
+            logging_step = step % t.log_every == 0 or step == total_steps
+            if logging_step or device.type == "cpu":  # on a CPU the check costs nothing: stop at once
+                bad = train_step_fn.first_bad_step()  # note: host-device sync, on logging steps only
+                if bad is not None:
+                    if bar is not None:
+                        bar.close()
+                    saved = list_checkpoints(run_dir / "checkpoints")
+                    last_ckpt = saved[-1] if saved else None
                     raise FloatingPointError(
-                        f"loss became {last_loss} by step {step}: lower --lr, keep --grad-clip on, or use "
-                        "--precision fp32; resume from the last checkpoint with --resume latest"
+                        f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all "
+                        f"later ones were skipped, so the weights and EMA keep their values from step {bad:,}. "
+                        f"Try a lower --lr (now {t.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead "
+                        f"of fp16; then resume from the last checkpoint with --resume latest ({last_ckpt or 'none'})"
                     )
+            if logging_step:
+                last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
                 now = time.perf_counter()
                 img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
                 metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],

@@ -77,6 +77,14 @@ class TrainStep:
         self.tensor_lr = isinstance(lr, torch.Tensor)
         self.lr_t = lr if self.tensor_lr else None
         self.ema_weight_t = torch.zeros((), device=device)  # 1 - beta, refreshed each step with fill_
+        # Non-finite guard, on the device: the first step whose loss or gradient norm is not finite, and every
+        # step after it, skips the update and the EMA (fused AdamW reads found_inf, as under a GradScaler), so
+        # the weights keep their last finite values without a host sync; the loop reads first_bad_step() on
+        # logging steps and stops the run there.
+        self.fused = bool(optimizer.param_groups[0].get("fused"))
+        self.healthy_t = torch.ones((), dtype=torch.bool, device=device)
+        self.step_t = torch.zeros((), dtype=torch.long, device=device)
+        self.first_bad_step_t = torch.full((), -1, dtype=torch.long, device=device)
         self.compile = compile
         self.cuda_graphs = cuda_graphs
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -97,17 +105,27 @@ class TrainStep:
         with self.precision.autocast(x0.device, cache=self.cuda_graphs != "capture"):
             return diffusion_loss(self.model, self.schedule, self.prediction, x0, t, noise)
 
-    def _update(self) -> None:
+    def _update(self, loss: torch.Tensor) -> None:
         if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
-        self.optimizer.step()
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
+        self.first_bad_step_t.copy_(torch.where(self.healthy_t & ~finite, self.step_t, self.first_bad_step_t))
+        self.healthy_t.logical_and_(finite)
+        if self.fused:
+            self.optimizer.found_inf = (~self.healthy_t).float()  # the fused kernel skips the step when 1
+            self.optimizer.step()
+        elif bool(self.healthy_t):  # the foreach optimizer is the CPU path: reading a CPU tensor is no sync
+            self.optimizer.step()
 
     @torch.no_grad()  # without it every EMA tensor grows an autograd chain, one node per step
     def _ema(self) -> None:
         # ema += w * (theta - ema), with w a 0-dim device tensor. _foreach_lerp_ has no tensor-weight overload: it
         # would read w back to the host (a sync, and a constant baked into a captured graph). mul_ takes a tensor.
         delta = torch._foreach_sub(self.params, self.ema._ema_params)
-        torch._foreach_mul_(delta, self.ema_weight_t)
+        torch._foreach_mul_(delta, self.ema_weight_t * self.healthy_t)
         torch._foreach_add_(self.ema._ema_params, delta)
 
     def _body(self, batches: Sequence[Batch], do_ema: bool) -> torch.Tensor:
@@ -129,13 +147,19 @@ class TrainStep:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            self._update()
+            self._update(total)
         if do_ema:
             self._ema()
         return total / len(batches)
 
     # -- the step --------------------------------------------------------------------------------------------
+    def first_bad_step(self) -> int | None:
+        """The first step (0-based) whose loss or gradients were not finite, or None. Note: a host sync."""
+        bad = int(self.first_bad_step_t)
+        return None if bad < 0 else bad
+
     def set_hyper(self, lr: float, step: int) -> None:
+        self.step_t.fill_(step)
         if self.tensor_lr:
             self.lr_t.fill_(lr)
         else:
