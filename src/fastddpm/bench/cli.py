@@ -19,6 +19,22 @@ and the device, driver, library versions, git commit and command written next to
 
   throughput   images/s, step time, compile time, MFU, peak memory, recompiles and input wait
                for each preset x batch size, with the trainer's own fast path
+  ladder       the seed's optimisation ladder, one change per rung (PNG files -> workers ->
+               RAM -> AMP -> batch 192 -> compile -> resident -> fused -> CUDA graphs ->
+               auto batch), then the MLP ladder of seed 002
+"""
+
+_LADDER_EPILOG = """\
+examples:
+  fastddpm bench ladder                                # seed-1layer on all of fashion-mnist
+  fastddpm bench ladder --num-images 20000 --workers 4 --out runs/ladder-h100
+  fastddpm bench ladder --quick                        # tiny preset, 96 images, a few steps (CI, CPU)
+
+--quick sets --preset tiny --num-images 96 --warmup-steps 1 --steps 2 --repeats 2, divides every
+rung's batch by 4 (64 -> 16, 192 -> 48), and the MLP ladder to 1 epoch on 2,000 images; flags given explicitly still win. On a CPU the CUDA rungs (fp16, bf16,
+CUDA graphs) are reported as skipped with the reason, and so is compile under --quick.
+Writes OUT/ladder.json, ladder.md, ladder.csv, mlp.csv and ladder.png (needs matplotlib).
+Exit codes: 0 at least one rung ran, 1 none did, 2 bad flags or config.
 """
 
 _THROUGHPUT_DESCRIPTION = """\
@@ -120,13 +136,53 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     return tp
 
 
+def _add_ladder_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    lp = commands.add_parser("ladder", help="the seed's optimisation ladder: one change per rung, images/s each",
+                             description="Seed 000's DDPM ladder (rungs 0-5) and past it (6-9), each rung adding "
+                                         "one change, on the same model and images; then seed 002's MLP ladder.",
+                             epilog=_LADDER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    lp.add_argument("--data", default=None, metavar="SOURCE", help="any fastddpm data source (default fashion-mnist)")
+    lp.add_argument("--preset", default=None, choices=tuple(PRESETS), help="the model (default seed-1layer)")
+    lp.add_argument("--num-images", type=_positive_int, default=None, metavar="N", help="cap the dataset")
+    lp.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="steps per timed repeat (50)")
+    lp.add_argument("--warmup-steps", type=_positive_int, default=None, metavar="N", help="warm-up steps (10)")
+    lp.add_argument("--repeats", type=_positive_int, default=None, metavar="R", help="timed repeats (3)")
+    lp.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="DataLoader workers from rung 1 on (default min(8, CPU count))")
+    lp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
+    lp.add_argument("--mlp-epochs", type=_positive_int, default=None, metavar="N", help="MLP epochs (5)")
+    lp.add_argument("--skip-mlp", action="store_true", help="run only the DDPM ladder")
+    lp.add_argument("--quick", action="store_true", help="tiny model, 96 images, batches / 4, a few steps: about a minute on a CPU")
+    lp.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/bench-ladder-<UTC time>)")
+    return lp
+
+
+def ladder_settings(args: argparse.Namespace):
+    from fastddpm.bench.ladder import QUICK, LadderSettings
+
+    base = dict(QUICK) if args.quick else {}
+    for name in ("data", "preset", "num_images", "steps", "warmup_steps", "repeats", "workers", "mlp_epochs"):
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    return LadderSettings(**base, device=args.device, mlp=not args.skip_mlp, quick=args.quick)
+
+
+def _run_ladder(args: argparse.Namespace) -> int:
+    from fastddpm.bench.ladder import run_ladder
+
+    result = run_ladder(ladder_settings(args), args.out)
+    return 0 if any(r["status"] == "ok" for r in result["rungs"]) else 1
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `bench {throughput}` to a top-level CLI's subparsers; returns the `bench` parser.
-    Sub-commands dispatch through `run_bench` on args.bench_command (a later `ladder` adds one more entry)."""
+    """Add `bench {throughput,ladder}` to a top-level CLI's subparsers; returns the `bench` parser.
+    Sub-commands dispatch through `run_bench` on args.bench_command."""
     bench = subparsers.add_parser("bench", help="benchmark the training step (throughput, MFU, memory)",
                                   description=_BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput}", required=True)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,ladder}", required=True)
     _add_throughput_parser(commands)
+    _add_ladder_parser(commands)
     bench.set_defaults(func=run_bench)
     return bench
 
@@ -151,7 +207,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
 
 
-_COMMANDS = {"throughput": _run_throughput}
+_COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder}
 
 
 def run_bench(args: argparse.Namespace) -> int:

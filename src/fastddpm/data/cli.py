@@ -51,6 +51,13 @@ Pass the same options as to `prepare`: they select which cache is described.
 """
 
 
+_EXPORT_EPILOG = """\
+examples:
+  fastddpm data export-images fashion-mnist ~/data/fmnist_png
+  fastddpm data export-images fashion-mnist ~/data/fmnist_png_test --split test --limit 1000
+"""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -84,7 +91,7 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     """Add `data {prepare,info}` to a top-level CLI's subparsers; returns the `data` parser."""
     data = subparsers.add_parser("data", help="prepare a dataset (decode once into a uint8 cache) or describe it",
                                  description=_DATA_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = data.add_subparsers(dest="data_command", metavar="{prepare,info}", required=True)
+    commands = data.add_subparsers(dest="data_command", metavar="{prepare,info,export-images}", required=True)
     prep = commands.add_parser("prepare", help="decode SOURCE into the cache (reused if already current)",
                                description="Decode SOURCE into the uint8 cache; a current cache is reused.",
                                epilog=_PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,12 +101,38 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                               description="Describe SOURCE and its prepared cache. Never decodes or downloads.",
                               epilog=_INFO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(inf)
+    exp = commands.add_parser("export-images", help="write SOURCE as the seed's PNG folder OUT/<label>/<index>.png",
+                              description="Write SOURCE (prepared first) as one PNG per image in the seed's folder "
+                                          "layout OUT/<label>/<index>.png (unlabeled images go straight into OUT). "
+                                          "`fastddpm data prepare OUT` reads it back pixel for pixel, ordered by "
+                                          "(label, index). `fastddpm bench ladder` rung 0 reads this layout.",
+                              epilog=_EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    exp.add_argument("source", metavar="SOURCE", help="named dataset or path (see `fastddpm data --help`)")
+    exp.add_argument("out", metavar="OUT", type=Path, help="output folder (created; must be empty or a previous export)")
+    exp.add_argument("--split", default="train", help="train (default) or test")
+    exp.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="export only the first N images")
+    exp.add_argument("--overwrite", action="store_true", help="replace the PNGs of a previous, different export in OUT")
+    exp.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                     help="cache root (default: $FASTDDPM_CACHE or ~/.cache/fastddpm)")
     data.set_defaults(func=run_data)
     return data
 
 
 def run_data(args: argparse.Namespace) -> int:
-    """Run `data prepare` / `data info`; a DataError becomes `error: ...` on stderr and exit code 2."""
+    """Run `data prepare` / `data info` / `data export-images`; a DataError becomes `error: ...` on stderr and
+    exit code 2."""
+    if args.data_command == "export-images":
+        from fastddpm.data.export import export_source
+
+        try:
+            result = export_source(args.source, args.out, split=args.split, limit=args.limit,
+                                   overwrite=args.overwrite, cache_dir=args.cache_dir)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        verb = "already exported" if result.reused else "wrote"
+        print(f"{verb} {result.num_images:,} PNGs under {result.root}")
+        return 0
     options = dict(split=args.split, resize=args.resize, resize_mode=args.resize_mode, image_mode=args.image_mode,
                    skip_bad=args.skip_bad, cache_dir=args.cache_dir)
     try:

@@ -1,0 +1,438 @@
+"""`fastddpm bench ladder`: seed 000's DDPM optimisation ladder (and past it), then seed 002's MLP ladder.
+
+One process, one model (a preset), the same images for every rung; each rung adds one change to the previous
+one (the rungs are spelled out in bench/ladder_rungs.py). Per rung: images/s (median over repeats, with the
+[min-max] spread), the time one epoch of the dataset would take, speedup over the baseline and over the
+previous ok rung, warm-up / compile time (timed on its own, never in the steady state), GPU busy share, peak
+memory and recompiles. A rung that fails is recorded with its reason and the ladder goes on.
+Writes ladder.json, ladder.md, ladder.csv, mlp.csv and ladder.png (matplotlib, optional) in the run folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as _dt
+import gc
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fastddpm.bench import ladder_rungs
+from fastddpm.bench.timing import (environment_record, free_device_memory, peak_memory_bytes, reset_peak_memory,
+                                   summarize, time_steps, time_wall_s)
+from fastddpm.config import ConfigError, get_preset
+from fastddpm.train.compile_counters import CompileCounters
+from fastddpm.train.loop import resolve_model_shape
+from fastddpm.train.runtime import resolve_device
+
+SCHEMA = "fastddpm-bench-ladder-1"
+QUICK = dict(preset="tiny", num_images=96, steps=2, warmup_steps=1, repeats=2, mlp_epochs=1, mlp_train_images=2000,
+             mlp_test_images=1000, auto_batch_limit=32, batch_divisor=4)
+
+
+@dataclass(kw_only=True)
+class LadderSettings:
+    """Every field is a flag of `fastddpm bench ladder`."""
+
+    data: str = "fashion-mnist"  # any fastddpm data source; exported once to PNGs for rungs 0-2
+    preset: str = "seed-1layer"  # the model (the seed notebook's one-layer U-Net)
+    num_images: int | None = None  # cap the dataset (None: all of it); epoch time uses this count
+    steps: int = 50  # steady-state steps per timed repeat
+    warmup_steps: int = 10  # steps timed as warm-up / compile, before the steady state
+    repeats: int = 3  # timed repeats: median and [min-max]
+    workers: int | None = None  # DataLoader workers for rung 1 on (None: min(8, os.cpu_count()))
+    device: str = "auto"
+    seed: int = 0
+    mlp: bool = True  # run the MLP ladder (seed 002)
+    mlp_data: str = "fashion-mnist"  # MNIST-format (1x28x28, 10 classes) with a test split
+    mlp_epochs: int = 5
+    mlp_train_images: int | None = None  # None: the whole train split
+    mlp_test_images: int | None = None
+    auto_batch_limit: int = 8192  # rung 9's search stops here
+    batch_divisor: int = 1  # every rung's batch is divided by this (--quick: 4, so 64 -> 16, 192 -> 48)
+    quick: bool = False  # recorded: the caller applied QUICK's values
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        for name in ("steps", "warmup_steps", "repeats", "mlp_epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"bench ladder: --{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError(f"bench ladder: --workers={self.workers} must be >= 0")
+        if self.num_images is not None and self.num_images < 192 // self.batch_divisor:
+            raise ConfigError(f"bench ladder: --num-images={self.num_images} must be >= "
+                              f"{192 // self.batch_divisor} (rung 4's batch)")
+
+    def resolved_workers(self) -> int:
+        return min(8, os.cpu_count() or 1) if self.workers is None else self.workers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Measuring one rung
+
+
+def gpu_busy_share(step: Callable[[int], object], first: int, steps: int, device: torch.device) -> float | None:
+    """Share of wall time with a CUDA kernel running: the union of kernel intervals recorded by torch.profiler
+    over `steps` steps / the wall time of those steps. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_s = time_wall_s(lambda: [step(first + i) for i in range(steps)], device)
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    busy_us, end = 0.0, -math.inf
+    for s, e in intervals:  # union: overlapping kernels (several streams) count once
+        if e > end:
+            busy_us += e - max(s, end)
+            end = e
+    return min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else None
+
+
+def measure_rung(prepared: ladder_rungs.Prepared, settings: LadderSettings, device: torch.device) -> dict:
+    counters = CompileCounters(enabled=prepared.compiled)
+    warmup_s = time_wall_s(lambda: [prepared.step(i) for i in range(settings.warmup_steps)], device)
+    counters.mark_warm()
+    step_ms = []
+    for r in range(settings.repeats):
+        first = settings.warmup_steps + r * settings.steps
+        step_ms.append(time_steps(lambda i: prepared.step(first + i), settings.steps, device) / settings.steps)
+    compile_report = counters.report()
+    busy = gpu_busy_share(prepared.step, settings.warmup_steps + settings.repeats * settings.steps,
+                          min(settings.steps, 20), device)
+    s = summarize(step_ms)
+    s["per_repeat"] = step_ms
+    B = prepared.batch_size
+    return {"step_ms": s, "images_per_s": B / (s["median"] / 1000),
+            "images_per_s_range": [B / (s["max"] / 1000), B / (s["min"] / 1000)],
+            "warmup_s": warmup_s, "gpu_busy": busy, "peak_memory_bytes": peak_memory_bytes(device),
+            "recompiles_after_warmup": compile_report.get("recompiles_after_warmup"),
+            "graph_breaks": compile_report.get("graph_breaks"), "cuda_graphs_failed": prepared.graph_failed()}
+
+
+def _row(rung: ladder_rungs.Rung, sw: ladder_rungs.Switches) -> dict:
+    return {"rung": rung.key, "title": rung.title, "change": rung.change, "status": None, "reason": None,
+            "switches": dataclasses.asdict(sw), "batch_size": None, "precision": None, "images_per_s": None,
+            "images_per_s_range": None, "step_ms": None, "epoch_s": None, "speedup_vs_baseline": None,
+            "speedup_vs_previous": None, "previous_rung": None, "warmup_s": None, "setup_s": None,
+            "gpu_busy": None, "peak_memory_bytes": None, "peak_memory_gib": None, "recompiles_after_warmup": None,
+            "graph_breaks": None, "cuda_graphs_failed": None, "notes": []}
+
+
+def run_rung(rung, sw, ctx, settings) -> dict:
+    row = _row(rung, sw)
+    device = ctx.device
+    try:
+        import torch._dynamo as dynamo
+
+        dynamo.reset()  # a fresh compile per rung: honest compile time
+        free_device_memory(device)
+        reset_peak_memory(device)
+        prepared = ladder_rungs.prepare_rung(rung, sw, ctx)
+        row.update(batch_size=prepared.batch_size, precision=prepared.precision, setup_s=prepared.setup_s,
+                   notes=list(prepared.notes))
+        row.update(measure_rung(prepared, settings, device))
+        row["status"] = "ok"
+        if row["peak_memory_bytes"] is not None:
+            row["peak_memory_gib"] = row["peak_memory_bytes"] / 2**30
+        del prepared
+    except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the ladder goes on
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        row.update(status="failed", reason=("out of memory: " if oom else "") + f"{type(e).__name__}: {e}".strip())
+    finally:
+        gc.collect()
+        free_device_memory(device)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / f"bench-ladder-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+
+
+def _load_ddpm_data(settings: LadderSettings, log) -> tuple[np.ndarray, Path, dict]:
+    from fastddpm.data.cache import default_cache_dir
+    from fastddpm.data.export import export_images
+    from fastddpm.data.prepare import prepare
+
+    prepared = prepare(settings.data, progress=False)
+    n = prepared.num_images if settings.num_images is None else min(settings.num_images, prepared.num_images)
+    images = np.array(prepared.images[:n], dtype=np.uint8)
+    labels = np.asarray(prepared.labels[:n])
+    # Rungs 0-2 read PNGs in (label, index) order: keep the array in that same order, so all rungs see one set.
+    order = np.lexsort((np.arange(n), labels))
+    root = default_cache_dir() / "png-export" / f"{prepared.cache_path.name}-n{n}"
+    res = export_images(images, labels, root, identity={"cache": str(prepared.cache_path), "num_images": n},
+                        overwrite=True)
+    log(f"data: {n:,} images {'x'.join(map(str, images.shape[1:]))} from {settings.data}; PNG folder {root} "
+        f"({'reused' if res.reused else 'written'})")
+    return images[order], root, {"source": settings.data, "cache": str(prepared.cache_path), "num_images": n,
+                                 "png_root": str(root), "shape_CHW": list(images.shape[1:])}
+
+
+def _load_mlp_data(settings: LadderSettings, log):
+    from fastddpm.bench.mlp import MlpData
+    from fastddpm.data.prepare import prepare
+
+    train = prepare(settings.mlp_data, split="train", progress=False)
+    test = prepare(settings.mlp_data, split="test", progress=False)
+    if train.images.shape[1:] != (1, 28, 28):
+        raise ConfigError(f"bench ladder: the MLP ladder needs MNIST-format 1x28x28 images; {settings.mlp_data} "
+                          f"has {tuple(train.images.shape[1:])}. Use --mlp-data mnist or fashion-mnist")
+    ntr = train.num_images if settings.mlp_train_images is None else min(settings.mlp_train_images, train.num_images)
+    nte = test.num_images if settings.mlp_test_images is None else min(settings.mlp_test_images, test.num_images)
+    return MlpData(train_x=np.array(train.images[:ntr]), train_y=np.asarray(train.labels[:ntr]),
+                   test_x=np.array(test.images[:nte]), test_y=np.asarray(test.labels[:nte]))
+
+
+def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
+               log: Callable[[str], None] = print) -> dict:
+    device, device_reason = resolve_device(settings.device)
+    out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment_record(device, argv)
+    workers = settings.resolved_workers()
+    log(f"bench ladder: {settings.preset} on {env['device_name']} ({device}; {device_reason}); torch {env['torch']}; "
+        f"commit {str(env['git_commit'])[:12]}; {workers} DataLoader workers")
+    if device.type != "cuda":
+        log("note: CPU run: timings (perf_counter) describe this CPU only; CUDA rungs are skipped")
+
+    images, png_root, data_info = _load_ddpm_data(settings, log)
+    cfg = resolve_model_shape(get_preset(settings.preset), images.shape)
+    ctx = ladder_rungs.Context(cfg=cfg, device=device, png_root=png_root, images_NCHW=images, seed=settings.seed,
+                               quick=settings.quick, auto_batch_limit=settings.auto_batch_limit,
+                               batch_divisor=settings.batch_divisor, log=log)
+    rows = []
+    sw = ladder_rungs.Switches()
+    rungs = ladder_rungs.DDPM_RUNGS
+    for i, rung in enumerate(rungs):
+        candidate = ladder_rungs.apply_delta(sw, rung, workers) if rung.key != "0" else sw
+        tag = f"[{i + 1}/{len(rungs)}] rung {rung.key} {rung.title}"
+        reason = ladder_rungs.skip_reason(rung, device, settings.quick)
+        if reason:
+            row = _row(rung, candidate)
+            row.update(status="skipped", reason=reason)
+            log(f"{tag}: {reason}")
+        else:
+            log(f"{tag}: {rung.change}; warm-up {settings.warmup_steps} steps, then {settings.repeats} x "
+                f"{settings.steps} timed steps")
+            row = run_rung(rung, candidate, ctx, settings)
+            log(f"{tag}: {progress_line(row)}")
+        rows.append(row)
+        if not rung.branch and row["status"] != "skipped":
+            sw = candidate  # a failed rung's change still carries: the next rung is "that, plus one more"
+    fill_speedups(rows, data_info["num_images"])
+
+    mlp_rows, mlp_info = None, None
+    if settings.mlp:
+        from fastddpm.bench.mlp import run_mlp_ladder
+
+        log("MLP ladder (seed 002): 784-128-64-10, batch 64, Adam 1e-3")
+        mlp_data = _load_mlp_data(settings, log)
+        mlp_info = {"source": settings.mlp_data, "train_images": int(len(mlp_data.train_y)),
+                    "test_images": int(len(mlp_data.test_y)), "epochs": settings.mlp_epochs, "workers": workers}
+        mlp_rows = run_mlp_ladder(mlp_data, device, epochs=settings.mlp_epochs, workers=workers, seed=settings.seed,
+                                  log=log)
+
+    result = {"schema": SCHEMA, "benchmark": "ladder", "environment": {**env, "device_reason": device_reason},
+              "settings": {**dataclasses.asdict(settings), "workers_resolved": workers}, "data": data_info,
+              "notes": notes(device, settings, data_info), "rungs": rows, "mlp": {"info": mlp_info, "rows": mlp_rows}}
+    chart = write_results(result, out_dir, log)
+    result["chart"] = chart
+    log("")
+    log(table_markdown(rows))
+    if mlp_rows:
+        log("")
+        log(mlp_table_markdown(mlp_rows))
+    log(f"\nwrote {out_dir}/ladder.json, ladder.md, ladder.csv" + (", mlp.csv" if mlp_rows else "")
+        + (", ladder.png" if chart else ""))
+    result["out_dir"] = str(out_dir)
+    return result
+
+
+def fill_speedups(rows: list[dict], num_images: int) -> None:
+    base = rows[0]["images_per_s"] if rows[0]["status"] == "ok" else None
+    prev = None  # the previous ok rung on the main line (3b is a branch)
+    branch_keys = {r.key for r in ladder_rungs.DDPM_RUNGS if r.branch}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["epoch_s"] = num_images / r["images_per_s"]
+        if base:
+            r["speedup_vs_baseline"] = r["images_per_s"] / base
+        if prev is not None:
+            r["speedup_vs_previous"] = r["images_per_s"] / prev["images_per_s"]
+            r["previous_rung"] = prev["rung"]
+        if r["rung"] not in branch_keys:
+            prev = r
+
+
+def notes(device: torch.device, s: LadderSettings, data_info: dict) -> list[str]:
+    clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    out = [
+        f"images/s: batch / median step time over {s.repeats} repeats of {s.steps} steps ({clock}); each step "
+        "draws its own batch (DataLoader for rungs 0-5, ResidentBatches from rung 6), so input time counts.",
+        f"warm-up s: the first {s.warmup_steps} steps (worker start-up, compile, CUDA graph capture), timed on their "
+        "own; setup s: work before them (RAM preload, batch-size search).",
+        f"epoch s: {data_info['num_images']:,} images / images/s" + (" (extrapolated from a few --quick steps)"
+                                                                    if s.quick else "") + ".",
+        "speedup vs previous: over the previous ok rung of the main line (3b, bf16, is a branch: not carried).",
+        "GPU busy: union of CUDA kernel intervals from torch.profiler over up to 20 steps / their wall time "
+        "(n/a on the CPU).",
+        "recompiles: graphs compiled after the warm-up (torch._dynamo counters), for compiled rungs.",
+        "A skipped rung's change is not carried forward; a failed rung's change is.",
+    ]
+    if s.batch_divisor != 1:
+        out.append(f"--quick: every rung's batch is divided by {s.batch_divisor} (64 -> {64 // s.batch_divisor}, "
+                   f"192 -> {192 // s.batch_divisor}) so the ladder fits a CPU in minutes.")
+    if device.type != "cuda":
+        out.insert(0, "CPU run: timings describe this CPU; rungs that need CUDA are skipped with the reason.")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _f(v, spec: str, missing: str = "n/a") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return missing
+    return format(v, spec)
+
+
+def progress_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['status'].upper()} ({r['reason']})"
+    s = r["step_ms"]
+    return (f"{r['images_per_s']:,.0f} img/s (batch {r['batch_size']}, {r['precision']}), step {s['median']:.2f} ms "
+            f"[{s['min']:.2f}-{s['max']:.2f}], warm-up {r['warmup_s']:.1f} s, GPU busy "
+            f"{_f(r['gpu_busy'] and 100 * r['gpu_busy'], '.0f')}%")
+
+
+DDPM_HEADER = ("| rung | change | batch | prec | images/s [min-max] | epoch s | x baseline | x previous | "
+               "warm-up s | GPU busy % | peak mem GiB | recompiles | status |")
+
+
+def table_markdown(rows: list[dict]) -> str:
+    lines = [DDPM_HEADER, "|" + "---|" * (DDPM_HEADER.count("|") - 1)]
+    for r in rows:
+        if r["status"] != "ok":
+            reason = (r["reason"] or "").splitlines()[0][:140].replace("|", "\\|")
+            lines.append(f"| {r['rung']} | {r['title']} |" + " - |" * 10 + f" {r['status']}: {reason} |")
+            continue
+        lo, hi = r["images_per_s_range"]
+        lines.append(
+            f"| {r['rung']} | {r['title']} | {r['batch_size']} | {r['precision']} | {r['images_per_s']:,.0f} "
+            f"[{lo:,.0f}-{hi:,.0f}] | {r['epoch_s']:.1f} | {_f(r['speedup_vs_baseline'], '.2f')} | "
+            f"{_f(r['speedup_vs_previous'], '.2f')} | {r['warmup_s']:.2f} | "
+            f"{_f(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')} | "
+            f"{_f(r['peak_memory_gib'], '.2f')} | {_f(r['recompiles_after_warmup'], 'd', '-')} | ok |")
+    return "\n".join(lines)
+
+
+def mlp_table_markdown(rows: list[dict]) -> str:
+    lines = ["| Method | Total Time (s) | Speedup | Test accuracy | status |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | - | - | - | failed: {r['error']} |")
+            continue
+        speed = "baseline" if r["rung"] == "0" else f"{r['speedup']:.2f}x"
+        lines.append(f"| {r['name']} | {r['total_s']:.2f} | {speed} | {r['accuracy']:.4f} | ok |")
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ["rung", "title", "status", "batch_size", "precision", "images_per_s", "images_per_s_min",
+              "images_per_s_max", "step_ms_median", "epoch_s", "speedup_vs_baseline", "speedup_vs_previous",
+              "warmup_s", "setup_s", "gpu_busy", "peak_memory_gib", "recompiles_after_warmup", "reason"]
+
+
+def write_results(result: dict, out_dir: Path, log) -> str | None:
+    (out_dir / "ladder.json").write_text(json.dumps(result, indent=2, default=str))
+    with open(out_dir / "ladder.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in result["rungs"]:
+            rng = r["images_per_s_range"] or [None, None]
+            w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "images_per_s_min": rng[0], "images_per_s_max": rng[1],
+                        "step_ms_median": r["step_ms"]["median"] if r["step_ms"] else None})
+    mlp_rows = result["mlp"]["rows"]
+    if mlp_rows:
+        with open(out_dir / "mlp.csv", "w", newline="") as f:
+            fields = ["rung", "name", "status", "total_s", "epoch_s", "speedup", "accuracy", "final_loss", "error"]
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for r in mlp_rows:
+                w.writerow({k: r.get(k) for k in fields})
+    chart = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"], log)
+    env = result["environment"]
+    md = ["# fastddpm bench ladder", "",
+          f"- command: `{env['command_line']}`",
+          f"- device: {env['device_name']} ({env['device']}), driver {env.get('cuda_driver') or 'n/a'}, CUDA runtime "
+          f"{env.get('cuda_runtime') or 'n/a'}",
+          f"- torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {env['git_commit']}"
+          + (" (uncommitted changes)" if env.get("git_dirty") else ""),
+          f"- date (UTC): {env['date_utc']}",
+          f"- data: {result['data']['num_images']:,} images of {result['data']['source']}; preset "
+          f"{result['settings']['preset']}", "", "## DDPM ladder (seed 000)", "", table_markdown(result["rungs"]), ""]
+    for r in result["rungs"]:
+        extra = "; ".join(r["notes"] + ([f"CUDA graphs failed: {r['cuda_graphs_failed']}"]
+                                        if r.get("cuda_graphs_failed") else []))
+        md.append(f"- rung {r['rung']} ({r['title']}): {r['change']}" + (f". {extra}" if extra else ""))
+    if mlp_rows:
+        info = result["mlp"]["info"]
+        md += ["", "## MLP ladder (seed 002)", "",
+               f"784-128-64-10, batch 64, Adam 1e-3, {info['epochs']} epoch(s) on {info['train_images']:,} "
+               f"{info['source']} images; accuracy on {info['test_images']:,} test images.", "",
+               mlp_table_markdown(mlp_rows), ""]
+        for r in mlp_rows:
+            if r["notes"]:
+                md.append(f"- {r['name']}: {'; '.join(r['notes'])}")
+    md += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
+    if chart:
+        md += ["", "![images/s per rung](ladder.png)"]
+    (out_dir / "ladder.md").write_text("\n".join(md) + "\n")
+    return chart
+
+
+def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("chart skipped: matplotlib is not installed (pip install 'fastddpm[plots]' or pip install matplotlib)")
+        return None
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return None
+    labels = [f"{r['rung']}\n{r['title']}" for r in rows]
+    values = [r["images_per_s"] if r["status"] == "ok" else 0 for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 5))
+    bars = ax.bar(range(len(rows)), values, color=["tab:blue" if r["status"] == "ok" else "lightgrey" for r in rows])
+    positive = [v for v in values if v > 0]
+    if max(positive) / min(positive) > 20:
+        ax.set_yscale("log")
+    for bar, r in zip(bars, rows):
+        text = f"{r['speedup_vs_baseline']:.2f}x" if r["status"] == "ok" and r["speedup_vs_baseline"] else r["status"]
+        y = bar.get_height() if r["status"] == "ok" else min(positive)
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel("images/s (steady state)")
+    ax.set_title(f"fastddpm bench ladder on {device_name}: images/s, speedup over the baseline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
