@@ -19,7 +19,7 @@ from fastddpm.config import PRESETS, SECTIONS, ConfigError, RunConfig, apply_ove
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < flags):
   tiny         seconds on a CPU: a ~140k-parameter U-Net, 20 steps (tests, smoke runs)
-  cpu-demo     ~7 minutes on a 2-core CPU: a small U-Net without attention, 2 epochs of Fashion-MNIST,
+  cpu-demo     ~7 minutes on a 2-core CPU: a small U-Net without attention, 100k Fashion-MNIST images,
                samples you can recognise (the README's CPU quickstart)
   seed-1layer  the seed notebook's U-Net (6.1M params): batch 192, Adam 1e-4, 40 epochs (GPU)
   seed-2layer  the public DDPM-Pytorch default U-Net (10.2M params), same recipe (GPU)
