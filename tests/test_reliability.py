@@ -78,3 +78,83 @@ def test_run_with_a_nan_stops_naming_the_step(tmp_path, fmnist_npz, monkeypatch,
     (ckpt,) = list_checkpoints(run / "checkpoints")
     state = load_checkpoint(ckpt)
     assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _state(step):
+    return {"model": {"w": torch.full((4,), float(step))}, "step": step}
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Disk full (ENOSPC) in the middle of writing checkpoint 2: checkpoint 1 stays byte-identical and loadable,
+    and nothing partial is left at a final path or as a temp file."""
+    import errno
+    import os
+
+    from fastddpm.train import checkpoint as ckpt_mod
+
+    d = tmp_path / "checkpoints"
+    first = ckpt_mod.save_checkpoint(d, 1, _state(1), keep=3)
+    before = first.read_bytes()
+    real_fsync = os.fsync
+    calls = []
+
+    def full_disk(fd):
+        calls.append(fd)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt_mod.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt_mod.save_checkpoint(d, 2, _state(2), keep=3)
+    monkeypatch.setattr(ckpt_mod.os, "fsync", real_fsync)
+    assert calls, "the injected fault never fired"
+    assert first.read_bytes() == before
+    assert ckpt_mod.load_checkpoint(first)["step"] == 1
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt_000000001.pt", "ckpt_000000001.sha256"]
+    path, state = ckpt_mod.load_latest(d)
+    assert path == first and state["step"] == 1
+
+
+def test_retention_survives_a_failed_delete(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from fastddpm.train import checkpoint as ckpt_mod
+
+    d = tmp_path / "checkpoints"
+    for s in (1, 2):
+        ckpt_mod.save_checkpoint(d, s, _state(s), keep=2)
+    real_unlink = Path.unlink
+
+    def stuck(self, missing_ok=False):
+        if self.name.startswith("ckpt_000000001"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", stuck)
+    with pytest.warns(UserWarning, match="could not delete old checkpoint .*ckpt_000000001"):
+        ckpt_mod.save_checkpoint(d, 3, _state(3), keep=2)
+    names = [p.name for p in ckpt_mod.list_checkpoints(d)]
+    assert "ckpt_000000003.pt" in names and "ckpt_000000002.pt" in names  # the newest k are always kept
+    assert ckpt_mod.load_latest(d)[1]["step"] == 3
+
+
+def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(fmnist_npz), "--out", str(run), "--preset",
+           "tiny", "--max-steps", "100000", "--log-every", "1", "--checkpoint-every", "100000", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    (ckpt,) = list_checkpoints(run / "checkpoints")
+    assert load_checkpoint(ckpt)["step"] >= 2
