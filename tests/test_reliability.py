@@ -158,3 +158,126 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
     assert proc.returncode == 130, err
     (ckpt,) = list_checkpoints(run / "checkpoints")
     assert load_checkpoint(ckpt)["step"] >= 2
+
+
+def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """A process killed (SIGKILL) while writing checkpoint 2: on restart checkpoint 1 loads, and the
+    incomplete file is reported by name and removed."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    from fastddpm.train.checkpoint import list_checkpoints, load_latest
+
+    d = tmp_path / "checkpoints"
+    script = textwrap.dedent(f"""
+        import os, sys, time, torch
+        from pathlib import Path
+        from fastddpm.train import checkpoint as c
+        d = Path({str(d)!r})
+        c.save_checkpoint(d, 1, {{"model": {{"w": torch.ones(4)}}, "step": 1}}, keep=3)
+        real_write = os.write
+        def slow_write(fd, data):  # half the bytes, then hang until killed
+            real_write(fd, data[: len(data) // 2])
+            print("writing", flush=True)
+            time.sleep(60)
+        import builtins
+        real_open = builtins.open
+        class Slow:
+            def __init__(self, f): self.f = f
+            def write(self, data): return slow_write(self.f.fileno(), data)
+            def __getattr__(self, k): return getattr(self.f, k)
+            def __enter__(self): return self
+            def __exit__(self, *a): self.f.close()
+        def patched_open(path, mode="r", *a, **k):
+            f = real_open(path, mode, *a, **k)
+            return Slow(f) if "ckpt_000000002.pt.tmp" in str(path) else f
+        c.open = patched_open
+        c.save_checkpoint(d, 2, {{"model": {{"w": torch.zeros(4)}}, "step": 2}}, keep=3)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    line = ""
+    while time.time() < deadline and "writing" not in line:
+        line = proc.stdout.readline()
+        if proc.poll() is not None:
+            break
+    assert "writing" in line, proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    leftovers = list(d.glob(".ckpt_000000002.pt.tmp.*"))
+    assert leftovers, "the kill should have left a partial temp file"
+    assert [p.name for p in list_checkpoints(d)] == ["ckpt_000000001.pt"]
+    with pytest.warns(UserWarning, match=r"ignoring .*ckpt_000000002\.pt\.tmp.*interrupted save"):
+        path, state = load_latest(d)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(4))
+    assert not list(d.glob(".ckpt_*.tmp.*"))
+
+
+def _recording(monkeypatch):
+    """Record what every batch draw consumed: (m, indices, t, noise) - whichever loader made it."""
+    from fastddpm.train.batches import StreamingBatches
+
+    seen = []
+    for cls in (ResidentBatches, StreamingBatches):
+        real = cls.get
+
+        def get(self, m, _real=real):
+            b = _real(self, m)
+            seen.append((m, b.indices.cpu().clone(), b.t.clone(), b.noise.clone()))
+            return b
+
+        monkeypatch.setattr(cls, "get", get)
+    return seen
+
+
+def _same_draws(a, b):
+    assert [m for m, *_ in a] == [m for m, *_ in b]
+    for (_, ia, ta, na), (_, ib, tb, nb) in zip(a, b):
+        assert torch.equal(ia, ib) and torch.equal(ta, tb) and torch.equal(na, nb)
+
+
+@pytest.mark.parametrize("resume_at", [1, 7, 16], ids=["after-step-1", "mid-epoch", "epoch-boundary"])
+def test_no_replay_no_skip_across_a_resume(tmp_path, fmnist_npz, monkeypatch, resume_at):
+    """256 images at batch 16 = 16 steps per epoch; 20 steps cross the boundary."""
+    from fastddpm.config import apply_overrides
+    from fastddpm.train.loop import train
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 20, "train.checkpoint_every": resume_at,
+                                               "train.num_sample_images": 1, "train.sample_steps": 1})
+    seen = _recording(monkeypatch)
+    train(cfg, out_dir=tmp_path / "full", log=lambda *a: None)
+    full = list(seen)
+    seen.clear()
+    train(apply_overrides(cfg, {"train.max_steps": resume_at}), out_dir=tmp_path / "split", log=lambda *a: None)
+    train(cfg, out_dir=tmp_path / "split", resume="latest", log=lambda *a: None)
+    _same_draws(full, seen)
+    assert [m for m, *_ in seen] == list(range(20))
+
+
+def test_resume_does_not_depend_on_the_loader(tmp_path, fmnist_npz, monkeypatch):
+    """Save with the streaming loader (memory-mapped cache), resume with the resident one: the same batches
+    and bit-identical weights as a run that never changed loaders."""
+    from fastddpm.config import apply_overrides
+    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.train.loop import train
+
+    base = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 10,
+            "train.checkpoint_every": 5, "train.num_sample_images": 1, "train.sample_steps": 1}
+    resident = apply_overrides(get_preset("tiny"), {**base, "train.data_placement": "device"})
+    streaming = apply_overrides(get_preset("tiny"), {**base, "train.data_placement": "stream",
+                                                     "train.max_steps": 5})
+    seen = _recording(monkeypatch)
+    train(resident, out_dir=tmp_path / "a", log=lambda *a: None)
+    full = list(seen)
+    seen.clear()
+    train(streaming, out_dir=tmp_path / "b", log=lambda *a: None)
+    train(resident, out_dir=tmp_path / "b", resume="latest", log=lambda *a: None)
+    _same_draws(full, seen)
+    a = load_checkpoint(list_checkpoints(tmp_path / "a" / "checkpoints")[-1])
+    b = load_checkpoint(list_checkpoints(tmp_path / "b" / "checkpoints")[-1])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])

@@ -120,7 +120,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads and verifies; broken newer ones are skipped with a warning naming them."""
+    """The newest checkpoint that loads and verifies; broken newer ones are skipped with a warning naming them.
+    Temp files of a save that was killed midway are reported and removed (they never reach a final path)."""
+    if ckpt_dir.is_dir():
+        for leftover in sorted(ckpt_dir.glob(".ckpt_*.tmp.*")):
+            warnings.warn(f"ignoring {leftover}: an incomplete checkpoint from an interrupted save; removing it",
+                          stacklevel=2)
+            leftover.unlink(missing_ok=True)
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
             return path, load_checkpoint(path, map_location)
