@@ -163,7 +163,13 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Pat
 def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict] | None = None,
           log=print) -> TrainResult:
     """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or an already
-    loaded (path, state) pair (what resolve_resume returns)."""
+    loaded (path, state) pair (what resolve_resume returns). SIGTERM/SIGINT at any point, set-up included,
+    end the run after the current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
+    with _StopFlag() as stop:
+        return _train(cfg, out_dir=out_dir, resume=resume, log=log, stop=stop)
+
+
+def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag) -> TrainResult:
     from fastddpm.data import prepare
 
     # ------------------------------------------------------------------ set-up
@@ -285,65 +291,67 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
         log = bar.write
 
-    with _StopFlag() as stop:
-        while step < total_steps:
-            micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
-            lr = t.lr * min(1.0, (images_seen + images_per_step) / t.warmup_images) if t.warmup_images else t.lr
-            loss = train_step_fn(micro, lr=lr, step=step)
-            loss_sum += loss
-            loss_count += 1
-            step += 1
-            images_seen += images_per_step
-            if step == min(total_steps, 3):
-                compile_counters.mark_warm()
+    while step < total_steps:
+        micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
+        lr = t.lr * min(1.0, (images_seen + images_per_step) / t.warmup_images) if t.warmup_images else t.lr
+        loss = train_step_fn(micro, lr=lr, step=step)
+        loss_sum += loss
+        loss_count += 1
+        step += 1
+        images_seen += images_per_step
+        if step == min(total_steps, 3):
+            compile_counters.mark_warm()
 
-            logging_step = step % t.log_every == 0 or step == total_steps
-            if logging_step or device.type == "cpu":  # on a CPU the check costs nothing: stop at once
-                bad = train_step_fn.first_bad_step()  # note: host-device sync, on logging steps only
-                if bad is not None:
-                    if bar is not None:
-                        bar.close()
-                    saved = list_checkpoints(run_dir / "checkpoints")
-                    last_ckpt = saved[-1] if saved else None
-                    raise FloatingPointError(
-                        f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all "
-                        f"later ones were skipped, so the weights and EMA keep their values from step {bad:,}. "
-                        f"Try a lower --lr (now {t.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead "
-                        f"of fp16; then resume from the last checkpoint with --resume latest ({last_ckpt or 'none'})"
-                    )
-            if logging_step:
-                last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
-                now = time.perf_counter()
-                img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
-                metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],
-                               "loss": last_loss, "images_per_s": img_per_s, "lr": lr,
-                               "wall_s": now - t_start, **compile_counters.report()})
-                if bar is not None:
-                    bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{img_per_s:,.0f}", refresh=False)
-                loss_sum.zero_()
-                loss_count = 0
-                t_log, images_at_log = now, images_seen
-            if bar is not None:
-                bar.update(1)
-
-            done = step == total_steps
-            if t.sample_every_images and not done and (
-                    images_seen // t.sample_every_images > (images_seen - images_per_step) // t.sample_every_images):
-                last_grid = write_grid(ema.model, schedule, cfg, device, precision,
-                                       run_dir / "samples" / f"grid_{images_seen:09d}.png")
-                log(f"step {step:,}: wrote {last_grid}")
-            if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.exit_code is not None:
-                last_ckpt = write_checkpoint()
-            if stop.exit_code is not None:
+        logging_step = step % t.log_every == 0 or step == total_steps
+        if logging_step or device.type == "cpu":  # on a CPU the check costs nothing: stop at once
+            bad = train_step_fn.first_bad_step()  # note: host-device sync, on logging steps only
+            if bad is not None:
                 if bar is not None:
                     bar.close()
-                log(f"stopped by signal at step {step:,}; checkpoint {last_ckpt}; resume with --resume latest")
-                raise TrainingInterrupted(stop.exit_code, last_ckpt)
+                saved = list_checkpoints(run_dir / "checkpoints")
+                last_ckpt = saved[-1] if saved else None
+                raise FloatingPointError(
+                    f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all "
+                    f"later ones were skipped, so the weights and EMA keep their values from step {bad:,}. "
+                    f"Try a lower --lr (now {t.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead "
+                    f"of fp16; then resume from the last checkpoint with --resume latest ({last_ckpt or 'none'})"
+                )
+        if logging_step:
+            last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
+            now = time.perf_counter()
+            img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
+            metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],
+                           "loss": last_loss, "images_per_s": img_per_s, "lr": lr,
+                           "wall_s": now - t_start, **compile_counters.report()})
+            if bar is not None:
+                bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{img_per_s:,.0f}", refresh=False)
+            loss_sum.zero_()
+            loss_count = 0
+            t_log, images_at_log = now, images_seen
+        if bar is not None:
+            bar.update(1)
+
+        done = step == total_steps
+        if t.sample_every_images and not done and (
+                images_seen // t.sample_every_images > (images_seen - images_per_step) // t.sample_every_images):
+            last_grid = write_grid(ema.model, schedule, cfg, device, precision,
+                                   run_dir / "samples" / f"grid_{images_seen:09d}.png")
+            log(f"step {step:,}: wrote {last_grid}")
+        if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.exit_code is not None:
+            last_ckpt = write_checkpoint()
+        if stop.exit_code is not None:
+            if bar is not None:
+                bar.close()
+            log(f"stopped by signal at step {step:,}; checkpoint {last_ckpt}; resume with --resume latest")
+            raise TrainingInterrupted(stop.exit_code, last_ckpt)
 
     if bar is not None:
         bar.close()
     if last_ckpt is None:  # resumed at or past the end: nothing trained, still leave weights and a grid
         last_ckpt = write_checkpoint()
+    if stop.exit_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
+        log(f"stopped by signal after the last step; checkpoint {last_ckpt}")
+        raise TrainingInterrupted(stop.exit_code, last_ckpt)
     last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
     if fast.compile:
         log(f"compile: {compile_counters.report()}")
