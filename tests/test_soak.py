@@ -48,6 +48,11 @@ def test_random_sigterms_and_resumes_end_where_the_uninterrupted_run_ends(tmp_pa
             proc.send_signal(signal.SIGTERM)
             interruptions += 1
         _, err = proc.communicate(timeout=120)
+        if proc.returncode == -signal.SIGTERM:
+            # The signal landed after train() returned, while the interpreter was shutting down: Python's default
+            # handler is back by then. Only a run that had already finished may end this way.
+            assert read_metrics(metrics)[-1]["step"] == STEPS, err
+            break
         assert proc.returncode in (0, 143), err
         if proc.returncode == 0:
             break
