@@ -43,3 +43,22 @@ def fmnist_npz(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("fmnist") / "fmnist256.npz"
     np.savez(path, images=images, labels=labels)
     return path
+
+
+def interrupt_training(src: Path, run: Path, sig: int, *, after_log_lines: int):
+    """Start `fastddpm train` (tiny, endless) in a new process, send `sig` once it has logged
+    `after_log_lines` steps, and return (returncode, stdout, stderr)."""
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(src), "--out", str(run), "--preset",
+           "tiny", "--max-steps", "100000", "--log-every", "1", "--checkpoint-every", "100000", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < after_log_lines):
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err

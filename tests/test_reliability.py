@@ -139,23 +139,13 @@ def test_retention_survives_a_failed_delete(tmp_path, monkeypatch):
 
 def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
     import signal
-    import subprocess
-    import sys
-    import time
 
+    from conftest import interrupt_training
     from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(fmnist_npz), "--out", str(run), "--preset",
-           "tiny", "--max-steps", "100000", "--log-every", "1", "--checkpoint-every", "100000", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    returncode, _, err = interrupt_training(fmnist_npz, run, signal.SIGINT, after_log_lines=2)
+    assert returncode == 130, err
     (ckpt,) = list_checkpoints(run / "checkpoints")
     assert load_checkpoint(ckpt)["step"] >= 2
 

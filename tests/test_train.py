@@ -5,8 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,17 +185,12 @@ def test_state_dict_keys_are_clean():
 
 
 def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
+    from conftest import interrupt_training
+
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(fmnist_npz), "--out", str(run), "--preset",
-           "tiny", "--max-steps", "100000", "--log-every", "1", "--checkpoint-every", "100000", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    returncode, out, err = interrupt_training(fmnist_npz, run, signal.SIGTERM, after_log_lines=3)
+    assert returncode == 143, err
     ckpts = list_checkpoints(run / "checkpoints")
     assert len(ckpts) == 1
     step = load_checkpoint(ckpts[0])["step"]
