@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,6 +54,16 @@ class TrainingInterrupted(Exception):
         super().__init__(f"stopped by signal; checkpoint {checkpoint}")
         self.exit_code = exit_code
         self.checkpoint = checkpoint
+
+
+@dataclass
+class TrainHooks:
+    """Instrumentation points for tools that watch the trainer (fastddpm.doctor): they see each step's data
+    source and step boundary without a copy of the loop. Defaults leave training unchanged."""
+
+    wrap_batches: Callable[[object], object] | None = None  # batches -> object with the same .get(m)
+    after_step: Callable[[int], None] | None = None  # called with the finished step number, on the host
+    final_outputs: bool = True  # False: skip the final grid (a diagnostic run does not need it)
 
 
 @dataclass
@@ -161,15 +172,15 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Pat
 
 
 def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict] | None = None,
-          log=print) -> TrainResult:
+          log=print, hooks: TrainHooks | None = None) -> TrainResult:
     """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or an already
     loaded (path, state) pair (what resolve_resume returns). SIGTERM/SIGINT at any point, set-up included,
     end the run after the current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
     with _StopFlag() as stop:
-        return _train(cfg, out_dir=out_dir, resume=resume, log=log, stop=stop)
+        return _train(cfg, out_dir=out_dir, resume=resume, log=log, stop=stop, hooks=hooks or TrainHooks())
 
 
-def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag) -> TrainResult:
+def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
     from fastddpm.data import prepare
 
     # ------------------------------------------------------------------ set-up
@@ -217,6 +228,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag)
     placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget)
     batches = make_batches(data.images, placement, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
                            seed=t.seed, device=device, hflip=cfg.data.hflip)
+    if hooks.wrap_batches is not None:
+        batches = hooks.wrap_batches(batches)
     images_per_step = t.batch_size * t.accum_steps
     steps_per_epoch = batches.steps_per_epoch // t.accum_steps
     if steps_per_epoch < 1:
@@ -301,6 +314,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag)
         images_seen += images_per_step
         if step == min(total_steps, 3):
             compile_counters.mark_warm()
+        if hooks.after_step is not None:
+            hooks.after_step(step)
 
         logging_step = step % t.log_every == 0 or step == total_steps
         if logging_step or device.type == "cpu":  # on a CPU the check costs nothing: stop at once
@@ -352,7 +367,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag)
     if stop.exit_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
         log(f"stopped by signal after the last step; checkpoint {last_ckpt}")
         raise TrainingInterrupted(stop.exit_code, last_ckpt)
-    last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
+    if hooks.final_outputs:
+        last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
     if fast.compile:
         log(f"compile: {compile_counters.report()}")
     if fast.cuda_graphs == "capture":
