@@ -1,4 +1,4 @@
-"""The `fastddpm` command: train, sample, data, bench.
+"""The `fastddpm` command: train, sample, data, bench, doctor.
 
 `fastddpm train --help` is generated from the config dataclasses (fastddpm.config), so every field has a flag
 and a line of help, and nothing here can drift from what the trainer reads.
@@ -133,8 +133,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     from fastddpm.bench.cli import add_bench_parser
     from fastddpm.data.cli import add_data_parser
 
+    from fastddpm.doctor.cli import add_doctor_parser
+
     add_data_parser(sub)
     add_bench_parser(sub)
+    add_doctor_parser(sub, _add_config_flags)
     return parser, dests
 
 
@@ -244,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             from fastddpm.bench.cli import run_bench
 
             return run_bench(args)
+        if args.command == "doctor":
+            from fastddpm.doctor.cli import run_doctor
+
+            return run_doctor(args, resolve_train_config)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

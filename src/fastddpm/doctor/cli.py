@@ -1,0 +1,94 @@
+"""`fastddpm doctor train [train options]` and `fastddpm doctor run SCRIPT [ARGS]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EPILOG = """\
+The run is bounded: --warmup steps (not judged), --steps watched with cheap timers, then --profile-steps
+under torch.profiler. The verdict names one bottleneck with the numbers behind it, then ranked fixes.
+
+Examples:
+  fastddpm doctor train --data fashion-mnist --preset seed-1layer      # the built-in trainer, any config
+  fastddpm doctor train --data ./my.zip --batch-size 64 --compile off --out doctor/eager
+  fastddpm doctor run train_mine.py --epochs 1 --lr 3e-4               # your script, unchanged
+
+In your own code, without the CLI:
+  with fastddpm.doctor.watch(loader, out="doctor/") as dr:
+      for batch in dr.batches():
+          ...; dr.step()
+
+Writes OUT/report.txt, report.json, report.html (open in a browser) and the raw trace
+(<host>_<pid>.doctor.pt.trace.json: chrome://tracing, https://ui.perfetto.dev, or TensorBoard's profiler
+plugin pointed at OUT).
+"""
+
+
+def _add_window_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("doctor")
+    g.add_argument("--warmup", type=int, default=5, metavar="N", help="steps before measuring (default 5)")
+    g.add_argument("--steps", type=int, default=40, metavar="N", help="steps watched with timers (default 40)")
+    g.add_argument("--profile-steps", type=int, default=10, metavar="N",
+                   help="steps traced with torch.profiler after the watch (default 10; 0 = no trace)")
+    g.add_argument("--loader-probe-s", type=float, default=2.0, metavar="S",
+                   help="time the DataLoader alone for up to S seconds afterwards (default 2; 0 = skip)")
+    g.add_argument("--report-dir", dest="report_dir", default="doctor_report", metavar="DIR",
+                   help="where the reports and trace go (default ./doctor_report)")
+    g.add_argument("--json", action="store_true", help="print the JSON report instead of the text one")
+
+
+def add_doctor_parser(sub, add_train_flags) -> None:
+    """`add_train_flags(parser)` adds the trainer's config flags and returns their dests (fastddpm.cli)."""
+    dp = sub.add_parser("doctor", help="profile a training loop, name its bottleneck, prescribe the fix",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                        description="Profile a training loop for a bounded number of steps, name its bottleneck "
+                                    "with evidence, and prescribe the fix.")
+    dsub = dp.add_subparsers(dest="doctor_command", metavar="{train,run}")
+    dt = dsub.add_parser("train", help="diagnose fastddpm's trainer with any config",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    _add_window_flags(dt)
+    run = dt.add_argument_group("run")
+    run.add_argument("--preset", help="starting configuration (as for train)")
+    run.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    dt.set_defaults(train_dests=add_train_flags(dt))
+    dr = dsub.add_parser("run", help="diagnose your own training script, unchanged",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+                         description="Run SCRIPT as `python SCRIPT ARGS` with DataLoader iteration timed and "
+                                     "each optimizer.step() taken as a step boundary; stop after the bounded run.")
+    _add_window_flags(dr)
+    dr.add_argument("--device", default=None, help="the device the script trains on (default: cuda if present)")
+    dr.add_argument("script", help="the training script (.py)")
+    dr.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def run_doctor(args, resolve_train_config) -> int:
+    from fastddpm.doctor.session import DoctorConfig
+
+    if args.doctor_command is None:
+        raise SystemExit("fastddpm doctor: say what to diagnose: `doctor train [options]` or `doctor run SCRIPT`")
+    try:
+        cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
+                           loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir))
+    except ValueError as e:
+        from fastddpm.config import ConfigError
+
+        raise ConfigError(f"doctor: {e}") from e
+    if args.doctor_command == "train":
+        from fastddpm.doctor.runners import run_trainer
+
+        args.resume = None
+        train_cfg = resolve_train_config(args, args.train_dests)
+        report = run_trainer(train_cfg, cfg, log=lambda *a: None)
+    else:
+        from fastddpm.doctor.runners import run_script
+
+        report = run_script(args.script, list(args.script_args), cfg, device=args.device)
+    if args.json:
+        import json
+
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        report.print()
+    return 0

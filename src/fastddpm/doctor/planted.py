@@ -1,0 +1,272 @@
+"""Small training loops, each with one planted fault, and the verdict the doctor must reach on it.
+
+They are the doctor's proof (tests/test_doctor_planted.py runs them; the CPU-observable ones in CI, the rest
+on a GPU) and a self-test a user can run on their own machine:
+
+    python -m fastddpm.doctor.planted                 # every case that this device can show
+    python -m fastddpm.doctor.planted --cases slow-loader,item-every-step --device cuda
+
+Each case returns the Report; EXPECTED says which bottleneck it plants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from fastddpm.doctor.api import watch
+from fastddpm.doctor.report import Report
+
+EXPECTED = {
+    "slow-loader": "data-bound",  # the loader sleeps (I/O latency)
+    "heavy-transform": "data-bound",  # per-sample Python work in the training process (CPU-bound, rule 3)
+    "epoch-respawn": "epoch-spikes",  # non-persistent workers started again each epoch (spawn)
+    "item-every-step": "sync-bound",  # loss.item() every step (GPU; on a CPU it is free)
+    "pageable-h2d": "transfer-bound",  # big batches copied from pageable memory each step (GPU)
+    "tiny-kernels": "launch-bound",  # a deep stack of tiny layers at batch 8 (GPU)
+    "big-matmul": "healthy",  # large matmuls on resident data: compute-bound
+    "uneven-last-batch": "recompiles",  # torch.compile meets a ragged last batch
+    "channels-last-thrash": "layout-thrash",  # NHWC conv + GroupNorm in eager (GPU)
+    "autocast-gap": "autocast-gap",  # half of the matmul work outside autocast
+}
+GPU_ONLY = {"item-every-step", "pageable-h2d", "tiny-kernels", "channels-last-thrash"}
+
+
+# ---------------------------------------------------------------------- datasets (module level: picklable)
+class RandomVectors(Dataset):
+    def __init__(self, n: int, dim: int, sleep_s: float = 0.0, work: int = 0):
+        self.n, self.dim, self.sleep_s, self.work = n, dim, sleep_s, work
+        self.data = torch.randn(n, dim, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)  # a slow disk or network read
+        if self.work:
+            acc = 0.0
+            for k in range(self.work):  # per-sample Python work: decode/augment written in Python
+                acc += (k * 31 + i) % 7
+            return self.data[i] + acc * 0.0
+        return self.data[i]
+
+
+def _mlp(dim: int, width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(dim, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, dim))
+    return nn.Sequential(*layers)
+
+
+def _loop(dr, model: nn.Module, opt, device, *, to_device: Callable | None = None, item: bool = False,
+          autocast_dtype=None, compiled: nn.Module | None = None):
+    net = compiled or model
+    for x in dr.batches():
+        x = to_device(x) if to_device else x.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss = net(x).float().square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if item:
+            _ = loss.item()  # the planted sync: a float every step "for the progress bar"
+        dr.step()
+
+
+def _window(kw: dict, **defaults) -> dict:
+    out = dict(defaults)
+    out.update(kw)
+    return out
+
+
+# ---------------------------------------------------------------------- the cases
+def slow_loader(device, **kw) -> Report:
+    ds = RandomVectors(4096, 128, sleep_s=2e-4)
+    model = _mlp(128, 256, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(DataLoader(ds, batch_size=32, shuffle=True), device=device, **_window(kw, warmup_steps=3, steps=30,
+                                                                                     profile_steps=5)) as dr:
+        _loop(dr, model, opt, device)
+    return dr.report
+
+
+def heavy_transform(device, **kw) -> Report:
+    ds = RandomVectors(4096, 128, work=3000)
+    model = _mlp(128, 256, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(DataLoader(ds, batch_size=32, shuffle=True), device=device, **_window(kw, warmup_steps=3, steps=30,
+                                                                                     profile_steps=5)) as dr:
+        _loop(dr, model, opt, device)
+    return dr.report
+
+
+def epoch_respawn(device, **kw) -> Report:
+    # spawn (the default on macOS and Windows) makes each worker import torch: the cost every epoch pays
+    # when persistent_workers=False
+    ds = RandomVectors(6 * 64, 256)
+    loader = DataLoader(ds, batch_size=64, shuffle=True, num_workers=1, persistent_workers=False,
+                        multiprocessing_context="spawn")
+    model = _mlp(256, 512, 3).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(loader, device=device, **_window(kw, warmup_steps=2, steps=16, profile_steps=0,
+                                                loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device)
+    return dr.report
+
+
+def item_every_step(device, **kw) -> Report:
+    width = 2048 if device.type == "cuda" else 256
+    data = torch.randn(64 * 32, width, device=device)
+    loader = _ResidentLoader(data, 64)
+    model = _mlp(width, width, 4).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    with watch(loader, device=device, **_window(kw, warmup_steps=5, steps=30, profile_steps=10,
+                                                loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, item=True)
+    return dr.report
+
+
+def pageable_h2d(device, **kw) -> Report:
+    host = torch.randn(8, 32, 3, 128, 128)  # 8 batches of 6 MiB, pageable
+    loader = [host[i] for i in range(8)]
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with watch(loader, device=device, **_window(kw, warmup_steps=3, steps=30, profile_steps=10,
+                                                loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, to_device=lambda x: x.to(device))
+    return dr.report
+
+
+def tiny_kernels(device, **kw) -> Report:
+    data = torch.randn(8 * 64, 32, device=device)
+    model = _mlp(32, 32, 24).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)  # a kernel per parameter per op
+    with watch(_ResidentLoader(data, 8), device=device, **_window(kw, warmup_steps=5, steps=30, profile_steps=10,
+                                                                  loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device)
+    return dr.report
+
+
+def big_matmul(device, **kw) -> Report:
+    width, batch = (8192, 4096) if device.type == "cuda" else (1024, 256)
+    data = torch.randn(batch * 8, width, device=device)
+    model = _mlp(width, width, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
+                                                                      profile_steps=5, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=dtype)
+    return dr.report
+
+
+def uneven_last_batch(device, **kw) -> Report:
+    ds = RandomVectors(7 * 32 + 5, 128)  # 7 full batches and a ragged one of 5
+    model = _mlp(128, 256, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    backend = "inductor" if device.type == "cuda" else "eager"  # eager: dynamo guards without C++ builds on CPU
+    compiled = torch.compile(model, backend=backend)
+    with watch(DataLoader(ds, batch_size=32, shuffle=True, drop_last=False), device=device,
+               **_window(kw, warmup_steps=2, steps=20, profile_steps=0, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, compiled=compiled)
+    return dr.report
+
+
+class _GNConv(nn.Module):
+    def __init__(self, c: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(8, c), nn.SiLU())
+                                    for _ in range(depth))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def channels_last_thrash(device, **kw) -> Report:
+    data = torch.randn(16 * 4, 64, 64, 64, device=device).to(memory_format=torch.channels_last)
+    model = _GNConv(64, 6).to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    with watch(_ResidentLoader(data, 16), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
+                                                                   loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=torch.bfloat16)
+    return dr.report
+
+
+class _HalfCovered(nn.Module):
+    """A small front under autocast, a big back that leaves autocast (the planted gap)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.front = nn.Linear(width, width)
+        self.back = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        h = self.front(x)
+        with torch.autocast(x.device.type, enabled=False):  # "numerics": the fp32 island
+            return self.back(h.float())
+
+
+def autocast_gap(device, **kw) -> Report:
+    width, batch = (2048, 1024) if device.type == "cuda" else (256, 128)
+    data = torch.randn(batch * 8, width, device=device)
+    model = _HalfCovered(width).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
+                                                                      loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=torch.bfloat16)
+    return dr.report
+
+
+class _ResidentLoader:
+    """Batches sliced from a tensor already on the device (what a well-fed loop looks like)."""
+
+    def __init__(self, data: torch.Tensor, batch: int):
+        self.data, self.batch = data, batch
+
+    def __iter__(self):
+        for i in range(0, self.data.shape[0] - self.batch + 1, self.batch):
+            yield self.data[i:i + self.batch]
+
+
+CASES: dict[str, Callable[..., Report]] = {
+    "slow-loader": slow_loader, "heavy-transform": heavy_transform, "epoch-respawn": epoch_respawn,
+    "item-every-step": item_every_step, "pageable-h2d": pageable_h2d, "tiny-kernels": tiny_kernels,
+    "big-matmul": big_matmul, "uneven-last-batch": uneven_last_batch,
+    "channels-last-thrash": channels_last_thrash, "autocast-gap": autocast_gap,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastddpm.doctor.planted", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cases", default=None, help="comma-separated (default: all this device can show)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write each case's report under DIR/<case>")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    names = args.cases.split(",") if args.cases else [n for n in CASES if device.type == "cuda" or n not in GPU_ONLY]
+    rows, ok = [], True
+    for name in names:
+        t0 = time.perf_counter()
+        out = f"{args.out}/{name}" if args.out else None
+        report = CASES[name](device, out=out, print_report=False)
+        wall = time.perf_counter() - t0
+        good = report.bottleneck == EXPECTED[name]
+        ok &= good
+        rows.append((name, EXPECTED[name], report.bottleneck, report.verdict["cost"], wall, good))
+        print(f"{name:22s} expected {EXPECTED[name]:15s} got {report.bottleneck:15s} "
+              f"cost {100 * report.verdict['cost']:5.1f}%  {wall:5.1f} s  {'ok' if good else 'WRONG'}", flush=True)
+    print(f"{sum(r[-1] for r in rows)}/{len(rows)} planted faults diagnosed correctly on {device}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

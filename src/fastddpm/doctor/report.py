@@ -1,0 +1,309 @@
+"""The doctor's report: a terminal summary (readable in 30 seconds), JSON, and a self-contained HTML page with
+the step timeline. All three render the same `Report`; nothing is measured here."""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastddpm.doctor.rules import Finding
+
+
+@dataclass
+class Report:
+    verdict: dict
+    findings: list[Finding]
+    measurements: dict
+    unavailable: dict[str, str]
+    environment: dict
+    context: str = "user"  # "fastddpm": fixes as trainer settings first; "user": code changes first
+    files: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def healthy(self) -> bool:
+        return bool(self.verdict["healthy"])
+
+    @property
+    def bottleneck(self) -> str:
+        """The verdict's id: 'healthy', 'data-bound', 'epoch-spikes', 'sync-bound', 'launch-bound', ..."""
+        return self.verdict["id"]
+
+    def finding(self, id_: str) -> Finding | None:
+        return next((f for f in self.findings if f.id == id_), None)
+
+    def to_dict(self) -> dict:
+        return {"format": "fastddpm-doctor-1", "verdict": self.verdict,
+                "findings": [f.to_dict() for f in self.findings], "measurements": self.measurements,
+                "unavailable": self.unavailable, "environment": self.environment, "context": self.context,
+                "files": self.files}
+
+    # ------------------------------------------------------------------ terminal
+    def _fix_lines(self, f: Finding) -> list[str]:
+        out = []
+        for fix in f.fixes:
+            first, second = (fix.fastddpm, fix.code) if self.context == "fastddpm" else (fix.code, fix.fastddpm)
+            if first:
+                out.append(first if second is None or self.context != "fastddpm" else f"{first}")
+            elif second and self.context == "fastddpm":
+                out.append(f"(in your own code) {second}")
+        return out
+
+    def text(self) -> str:
+        m, env = self.measurements, self.environment
+        ss = m.get("step_stats") or {}
+        lines = [f"fastddpm doctor: {ss.get('steps', 0)} steps watched, {m.get('profiled_steps', 0)} profiled, on "
+                 f"{env.get('device_name', env.get('device'))} (torch {env.get('torch')}), {env.get('wall_s', 0):.1f} s"]
+        v = self.verdict
+        lines.append("")
+        lines.append(f"verdict: {v['title']}" + ("" if v["healthy"] else f"  (~{100 * v['cost']:.0f}% of step time)"))
+        top = self.finding(v["id"]) if not v["healthy"] else None
+        if top is not None:
+            for e in top.evidence:
+                lines.append(f"  evidence: {e}")
+            lines.append(f"  cause: {top.cause}")
+            lines.append("  fixes, best first:")
+            for i, fx in enumerate(self._fix_lines(top), 1):
+                lines.append(f"    {i}. {fx}")
+        others = [f for f in self.findings if f is not top]
+        if others:
+            lines.append("")
+            lines.append("also found:")
+            for f in others:
+                tag = {"opportunity": "opportunity", "note": "note"}.get(f.kind, f"~{100 * f.cost:.0f}%")
+                lines.append(f"  - [{tag}] {f.title}: {f.evidence[0]}")
+        lines.append("")
+        step = (f"step {ss['median_ms']:.2f} ms median (p10 {ss['p10_ms']:.2f}, p90 {ss['p90_ms']:.2f})"
+                if ss else "no steps measured")
+        tr = m.get("trace") or {}
+        parts = [step]
+        if ss:
+            parts.append(f"data wait {100 * ss['data_wait_ms_total'] / max(ss['host_ms_total'], 1e-9):.0f}%")
+        if tr:
+            if tr.get("syncs_per_step") is not None:
+                parts.append(f"syncs/step {tr['syncs_per_step']:g}")
+            if tr.get("has_gpu"):
+                parts.append(f"GPU idle {100 * tr['idle_share']:.0f}%")
+                parts.append(f"kernels/step {tr['kernels_per_step']:.0f}")
+        if m.get("mfu"):
+            parts.append(f"MFU {100 * m['mfu']['mfu']:.1f}%")
+        lines.append("measured: " + "; ".join(parts))
+        for rule, why in self.unavailable.items():
+            lines.append(f"unavailable: rules {rule}: {why}")
+        if self.files:
+            lines.append("files: " + ", ".join(f"{k} {v}" for k, v in self.files.items()))
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        print(self.text())
+
+    # ------------------------------------------------------------------ files
+    def save(self, out_dir: str | Path) -> dict[str, str]:
+        """report.txt, report.json, report.html in `out_dir` (the trace is already there)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.files.update({"text": str(out / "report.txt"), "json": str(out / "report.json"),
+                           "html": str(out / "report.html")})
+        (out / "report.txt").write_text(self.text() + "\n")
+        (out / "report.json").write_text(json.dumps(self.to_dict(), indent=2, default=_jsonable) + "\n")
+        (out / "report.html").write_text(self.html())
+        return self.files
+
+    def html(self) -> str:
+        return render_html(self)
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+# ---------------------------------------------------------------------- HTML
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto;max-width:1100px;color:#1d2733}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px;border-bottom:1px solid #dde3ea}
+.verdict{padding:12px 16px;border-radius:6px;font-size:16px;font-weight:600}
+.bad{background:#fde8e6;border-left:6px solid #d93b2b} .ok{background:#e5f5ea;border-left:6px solid #2f9e55}
+table{border-collapse:collapse} td,th{padding:3px 10px;border-bottom:1px solid #eef1f4;text-align:left;vertical-align:top}
+.muted{color:#6b7785} code{background:#f3f5f7;padding:1px 4px;border-radius:3px}
+.legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}
+svg text{font:11px system-ui,sans-serif;fill:#3c4853}
+"""
+
+COLORS = {"compute": "#4a7fc1", "data": "#e8912d", "gpu": "#2f9e55", "idle": "#e6e9ee", "sync": "#d93b2b",
+          "epoch": "#8a5cc2", "recompile": "#111"}
+
+
+def _steps_svg(steps: list[dict], width: int = 1040, height: int = 180) -> str:
+    """Watched steps as bars: data wait (orange) under compute (blue); epoch starts and recompiles marked."""
+    if not steps:
+        return "<p class=muted>no watched steps</p>"
+    top = max(s["host_ms"] for s in steps) or 1.0
+    n = len(steps)
+    pad_l, pad_b = 48, 20
+    bw = (width - pad_l - 8) / n
+    h = height - pad_b - 8
+    out = [f'<svg id="steps-chart" width="{width}" height="{height}" role="img" '
+           f'aria-label="step times of {n} watched steps">']
+    for frac in (0, 0.5, 1):
+        y = 8 + h * (1 - frac)
+        out.append(f'<line x1="{pad_l}" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eef1f4"/>'
+                   f'<text x="4" y="{y + 4:.1f}">{top * frac:.1f} ms</text>')
+    for i, s in enumerate(steps):
+        x = pad_l + i * bw
+        dh = h * s["data_wait_ms"] / top
+        ch = h * max(0.0, s["host_ms"] - s["data_wait_ms"]) / top
+        y_data = 8 + h - dh
+        out.append(f'<rect class="bar-data" x="{x:.1f}" y="{y_data:.1f}" width="{max(bw - 1, 0.5):.1f}" '
+                   f'height="{dh:.1f}" fill="{COLORS["data"]}"><title>step {s["index"]}: data wait '
+                   f'{s["data_wait_ms"]:.2f} ms</title></rect>')
+        out.append(f'<rect class="bar-compute" x="{x:.1f}" y="{y_data - ch:.1f}" width="{max(bw - 1, 0.5):.1f}" '
+                   f'height="{ch:.1f}" fill="{COLORS["compute"]}"><title>step {s["index"]}: {s["host_ms"]:.2f} ms'
+                   f'</title></rect>')
+        if s["epoch_start"]:
+            out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="{COLORS["epoch"]}">E</text>')
+        if s["recompiles"]:
+            out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="{COLORS["recompile"]}">C</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _timeline_svg(tl: dict, width: int = 1040) -> str:
+    """The profiled steps on one time axis: host steps, data waits, syncs, and GPU busy/idle."""
+    steps = tl.get("steps") or []
+    if not steps:
+        return "<p class=muted>no profiled steps</p>"
+    t_end = steps[-1][1] or 1.0
+    pad_l = 70
+    sx = (width - pad_l - 8) / t_end
+    lanes = [("host step", 10), ("data wait", 34), ("syncs", 58), ("GPU", 82)]
+    out = [f'<svg id="timeline" width="{width}" height="124" role="img" aria-label="profiled timeline">']
+    for name, y in lanes:
+        out.append(f'<text x="4" y="{y + 13}">{name}</text>')
+    for i, (a, b) in enumerate(steps):
+        out.append(f'<rect class="tl-step" x="{pad_l + a * sx:.2f}" y="10" width="{max((b - a) * sx - 1, 0.5):.2f}" '
+                   f'height="18" fill="{COLORS["compute"] if i % 2 == 0 else "#7fa6d8"}"><title>step {i}: '
+                   f'{(b - a) / 1000:.2f} ms</title></rect>')
+    for a, b in tl.get("data_wait") or []:
+        out.append(f'<rect class="tl-data" x="{pad_l + a * sx:.2f}" y="34" width="{max((b - a) * sx, 0.5):.2f}" '
+                   f'height="18" fill="{COLORS["data"]}"><title>data wait {(b - a) / 1000:.2f} ms</title></rect>')
+    for t in tl.get("syncs") or []:
+        out.append(f'<line class="tl-sync" x1="{pad_l + t * sx:.2f}" x2="{pad_l + t * sx:.2f}" y1="58" y2="76" '
+                   f'stroke="{COLORS["sync"]}" stroke-width="2"><title>host sync</title></line>')
+    busy = tl.get("gpu_busy") or []
+    if busy:
+        out.append(f'<rect x="{pad_l}" y="82" width="{t_end * sx:.2f}" height="18" fill="{COLORS["idle"]}"/>')
+        for a, b in busy:
+            out.append(f'<rect class="tl-gpu" x="{pad_l + a * sx:.2f}" y="82" width="{max((b - a) * sx, 0.3):.2f}" '
+                       f'height="18" fill="{COLORS["gpu"]}"/>')
+    else:
+        out.append('<text x="80" y="95" class="muted">no GPU activity recorded (CPU device)</text>')
+    out.append(f'<text x="{pad_l}" y="118">0</text><text x="{width - 70}" y="118">{t_end / 1000:.1f} ms</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def render_html(r: Report) -> str:
+    e = html.escape
+    v = r.verdict
+    m = r.measurements
+    top = r.finding(v["id"]) if not v["healthy"] else None
+    parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>fastddpm doctor: {e(v['id'])}</title>"
+             f"<style>{_CSS}</style></head><body>",
+             "<h1>fastddpm doctor</h1>",
+             f"<p class=muted>{e(str(r.environment.get('device_name', '')))} &middot; torch "
+             f"{e(str(r.environment.get('torch')))} &middot; {e(str(r.environment.get('date')))} &middot; "
+             f"<code>{e(' '.join(map(str, r.environment.get('command', []))))}</code></p>",
+             f"<div id=verdict class='verdict {'ok' if v['healthy'] else 'bad'}'>{e(v['title'])}"
+             + ("" if v["healthy"] else f" <span class=muted>(~{100 * v['cost']:.0f}% of step time)</span>")
+             + "</div>"]
+    if top is not None:
+        parts.append("<h2>Evidence</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in top.evidence) + "</ul>")
+        parts.append(f"<p><b>Cause.</b> {e(top.cause)}</p><h2>Fixes, best first</h2><ol>")
+        for fx in top.fixes:
+            parts.append("<li>" + (f"<b>fastddpm:</b> <code>{e(fx.fastddpm)}</code><br>" if fx.fastddpm else "")
+                         + f"<b>your code:</b> {e(fx.code)}</li>")
+        parts.append("</ol>")
+    parts.append("<h2>Step timeline (watched steps)</h2><div class=legend>"
+                 f"<span style='background:{COLORS['compute']}'></span>compute"
+                 f"<span style='background:{COLORS['data']}'></span>data wait"
+                 f"<b style='color:{COLORS['epoch']};margin-left:12px'>E</b> epoch start"
+                 "<b style='margin-left:12px'>C</b> compile</div>")
+    parts.append(_steps_svg(m.get("steps") or []))
+    tl = (m.get("trace_timeline") or {})
+    parts.append("<h2>Profiled steps: host and GPU</h2><div class=legend>"
+                 f"<span style='background:{COLORS['gpu']}'></span>GPU busy"
+                 f"<span style='background:{COLORS['idle']}'></span>GPU idle"
+                 f"<span style='background:{COLORS['sync']}'></span>host sync</div>")
+    parts.append(_timeline_svg(tl))
+    parts.append("<h2>All findings</h2><table><tr><th>finding</th><th>rules</th><th>cost</th><th>evidence</th></tr>")
+    for f in r.findings:
+        cost = f.kind if f.kind != "bottleneck" else f"{100 * f.cost:.0f}%"
+        parts.append(f"<tr><td>{e(f.title)}</td><td>{', '.join(map(str, f.rules))}</td><td>{e(cost)}</td>"
+                     f"<td>{'<br>'.join(e(x) for x in f.evidence)}</td></tr>")
+    if not r.findings:
+        parts.append("<tr><td colspan=4>none</td></tr>")
+    parts.append("</table><h2>Breakdown</h2><table>")
+    for k, val in _breakdown(m):
+        parts.append(f"<tr><td>{e(k)}</td><td>{e(val)}</td></tr>")
+    parts.append("</table>")
+    if r.unavailable:
+        parts.append("<h2>Not measured</h2><ul>" + "".join(f"<li>rules {e(k)}: {e(v2)}</li>"
+                                                           for k, v2 in r.unavailable.items()) + "</ul>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def _breakdown(m: dict) -> list[tuple[str, str]]:
+    rows = []
+    ss = m.get("step_stats") or {}
+    if ss:
+        rows.append(("step time (watched, host)", f"median {ss['median_ms']:.2f} ms, p10 {ss['p10_ms']:.2f}, "
+                                                  f"p90 {ss['p90_ms']:.2f}, max {ss['max_ms']:.2f}"))
+        rows.append(("data wait", f"{100 * ss['data_wait_ms_total'] / max(ss['host_ms_total'], 1e-9):.1f}% of "
+                                  f"watched time"))
+        if "gpu_median_ms" in ss:
+            rows.append(("step time (GPU events)", f"median {ss['gpu_median_ms']:.2f} ms"))
+    cpu = m.get("cpu_load")
+    if cpu:
+        rows.append(("CPU load", f"main {cpu['main_cores']:.2f} cores, workers {cpu['workers_cores']:.2f} cores "
+                                 f"({cpu['workers_seen']} processes) of {cpu['cpu_count']}"))
+    tr = m.get("trace") or {}
+    for key, label in (("ops_per_step", "host ops per step"), ("syncs_per_step", "host syncs per step"),
+                       ("scalar_reads_per_step", ".item() calls per step"),
+                       ("idle_share", "GPU idle share of span"), ("host_wait_share", "host-wait share"),
+                       ("kernel_wait_share", "kernel-wait share"), ("kernels_per_step", "kernels per step"),
+                       ("median_kernel_us", "median kernel (us)"), ("short_kernel_share", "kernels shorter than launch"),
+                       ("queue_depth_median", "launch queue depth (median)"), ("h2d_share", "HtoD share of busy"),
+                       ("h2d_pageable", "pageable HtoD copies"), ("layout_share", "layout-conversion share"),
+                       ("groupnorm_share", "GroupNorm share")):
+        if tr.get(key) is not None:
+            val = tr[key]
+            rows.append((label, f"{val:.3g}" if isinstance(val, float) else str(val)))
+    if tr.get("gemm_flops_per_step"):
+        rows.append(("matmul/conv GFLOP per step by input dtype",
+                     ", ".join(f"{k} {v / 1e9:.2f}" for k, v in tr["gemm_flops_per_step"].items())))
+    if m.get("mfu"):
+        mf = m["mfu"]
+        rows.append(("MFU", f"{100 * mf['mfu']:.2f}% ({mf['flops_per_step'] / 1e9:.2f} GFLOP/step, "
+                            f"peak {mf['peak_tflops']:.2f} TFLOP/s: {mf['peak_label']})"))
+    comp = m.get("compile") or {}
+    if comp:
+        rows.append(("torch.compile", ", ".join(f"{k} {v}" for k, v in comp.items())))
+    if m.get("memory"):
+        mem = m["memory"]
+        rows.append(("device memory peak", f"{mem['peak_allocated_bytes'] / 2**30:.2f} of "
+                                           f"{mem['total_bytes'] / 2**30:.0f} GiB"))
+    if m.get("loader_probe"):
+        p = m["loader_probe"]
+        if p.get("batches_per_s"):
+            rows.append(("loader alone", f"{p['batches_per_s']:.1f} batches/s"))
+    for k in ("telemetry_start", "telemetry_end"):
+        if m.get(k):
+            t = m[k]
+            rows.append((k.replace("_", " "), f"SM {t['sm_clock_mhz']:.0f} MHz, {t['temperature_c']:.0f} C, "
+                                              f"{t.get('power_w')} W ({t['source']})"))
+    return rows

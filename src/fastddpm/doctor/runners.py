@@ -1,0 +1,176 @@
+"""Two ways to diagnose a loop nobody edited:
+
+- `run_script`: run a user's script (as `python script.py args`) with two hooks placed from outside:
+  DataLoader iteration is timed (a wait for data) and each `optimizer.step()` of the first optimizer that
+  steps is a step boundary (torch.optim's global post-hook). When the bounded run is over, DoctorDone ends
+  the script.
+- `run_trainer`: fastddpm's own trainer for a bounded number of steps, through TrainHooks (the batch source
+  is timed, each step is a boundary), no checkpoints or grids on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import runpy
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+
+from fastddpm.doctor.api import diagnose
+from fastddpm.doctor.report import Report
+from fastddpm.doctor.session import DoctorConfig, DoctorDone, Session
+
+
+class _TimedIterator:
+    """A DataLoader iterator whose every `next` is timed as a wait for data."""
+
+    def __init__(self, it, session: Session):
+        self._it = it
+        self._session = session
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._session.wait_for_data(lambda: next(self._it))
+
+    def __len__(self):
+        return len(self._it)
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+
+class ScriptHooks:
+    """Install/remove the DataLoader and optimizer hooks for one session."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._orig_iter = None
+        self._handle = None
+        self._optimizer = None  # weakref to the optimizer whose steps are the step boundaries
+        self._train_loader = None  # weakref to the first DataLoader iterated: its new iterators are epochs
+        self.optimizer_steps = 0
+        self.batches_fetched = 0
+
+    def __enter__(self):
+        from torch.utils.data import DataLoader
+
+        hooks, session = self, self.session
+        orig = DataLoader.__iter__
+        self._orig_iter = orig
+
+        def timed_iter(loader):
+            if hooks._train_loader is None:
+                hooks._train_loader = weakref.ref(loader)
+                session.loader = loader
+            if hooks._train_loader() is loader:
+                it = session.new_iterator(lambda: orig(loader))
+            else:
+                it = session.wait_for_data(lambda: orig(loader))
+            return _TimedIterator(it, session)
+
+        DataLoader.__iter__ = timed_iter
+
+        def after_optimizer_step(optimizer, args, kwargs):
+            if hooks._optimizer is None:
+                hooks._optimizer = weakref.ref(optimizer)
+            if hooks._optimizer() is not optimizer:
+                return
+            hooks.optimizer_steps += 1
+            session.step()
+            if session.done:
+                raise DoctorDone()
+
+        self._handle = torch.optim.optimizer.register_optimizer_step_post_hook(after_optimizer_step)
+        return self
+
+    def __exit__(self, *exc):
+        from torch.utils.data import DataLoader
+
+        DataLoader.__iter__ = self._orig_iter
+        self._handle.remove()
+        return False
+
+
+def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
+               device: torch.device | str | None = None) -> Report:
+    """Run `script` with `args` under the doctor; returns the Report (and writes it under config.out_dir)."""
+    path = Path(script)
+    if not path.is_file():
+        raise FileNotFoundError(f"doctor run: no script at {path}; give the path of the .py file that trains")
+    session = Session(config, device=device)
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.resolve().parent))
+    hooks = ScriptHooks(session)
+    ended = "the script returned"
+    try:
+        with hooks:
+            runpy.run_path(str(path), run_name="__main__")
+    except DoctorDone:
+        ended = None
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(f"doctor run: {path} exited with status {e.code} after {session.step_index} "
+                               f"steps") from e
+        ended = f"the script exited with status {e.code or 0}"
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    if hooks.optimizer_steps == 0:
+        raise RuntimeError(
+            f"doctor run: {path} never called optimizer.step() on a torch.optim optimizer, so the doctor found no "
+            f"step boundaries. Mark them yourself with fastddpm.doctor.watch(loader) and dr.step() in the script")
+    if ended is not None:
+        session.finish_early(ended)
+    return diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args])
+
+
+class _TimedBatches:
+    """fastddpm's batch source with each `get` timed; a new epoch starts when m wraps around."""
+
+    def __init__(self, inner, session: Session):
+        self._inner = inner
+        self._session = session
+
+    def get(self, m: int):
+        if m % self._inner.steps_per_epoch == 0:  # the first call opens epoch 0 (not a boundary)
+            self._session.mark_epoch()
+        return self._session.wait_for_data(lambda: self._inner.get(m))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
+    """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig."""
+    from fastddpm.bench.timing import count_step_flops
+    from fastddpm.config import from_dict
+    from fastddpm.models import UNet
+    from fastddpm.train.loop import TrainHooks, train
+    from fastddpm.train.runtime import resolve_device
+
+    out = Path(config.out_dir) if config.out_dir else None
+    if out is None:
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
+        config = dataclasses.replace(config, out_dir=out)
+    t = dataclasses.replace(cfg.train, max_steps=config.total_steps, max_images=None, max_epochs=None,
+                            checkpoint_every=None, sample_every_images=None, progress=False,
+                            log_every=max(config.total_steps, 1))
+    cfg = dataclasses.replace(cfg, train=t)
+    device, _ = resolve_device(t.device)
+    session = Session(config, device=device)
+    run_dir = out / "run"
+    hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: session.step(),
+                       final_outputs=False)
+    train(cfg, out_dir=run_dir, hooks=hooks, log=log)
+    resolved = from_dict(json.loads((run_dir / "config.json").read_text()))
+    m = resolved.model
+    flops = count_step_flops(UNet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
+                             accum_steps=resolved.train.accum_steps)
+    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv)

@@ -1,0 +1,324 @@
+"""The doctor's measuring engine: a bounded run cut into warm-up, watch and profile windows.
+
+    step:   0 ......... warmup | ........ watch ........ | .... profile .... | done
+            compile, caches      cheap timers only         torch.profiler      diagnose
+
+- warm-up: nothing is judged (compilation, cuDNN autotuning, allocator growth, worker start-up).
+- watch: host timers around every wait for data and every step boundary, CUDA events on the boundaries,
+  CPU load from /proc on a side thread, dynamo's counters. Costs microseconds per step (<= 3% is the promise;
+  benchmarks/doctor_overhead.py measures it). Step-time statistics come from this window only.
+- profile: torch.profiler with CPU and CUDA activities and input shapes, the steps bracketed by
+  `fastddpm::step` ranges and data waits by `fastddpm::data_wait`, exported as a Chrome/Perfetto trace that
+  fastddpm.doctor.trace reads. The profiler slows the host, so no step time is taken from this window.
+
+Whoever drives the loop calls `wait_for_data(fn)` around each fetch (or `new_iterator(fn)` for a fresh
+epoch) and `step()` at each step boundary. `watch()` (fastddpm.doctor.api), `doctor run` and `doctor train`
+are three ways of placing those two calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
+from fastddpm.doctor.trace import DATA_MARK, STEP_MARK
+
+
+class DoctorDone(BaseException):
+    """Raised (by `doctor run`) to end a user's script once the bounded run is over. A BaseException so that
+    a script's `except Exception` does not swallow it."""
+
+
+@dataclass(kw_only=True)
+class DoctorConfig:
+    """How long the doctor watches, and where it writes."""
+
+    warmup_steps: int = 5  # not judged: compilation, autotuning, worker start-up
+    steps: int = 40  # watched with cheap timers: the step-time statistics
+    profile_steps: int = 10  # then traced with torch.profiler (0: no trace; GPU-level rules unavailable)
+    loader_probe_s: float = 2.0  # afterwards, time the loader alone for up to this long (0: skip)
+    out_dir: str | Path | None = None  # report.txt / report.json / report.html / trace.json; None: nothing written
+
+    def __post_init__(self):
+        for name in ("warmup_steps", "profile_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.steps < 3:
+            raise ValueError(f"steps={self.steps}: the doctor needs at least 3 watched steps for a median; "
+                             f"use 20 or more")
+        if self.loader_probe_s < 0:
+            raise ValueError(f"loader_probe_s={self.loader_probe_s} must be >= 0")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps + self.profile_steps
+
+
+@dataclass
+class StepRecord:
+    index: int  # 0-based step number of the run
+    host_ms: float  # boundary to boundary, host clock
+    data_wait_ms: float
+    data_cpu_ms: float  # CPU time this thread spent inside the waits (work done in-process, not waiting)
+    epoch_start: bool
+    gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
+    recompiles: int = 0  # graphs compiled during this step
+
+
+def _dynamo_graphs() -> tuple[int, int, int]:
+    """(graphs compiled, graph breaks, CUDA-graph skips) so far, from torch._dynamo's counters."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001 - no dynamo in this build: nothing was compiled
+        return 0, 0, 0
+    graphs = int(counters["stats"].get("unique_graphs", 0))
+    breaks = int(sum(counters["graph_break"].values()))
+    skips = int(counters["inductor"].get("cudagraph_skips", 0))
+    return graphs, breaks, skips
+
+
+class Session:
+    def __init__(self, config: DoctorConfig, *, device: torch.device | str | None = None,
+                 on_done: Callable[[], None] | None = None):
+        self.config = config
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.on_done = on_done
+        self.step_index = 0  # steps finished
+        self.records: list[StepRecord] = []
+        self._t_boundary = time.perf_counter()
+        self._wait_s = 0.0
+        self._wait_cpu_s = 0.0
+        self._epoch_start = False
+        self._epochs = 0
+        self._events: list[torch.cuda.Event] = []
+        self._graphs_prev = _dynamo_graphs()
+        self.compile_warm: tuple[int, int, int] | None = None
+        self.compile_end: tuple[int, int, int] | None = None
+        self.cpu = CpuSampler()
+        self.cpu_load: dict | None = None
+        self.telemetry_start: dict | None = None
+        self.telemetry_end: dict | None = None
+        self.memory: dict | None = None
+        self.profiler = None
+        self._step_range = None
+        self.trace_path: Path | None = None
+        self.profile_wall_s: float | None = None
+        self.done = False
+        self.started_at = time.time()
+        self.wall_t0 = time.perf_counter()
+        self.wall_s: float | None = None
+        self.notes: list[str] = []
+        self.loader = None  # the training DataLoader when known: timed alone at the end
+        if self.phase == "watch":  # no warm-up asked for
+            self._enter("warmup", "watch")
+
+    # ---------------------------------------------------------------- windows
+    @property
+    def phase(self) -> str:
+        c, k = self.config, self.step_index
+        if k < c.warmup_steps:
+            return "warmup"
+        if k < c.warmup_steps + c.steps:
+            return "watch"
+        if k < c.total_steps:
+            return "profile"
+        return "done"
+
+    # ---------------------------------------------------------------- the two calls
+    def wait_for_data(self, fetch: Callable[[], object]) -> object:
+        """Run `fetch` (a `next(iterator)`), timing how long the loop waits for it."""
+        profiling = self.phase == "profile" and self.profiler is not None
+        rf = torch.autograd.profiler.record_function(DATA_MARK) if profiling else None
+        if rf is not None:
+            rf.__enter__()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fetch()
+        finally:
+            self._wait_s += time.perf_counter() - t0
+            self._wait_cpu_s += time.thread_time() - c0
+            if rf is not None:
+                rf.__exit__(None, None, None)
+
+    def new_iterator(self, make: Callable[[], object]) -> object:
+        """A fresh pass over the data (an epoch): creating it (worker start-up) counts as data wait."""
+        self.mark_epoch()
+        return self.wait_for_data(make)
+
+    def mark_epoch(self) -> None:
+        """A new epoch begins in the current step (the first one is not a boundary)."""
+        if self._epochs > 0:
+            self._epoch_start = True
+        self._epochs += 1
+
+    def step(self) -> None:
+        """A step boundary: the step that just ended is recorded; may start or stop the profiler."""
+        if self.done:
+            return
+        now = time.perf_counter()
+        phase = self.phase
+        if phase == "watch":
+            graphs = _dynamo_graphs()
+            rec = StepRecord(self.step_index, (now - self._t_boundary) * 1e3, self._wait_s * 1e3,
+                             self._wait_cpu_s * 1e3, self._epoch_start, recompiles=graphs[0] - self._graphs_prev[0])
+            self._graphs_prev = graphs
+            self.records.append(rec)
+            if self.cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()  # no sync: read after the run
+                self._events.append(ev)
+        self.step_index += 1
+        self._wait_s = self._wait_cpu_s = 0.0
+        self._epoch_start = False
+        new_phase = self.phase
+        if new_phase != phase:
+            self._enter(phase, new_phase)
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self.phase == "profile":
+            self._step_range = torch.autograd.profiler.record_function(STEP_MARK)
+            self._step_range.__enter__()
+        self._t_boundary = time.perf_counter()
+        if self.phase == "done":
+            self._finish()
+
+    # ---------------------------------------------------------------- transitions
+    def _enter(self, old: str, new: str) -> None:
+        if new == "watch":
+            self.compile_warm = _dynamo_graphs()
+            self._graphs_prev = self.compile_warm
+            if self.cuda:
+                self._events = [torch.cuda.Event(enable_timing=True)]
+                self._events[0].record()
+                self.telemetry_start = gpu_telemetry(self.device)
+            self.cpu.start()
+        if old == "watch":
+            self.compile_end = _dynamo_graphs()
+            self.cpu_load = self.cpu.stop()
+            if self.cuda:
+                self.telemetry_end = gpu_telemetry(self.device)
+        if new == "profile":
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self._profile_t0 = time.perf_counter()
+            self.profiler = profile(activities=activities, record_shapes=True)
+            self.profiler.__enter__()
+        if old == "profile":
+            self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        if self.profiler is None:
+            return
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # note: sync, after the measured steps, to flush the trace
+        self.profiler.__exit__(None, None, None)
+        out = Path(self.config.out_dir) if self.config.out_dir else None
+        if out is None:
+            import tempfile
+
+            out = Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
+        out.mkdir(parents=True, exist_ok=True)
+        # TensorBoard's profiler plugin looks for <worker>.<n>.pt.trace.json under a run folder
+        self.trace_path = out / f"{socket.gethostname()}_{os.getpid()}.doctor.pt.trace.json"
+        self.profiler.export_chrome_trace(str(self.trace_path))
+        self.profiler = None
+        self.profile_wall_s = time.perf_counter() - self._profile_t0
+
+    def _finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.phase != "done" and self.records and self.cpu_load is None:  # ended early, inside the watch
+            self.compile_end = _dynamo_graphs()
+            self.cpu_load = self.cpu.stop()
+        self._stop_profiler()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # note: sync, after the run, to read the step events
+            evs = self._events
+            for rec, (a, b) in zip(self.records, zip(evs, evs[1:])):
+                rec.gpu_ms = a.elapsed_time(b)
+            self.memory = device_memory(self.device)
+            if self.telemetry_end is None:
+                self.telemetry_end = gpu_telemetry(self.device)
+        self.wall_s = time.perf_counter() - self.wall_t0
+        if self.on_done is not None:
+            self.on_done()
+
+    def finish_early(self, reason: str) -> None:
+        """The loop ended before the planned steps (the data ran out, the script returned)."""
+        if not self.done:
+            self.notes.append(f"the loop ended after {self.step_index} steps ({reason}); planned "
+                              f"{self.config.total_steps}: fewer measurements than asked for")
+            self._finish()
+
+    # ---------------------------------------------------------------- after the run
+    def probe_loader(self, train_step_ms: float | None) -> dict | None:
+        """Rule 1b: the loader alone, no training, for up to loader_probe_s: batches per second."""
+        loader = self.loader
+        if loader is None or self.config.loader_probe_s <= 0:
+            return None
+        budget = self.config.loader_probe_s
+        it = iter(loader)
+        try:
+            next(it)  # start-up (workers) is not throughput
+        except StopIteration:
+            return None
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < budget:
+            try:
+                next(it)
+            except StopIteration:
+                break
+            n += 1
+        elapsed = time.perf_counter() - t0
+        del it
+        if n == 0:
+            return {"batches_per_s": None, "note": f"no batch within {budget:g} s"}
+        rate = n / elapsed
+        out = {"batches_per_s": rate, "batches": n, "seconds": elapsed}
+        if train_step_ms:
+            out["train_steps_per_s"] = 1000.0 / train_step_ms
+            out["ratio"] = rate / out["train_steps_per_s"]
+        return out
+
+    def step_stats(self) -> dict:
+        recs = self.records
+        if not recs:
+            return {}
+        host = [r.host_ms for r in recs]
+        med = statistics.median(host)
+        first = recs[: max(1, len(recs) // 5)]
+        last = recs[-max(1, len(recs) // 5):]
+        out = {
+            "steps": len(recs), "median_ms": med, "mean_ms": statistics.fmean(host),
+            "p10_ms": _quantile(host, 0.1), "p90_ms": _quantile(host, 0.9), "max_ms": max(host),
+            "data_wait_ms_total": sum(r.data_wait_ms for r in recs), "host_ms_total": sum(host),
+            "epoch_starts": sum(r.epoch_start for r in recs),
+            "first_fifth_median_ms": statistics.median(r.host_ms for r in first),
+            "last_fifth_median_ms": statistics.median(r.host_ms for r in last),
+        }
+        gpu = [r.gpu_ms for r in recs if r.gpu_ms is not None]
+        if gpu:
+            out["gpu_median_ms"] = statistics.median(gpu)
+        return out
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]

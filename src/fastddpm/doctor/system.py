@@ -1,0 +1,142 @@
+"""What the machine is doing around the loop: CPU load of this process and its DataLoader workers, GPU clocks,
+temperature and power, device memory. Each reader returns None when its source is absent (no /proc, no CUDA,
+no NVML), and the report says "unavailable" rather than guess.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of one process, seconds (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            text = (task / "children").read_text().split()
+            out.extend(int(c) for c in text)
+    except OSError:
+        return out
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    seen, todo = [], _children(pid)
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.append(c)
+            todo.extend(_children(c))
+    return seen
+
+
+class CpuSampler:
+    """Samples the CPU time of this process and all its descendants (DataLoader workers) every `period_s`
+    on a background thread (a few /proc reads: ~0.1 ms a sample). Workers that come and go between
+    samples (respawned each epoch) are counted from their first sample, so short-lived ones are undercounted
+    by at most one period each."""
+
+    def __init__(self, period_s: float = 0.25):
+        self.period_s = period_s
+        self.available = Path("/proc/self/stat").exists()
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._seen_late: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.t0 = self.t1 = 0.0
+        self.max_workers = 0
+
+    def _sample(self, first: bool = False) -> None:
+        me = os.getpid()
+        kids = _descendants(me)
+        self.max_workers = max(self.max_workers, len(kids))
+        for pid in [me, *kids]:
+            cpu = _proc_cpu_s(pid)
+            if cpu is None:
+                continue
+            if pid not in self._first:
+                # a worker born after the start: its whole CPU time belongs to the window
+                self._first[pid] = cpu if first or pid == me else 0.0
+            self._last[pid] = cpu
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def start(self) -> None:
+        if not self.available:
+            return
+        self.t0 = time.perf_counter()
+        self._sample(first=True)
+        self._thread = threading.Thread(target=self._run, name="fastddpm-doctor-cpu", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict | None:
+        if not self.available or self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.t1 = time.perf_counter()
+        wall = max(self.t1 - self.t0, 1e-9)
+        me = os.getpid()
+        main = (self._last[me] - self._first[me]) / wall
+        workers = sum(self._last[p] - self._first[p] for p in self._last if p != me) / wall
+        return {"main_cores": main, "workers_cores": workers, "workers_seen": self.max_workers,
+                "cpu_count": os.cpu_count(), "wall_s": wall}
+
+
+def gpu_telemetry(device: torch.device) -> dict | None:
+    """SM clock (MHz), temperature (C) and power (W) now, from NVML (pynvml) or nvidia-smi; None without."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        import pynvml  # optional: the nvidia-ml-py package
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {"sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, "source": "nvml"}
+    except Exception:  # noqa: BLE001 - any NVML failure means: try nvidia-smi
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, f"--id={index}", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        clock, temp, power = (v.strip() for v in out.stdout.strip().split(","))
+        return {"sm_clock_mhz": float(clock), "temperature_c": float(temp),
+                "power_w": float(power) if power not in ("[N/A]", "N/A") else None, "source": "nvidia-smi"}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def device_memory(device: torch.device) -> dict | None:
+    """Peak allocated by torch's allocator vs the device's total, for rule 14."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_allocated_bytes": int(peak), "total_bytes": int(total), "free_bytes": int(free),
+            "peak_share": peak / total}
