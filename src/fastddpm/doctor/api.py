@@ -84,6 +84,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
         probe = session.probe_loader(compute_ms)
     m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak)
     m["loader_probe"] = probe
+    m["loader_workers"] = getattr(session.loader, "num_workers", None) if session.loader is not None else None
     if not m["steps"]:
         raise RuntimeError(
             f"the doctor saw no step after the {session.config.warmup_steps} warm-up steps "

@@ -171,6 +171,7 @@ def uneven_last_batch(device, **kw) -> Report:
     model = _mlp(128, 256, 2).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     backend = "inductor" if device.type == "cuda" else "eager"  # eager: dynamo guards without C++ builds on CPU
+    torch._dynamo.reset()  # as in a fresh process: no shape already marked dynamic by an earlier run
     compiled = torch.compile(model, backend=backend)
     with watch(DataLoader(ds, batch_size=32, shuffle=True, drop_last=False), device=device,
                **_window(kw, warmup_steps=2, steps=20, profile_steps=0, loader_probe_s=0)) as dr:

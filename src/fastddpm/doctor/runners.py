@@ -85,7 +85,9 @@ class ScriptHooks:
             if session.done:
                 raise DoctorDone()
 
-        self._handle = torch.optim.optimizer.register_optimizer_step_post_hook(after_optimizer_step)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._handle = register_optimizer_step_post_hook(after_optimizer_step)
         return self
 
     def __exit__(self, *exc):

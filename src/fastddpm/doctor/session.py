@@ -67,10 +67,44 @@ class StepRecord:
     index: int  # 0-based step number of the run
     host_ms: float  # boundary to boundary, host clock
     data_wait_ms: float
-    data_cpu_ms: float  # CPU time this thread spent inside the waits (work done in-process, not waiting)
+    data_cpu_ms: float  # of the wait: this thread running or runnable (work done in-process, not blocking)
     epoch_start: bool
     gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
     recompiles: int = 0  # graphs compiled during this step
+
+
+class _ThreadDemand:
+    """CPU this thread used plus time it sat runnable waiting for a core (Linux schedstat), in seconds.
+
+    A wait for data that is "CPU demand" for most of its length is CPU-bound work in this process, even when
+    other processes crowd the cores; a wait that is neither running nor runnable is blocking (I/O, sleep,
+    locks, a queue from workers). Falls back to thread CPU time where schedstat is missing."""
+
+    def __init__(self):
+        self._fd = None
+        try:
+            import threading
+
+            self._fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+            if int(os.pread(self._fd, 128, 0).split()[0]) == 0:  # kernel without schedstats: all zeros
+                os.close(self._fd)
+                self._fd = None
+        except (OSError, AttributeError, ValueError, IndexError):
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is not None:
+            try:
+                run_ns, wait_ns, _ = os.pread(self._fd, 128, 0).split()
+                return (int(run_ns) + int(wait_ns)) / 1e9
+            except (OSError, ValueError):
+                pass
+        return time.thread_time()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _dynamo_graphs() -> tuple[int, int, int]:
@@ -99,6 +133,7 @@ class Session:
         self._t_boundary = time.perf_counter()
         self._wait_s = 0.0
         self._wait_cpu_s = 0.0
+        self._demand = _ThreadDemand()
         self._epoch_start = False
         self._epochs = 0
         self._events: list[torch.cuda.Event] = []
@@ -142,12 +177,12 @@ class Session:
         rf = torch.autograd.profiler.record_function(DATA_MARK) if profiling else None
         if rf is not None:
             rf.__enter__()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), self._demand()
         try:
             return fetch()
         finally:
             self._wait_s += time.perf_counter() - t0
-            self._wait_cpu_s += time.thread_time() - c0
+            self._wait_cpu_s += self._demand() - c0
             if rf is not None:
                 rf.__exit__(None, None, None)
 
@@ -257,6 +292,7 @@ class Session:
             if self.telemetry_end is None:
                 self.telemetry_end = gpu_telemetry(self.device)
         self.wall_s = time.perf_counter() - self.wall_t0
+        self._demand.close()
         if self.on_done is not None:
             self.on_done()
 

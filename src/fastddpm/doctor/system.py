@@ -37,11 +37,19 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _is_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker (started with spawn) is a child but not a loader worker."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _descendants(pid: int) -> list[int]:
     seen, todo = [], _children(pid)
     while todo:
         c = todo.pop()
-        if c not in seen:
+        if c not in seen and not _is_helper(c):
             seen.append(c)
             todo.extend(_children(c))
     return seen

@@ -465,7 +465,7 @@ class _Ranges:
         if not r:
             return False
         i = bisect.bisect_right(self.starts[tid], ts) - 1
-        return i >= 0 and r[i][0] <= ts <= r[i][1]
+        return i >= 0 and r[i][0] <= ts < r[i][1]
 
 
 def _any_between(sorted_values: list[float], lo: float, hi: float) -> bool:
