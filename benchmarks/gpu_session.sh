@@ -2,7 +2,7 @@
 # What a GPU session measures, in few device calls (the device tool's budget favours few, full calls; one call
 # may run 10 minutes, so split the parts over calls: e.g. "tests throughput", then "ladder").
 #
-#   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder]      (default: tests throughput)
+#   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder] [doctor]      (default: tests throughput)
 #
 # Here, before the first call (once per session; .data/ is git-ignored and travels with `carry`):
 #   mkdir -p .data && cp -r /usr/share/datasets/fashion-mnist .data/
@@ -39,6 +39,14 @@ for part in $PARTS; do
       echo "== ladder (data: the carried Fashion-MNIST files)"
       timeout 560 $PY -m fastddpm bench ladder --data "$FASTDDPM_FMNIST_DIR" --out "$OUT/ladder" 2>&1 |
         tee "$OUT/ladder.log" ;;
-    *) echo "unknown part $part (tests, throughput, ladder)"; exit 2 ;;
+    doctor)
+      echo "== doctor: planted faults on the GPU, watch overhead, the fast path's own diagnosis"
+      timeout 200 $PY -m fastddpm.doctor.planted --device cuda --out "$OUT/doctor_planted" 2>&1 |
+        tee "$OUT/doctor_planted.log"
+      timeout 200 $PY benchmarks/doctor_overhead.py --device cuda --data "$FASTDDPM_FMNIST_DIR" \
+        --out "$OUT/doctor_overhead.json" 2>&1 | tee "$OUT/doctor_overhead.log"
+      timeout 150 $PY -m fastddpm doctor train --data "$FASTDDPM_FMNIST_DIR" --report-dir "$OUT/doctor_fastpath" \
+        2>&1 | tee "$OUT/doctor_fastpath.log" ;;
+    *) echo "unknown part $part (tests, throughput, ladder, doctor)"; exit 2 ;;
   esac
 done

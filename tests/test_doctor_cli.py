@@ -13,6 +13,7 @@ import torch
 
 from fastddpm.cli import main
 from fastddpm.doctor import DoctorConfig
+from fastddpm.doctor.session import DoctorError
 from fastddpm.doctor.runners import run_script
 
 SLOW_SCRIPT = textwrap.dedent("""
@@ -74,13 +75,20 @@ def test_doctor_run_passes_the_scripts_exit_and_short_runs(tmp_path):
 def test_doctor_run_without_an_optimizer_explains_how_to_mark_steps(tmp_path):
     script = tmp_path / "no_opt.py"
     script.write_text("import torch\nprint(torch.ones(2).sum())\n")
-    with pytest.raises(RuntimeError, match="never called optimizer.step"):
+    with pytest.raises(DoctorError, match="never called optimizer.step"):
         run_script(script, [], _window(tmp_path))
 
 
 def test_doctor_run_cli_missing_script_is_a_clear_error(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="no script at"):
-        main(["doctor", "run", "--report-dir", str(tmp_path), str(tmp_path / "nope.py")])
+    assert main(["doctor", "run", "--report-dir", str(tmp_path), str(tmp_path / "nope.py")]) == 2
+    assert "no script at" in capsys.readouterr().err
+
+
+def test_doctor_run_reports_a_failing_script_exit(tmp_path, capsys):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert main(["doctor", "run", "--report-dir", str(tmp_path), str(script)]) == 2
+    assert "exited with status 3" in capsys.readouterr().err
 
 
 def test_doctor_cli_json_and_files(tmp_path, capsys):

@@ -24,7 +24,7 @@ import torch
 
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
-from fastddpm.doctor.session import DoctorConfig, Session, _dynamo_graphs
+from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
 from fastddpm.doctor.trace import analyze, load_trace
 
 
@@ -86,7 +86,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
     m["loader_probe"] = probe
     m["loader_workers"] = getattr(session.loader, "num_workers", None) if session.loader is not None else None
     if not m["steps"]:
-        raise RuntimeError(
+        raise DoctorError(
             f"the doctor saw no step after the {session.config.warmup_steps} warm-up steps "
             f"({session.step_index} steps in all): call dr.step() once per optimizer step, or lower warmup_steps")
     found, unavailable = evaluate(m)

@@ -64,8 +64,18 @@ def add_doctor_parser(sub, add_train_flags) -> None:
 
 
 def run_doctor(args, resolve_train_config) -> int:
-    from fastddpm.doctor.session import DoctorConfig
+    import sys
 
+    from fastddpm.doctor.session import DoctorConfig, DoctorError
+
+    try:
+        return _run(args, resolve_train_config, DoctorConfig)
+    except DoctorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, resolve_train_config, DoctorConfig) -> int:
     if args.doctor_command is None:
         raise SystemExit("fastddpm doctor: say what to diagnose: `doctor train [options]` or `doctor run SCRIPT`")
     try:

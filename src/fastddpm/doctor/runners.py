@@ -21,7 +21,7 @@ import torch
 
 from fastddpm.doctor.api import diagnose
 from fastddpm.doctor.report import Report
-from fastddpm.doctor.session import DoctorConfig, DoctorDone, Session
+from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
 
 
 class _TimedIterator:
@@ -103,7 +103,7 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     """Run `script` with `args` under the doctor; returns the Report (and writes it under config.out_dir)."""
     path = Path(script)
     if not path.is_file():
-        raise FileNotFoundError(f"doctor run: no script at {path}; give the path of the .py file that trains")
+        raise DoctorError(f"doctor run: no script at {path}; give the path of the .py file that trains")
     session = Session(config, device=device)
     old_argv, old_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *args]
@@ -117,13 +117,13 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
         ended = None
     except SystemExit as e:
         if e.code not in (None, 0):
-            raise RuntimeError(f"doctor run: {path} exited with status {e.code} after {session.step_index} "
-                               f"steps") from e
+            raise DoctorError(f"doctor run: {path} exited with status {e.code} after {session.step_index} steps; "
+                              f"run it without the doctor first to see why") from e
         ended = f"the script exited with status {e.code or 0}"
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if hooks.optimizer_steps == 0:
-        raise RuntimeError(
+        raise DoctorError(
             f"doctor run: {path} never called optimizer.step() on a torch.optim optimizer, so the doctor found no "
             f"step boundaries. Mark them yourself with fastddpm.doctor.watch(loader) and dr.step() in the script")
     if ended is not None:

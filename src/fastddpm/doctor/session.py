@@ -32,6 +32,10 @@ from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
 from fastddpm.doctor.trace import DATA_MARK, STEP_MARK
 
 
+class DoctorError(Exception):
+    """A user error: what to diagnose cannot be run or has no steps. The message says what to do."""
+
+
 class DoctorDone(BaseException):
     """Raised (by `doctor run`) to end a user's script once the bounded run is over. A BaseException so that
     a script's `except Exception` does not swallow it."""
