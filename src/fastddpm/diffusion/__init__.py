@@ -1,11 +1,12 @@
 """Self-contained diffusion math: schedules, the training objective, and samplers."""
 
-from fastddpm.diffusion.objective import diffusion_loss, predict_eps_and_x0, q_sample, training_target
+from fastddpm.diffusion.objective import (diffusion_loss, min_snr_weights, predict_eps_and_x0, q_sample,
+                                         training_target)
 from fastddpm.diffusion.samplers import ddim_sample, ddim_timesteps, ddpm_sample, sample, to_uint8
 from fastddpm.diffusion.schedule import NoiseSchedule, cosine_betas, linear_betas, make_schedule, schedule_from_config
 
 __all__ = [
     "NoiseSchedule", "cosine_betas", "linear_betas", "make_schedule", "schedule_from_config",
-    "q_sample", "training_target", "diffusion_loss", "predict_eps_and_x0",
+    "q_sample", "training_target", "diffusion_loss", "min_snr_weights", "predict_eps_and_x0",
     "ddpm_sample", "ddim_sample", "ddim_timesteps", "sample", "to_uint8",
 ]

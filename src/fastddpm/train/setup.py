@@ -61,5 +61,5 @@ def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, 
     step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
                         prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
                         accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
-                        ema_every=t.ema_every, device=device)
+                        ema_every=t.ema_every, device=device, min_snr_gamma=t.min_snr_gamma)
     return Optimization(ema=ema, optimizer=optimizer, scaler=scaler, step_fn=step_fn)

@@ -28,10 +28,11 @@ from fastddpm.train.runtime import Precision
 
 
 def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, schedule,
-               prediction: str, batch: Batch, precision: Precision, grad_clip: float | None) -> torch.Tensor:
+               prediction: str, batch: Batch, precision: Precision, grad_clip: float | None,
+               min_snr_gamma: float | None = None) -> torch.Tensor:
     """The plain step. Returns the detached loss on the device; reading it (.item()) is the caller's sync."""
     with precision.autocast(batch.x0.device):
-        loss = diffusion_loss(model, schedule, prediction, batch.x0, batch.t, batch.noise)
+        loss = diffusion_loss(model, schedule, prediction, batch.x0, batch.t, batch.noise, min_snr_gamma)
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -67,9 +68,10 @@ class TrainStep:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
                  grad_clip: float | None, accum_steps: int = 1, compile: bool = False, cuda_graphs: str = "off",
-                 ema_every: int = 1, device: torch.device):
+                 ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None):
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
         self.schedule, self.prediction, self.precision = schedule, prediction, precision
+        self.min_snr_gamma = min_snr_gamma
         self.grad_clip, self.accum_steps, self.ema_every = grad_clip, accum_steps, ema_every
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -103,7 +105,7 @@ class TrainStep:
     def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         # Autocast's weight-cast cache must be off under CUDA graph capture (cached casts would be freed).
         with self.precision.autocast(x0.device, cache=self.cuda_graphs != "capture"):
-            return diffusion_loss(self.model, self.schedule, self.prediction, x0, t, noise)
+            return diffusion_loss(self.model, self.schedule, self.prediction, x0, t, noise, self.min_snr_gamma)
 
     def _update(self, loss: torch.Tensor) -> None:
         if self.grad_clip is not None:
