@@ -108,6 +108,21 @@ def overhead(width: int, batch: int, steps: int, repeats: int, device: torch.dev
             "overhead_median": statistics.median(ratios), "overhead_min": min(ratios), "overhead_max": max(ratios)}
 
 
+def bookkeeping_us_per_step(n: int = 20000) -> float:
+    """The doctor's own host work per step (one data wait + one step boundary) on an empty loop: the floor of
+    its overhead, independent of the model."""
+    from fastddpm.doctor.session import DoctorConfig, Session
+
+    s = Session(DoctorConfig(warmup_steps=0, steps=n + 10, profile_steps=0, loader_probe_s=0), device="cpu")
+    t0 = time.perf_counter()
+    for i in range(n):
+        s.wait_for_data(lambda: i)
+        s.step()
+    per_step = (time.perf_counter() - t0) / n * 1e6
+    s.finish_early("benchmark")
+    return per_step
+
+
 def full_profile_wall_s(device: torch.device, data: str | None) -> dict | None:
     if data is None:
         return None
@@ -132,7 +147,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args()
     device = torch.device(args.device)
-    sizes = [(1024, 256), (4096, 1024), (8192, 4096)] if device.type == "cuda" else [(256, 64), (512, 256)]
+    sizes = [(1024, 256), (4096, 1024), (8192, 4096)] if device.type == "cuda" else [(256, 64), (512, 256), (1024, 256)]
+    floor_us = bookkeeping_us_per_step()
+    print(f"doctor bookkeeping: {floor_us:.1f} us per step (empty loop)")
     rows = []
     for width, batch in sizes:
         r = overhead(width, batch, args.steps, args.repeats, device)
@@ -144,7 +161,8 @@ def main() -> int:
     if prof:
         print(f"full profile (doctor train, default window): {prof['wall_s']:.1f} s end to end, "
               f"verdict {prof['verdict'] and prof['verdict']['id']}")
-    result = {"environment": environment_record(device, sys.argv), "overhead": rows, "full_profile": prof}
+    result = {"environment": environment_record(device, sys.argv), "bookkeeping_us_per_step": floor_us,
+              "overhead": rows, "full_profile": prof}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0

@@ -129,18 +129,6 @@ def test_doctor_train_fast_path_is_healthy(tmp_path, fmnist_npz, capsys):
     assert not (out / "run" / "samples" / "final.png").exists()  # a diagnostic run draws no grid
 
 
-def test_doctor_train_names_a_fastddpm_setting_for_a_slow_config(tmp_path, fmnist_npz):
-    """Fixes for the built-in trainer are its own flags."""
-    from fastddpm.doctor.rules import evaluate
-
-    m = {"device": "cpu", "steps": [{"index": i, "host_ms": 10.0, "data_wait_ms": 5.0, "data_cpu_ms": 0.1,
-                                     "epoch_start": False, "gpu_ms": None, "recompiles": 0} for i in range(10)],
-         "trace": None, "step_stats": {}}
-    found, _ = evaluate(m)
-    assert found[0].id == "data-bound"
-    assert any(f.fastddpm and f.fastddpm.startswith("--data-placement device") for f in found[0].fixes)
-
-
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
