@@ -1,0 +1,207 @@
+"""Feature spaces for evaluation, and the cached statistics of the real data in them.
+
+A FeatureNet maps uint8 images (B, C, H, W) to features (B, D) and, for the in-tool classifier, class logits.
+Which one an evaluation uses:
+  * --inception PATH given: Inception-v3 pool3 features (standard FID; fastddpm.eval.inception);
+  * otherwise: the in-tool classifier trained on the dataset (fastddpm.eval.classifier), labelled
+    "fastddpm-features (not comparable to published Inception FID)" in every output.
+
+Reference statistics (mean, covariance, a fixed random subset of features for precision/recall, the predicted
+label histogram) of the real images are computed once and cached as
+<cache_dir>/reference/<slug>-<key>.npz, the key a hash of the prepared dataset (cache name, fingerprint, size)
+and of the feature network (its weights' hash): a changed dataset or feature network recomputes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fastddpm.config import ConfigError
+from fastddpm.data import DataError, PreparedData, prepare
+from fastddpm.eval.classifier import FEATURES_LABEL, FEATURES_NAME, ClassifierRecipe, load_or_train_classifier
+from fastddpm.eval.frechet import FeatureStats
+from fastddpm.rng import derive_seed
+
+REFERENCE_FORMAT = "fastddpm-reference-1"
+PR_REFERENCE_IMAGES = 10_000  # real features kept for precision/recall (a fixed random subset)
+
+
+@dataclass(kw_only=True)
+class FeatureNet:
+    name: str  # "fastddpm-features" | "inception-v3"
+    label: str  # shown next to every number computed in this space
+    comparable_to_inception_fid: bool | None  # None: depends on the file (a TorchScript extractor)
+    module: torch.nn.Module = field(repr=False)
+    device: torch.device
+    identity: str  # a hash of the weights: part of the reference-statistics cache key
+    info: dict  # test accuracy, file, training time...
+    num_classes: int | None  # classifier: coverage from its logits; Inception: none
+
+    @torch.no_grad()
+    def __call__(self, x_u8_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x_u8_BCHW.to(self.device, non_blocking=True)
+        if self.num_classes is not None:
+            feats, logits = self.module.features_and_logits(self.module.normalize(x))
+            return feats.float(), logits
+        return self.module(x).float(), None
+
+
+def _weights_identity(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def dataset_splits(data_cfg, *, cache_root: Path | None, log: Callable[[str], None],
+                   progress: bool = False) -> tuple[PreparedData, PreparedData | None]:
+    """The train split and, if the source has one, the test split, prepared with the run's data options."""
+    kwargs = dict(resize=data_cfg.resize, resize_mode=data_cfg.resize_mode, image_mode=data_cfg.image_mode,
+                  skip_bad=data_cfg.skip_bad, cache_dir=cache_root, progress=progress)
+    train = prepare(data_cfg.source, split="train", **kwargs)
+    try:
+        test = prepare(data_cfg.source, split="test", **kwargs)
+    except DataError as e:
+        log(f"feature network: no test split ({str(e).splitlines()[0][:160]}); holding out part of train")
+        test = None
+    return train, test
+
+
+def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, cache_root: Path | None,
+                      log: Callable[[str], None] = print, progress: bool = False,
+                      recipe: ClassifierRecipe | None = None) -> FeatureNet:
+    """Inception from a local file if `inception` is given, else the dataset's cached (or new) classifier
+    (trained with `recipe`, default ClassifierRecipe())."""
+    if inception:
+        from fastddpm.eval.inception import load_inception
+
+        module, info = load_inception(inception, device)
+        return FeatureNet(name=info["name"], label=info["label"],
+                          comparable_to_inception_fid=True if info["kind"] == "pytorch-fid" else None, module=module,
+                          device=device, identity=info["sha256"][:16], info=info, num_classes=None)
+    from fastddpm.data import default_cache_dir
+
+    root = Path(cache_root) if cache_root is not None else default_cache_dir()
+    train, test = dataset_splits(data_cfg, cache_root=root, log=log, progress=progress)
+    model, info, path = load_or_train_classifier(train, test, device=device, cache_root=root,
+                                                 recipe=recipe or ClassifierRecipe(), log=log)
+    return FeatureNet(name=FEATURES_NAME, label=FEATURES_LABEL, comparable_to_inception_fid=False, module=model,
+                      device=device, identity=_weights_identity(model), info={**info, "file": str(path)},
+                      num_classes=info["num_classes"])
+
+
+@dataclass(kw_only=True)
+class Extracted:
+    stats: FeatureStats
+    feats: torch.Tensor  # (N, D) float32 on the CPU (all of them, or the rows asked for)
+    pred: np.ndarray | None  # (N,) predicted classes (classifier only)
+
+
+def extract(net: FeatureNet, images_u8, *, batch_size: int = 500, keep: np.ndarray | None = None,
+            progress=None) -> Extracted:
+    """Features of uint8 images (numpy memmap or tensor, (N, C, H, W)): streaming stats over all of them; the
+    rows `keep` (default: all) and the predicted labels returned."""
+    n = images_u8.shape[0]
+    stats = None
+    kept, preds = [], []
+    keep_mask = None
+    if keep is not None:
+        keep_mask = np.zeros(n, dtype=bool)
+        keep_mask[keep] = True
+    for s in range(0, n, batch_size):
+        chunk = images_u8[s:s + batch_size]
+        x = chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(np.array(chunk))  # memmap -> RAM
+        feats, logits = net(x)
+        if stats is None:
+            stats = FeatureStats(feats.shape[1], device=feats.device)
+        stats.update(feats)
+        feats_cpu = feats.cpu()  # note: device -> host copy (a sync), once per batch
+        kept.append(feats_cpu if keep_mask is None else feats_cpu[torch.from_numpy(keep_mask[s:s + batch_size])])
+        if logits is not None:
+            preds.append(logits.argmax(1).cpu().numpy())
+        if progress is not None:
+            progress.update(x.shape[0])
+    return Extracted(stats=stats, feats=torch.cat(kept), pred=np.concatenate(preds) if preds else None)
+
+
+@dataclass(kw_only=True)
+class ReferenceStats:
+    mu: np.ndarray  # (D,) float64
+    sigma: np.ndarray  # (D, D) float64
+    num_images: int
+    pr_feats: torch.Tensor  # (R, D) float32: a fixed random subset, for precision/recall
+    label_histogram: list[int] | None  # the classifier's predictions on the real images
+    meta: dict
+
+
+def _reference_path(data: PreparedData, net: FeatureNet, cache_root: Path) -> Path:
+    blob = json.dumps({"format": REFERENCE_FORMAT, "cache": data.cache_path.name,
+                       "fingerprint": data.meta.get("fingerprint"), "num_images": data.num_images,
+                       "features": net.name, "identity": net.identity, "pr_images": PR_REFERENCE_IMAGES},
+                      sort_keys=True)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    slug = data.cache_path.name.rsplit("-", 1)[0]
+    return Path(cache_root) / "reference" / f"{slug}-{net.name}-{key}.npz"
+
+
+def reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | None, batch_size: int = 500,
+                    log: Callable[[str], None] = print, progress: bool = False) -> ReferenceStats:
+    """Statistics of all real images of `data` in `net`'s feature space, cached on disk."""
+    from fastddpm.data import default_cache_dir
+
+    path = _reference_path(data, net, Path(cache_root) if cache_root is not None else default_cache_dir())
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            return ReferenceStats(mu=z["mu"], sigma=z["sigma"], num_images=int(meta["num_images"]),
+                                  pr_feats=torch.from_numpy(z["pr_feats"]),
+                                  label_histogram=meta.get("label_histogram"), meta={**meta, "cached": True,
+                                                                                     "file": str(path)})
+    n = data.num_images
+    g = torch.Generator().manual_seed(derive_seed(0, "reference-pr-subset"))
+    order = torch.randperm(n, generator=g).numpy()[:min(n, PR_REFERENCE_IMAGES)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, unit="img", desc="reference features", dynamic_ncols=True)
+    ex = extract(net, data.images, batch_size=batch_size, keep=np.sort(order), progress=bar)
+    if bar is not None:
+        bar.close()
+    # extract() keeps rows in index order; put them back in the random order, so a prefix is a random subset.
+    rank = np.argsort(np.argsort(order))
+    pr_feats = ex.feats[torch.from_numpy(rank)]
+    mu, sigma = ex.stats.mean_cov()
+    hist = (np.bincount(ex.pred, minlength=net.num_classes).tolist() if ex.pred is not None else None)
+    meta = {"format": REFERENCE_FORMAT, "source": data.meta.get("source"), "split": data.meta.get("split"),
+            "cache": data.cache_path.name, "fingerprint": data.meta.get("fingerprint"), "num_images": n,
+            "features": net.name, "features_identity": net.identity, "label_histogram": hist}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
+    np.savez(tmp, mu=mu, sigma=sigma, pr_feats=pr_feats.numpy(), meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)
+    log(f"reference statistics: {n:,} real images of {data.cache_path.name} in {net.name} features -> {path}")
+    return ReferenceStats(mu=mu, sigma=sigma, num_images=n, pr_feats=pr_feats, label_histogram=hist,
+                          meta={**meta, "cached": False, "file": str(path)})
+
+
+def check_compatible(model_cfg, data: PreparedData, *, where: str) -> None:
+    """The model's images and the reference data must have the same shape: name both and the fix."""
+    want = (model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
+    have = (data.channels, data.height, data.width)
+    if want != have:
+        raise ConfigError(
+            f"the model makes {want[0]}x{want[1]}x{want[2]} images but the reference data {where} is "
+            f"{have[0]}x{have[1]}x{have[2]}: evaluate against the data the model was trained on (--data SOURCE), "
+            "or prepare it to match (--resize N, --image-mode L|RGB)"
+        )

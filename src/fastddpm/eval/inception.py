@@ -1,0 +1,257 @@
+"""Standard Inception FID features from a local weights file: never downloaded, never shipped.
+
+Two kinds of file are accepted by `load_inception(path)`:
+
+1. pytorch-fid's `pt_inception-2015-12-05-6726825d.pth` (the TensorFlow FID Inception graph ported to PyTorch;
+   torch-fidelity's `weights-inception-2015-12-05-6726825d.pth` is the same state dict). It is loaded with
+   torch.load(weights_only=True) into `FIDInceptionV3` below, a torchvision-free rebuild of pytorch-fid's
+   FID Inception (torchvision's Inception3 with pytorch-fid's patched blocks: average pools that ignore the
+   padding, and a max pool in the last block). Preprocessing follows pytorch-fid: uint8 / 255, bilinear resize
+   to 299x299 (align_corners=False), x * 2 - 1; grayscale repeated to 3 channels. The features are the 2048-d
+   pool3 output. Verified against pytorch-fid 0.3.0 + torchvision 0.28 on random weights (tests skip when they
+   are absent). pytorch-fid's numbers differ slightly from the original TensorFlow code (its resize differs).
+2. A TorchScript feature extractor, e.g. NVlabs' `inception-2015-12-05.pt` (StyleGAN2-ADA, EDM, clean-fid):
+   called as m(images_uint8_B3HW, return_features=True) -> (B, 2048), or m(images) when it takes no such
+   argument. It resizes and normalises internally. TorchScript runs the file's own graph: use files you trust.
+
+Anything else (a pickle, a state dict with other keys) is refused with a message saying what is accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastddpm.config import ConfigError
+
+INCEPTION_NAME = "inception-v3"
+
+
+class BasicConv2d(nn.Module):
+    def __init__(self, cin: int, cout: int, **kw):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, bias=False, **kw)
+        self.bn = nn.BatchNorm2d(cout, eps=0.001)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)), inplace=True)
+
+
+def _avg3(x):
+    # TensorFlow's average pool excludes the zero padding from the mean (pytorch-fid's patch).
+    return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
+
+
+class InceptionA(nn.Module):
+    def __init__(self, cin: int, pool_features: int):
+        super().__init__()
+        self.branch1x1 = BasicConv2d(cin, 64, kernel_size=1)
+        self.branch5x5_1 = BasicConv2d(cin, 48, kernel_size=1)
+        self.branch5x5_2 = BasicConv2d(48, 64, kernel_size=5, padding=2)
+        self.branch3x3dbl_1 = BasicConv2d(cin, 64, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, kernel_size=3, padding=1)
+        self.branch_pool = BasicConv2d(cin, pool_features, kernel_size=1)
+
+    def forward(self, x):
+        b1 = self.branch1x1(x)
+        b5 = self.branch5x5_2(self.branch5x5_1(x))
+        b3 = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        return torch.cat([b1, b5, b3, self.branch_pool(_avg3(x))], 1)
+
+
+class InceptionB(nn.Module):
+    def __init__(self, cin: int):
+        super().__init__()
+        self.branch3x3 = BasicConv2d(cin, 384, kernel_size=3, stride=2)
+        self.branch3x3dbl_1 = BasicConv2d(cin, 64, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(64, 96, kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = BasicConv2d(96, 96, kernel_size=3, stride=2)
+
+    def forward(self, x):
+        b3 = self.branch3x3(x)
+        bd = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        return torch.cat([b3, bd, F.max_pool2d(x, kernel_size=3, stride=2)], 1)
+
+
+class InceptionC(nn.Module):
+    def __init__(self, cin: int, c7: int):
+        super().__init__()
+        self.branch1x1 = BasicConv2d(cin, 192, kernel_size=1)
+        self.branch7x7_1 = BasicConv2d(cin, c7, kernel_size=1)
+        self.branch7x7_2 = BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7_3 = BasicConv2d(c7, 192, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_1 = BasicConv2d(cin, c7, kernel_size=1)
+        self.branch7x7dbl_2 = BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_3 = BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7dbl_4 = BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_5 = BasicConv2d(c7, 192, kernel_size=(1, 7), padding=(0, 3))
+        self.branch_pool = BasicConv2d(cin, 192, kernel_size=1)
+
+    def forward(self, x):
+        b1 = self.branch1x1(x)
+        b7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
+        bd = x
+        for layer in (self.branch7x7dbl_1, self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4,
+                      self.branch7x7dbl_5):
+            bd = layer(bd)
+        return torch.cat([b1, b7, bd, self.branch_pool(_avg3(x))], 1)
+
+
+class InceptionD(nn.Module):
+    def __init__(self, cin: int):
+        super().__init__()
+        self.branch3x3_1 = BasicConv2d(cin, 192, kernel_size=1)
+        self.branch3x3_2 = BasicConv2d(192, 320, kernel_size=3, stride=2)
+        self.branch7x7x3_1 = BasicConv2d(cin, 192, kernel_size=1)
+        self.branch7x7x3_2 = BasicConv2d(192, 192, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7x3_3 = BasicConv2d(192, 192, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7x3_4 = BasicConv2d(192, 192, kernel_size=3, stride=2)
+
+    def forward(self, x):
+        b3 = self.branch3x3_2(self.branch3x3_1(x))
+        b7 = self.branch7x7x3_4(self.branch7x7x3_3(self.branch7x7x3_2(self.branch7x7x3_1(x))))
+        return torch.cat([b3, b7, F.max_pool2d(x, kernel_size=3, stride=2)], 1)
+
+
+class InceptionE(nn.Module):
+    def __init__(self, cin: int, max_pool: bool):
+        super().__init__()
+        self.max_pool = max_pool  # pytorch-fid's Mixed_7c (FIDInceptionE_2) pools with max, not average
+        self.branch1x1 = BasicConv2d(cin, 320, kernel_size=1)
+        self.branch3x3_1 = BasicConv2d(cin, 384, kernel_size=1)
+        self.branch3x3_2a = BasicConv2d(384, 384, kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3_2b = BasicConv2d(384, 384, kernel_size=(3, 1), padding=(1, 0))
+        self.branch3x3dbl_1 = BasicConv2d(cin, 448, kernel_size=1)
+        self.branch3x3dbl_2 = BasicConv2d(448, 384, kernel_size=3, padding=1)
+        self.branch3x3dbl_3a = BasicConv2d(384, 384, kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3dbl_3b = BasicConv2d(384, 384, kernel_size=(3, 1), padding=(1, 0))
+        self.branch_pool = BasicConv2d(cin, 192, kernel_size=1)
+
+    def forward(self, x):
+        b1 = self.branch1x1(x)
+        b3 = self.branch3x3_1(x)
+        b3 = torch.cat([self.branch3x3_2a(b3), self.branch3x3_2b(b3)], 1)
+        bd = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+        bd = torch.cat([self.branch3x3dbl_3a(bd), self.branch3x3dbl_3b(bd)], 1)
+        pooled = F.max_pool2d(x, kernel_size=3, stride=1, padding=1) if self.max_pool else _avg3(x)
+        return torch.cat([b1, b3, bd, self.branch_pool(pooled)], 1)
+
+
+class FIDInceptionV3(nn.Module):
+    """pytorch-fid's FID Inception (module names = the weights file's keys). forward: uint8 (B, C, H, W) ->
+    (B, 2048) pool3 features, C in {1, 3}."""
+
+    def __init__(self):
+        super().__init__()
+        self.Conv2d_1a_3x3 = BasicConv2d(3, 32, kernel_size=3, stride=2)
+        self.Conv2d_2a_3x3 = BasicConv2d(32, 32, kernel_size=3)
+        self.Conv2d_2b_3x3 = BasicConv2d(32, 64, kernel_size=3, padding=1)
+        self.Conv2d_3b_1x1 = BasicConv2d(64, 80, kernel_size=1)
+        self.Conv2d_4a_3x3 = BasicConv2d(80, 192, kernel_size=3)
+        self.Mixed_5b = InceptionA(192, pool_features=32)
+        self.Mixed_5c = InceptionA(256, pool_features=64)
+        self.Mixed_5d = InceptionA(288, pool_features=64)
+        self.Mixed_6a = InceptionB(288)
+        self.Mixed_6b = InceptionC(768, c7=128)
+        self.Mixed_6c = InceptionC(768, c7=160)
+        self.Mixed_6d = InceptionC(768, c7=160)
+        self.Mixed_6e = InceptionC(768, c7=192)
+        self.Mixed_7a = InceptionD(768)
+        self.Mixed_7b = InceptionE(1280, max_pool=False)
+        self.Mixed_7c = InceptionE(2048, max_pool=True)
+        self.fc = nn.Linear(2048, 1008)  # in the weights file; unused for FID (kept so loading is strict)
+
+    def forward(self, x_u8_BCHW: torch.Tensor) -> torch.Tensor:
+        x = x_u8_BCHW.to(torch.float32) / 255.0
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        x = F.interpolate(x, size=(299, 299), mode="bilinear", align_corners=False)
+        x = 2 * x - 1
+        x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))
+        x = F.max_pool2d(x, kernel_size=3, stride=2)
+        x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))
+        x = F.max_pool2d(x, kernel_size=3, stride=2)
+        for block in (self.Mixed_5b, self.Mixed_5c, self.Mixed_5d, self.Mixed_6a, self.Mixed_6b, self.Mixed_6c,
+                      self.Mixed_6d, self.Mixed_6e, self.Mixed_7a, self.Mixed_7b, self.Mixed_7c):
+            x = block(x)
+        return F.adaptive_avg_pool2d(x, 1).flatten(1)  # (B, 2048)
+
+
+class TorchScriptFeatures(nn.Module):
+    """A TorchScript feature extractor behind the same call: uint8 (B, C, H, W) -> (B, D)."""
+
+    def __init__(self, module: torch.jit.ScriptModule):
+        super().__init__()
+        self.module = module
+        self.return_features: bool | None = None  # learnt on the first call
+
+    def forward(self, x_u8_BCHW: torch.Tensor) -> torch.Tensor:
+        x = x_u8_BCHW if x_u8_BCHW.shape[1] == 3 else x_u8_BCHW.expand(-1, 3, -1, -1)
+        if self.return_features is None:
+            try:
+                out = self.module(x, return_features=True)
+                self.return_features = True
+            except (RuntimeError, TypeError):  # a module without that argument
+                out = self.module(x)
+                self.return_features = False
+        else:
+            out = self.module(x, return_features=True) if self.return_features else self.module(x)
+        return out.reshape(out.shape[0], -1).to(torch.float32)
+
+
+def _is_torchscript(path: Path) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
+    """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--inception {path}: no such file. Pass a local copy of pytorch-fid's "
+                          "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
+                          "fastddpm never downloads weights")
+    digest = file_digest(path)
+    if _is_torchscript(path):
+        with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = TorchScriptFeatures(torch.jit.load(str(path), map_location=device)).eval()
+        kind = "torchscript"
+        label = f"Inception features from TorchScript {path.name} (comparable to published FID if it is NVlabs' " \
+                "inception-2015-12-05.pt)"
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ConfigError(f"--inception {path}: not a TorchScript file and not loadable as a state dict with "
+                              f"weights_only=True ({type(e).__name__}); pickles that carry code are refused. Pass "
+                              "pt_inception-2015-12-05-6726825d.pth or a TorchScript feature extractor") from None
+        module = FIDInceptionV3()
+        if not isinstance(state, dict):
+            raise ConfigError(f"--inception {path}: expected a state dict, got {type(state).__name__}")
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict "
+                              f"({len(missing)} missing keys, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. "
+                              f"{unexpected[:2]}). Pass pt_inception-2015-12-05-6726825d.pth or a TorchScript file")
+        module = module.to(device).eval()
+        kind = "pytorch-fid"
+        label = "Inception-v3 pool3 (pytorch-fid FID Inception weights, pytorch-fid preprocessing)"
+    return module, {"name": INCEPTION_NAME, "kind": kind, "file": str(path), "sha256": digest, "label": label}

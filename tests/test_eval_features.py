@@ -1,0 +1,210 @@
+"""The feature spaces of evaluation on real Fashion-MNIST slices: the in-tool classifier (trained once, cached by
+the dataset's fingerprint, retrained when the data changes), FID sanity values in its features, the cached
+reference statistics, and Inception from a local file (pytorch-fid state dict or TorchScript)."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from eval_fixtures import N_TEST, fmnist_splits  # noqa: F401 (a fixture)
+
+from fastddpm.config import ConfigError, DataConfig
+from fastddpm.data import DataError, prepare
+from fastddpm.eval.classifier import FEATURES_LABEL, ClassifierRecipe, load_or_train_classifier
+from fastddpm.eval.features import build_feature_net, extract, reference_stats
+from fastddpm.eval.frechet import frechet_distance
+from fastddpm.eval.inception import FIDInceptionV3, load_inception
+from fastddpm.eval.precision_recall import precision_recall
+
+CPU = torch.device("cpu")
+FAST = ClassifierRecipe(epochs=1, min_steps=20)  # for the caching tests: the weights do not matter there
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.fixture(scope="module")
+def net(fmnist_splits):
+    return build_feature_net(DataConfig(source=str(fmnist_splits)), device=CPU, inception=None, cache_root=None,
+                             log=quiet)
+
+
+@pytest.fixture(scope="module")
+def splits(fmnist_splits):
+    train = prepare(str(fmnist_splits), split="train", progress=False)
+    test = prepare(str(fmnist_splits), split="test", progress=False)
+    return train, test
+
+
+def _fid(net, a_u8, b_u8):
+    ea, eb = extract(net, a_u8), extract(net, b_u8)
+    return frechet_distance(*ea.stats.mean_cov(), *eb.stats.mean_cov())
+
+
+def test_classifier_is_accurate_and_labelled(net):
+    """Trained on 2,000 real images (the full train split measures 91-92%: benchmarks/RESULTS.md)."""
+    assert net.info["test_accuracy"] >= 0.75, net.info
+    assert net.info["test_set"].startswith("the test split") and str(N_TEST) in net.info["test_set"]
+    assert net.label == FEATURES_LABEL == "fastddpm-features (not comparable to published Inception FID)"
+    assert net.comparable_to_inception_fid is False and net.num_classes == 10
+
+
+def test_fid_sanity_values(net, splits):
+    """Self ~0; invariant to order; train vs test small; uniform noise and blank images far away."""
+    train, test = splits
+    real_a = torch.from_numpy(np.array(train.images[:N_TEST]))
+    real_b = torch.from_numpy(np.array(test.images[:N_TEST]))
+    assert _fid(net, real_a, real_a) < 1e-6
+    perm = torch.randperm(N_TEST, generator=torch.Generator().manual_seed(0))
+    # equal up to the float32 rounding of the network (batch composition changes the conv blocking)
+    assert _fid(net, real_a[perm], real_b) == pytest.approx(_fid(net, real_a, real_b), rel=1e-5)
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randint(0, 256, real_b.shape, generator=g, dtype=torch.uint8)
+    blank = torch.zeros_like(real_b)
+    train_vs_test = _fid(net, real_a, real_b)
+    noise_vs_test = _fid(net, noise, real_b)
+    assert train_vs_test < 0.05 * noise_vs_test, (train_vs_test, noise_vs_test)
+    assert _fid(net, blank, real_b) > 20 * train_vs_test
+    pr_real = precision_recall(extract(net, real_a).feats, extract(net, real_b).feats)
+    pr_noise = precision_recall(extract(net, real_a).feats, extract(net, noise).feats)
+    assert pr_real["precision"] > 0.6 and pr_real["recall"] > 0.6
+    assert pr_noise["precision"] < 0.2 and pr_noise["recall"] < 0.05
+
+
+def test_reference_statistics_are_cached(net, splits):
+    train, _ = splits
+    first = reference_stats(train, net, cache_root=None, log=quiet)
+    again = reference_stats(train, net, cache_root=None, log=quiet)
+    assert again.meta["cached"] and again.meta["file"] == first.meta["file"]
+    np.testing.assert_array_equal(first.mu, again.mu)
+    np.testing.assert_array_equal(first.sigma, again.sigma)
+    assert first.num_images == train.num_images and first.pr_feats.shape == (train.num_images, 128)
+    assert sum(first.label_histogram) == train.num_images
+
+
+def test_classifier_cache_and_a_changed_dataset_retrains(tmp_path):
+    from conftest import read_fmnist
+
+    images, labels = read_fmnist(300)
+    src = tmp_path / "three-hundred.npz"  # no splits: a held-out 10% measures the accuracy
+    np.savez(src, images=images, labels=labels)
+    data = prepare(str(src), progress=False)
+    model, info, path = load_or_train_classifier(data, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST,
+                                                 log=quiet)
+    assert not info["cached"] and path.is_file() and "held-out" in info["test_set"]
+    model2, info2, path2 = load_or_train_classifier(data, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST,
+                                                    log=quiet)
+    assert info2["cached"] and path2 == path and info2["test_accuracy"] == info["test_accuracy"]
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    # Change the data: the prepared cache's fingerprint changes, and with it the classifier's key.
+    np.savez(src, images=images[::-1].copy(), labels=labels[::-1].copy())
+    changed = prepare(str(src), progress=False)
+    assert changed.meta["fingerprint"] != data.meta["fingerprint"]
+    _, info3, path3 = load_or_train_classifier(changed, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST,
+                                               log=quiet)
+    assert not info3["cached"] and path3 != path
+
+
+def test_unlabelled_data_says_how_to_evaluate(tmp_path):
+    from conftest import read_fmnist
+
+    src = tmp_path / "unlabelled.npy"
+    np.save(src, read_fmnist(64)[0])
+    data = prepare(str(src), progress=False)
+    with pytest.raises(DataError, match="no labels.*--inception PATH"):
+        load_or_train_classifier(data, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST, log=quiet)
+
+
+# ------------------------------------------------------------------------------------------------ Inception
+
+def test_fid_inception_layout_is_pytorch_fids():
+    """The module names and sizes are the weights file's: 566 entries (with BatchNorm counters), 23.85M params."""
+    model = FIDInceptionV3()
+    state = model.state_dict()
+    assert len(state) == 566
+    assert sum(p.numel() for p in model.parameters()) == 23_850_960
+    assert state["Conv2d_1a_3x3.conv.weight"].shape == (32, 3, 3, 3)
+    assert state["Mixed_7c.branch_pool.conv.weight"].shape == (192, 2048, 1, 1)
+    assert state["fc.weight"].shape == (1008, 2048)
+
+
+def _random_inception_state(seed=0):
+    torch.manual_seed(seed)
+    model = FIDInceptionV3()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("running_var"):
+                t.uniform_(0.5, 2.0)
+            elif t.dtype.is_floating_point:
+                t.normal_(0, 0.05)
+    return model.state_dict()
+
+
+def test_inception_state_dict_file_loads_and_embeds_gray_and_rgb(tmp_path):
+    path = tmp_path / "pt_inception-test.pth"
+    torch.save(_random_inception_state(), path)
+    module, info = load_inception(path, CPU)
+    assert info["kind"] == "pytorch-fid" and len(info["sha256"]) == 64
+    gray = torch.randint(0, 256, (2, 1, 28, 28), dtype=torch.uint8)
+    with torch.no_grad():
+        f_gray = module(gray)
+        f_rgb = module(gray.expand(-1, 3, -1, -1))
+    assert f_gray.shape == (2, 2048) and torch.isfinite(f_gray).all()
+    torch.testing.assert_close(f_gray, f_rgb)  # grayscale is the same image repeated over 3 channels
+
+
+def test_inception_refuses_code_and_wrong_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file.*never downloads"):
+        load_inception(tmp_path / "missing.pth", CPU)
+    evil = tmp_path / "evil.pth"
+    marker = tmp_path / "ran"
+    evil.write_bytes(pickle.dumps(_Evil(str(marker))))
+    with pytest.raises(ConfigError, match="weights_only=True"):
+        load_inception(evil, CPU)
+    assert not marker.exists()
+    other = tmp_path / "other.pth"
+    torch.save({"conv.weight": torch.zeros(1)}, other)
+    with pytest.raises(ConfigError, match="not pytorch-fid's FID Inception"):
+        load_inception(other, CPU)
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+class _Extractor(torch.nn.Module):
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        feats = x.float().mean(dim=(2, 3))  # (B, 3)
+        return feats if return_features else feats.sum(1, keepdim=True)
+
+
+def test_torchscript_extractor_is_called_with_return_features(tmp_path):
+    path = tmp_path / "extractor.pt"
+    torch.jit.script(_Extractor()).save(str(path))
+    module, info = load_inception(path, CPU)
+    assert info["kind"] == "torchscript"
+    x = torch.randint(0, 256, (4, 1, 8, 8), dtype=torch.uint8)
+    feats = module(x)
+    assert feats.shape == (4, 3)  # return_features=True was used; gray repeated to 3 channels
+    net = build_feature_net(DataConfig(), device=CPU, inception=str(path), cache_root=None, log=quiet)
+    assert net.num_classes is None and net.comparable_to_inception_fid is None and "TorchScript" in net.label
+
+
+def test_equal_to_pytorch_fid_on_random_weights():
+    """Where pytorch-fid and torchvision are installed (not dependencies of fastddpm): identical features."""
+    pfi = pytest.importorskip("pytorch_fid.inception")
+    weights = _random_inception_state(1)
+    pfi.load_state_dict_from_url = lambda *a, **k: weights
+    reference = pfi.InceptionV3([3]).eval()
+    mine = FIDInceptionV3()
+    mine.load_state_dict(weights)
+    x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    with torch.no_grad():
+        torch.testing.assert_close(mine.eval()(x), reference(x.float() / 255)[0].flatten(1), rtol=0, atol=1e-5)
