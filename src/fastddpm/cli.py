@@ -1,4 +1,4 @@
-"""The `fastddpm` command: train, sample, data, bench, doctor.
+"""The `fastddpm` command: train, sample, data, bench, doctor, eval.
 
 `fastddpm train --help` is generated from the config dataclasses (fastddpm.config), so every field has a flag
 and a line of help, and nothing here can drift from what the trainer reads.
@@ -134,10 +134,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     from fastddpm.data.cli import add_data_parser
 
     from fastddpm.doctor.cli import add_doctor_parser
+    from fastddpm.eval.cli import add_eval_parser
 
     add_data_parser(sub)
     add_bench_parser(sub)
     add_doctor_parser(sub, _add_config_flags)
+    add_eval_parser(sub)
     return parser, dests
 
 
@@ -251,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             from fastddpm.doctor.cli import run_doctor
 
             return run_doctor(args, resolve_train_config)
+        if args.command == "eval":
+            from fastddpm.eval.cli import run_eval
+
+            return run_eval(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -229,6 +229,23 @@ class TrainConfig:
     num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
     sampler: str = field(default="ddim", metadata=_doc("Sampler for the grids.", choices=("ddpm", "ddim")))
     sample_steps: int = field(default=50, metadata=_doc("Sampling steps for DDIM grids (DDPM always uses T)."))
+    eval_every_images: int | None = field(
+        default=None,
+        metadata=_doc("Evaluate FID, precision/recall and class coverage from the EMA weights every this many images "
+                      "(none = off): records in metrics.jsonl and eval.jsonl, a curve in eval_curve.png. Evaluation "
+                      "time is excluded from wall_s and images_per_s.", cli="eval-every"),
+    )
+    eval_samples: int = field(
+        default=1000, metadata=_doc("Images sampled per evaluation during training (FID is biased upward at small "
+                                    "counts: compare runs at equal counts).")
+    )
+    eval_steps: int = field(default=25, metadata=_doc("DDIM steps for the evaluation samples."))
+    eval_inception: str | None = field(
+        default=None,
+        metadata=_doc("Local Inception weights for standard FID during training (pytorch-fid's "
+                      "pt_inception-2015-12-05 .pth, or a TorchScript extractor); none = fastddpm-features, a "
+                      "classifier trained on the dataset (not comparable to published Inception FID)."),
+    )
     min_snr_gamma: float | None = field(
         default=None,
         metadata=_doc("Min-SNR-gamma loss weighting (Hang et al. 2023): weight timestep t by min(SNR_t, gamma)/SNR_t "
@@ -249,7 +266,8 @@ class TrainConfig:
                  f"train.device_memory_budget={self.device_memory_budget} must be in (0, 1]")
         for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement"):
             _check_choice("train", self, name)
-        for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images"):
+        for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images",
+                     "eval_every_images"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"train.{name}={v} must be positive (or none)")
         given = [n for n in ("max_steps", "max_images", "max_epochs") if getattr(self, n) is not None]
@@ -265,6 +283,10 @@ class TrainConfig:
         _require(self.num_sample_images >= 1, f"train.num_sample_images={self.num_sample_images} must be >= 1")
         _require(self.sample_steps >= 1, f"train.sample_steps={self.sample_steps} must be >= 1")
         _require(self.warmup_images >= 0, f"train.warmup_images={self.warmup_images} must be >= 0")
+        _require(self.eval_samples >= 10,
+                 f"train.eval_samples={self.eval_samples} must be >= 10 (a covariance and 3-NN radii need a few "
+                 "samples; 1000 is fast, 10000 is the usual final count)")
+        _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
         _require(self.min_snr_gamma is None or self.min_snr_gamma > 0,
                  f"train.min_snr_gamma={self.min_snr_gamma} must be > 0 (e.g. 5), or none for the plain loss")
 

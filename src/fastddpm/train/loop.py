@@ -241,6 +241,14 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
                              resume_state=resumed[1] if resumed is not None else None)
     ema, optimizer, scaler, train_step_fn = opt.ema, opt.optimizer, opt.scaler, opt.step_fn
+    evaluator = None
+    if t.eval_every_images:
+        # Built before the clock starts: training the dataset's feature network (once, then cached) and the real
+        # data's statistics are set-up, not time-to-quality.
+        from fastddpm.eval.during_training import TrainingEvaluator
+
+        evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
+                                      log=log)
     if resumed is not None:
         path, state = resumed
         torch.set_rng_state(state["rng"]["torch_cpu"])
@@ -303,6 +311,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
 
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, leave=True)
         log = bar.write
+        if evaluator is not None:
+            evaluator.log = log
 
     while step < total_steps:
         micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
@@ -352,6 +362,11 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             last_grid = write_grid(ema.model, schedule, cfg, device, precision,
                                    run_dir / "samples" / f"grid_{images_seen:09d}.png")
             log(f"step {step:,}: wrote {last_grid}")
+        if evaluator is not None and stop.exit_code is None and (done or evaluator.due(images_seen, images_per_step)):
+            eval_s = evaluator.run(ema.model, step=step, images_seen=images_seen,
+                                   epoch=images_seen / data.images.shape[0], t_start=t_start, metrics=metrics)
+            t_start += eval_s  # evaluation is not training: keep it out of wall_s and images_per_s
+            t_log += eval_s
         if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.exit_code is not None:
             last_ckpt = write_checkpoint()
         if stop.exit_code is not None:

@@ -1,0 +1,53 @@
+"""The time-to-quality curve: FID against training wall time and against images seen (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+
+def cumulative_wall_s(records: list[dict]) -> list[float]:
+    """Training wall time across resumes: each process restarts wall_s at 0, so a drop starts a new segment
+    that continues from the previous segment's last value."""
+    out, offset, prev = [], 0.0, None
+    for r in records:
+        w = float(r["wall_s"])
+        if prev is not None and w < prev:
+            offset += prev
+        out.append(offset + w)
+        prev = w
+    return out
+
+
+def write_curve(records: list[dict], path: Path, *, title: str, log: Callable[[str], None] = print) -> Path | None:
+    """FID vs wall time and vs images seen, side by side. Returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("eval curve skipped: matplotlib is not installed (pip install 'fastddpm[plots]')")
+        return None
+    if not records:
+        return None
+    fid = [r["fid"] for r in records]
+    wall = cumulative_wall_s(records)
+    images = [r["images_seen"] for r in records]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, x, xlabel in ((a, wall, "training wall time, s (evaluation excluded, compile included)"),
+                          (b, images, "images seen")):
+        ax.plot(x, fid, marker="o")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("FID")
+        if min(fid) > 0 and max(fid) / min(fid) > 20:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,159 @@
+"""One evaluation: sample from a model, embed the samples, and score them against the real data's statistics.
+
+    sample_uint8   EMA weights, full batches (one static shape: compiled once), autocast, uint8 like saved PNGs
+    score          FID (exact Frechet distance, float64), precision/recall (k = 3), class coverage
+    Evaluator      a feature network + the reference statistics, built once and reused (CLI and training)
+
+Sampling randomness comes from its own generators, seeded from (seed, "eval-sample", batch): an evaluation
+never touches the global RNG or the training streams, so it cannot change a run it is part of.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fastddpm.config import RunConfig
+from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+from fastddpm.eval.features import FeatureNet, ReferenceStats, build_feature_net, check_compatible, extract, reference_stats
+from fastddpm.eval.frechet import frechet_distance
+from fastddpm.eval.precision_recall import DEFAULT_K, class_coverage, precision_recall
+from fastddpm.rng import derive_seed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
+                 batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
+                 progress: bool = False) -> tuple[torch.Tensor, dict]:
+    """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
+    last one is dropped), so a compiled model sees one shape."""
+    schedule = schedule_from_config(cfg.diffusion).to(device)
+    m = cfg.model
+    shape = (batch_size, m.image_channels, m.image_size, m.image_size)
+    num_batches = math.ceil(num_samples / batch_size)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
+        bar = tqdm(total=num_batches * per_batch, unit="model-call", desc="sampling", dynamic_ncols=True)
+    chunks = []
+    _sync(device)
+    t0 = time.perf_counter()
+    first_batch_s = None
+    for i in range(num_batches):
+        x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
+                   seed=derive_seed(seed, "eval-sample", i), device=device, autocast_dtype=autocast_dtype,
+                   progress=bar)
+        chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
+        if first_batch_s is None:
+            first_batch_s = time.perf_counter() - t0
+    wall_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    images = torch.cat(chunks)[:num_samples]
+    timing = {"wall_s": wall_s, "samples_per_s": num_samples / max(wall_s, 1e-9), "first_batch_s": first_batch_s,
+              "batches": num_batches, "batch_size": batch_size, "drawn": num_batches * batch_size}
+    if num_batches > 1:  # the first batch carries compile / warm-up time; the rest is the steady state
+        timing["steady_samples_per_s"] = (num_batches - 1) * batch_size / max(wall_s - first_batch_s, 1e-9)
+    return images, timing
+
+
+def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: int = DEFAULT_K,
+          batch_size: int = 500) -> dict:
+    """FID, precision/recall and (classifier features) class coverage of uint8 samples against `ref`."""
+    t0 = time.perf_counter()
+    ex = extract(net, images_u8, batch_size=batch_size)
+    mu, sigma = ex.stats.mean_cov()
+    fid = frechet_distance(mu, sigma, ref.mu, ref.sigma)
+    # Equal-sized sets, as in Kynkaanniemi et al.: the reference subset is a random order, a prefix is random.
+    m = min(ex.feats.shape[0], ref.pr_feats.shape[0])
+    pr = precision_recall(ref.pr_feats[:m], ex.feats[:m], k=k, device=net.device)
+    out = {"fid": fid, "precision": pr["precision"], "recall": pr["recall"], "pr_k": k, "pr_num_images": m,
+           "num_samples": int(images_u8.shape[0]), "features": net.name, "features_label": net.label}
+    if ex.pred is not None:
+        out["coverage"] = class_coverage(ex.pred, net.num_classes)
+    out["score_s"] = time.perf_counter() - t0
+    return out
+
+
+@dataclass(kw_only=True)
+class Evaluator:
+    """A feature network and the reference statistics of the real data in it."""
+
+    net: FeatureNet
+    ref: ReferenceStats
+
+    @classmethod
+    def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
+                   reference_split: str | None = None, log: Callable[[str], None] = print,
+                   progress: bool = False) -> "Evaluator":
+        """Feature net for cfg.data (trained once and cached, or Inception from a file) and the statistics of
+        the reference split (default: the split the model was trained on)."""
+        from pathlib import Path
+
+        from fastddpm.data import prepare
+
+        d = cfg.data
+        cache_root = Path(d.cache_dir) if d.cache_dir else None
+        split = reference_split or d.split
+        data = prepare(d.source, split=split, resize=d.resize, resize_mode=d.resize_mode, image_mode=d.image_mode,
+                       skip_bad=d.skip_bad, cache_dir=cache_root, progress=progress)
+        check_compatible(cfg.model, data, where=f"({d.source}, split {split})")
+        # Building modules draws their initial weights from the global RNG: fork it, so that setting up an
+        # evaluation inside a training run leaves the run's RNG state (saved in its checkpoints) as it was.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            net = build_feature_net(d, device=device, inception=inception, cache_root=cache_root, log=log,
+                                    progress=progress)
+            ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
+        return cls(net=net, ref=ref)
+
+    def describe(self) -> dict:
+        info = {k: v for k, v in self.net.info.items() if k not in ("recipe", "train_data", "test_data")}
+        return {"name": self.net.name, "label": self.net.label,
+                "comparable_to_published_inception_fid": self.net.comparable_to_inception_fid, **info}
+
+    def evaluate(self, model, cfg: RunConfig, *, num_samples: int, sampler: str = "ddim", steps: int = 50,
+                 eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
+                 autocast_dtype: torch.dtype | None = None, progress: bool = False) -> tuple[dict, torch.Tensor]:
+        """(metrics + sampling timings, the uint8 samples)."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
+                                          seed=seed, batch_size=batch_size, device=device,
+                                          autocast_dtype=autocast_dtype, progress=progress)
+            metrics = score(images, self.net, self.ref)
+        metrics["sampling"] = {"sampler": sampler, "steps": cfg.diffusion.num_timesteps if sampler == "ddpm" else steps,
+                               "eta": eta, "seed": seed, **timing}
+        return metrics, images
+
+
+def summary_line(metrics: dict) -> str:
+    """One line for logs: FID, precision/recall, coverage, and the feature space's label."""
+    text = (f"FID {metrics['fid']:.3f}, precision {metrics['precision']:.3f}, recall {metrics['recall']:.3f} "
+            f"({metrics['num_samples']:,} samples")
+    cov = metrics.get("coverage")
+    if cov is not None:
+        text += f"; classes present {cov['classes_present']:.0%}, entropy ratio {cov['entropy_ratio']:.3f}"
+    return text + f") in {metrics['features_label']}"
+
+
+def as_json_safe(obj):
+    if isinstance(obj, dict):
+        return {k: as_json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [as_json_safe(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

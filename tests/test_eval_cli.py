@@ -1,0 +1,160 @@
+"""Evaluation end to end on real Fashion-MNIST slices: `fastddpm eval` on a tiny run (JSON, grid, labels, errors
+that name the fix), `train --eval-every` (records, curve, clocks that exclude evaluation, a run that is otherwise
+unchanged), and a longer-trained model scoring better than an untrained one."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from eval_fixtures import fmnist_splits  # noqa: F401 (a fixture)
+
+from fastddpm.cli import main
+from fastddpm.config import apply_overrides, get_preset
+from fastddpm.eval import during_training
+from fastddpm.eval.classifier import FEATURES_LABEL
+from fastddpm.train.checkpoint import load_checkpoint, list_checkpoints
+from fastddpm.train.loop import train
+from fastddpm.train.metrics import read_metrics
+
+
+def quiet(*args):
+    pass
+
+
+def tiny_cfg(source, **train):
+    over = {"data.source": str(source), "train.progress": False, "train.checkpoint_every": None,
+            "train.num_sample_images": 4, "train.sample_steps": 2}
+    over.update({f"train.{k}": v for k, v in train.items()})
+    return apply_overrides(get_preset("tiny"), over)
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(fmnist_splits, tmp_path_factory):
+    """A tiny CLI run evaluated every 160 images (10 steps), 40 steps in all."""
+    run = tmp_path_factory.mktemp("eval-run") / "run"
+    rc = main(["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "40",
+               "--log-every", "5", "--eval-every", "160", "--eval-samples", "32", "--eval-steps", "4",
+               "--num-sample-images", "4", "--no-progress"])
+    assert rc == 0
+    return run
+
+
+def test_eval_every_writes_records_and_the_curve(evaluated_run):
+    records = read_metrics(evaluated_run / "metrics.jsonl")
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert [r["images_seen"] for r in evals] == [160, 320, 480, 640]
+    for r in evals:
+        assert r["fid"] > 0 and 0 <= r["precision"] <= 1 and 0 <= r["recall"] <= 1
+        assert r["wall_s"] > 0 and r["eval_s"] > 0 and r["features_label"] == FEATURES_LABEL
+    assert [r["wall_s"] for r in evals] == sorted(r["wall_s"] for r in evals)
+    assert all("loss" in r for r in records if r.get("event") != "eval")  # loss lines are unchanged
+    full = read_metrics(evaluated_run / "eval.jsonl")
+    assert len(full) == 4 and full[0]["coverage"]["label_histogram"] and full[0]["sampling"]["steps"] == 4
+    pytest.importorskip("matplotlib")
+    assert (evaluated_run / "eval_curve.png").stat().st_size > 1000
+
+
+def test_curve_is_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path):
+    import builtins
+
+    from fastddpm.eval.curve import write_curve
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    notes = []
+    assert write_curve([{"fid": 1.0, "wall_s": 1.0, "images_seen": 1}], tmp_path / "c.png", title="t",
+                       log=notes.append) is None
+    assert len(notes) == 1 and "matplotlib is not installed" in notes[0] and not (tmp_path / "c.png").exists()
+
+
+def test_eval_cli_end_to_end(evaluated_run, capsys):
+    rc = main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "48", "--steps", "4",
+               "--batch-size", "32", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert FEATURES_LABEL in out and "samples/s" in out and "classifier test accuracy" in out
+    result = json.loads((evaluated_run / "eval" / "eval_ddim4_n48_seed0.json").read_text())
+    assert result["schema"] == "fastddpm-eval-1" and result["fid"] > 0
+    assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["pr"]["k"] == 3
+    assert result["features"]["label"] == FEATURES_LABEL
+    assert result["features"]["comparable_to_published_inception_fid"] is False
+    assert result["features"]["test_accuracy"] > 0.5 and result["coverage"]["classes_present"] > 0
+    assert result["checkpoint"]["step"] == 40 and result["sampling"]["num_samples"] == 48
+    assert result["sampling"]["drawn"] == 64 and result["sampling"]["samples_per_s"] > 0
+    assert result["reference"]["num_images"] == 2000 and result["reference"]["split"] == "train"
+    assert (evaluated_run / "eval" / "eval_ddim4_n48_seed0.png").stat().st_size > 100
+    assert result["environment"]["torch"] == torch.__version__
+
+
+def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "nope") in err and "run directory" in err
+    rgb = tmp_path / "rgb.npz"
+    np.savez(rgb, images=np.zeros((16, 32, 32, 3), np.uint8), labels=np.arange(16) % 2)
+    assert main(["eval", "--checkpoint", str(evaluated_run), "--data", str(rgb), "--num-samples", "16",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "1x28x28" in err and "3x32x32" in err and "--data SOURCE" in err
+    assert main(["eval", "--checkpoint", str(evaluated_run), "--steps", "5000", "--no-progress"]) == 2
+    assert "--steps 5000" in capsys.readouterr().err
+
+
+def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_splits, tmp_path, monkeypatch):
+    """Same losses and weights with and without --eval-every; a slow evaluation (2.5 s, planted) shows up in
+    neither wall_s nor images_per_s."""
+    real_evaluate = during_training.Evaluator.evaluate
+    delay_s = 2.5
+
+    def slow_evaluate(self, *args, **kwargs):
+        time.sleep(delay_s)
+        return real_evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(during_training.Evaluator, "evaluate", slow_evaluate)
+    with_eval = train(tiny_cfg(fmnist_splits, max_steps=12, log_every=1, eval_every_images=96, eval_samples=16,
+                               eval_steps=2), out_dir=tmp_path / "a", log=quiet)
+    without = train(tiny_cfg(fmnist_splits, max_steps=12, log_every=1), out_dir=tmp_path / "b", log=quiet)
+    rec_a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    rec_b = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    losses_a = [r["loss"] for r in rec_a if "loss" in r]
+    assert losses_a == [r["loss"] for r in rec_b] and len(losses_a) == 12
+    sa, sb = load_checkpoint(with_eval.checkpoint), load_checkpoint(without.checkpoint)
+    for k in sa["model"]:
+        assert torch.equal(sa["model"][k], sb["model"][k]) and torch.equal(sa["ema"][k], sb["ema"][k]), k
+    assert torch.equal(sa["rng"]["torch_cpu"], sb["rng"]["torch_cpu"])
+    # The step after the evaluation at step 6: its wall-time increment and throughput are a step's, not 2.5 s.
+    loss_lines = [r for r in rec_a if "loss" in r]
+    step7 = next(r for r in loss_lines if r["step"] == 7)
+    step6 = next(r for r in loss_lines if r["step"] == 6)
+    assert step7["wall_s"] - step6["wall_s"] < delay_s
+    assert step7["images_per_s"] > 16 / delay_s
+    evals = [r for r in rec_a if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [6, 12] and all(r["eval_s"] >= delay_s for r in evals)
+
+
+def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
+    """The EMA weights after 100 steps against the untrained initial weights: FID drops, precision rises."""
+    from fastddpm.eval.evaluate import Evaluator
+    from fastddpm.models import UNet
+    from fastddpm.rng import derive_seed
+    from fastddpm.train.loop import load_for_sampling, resolve_model_shape
+
+    cfg = tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    trained, cfg = load_for_sampling(tmp_path / "run")
+    torch.manual_seed(derive_seed(cfg.train.seed, "init"))  # exactly the run's initial weights
+    untrained = UNet(resolve_model_shape(cfg, (1, 1, 28, 28)).model).eval()
+    evaluator = Evaluator.for_config(cfg, device=torch.device("cpu"), log=quiet)
+    kw = dict(num_samples=96, steps=6, batch_size=48, device=torch.device("cpu"))
+    before, _ = evaluator.evaluate(untrained, cfg, **kw)
+    after, _ = evaluator.evaluate(trained, cfg, **kw)
+    assert after["fid"] < 0.7 * before["fid"], (before["fid"], after["fid"])
+    assert after["precision"] > before["precision"]
