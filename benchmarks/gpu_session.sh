@@ -2,7 +2,12 @@
 # What a GPU session measures, in few device calls (the device tool's budget favours few, full calls; one call
 # may run 10 minutes, so split the parts over calls: e.g. "tests throughput", then "ladder").
 #
-#   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder] [doctor]      (default: tests throughput)
+#   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder] [doctor] [quality-reference] [quality-fast]
+#                                  [quality-options] [eval]                     (default: tests throughput)
+#
+# Time to quality needs the reference first (the seed's recipe, 40 epochs: its own call), then the fast run and
+# the options against its target (the next calls, on the same warm machine: the runs live in $QUALITY_DIR; on a
+# fresh machine pass the target instead: TARGET_FID=<reference final FID> bash ... quality-fast).
 #
 # Here, before the first call (once per session; .data/ is git-ignored and travels with `carry`):
 #   mkdir -p .data && cp -r /usr/share/datasets/fashion-mnist .data/
@@ -18,6 +23,8 @@ OUT=${OUT:-/tmp/fastddpm-gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 PARTS=${*:-tests throughput}
+QUALITY_DIR=${QUALITY_DIR:-/tmp/fastddpm-quality}  # run directories (checkpoints) stay on the device machine
+QUALITY_REF=${QUALITY_REF:-$QUALITY_DIR/reference/quality.json}
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -47,6 +54,23 @@ for part in $PARTS; do
         --out "$OUT/doctor_overhead.json" 2>&1 | tee "$OUT/doctor_overhead.log"
       timeout 150 $PY -m fastddpm doctor train --data "$FASTDDPM_FMNIST_DIR" --report-dir "$OUT/doctor_fastpath" \
         2>&1 | tee "$OUT/doctor_fastpath.log" ;;
-    *) echo "unknown part $part (tests, throughput, ladder, doctor)"; exit 2 ;;
+    quality-reference)
+      echo "== time to quality: the seed's recipe once (seed-1layer, 40 epochs); its final FID is the target"
+      timeout 580 $PY -m fastddpm bench quality --reference-only --data "$FASTDDPM_FMNIST_DIR" \
+        --out "$QUALITY_DIR/reference" 2>&1 | tee "$OUT/quality_reference.log"
+      mkdir -p "$OUT/quality-reference" && cp "$QUALITY_DIR"/reference/quality.{json,md,png} "$OUT/quality-reference/" ;;
+    quality-fast|quality-options)
+      if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID"); else target=(--reference-from "$QUALITY_REF"); fi
+      options=(); [ "$part" = quality-options ] && options=(--options min-snr-5,v-prediction,cosine,no-ema-warmup,lr-x2)
+      echo "== time to quality: $part (${target[*]})"
+      timeout 580 $PY -m fastddpm bench quality "${target[@]}" "${options[@]}" --data "$FASTDDPM_FMNIST_DIR" \
+        --out "$QUALITY_DIR/$part" 2>&1 | tee "$OUT/${part//-/_}.log"
+      mkdir -p "$OUT/$part" && cp "$QUALITY_DIR/$part"/quality.{json,md,png} "$OUT/$part/" ;;
+    eval)
+      echo "== fastddpm eval: 10,000 DDIM-50 samples (bf16, compiled) from the reference run, samples/s and FID"
+      timeout 400 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/reference/reference" --num-samples 10000 \
+        --steps 50 --out "$OUT/eval" --no-progress 2>&1 | tee "$OUT/eval.log" ;;
+    *) echo "unknown part $part (tests, throughput, ladder, doctor, quality-reference, quality-fast, quality-options,"\
+            "eval)"; exit 2 ;;
   esac
 done

@@ -1,6 +1,6 @@
 """Evaluation end to end on real Fashion-MNIST slices: `fastddpm eval` on a tiny run (JSON, grid, labels, errors
 that name the fix), `train --eval-every` (records, curve, clocks that exclude evaluation, a run that is otherwise
-unchanged), and a longer-trained model scoring better than an untrained one."""
+unchanged), a longer-trained model scoring better than an untrained one, and `bench quality --quick`."""
 
 import json
 import time
@@ -11,7 +11,7 @@ import torch
 from eval_fixtures import fmnist_splits  # noqa: F401 (a fixture)
 
 from fastddpm.cli import main
-from fastddpm.config import apply_overrides, get_preset
+from fastddpm.config import ConfigError, apply_overrides, get_preset
 from fastddpm.eval import during_training
 from fastddpm.eval.classifier import FEATURES_LABEL
 from fastddpm.train.checkpoint import load_checkpoint, list_checkpoints
@@ -158,3 +158,41 @@ def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
     after, _ = evaluator.evaluate(trained, cfg, **kw)
     assert after["fid"] < 0.7 * before["fid"], (before["fid"], after["fid"])
     assert after["precision"] > before["precision"]
+
+
+def test_bench_quality_quick(fmnist_splits, tmp_path):
+    """The --quick pipeline (reference, target, fast run, time to target, report) on the shared slice; the
+    numbers of a tiny CPU run mean nothing, only that every part runs and is recorded."""
+    import argparse
+
+    from fastddpm.bench.cli import _add_quality_parser, quality_settings
+    from fastddpm.bench.quality import QUICK, QualitySettings, run_quality
+
+    parser = argparse.ArgumentParser()
+    _add_quality_parser(parser.add_subparsers(dest="bench_command"))
+    settings = quality_settings(parser.parse_args(["quality", "--quick", "--eval-samples", "16"]))
+    assert settings.preset == "tiny" and settings.eval_samples == 16 and settings.quick
+    assert settings.fast_max_images == QUICK["fast_max_images"]
+
+    # The whole 2,000-image slice (its feature network is already cached), a tenth of an epoch of reference,
+    # measured on its own first (as a GPU session does), then the fast run against its target.
+    base = {**QUICK, "num_images": None, "reference_epochs": 0.1}
+    ref = run_quality(QualitySettings(**base, data=str(fmnist_splits), device="cpu", quick=True, reference_only=True),
+                      tmp_path / "ref", argv=["test"], log=quiet)
+    assert ref["fast"] is None and len(ref["reference"]["evals"]) == 1
+    out = tmp_path / "quality"
+    s = QualitySettings(**base, data=str(fmnist_splits), device="cpu", quick=True,
+                        reference_from=str(tmp_path / "ref" / "quality.json"))
+    result = run_quality(s, out, argv=["test"], log=quiet)
+    saved = json.loads((out / "quality.json").read_text())
+    assert saved["schema"] == "fastddpm-bench-quality-1" and saved["environment"]["command"] == ["test"]
+    assert saved["target_fid"] == saved["reference"]["final_fid"] == ref["target_fid"] > 0
+    assert len(saved["fast"]["evals"]) == 2
+    hit = saved["fast"]["time_to_target"]
+    assert hit is None or (hit["fid"] <= saved["target_fid"] and hit["wall_s"] > 0)
+    assert saved["features"] == FEATURES_LABEL and "Time to quality" in (out / "quality.md").read_text()
+    assert list_checkpoints(out / "fast" / "checkpoints")  # the end-of-run checkpoint only
+    assert result["out_dir"] == str(out)
+    with pytest.raises(ConfigError, match="eval_samples=32.*--eval-samples 32"):
+        run_quality(QualitySettings(**{**base, "eval_samples": 64}, data=str(fmnist_splits), device="cpu",
+                                    reference_from=str(tmp_path / "ref" / "quality.json")), tmp_path / "x", log=quiet)

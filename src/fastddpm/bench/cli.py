@@ -22,6 +22,8 @@ and the device, driver, library versions, git commit and command written next to
   ladder       the seed's optimisation ladder, one change per rung (PNG files -> workers ->
                RAM -> AMP -> batch 192 -> compile -> resident -> fused -> CUDA graphs ->
                auto batch), then the MLP ladder of seed 002
+  quality      time to quality: wall time (compile included) for a fast recipe to reach the FID
+               that the seed's recipe reaches at its end; options compared by FID at equal images
 """
 
 _LADDER_EPILOG = """\
@@ -175,14 +177,89 @@ def _run_ladder(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in result["rungs"]) else 1
 
 
+_QUALITY_EPILOG = """\
+examples:
+  fastddpm bench quality --out runs/quality-h100                       # reference (40 epochs), then fast
+  fastddpm bench quality --target-fid 3.2 --options min-snr-5,cosine   # skip the reference, compare options
+  fastddpm bench quality --reference-only --out runs/quality-ref              # then:
+  fastddpm bench quality --reference-from runs/quality-ref/quality.json
+  fastddpm bench quality --quick                                       # tiny U-Net, 256 images: a CPU check
+
+--quick sets --preset tiny --num-images 256 --eval-samples 32 --eval-steps 4 --reference-epochs 1,
+evaluates every 256 images, and trains the fast recipe (batch 32, lr 2e-3) for 512 images; flags given
+explicitly still win. FIDs are in the feature space of `fastddpm eval` (the
+dataset's own classifier unless the runs use --set train.eval_inception=PATH).
+Writes OUT/quality.json, quality.md, quality.png (matplotlib) and one run directory per training run.
+Exit codes: 0 done (whether or not the target was reached; see quality.json), 2 bad flags or config.
+"""
+
+
+def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from fastddpm.bench import quality  # no torch import: the parser stays fast
+    from fastddpm.bench.quality import FAST_RECIPE, OPTIONS
+
+    qp = commands.add_parser("quality", help="time to quality: wall time to reach the seed recipe's final FID",
+                             description=quality.__doc__,
+                             epilog=_QUALITY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    qp.add_argument("--data", default=None, metavar="SOURCE", help="labelled data (default fashion-mnist)")
+    qp.add_argument("--preset", default=None, choices=tuple(PRESETS), help="the model and reference recipe "
+                    "(default seed-1layer)")
+    qp.add_argument("--num-images", type=_positive_int, default=None, metavar="N", help="cap the dataset")
+    qp.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
+                    help="samples per evaluation (default 5000)")
+    qp.add_argument("--eval-steps", type=_positive_int, default=None, metavar="K", help="DDIM steps (default 50)")
+    qp.add_argument("--reference-epochs", type=float, default=None, metavar="E",
+                    help="length of the reference run (default: the preset's, 40 epochs)")
+    qp.add_argument("--reference-eval-every", dest="reference_eval_every_images", type=_positive_int, default=None,
+                    metavar="N", help="images between the reference run's evaluations (default 600000)")
+    qp.add_argument("--reference-from", default=None, metavar="FILE",
+                    help="reuse the reference of an earlier quality.json instead of training it again")
+    qp.add_argument("--target-fid", type=float, default=None, metavar="X", help="skip the reference: this target")
+    qp.add_argument("--fast", dest="fast_overrides", type=_csv_list, default=None, metavar="S.F=V,..",
+                    help=f"the fast recipe's overrides of the preset (default {','.join(FAST_RECIPE)})")
+    qp.add_argument("--fast-max-images", type=_positive_int, default=None, metavar="N",
+                    help="the fast run's length (default 1200000)")
+    qp.add_argument("--fast-eval-every", dest="fast_eval_every_images", type=_positive_int, default=None,
+                    metavar="N", help="images between the fast run's evaluations (default 120000)")
+    qp.add_argument("--options", type=_csv_list, default=None, metavar="A,B",
+                    help=f"options to compare on the fast recipe at equal images: {', '.join(OPTIONS)}")
+    qp.add_argument("--reference-only", action="store_true",
+                    help="train and record only the reference (then: --reference-from OUT/quality.json)")
+    qp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
+    qp.add_argument("--quick", action="store_true", help="tiny U-Net, 256 images: a CPU check of the pipeline")
+    qp.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/bench-quality-<UTC time>)")
+    return qp
+
+
+def quality_settings(args: argparse.Namespace):
+    from fastddpm.bench.quality import QUICK, QualitySettings
+
+    base = dict(QUICK) if args.quick else {}
+    for name in ("data", "preset", "num_images", "eval_samples", "eval_steps", "reference_epochs",
+                 "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides", "fast_max_images",
+                 "fast_eval_every_images", "options"):
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    return QualitySettings(**base, reference_only=args.reference_only, device=args.device, quick=args.quick)
+
+
+def _run_quality(args: argparse.Namespace) -> int:
+    from fastddpm.bench.quality import run_quality
+
+    run_quality(quality_settings(args), args.out)
+    return 0
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `bench {throughput,ladder}` to a top-level CLI's subparsers; returns the `bench` parser.
+    """Add `bench {throughput,ladder,quality}` to a top-level CLI's subparsers; returns the `bench` parser.
     Sub-commands dispatch through `run_bench` on args.bench_command."""
     bench = subparsers.add_parser("bench", help="benchmark the training step (throughput, MFU, memory)",
                                   description=_BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,ladder}", required=True)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,ladder,quality}", required=True)
     _add_throughput_parser(commands)
     _add_ladder_parser(commands)
+    _add_quality_parser(commands)
     bench.set_defaults(func=run_bench)
     return bench
 
@@ -207,7 +284,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
 
 
-_COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder}
+_COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder, "quality": _run_quality}
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,298 @@
+"""`fastddpm bench quality`: time to quality, not only images per second.
+
+1. reference  the seed's recipe as it is (preset seed-1layer: Adam 1e-4, batch 192, 40 epochs, epsilon, linear
+              schedule), trained once with `fastddpm train --eval-every`; the FID of its EMA weights at the end is
+              the target. (It runs on fastddpm's fast path: the recipe, not the machinery, sets the quality.)
+2. fast       the same U-Net with a fast recipe (default: batch 512, lr 4e-4 with 50k images of warm-up, EMA 0.999),
+              evaluated every `fast_eval_every_images`; reported: the training wall time (compile included,
+              evaluation excluded) of the first evaluation at or below the target. Target on one H100: <= 60 s.
+3. options    (optional) each named option on top of the fast recipe, trained for as many images as the fast
+              run needed, FID at the end: at equal images these options cost the same per step, so this is FID
+              at (about) equal wall time, which is recorded next to it.
+
+Every evaluation uses the same feature network, sample count, sampler and noise, so FIDs compare across runs.
+Time resolution is the evaluation interval (time-to-target is the first evaluation that reaches it).
+Writes OUT/quality.json, quality.md and quality.png (matplotlib, optional); environment with every number.
+This module imports no torch at the top, so `fastddpm --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
+
+SCHEMA = "fastddpm-bench-quality-1"
+FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "min-snr-5": ("train.min_snr_gamma=5",),
+    "v-prediction": ("diffusion.prediction=v",),
+    "cosine": ("diffusion.schedule=cosine",),
+    "no-ema-warmup": ("train.ema_warmup=false",),
+    "no-lr-warmup": ("train.warmup_images=0",),
+    "lr-x2": ("train.lr=8e-4",),
+}
+# --quick: the CPU check that the pipeline works (tiny U-Net, 256 images); its numbers mean nothing.
+QUICK = dict(preset="tiny", num_images=256, eval_samples=32, eval_steps=4, reference_epochs=1.0,
+             reference_eval_every_images=256, fast_overrides=("train.batch_size=32", "train.lr=2e-3"),
+             fast_max_images=512, fast_eval_every_images=256)
+
+
+@dataclass(kw_only=True)
+class QualitySettings:
+    """Every field is a flag of `fastddpm bench quality`."""
+
+    data: str = "fashion-mnist"  # MNIST-format data with labels (the feature network is trained on them)
+    preset: str = "seed-1layer"
+    num_images: int | None = None  # cap the dataset (None: all of it)
+    eval_samples: int = 5000
+    eval_steps: int = 50  # DDIM steps of the evaluation samples
+    reference_epochs: float | None = None  # None: the preset's own length (seed-1layer: 40 epochs)
+    reference_eval_every_images: int = 600_000
+    reference_from: str | None = None  # a previous quality.json: reuse its reference (target) instead of training
+    target_fid: float | None = None  # or give the target directly
+    fast_overrides: tuple[str, ...] = FAST_RECIPE
+    fast_max_images: int = 1_200_000
+    fast_eval_every_images: int = 120_000
+    options: tuple[str, ...] = ()
+    reference_only: bool = False  # stop after the reference (a GPU session measures it in its own call)
+    device: str = "auto"
+    seed: int = 0
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.options if o not in OPTIONS]
+        if unknown:
+            raise ConfigError(f"bench quality: unknown option(s) {', '.join(unknown)}; choose from {', '.join(OPTIONS)}")
+        if self.reference_from is not None and self.target_fid is not None:
+            raise ConfigError("bench quality: give --reference-from or --target-fid, not both")
+        if self.reference_only and (self.reference_from is not None or self.target_fid is not None):
+            raise ConfigError("bench quality: --reference-only trains the reference; drop --reference-from/--target-fid")
+
+
+def _overrides(items) -> dict[str, str]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"bench quality: {item!r} is not SECTION.FIELD=VALUE")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
+    """The source the runs train on: s.data, or the first num_images of it (and of its test split) as an .npz."""
+    if s.num_images is None:
+        return s.data
+    import numpy as np
+
+    from fastddpm.data import DataError, prepare
+
+    train = prepare(s.data, split="train", progress=False)
+    n = min(s.num_images, train.num_images)
+    arrays = {"x_train": np.array(train.images[:n]), "y_train": np.asarray(train.labels[:n])}
+    try:
+        test = prepare(s.data, split="test", progress=False)
+        k = min(max(n // 4, 64), test.num_images)
+        arrays.update(x_test=np.array(test.images[:k]), y_test=np.asarray(test.labels[:k]))
+    except DataError:
+        pass
+    path = out_dir / f"data-n{n}.npz"
+    np.savez(path, **arrays)
+    log(f"data: the first {n:,} images of {s.data} -> {path}")
+    return str(path)
+
+
+def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
+    base = {"data.source": source, "train.progress": False, "train.seed": s.seed, "train.device": s.device,
+            "train.checkpoint_every": None, "train.sample_every_images": None,
+            "train.eval_samples": s.eval_samples, "train.eval_steps": s.eval_steps}
+    return apply_overrides(get_preset(s.preset), {**base, **extra}, source="bench quality")
+
+
+def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
+    from fastddpm.train.loop import train
+    from fastddpm.train.metrics import read_metrics
+
+    run_dir = out_dir / name
+    t0 = time.perf_counter()
+    result = train(cfg, out_dir=run_dir, log=lambda m: log(f"  [{name}] {m}"))
+    total_s = time.perf_counter() - t0
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "eval"]
+    losses = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    return {"name": name, "run_dir": str(run_dir), "config": cfg.to_dict(), "evals": evals,
+            "final_fid": evals[-1]["fid"] if evals else None, "images_seen": result.images_seen,
+            "train_wall_s": losses[-1]["wall_s"] if losses else None, "process_s": total_s,
+            "images_per_s_last": losses[-1]["images_per_s"] if losses else None}
+
+
+def time_to_target(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation at or below the target FID: {wall_s, images_seen, fid}, or None."""
+    for r in evals:
+        if r["fid"] <= target:
+            return {"wall_s": r["wall_s"], "images_seen": r["images_seen"], "fid": r["fid"], "step": r["step"]}
+    return None
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / f"bench-quality-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
+
+
+def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
+                log: Callable[[str], None] = print) -> dict:
+    from fastddpm.bench.timing import environment_record
+    from fastddpm.train.runtime import resolve_device
+
+    device, _ = resolve_device(s.device)
+    out = Path(out_dir) if out_dir is not None else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment_record(device, argv)
+    log(f"bench quality: {s.preset} on {env['device_name']} ({device}); torch {env['torch']}; "
+        f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} DDIM-{s.eval_steps} samples per evaluation")
+    if device.type != "cuda":
+        log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
+    source = _data_source(s, out, log)
+
+    # 1. the reference: the preset's recipe as it is, FID at its end = the target.
+    if s.reference_from is not None:
+        previous = json.loads(Path(s.reference_from).read_text())
+        for key in ("preset", "num_images", "eval_samples", "eval_steps", "seed"):
+            if previous["settings"][key] != getattr(s, key):
+                raise ConfigError(f"bench quality: {s.reference_from} was measured with {key}="
+                                  f"{previous['settings'][key]!r}, this run has {getattr(s, key)!r}: FIDs compare only "
+                                  f"at equal settings; pass --{key.replace('_', '-')} {previous['settings'][key]}")
+        reference = previous["reference"]
+        log(f"reference: from {s.reference_from}: FID {reference['final_fid']:.3f}")
+    elif s.target_fid is not None:
+        reference = {"name": "reference", "given_target": True, "final_fid": s.target_fid}
+    else:
+        extra = {"train.eval_every_images": s.reference_eval_every_images}
+        if s.reference_epochs is not None:
+            extra.update({"train.max_steps": None, "train.max_images": None, "train.max_epochs": s.reference_epochs})
+        cfg = _config(s, source, extra)
+        log(f"reference: {s.preset}'s recipe (batch {cfg.train.batch_size}, lr {cfg.train.lr:g}, "
+            f"{cfg.diffusion.schedule} schedule, {cfg.diffusion.prediction})")
+        reference = _train_run("reference", cfg, out, log)
+        log(f"reference: final FID {reference['final_fid']:.3f} after {reference['train_wall_s']:.1f} s of training")
+    target = float(reference["final_fid"])
+    if s.reference_only:
+        result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
+                  "data_source": source, "target_fid": target, "reference": reference, "fast": None, "options": [],
+                  "features": reference["evals"][-1]["features_label"], "speedup_vs_reference": None}
+        (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "quality.md").write_text(report_markdown(result))
+        result["chart"] = write_chart(result, out / "quality.png", log)
+        log(f"wrote {out}/quality.json (the reference only; use it with --reference-from)")
+        result["out_dir"] = str(out)
+        return result
+
+    # 2. the fast recipe: the wall time to reach the target.
+    fast_cfg = _config(s, source, {**_overrides(s.fast_overrides), "train.max_steps": None, "train.max_epochs": None,
+                                   "train.max_images": s.fast_max_images,
+                                   "train.eval_every_images": s.fast_eval_every_images})
+    log(f"fast: {', '.join(s.fast_overrides)}; up to {s.fast_max_images:,} images, evaluated every "
+        f"{s.fast_eval_every_images:,}")
+    fast = _train_run("fast", fast_cfg, out, log)
+    hit = time_to_target(fast["evals"], target)
+    fast["time_to_target"] = hit
+    if hit:
+        log(f"fast: reached FID <= {target:.3f} after {hit['wall_s']:.1f} s of training ({hit['images_seen']:,} "
+            f"images; FID {hit['fid']:.3f})")
+    else:
+        log(f"fast: did not reach FID {target:.3f} within {s.fast_max_images:,} images (best "
+            f"{min(r['fid'] for r in fast['evals']):.3f})")
+
+    # 3. options at equal images.
+    option_rows = []
+    images_for_options = hit["images_seen"] if hit else s.fast_max_images
+    for name in s.options:
+        cfg = _config(s, source, {**_overrides(s.fast_overrides), **_overrides(OPTIONS[name]),
+                                  "train.max_steps": None, "train.max_epochs": None,
+                                  "train.max_images": images_for_options,
+                                  "train.eval_every_images": images_for_options})
+        log(f"option {name}: {', '.join(OPTIONS[name])} on the fast recipe, {images_for_options:,} images")
+        row = _train_run(f"option-{name}", cfg, out, log)
+        row["overrides"] = list(OPTIONS[name])
+        option_rows.append(row)
+
+    result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
+              "data_source": source, "target_fid": target, "reference": reference, "fast": fast,
+              "options": option_rows,
+              "features": fast["evals"][0]["features_label"] if fast["evals"] else None}
+    ref_wall = reference.get("train_wall_s")
+    result["speedup_vs_reference"] = (ref_wall / hit["wall_s"] if hit and ref_wall and hit["wall_s"] > 0 else None)
+    (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "quality.md").write_text(report_markdown(result))
+    result["chart"] = write_chart(result, out / "quality.png", log)
+    log("")
+    log(report_markdown(result))
+    log(f"wrote {out}/quality.json, quality.md" + (", quality.png" if result["chart"] else ""))
+    result["out_dir"] = str(out)
+    return result
+
+
+def _f(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def report_markdown(r: dict) -> str:
+    env = r["environment"]
+    ref, fast = r["reference"], r["fast"]
+    hit = fast.get("time_to_target") if fast else None
+    lines = [f"# Time to quality: {r['settings']['preset']} on {r['data_source']}", "",
+             f"{env['device_name']} ({env['device']}), torch {env['torch']}, commit {str(env['git_commit'])[:12]}, "
+             f"{env['date_utc']}. FID in {r['features']}, {r['settings']['eval_samples']:,} samples, DDIM "
+             f"{r['settings']['eval_steps']}.", "",
+             "| run | recipe | images | train wall s | final FID | time to target s | images to target |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines.append(f"| reference | {r['settings']['preset']} as is | {_f(ref.get('images_seen'), ',')} | "
+                 f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('final_fid'), '.3f')} (target) | "
+                 f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('images_seen'), ',')} |")
+    if fast:
+        lines.append(f"| fast | {', '.join(r['settings']['fast_overrides'])} | {_f(fast['images_seen'], ',')} | "
+                     f"{_f(fast['train_wall_s'], '.1f')} | {_f(fast['final_fid'], '.3f')} | "
+                     f"{_f(hit['wall_s'] if hit else None, '.1f')} | {_f(hit['images_seen'] if hit else None, ',')} |")
+    for o in r["options"]:
+        lines.append(f"| option {o['name'].removeprefix('option-')} | fast + {', '.join(o['overrides'])} | "
+                     f"{_f(o['images_seen'], ',')} | {_f(o['train_wall_s'], '.1f')} | {_f(o['final_fid'], '.3f')} | "
+                     f"- | - |")
+    speedup = r["speedup_vs_reference"]
+    lines += ["", f"Speed-up in wall time to the target: {'n/a' if speedup is None else f'{speedup:.2f}x'} "
+              "(reference's training time to its end / fast run's time to the target; compile included, "
+              "evaluation excluded)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(r: dict, path: Path, log) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("chart skipped: matplotlib is not installed (pip install 'fastddpm[plots]')")
+        return None
+    from fastddpm.eval.curve import cumulative_wall_s
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for run in [r["reference"], r["fast"] or {}, *r["options"]]:
+        evals = run.get("evals") or []
+        if evals:
+            ax.plot(cumulative_wall_s(evals), [e["fid"] for e in evals], marker="o", label=run["name"])
+    ax.axhline(r["target_fid"], color="grey", linestyle="--", label=f"target {r['target_fid']:.3f}")
+    ax.set_xlabel("training wall time, s (compile included, evaluation excluded)")
+    ax.set_ylabel("FID")
+    ax.set_yscale("log")
+    ax.set_title(f"time to quality on {r['environment']['device_name']}\n{r['features']}", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
