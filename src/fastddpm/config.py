@@ -219,6 +219,19 @@ class TrainConfig:
     )
     ema_every: int = field(default=1, metadata=_doc("Update the EMA every k steps (with decay^k), outside CUDA graphs."))
     device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
+    global_batch_size: int | None = field(
+        default=None,
+        metadata=_doc("Images per optimizer step over all ranks (torchrun). none = batch_size is fixed per device and "
+                      "the global batch is batch_size x accum_steps x world size; set = batch_size per device becomes "
+                      "global / (accum_steps x world size), so the recipe survives a change of GPU count."),
+    )
+    ddp_bucket_cap_mb: int = field(
+        default=25, metadata=_doc("Under torchrun (DistributedDataParallel): gradient bucket size in MiB, the "
+                                  "granularity at which the all-reduce overlaps the backward.")
+    )
+    dist_timeout_s: float = field(
+        default=600.0, metadata=_doc("Seconds a rank waits in a collective for a peer before failing the job.")
+    )
     seed: int = field(default=0, metadata=_doc("Seed; data order, timesteps and noise are functions of (seed, step)."))
     log_every: int = field(default=50, metadata=_doc("Steps between metric log lines (the only host syncs)."))
     checkpoint_every: int | None = field(default=1000, metadata=_doc("Steps between checkpoints (none = only at the end)."))
@@ -264,6 +277,10 @@ class TrainConfig:
         _require(self.ema_every >= 1, f"train.ema_every={self.ema_every} must be >= 1")
         _require(0 < self.device_memory_budget <= 1,
                  f"train.device_memory_budget={self.device_memory_budget} must be in (0, 1]")
+        _require(self.global_batch_size is None or self.global_batch_size >= 1,
+                 f"train.global_batch_size={self.global_batch_size} must be a positive integer (or none)")
+        _require(self.ddp_bucket_cap_mb >= 1, f"train.ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1")
+        _require(self.dist_timeout_s > 0, f"train.dist_timeout_s={self.dist_timeout_s} must be > 0")
         for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement"):
             _check_choice("train", self, name)
         for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images",

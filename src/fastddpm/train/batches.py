@@ -14,6 +14,12 @@ fastddpm.rng), so resuming at any step, or switching placement, reproduces an un
 Both drop the ragged tail of each epoch, so every batch has one static shape (what torch.compile and CUDA
 graphs need; the seed's drop_last=True). The epoch permutation is drawn on the CPU (both sources need the same
 one, and CPU and CUDA generators differ); timesteps, noise and flips are drawn on the device.
+
+Under torchrun, rank r of W holds the shard of images r, r+W, r+2W, ... (the first W * (N // W) images),
+resident on its own device: 1/W of the dataset each. The epoch permutation of shard positions is a function
+of (seed, epoch), the same on every rank, so global batch k is the union over ranks of shard_r[perm[k]];
+timesteps and noise come from a per-rank stream (seed, "step/rank<r>", m), independent across ranks and
+reproducible. With W = 1 all of this reduces to the single-process order and streams exactly.
 """
 
 from __future__ import annotations
@@ -40,15 +46,20 @@ class _BatchSource(ABC):
     placement = "?"
 
     def __init__(self, num_images: int, *, batch_size: int, num_timesteps: int, seed: int, device: torch.device,
-                 hflip: bool):
-        if num_images < batch_size:
+                 hflip: bool, rank: int = 0, world_size: int = 1):
+        shard = num_images // world_size
+        if shard < batch_size:
+            per = f" ({world_size} ranks: {shard} images each)" if world_size > 1 else ""
             raise ConfigError(
-                f"the dataset has {num_images} images, fewer than batch_size={batch_size}: "
-                f"lower --batch-size to at most {num_images}"
+                f"the dataset has {num_images} images{per}, fewer than batch_size={batch_size}: "
+                f"lower --batch-size to at most {shard}"
             )
         self.num_images = num_images
+        self.rank, self.world_size = rank, world_size
+        self.shard_size = shard  # images this rank draws from: dataset rows rank, rank + W, ...
         self.batch_size = batch_size
-        self.steps_per_epoch = num_images // batch_size  # drop_last: static shapes
+        self.steps_per_epoch = shard // batch_size  # drop_last: static shapes
+        self._step_purpose = "step" if rank == 0 else f"step/rank{rank}"
         self.num_timesteps = num_timesteps
         self.seed = seed
         self.device = torch.device(device)
@@ -62,7 +73,7 @@ class _BatchSource(ABC):
         """The order of epoch `epoch` (CPU int64): a function of (seed, epoch) only."""
         if epoch != self._perm_epoch:
             g = generator_for("cpu", self.seed, "epoch-permutation", epoch, self._cpu_gen)
-            self._perm_cpu = torch.randperm(self.num_images, generator=g)
+            self._perm_cpu = torch.randperm(self.shard_size, generator=g)
             self._perm_epoch = epoch
             self._on_new_epoch()
         return self._perm_cpu
@@ -70,14 +81,19 @@ class _BatchSource(ABC):
     def _on_new_epoch(self) -> None:
         pass
 
-    def indices_cpu(self, m: int) -> torch.Tensor:
+    def shard_positions(self, m: int) -> torch.Tensor:
+        """Positions in this rank's shard of batch m (CPU int64)."""
         epoch, k = divmod(m, self.steps_per_epoch)
         return self.permutation(epoch)[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def indices_cpu(self, m: int) -> torch.Tensor:
+        """Dataset row indices of batch m (CPU int64)."""
+        return self.shard_positions(m) * self.world_size + self.rank
 
     def _finish(self, m: int, x0_u8: torch.Tensor, idx: torch.Tensor) -> Batch:
         """uint8 rows on the device -> the Batch, drawing t, noise and flips from the (seed, m) generator."""
         x0 = x0_u8.to(torch.float32).div_(127.5).sub_(1.0)  # uint8 -> [-1, 1]
-        g = generator_for(self.device, self.seed, "step", m, self._dev_gen)  # host-side seeding: no sync
+        g = generator_for(self.device, self.seed, self._step_purpose, m, self._dev_gen)  # host-side seeding: no sync
         t = torch.randint(0, self.num_timesteps, (self.batch_size,), generator=g, device=self.device)
         noise = torch.randn(x0.shape, generator=g, device=self.device)
         if self.hflip:
@@ -94,11 +110,13 @@ class ResidentBatches(_BatchSource):
     placement = "device"
 
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False):
+                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1):
         super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip)
-        # One read of the memory-mapped cache into RAM (a private, writable copy), then one copy to the device.
-        self.images_u8 = torch.from_numpy(np.array(images_NCHW, dtype=np.uint8, copy=True)).to(self.device)
+                         device=device, hflip=hflip, rank=rank, world_size=world_size)
+        # One read of this rank's shard of the memory-mapped cache into RAM (a private, writable copy), then one
+        # copy to the device.
+        shard = images_NCHW[rank:self.shard_size * world_size:world_size] if world_size > 1 else images_NCHW
+        self.images_u8 = torch.from_numpy(np.array(shard, dtype=np.uint8, copy=True)).to(self.device)
         self._perm_dev: torch.Tensor | None = None
 
     def _on_new_epoch(self) -> None:
@@ -108,23 +126,25 @@ class ResidentBatches(_BatchSource):
             perm = perm.pin_memory()
         self._perm_dev = perm.to(self.device, non_blocking=True)
 
-    def indices(self, m: int) -> torch.Tensor:
+    def positions(self, m: int) -> torch.Tensor:
+        """Shard positions of batch m, on the device."""
         epoch, k = divmod(m, self.steps_per_epoch)
         self.permutation(epoch)
         return self._perm_dev[k * self.batch_size:(k + 1) * self.batch_size]
 
     def get(self, m: int) -> Batch:
-        idx = self.indices(m)
-        return self._finish(m, self.images_u8[idx], idx)
+        pos = self.positions(m)
+        idx = pos if self.world_size == 1 else pos * self.world_size + self.rank
+        return self._finish(m, self.images_u8[pos], idx)
 
 
 class StreamingBatches(_BatchSource):
     placement = "stream"
 
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False):
+                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1):
         super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip)
+                         device=device, hflip=hflip, rank=rank, world_size=world_size)
         self.images = images_NCHW  # the np.memmap: pages are read on demand, never the whole file
         shape = (batch_size, *images_NCHW.shape[1:])
         cuda = self.device.type == "cuda"
@@ -183,9 +203,10 @@ class StreamingBatches(_BatchSource):
 
 
 def choose_placement(images_NCHW: np.ndarray, device: torch.device, requested: str,
-                     budget_fraction: float) -> tuple[str, str]:
-    """'device' if the uint8 dataset fits `budget_fraction` of free device memory, else 'stream'; with reason."""
-    nbytes = int(np.prod(images_NCHW.shape))
+                     budget_fraction: float, world_size: int = 1) -> tuple[str, str]:
+    """'device' if this rank's uint8 shard fits `budget_fraction` of free device memory, else 'stream'; with
+    the reason."""
+    nbytes = int(np.prod(images_NCHW.shape)) // world_size
     mib = nbytes / 2**20
     if requested != "auto":
         return requested, f"requested ({mib:,.0f} MiB of uint8 images)"

@@ -41,10 +41,15 @@ from fastddpm.train.checkpoint import (
 )
 from fastddpm.train.metrics import MetricsLog
 from fastddpm.train.compile_counters import CompileCounters
+from fastddpm.train.distributed import SINGLE, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from fastddpm.train.runtime import resolve_device, resolve_fast_path, resolve_precision
 from fastddpm.train.setup import build_model, build_optimization
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of ranks other than 0."""
 
 
 class TrainingInterrupted(Exception):
@@ -83,6 +88,7 @@ class _StopFlag:
     def __init__(self):
         self.exit_code: int | None = None
         self._old = {}
+        self.dist = SINGLE  # set once the process group is up; train() tears it down
 
     def __enter__(self):
         import threading
@@ -134,12 +140,12 @@ def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) ->
                 )
 
 
-def total_steps_for(cfg: RunConfig, steps_per_epoch: int) -> int:
+def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int | None = None) -> int:
     t = cfg.train
     if t.max_steps is not None:
         return t.max_steps
     if t.max_images is not None:
-        return math.ceil(t.max_images / t.batch_size)
+        return math.ceil(t.max_images / (images_per_step or t.batch_size))
     if t.max_epochs is not None:
         return math.ceil(t.max_epochs * steps_per_epoch)
     raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a --preset)")
@@ -177,7 +183,10 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     loaded (path, state) pair (what resolve_resume returns). SIGTERM/SIGINT at any point, set-up included,
     end the run after the current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
     with _StopFlag() as stop:
-        return _train(cfg, out_dir=out_dir, resume=resume, log=log, stop=stop, hooks=hooks or TrainHooks())
+        try:
+            return _train(cfg, out_dir=out_dir, resume=resume, log=log, stop=stop, hooks=hooks or TrainHooks())
+        finally:
+            shutdown(stop.dist)
 
 
 def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
@@ -187,6 +196,17 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     run_dir = Path(out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device, device_reason = resolve_device(cfg.train.device)
+    dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
+    stop.dist = dist
+    world = dist.world_size
+    if dist.enabled:
+        device_reason += f"; rank {dist.rank} of {world} ({dist.backend}, DistributedDataParallel)"
+        if not dist.is_main:  # rank 0 speaks (and writes) for the job
+            log = _quiet
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, progress=False))
+        if dist.restarted and resume is None:
+            resume = "latest"
+            log("torchrun restarted the workers: resuming from the newest complete checkpoint")
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # graph capture, bf16 checks and new streams use the current device
     precision = resolve_precision(cfg.train.precision, device)
@@ -195,9 +215,13 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    if not dist.is_main:
+        barrier(dist)  # rank 0 builds the uint8 cache first; the others then read it
     data = prepare(cfg.data.source, split=cfg.data.split, resize=cfg.data.resize, resize_mode=cfg.data.resize_mode,
                    image_mode=cfg.data.image_mode, skip_bad=cfg.data.skip_bad,
                    cache_dir=Path(cfg.data.cache_dir) if cfg.data.cache_dir else None, progress=cfg.train.progress)
+    if dist.enabled and dist.is_main:
+        barrier(dist)
     cfg = resolve_model_shape(cfg, data.images.shape)
 
     resumed = resume if isinstance(resume, tuple) else resolve_resume(resume, run_dir)
@@ -208,16 +232,28 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
                                 resumed[0])
 
     t = cfg.train
-    fast = resolve_fast_path(t, device, precision)
+    fast = resolve_fast_path(t, device, precision, world_size=world if dist.enabled else 0)
     model, schedule = build_model(cfg, device=device, fast=fast)
     image_shape = tuple(data.images.shape[1:])
 
     batch_note = "requested"
+    batch_fixed = "per device"
+    if t.global_batch_size is not None:
+        per_device, rest = divmod(t.global_batch_size, t.accum_steps * world)
+        if t.batch_size == "auto" or rest or per_device < 1:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} must be a multiple of accum_steps={t.accum_steps} x "
+                f"{world} rank(s) = {t.accum_steps * world}, and cannot be combined with batch_size=auto: pick a "
+                f"multiple, or fix the per-device --batch-size instead")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=per_device))
+        t = cfg.train
+        batch_fixed, batch_note = "global", f"global batch {t.global_batch_size} / ({t.accum_steps} x {world})"
     if t.batch_size == "auto":
         log("batch size: searching for the throughput knee (uncompiled copy of the model, state untouched)")
         trial = make_trial_fn(model, schedule, cfg.diffusion.prediction, precision, image_shape=image_shape,
                               device=device)
-        best, trials = find_batch_size(trial, limit=min(8192, data.images.shape[0]), log=log)
+        best, trials = find_batch_size(trial, limit=min(8192, data.images.shape[0] // world), log=log)
+        best = -any_rank(-best, dist, device)  # every rank takes the smallest knee: one static shape for all
         batch_note = "auto: " + ", ".join(f"{tr.batch_size}: " + (f"{tr.images_per_s:,.0f} img/s" if tr.images_per_s
                                           else "OOM") for tr in trials) + f" -> {best}"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=best))
@@ -225,24 +261,25 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the trials' cached blocks would make the data look like it doesn't fit
 
-    placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget)
+    placement, placement_reason = choose_placement(data.images, device, t.data_placement, t.device_memory_budget,
+                                                   world_size=world)
     batches = make_batches(data.images, placement, batch_size=t.batch_size, num_timesteps=cfg.diffusion.num_timesteps,
-                           seed=t.seed, device=device, hflip=cfg.data.hflip)
+                           seed=t.seed, device=device, hflip=cfg.data.hflip, rank=dist.rank, world_size=world)
     if hooks.wrap_batches is not None:
         batches = hooks.wrap_batches(batches)
-    images_per_step = t.batch_size * t.accum_steps
+    images_per_step = t.batch_size * t.accum_steps * world  # the global batch
     steps_per_epoch = batches.steps_per_epoch // t.accum_steps
     if steps_per_epoch < 1:
         raise ConfigError(f"batch {t.batch_size} x accum_steps {t.accum_steps} is more than the dataset's "
                           f"{batches.num_images} images: lower one of them")
-    total_steps = total_steps_for(cfg, steps_per_epoch)
+    total_steps = total_steps_for(cfg, steps_per_epoch, images_per_step)
 
     step, images_seen = 0, 0
     opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
-                             resume_state=resumed[1] if resumed is not None else None)
+                             resume_state=resumed[1] if resumed is not None else None, ddp=dist.enabled)
     ema, optimizer, scaler, train_step_fn = opt.ema, opt.optimizer, opt.scaler, opt.step_fn
     evaluator = None
-    if t.eval_every_images:
+    if t.eval_every_images and dist.is_main:
         # Built before the clock starts: training the dataset's feature network (once, then cached) and the real
         # data's statistics are set-up, not time-to-quality.
         from fastddpm.eval.during_training import TrainingEvaluator
@@ -256,8 +293,17 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"], device)
         step, images_seen = int(state["step"]), int(state["images_seen"])
         log(f"resumed from {path} at step {step:,} ({images_seen:,} images)")
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != world:
+            saved_batch = state.get("global_batch")
+            log(f"note: the checkpoint was written by {saved_world} rank{'s' if saved_world > 1 else ''}, this run has "
+                f"{world}: the global batch is {images_per_step} (was {saved_batch}; "
+                + ("kept, --global-batch-size is fixed" if batch_fixed == "global" else
+                   "per-device batch fixed; set --global-batch-size to keep the global one")
+                + "), and the data order from here differs from an uninterrupted run")
 
-    save_config(cfg, run_dir / "config.json")
+    if dist.is_main:
+        save_config(cfg, run_dir / "config.json")
     run_info = {
         "fastddpm": fastddpm.__version__, "torch": torch.__version__, "python": platform.python_version(),
         "device": str(device), "device_reason": device_reason, "precision": precision.name,
@@ -265,15 +311,18 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
         "data": {"source": cfg.data.source, "cache": str(data.cache_path), "shape": list(data.images.shape),
                  "placement": placement, "placement_reason": placement_reason},
         "batch_size": t.batch_size, "batch_size_reason": batch_note, "accum_steps": t.accum_steps,
+        "world_size": world, "global_batch": images_per_step, "batch_fixed": batch_fixed,
+        "parallel": "ddp" if dist.enabled else None,
         "fast_path": fast.reasons, "grad_checkpointing": t.grad_checkpointing,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
     }
-    (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+    if dist.is_main:
+        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
     log(f"model: U-Net, {count_parameters(model):,} parameters ({cfg.preset or 'custom'} preset)")
     log(f"data: {data.images.shape[0]:,} images {image_shape} from {cfg.data.source}; placement {placement} "
         f"({placement_reason})")
-    log(f"batch: {t.batch_size} x {t.accum_steps} accumulation = {images_per_step} images/step ({batch_note}); "
-        f"{steps_per_epoch:,} steps/epoch")
+    log(f"batch: {t.batch_size} x {t.accum_steps} accumulation" + (f" x {world} ranks" if world > 1 else "")
+        + f" = {images_per_step} images/step ({batch_note}); {steps_per_epoch:,} steps/epoch")
     log(f"device: {device} ({device_reason}); precision: {precision.name} ({precision.reason})")
     for line in fast.lines():
         log(line)
@@ -284,11 +333,15 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             "model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
             "optimizer": portable_optimizer_state(optimizer), "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step, "images_seen": images_seen, "config": cfg.to_dict(),
+            "world_size": world, "global_batch": images_per_step,
             "rng": {"torch_cpu": torch.get_rng_state(),
                     "torch_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
         }
 
-    def write_checkpoint() -> Path:
+    def write_checkpoint() -> Path | None:
+        """Rank 0 writes (the state is the same on every rank); the others return None at once."""
+        if not dist.is_main:
+            return None
         path = save_checkpoint(run_dir / "checkpoints", step, checkpoint_state(), keep=t.keep_checkpoints)
         export_safetensors(clean_state_dict(ema.state_dict()), run_dir / "ema.safetensors",
                            {"config": cfg.to_dict(), "step": step, "images_seen": images_seen,
@@ -328,6 +381,10 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             hooks.after_step(step)
 
         logging_step = step % t.log_every == 0 or step == total_steps
+        stop_code = stop.exit_code
+        if dist.enabled:  # every rank stops at the same step: agree on it (a collective; on a GPU only when logging)
+            stop_code = any_rank(stop_code or 0, dist, device) or None if (
+                logging_step or device.type == "cpu") else None
         if logging_step or device.type == "cpu":  # on a CPU the check costs nothing: stop at once
             bad = train_step_fn.first_bad_step()  # note: host-device sync, on logging steps only
             if bad is not None:
@@ -342,6 +399,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
                     f"of fp16; then resume from the last checkpoint with --resume latest ({last_ckpt or 'none'})"
                 )
         if logging_step:
+            mean_across_ranks(loss_sum, dist)
             last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
             now = time.perf_counter()
             img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
@@ -357,39 +415,43 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             bar.update(1)
 
         done = step == total_steps
-        if t.sample_every_images and not done and (
+        if dist.is_main and t.sample_every_images and not done and (
                 images_seen // t.sample_every_images > (images_seen - images_per_step) // t.sample_every_images):
             last_grid = write_grid(ema.model, schedule, cfg, device, precision,
                                    run_dir / "samples" / f"grid_{images_seen:09d}.png")
             log(f"step {step:,}: wrote {last_grid}")
-        if evaluator is not None and stop.exit_code is None and (done or evaluator.due(images_seen, images_per_step)):
+        if evaluator is not None and stop_code is None and (done or evaluator.due(images_seen, images_per_step)):
             eval_s = evaluator.run(ema.model, step=step, images_seen=images_seen,
                                    epoch=images_seen / data.images.shape[0], t_start=t_start, metrics=metrics)
             t_start += eval_s  # evaluation is not training: keep it out of wall_s and images_per_s
             t_log += eval_s
-        if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop.exit_code is not None:
+        if done or (t.checkpoint_every and step % t.checkpoint_every == 0) or stop_code is not None:
             last_ckpt = write_checkpoint()
-        if stop.exit_code is not None:
+        if stop_code is not None:
+            barrier(dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
             if bar is not None:
                 bar.close()
             log(f"stopped by signal at step {step:,}; checkpoint {last_ckpt}; resume with --resume latest")
-            raise TrainingInterrupted(stop.exit_code, last_ckpt)
+            raise TrainingInterrupted(stop_code, last_ckpt)
 
     if bar is not None:
         bar.close()
     if last_ckpt is None:  # resumed at or past the end: nothing trained, still leave weights and a grid
         last_ckpt = write_checkpoint()
-    if stop.exit_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
+    stop_code = any_rank(stop.exit_code or 0, dist, device) or None
+    if stop_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
+        barrier(dist)
         log(f"stopped by signal after the last step; checkpoint {last_ckpt}")
-        raise TrainingInterrupted(stop.exit_code, last_ckpt)
-    if hooks.final_outputs:
+        raise TrainingInterrupted(stop_code, last_ckpt)
+    if hooks.final_outputs and dist.is_main:
         last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
     if fast.compile:
         log(f"compile: {compile_counters.report()}")
     if fast.cuda_graphs == "capture":
         run_info["cuda_graphs_used"] = train_step_fn.graph is not None
         run_info["cuda_graphs_failure"] = train_step_fn.graph_failed
-        (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+        if dist.is_main:
+            (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
         if train_step_fn.graph_failed:
             log(f"cuda graphs: not used ({train_step_fn.graph_failed})")
     log(f"done: step {step:,}, {images_seen:,} images, loss {last_loss}; grid {last_grid}; "

@@ -73,7 +73,8 @@ class FastPath:
         return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
 
 
-def resolve_fast_path(train_cfg, device: torch.device, precision: Precision) -> FastPath:
+def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0) -> FastPath:
+    """`world_size`: ranks under torchrun (DDP), 0 for a plain single process."""
     cuda = device.type == "cuda"
     reasons = {}
     c = train_cfg.compile
@@ -89,6 +90,9 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision) -> 
             graphs, why = "off", "auto: fp16's GradScaler is not captured; use bf16 for graphs"
         elif train_cfg.ema_every != 1:
             graphs, why = "off", "auto: ema_every > 1 runs the EMA outside the step"
+        elif world_size:
+            graphs, why = "off", (f"auto: DDP over {world_size} rank(s); the gradient all-reduce is not captured into the "
+                                  "step's graph (compile stays on; --cuda-graphs reduce-overhead is an option)")
         else:
             graphs, why = "capture", "auto: the whole step captured in one CUDA graph"
     else:
@@ -100,6 +104,10 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision) -> 
         if g == "capture" and train_cfg.ema_every != 1:
             raise ConfigError("train.cuda_graphs=capture records the EMA inside the step: use --ema-every 1, or "
                               "--cuda-graphs reduce-overhead/off with --ema-every > 1")
+        if g == "capture" and world_size:
+            raise ConfigError(f"train.cuda_graphs=capture records the whole step in one graph, which does not "
+                              f"include DDP's all-reduce ({world_size} rank(s)): use "
+                              f"--cuda-graphs reduce-overhead or off")
         if g == "capture" and precision.use_grad_scaler:
             raise ConfigError("train.cuda_graphs=capture does not capture fp16's GradScaler: use --precision bf16 "
                               "(or fp32), or --cuda-graphs off")

@@ -42,9 +42,24 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath) -> tupl
     return model, schedule_from_config(cfg.diffusion).to(device)
 
 
+def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """DistributedDataParallel around the U-Net: gradients all-reduced in buckets, overlapping the backward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    t = cfg.train
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+               # the graph is the same every step; DDP then skips its per-step unused-parameter search. It cannot
+               # be combined with no_sync (accumulation), which needs the dynamic bookkeeping.
+               static_graph=t.accum_steps == 1,
+               gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
+               bucket_cap_mb=t.ddp_bucket_cap_mb)
+
+
 def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, device: torch.device,
-                       precision: Precision, fast: FastPath, resume_state: dict | None = None) -> Optimization:
-    """EMA, AdamW, loss scaler and the TrainStep; `resume_state` (a checkpoint) is loaded before the step is built."""
+                       precision: Precision, fast: FastPath, resume_state: dict | None = None,
+                       ddp: bool = False) -> Optimization:
+    """EMA, AdamW, loss scaler and the TrainStep; `resume_state` (a checkpoint) is loaded before the step is built.
+    With `ddp` (a process group is up), the loss runs through a DDP wrapper of `model`."""
     t = cfg.train
     ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
     capture = fast.cuda_graphs == "capture"
@@ -58,7 +73,9 @@ def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, 
         optimizer.load_state_dict(with_current_optimizer_flags(resume_state["optimizer"], optimizer))
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
-    step_fn = TrainStep(model=model, optimizer=optimizer, scaler=scaler, ema=ema, schedule=schedule,
+    forward_model = wrap_ddp(model, cfg, device) if ddp else None
+    step_fn = TrainStep(model=model, forward_model=forward_model, optimizer=optimizer, scaler=scaler, ema=ema,
+                        schedule=schedule,
                         prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
                         accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
                         ema_every=t.ema_every, device=device, min_snr_gamma=t.min_snr_gamma)

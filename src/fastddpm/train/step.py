@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Sequence
 
@@ -68,8 +69,13 @@ class TrainStep:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
                  grad_clip: float | None, accum_steps: int = 1, compile: bool = False, cuda_graphs: str = "off",
-                 ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None):
+                 ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None,
+                 forward_model: torch.nn.Module | None = None):
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
+        # What the loss calls: the model itself, or its DistributedDataParallel wrapper (whose backward
+        # all-reduces the gradients). Parameters, optimizer and EMA always use the plain model.
+        self.forward_model = forward_model if forward_model is not None else model
+        self._ddp = isinstance(self.forward_model, torch.nn.parallel.DistributedDataParallel)
         self.schedule, self.prediction, self.precision = schedule, prediction, precision
         self.min_snr_gamma = min_snr_gamma
         self.grad_clip, self.accum_steps, self.ema_every = grad_clip, accum_steps, ema_every
@@ -105,7 +111,8 @@ class TrainStep:
     def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         # Autocast's weight-cast cache must be off under CUDA graph capture (cached casts would be freed).
         with self.precision.autocast(x0.device, cache=self.cuda_graphs != "capture"):
-            return diffusion_loss(self.model, self.schedule, self.prediction, x0, t, noise, self.min_snr_gamma)
+            return diffusion_loss(self.forward_model, self.schedule, self.prediction, x0, t, noise,
+                                  self.min_snr_gamma)
 
     def _update(self, loss: torch.Tensor) -> None:
         if self.grad_clip is not None:
@@ -135,12 +142,15 @@ class TrainStep:
         when graphs are on, so their memory stays where the graph recorded it)."""
         self.optimizer.zero_grad(set_to_none=self.graph is None and not self._capturing)
         total = torch.zeros((), device=self.device)
-        for b in batches:
-            loss = self._loss_fn(b.x0, b.t, b.noise)
-            if self.scaler is not None:
-                self.scaler.scale(loss / self.accum_steps).backward()
-            else:
-                (loss / self.accum_steps).backward()
+        for i, b in enumerate(batches):
+            # DDP: all-reduce the gradients once, after the last micro-batch (no_sync on the others)
+            last = i == len(batches) - 1
+            with self.forward_model.no_sync() if self._ddp and not last else contextlib.nullcontext():
+                loss = self._loss_fn(b.x0, b.t, b.noise)
+                if self.scaler is not None:
+                    self.scaler.scale(loss / self.accum_steps).backward()
+                else:
+                    (loss / self.accum_steps).backward()
             total = total + loss.detach()
         if self.scaler is not None:
             if self.grad_clip is not None:

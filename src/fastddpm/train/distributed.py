@@ -1,0 +1,100 @@
+"""Scale-out on PyTorch's own engine: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK, this module turns them
+into a process group and a device, and holds the few collectives the loop needs.
+
+    torchrun --nproc-per-node 8 -m fastddpm train --data mnist --out runs/x          # one node, 8 GPUs
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m fastddpm train ...
+
+One process per device. NCCL on CUDA, gloo on CPU (tests run 2 CPU processes on gloo). Rank 0 writes
+checkpoints, grids and logs; every rank computes. Nothing here is home-made communication: DDP does the
+gradient work (fastddpm.train.setup.wrap_ddp).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # None: a single process, no process group
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def restarted(self) -> bool:
+        """torchrun restarted the workers after a failure (--max-restarts): resume from the latest checkpoint."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+SINGLE = DistInfo()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[DistInfo, torch.device]:
+    """Join the process group torchrun describes (if any). Returns (info, this rank's device).
+
+    `device` is what the config resolved to without distribution: a CUDA device becomes cuda:LOCAL_RANK."""
+    if not launched_by_torchrun():
+        return SINGLE, device
+    # Under torchrun even a world of 1 runs the distributed path (DDP included): that is how its overhead over
+    # the plain path is measured (benchmarks/ddp_overhead.py).
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA devices: "
+                               f"start at most that many processes per node (--nproc-per-node)")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        # The timeout bounds a wait on a dead peer; torchrun's agent also tears the group down when a worker exits.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=rank, world_size=world, local_rank=local, backend=backend), device
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def mean_across_ranks(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The average of a device tensor over ranks (in place)."""
+    if info.enabled:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x.div_(info.world_size)
+    return x
+
+
+def any_rank(flag: int, info: DistInfo, device: torch.device) -> int:
+    """The largest `flag` over ranks (e.g. a signal's exit code, 0 = none). Note: a collective and a host sync."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor(flag, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)

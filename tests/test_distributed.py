@@ -1,0 +1,222 @@
+"""Scale-out on torchrun, on the CPU: 2 processes on the gloo backend.
+
+- the data: rank shards are disjoint, the epoch order is shared, noise streams are per rank, and world size 1
+  is the single-process order exactly;
+- DDP: after K steps the parameters match a single process that trains on the same global batches;
+- checkpoints: written by 2 ranks, resumed on 1, and the reverse;
+- failure: a killed rank ends the job with a non-zero exit, in bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.train.batches import ResidentBatches, StreamingBatches
+from fastddpm.train.checkpoint import load_latest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, args: list[str], *, timeout: float = 240, env_extra: dict | None = None,
+             wait: bool = True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(29500 + os.getpid() % 1000), "-m", "fastddpm", "train", *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_args(src, out, *extra) -> list[str]:
+    return ["--preset", "tiny", "--data", str(src), "--out", str(out), "--device", "cpu", "--no-progress",
+            "--batch-size", "8", "--log-every", "2", "--checkpoint-every", "2", *extra]
+
+
+# ---------------------------------------------------------------------- data shards
+def _images(n=40):
+    return np.arange(n, dtype=np.uint8).reshape(n, 1, 1, 1).repeat(4, 2).repeat(4, 3)
+
+
+@pytest.mark.parametrize("cls", [ResidentBatches, StreamingBatches])
+def test_rank_shards_are_disjoint_and_cover_each_global_batch(cls):
+    kw = dict(batch_size=4, num_timesteps=10, seed=3, device=torch.device("cpu"))
+    ranks = [cls(_images(), rank=r, world_size=2, **kw) for r in range(2)]
+    assert ranks[0].steps_per_epoch == 20 // 4
+    for m in range(12):  # across an epoch boundary
+        b0, b1 = (r.get(m) for r in ranks)
+        i0, i1 = set(b0.indices.tolist()), set(b1.indices.tolist())
+        assert not i0 & i1
+        assert all(i % 2 == 0 for i in i0) and all(i % 2 == 1 for i in i1)
+        # the pixels are the dataset rows the indices name
+        assert torch.equal(torch.round((b0.x0[:, 0, 0, 0] + 1) * 127.5), b0.indices.float())
+        assert not torch.equal(b0.noise, b1.noise)  # independent per-rank noise
+        # same shard positions on every rank: the epoch order is shared
+        assert torch.equal(b0.indices // 2, b1.indices // 2)
+
+
+def test_world_size_one_is_the_single_process_order_and_noise():
+    kw = dict(batch_size=4, num_timesteps=10, seed=3, device=torch.device("cpu"))
+    single = ResidentBatches(_images(), **kw)
+    one = ResidentBatches(_images(), rank=0, world_size=1, **kw)
+    two = ResidentBatches(_images(), rank=0, world_size=2, **kw)
+    for m in range(7):
+        a, b = single.get(m), one.get(m)
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.noise, b.noise) and torch.equal(a.t, b.t)
+        assert torch.equal(a.noise, two.get(m).noise)  # rank 0 keeps the single-process noise stream
+
+
+def test_too_few_images_per_rank_is_a_clear_error():
+    from fastddpm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"2 ranks: 5 images each"):
+        ResidentBatches(_images(10), batch_size=8, num_timesteps=10, seed=0, device=torch.device("cpu"), rank=1,
+                        world_size=2)
+
+
+# ---------------------------------------------------------------------- DDP on gloo
+def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int) -> dict:
+    """One process trains on the concatenation of the ranks' batches: the global batch, by construction."""
+    from fastddpm.config import get_preset, apply_overrides
+    from fastddpm.data import prepare
+    from fastddpm.train.loop import resolve_model_shape
+    from fastddpm.train.runtime import resolve_fast_path, resolve_precision
+    from fastddpm.train.setup import build_model, build_optimization
+    from fastddpm.train.batches import Batch
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.batch_size": per_rank_batch * world,
+                                               "train.device": "cpu"}, source="test")
+    data = prepare(cfg.data.source, progress=False)
+    cfg = resolve_model_shape(cfg, data.images.shape)
+    device = torch.device("cpu")
+    precision = resolve_precision("auto", device)
+    fast = resolve_fast_path(cfg.train, device, precision)
+    model, schedule = build_model(cfg, device=device, fast=fast)
+    opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast)
+    ranks = [ResidentBatches(data.images, batch_size=per_rank_batch, num_timesteps=cfg.diffusion.num_timesteps,
+                             seed=cfg.train.seed, device=device, rank=r, world_size=world) for r in range(world)]
+    for step in range(steps):
+        parts = [r.get(step) for r in ranks]
+        batch = Batch(x0=torch.cat([p.x0 for p in parts]), t=torch.cat([p.t for p in parts]),
+                      noise=torch.cat([p.noise for p in parts]), indices=torch.cat([p.indices for p in parts]))
+        images_seen = (step + 1) * per_rank_batch * world
+        t = cfg.train
+        lr = t.lr * min(1.0, images_seen / t.warmup_images) if t.warmup_images else t.lr
+        opt.step_fn([batch], lr=lr, step=step)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, fmnist_npz):
+    out = tmp_path / "ddp"
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert run["world_size"] == 2 and run["global_batch"] == 16 and run["batch_fixed"] == "per device"
+    _, state = load_latest(out / "checkpoints")
+    assert state["step"] == 4 and state["images_seen"] == 64 and state["world_size"] == 2
+    ref = _reference_params(fmnist_npz, 4, 8, 2)
+    # Float tolerance: the all-reduce sums in another order. Adam turns gradients that are zero in exact
+    # arithmetic (an attention key's bias) into +-lr steps of rounding noise, so allow 5e-5, still 20x below
+    # the lr-sized differences (1e-3 per step) that a different batch would leave on every parameter.
+    for k, v in ref.items():
+        torch.testing.assert_close(state["model"][k], v, rtol=1e-4, atol=5e-5, msg=f"parameter {k}")
+    diffs = [float((state["model"][k] - v).abs().max()) for k, v in ref.items()]
+    assert sorted(diffs)[len(diffs) // 2] < 1e-6  # the typical parameter agrees to float precision
+    # only rank 0 wrote: one metrics file, one set of checkpoints, logs from rank 0 only
+    assert (r.stdout + r.stderr).count("training to step") == 1
+
+
+@pytest.mark.slow
+def test_checkpoint_moves_between_world_sizes(tmp_path, fmnist_npz):
+    from fastddpm.cli import main
+
+    # written by 2 ranks, resumed by 1
+    out = tmp_path / "a"
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert main(["train", *train_args(fmnist_npz, out, "--max-steps", "4", "--resume", "latest")]) == 0
+    _, state = load_latest(out / "checkpoints")
+    assert state["step"] == 4 and state["world_size"] == 1 and state["images_seen"] == 2 * 16 + 2 * 8
+    # written by 1, resumed by 2, with the global batch fixed so the recipe is the same
+    out = tmp_path / "b"
+    assert main(["train", *train_args(fmnist_npz, out, "--max-steps", "2", "--global-batch-size", "16")]) == 0
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--global-batch-size", "16", "--resume",
+                               "latest"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "written by 1 rank" in r.stdout + r.stderr
+    _, state = load_latest(out / "checkpoints")
+    assert state["step"] == 4 and state["images_seen"] == 64 and state["world_size"] == 2
+    assert json.loads((out / "run.json").read_text())["batch_size"] == 8  # 16 global / 2 ranks
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_nonzero_in_bounded_time(tmp_path, fmnist_npz):
+    out = tmp_path / "kill"
+    proc = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "100000", "--checkpoint-every", "1000"),
+                    wait=False)
+    try:
+        # wait until training runs (a metrics line exists), then kill rank 1's worker
+        deadline = time.time() + 180
+        while not (out / "metrics.jsonl").exists():
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.5)
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(max(workers), signal.SIGKILL)
+        t0 = time.time()
+        code = proc.wait(timeout=120)
+        assert code != 0
+        assert time.time() - t0 < 120
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _worker_pids(agent_pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{agent_pid}/task").iterdir():
+        out += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in out if b"fastddpm" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def test_global_batch_that_does_not_divide_is_a_clear_error(tmp_path, fmnist_npz, capsys):
+    from fastddpm.cli import main
+
+    code = main(["train", *train_args(fmnist_npz, tmp_path / "x", "--max-steps", "1", "--global-batch-size", "10",
+                           "--accum-steps", "4")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "global_batch_size=10" in err and "accum_steps=4" in err
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, fmnist_npz):
+    """What torchrun --max-restarts does after a failure, played by hand: a worker started with
+    TORCHELASTIC_RESTART_COUNT > 0 resumes by itself. World size 1 under torchrun runs the DDP path."""
+    from fastddpm.cli import main
+
+    out = tmp_path / "r"
+    assert main(["train", *train_args(fmnist_npz, out, "--max-steps", "2")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(30500 + os.getpid() % 1000),
+           "TORCHELASTIC_RESTART_COUNT": "1"}
+    r = subprocess.run([sys.executable, "-m", "fastddpm", "train", *train_args(fmnist_npz, out, "--max-steps", "4")],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resuming from the newest complete checkpoint" in r.stdout
+    assert "resumed from" in r.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["parallel"] == "ddp" and run["world_size"] == 1
+    _, state = load_latest(out / "checkpoints")
+    assert state["step"] == 4
