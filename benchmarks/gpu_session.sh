@@ -3,7 +3,7 @@
 # may run 10 minutes, so split the parts over calls: e.g. "tests throughput", then "ladder").
 #
 #   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder] [doctor] [quality-reference] [quality-fast]
-#                                  [quality-options] [eval]                     (default: tests throughput)
+#                                  [quality-options] [eval] [ddp]               (default: tests throughput)
 #
 # Time to quality needs the reference first (the seed's recipe, 40 epochs: its own call), then the fast run and
 # the options against its target (the next calls, on the same warm machine: the runs live in $QUALITY_DIR; on a
@@ -70,7 +70,11 @@ for part in $PARTS; do
       echo "== fastddpm eval: 10,000 DDIM-50 samples (bf16, compiled) from the reference run, samples/s and FID"
       timeout 400 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/reference/reference" --num-samples 10000 \
         --steps 50 --out "$OUT/eval" --no-progress 2>&1 | tee "$OUT/eval.log" ;;
+    ddp)
+      echo "== DDP overhead at world size 1 (and scaling over all GPUs, if several)"
+      timeout 500 $PY benchmarks/ddp_overhead.py --data "$FASTDDPM_FMNIST_DIR" --repeats 2 \
+        --out "$OUT/ddp_overhead.json" 2>&1 | tee "$OUT/ddp_overhead.log" ;;
     *) echo "unknown part $part (tests, throughput, ladder, doctor, quality-reference, quality-fast, quality-options,"\
-            "eval)"; exit 2 ;;
+            "eval, ddp)"; exit 2 ;;
   esac
 done
