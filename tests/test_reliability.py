@@ -271,3 +271,57 @@ def test_resume_does_not_depend_on_the_loader(tmp_path, fmnist_npz, monkeypatch)
     b = load_checkpoint(list_checkpoints(tmp_path / "b" / "checkpoints")[-1])
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in a["ema"])
+
+
+# ------------------------------------------------------------------ promise 10: out of memory in training
+def _oom_above(monkeypatch, limit: int):
+    """Simulated device memory: a step whose micro-batches hold more than `limit` images runs out of memory."""
+    real = TrainStep.__call__
+    calls = {"oom": 0}
+
+    def call(self, batches, **kw):
+        if batches[0].x0.shape[0] > limit:
+            calls["oom"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(self, batches, **kw)
+
+    monkeypatch.setattr(TrainStep, "__call__", call)
+    return calls
+
+
+def _tiny_args(src, out, *extra):
+    return ["train", "--preset", "tiny", "--data", str(src), "--out", str(out), "--device", "cpu", "--no-progress",
+            "--batch-size", "16", "--checkpoint-every", "2", *extra]
+
+
+def test_oom_in_training_halves_the_micro_batch_and_keeps_the_global_batch(tmp_path, fmnist_npz, monkeypatch,
+                                                                           capsys):
+    import json
+
+    from fastddpm.train.checkpoint import load_latest
+
+    assert main(_tiny_args(fmnist_npz, tmp_path / "plain", "--max-steps", "4")) == 0
+    calls = _oom_above(monkeypatch, 8)  # 16 fails, 8 fits: one back-off
+    assert main(_tiny_args(fmnist_npz, tmp_path / "oom", "--max-steps", "4")) == 0
+    out = capsys.readouterr().out
+    assert calls["oom"] == 1 and "out of memory at step 1 with micro-batches of 16" in out
+    assert "2 micro-batches of 8" in out
+    _, plain = load_latest(tmp_path / "plain" / "checkpoints")
+    _, oom = load_latest(tmp_path / "oom" / "checkpoints")
+    assert oom["micro_split"] == 2 and oom["images_seen"] == plain["images_seen"] == 64
+    for k, v in plain["model"].items():  # the same images, timesteps and noise: the same training
+        torch.testing.assert_close(oom["model"][k], v, rtol=1e-4, atol=5e-5, msg=k)
+    assert json.loads((tmp_path / "oom" / "run.json").read_text())["micro_split"] == 2
+    # a resumed run keeps the split (it does not run out of memory again at the old size)
+    assert main(_tiny_args(fmnist_npz, tmp_path / "oom", "--max-steps", "6", "--resume", "latest")) == 0
+    assert calls["oom"] == 1
+    _, resumed = load_latest(tmp_path / "oom" / "checkpoints")
+    assert resumed["step"] == 6 and resumed["micro_split"] == 2
+
+
+def test_oom_at_the_minimum_stops_with_a_clear_message(tmp_path, fmnist_npz, monkeypatch, capsys):
+    _oom_above(monkeypatch, 0)  # nothing fits
+    code = main(_tiny_args(fmnist_npz, tmp_path / "x", "--max-steps", "2", "--batch-size", "4"))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "even with micro-batches of 1 image" in err and "--grad-checkpointing" in err

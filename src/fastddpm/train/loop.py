@@ -27,7 +27,7 @@ from fastddpm.diffusion import sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import UNet, count_parameters
 from fastddpm.rng import derive_seed
-from fastddpm.train.batch_finder import find_batch_size, make_trial_fn
+from fastddpm.train.batch_finder import find_batch_size, is_oom, make_trial_fn
 from fastddpm.train.batches import choose_placement, make_batches
 from fastddpm.train.checkpoint import (
     CheckpointError,
@@ -43,7 +43,7 @@ from fastddpm.train.metrics import MetricsLog
 from fastddpm.train.compile_counters import CompileCounters
 from fastddpm.train.distributed import SINGLE, any_rank, barrier, init_distributed, mean_across_ranks, shutdown
 from fastddpm.train.runtime import resolve_device, resolve_fast_path, resolve_precision
-from fastddpm.train.setup import build_model, build_optimization
+from fastddpm.train.setup import build_model, build_optimization, make_train_step
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
@@ -166,6 +166,39 @@ def resolve_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | Non
     return path, load_checkpoint(path)
 
 
+def split_batch(b, parts: int) -> list:
+    """A batch cut into `parts` equal micro-batches (views: the same images, timesteps and noise)."""
+    from fastddpm.train.batches import Batch
+
+    return [Batch(x0=x, t=t, noise=n, indices=i) for x, t, n, i in
+            zip(b.x0.chunk(parts), b.t.chunk(parts), b.noise.chunk(parts), b.indices.chunk(parts))]
+
+
+def _split_after_oom(split: int, batch_size: int, step: int, dist, device: torch.device, log) -> int:
+    """Out of memory in a step: twice as many micro-batches of half the size, or a clear stop at the minimum."""
+    if dist.enabled:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} on rank {dist.rank} with micro-batches of {batch_size // split}: "
+            f"under torchrun the ranks cannot re-plan alone; restart with a smaller --batch-size (or "
+            f"--accum-steps {2 * split} with half the batch) and --resume latest")
+    new = split * 2
+    if batch_size // split == 1:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} even with micro-batches of 1 image: turn on --grad-checkpointing, "
+            f"train a smaller model, lower --precision to bf16, or free device memory")
+    if batch_size % new:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} with micro-batches of {batch_size // split} images, which cannot be "
+            f"halved evenly: use a --batch-size divisible by {new}, turn on --grad-checkpointing, or free device "
+            f"memory (a smaller --device-memory-budget keeps less data on the GPU)")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    log(f"out of memory at step {step + 1:,} with micro-batches of {batch_size // split}: continuing with "
+        f"{new} micro-batches of {batch_size // new} per batch (gradient accumulation; the global batch, the data "
+        f"and the result are unchanged, the step is slower)")
+    return new
+
+
 def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Path) -> Path:
     """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable."""
     m = cfg.model
@@ -278,6 +311,14 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
                              resume_state=resumed[1] if resumed is not None else None, ddp=dist.enabled)
     ema, optimizer, scaler, train_step_fn = opt.ema, opt.optimizer, opt.scaler, opt.step_fn
+    # After an out-of-memory step each batch is cut into `micro_split` equal micro-batches (accumulation): the
+    # same images, timesteps and noise per step, so the global batch and the run's data are unchanged.
+    micro_split = int(resumed[1].get("micro_split", 1)) if resumed is not None else 1
+    if micro_split > 1:
+        train_step_fn = make_train_step(cfg, model, schedule, optimizer=optimizer, scaler=scaler, ema=ema,
+                                        device=device, precision=precision, fast=fast,
+                                        accum_steps=t.accum_steps * micro_split,
+                                        forward_model=train_step_fn.forward_model if dist.enabled else None)
     evaluator = None
     if t.eval_every_images and dist.is_main:
         # Built before the clock starts: training the dataset's feature network (once, then cached) and the real
@@ -333,7 +374,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             "model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
             "optimizer": portable_optimizer_state(optimizer), "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step, "images_seen": images_seen, "config": cfg.to_dict(),
-            "world_size": world, "global_batch": images_per_step,
+            "world_size": world, "global_batch": images_per_step, "micro_split": micro_split,
             "rng": {"torch_cpu": torch.get_rng_state(),
                     "torch_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
         }
@@ -369,8 +410,23 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
 
     while step < total_steps:
         micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
+        if micro_split > 1:
+            micro = [part for b in micro for part in split_batch(b, micro_split)]
         lr = t.lr * min(1.0, (images_seen + images_per_step) / t.warmup_images) if t.warmup_images else t.lr
-        loss = train_step_fn(micro, lr=lr, step=step)
+        try:
+            loss = train_step_fn(micro, lr=lr, step=step)
+        except Exception as e:  # noqa: BLE001 - only an out-of-memory error is handled; the rest re-raise
+            if not is_oom(e):
+                raise
+            del micro, e  # drop the failed step's activations before trying again
+            micro_split = _split_after_oom(micro_split, t.batch_size, step, dist, device, log)
+            train_step_fn = make_train_step(cfg, model, schedule, optimizer=optimizer, scaler=scaler, ema=ema,
+                                            device=device, precision=precision, fast=fast,
+                                            accum_steps=t.accum_steps * micro_split)
+            run_info["micro_split"] = micro_split
+            if dist.is_main:
+                (run_dir / "run.json").write_text(json.dumps(run_info, indent=2) + "\n")
+            continue  # the same step again: nothing was updated (the update and EMA come after the backward)
         loss_sum += loss
         loss_count += 1
         step += 1

@@ -74,9 +74,18 @@ def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, 
         if scaler is not None and resume_state.get("scaler"):
             scaler.load_state_dict(resume_state["scaler"])
     forward_model = wrap_ddp(model, cfg, device) if ddp else None
-    step_fn = TrainStep(model=model, forward_model=forward_model, optimizer=optimizer, scaler=scaler, ema=ema,
-                        schedule=schedule,
-                        prediction=cfg.diffusion.prediction, precision=precision, grad_clip=t.grad_clip,
-                        accum_steps=t.accum_steps, compile=fast.compile, cuda_graphs=fast.cuda_graphs,
-                        ema_every=t.ema_every, device=device, min_snr_gamma=t.min_snr_gamma)
+    step_fn = make_train_step(cfg, model, schedule, optimizer=optimizer, scaler=scaler, ema=ema, device=device,
+                              precision=precision, fast=fast, accum_steps=t.accum_steps, forward_model=forward_model)
     return Optimization(ema=ema, optimizer=optimizer, scaler=scaler, step_fn=step_fn)
+
+
+def make_train_step(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, optimizer, scaler, ema: EMA,
+                    device: torch.device, precision: Precision, fast: FastPath, accum_steps: int,
+                    forward_model: torch.nn.Module | None = None) -> TrainStep:
+    """The fast step over existing state (also rebuilt by the loop when an OOM splits the micro-batches)."""
+    t = cfg.train
+    return TrainStep(model=model, forward_model=forward_model, optimizer=optimizer, scaler=scaler, ema=ema,
+                     schedule=schedule, prediction=cfg.diffusion.prediction, precision=precision,
+                     grad_clip=t.grad_clip, accum_steps=accum_steps, compile=fast.compile,
+                     cuda_graphs=fast.cuda_graphs, ema_every=t.ema_every, device=device,
+                     min_snr_gamma=t.min_snr_gamma)
