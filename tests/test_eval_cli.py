@@ -106,6 +106,8 @@ def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, cap
     assert "1x28x28" in err and "3x32x32" in err and "--data SOURCE" in err
     assert main(["eval", "--checkpoint", str(evaluated_run), "--steps", "5000", "--no-progress"]) == 2
     assert "--steps 5000" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "5", "--no-progress"]) == 2
+    assert "--num-samples 5: at least 10" in capsys.readouterr().err
 
 
 def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_splits, tmp_path, monkeypatch):

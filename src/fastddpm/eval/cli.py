@@ -126,6 +126,9 @@ def run_eval(args: argparse.Namespace) -> int:
     info = _checkpoint_info(ckpt)
     if args.sampler == "ddim" and args.steps > cfg.diffusion.num_timesteps:
         raise ConfigError(f"--steps {args.steps} must be between 1 and {cfg.diffusion.num_timesteps}")
+    if args.num_samples < 10:
+        raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
+                          "samples; 10000 is the usual count)")
     trained_on = cfg.data.source
     if args.data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
