@@ -13,7 +13,7 @@ Such FIDs are labelled "fastddpm-features": comparable between runs on the same 
 fingerprint, same recipe), never with published Inception FIDs.
 
 Training is cheap by design: ~100k parameters, 4 epochs of AdamW with a one-cycle learning rate (measured on
-Fashion-MNIST: under a minute on 2 CPU cores, 91-92% test accuracy). The uint8 images live on the training
+Fashion-MNIST: 64 s on 2 CPU cores, 91.9% test accuracy; benchmarks/RESULTS.md). The uint8 images live on the training
 device (the GPU when there is one) and each step gathers its batch there, as fastddpm's trainer does.
 
 The weights are cached as <cache_dir>/features/<slug>-<key>.safetensors, the key a hash of the prepared
