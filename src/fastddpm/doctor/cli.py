@@ -76,8 +76,11 @@ def run_doctor(args, resolve_train_config) -> int:
 
 
 def _run(args, resolve_train_config, DoctorConfig) -> int:
+    from fastddpm.doctor.session import DoctorError
+
     if args.doctor_command is None:
-        raise SystemExit("fastddpm doctor: say what to diagnose: `doctor train [options]` or `doctor run SCRIPT`")
+        raise DoctorError("say what to diagnose: `fastddpm doctor train [train options]` or "
+                          "`fastddpm doctor run SCRIPT [ARGS]` (see fastddpm doctor --help)")
     try:
         cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
                            loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir))
