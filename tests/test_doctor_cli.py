@@ -137,7 +137,7 @@ def _chromium() -> str | None:
 def test_html_report_renders_in_a_real_browser(tmp_path):
     from fastddpm.doctor import planted
 
-    report = planted.epoch_respawn(torch.device("cpu"), out=tmp_path / "rep", print_report=False,
+    report = planted.CASES["epoch-respawn"](torch.device("cpu"), out=tmp_path / "rep", print_report=False,
                                    profile_steps=3)
     page = tmp_path / "rep" / "report.html"
     assert page.is_file()

@@ -26,8 +26,8 @@ def test_planted_fault_is_diagnosed_on_cpu(name, tmp_path):
 
 
 def test_slow_loader_names_latency_and_heavy_transform_names_the_cpu():
-    sleep = planted.slow_loader(torch.device("cpu"), print_report=False).finding("data-bound")
-    heavy = planted.heavy_transform(torch.device("cpu"), print_report=False).finding("data-bound")
+    sleep = planted.CASES["slow-loader"](torch.device("cpu"), print_report=False).finding("data-bound")
+    heavy = planted.CASES["heavy-transform"](torch.device("cpu"), print_report=False).finding("data-bound")
     assert sleep.rules == (1,) and "not the limit" in sleep.cause
     assert heavy.rules == (1, 3) and "CPU-bound" in heavy.cause
     # the loader alone was timed and is slower than training could go
@@ -35,7 +35,7 @@ def test_slow_loader_names_latency_and_heavy_transform_names_the_cpu():
 
 
 def test_epoch_spike_evidence_points_at_the_epoch_start_steps():
-    report = planted.epoch_respawn(torch.device("cpu"), print_report=False)
+    report = planted.CASES["epoch-respawn"](torch.device("cpu"), print_report=False)
     steps = report.measurements["steps"]
     starts = [s for s in steps if s["epoch_start"]]
     assert starts, "the watch window must cross an epoch boundary"
@@ -46,7 +46,7 @@ def test_epoch_spike_evidence_points_at_the_epoch_start_steps():
 
 def test_item_every_step_is_counted_on_cpu_but_not_called_a_sync():
     """On a CPU device .item() reads memory: it is counted, and honestly not blamed."""
-    with_item = planted.item_every_step(torch.device("cpu"), print_report=False)
+    with_item = planted.CASES["item-every-step"](torch.device("cpu"), print_report=False)
     reads = with_item.measurements["trace"]["scalar_reads_per_step"]
     assert reads >= 1
     assert with_item.measurements["trace"]["syncs_per_step"] is None
@@ -55,7 +55,7 @@ def test_item_every_step_is_counted_on_cpu_but_not_called_a_sync():
 
 
 def test_recompile_step_is_the_ragged_one():
-    report = planted.uneven_last_batch(torch.device("cpu"), print_report=False)
+    report = planted.CASES["uneven-last-batch"](torch.device("cpu"), print_report=False)
     comp = report.measurements["compile"]
     assert comp["recompiles_after_warmup"] >= 1
     hit = [s for s in report.measurements["steps"] if s["recompiles"]]
@@ -66,13 +66,13 @@ def test_recompile_step_is_the_ragged_one():
 def test_watch_overhead_is_small_on_cpu():
     """A sanity bound, not the benchmark (benchmarks/doctor_overhead.py measures the <= 3% promise): the
     timers add microseconds to millisecond steps."""
-    report = planted.big_matmul(torch.device("cpu"), print_report=False, profile_steps=0)
+    report = planted.CASES["big-matmul"](torch.device("cpu"), print_report=False, profile_steps=0)
     assert report.measurements["step_stats"]["median_ms"] > 1.0
     assert report.environment["profile_wall_s"] is None
 
 
 def test_a_full_profile_of_a_run_is_bounded_in_time():
-    report = planted.slow_loader(torch.device("cpu"), print_report=False)
+    report = planted.CASES["slow-loader"](torch.device("cpu"), print_report=False)
     assert report.environment["wall_s"] < 60
 
 
