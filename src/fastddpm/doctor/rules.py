@@ -84,7 +84,9 @@ def evaluate(m: dict) -> tuple[list[Finding], dict[str, str]]:
     # ---- rules 1 + 3: data wait, loader throughput, CPU load of the loader
     probe = m.get("loader_probe")
     cpu = m.get("cpu_load")
-    in_process_cpu = (sum(s["data_cpu_ms"] for s in steady) / steady_wait) if steady_wait > 0 else 0.0
+    # of the wait, the share this thread computed, out of the time it was not merely queued for a core
+    not_queued = steady_wait - sum(s.get("data_queued_ms", 0.0) for s in steady)
+    in_process_cpu = (sum(s["data_cpu_ms"] for s in steady) / not_queued) if not_queued > 0 else 0.0
     slow_loader = probe is not None and probe.get("ratio") is not None and probe["ratio"] < LOADER_MARGIN
     if wait_share > DATA_WAIT_SHARE or slow_loader:
         ev = [f"the loop waits {wait_ms:.1f} ms for data in a median step of {statistics.median(s['host_ms'] for s in steady):.1f} ms "
@@ -97,8 +99,8 @@ def evaluate(m: dict) -> tuple[list[Finding], dict[str, str]]:
         if workers is None:
             workers = cpu["workers_seen"] if cpu else 0
         busy_workers = cpu is not None and workers > 0 and cpu["workers_cores"] >= 0.8 * min(workers, cpu["cpu_count"] or workers)
-        # 0.4, not ~1: where the kernel has no schedstats, only CPU time is seen, and a crowded machine gives
-        # a CPU-bound thread a fraction of a core; blocking waits (sleep, I/O) measure ~0.05
+        # 0.4, not ~1: where the kernel has no schedstats, queued time cannot be taken out, and a crowded
+        # machine gives a CPU-bound thread a fraction of a core; blocking waits (sleep, I/O) measure ~0.05
         cpu_bound = busy_workers or (workers == 0 and in_process_cpu >= IN_PROCESS_CPU)
         if cpu:
             ev.append(f"CPU: main process {cpu['main_cores']:.2f} cores, {workers} loader worker process(es) "

@@ -71,18 +71,19 @@ class StepRecord:
     index: int  # 0-based step number of the run
     host_ms: float  # boundary to boundary, host clock
     data_wait_ms: float
-    data_cpu_ms: float  # of the wait: this thread running or runnable (work done in-process, not blocking)
+    data_cpu_ms: float  # of the wait: this thread running (work done in-process)
     epoch_start: bool
+    data_queued_ms: float = 0.0  # of the wait: this thread runnable but waiting for a core (crowded CPU)
     gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
     recompiles: int = 0  # graphs compiled during this step
 
 
 class _ThreadDemand:
-    """CPU this thread used plus time it sat runnable waiting for a core (Linux schedstat), in seconds.
+    """(seconds this thread ran, seconds it sat runnable waiting for a core), from Linux schedstat.
 
-    A wait for data that is "CPU demand" for most of its length is CPU-bound work in this process, even when
-    other processes crowd the cores; a wait that is neither running nor runnable is blocking (I/O, sleep,
-    locks, a queue from workers). Falls back to thread CPU time where schedstat is missing."""
+    Of a wait for data, the part spent neither running nor queued for a core is blocking (I/O, sleep, locks,
+    a queue fed by workers). Running / (running + blocking) says whether the wait is CPU work in this process,
+    however crowded the cores are. Without schedstat: thread CPU time, and no queued time."""
 
     def __init__(self):
         self._fd = None
@@ -96,14 +97,14 @@ class _ThreadDemand:
         except (OSError, AttributeError, ValueError, IndexError):
             self._fd = None
 
-    def __call__(self) -> float:
+    def __call__(self) -> tuple[float, float]:
         if self._fd is not None:
             try:
                 run_ns, wait_ns, _ = os.pread(self._fd, 128, 0).split()
-                return (int(run_ns) + int(wait_ns)) / 1e9
+                return int(run_ns) / 1e9, int(wait_ns) / 1e9
             except (OSError, ValueError):
                 pass
-        return time.thread_time()
+        return time.thread_time(), 0.0
 
     def close(self) -> None:
         if self._fd is not None:
@@ -137,6 +138,7 @@ class Session:
         self._t_boundary = time.perf_counter()
         self._wait_s = 0.0
         self._wait_cpu_s = 0.0
+        self._wait_queued_s = 0.0
         self._demand = _ThreadDemand()
         self._epoch_start = False
         self._epochs = 0
@@ -181,12 +183,14 @@ class Session:
         rf = torch.autograd.profiler.record_function(DATA_MARK) if profiling else None
         if rf is not None:
             rf.__enter__()
-        t0, c0 = time.perf_counter(), self._demand()
+        t0, (run0, queued0) = time.perf_counter(), self._demand()
         try:
             return fetch()
         finally:
             self._wait_s += time.perf_counter() - t0
-            self._wait_cpu_s += self._demand() - c0
+            run1, queued1 = self._demand()
+            self._wait_cpu_s += run1 - run0
+            self._wait_queued_s += queued1 - queued0
             if rf is not None:
                 rf.__exit__(None, None, None)
 
@@ -210,7 +214,8 @@ class Session:
         if phase == "watch":
             graphs = _dynamo_graphs()
             rec = StepRecord(self.step_index, (now - self._t_boundary) * 1e3, self._wait_s * 1e3,
-                             self._wait_cpu_s * 1e3, self._epoch_start, recompiles=graphs[0] - self._graphs_prev[0])
+                             self._wait_cpu_s * 1e3, self._epoch_start, data_queued_ms=self._wait_queued_s * 1e3,
+                             recompiles=graphs[0] - self._graphs_prev[0])
             self._graphs_prev = graphs
             self.records.append(rec)
             if self.cuda:
@@ -218,7 +223,7 @@ class Session:
                 ev.record()  # no sync: read after the run
                 self._events.append(ev)
         self.step_index += 1
-        self._wait_s = self._wait_cpu_s = 0.0
+        self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
         self._epoch_start = False
         new_phase = self.phase
         if new_phase != phase:
