@@ -390,6 +390,19 @@ PRESETS = {
 }
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts given on the command line (bench, eval): a positive integer or a clear error."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def get_preset(name: str) -> RunConfig:
     if name not in PRESETS:
         hint = difflib.get_close_matches(name, PRESETS, n=1)

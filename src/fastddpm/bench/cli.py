@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastddpm.config import PRESETS  # plain dataclasses: no torch import
+from fastddpm.config import PRESETS, positive_int  # plain dataclasses: no torch import
 
 _BENCH_DESCRIPTION = """\
 Benchmarks of the training step, honest and self-describing: warmed up before timing, timed
@@ -79,7 +79,7 @@ def _csv_list(text: str) -> tuple[str, ...]:
     return items
 
 
-def _csv_positive_ints(text: str) -> tuple[int, ...]:
+def _csvpositive_ints(text: str) -> tuple[int, ...]:
     out = []
     for item in _csv_list(text):
         try:
@@ -92,16 +92,6 @@ def _csv_positive_ints(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     tp = commands.add_parser("throughput", help="images/s, compile time, MFU, memory per preset x batch size",
                              description=_THROUGHPUT_DESCRIPTION, epilog=_THROUGHPUT_EPILOG,
@@ -109,7 +99,7 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     what = tp.add_argument_group("what to benchmark")
     what.add_argument("--presets", type=_csv_list, default=None, metavar="A,B",
                       help=f"presets to benchmark, from {', '.join(PRESETS)} (default seed-1layer,seed-2layer)")
-    what.add_argument("--batch-sizes", type=_csv_positive_ints, default=None, metavar="N,M",
+    what.add_argument("--batch-sizes", type=_csvpositive_ints, default=None, metavar="N,M",
                       help="images per step; every preset runs at each (default 64,192,512,1024)")
     what.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                       help="autocast precision, as `train --precision` (default auto: bf16 on GPUs that have it, "
@@ -124,11 +114,11 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     what.add_argument("--device", default="auto", metavar="DEVICE",
                       help="auto (CUDA when present, default), cpu, cuda, cuda:N")
     timing = tp.add_argument_group("how long to time it")
-    timing.add_argument("--warmup-steps", type=_positive_int, default=None, metavar="N",
+    timing.add_argument("--warmup-steps", type=positive_int, default=None, metavar="N",
                         help="steps timed as compile / warm-up, before the steady state (default 10)")
-    timing.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    timing.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="steps per timed repeat (default 50)")
-    timing.add_argument("--repeats", type=_positive_int, default=None, metavar="R",
+    timing.add_argument("--repeats", type=positive_int, default=None, metavar="R",
                         help="timed repeats; the median is reported with [min-max] (default 5)")
     timing.add_argument("--quick", action="store_true",
                         help="the CI run: tiny preset, batch 8,16, warm-up 2, 2 x 3 steps (< 1 min on a CPU)")
@@ -145,14 +135,14 @@ def _add_ladder_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
                              epilog=_LADDER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     lp.add_argument("--data", default=None, metavar="SOURCE", help="any fastddpm data source (default fashion-mnist)")
     lp.add_argument("--preset", default=None, choices=tuple(PRESETS), help="the model (default seed-1layer)")
-    lp.add_argument("--num-images", type=_positive_int, default=None, metavar="N", help="cap the dataset")
-    lp.add_argument("--steps", type=_positive_int, default=None, metavar="N", help="steps per timed repeat (50)")
-    lp.add_argument("--warmup-steps", type=_positive_int, default=None, metavar="N", help="warm-up steps (10)")
-    lp.add_argument("--repeats", type=_positive_int, default=None, metavar="R", help="timed repeats (3)")
+    lp.add_argument("--num-images", type=positive_int, default=None, metavar="N", help="cap the dataset")
+    lp.add_argument("--steps", type=positive_int, default=None, metavar="N", help="steps per timed repeat (50)")
+    lp.add_argument("--warmup-steps", type=positive_int, default=None, metavar="N", help="warm-up steps (10)")
+    lp.add_argument("--repeats", type=positive_int, default=None, metavar="R", help="timed repeats (3)")
     lp.add_argument("--workers", type=int, default=None, metavar="N",
                     help="DataLoader workers from rung 1 on (default min(8, CPU count))")
     lp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
-    lp.add_argument("--mlp-epochs", type=_positive_int, default=None, metavar="N", help="MLP epochs (5)")
+    lp.add_argument("--mlp-epochs", type=positive_int, default=None, metavar="N", help="MLP epochs (5)")
     lp.add_argument("--skip-mlp", action="store_true", help="run only the DDPM ladder")
     lp.add_argument("--quick", action="store_true", help="tiny model, 96 images, batches / 4, a few steps: about a minute on a CPU")
     lp.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/bench-ladder-<UTC time>)")
@@ -204,22 +194,22 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
     qp.add_argument("--data", default=None, metavar="SOURCE", help="labelled data (default fashion-mnist)")
     qp.add_argument("--preset", default=None, choices=tuple(PRESETS), help="the model and reference recipe "
                     "(default seed-1layer)")
-    qp.add_argument("--num-images", type=_positive_int, default=None, metavar="N", help="cap the dataset")
-    qp.add_argument("--eval-samples", type=_positive_int, default=None, metavar="N",
+    qp.add_argument("--num-images", type=positive_int, default=None, metavar="N", help="cap the dataset")
+    qp.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                     help="samples per evaluation (default 5000)")
-    qp.add_argument("--eval-steps", type=_positive_int, default=None, metavar="K", help="DDIM steps (default 50)")
+    qp.add_argument("--eval-steps", type=positive_int, default=None, metavar="K", help="DDIM steps (default 50)")
     qp.add_argument("--reference-epochs", type=float, default=None, metavar="E",
                     help="length of the reference run (default: the preset's, 40 epochs)")
-    qp.add_argument("--reference-eval-every", dest="reference_eval_every_images", type=_positive_int, default=None,
+    qp.add_argument("--reference-eval-every", dest="reference_eval_every_images", type=positive_int, default=None,
                     metavar="N", help="images between the reference run's evaluations (default 600000)")
     qp.add_argument("--reference-from", default=None, metavar="FILE",
                     help="reuse the reference of an earlier quality.json instead of training it again")
     qp.add_argument("--target-fid", type=float, default=None, metavar="X", help="skip the reference: this target")
     qp.add_argument("--fast", dest="fast_overrides", type=_csv_list, default=None, metavar="S.F=V,..",
                     help=f"the fast recipe's overrides of the preset (default {','.join(FAST_RECIPE)})")
-    qp.add_argument("--fast-max-images", type=_positive_int, default=None, metavar="N",
+    qp.add_argument("--fast-max-images", type=positive_int, default=None, metavar="N",
                     help="the fast run's length (default 1200000)")
-    qp.add_argument("--fast-eval-every", dest="fast_eval_every_images", type=_positive_int, default=None,
+    qp.add_argument("--fast-eval-every", dest="fast_eval_every_images", type=positive_int, default=None,
                     metavar="N", help="images between the fast run's evaluations (default 120000)")
     qp.add_argument("--options", type=_csv_list, default=None, metavar="A,B",
                     help=f"options to compare on the fast recipe at equal images: {', '.join(OPTIONS)}")

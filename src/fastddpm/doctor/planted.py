@@ -88,24 +88,22 @@ def _window(kw: dict, **defaults) -> dict:
 
 
 # ---------------------------------------------------------------------- the cases
-def slow_loader(device, **kw) -> Report:
-    ds = RandomVectors(4096, 128, sleep_s=2e-4)
+def _slow_dataset_case(ds: Dataset, device, kw: dict) -> Report:
+    """A small MLP fed by `ds` through a plain DataLoader (num_workers=0): the dataset is the planted fault."""
     model = _mlp(128, 256, 2).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with watch(DataLoader(ds, batch_size=32, shuffle=True), device=device, **_window(kw, warmup_steps=3, steps=30,
                                                                                      profile_steps=5)) as dr:
         _loop(dr, model, opt, device)
     return dr.report
+
+
+def slow_loader(device, **kw) -> Report:
+    return _slow_dataset_case(RandomVectors(4096, 128, sleep_s=2e-4), device, kw)
 
 
 def heavy_transform(device, **kw) -> Report:
-    ds = RandomVectors(4096, 128, work=3000)
-    model = _mlp(128, 256, 2).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with watch(DataLoader(ds, batch_size=32, shuffle=True), device=device, **_window(kw, warmup_steps=3, steps=30,
-                                                                                     profile_steps=5)) as dr:
-        _loop(dr, model, opt, device)
-    return dr.report
+    return _slow_dataset_case(RandomVectors(4096, 128, work=3000), device, kw)
 
 
 def epoch_respawn(device, **kw) -> Report:

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from fastddpm.config import positive_int  # no torch import
+
 _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
 
@@ -41,30 +43,20 @@ Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match th
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ev = subparsers.add_parser("eval", help="FID, precision/recall, class coverage and samples/s of a checkpoint",
                                description=_DESCRIPTION, epilog=_EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="run directory (newest checkpoint), ckpt_*.pt, or ema.safetensors")
-    ev.add_argument("--num-samples", type=_positive_int, default=10_000, metavar="N",
+    ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
     ev.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddim", help="default ddim")
-    ev.add_argument("--steps", type=_positive_int, default=50, metavar="K", help="DDIM steps (default 50)")
+    ev.add_argument("--steps", type=positive_int, default=50, metavar="K", help="DDIM steps (default 50)")
     ev.add_argument("--eta", type=float, default=0.0, help="DDIM eta (default 0)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    ev.add_argument("--batch-size", type=_positive_int, default=None, metavar="N",
+    ev.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                     help="images per model call (default 1000 on a GPU, 250 on a CPU)")
     ev.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     ev.add_argument("--data", default=None, metavar="SOURCE",
