@@ -192,9 +192,9 @@ def test_cli_help_and_user_errors(capsys):
     args = parser.parse_args(["bench", "throughput", "--presets", "seed-1layr", "--device", "cpu"])
     assert run_bench(args) == 2
     assert "did you mean 'seed-1layer'" in capsys.readouterr().err
-    args = parser.parse_args(["bench", "throughput", "--quick", "--precision", "fp16", "--device", "cpu"])
+    args = parser.parse_args(["bench", "throughput", "--quick", "--cuda-graphs", "capture", "--device", "cpu"])
     assert run_bench(args) == 2
-    assert "fp16 needs a CUDA GPU" in capsys.readouterr().err
+    assert "cuda_graphs=capture needs a CUDA device" in capsys.readouterr().err
 
 
 def test_quick_flags_yield_to_explicit_ones():

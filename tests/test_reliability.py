@@ -325,3 +325,84 @@ def test_oom_at_the_minimum_stops_with_a_clear_message(tmp_path, fmnist_npz, mon
     assert code == 2
     err = capsys.readouterr().err
     assert "even with micro-batches of 1 image" in err and "--grad-checkpointing" in err
+
+
+# -- promise 9: fp16 loss scaling across a resume -----------------------------------------------------------------
+# torch's CPU autocast has fp16 kernels and GradScaler("cpu") exists, so the trainer's fp16 path runs here.
+
+class _Overflowing:
+    """The trainer's batches, with the images of the given steps scaled by 1e6: past fp16's 65,504, so the first
+    half-precision convolution overflows and every gradient is non-finite (a real fp16 overflow, forced)."""
+
+    def __init__(self, inner, steps):
+        self.inner, self.steps = inner, steps
+
+    def get(self, m: int) -> Batch:
+        b = self.inner.get(m)
+        return Batch(x0=b.x0 * 1e6, t=b.t, noise=b.noise, indices=b.indices) if self.steps(m) else b
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _fp16_cfg(src, **train):
+    from fastddpm.config import apply_overrides
+
+    over = {"data.source": str(src), "train.progress": False, "train.device": "cpu", "train.precision": "fp16",
+            "train.log_every": 1, **{f"train.{k}": v for k, v in train.items()}}
+    return apply_overrides(get_preset("tiny"), over)
+
+
+def test_fp16_overflow_skips_the_step_lowers_the_scale_and_survives_a_resume(tmp_path, fmnist_npz):
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.train.loop import TrainHooks, train
+    from fastddpm.train.metrics import read_metrics
+
+    overflow_third_step = TrainHooks(wrap_batches=lambda b: _Overflowing(b, lambda m: m == 2))
+    full = tmp_path / "full"
+    train(_fp16_cfg(fmnist_npz, max_steps=8, checkpoint_every=1, keep_checkpoints=100), out_dir=full,
+          log=lambda *a, **k: None, hooks=overflow_third_step)
+    ckpts = {int(p.stem.split("_")[1]): load_checkpoint(p) for p in list_checkpoints(full / "checkpoints")}
+    assert sorted(ckpts) == list(range(1, 9))
+    metrics = read_metrics(full / "metrics.jsonl")
+    # Step 3 overflowed: its loss is not finite, the update was skipped (weights as after step 2), the scale
+    # halved and the growth tracker restarted; the steps around it trained normally.
+    assert [math.isfinite(m["loss"]) for m in metrics] == [True, True, False] + [True] * 5
+    assert [m["loss_scale"] for m in metrics] == [2.0 ** 16] * 2 + [2.0 ** 15] * 6
+    assert all(torch.equal(v, ckpts[2]["model"][k]) for k, v in ckpts[3]["model"].items())
+    assert not all(torch.equal(v, ckpts[3]["model"][k]) for k, v in ckpts[4]["model"].items())
+    assert [ckpts[s]["scaler"]["_growth_tracker"] for s in (2, 3, 4, 8)] == [2, 0, 1, 5]
+
+    # The same run stopped after step 4 and resumed in a new process: the scale and growth tracker carry over,
+    # so steps 5-8 and the final state equal the uninterrupted run (a reset tracker would end at 4, not 5).
+    half = tmp_path / "half"
+    train(_fp16_cfg(fmnist_npz, max_steps=4, checkpoint_every=4), out_dir=half, log=lambda *a, **k: None,
+          hooks=overflow_third_step)
+    r = subprocess.run([sys.executable, "-m", "fastddpm", "train", "--out", str(half), "--resume", "latest",
+                        "--max-steps", "8"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert r.returncode == 0, r.stderr
+    resumed = read_metrics(half / "metrics.jsonl")
+    assert [(m["loss"], m["loss_scale"]) for m in resumed[4:]] == [(m["loss"], m["loss_scale"]) for m in metrics[4:]]
+    end = load_checkpoint(list_checkpoints(half / "checkpoints")[-1])
+    assert end["step"] == 8 and end["scaler"] == ckpts[8]["scaler"]
+    for k, v in ckpts[8]["model"].items():
+        assert torch.equal(end["model"][k], v), k
+        assert torch.equal(end["ema"][k], ckpts[8]["ema"][k]), k
+
+
+def test_fp16_scale_collapse_stops_the_run_naming_the_step(tmp_path, fmnist_npz):
+    """Non-finite gradients at every scale (a diverged run) would otherwise be skipped silently forever: the scale
+    halves each step from 2**16 and the run stops when it falls below 1, after the 17th skipped step."""
+    from fastddpm.train.loop import TrainHooks, train
+
+    always_from_step_3 = TrainHooks(wrap_batches=lambda b: _Overflowing(b, lambda m: m >= 2))
+    with pytest.raises(FloatingPointError, match=r"fp16 loss scale fell to 0\.5 by step 19") as e:
+        train(_fp16_cfg(fmnist_npz, max_steps=40, log_every=10, checkpoint_every=10), out_dir=tmp_path / "run",
+              log=lambda *a, **k: None, hooks=always_from_step_3)
+    assert "ckpt_000000010.pt" in str(e.value) and "--precision bf16" in str(e.value)

@@ -184,6 +184,47 @@ def test_state_dict_keys_are_clean():
     assert list(clean_state_dict(sd)) == ["conv_in.weight", "conv_out.bias", "t_proj.0.weight"]
 
 
+def test_a_module_wrapped_by_torch_compile_has_clean_keys_and_loads_both_ways(tmp_path, fmnist_npz):
+    """torch.compile(model) prefixes every key with `_orig_mod.`: a user's compiled U-Net and fastddpm's plain one
+    exchange weights in both directions, and the compiled module runs with the loaded weights."""
+    from fastddpm.models import UNet
+    from fastddpm.train.checkpoint import CheckpointError, load_model_state, unwrap_model
+    from fastddpm.train.loop import load_for_sampling
+
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+    trained = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])
+    cfg = get_preset("tiny").model
+    cfg.image_channels, cfg.image_size = 1, 28
+
+    compiled = torch.compile(UNet(cfg), backend="eager")  # the eager backend: dynamo's wrapping, no codegen
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    assert unwrap_model(compiled) is compiled._orig_mod
+    # plain checkpoint -> compiled module
+    load_model_state(compiled, trained["model"])
+    for k, v in clean_state_dict(compiled.state_dict()).items():
+        assert torch.equal(v, trained["model"][k]), k
+    x, t = torch.randn(2, 1, 28, 28), torch.tensor([10, 500])
+    plain = UNet(cfg)
+    plain.load_state_dict(trained["model"])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, t), plain(x, t))
+    # compiled module's own state dict (prefixed) -> a plain module, and -> the sampler's loader via a checkpoint
+    other = UNet(cfg)
+    load_model_state(other, compiled.state_dict())
+    assert all(torch.equal(v, trained["model"][k]) for k, v in other.state_dict().items())
+    assert list(clean_state_dict(compiled.state_dict())) == list(plain.state_dict())
+    trained["model"] = compiled.state_dict()
+    torch.save(trained, tmp_path / "prefixed.pt")
+    sampler_model, _ = load_for_sampling(tmp_path / "prefixed.pt", device="cpu", weights="model")
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in sampler_model.state_dict().items())
+    # weights of another architecture: the error names the keys, not a bare RuntimeError
+    bigger = get_preset("tiny").model
+    bigger.image_channels, bigger.image_size, bigger.num_down_layers = 1, 28, 2
+    with pytest.raises(CheckpointError, match=r"does not fit this UNet: missing \d+ key\(s\)"):
+        load_model_state(torch.compile(UNet(bigger), backend="eager"), trained["model"])
+
+
 def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
     from conftest import interrupt_training
 

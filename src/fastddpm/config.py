@@ -183,7 +183,8 @@ class TrainConfig:
     precision: str = field(
         default="auto",
         metadata=_doc("Autocast precision. auto = bf16 on GPUs that support it, fp16+GradScaler on older GPUs, "
-                      "fp32 on CPU.", choices=("auto", "fp32", "bf16", "fp16")),
+                      "fp32 on CPU. fp16 also runs on a CPU (slowly: for testing the loss-scaling path).",
+                      choices=("auto", "fp32", "bf16", "fp16")),
     )
     compile: str = field(
         default="auto",

@@ -166,6 +166,38 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside torch.compile's OptimizedModule and DDP's wrapper (in any nesting)."""
+    while True:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod  # torch.compile(module)
+        else:
+            return module
+
+
+def load_model_state(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, what: str = "the state dict"
+                     ) -> None:
+    """Load a state dict saved from a plain, compiled or DDP-wrapped model into a plain, compiled or DDP-wrapped
+    one: the prefixes are stripped on both sides. A key mismatch names the keys (an architecture change)."""
+    target = unwrap_model(module)
+    state_dict = clean_state_dict(state_dict)
+    expected = target.state_dict().keys()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{what} does not fit this {type(target).__name__}: "
+            + (f"missing {len(missing)} key(s) ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
+               if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {len(unexpected)} key(s) ({', '.join(unexpected[:4])}"
+               f"{', ...' if len(unexpected) > 4 else ''})" if unexpected else "")
+            + ". It was saved from a different architecture: build the model from the config saved with it")
+    target.load_state_dict(state_dict)
+
+
 def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state_dict with tensor learning rates as floats, so any device or path can load it."""
     state = optimizer.state_dict()

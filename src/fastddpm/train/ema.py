@@ -7,6 +7,8 @@ import copy
 import torch
 import torch.nn as nn
 
+from fastddpm.train.checkpoint import load_model_state
+
 
 class EMA:
     """ema <- beta * ema + (1 - beta) * theta after each optimizer step, as one foreach lerp (no Python loop
@@ -31,4 +33,4 @@ class EMA:
         return self.model.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state)
+        load_model_state(self.model, state, what="the checkpoint's EMA weights")

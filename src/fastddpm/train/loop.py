@@ -33,9 +33,10 @@ from fastddpm.train.checkpoint import (
     CheckpointError,
     clean_state_dict,
     export_safetensors,
-    load_checkpoint,
     list_checkpoints,
+    load_checkpoint,
     load_latest,
+    load_model_state,
     portable_optimizer_state,
     save_checkpoint,
 )
@@ -454,6 +455,19 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
                     f"Try a lower --lr (now {t.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead "
                     f"of fp16; then resume from the last checkpoint with --resume latest ({last_ckpt or 'none'})"
                 )
+            # fp16: the GradScaler skips an overflowing step and halves its scale; that is routine. A scale below
+            # 1 means the gradients overflow even unscaled: a diverged run that would otherwise skip every step
+            # silently from here on.
+            if scaler is not None and scaler.get_scale() < 1.0:  # note: host-device sync, as above
+                if bar is not None:
+                    bar.close()
+                saved = list_checkpoints(run_dir / "checkpoints")
+                raise FloatingPointError(
+                    f"the fp16 loss scale fell to {scaler.get_scale():.3g} by step {step:,}: the gradients are "
+                    f"NaN/Inf at every scale, so every recent step was skipped (not an fp16 overflow). Try "
+                    f"--precision bf16 or fp32, or a lower --lr (now {t.lr:g}); then resume from the last checkpoint "
+                    f"with --resume latest ({saved[-1] if saved else 'none'})"
+                )
         if logging_step:
             mean_across_ranks(loss_sum, dist)
             last_loss = loss_sum.item() / loss_count  # note: host-device sync, on logging steps only
@@ -461,7 +475,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             img_per_s = (images_seen - images_at_log) / max(now - t_log, 1e-9)
             metrics.write({"step": step, "images_seen": images_seen, "epoch": images_seen / data.images.shape[0],
                            "loss": last_loss, "images_per_s": img_per_s, "lr": lr,
-                           "wall_s": now - t_start, **compile_counters.report()})
+                           "wall_s": now - t_start, **compile_counters.report(),
+                           **({"loss_scale": scaler.get_scale()} if scaler is not None else {})})
             if bar is not None:
                 bar.set_postfix(loss=f"{last_loss:.4f}", img_s=f"{img_per_s:,.0f}", refresh=False)
             loss_sum.zero_()
@@ -543,7 +558,7 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
         cfg = from_dict(state["config"])
         state_dict = state["ema" if weights == "ema" else "model"]
     model = UNet(cfg.model)
-    model.load_state_dict(state_dict)
+    load_model_state(model, state_dict, what=f"{path} ({weights} weights)")
     return model.to(device).eval(), cfg
 
 

@@ -43,7 +43,10 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
             return Precision("fp32", None, False, f"{spec}: fp32 on {device.type}")
         if spec == "bf16":
             return Precision("bf16", torch.bfloat16, False, f"requested bf16 autocast on {device.type}")
-        raise ConfigError(f"train.precision=fp16 needs a CUDA GPU (device is {device}); use fp32 or bf16")
+        # fp16 + GradScaler runs on a CPU too (torch's CPU autocast has fp16 kernels): slower than fp32 there, but
+        # it lets the loss-scaling path (skips on overflow, scale state across resume) be tested without a GPU.
+        return Precision("fp16", torch.float16, True, f"requested fp16 autocast with GradScaler on {device.type} "
+                         "(slower than fp32 on most CPUs: meant for testing the GPU recipe)")
     bf16_ok = torch.cuda.is_bf16_supported()
     if spec == "auto":
         if bf16_ok:

@@ -15,7 +15,7 @@ from fastddpm.config import RunConfig
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
 from fastddpm.models import UNet
 from fastddpm.rng import derive_seed
-from fastddpm.train.checkpoint import with_current_optimizer_flags
+from fastddpm.train.checkpoint import load_model_state, with_current_optimizer_flags
 from fastddpm.train.ema import EMA
 from fastddpm.train.runtime import FastPath, Precision
 from fastddpm.train.step import TrainStep, make_optimizer
@@ -68,7 +68,7 @@ def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, 
                                tensor_lr=fast.compile or capture, capturable=capture)
     scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
     if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
+        load_model_state(model, resume_state["model"], what="the checkpoint's model weights")
         ema.load_state_dict(resume_state["ema"])
         optimizer.load_state_dict(with_current_optimizer_flags(resume_state["optimizer"], optimizer))
         if scaler is not None and resume_state.get("scaler"):
