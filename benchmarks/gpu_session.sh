@@ -71,8 +71,8 @@ for part in $PARTS; do
       timeout 400 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/reference/reference" --num-samples 10000 \
         --steps 50 --out "$OUT/eval" --no-progress 2>&1 | tee "$OUT/eval.log" ;;
     ddp)
-      echo "== DDP overhead at world size 1 (and scaling over all GPUs, if several)"
-      timeout 500 $PY benchmarks/ddp_overhead.py --data "$FASTDDPM_FMNIST_DIR" --repeats 2 \
+      echo "== DDP and FSDP overhead at world size 1 (and scaling over all GPUs, if several)"
+      timeout 580 $PY benchmarks/ddp_overhead.py --data "$FASTDDPM_FMNIST_DIR" --repeats 2 --parallel ddp,fsdp \
         --out "$OUT/ddp_overhead.json" 2>&1 | tee "$OUT/ddp_overhead.log" ;;
     *) echo "unknown part $part (tests, throughput, ladder, doctor, quality-reference, quality-fast, quality-options,"\
             "eval, ddp)"; exit 2 ;;

@@ -117,7 +117,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "`images`: uint8 (N, C, H, W).",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
-                    help="run directory (newest checkpoint), ckpt_*.pt, or ema.safetensors")
+                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
+                         "ema.safetensors")
     sp.add_argument("--num-images", type=int, default=64, metavar="N", help="images to draw (default 64)")
     sp.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddim", help="default ddim")
     sp.add_argument("--steps", type=int, default=50, metavar="K", help="DDIM steps (default 50; DDPM uses all T)")

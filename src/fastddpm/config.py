@@ -226,6 +226,13 @@ class TrainConfig:
                       "the global batch is batch_size x accum_steps x world size; set = batch_size per device becomes "
                       "global / (accum_steps x world size), so the recipe survives a change of GPU count."),
     )
+    parallel: str = field(
+        default="ddp", metadata=_doc("Under torchrun: ddp = a full replica per device, gradients all-reduced "
+                                     "(DistributedDataParallel); fsdp = parameters, gradients and AdamW state sharded "
+                                     "across devices (FSDP2 fully_shard, ZeRO-3), for U-Nets too large for one "
+                                     "device, with sharded checkpoints (torch.distributed.checkpoint).",
+                                     choices=("ddp", "fsdp")),
+    )
     ddp_bucket_cap_mb: int = field(
         default=25, metadata=_doc("Under torchrun (DistributedDataParallel): gradient bucket size in MiB, the "
                                   "granularity at which the all-reduce overlaps the backward.")
@@ -282,7 +289,7 @@ class TrainConfig:
                  f"train.global_batch_size={self.global_batch_size} must be a positive integer (or none)")
         _require(self.ddp_bucket_cap_mb >= 1, f"train.ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1")
         _require(self.dist_timeout_s > 0, f"train.dist_timeout_s={self.dist_timeout_s} must be > 0")
-        for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement"):
+        for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement", "parallel"):
             _check_choice("train", self, name)
         for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images",
                      "eval_every_images"):

@@ -22,6 +22,11 @@ class EMA:
         self._ema_params = list(self.model.parameters())
         self._src_params = list(model.parameters())
 
+    def rebind(self, model: nn.Module) -> None:
+        """Refresh the parameter lists after both models were sharded in place (FSDP2 swaps in DTensors)."""
+        self._ema_params = list(self.model.parameters())
+        self._src_params = list(model.parameters())
+
     def beta(self, step: int) -> float:
         return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
 

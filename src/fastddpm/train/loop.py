@@ -157,14 +157,27 @@ def resolve_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | Non
     if resume is None:
         return None
     if resume == "latest":
-        return load_latest(run_dir / "checkpoints")
+        return _newest(run_dir / "checkpoints")
     path = Path(resume)
+    if path.is_dir() and path.suffix == ".dcp":  # one sharded (FSDP) checkpoint
+        from fastddpm.train.fsdp import read_meta
+
+        return path, read_meta(path)
     if path.is_dir():  # a run directory
-        found = load_latest(path / "checkpoints")
+        found = _newest(path / "checkpoints")
         if found is None:
             raise CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}")
         return found
     return path, load_checkpoint(path)
+
+
+def _newest(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest usable checkpoint: a .pt file, or a sharded .dcp directory of an FSDP run (its metadata only;
+    the shards are read once the model is sharded)."""
+    from fastddpm.train.fsdp import latest_sharded
+
+    found = [f for f in (load_latest(ckpt_dir), latest_sharded(ckpt_dir)) if f is not None]
+    return max(found, key=lambda f: int(f[1]["step"])) if found else None
 
 
 def split_batch(b, parts: int) -> list:
@@ -200,13 +213,16 @@ def _split_after_oom(split: int, batch_size: int, step: int, dist, device: torch
     return new
 
 
-def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Path) -> Path:
-    """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable."""
+def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Path, save: bool = True) -> Path | None:
+    """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable. `save=False`:
+    sample only (an FSDP rank other than 0 takes part in the all-gathers; rank 0 writes)."""
     m = cfg.model
     shape = (cfg.train.num_sample_images, m.image_channels, m.image_size, m.image_size)
     x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
                autocast_dtype=precision.autocast_dtype)
+    if not save:
+        return None
     scale = max(1, 128 // m.image_size)  # 28x28 digits are too small to judge at 1x
     return save_grid(to_uint8(x).cpu().numpy(), path, scale=min(scale, 4))
 
@@ -233,8 +249,21 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
     stop.dist = dist
     world = dist.world_size
+    fsdp = dist.enabled and cfg.train.parallel == "fsdp"
+    if cfg.train.parallel == "fsdp" and not dist.enabled:
+        raise ConfigError("train.parallel=fsdp shards the model across torchrun's processes: launch with "
+                          "`torchrun --nproc-per-node N -m fastddpm train --parallel fsdp ...` (N=1 works too), or "
+                          "drop --parallel fsdp for a single-process run")
+    if fsdp and cfg.train.eval_every_images:
+        raise ConfigError("--eval-every is not supported with --parallel fsdp yet (evaluation runs on rank 0 alone "
+                          "and cannot all-gather the sharded EMA): evaluate the run's ema.safetensors afterwards "
+                          "with `fastddpm eval --checkpoint RUN_DIR/ema.safetensors`")
+    if fsdp and cfg.train.batch_size == "auto":
+        raise ConfigError("batch_size=auto measures a full replica of the model, which --parallel fsdp exists to "
+                          "avoid: set --batch-size (per device) or --global-batch-size")
     if dist.enabled:
-        device_reason += f"; rank {dist.rank} of {world} ({dist.backend}, DistributedDataParallel)"
+        device_reason += (f"; rank {dist.rank} of {world} ({dist.backend}, "
+                          f"{'FSDP2 fully_shard' if fsdp else 'DistributedDataParallel'})")
         if not dist.is_main:  # rank 0 speaks (and writes) for the job
             log = _quiet
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, progress=False))
@@ -266,7 +295,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
                                 resumed[0])
 
     t = cfg.train
-    fast = resolve_fast_path(t, device, precision, world_size=world if dist.enabled else 0)
+    fast = resolve_fast_path(t, device, precision, world_size=world if dist.enabled else 0,
+                             parallel="fsdp" if fsdp else "ddp")
     model, schedule = build_model(cfg, device=device, fast=fast)
     image_shape = tuple(data.images.shape[1:])
 
@@ -310,7 +340,8 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
 
     step, images_seen = 0, 0
     opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
-                             resume_state=resumed[1] if resumed is not None else None, ddp=dist.enabled)
+                             resume_state=resumed[1] if resumed is not None else None,
+                             ddp=dist.enabled and not fsdp, fsdp=fsdp)
     ema, optimizer, scaler, train_step_fn = opt.ema, opt.optimizer, opt.scaler, opt.step_fn
     # After an out-of-memory step each batch is cut into `micro_split` equal micro-batches (accumulation): the
     # same images, timesteps and noise per step, so the global batch and the run's data are unchanged.
@@ -354,7 +385,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
                  "placement": placement, "placement_reason": placement_reason},
         "batch_size": t.batch_size, "batch_size_reason": batch_note, "accum_steps": t.accum_steps,
         "world_size": world, "global_batch": images_per_step, "batch_fixed": batch_fixed,
-        "parallel": "ddp" if dist.enabled else None,
+        "parallel": ("fsdp" if fsdp else "ddp") if dist.enabled else None,
         "fast_path": fast.reasons, "grad_checkpointing": t.grad_checkpointing,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
     }
@@ -371,9 +402,13 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     log(f"training to step {total_steps:,} ({total_steps * images_per_step:,} images); run dir {run_dir}")
 
     def checkpoint_state() -> dict:
+        if fsdp:  # the tensors go to the shards (write_checkpoint); this is the metadata
+            weights = {}
+        else:
+            weights = {"model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
+                       "optimizer": portable_optimizer_state(optimizer)}
         return {
-            "model": clean_state_dict(model.state_dict()), "ema": clean_state_dict(ema.state_dict()),
-            "optimizer": portable_optimizer_state(optimizer), "scaler": scaler.state_dict() if scaler is not None else None,
+            **weights, "scaler": scaler.state_dict() if scaler is not None else None,
             "step": step, "images_seen": images_seen, "config": cfg.to_dict(),
             "world_size": world, "global_batch": images_per_step, "micro_split": micro_split,
             "rng": {"torch_cpu": torch.get_rng_state(),
@@ -381,7 +416,20 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
         }
 
     def write_checkpoint() -> Path | None:
-        """Rank 0 writes (the state is the same on every rank); the others return None at once."""
+        """Rank 0 writes (the state is the same on every rank); the others return None at once. Under FSDP every
+        rank writes its shards, and rank 0 the metadata and the EMA's full weights."""
+        if fsdp:
+            from fastddpm.train.fsdp import full_state_dict, save_sharded
+
+            meta = {k: v for k, v in checkpoint_state().items() if k not in ("model", "ema", "optimizer")}
+            path = save_sharded(run_dir / "checkpoints", step, model=model, ema_model=ema.model, optimizer=optimizer,
+                                meta=meta, is_main=dist.is_main, keep=t.keep_checkpoints)
+            ema_full = full_state_dict(ema.model)  # a collective: the full weights land on rank 0
+            if dist.is_main:
+                export_safetensors(ema_full, run_dir / "ema.safetensors",
+                                   {"config": cfg.to_dict(), "step": step, "images_seen": images_seen,
+                                    "format": "fastddpm-ema-1"})
+            return path  # on every rank: the loop's "was a checkpoint written" must agree across ranks
         if not dist.is_main:
             return None
         path = save_checkpoint(run_dir / "checkpoints", step, checkpoint_state(), keep=t.keep_checkpoints)
@@ -486,10 +534,11 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             bar.update(1)
 
         done = step == total_steps
-        if dist.is_main and t.sample_every_images and not done and (
+        # (Under FSDP every rank samples: each block's forward all-gathers its shards. Rank 0 writes.)
+        if (dist.is_main or fsdp) and t.sample_every_images and not done and (
                 images_seen // t.sample_every_images > (images_seen - images_per_step) // t.sample_every_images):
             last_grid = write_grid(ema.model, schedule, cfg, device, precision,
-                                   run_dir / "samples" / f"grid_{images_seen:09d}.png")
+                                   run_dir / "samples" / f"grid_{images_seen:09d}.png", save=dist.is_main)
             log(f"step {step:,}: wrote {last_grid}")
         if evaluator is not None and stop_code is None and (done or evaluator.due(images_seen, images_per_step)):
             eval_s = evaluator.run(ema.model, step=step, images_seen=images_seen,
@@ -514,8 +563,9 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
         barrier(dist)
         log(f"stopped by signal after the last step; checkpoint {last_ckpt}")
         raise TrainingInterrupted(stop_code, last_ckpt)
-    if hooks.final_outputs and dist.is_main:
-        last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png")
+    if hooks.final_outputs and (dist.is_main or fsdp):
+        last_grid = write_grid(ema.model, schedule, cfg, device, precision, run_dir / "samples" / "final.png",
+                               save=dist.is_main)
     if fast.compile:
         log(f"compile: {compile_counters.report()}")
     if fast.cuda_graphs == "capture":
@@ -532,12 +582,13 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
 
 
 def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weights: str = "ema"):
-    """Load a model from a checkpoint (.pt), an ema.safetensors export, or a run directory.
+    """Load a model from a checkpoint (.pt, or an FSDP run's sharded .dcp directory), an ema.safetensors export,
+    or a run directory.
     Returns (model in eval mode, RunConfig)."""
     from fastddpm.train.checkpoint import load_safetensors
 
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and path.suffix != ".dcp":  # a run directory
         found = load_latest(path / "checkpoints")
         if found is None:
             st = path / "ema.safetensors"
@@ -546,6 +597,14 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
             path = st
         else:
             path = found[0]
+    if path.is_dir() and path.suffix == ".dcp":  # a sharded checkpoint of an FSDP run, gathered here
+        from fastddpm.train.fsdp import read_sharded_checkpoint
+
+        state = read_sharded_checkpoint(path)
+        cfg = from_dict(state["config"])
+        model = UNet(cfg.model)
+        load_model_state(model, state["ema" if weights == "ema" else "model"], what=f"{path} ({weights} weights)")
+        return model.to(device).eval(), cfg
     if path.suffix == ".safetensors":
         if weights != "ema":
             raise CheckpointError(f"{path} holds only the EMA weights; use --weights ema or pass a .pt checkpoint")

@@ -76,15 +76,22 @@ class FastPath:
         return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
 
 
-def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0) -> FastPath:
-    """`world_size`: ranks under torchrun (DDP), 0 for a plain single process."""
+def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0,
+                      parallel: str = "ddp") -> FastPath:
+    """`world_size`: ranks under torchrun (DDP or FSDP, per `parallel`), 0 for a plain single process."""
     cuda = device.type == "cuda"
     reasons = {}
     c = train_cfg.compile
-    compile_on = cuda if c == "auto" else c == "on"
-    reasons["compile"] = (f"{'on' if compile_on else 'off'} ("
-                          + ("auto: CUDA" if c == "auto" and cuda else "auto: off on CPU, compile time outweighs "
-                             "the gain for short runs" if c == "auto" else "requested") + ")")
+    fsdp = bool(world_size) and parallel == "fsdp"
+    compile_on = (cuda and not fsdp) if c == "auto" else c == "on"
+    if c != "auto":
+        why = "requested"
+    elif fsdp:
+        why = ("auto: off under FSDP, whose per-block all-gather hooks split the compiled loss into pieces; "
+               "not yet measured faster (--compile on to try)")
+    else:
+        why = "auto: CUDA" if cuda else "auto: off on CPU, compile time outweighs the gain for short runs"
+    reasons["compile"] = f"{'on' if compile_on else 'off'} ({why})"
     g = train_cfg.cuda_graphs
     if g == "auto":
         if not cuda:
@@ -93,6 +100,9 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
             graphs, why = "off", "auto: fp16's GradScaler is not captured; use bf16 for graphs"
         elif train_cfg.ema_every != 1:
             graphs, why = "off", "auto: ema_every > 1 runs the EMA outside the step"
+        elif fsdp:
+            graphs, why = "off", (f"auto: FSDP over {world_size} rank(s); its all-gathers and reduce-scatters are not "
+                                  "captured")
         elif world_size:
             graphs, why = "off", (f"auto: DDP over {world_size} rank(s); the gradient all-reduce is not captured into the "
                                   "step's graph (compile stays on; --cuda-graphs reduce-overhead is an option)")

@@ -8,14 +8,15 @@ in between (the step reads the optimizer's learning-rate tensor only after the o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from fastddpm.config import RunConfig
+from fastddpm.config import ConfigError, RunConfig
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
 from fastddpm.models import UNet
 from fastddpm.rng import derive_seed
-from fastddpm.train.checkpoint import load_model_state, with_current_optimizer_flags
+from fastddpm.train.checkpoint import CheckpointError, load_model_state, with_current_optimizer_flags
 from fastddpm.train.ema import EMA
 from fastddpm.train.runtime import FastPath, Precision
 from fastddpm.train.step import TrainStep, make_optimizer
@@ -57,10 +58,19 @@ def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> to
 
 def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, device: torch.device,
                        precision: Precision, fast: FastPath, resume_state: dict | None = None,
-                       ddp: bool = False) -> Optimization:
+                       ddp: bool = False, fsdp: bool = False) -> Optimization:
     """EMA, AdamW, loss scaler and the TrainStep; `resume_state` (a checkpoint) is loaded before the step is built.
-    With `ddp` (a process group is up), the loss runs through a DDP wrapper of `model`."""
+    With `ddp` (a process group is up), the loss runs through a DDP wrapper of `model`; with `fsdp`, `model` and
+    its EMA copy are sharded in place (FSDP2) and a sharded checkpoint is read into them."""
     t = cfg.train
+    sharded_resume = resume_state is not None and bool(resume_state.get("sharded"))
+    if fsdp:
+        return _build_fsdp(cfg, model, schedule, device=device, precision=precision, fast=fast,
+                           resume_state=resume_state)
+    if sharded_resume:
+        raise CheckpointError(
+            f"{resume_state['path']} is a sharded checkpoint of an FSDP run: resume it under torchrun with "
+            f"--parallel fsdp (any number of processes, 1 included), or sample from the run's ema.safetensors")
     ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)
     capture = fast.cuda_graphs == "capture"
     # A tensor learning rate: changing it never recompiles, and a captured graph reads its current value.
@@ -77,6 +87,34 @@ def build_optimization(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, 
     step_fn = make_train_step(cfg, model, schedule, optimizer=optimizer, scaler=scaler, ema=ema, device=device,
                               precision=precision, fast=fast, accum_steps=t.accum_steps, forward_model=forward_model)
     return Optimization(ema=ema, optimizer=optimizer, scaler=scaler, step_fn=step_fn)
+
+
+def _build_fsdp(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, device: torch.device,
+                precision: Precision, fast: FastPath, resume_state: dict | None) -> Optimization:
+    from fastddpm.train.fsdp import load_sharded, shard_unet
+
+    t = cfg.train
+    if precision.use_grad_scaler:
+        raise ConfigError("--parallel fsdp does not run fp16's GradScaler over sharded gradients: use --precision "
+                          "bf16 (same speed, no loss scaling) or fp32")
+    if resume_state is not None and not resume_state.get("sharded"):
+        raise CheckpointError(
+            "the checkpoint to resume is a .pt file from a single-process or DDP run, and --parallel fsdp reads "
+            "sharded checkpoints: resume it with --parallel ddp, or start the FSDP run in a new directory")
+    ema = EMA(model, t.ema_decay, warmup=t.ema_warmup)  # the full copy, sharded below exactly like the model
+    # bf16 all-gathers and bf16 compute in each block; the fp32 shards stay the master weights AdamW updates.
+    param_dtype = torch.bfloat16 if device.type == "cuda" and precision.autocast_dtype == torch.bfloat16 else None
+    shard_unet(model, param_dtype=param_dtype)
+    shard_unet(ema.model, param_dtype=param_dtype)
+    ema.rebind(model)  # both parameter lists are DTensor shards now
+    # foreach AdamW over the DTensor shards, with a float learning rate (the update is eager, nothing recompiles)
+    optimizer = make_optimizer(model, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay, device=device,
+                               tensor_lr=False, capturable=False, allow_fused=False)
+    if resume_state is not None:
+        load_sharded(Path(resume_state["path"]), model=model, ema_model=ema.model, optimizer=optimizer)
+    step_fn = make_train_step(cfg, model, schedule, optimizer=optimizer, scaler=None, ema=ema, device=device,
+                              precision=precision, fast=fast, accum_steps=t.accum_steps, forward_model=model)
+    return Optimization(ema=ema, optimizer=optimizer, scaler=None, step_fn=step_fn)
 
 
 def make_train_step(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, optimizer, scaler, ema: EMA,

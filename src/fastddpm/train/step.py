@@ -25,6 +25,7 @@ import torch
 from fastddpm.diffusion.objective import diffusion_loss
 from fastddpm.train.batches import Batch
 from fastddpm.train.ema import EMA
+from fastddpm.train.fsdp import is_sharded
 from fastddpm.train.runtime import Precision
 
 
@@ -51,10 +52,11 @@ def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradSc
 
 
 def make_optimizer(model: torch.nn.Module, *, lr: float, betas, weight_decay: float, device: torch.device,
-                   tensor_lr: bool, capturable: bool) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel for all parameters) where this torch supports it on the device."""
+                   tensor_lr: bool, capturable: bool, allow_fused: bool = True) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for all parameters) where this torch supports it on the device; foreach otherwise,
+    and with `allow_fused=False` (FSDP's DTensor shards)."""
     kwargs = dict(betas=betas, weight_decay=weight_decay)
-    fused_ok = device.type == "cuda" or (device.type == "cpu" and tensor_lr)
+    fused_ok = allow_fused and (device.type == "cuda" or (device.type == "cpu" and tensor_lr))
     if fused_ok:
         kwargs["fused"] = True
     else:
@@ -76,6 +78,7 @@ class TrainStep:
         # all-reduces the gradients). Parameters, optimizer and EMA always use the plain model.
         self.forward_model = forward_model if forward_model is not None else model
         self._ddp = isinstance(self.forward_model, torch.nn.parallel.DistributedDataParallel)
+        self._fsdp = is_sharded(self.forward_model)  # FSDP2: parameters and gradients are DTensor shards
         self.schedule, self.prediction, self.precision = schedule, prediction, precision
         self.min_snr_gamma = min_snr_gamma
         self.grad_clip, self.accum_steps, self.ema_every = grad_clip, accum_steps, ema_every
@@ -117,9 +120,13 @@ class TrainStep:
     def _update(self, loss: torch.Tensor) -> None:
         if self.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        elif self._fsdp:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if self._fsdp:
+            norm = norm.full_tensor()  # the norm of the sharded gradients is a DTensor: its value (a collective)
         finite = torch.isfinite(loss) & torch.isfinite(norm)
         self.first_bad_step_t.copy_(torch.where(self.healthy_t & ~finite, self.step_t, self.first_bad_step_t))
         self.healthy_t.logical_and_(finite)
@@ -145,6 +152,8 @@ class TrainStep:
         for i, b in enumerate(batches):
             # DDP: all-reduce the gradients once, after the last micro-batch (no_sync on the others)
             last = i == len(batches) - 1
+            if self._fsdp:  # FSDP's no_sync: reduce-scatter the gradients after the last micro-batch only
+                self.forward_model.set_requires_gradient_sync(last)
             with self.forward_model.no_sync() if self._ddp and not last else contextlib.nullcontext():
                 loss = self._loss_fn(b.x0, b.t, b.noise)
                 if self.scaler is not None:

@@ -1,0 +1,185 @@
+"""FSDP2 (`fully_shard`) for U-Nets too large for one device, with sharded checkpoints (torch.distributed.checkpoint).
+
+    torchrun --nproc-per-node 8 -m fastddpm train --parallel fsdp ...
+
+Every parameter, gradient and AdamW moment is split across the ranks (dim 0 of each tensor, a DTensor); each U-Net
+block all-gathers its weights just before its forward and backward and frees them after (ZeRO-3). The EMA copy is
+sharded the same way, so the EMA update stays a rank-local foreach over matching shards. Data parallelism is as
+under DDP: rank r trains on its own shard of the data (fastddpm.train.batches).
+
+Checkpoints are directories `checkpoints/ckpt_<step>.dcp/`: one `__<rank>_0.distcp` file per rank plus DCP's
+`.metadata` (written by DCP's coordinator after every rank's file), and `meta.pt` (step, config, RNG, ...) from rank
+0. The directory is written under a temporary name and renamed when complete, so a killed save never shadows the
+last good one. DCP reshards on load: a checkpoint written by N ranks resumes on M. Across ranks the directory must
+be on a filesystem every rank sees (as for any multi-node checkpoint). `read_sharded_checkpoint` turns one back into
+full tensors in a single process, for sampling or inspection.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fastddpm.train.checkpoint import CheckpointError, _fsync_dir
+
+_NAME = re.compile(r"^ckpt_(\d+)\.dcp$")
+META = "meta.pt"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by its coordinator
+
+
+def shard_unet(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """fully_shard each down, mid and up block (one all-gather per block), then the root (the stem, the time MLP
+    and the output head). `param_dtype` (bf16) all-gathers and computes in that dtype while the sharded master
+    weights, gradient reduction and AdamW stay fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for block in [*model.downs, *model.mids, *model.ups]:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def is_sharded(module: nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective), or `x` itself when it is a plain tensor."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict on rank 0, on the CPU ({} on the other ranks). A collective: every rank
+    calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+def sharded_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"ckpt_{step:09d}.dcp"
+
+
+def list_sharded(ckpt_dir: Path) -> list[Path]:
+    """Complete sharded checkpoints (renamed into place, with DCP's index and the metadata), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / DCP_METADATA).is_file() and (p / META).is_file()]
+
+
+def _train_state(model: nn.Module, ema_model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema_model),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(ckpt_dir: Path, step: int, *, model: nn.Module, ema_model: nn.Module,
+                 optimizer: torch.optim.Optimizer, meta: dict[str, Any], is_main: bool, keep: int) -> Path:
+    """Every rank writes its shards; rank 0 writes `meta` and renames the directory into place. A collective."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = sharded_path(ckpt_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step killed earlier
+        tmp.mkdir()
+    dist.barrier()
+    dcp.save(_train_state(model, ema_model, optimizer), checkpoint_id=str(tmp))
+    dist.barrier()  # every rank's shard file is closed before rank 0 seals the directory
+    if is_main:
+        with open(tmp / META, "wb") as f:
+            torch.save({"format": "fastddpm-dcp-1", **meta}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step written again (a resume at the end): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        for old in list_sharded(ckpt_dir)[:-keep]:
+            try:
+                shutil.rmtree(old)
+            except OSError as e:
+                warnings.warn(f"could not delete old checkpoint {old}: {e}", stacklevel=2)
+    dist.barrier()  # nobody reads the directory (or exits) before it is in place
+    return final
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The small rank-0 part of a sharded checkpoint (step, config, RNG states, scaler, world size)."""
+    try:
+        meta = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"could not load {path / META}: {type(e).__name__}: {e}; resume from an earlier "
+                              f"checkpoint in {path.parent}") from None
+    if not isinstance(meta, dict) or meta.get("format") != "fastddpm-dcp-1":
+        raise CheckpointError(f"{path} is not a fastddpm sharded checkpoint")
+    return {**meta, "sharded": True, "path": str(path)}
+
+
+def latest_sharded(ckpt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest complete sharded checkpoint; a half-written one (killed save) is reported and removed."""
+    if ckpt_dir.is_dir():
+        for leftover in sorted(ckpt_dir.glob(".ckpt_*.dcp.tmp")):
+            warnings.warn(f"ignoring {leftover}: an incomplete sharded checkpoint from an interrupted save",
+                          stacklevel=2)
+    for path in reversed(list_sharded(ckpt_dir)):
+        try:
+            return path, read_meta(path)
+        except CheckpointError as e:
+            warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+    return None
+
+
+def load_sharded(path: Path, *, model: nn.Module, ema_model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the model, EMA and AdamW shards into already-sharded modules: DCP reads the pieces each rank now owns,
+    whatever the world size that wrote them. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _train_state(model, ema_model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}. If the model changed, start a new run "
+                              f"directory; otherwise resume from an earlier checkpoint in {path.parent}") from None
+    set_model_state_dict(model, state["model"])
+    set_model_state_dict(ema_model, state["ema"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint as one process sees a .pt checkpoint: {"model", "ema"} as full CPU tensors, plus the
+    metadata (step, config, ...). No process group needed."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    meta = read_meta(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        try:
+            dcp_to_torch_save(str(path), str(out))
+            full = torch.load(out, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"could not read the sharded checkpoint {path}: {type(e).__name__}: {e}") from None
+    return {**meta, "model": full["model"], "ema": full["ema"]}
