@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -100,7 +99,9 @@ def save_sharded(ckpt_dir: Path, step: int, *, model: nn.Module, ema_model: nn.M
     tmp = final.with_name(f".{final.name}.tmp")
     if is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step killed earlier
+        # Saves killed midway (this step's or another's) left temp directories: no save is running now, remove them.
+        for leftover in ckpt_dir.glob(".ckpt_*.dcp.*"):  # .tmp (a save), .old / .del (a replace or a delete)
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
     dcp.save(_train_state(model, ema_model, optimizer), checkpoint_id=str(tmp))
@@ -111,13 +112,16 @@ def save_sharded(ckpt_dir: Path, step: int, *, model: nn.Module, ema_model: nn.M
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # the same step written again (a resume at the end): replace it
-            shutil.rmtree(final)
+        if final.exists():  # the same step written again (a resume at the end): move the old one aside first
+            os.replace(final, final.with_name(f".{final.name}.old"))
         os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
+        shutil.rmtree(final.with_name(f".{final.name}.old"), ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep]:
-            try:
-                shutil.rmtree(old)
+            try:  # renamed out of the listing first: a delete cut short never leaves a "complete" partial one
+                doomed = old.with_name(f".{old.name}.del")
+                os.replace(old, doomed)
+                shutil.rmtree(doomed)
             except OSError as e:
                 warnings.warn(f"could not delete old checkpoint {old}: {e}", stacklevel=2)
     dist.barrier()  # nobody reads the directory (or exits) before it is in place
@@ -132,16 +136,18 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"could not load {path / META}: {type(e).__name__}: {e}; resume from an earlier "
                               f"checkpoint in {path.parent}") from None
     if not isinstance(meta, dict) or meta.get("format") != "fastddpm-dcp-1":
-        raise CheckpointError(f"{path} is not a fastddpm sharded checkpoint")
+        raise CheckpointError(f"{path} is not a fastddpm sharded checkpoint (its meta.pt has no fastddpm-dcp-1 "
+                              f"format): pass a ckpt_<step>.dcp directory written by `fastddpm train --parallel fsdp`")
     return {**meta, "sharded": True, "path": str(path)}
 
 
 def latest_sharded(ckpt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest complete sharded checkpoint; a half-written one (killed save) is reported and removed."""
+    """The newest complete sharded checkpoint; a half-written one (killed save) is reported (the next save removes
+    it)."""
     if ckpt_dir.is_dir():
         for leftover in sorted(ckpt_dir.glob(".ckpt_*.dcp.tmp")):
-            warnings.warn(f"ignoring {leftover}: an incomplete sharded checkpoint from an interrupted save",
-                          stacklevel=2)
+            warnings.warn(f"ignoring {leftover}: an incomplete sharded checkpoint from an interrupted save (the next "
+                          "save removes it)", stacklevel=2)
     for path in reversed(list_sharded(ckpt_dir)):
         try:
             return path, read_meta(path)
@@ -160,26 +166,39 @@ def load_sharded(path: Path, *, model: nn.Module, ema_model: nn.Module, optimize
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:
-        raise CheckpointError(f"could not load the sharded checkpoint {path}: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}. If the model changed, start a new run "
-                              f"directory; otherwise resume from an earlier checkpoint in {path.parent}") from None
+        raise CheckpointError(f"could not load the sharded checkpoint {path}: {_describe(e)}. If the model changed, "
+                              f"start a new run directory; otherwise resume from an earlier checkpoint in "
+                              f"{path.parent}") from None
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema_model, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
+def _describe(e: Exception) -> str:
+    """DCP wraps each rank's error in a CheckpointException whose message names only the ranks: unwrap them."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {type(f).__name__}: {str(f).splitlines()[0] if str(f) else ''}"
+                         for r, f in sorted(failures.items()))
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A sharded checkpoint as one process sees a .pt checkpoint: {"model", "ema"} as full CPU tensors, plus the
-    metadata (step, config, ...). No process group needed."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """A sharded checkpoint as one process sees a .pt checkpoint: {"model", "ema"} as full CPU tensors (the
+    optimizer's shards are not read), plus the metadata (step, config, ...). No process group needed."""
+    # The loader behind torch's own dcp_to_torch_save (dcp.load() returns early on an empty state dict).
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
     meta = read_meta(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        try:
-            dcp_to_torch_save(str(path), str(out))
-            full = torch.load(out, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"could not read the sharded checkpoint {path}: {type(e).__name__}: {e}") from None
+    full: dict[str, Any] = {}
+    try:
+        # An empty state dict filled from the checkpoint's own index, for the two weight sets only.
+        _load_state_dict(full, storage_reader=FileSystemReader(str(path)),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model", "ema"}), no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"could not read the sharded checkpoint {path}: {_describe(e)}. Check that every "
+                              f"__<rank>_0.distcp file is there, or use an earlier checkpoint in {path.parent}") from None
     return {**meta, "model": full["model"], "ema": full["ema"]}

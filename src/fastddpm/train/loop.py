@@ -171,6 +171,13 @@ def resolve_resume(resume: str | None, run_dir: Path) -> tuple[Path, dict] | Non
     return path, load_checkpoint(path)
 
 
+def _saved_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Every complete checkpoint, .pt files and sharded .dcp directories, oldest first."""
+    from fastddpm.train.fsdp import list_sharded
+
+    return sorted(list_checkpoints(ckpt_dir) + list_sharded(ckpt_dir), key=lambda p: int(p.stem.split("_")[1]))
+
+
 def _newest(ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The newest usable checkpoint: a .pt file, or a sharded .dcp directory of an FSDP run (its metadata only;
     the shards are read once the model is sharded)."""
@@ -221,6 +228,10 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision, path: Pat
     x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
                autocast_dtype=precision.autocast_dtype)
+    if hasattr(ema_model, "reshard"):
+        # FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them,
+        # or the next grid would run on this grid's copy instead of re-gathering the updated EMA shards.
+        ema_model.reshard()
     if not save:
         return None
     scale = max(1, 128 // m.image_size)  # 28x28 digits are too small to judge at 1x
@@ -290,6 +301,13 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     resumed = resume if isinstance(resume, tuple) else resolve_resume(resume, run_dir)
     if resume == "latest" and resumed is None:
         log(f"--resume latest: no checkpoint in {run_dir / 'checkpoints'} yet, starting a new run")
+    if dist.enabled:  # each rank looked for itself: they must have found the same checkpoint (2 tiny collectives)
+        found_step = int(resumed[1]["step"]) if resumed is not None else -1
+        lowest, highest = -any_rank(-found_step, dist, device), any_rank(found_step, dist, device)
+        if lowest != highest:
+            raise ConfigError(
+                f"the ranks found different checkpoints to resume in {run_dir} (steps {lowest} to {highest}; -1 = "
+                f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
     if resumed is not None:
         check_same_architecture(resolve_model_shape(from_dict(resumed[1]["config"]), data.images.shape), cfg,
                                 resumed[0])
@@ -297,7 +315,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
     t = cfg.train
     fast = resolve_fast_path(t, device, precision, world_size=world if dist.enabled else 0,
                              parallel="fsdp" if fsdp else "ddp")
-    model, schedule = build_model(cfg, device=device, fast=fast)
+    model, schedule = build_model(cfg, device=device, fast=fast, keep_on_cpu=fsdp)
     image_shape = tuple(data.images.shape[1:])
 
     batch_note = "requested"
@@ -495,7 +513,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             if bad is not None:
                 if bar is not None:
                     bar.close()
-                saved = list_checkpoints(run_dir / "checkpoints")
+                saved = _saved_checkpoints(run_dir / "checkpoints")
                 last_ckpt = saved[-1] if saved else None
                 raise FloatingPointError(
                     f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all "
@@ -509,7 +527,7 @@ def _train(cfg: RunConfig, *, out_dir: str | Path, resume, log, stop: _StopFlag,
             if scaler is not None and scaler.get_scale() < 1.0:  # note: host-device sync, as above
                 if bar is not None:
                     bar.close()
-                saved = list_checkpoints(run_dir / "checkpoints")
+                saved = _saved_checkpoints(run_dir / "checkpoints")
                 raise FloatingPointError(
                     f"the fp16 loss scale fell to {scaler.get_scale():.3g} by step {step:,}: the gradients are "
                     f"NaN/Inf at every scale, so every recent step was skipped (not an fp16 overflow). Try "
@@ -589,7 +607,9 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
 
     path = Path(path)
     if path.is_dir() and path.suffix != ".dcp":  # a run directory
-        found = load_latest(path / "checkpoints")
+        found = _newest(path / "checkpoints")
+        if found is not None and found[1].get("sharded") and weights == "ema" and (path / "ema.safetensors").is_file():
+            found = None  # an FSDP run: its gathered EMA export is the cheap read
         if found is None:
             st = path / "ema.safetensors"
             if not st.is_file():

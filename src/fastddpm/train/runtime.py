@@ -117,6 +117,9 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         if g == "capture" and train_cfg.ema_every != 1:
             raise ConfigError("train.cuda_graphs=capture records the EMA inside the step: use --ema-every 1, or "
                               "--cuda-graphs reduce-overhead/off with --ema-every > 1")
+        if g == "reduce-overhead" and fsdp:
+            raise ConfigError("train.cuda_graphs=reduce-overhead does not capture FSDP's all-gathers and "
+                              "reduce-scatters: use --cuda-graphs off with --parallel fsdp")
         if g == "capture" and world_size:
             raise ConfigError(f"train.cuda_graphs=capture records the whole step in one graph, which does not "
                               f"include DDP's all-reduce ({world_size} rank(s)): use "
@@ -127,6 +130,9 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
     reasons["cuda_graphs"] = f"{graphs} ({why})"
     cl = train_cfg.channels_last
     channels_last = cl == "on"
+    if channels_last and fsdp:
+        raise ConfigError("train.channels_last=on: FSDP shards contiguous parameters only, and channels_last "
+                          "weights are not: use --channels-last off (or auto) with --parallel fsdp")
     reasons["channels_last"] = f"{'on' if channels_last else 'off'} (" + (
         "requested" if cl != "auto" else "auto: off until measured faster for this U-Net; GroupNorm has no "
         "NHWC kernel in eager") + ")"

@@ -30,13 +30,16 @@ class Optimization:
     step_fn: TrainStep
 
 
-def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath) -> tuple[UNet, NoiseSchedule]:
-    """The U-Net (initialised from (seed, "init")) and the noise schedule, on `device`."""
+def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
+                keep_on_cpu: bool = False) -> tuple[UNet, NoiseSchedule]:
+    """The U-Net (initialised from (seed, "init")) and the noise schedule, on `device`. `keep_on_cpu`: the U-Net
+    stays on the CPU (FSDP moves each block's shards to the device as it shards it, so no rank ever holds the
+    full model, or its EMA copy, on the GPU)."""
     t = cfg.train
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = fast.cudnn_benchmark
     torch.manual_seed(derive_seed(t.seed, "init"))
-    model = UNet(cfg.model).to(device)
+    model = UNet(cfg.model).to("cpu" if keep_on_cpu else device)
     model.grad_checkpointing = t.grad_checkpointing
     if fast.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -96,7 +99,7 @@ def _build_fsdp(cfg: RunConfig, model: UNet, schedule: NoiseSchedule, *, device:
     t = cfg.train
     if precision.use_grad_scaler:
         raise ConfigError("--parallel fsdp does not run fp16's GradScaler over sharded gradients: use --precision "
-                          "bf16 (same speed, no loss scaling) or fp32")
+                          "bf16 (same speed, no loss scaling), or fp32 on a GPU without bf16")
     if resume_state is not None and not resume_state.get("sharded"):
         raise CheckpointError(
             "the checkpoint to resume is a .pt file from a single-process or DDP run, and --parallel fsdp reads "

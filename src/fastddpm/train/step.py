@@ -128,12 +128,18 @@ class TrainStep:
         if self._fsdp:
             norm = norm.full_tensor()  # the norm of the sharded gradients is a DTensor: its value (a collective)
         finite = torch.isfinite(loss) & torch.isfinite(norm)
+        if self._ddp or self._fsdp:
+            # Every rank must skip together or none: a rank's own loss can be NaN while the reduced gradients are
+            # not. One scalar all-reduce (queued on the stream: no host sync).
+            agreed = finite.to(torch.int32)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            finite = agreed.bool()
         self.first_bad_step_t.copy_(torch.where(self.healthy_t & ~finite, self.step_t, self.first_bad_step_t))
         self.healthy_t.logical_and_(finite)
         if self.fused:
             self.optimizer.found_inf = (~self.healthy_t).float()  # the fused kernel skips the step when 1
             self.optimizer.step()
-        elif bool(self.healthy_t):  # the foreach optimizer is the CPU path: reading a CPU tensor is no sync
+        elif bool(self.healthy_t):  # foreach: the CPU path (no sync there), and FSDP's (one small sync per step)
             self.optimizer.step()
 
     @torch.no_grad()  # without it every EMA tensor grows an autograd chain, one node per step
