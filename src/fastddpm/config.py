@@ -399,7 +399,7 @@ PRESETS = {
 
 
 def positive_int(text: str) -> int:
-    """argparse type for counts given on the command line (bench, eval): a positive integer or a clear error."""
+    """argparse type for counts given on the command line (data, bench, eval): a positive integer or a clear error."""
     import argparse
 
     try:

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fastddpm.config import positive_int
 from fastddpm.data.errors import DataError
 from fastddpm.data.named import NAMED_DATASETS
 from fastddpm.data.prepare import info, prepare
@@ -58,22 +59,12 @@ examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="named dataset or path (see `fastddpm data --help`)")
     parser.add_argument("--split", default="train",
                         help="train (default) or test (alias t10k); val for split folders. Sources without "
                              "splits (a plain folder, .npy) accept only the default")
-    parser.add_argument("--resize", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--resize", type=positive_int, default=None, metavar="N",
                         help="make every image NxN (default: keep the source size; all images must match)")
     parser.add_argument("--resize-mode", choices=("center-crop", "stretch"), default="center-crop",
                         help="center-crop (default): scale the short side to N, crop the centre; "
@@ -110,7 +101,7 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     exp.add_argument("source", metavar="SOURCE", help="named dataset or path (see `fastddpm data --help`)")
     exp.add_argument("out", metavar="OUT", type=Path, help="output folder (created; must be empty or a previous export)")
     exp.add_argument("--split", default="train", help="train (default) or test")
-    exp.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="export only the first N images")
+    exp.add_argument("--limit", type=positive_int, default=None, metavar="N", help="export only the first N images")
     exp.add_argument("--overwrite", action="store_true", help="replace the PNGs of a previous, different export in OUT")
     exp.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                      help="cache root (default: $FASTDDPM_CACHE or ~/.cache/fastddpm)")
