@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fastddpm.bench.store import write_json  # noqa: E402
 from fastddpm.bench.timing import environment_record  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def run(nproc: int | None, args: argparse.Namespace, parallel: str = "ddp") -> f
         return statistics.median(rates)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="fashion-mnist")
     p.add_argument("--preset", default="seed-1layer")
@@ -57,29 +58,43 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    args = p.parse_args()
+    p.add_argument("--out", default=None, help="write the JSON result here (rewritten after each repeat)")
+    return p
+
+
+def summary(plain: list[float], dist: dict) -> tuple[float, list[dict]]:
+    base = statistics.median(plain)
+    rows = []
+    for (n, m), runs in dist.items():
+        if runs:
+            rate = statistics.median(runs)
+            rows.append({"world_size": n, "parallel": m, "images_per_s": rate, "per_gpu": rate / n,
+                         "efficiency": rate / n / base, "runs": runs})
+    return base, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     gpus = torch.cuda.device_count()
     worlds = [int(n) for n in args.nproc.split(",")] if args.nproc else sorted({1, max(gpus, 1)})
     modes = args.parallel.split(",")
+    env = environment_record("cuda" if gpus else "cpu", sys.argv if argv is None else [sys.argv[0], *argv])
     plain, dist = [], {(n, m): [] for n in worlds for m in modes}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         plain.append(run(None, args))
         for n, m in dist:
             dist[n, m].append(run(n, args, m))
-    base = statistics.median(plain)
+        if args.out:  # after each repeat: a run stopped by a time limit keeps the repeats it finished
+            base, rows = summary(plain, dist)
+            write_json(Path(args.out), {"environment": env, "complete": r + 1 == args.repeats,
+                                        "repeats_done": r + 1, "plain_images_per_s": base, "plain_runs": plain,
+                                        "distributed": rows})
+    base, rows = summary(plain, dist)
     print(f"plain: {base:,.0f} img/s (runs: {', '.join(f'{x:,.0f}' for x in plain)})")
-    rows = []
-    for (n, m), runs in dist.items():
-        rate = statistics.median(runs)
-        rows.append({"world_size": n, "parallel": m, "images_per_s": rate, "per_gpu": rate / n,
-                     "efficiency": rate / n / base, "runs": runs})
-        print(f"torchrun x{n} {m}: {rate:,.0f} img/s, {rate / n:,.0f} per GPU = {100 * rate / n / base:.1f}% of plain "
-              f"(runs: {', '.join(f'{x:,.0f}' for x in runs)})")
-    result = {"environment": environment_record("cuda" if gpus else "cpu", sys.argv), "plain_images_per_s": base,
-              "plain_runs": plain, "distributed": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    for row in rows:
+        n, m, rate = row["world_size"], row["parallel"], row["images_per_s"]
+        print(f"torchrun x{n} {m}: {rate:,.0f} img/s, {rate / n:,.0f} per GPU = {100 * row['efficiency']:.1f}% of "
+              f"plain (runs: {', '.join(f'{x:,.0f}' for x in row['runs'])})")
     return 0
 
 

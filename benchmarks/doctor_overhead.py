@@ -2,13 +2,15 @@
 profile of a run, end to end (promise: <= 60 s).
 
     PYTHONPATH=src python benchmarks/doctor_overhead.py [--device cuda] [--steps 200] [--repeats 7]
+        [--data fashion-mnist --report-dir DIR] [--out overhead.json]
 
 Overhead: the same loop (an MLP on data resident on the device, several step sizes) timed plain and under
 `fastddpm.doctor.watch(..., profile_steps=0)`, interleaved A/B per repeat so drift hits both alike; CUDA runs
 are timed with CUDA events around the loop, CPU runs with perf_counter. The report (diagnosis, peak
 measurement) runs after the timed loop and is not part of the overhead. Full profile: the wall time of
 `fastddpm doctor train` with its default window (5 warm-up + 40 watched + 10 profiled steps), set-up,
-diagnosis and report writing included.
+diagnosis and report writing included; --report-dir keeps its report (the fast path's own diagnosis).
+--out is rewritten after each step size, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fastddpm.bench.store import write_json  # noqa: E402
 from fastddpm.bench.timing import environment_record  # noqa: E402
 from fastddpm.doctor import watch  # noqa: E402
 
@@ -123,48 +126,60 @@ def bookkeeping_us_per_step(n: int = 20000) -> float:
     return per_step
 
 
-def full_profile_wall_s(device: torch.device, data: str | None) -> dict | None:
+def full_profile_wall_s(device: torch.device, data: str | None, report_dir: str | None = None) -> dict | None:
     if data is None:
         return None
     preset = "seed-1layer" if device.type == "cuda" else "tiny"
     with tempfile.TemporaryDirectory() as tmp:
+        report = Path(report_dir or tmp)
         cmd = [sys.executable, "-m", "fastddpm", "doctor", "train", "--preset", preset, "--data", data,
-               "--device", str(device), "--report-dir", tmp]
+               "--device", str(device), "--report-dir", str(report)]
         t0 = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
-        verdict = json.loads((Path(tmp) / "report.json").read_text())["verdict"] if out.returncode == 0 else None
+        verdict = json.loads((report / "report.json").read_text())["verdict"] if out.returncode == 0 else None
     return {"command": " ".join(cmd[1:]), "wall_s": wall, "returncode": out.returncode, "verdict": verdict,
+            "report_dir": report_dir, "stdout_tail": out.stdout[-2000:],
             "stderr_tail": out.stderr[-2000:] if out.returncode else ""}
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--data", default=None, help="a dataset for the full-profile timing (e.g. fashion-mnist)")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    args = p.parse_args()
+    p.add_argument("--report-dir", default=None, help="keep the full profile's report here (default: discarded)")
+    p.add_argument("--out", default=None, help="write the JSON result here (rewritten after each step size)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     sizes = [(1024, 256), (4096, 1024), (8192, 4096)] if device.type == "cuda" else [(256, 64), (512, 256), (1024, 256)]
     floor_us = bookkeeping_us_per_step()
     print(f"doctor bookkeeping: {floor_us:.1f} us per step (empty loop)")
+    env = environment_record(device, sys.argv if argv is None else [sys.argv[0], *argv])
     rows = []
+
+    def save(prof: dict | None, complete: bool) -> None:
+        if args.out:
+            write_json(Path(args.out), {"environment": env, "complete": complete, "bookkeeping_us_per_step": floor_us,
+                                        "overhead": rows, "full_profile": prof})
+
     for width, batch in sizes:
         r = overhead(width, batch, args.steps, args.repeats, device)
         rows.append(r)
+        save(None, complete=False)
         print(f"width {width:5d} batch {batch:5d}: step {r['plain_step_ms_median']:.3f} ms plain, "
               f"{r['watched_step_ms_median']:.3f} ms watched: overhead {100 * r['overhead_median']:+.2f}% "
               f"(min {100 * r['overhead_min']:+.2f}%, max {100 * r['overhead_max']:+.2f}%)", flush=True)
-    prof = full_profile_wall_s(device, args.data)
+    prof = full_profile_wall_s(device, args.data, args.report_dir)
     if prof:
         print(f"full profile (doctor train, default window): {prof['wall_s']:.1f} s end to end, "
               f"verdict {prof['verdict'] and prof['verdict']['id']}")
-    result = {"environment": environment_record(device, sys.argv), "bookkeeping_us_per_step": floor_us,
-              "overhead": rows, "full_profile": prof}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    save(prof, complete=True)
     return 0
 
 

@@ -1,80 +1,183 @@
 #!/usr/bin/env bash
-# What a GPU session measures, in few device calls (the device tool's budget favours few, full calls; one call
-# may run 10 minutes, so split the parts over calls: e.g. "tests throughput", then "ladder").
+# What a GPU session measures, in parts sized for device calls of 10 minutes at most.
 #
-#   bash benchmarks/gpu_session.sh [tests] [throughput] [ladder] [doctor] [quality-reference] [quality-fast]
-#                                  [quality-options] [eval] [ddp]               (default: tests throughput)
+#   bash benchmarks/gpu_session.sh PART [PART ...]      (parts run in the order given)
 #
-# Time to quality needs the reference first (the seed's recipe, 40 epochs: its own call), then the fast run and
-# the options against its target (the next calls, on the same warm machine: the runs live in $QUALITY_DIR; on a
-# fresh machine pass the target instead: TARGET_FID=<reference final FID> bash ... quality-fast).
+# part               estimate on one H100, and what it runs ((r): resumable, see below)
+#   tests             3-5 min      pytest -m cuda (graph capture vs eager, no host syncs, FSDP, eval, doctor)
+#   throughput        3-5 min (r)  bench throughput, seed-1layer at batch 64, 192, 512, 1024
+#   throughput-2layer 4-6 min (r)  bench throughput, seed-2layer at the same batch sizes
+#   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
+#   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
+#   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
+#   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
+#   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
+#   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
+#   quality-fast      3-4 min      the fast recipe's wall time to the target (needs quality-reference's file)
+#   quality-options   3-5 min      min-snr-5, v-prediction, cosine on the fast recipe (needs quality-fast's file)
+#   quality-options-2 3-5 min      no-ema-warmup, no-lr-warmup, lr-x2, likewise
+#   summarize         seconds      benchmarks/summarize_gpu.py RESULTS: the RESULTS.md tables (also runs here)
+# How these are estimated, and the call sequence: benchmarks/RESULTS.md, "GPU session: how to run it".
 #
-# Here, before the first call (once per session; .data/ is git-ignored and travels with `carry`):
+# One folder, RESULTS (default benchmarks/gpu/<UTC date>; GPU_RESULTS pins it), gets everything as it is
+# measured. The call has a budget (BUDGET_S, default 540 s of the device tool's 600 s): a part starts only when
+# the time left covers its estimate, and runs under a limit of the time left, so the call ends (and packs)
+# before the tool would kill it. Parts marked (r) rewrite their files after every variant / rung and, run
+# again into the same folder, skip what is already measured there: a part cut short resumes in the next call.
+# The last line printed is the next call's command: the parts not started, cut short or failed.
+#
+# With the device tool ($OUT set), RESULTS is packed into $OUT/gpu-results.tar.gz after every part (traces,
+# checkpoints and weights left out). Here, after each call, in the repository root:
+#   tar -xzf <files_at>/gpu-results.tar.gz
+# The folder is untracked and not ignored, so the next call's working tree carries it back to the device: that
+# is how quality-fast finds the reference's quality.json and how throughput / ladder resume across calls.
+#
+# Before the first call (.data/ is git-ignored and travels with `carry`):
 #   mkdir -p .data && cp -r /usr/share/datasets/fashion-mnist .data/
-# Device tool call: command "bash benchmarks/gpu_session.sh tests throughput", carry [".data"].
+# Device tool call: command "COMMIT=<git rev-parse HEAD, here> bash benchmarks/gpu_session.sh PARTS",
+# carry [".data"], timeout_s 600. (The device's copy of the tree may lack .git: COMMIT names the code.)
 # On the device machine torch + CUDA, pillow, tqdm, safetensors, pyyaml, matplotlib and pytest are preinstalled,
-# so the package runs from src/ without installing. Results land in $OUT (copied back by the tool); record them
-# in benchmarks/RESULTS.md with the device, date, torch version, commit and command (env.txt has them).
+# so the package runs from src/ without installing.
 set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export FASTDDPM_FMNIST_DIR=${FASTDDPM_FMNIST_DIR:-$PWD/.data/fashion-mnist}
 export FASTDDPM_CACHE=${FASTDDPM_CACHE:-/tmp/fastddpm-cache}
-OUT=${OUT:-/tmp/fastddpm-gpu-out}
-mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-PARTS=${*:-tests throughput}
-QUALITY_DIR=${QUALITY_DIR:-/tmp/fastddpm-quality}  # run directories (checkpoints) stay on the device machine
-QUALITY_REF=${QUALITY_REF:-$QUALITY_DIR/reference/quality.json}
+DATA=$FASTDDPM_FMNIST_DIR
+RES=${GPU_RESULTS:-benchmarks/gpu/$(date -u +%Y-%m-%d)}
+QUALITY_DIR=${QUALITY_DIR:-/tmp/fastddpm-quality}  # run directories (checkpoints: large) stay on the machine
+BUDGET_S=${BUDGET_S:-540}
+START=$(date +%s)
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+PARTS=("$@")
+AGAIN=()
+ALL="tests throughput throughput-2layer ladder ladder-fast doctor ddp quality-reference eval quality-fast
+     quality-options quality-options-2 summarize"
+if [ ${#PARTS[@]} -eq 0 ]; then
+  echo "usage: bash benchmarks/gpu_session.sh PART [PART ...]; parts:" $ALL; exit 2
+fi
+for part in "${PARTS[@]}"; do
+  case " $(echo $ALL) " in *" $part "*) ;; *) echo "unknown part $part; parts:" $ALL; exit 2 ;; esac
+done
+mkdir -p "$RES/calls" "$RES/logs"
 
-{
-  date -u +"%Y-%m-%dT%H:%M:%SZ"
-  git rev-parse HEAD 2>/dev/null || echo "commit unknown"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu --format=csv
+pack() {  # RESULTS -> $OUT/gpu-results.tar.gz (one file: the tool returns at most 8), renamed into place
+  [ -n "${OUT:-}" ] || return 0
+  tar -czf "$OUT/gpu-results.tar.gz.part" --exclude='*.pt.trace.json' --exclude='*.safetensors' \
+    --exclude='*.pt' --exclude='*.npz' "$RES" && mv -f "$OUT/gpu-results.tar.gz.part" "$OUT/gpu-results.tar.gz"
+}
+trap 'pack; exit 143' TERM INT
+
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+
+# limited NEED_S CMD...: CMD under `timeout` with the time left of this call's budget, if that covers NEED_S
+limited() {
+  local need=$1 t
+  shift
+  t=$(left)
+  if (( t < need )); then
+    echo "!! not started: it needs about ${need} s, ${t} s are left of this call's ${BUDGET_S} s: $*"
+    return 125
+  fi
+  if [ -n "${GPU_SESSION_DRY:-}" ]; then  # print the command instead (the tests parse every part's command)
+    printf 'DRY'; printf ' %q' "$@"; echo
+    return 0
+  fi
+  echo "\$ $* (limit ${t} s)"
+  timeout --signal=TERM --kill-after=15 "$t" "$@"
+  local rc=$?
+  if (( rc == 124 || rc == 137 )); then
+    echo "!! stopped at its ${t} s limit: what it wrote so far is kept (throughput and ladder resume when run again)"
+  fi
+  return $rc
+}
+
+# The call's record: device, driver, torch, commit, command (every part's table names it).
+$PY - "$COMMIT" "${PARTS[@]}" > "$RES/calls/$STAMP.json" <<'EOF'
+import json, sys
+import torch
+from fastddpm.bench.timing import environment_record
+env = environment_record("cuda" if torch.cuda.is_available() else "cpu",
+                         ["bash", "benchmarks/gpu_session.sh", *sys.argv[2:]])
+env["commit_given"] = sys.argv[1]
+print(json.dumps(env, indent=2, default=str))
+EOF
+{ echo "== call $STAMP: parts ${PARTS[*]}; results in $RES; commit $COMMIT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,temperature.gpu --format=csv 2>&1
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  echo "parts: $PARTS"
-} 2>&1 | tee "$OUT/env.txt"
+} 2>&1 | tee -a "$RES/session.log"
 
-for part in $PARTS; do
+copy_quality() {  # the small files of a quality run (not its checkpoints) into RESULTS
+  mkdir -p "$RES/$1" && cp "$QUALITY_DIR/$1"/quality.{json,md} "$RES/$1/" && cp "$QUALITY_DIR/$1"/quality.png "$RES/$1/" 2>/dev/null
+  return 0
+}
+
+for part in "${PARTS[@]}"; do
+  log="$RES/logs/$part.log"
+  t0=$(date +%s)
+  echo "== $part ($(left) s left of this call's budget)" | tee -a "$log"
   case $part in
     tests)
-      echo "== GPU tests (pytest -m cuda)"
-      timeout 240 $PY -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      mkdir -p "$RES/tests"
+      limited 240 $PY -m pytest -q -m cuda -p no:cacheprovider --junitxml="$RES/tests/junit.xml" tests ;;
     throughput)
-      echo "== throughput benchmark"
-      timeout 330 $PY -m fastddpm bench throughput --out "$OUT/throughput" 2>&1 | tee "$OUT/throughput.log" ;;
+      limited 90 $PY -m fastddpm bench throughput --presets seed-1layer --out "$RES/throughput-seed-1layer" ;;
+    throughput-2layer)
+      limited 90 $PY -m fastddpm bench throughput --presets seed-2layer --out "$RES/throughput-seed-2layer" ;;
     ladder)
-      echo "== ladder (data: the carried Fashion-MNIST files)"
-      timeout 560 $PY -m fastddpm bench ladder --data "$FASTDDPM_FMNIST_DIR" --out "$OUT/ladder" 2>&1 |
-        tee "$OUT/ladder.log" ;;
+      limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 0,1,2,3,3b,4,5 --out "$RES/ladder" ;;
+    ladder-fast)
+      # the MLP ladder's rows are reused from `ladder` (measured here only if that call did not get to them)
+      limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 6,7,8,9 --out "$RES/ladder" ;;
     doctor)
-      echo "== doctor: planted faults on the GPU, watch overhead, the fast path's own diagnosis"
-      timeout 200 $PY -m fastddpm.doctor.planted --device cuda --out "$OUT/doctor_planted" 2>&1 |
-        tee "$OUT/doctor_planted.log"
-      timeout 200 $PY benchmarks/doctor_overhead.py --device cuda --data "$FASTDDPM_FMNIST_DIR" \
-        --out "$OUT/doctor_overhead.json" 2>&1 | tee "$OUT/doctor_overhead.log"
-      timeout 150 $PY -m fastddpm doctor train --data "$FASTDDPM_FMNIST_DIR" --report-dir "$OUT/doctor_fastpath" \
-        2>&1 | tee "$OUT/doctor_fastpath.log" ;;
-    quality-reference)
-      echo "== time to quality: the seed's recipe once (seed-1layer, 40 epochs); its final FID is the target"
-      timeout 580 $PY -m fastddpm bench quality --reference-only --data "$FASTDDPM_FMNIST_DIR" \
-        --out "$QUALITY_DIR/reference" 2>&1 | tee "$OUT/quality_reference.log"
-      mkdir -p "$OUT/quality-reference" && cp "$QUALITY_DIR"/reference/quality.{json,md,png} "$OUT/quality-reference/" ;;
-    quality-fast|quality-options)
-      if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID"); else target=(--reference-from "$QUALITY_REF"); fi
-      options=(); [ "$part" = quality-options ] && options=(--options min-snr-5,v-prediction,cosine,no-ema-warmup,lr-x2)
-      echo "== time to quality: $part (${target[*]})"
-      timeout 580 $PY -m fastddpm bench quality "${target[@]}" "${options[@]}" --data "$FASTDDPM_FMNIST_DIR" \
-        --out "$QUALITY_DIR/$part" 2>&1 | tee "$OUT/${part//-/_}.log"
-      mkdir -p "$OUT/$part" && cp "$QUALITY_DIR/$part"/quality.{json,md,png} "$OUT/$part/" ;;
-    eval)
-      echo "== fastddpm eval: 10,000 DDIM-50 samples (bf16, compiled) from the reference run, samples/s and FID"
-      timeout 400 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/reference/reference" --num-samples 10000 \
-        --steps 50 --out "$OUT/eval" --no-progress 2>&1 | tee "$OUT/eval.log" ;;
+      mkdir -p "$RES/doctor"
+      limited 300 $PY -m fastddpm.doctor.planted --device cuda --out "$RES/doctor/planted" 2>&1 |
+        tee "$RES/doctor/planted.txt"
+      planted=${PIPESTATUS[0]}
+      limited 200 $PY benchmarks/doctor_overhead.py --device cuda --repeats 5 --data "$DATA" \
+        --report-dir "$RES/doctor/fastpath" --out "$RES/doctor/overhead.json"
+      overhead=$?
+      (( planted != 0 )) && exit "$planted"  # this case runs in the pipeline's subshell: exit ends only the part
+      exit "$overhead" ;;
     ddp)
-      echo "== DDP and FSDP overhead at world size 1 (and scaling over all GPUs, if several)"
-      timeout 580 $PY benchmarks/ddp_overhead.py --data "$FASTDDPM_FMNIST_DIR" --repeats 2 --parallel ddp,fsdp \
-        --out "$OUT/ddp_overhead.json" 2>&1 | tee "$OUT/ddp_overhead.log" ;;
-    *) echo "unknown part $part (tests, throughput, ladder, doctor, quality-reference, quality-fast, quality-options,"\
-            "eval, ddp)"; exit 2 ;;
-  esac
+      mkdir -p "$RES/ddp"
+      limited 360 $PY benchmarks/ddp_overhead.py --data "$DATA" --repeats 2 --parallel ddp,fsdp \
+        --out "$RES/ddp/ddp_overhead.json" ;;
+    quality-reference)
+      limited 300 $PY -m fastddpm bench quality --reference-only --data "$DATA" --out "$QUALITY_DIR/quality-reference" &&
+        copy_quality quality-reference ;;
+    eval)
+      if [ ! -d "$QUALITY_DIR/quality-reference/reference" ]; then
+        echo "!! eval needs the reference run of quality-reference on this machine: run \"quality-reference eval\" in one call"
+        false
+      else
+        limited 90 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/quality-reference/reference" --num-samples 10000 \
+          --steps 50 --out "$RES/eval" --no-progress
+      fi ;;
+    quality-fast)
+      if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID")
+      else target=(--reference-from "$RES/quality-reference/quality.json"); fi
+      limited 240 $PY -m fastddpm bench quality "${target[@]}" --data "$DATA" --out "$QUALITY_DIR/quality-fast" &&
+        copy_quality quality-fast ;;
+    quality-options|quality-options-2)
+      if [ "$part" = quality-options ]; then options=min-snr-5,v-prediction,cosine; else options=no-ema-warmup,no-lr-warmup,lr-x2; fi
+      limited 240 $PY -m fastddpm bench quality --fast-from "$RES/quality-fast/quality.json" --options "$options" \
+        --data "$DATA" --out "$QUALITY_DIR/$part" && copy_quality "$part" ;;
+    summarize)
+      $PY benchmarks/summarize_gpu.py "$RES" ;;
+  esac 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  (( rc != 0 )) && AGAIN+=("$part")
+  printf '{"call": "%s", "part": "%s", "rc": %d, "wall_s": %d, "commit": "%s"}\n' \
+    "$STAMP" "$part" "$rc" $(( $(date +%s) - t0 )) "$COMMIT" >> "$RES/calls/parts.jsonl"
+  echo "== $part: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$RES/session.log"
+  pack
 done
+echo "results in $RES$([ -n "${OUT:-}" ] && echo "; packed in \$OUT/gpu-results.tar.gz")"
+if [ ${#AGAIN[@]} -gt 0 ]; then
+  echo "next call (parts not started, cut short or failed): bash benchmarks/gpu_session.sh ${AGAIN[*]}"
+else
+  echo "every part finished (exit 0)"
+fi

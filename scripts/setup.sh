@@ -5,7 +5,8 @@
 #     torch==2.13.0; set FASTDDPM_TORCH_INDEX to a CPU wheel index if your pip would otherwise pull CUDA wheels).
 #     With a GPU, pip resolves torch from the package's range, which admits your CUDA build.
 #   - the default dataset: Fashion-MNIST from Debian's dataset-fashion-mnist package (works offline).
-#   - EXTRAS=test also installs pytest.
+#   - EXTRAS=test also installs pytest (with pytest-random-order) and Debian's chromium, which the doctor's
+#     HTML report test renders in (headless), so that test runs on every fresh machine instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,12 +39,21 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The default dataset, offline: Debian ships the full Fashion-MNIST as IDX files.
+# Debian packages: the default dataset (offline: Debian ships the full Fashion-MNIST as IDX files), and for the
+# tests a headless browser. apt-get update runs once, only when something is missing.
+SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+apt_updated=""
+apt_install() {  # apt_install PACKAGE WHY
+  command -v apt-get >/dev/null 2>&1 || { echo "setup: no apt-get here; install $1 yourself ($2)"; return 1; }
+  echo "setup: installing Debian's $1 ($2)"
+  if [ -z "$apt_updated" ]; then $SUDO apt-get update -qq && apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$1" >/dev/null
+}
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
-  if command -v apt-get >/dev/null 2>&1; then
-    SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
-    echo "setup: installing Debian's dataset-fashion-mnist (the default dataset)"
-    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
-      echo "setup: could not install dataset-fashion-mnist; fastddpm will try to download Fashion-MNIST instead"
-  fi
+  apt_install dataset-fashion-mnist "the default dataset" ||
+    echo "setup: could not install dataset-fashion-mnist; fastddpm will try to download Fashion-MNIST instead"
+fi
+if [[ ",$EXTRAS," == *",test,"* ]] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium "the doctor's HTML report is tested in a real browser" ||
+    echo "setup: could not install chromium; the browser test of the doctor's HTML report will skip"
 fi

@@ -6,9 +6,63 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 # Debian's dataset-fashion-mnist; FASTDDPM_FMNIST_DIR points elsewhere (e.g. a copy carried to a GPU machine).
 FMNIST_DIR = Path(os.environ.get("FASTDDPM_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
+
+
+def _native_bf16_gpu() -> bool:
+    # Not torch.cuda.is_bf16_supported(): it also says True on a T4 (sm75), which only emulates bf16.
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+# For the GPU tests that run in bf16: a T4 or V100 runs the seed's recipe in fp16 instead.
+needs_bf16_gpu = pytest.mark.skipif(not _native_bf16_gpu(),
+                                    reason="needs a CUDA GPU with native bf16 (compute capability >= 8.0)")
+
+
+def _set_by_the_tools(name: str) -> bool:
+    """Environment variables that pytest and torch set for themselves (torch's inductor caches, on first use)."""
+    return name in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") or name.startswith(
+        "_TORCHINDUCTOR")
+
+
+def _process_state() -> dict:
+    """What one test can change for every later test in this process (they share it): torch's global switches,
+    the environment, the working directory and the signal handlers."""
+    import signal
+
+    return {
+        "torch intra-op threads": torch.get_num_threads(),
+        "grad mode": torch.is_grad_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "environment": {k: v for k, v in os.environ.items() if not _set_by_the_tools(k)},
+        "working directory": os.getcwd(),
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_process_as_it_found_it():
+    """The suite must pass in any order: a test (or the library code it calls) that changes process-wide state and
+    does not put it back fails here, naming what it changed, instead of changing the tests that run after it."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    changed = [k for k in before if before[k] != after[k]]
+    if "environment" in changed:
+        env_b, env_a = before["environment"], after["environment"]
+        keys = sorted(k for k in env_b.keys() | env_a.keys() if env_b.get(k) != env_a.get(k))
+        changed[changed.index("environment")] = f"environment ({', '.join(keys)})"
+    if changed:
+        pytest.fail(f"the test left process-wide state changed: {'; '.join(changed)}", pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

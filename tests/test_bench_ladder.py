@@ -2,6 +2,7 @@
 numbers; a planted failing rung is reported failed while the later rungs still run."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -34,7 +35,7 @@ def quick_run(tmp_path_factory):
 def test_outputs_exist_and_parse(quick_run):
     out, _ = quick_run
     data = json.loads((out / "ladder.json").read_text())
-    assert data["schema"] == "fastddpm-bench-ladder-1"
+    assert data["schema"] == "fastddpm-bench-ladder-2" and data["complete"] is True
     assert data["environment"]["command"] == ["test"] and data["environment"]["torch"]
     rows = list(csv.DictReader(open(out / "ladder.csv")))
     assert [r["rung"] for r in rows] == RUNG_KEYS
@@ -85,3 +86,131 @@ def test_mlp_ladder(quick_run):
 def test_cli_rejects_bad_flags(capsys):
     assert bench_main(["bench", "ladder", "--preset", "tiny", "--num-images", "10", "--quick"]) == 2
     assert "--num-images" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bf16 rungs follow the compute capability, not torch.cuda.is_bf16_supported() (issue 13, item 1)
+
+
+@pytest.mark.parametrize("name, capability, native", [("Tesla T4", (7, 5), False),
+                                                      ("NVIDIA A100-SXM4-80GB", (8, 0), True)])
+def test_bf16_rungs_follow_native_bf16(monkeypatch, name, capability, native):
+    import torch
+
+    from fastddpm.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **kw: True)  # a T4's answer: it counts emulation
+    cuda = torch.device("cuda")  # never touched: only its type and the patched queries are read
+    plan = {rung.key: (sw, skip) for rung, sw, skip in ladder_rungs.plan(cuda, workers=2, quick=False)}
+    assert plan["3"][1] is None and plan["3"][0].precision == "fp16"  # fp16 + GradScaler runs on both
+    if native:
+        assert plan["3b"][1] is None and plan["8"][1] is None
+        assert ladder_rungs.precision_of("bf16", cuda).autocast_dtype == torch.bfloat16
+        assert plan["9"][0].precision == "bf16" and plan["9"][0].cuda_graphs  # rung 8's bf16 + graphs carry
+    else:
+        for key in ("3b", "8"):
+            assert plan[key][1].startswith("skipped") and f"{name} is sm75" in plan[key][1] \
+                and "emulated" in plan[key][1], plan[key][1]
+        # skipped rungs do not carry: rung 9 runs fp16, uncaptured
+        assert plan["9"][0].precision == "fp16" and not plan["9"][0].cuda_graphs
+        # the ladder's precisions go through the trainer's resolve_precision: no emulated bf16 behind its back
+        with pytest.raises(ConfigError, match="emulated"):
+            ladder_rungs.precision_of("bf16", cuda)
+    assert ladder_rungs.precision_of("fp16", cuda).use_grad_scaler
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU busy counts kernels, memcpy and memset only (issue 13, item 5)
+
+
+def test_gpu_busy_counts_work_not_annotation_ranges():
+    from fastddpm.bench.ladder import gpu_busy_us
+
+    def ev(cat, ts, dur, name="x"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [
+        ev("gpu_user_annotation", 0, 1000, "fastddpm::step"),  # spans the idle gap 100..500: not work
+        ev("kernel", 0, 100),
+        ev("gpu_memcpy", 500, 50, "Memcpy HtoD (Pinned -> Device)"),
+        ev("gpu_memset", 540, 30, "Memset (Device)"),  # overlaps the copy: counted once
+        ev("kernel", 800, 100), ev("kernel", 850, 100),  # two streams, overlapping: 800..950
+        ev("cuda_runtime", 0, 1000, "cudaStreamSynchronize"),  # host-side, not GPU work
+        ev("cpu_op", 0, 1000, "aten::mm"),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 300},  # not a duration event
+    ]
+    assert gpu_busy_us(events) == pytest.approx(100 + 70 + 150)
+    assert gpu_busy_us([ev("gpu_user_annotation", 0, 1000)]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results written after every rung, and a re-run that skips what is measured (issue 13, item 4)
+
+
+def test_a_killed_ladder_keeps_its_rungs_and_a_rerun_measures_only_the_rest(tmp_path, monkeypatch):
+    real = ladder_rungs.prepare_rung
+    prepared = []
+
+    def killed_at_rung_4(rung, sw, ctx):
+        if rung.key == "4":
+            raise KeyboardInterrupt  # a time limit's signal: not an Exception, the ladder does not go on
+        prepared.append(rung.key)
+        return real(rung, sw, ctx)
+
+    settings = LadderSettings(**{**QUICK, "repeats": 1, "steps": 1}, workers=0, device="cpu", quick=True, mlp=False,
+                              rungs=("0", "4", "6"))
+    monkeypatch.setattr(ladder_rungs, "prepare_rung", killed_at_rung_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(settings, tmp_path, argv=["first"], log=lambda m: None)
+    saved = json.loads((tmp_path / "ladder.json").read_text())
+    status = {r["rung"]: r["status"] for r in saved["rungs"]}
+    assert saved["complete"] is False and status == {"0": "ok", "1": "not run", "2": "not run", "3": "skipped",
+                                                     "3b": "skipped"}
+    assert [r["rung"] for r in csv.DictReader(open(tmp_path / "ladder.csv"))] == ["0", "1", "2", "3", "3b"]
+    assert "Incomplete" in (tmp_path / "ladder.md").read_text()
+
+    def counting(rung, sw, ctx):
+        prepared.append(rung.key)
+        return real(rung, sw, ctx)
+
+    prepared.clear()
+    monkeypatch.setattr(ladder_rungs, "prepare_rung", counting)
+    lines = []
+    result = run_ladder(settings, tmp_path, argv=["second"], log=lines.append)
+    assert prepared == ["4", "6"]  # rung 0 was reused
+    assert any("rung 0 baseline: already measured" in line for line in lines)
+    rows = {r["rung"]: r for r in result["rungs"]}
+    assert rows["0"]["run"]["command_line"] == "first" and rows["4"]["run"]["command_line"] == "second"
+    assert rows["4"]["speedup_vs_baseline"] == pytest.approx(rows["4"]["images_per_s"] / rows["0"]["images_per_s"])
+
+    # Split over two runs into one folder: --rungs 9 adds rung 9 and keeps 0, 4 and 6.
+    prepared.clear()
+    result = run_ladder(LadderSettings(**{**dataclasses.asdict(settings), "rungs": ("9",)}), tmp_path,
+                        argv=["third"], log=lambda m: None)
+    assert prepared == ["9"]
+    assert [r["rung"] for r in result["rungs"] if r["status"] == "ok"] == ["0", "4", "6", "9"]
+    assert {r["run"]["command_line"] for r in result["rungs"] if r["status"] == "ok"} == {"first", "second", "third"}
+
+
+def test_rungs_flag_rejects_unknown_keys(capsys):
+    assert bench_main(["bench", "ladder", "--quick", "--device", "cpu", "--rungs", "0,3c"]) == 2
+    assert "unknown rung(s) 3c" in capsys.readouterr().err
+
+
+def test_the_gpu_summary_reads_this_runs_files(quick_run, tmp_path):
+    """benchmarks/summarize_gpu.py turns the file this command writes into a RESULTS.md table."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    out, result = quick_run
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "summarize_gpu.py"
+    spec = importlib.util.spec_from_file_location("summarize_gpu", path)
+    summarize_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize_gpu)
+    shutil.copytree(out, tmp_path / "ladder")
+    md = "\n".join(summarize_gpu.section_ladder(tmp_path, summarize_gpu.Calls(tmp_path)))
+    assert "Measured " in md and "`test`" in md and result["data"]["fingerprint"] in md
+    assert "| 0 | baseline |" in md and "MLP ladder" in md

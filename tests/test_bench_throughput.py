@@ -44,9 +44,11 @@ def test_quick_run_json_holds_one_sane_row_per_variant(quick_run):
     _, result = quick_run
     rows = result["results"]
     assert [(r["preset"], r["batch_size"]) for r in rows] == [("tiny", 8), ("tiny", 16)]
-    peak_tflops = result["peak"]["tflops"]
-    assert peak_tflops > 0 and "fp32" in result["peak"]["label"]
+    assert result["complete"] is True and list(result["peaks"]) == ["fp32"]  # one peak, shared by both variants
+    peak_tflops = result["peaks"]["fp32"]["tflops"]
+    assert peak_tflops > 0 and "fp32" in result["peaks"]["fp32"]["label"]
     for r in rows:
+        assert r["mfu_dtype"] == "fp32" and r["mfu_peak_tflops"] == peak_tflops
         assert r["status"] == "ok", r["error"]
         s = r["step_ms"]
         assert all(math.isfinite(s[k]) for k in ("min", "median", "max"))
@@ -104,12 +106,13 @@ def test_quick_run_markdown_has_the_table(quick_run):
     out, _ = quick_run
     md = (out / "throughput.md").read_text()
     assert TABLE_HEADER in md
-    for name in ("preset", "batch", "images/s", "step ms median [min-max]", "compile s", "MFU %", "peak mem GiB",
-                 "recompiles", "input wait %"):
+    for name in ("preset", "batch", "images/s", "step ms median [min-max]", "compile s", "MFU % (peak dtype)",
+                 "peak mem GiB", "recompiles", "input wait %"):
         assert f" {name} |" in TABLE_HEADER
     rows = [line for line in md.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 2
     assert rows[0].startswith("| tiny | 8 |") and rows[1].startswith("| tiny | 16 |")
+    assert all(" (fp32) |" in line for line in rows)  # the MFU names its peak's dtype
     assert all(line.count("|") == TABLE_HEADER.count("|") for line in rows)
 
 
@@ -205,3 +208,140 @@ def test_quick_flags_yield_to_explicit_ones():
     assert (s.presets, s.batch_sizes, s.warmup_steps, s.steps, s.repeats) == (("tiny",), (4,), 2, 3, 3)
     full = throughput_settings(_parser().parse_args(["bench", "throughput"]))
     assert full.presets == ("seed-1layer", "seed-2layer") and full.batch_sizes == (64, 192, 512, 1024)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MFU against a peak in the step's own dtype (issue 13, item 2)
+
+
+def _fake_peak(calls: list, tflops: float = 0.5):
+    """A measure_matmul_peak that records the dtype it was asked for and returns a fixed peak."""
+    from fastddpm.bench.timing import matmul_dtype_name
+
+    def fake(device, *, dtype=None, **kw):
+        calls.append(dtype)
+        name = matmul_dtype_name(dtype, torch.device(device)) if dtype is not None else "bf16 (the old default)"
+        return {"tflops": tflops, "label": f"fake {name}", "device": str(device), "dtype": name}
+
+    return fake
+
+
+@pytest.mark.parametrize("precision, dtype, name", [("bf16", torch.bfloat16, "bf16"), ("fp32", torch.float32, "fp32")])
+def test_mfu_divides_by_the_peak_of_the_steps_own_dtype(tmp_path, monkeypatch, precision, dtype, name):
+    from fastddpm.bench import throughput
+
+    calls = []
+    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak(calls, tflops=0.5))
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4, 8), warmup_steps=1, steps=1, repeats=1,
+                                  precision=precision, device="cpu", num_images=64)
+    result = run_throughput(settings, tmp_path, log=lambda line: None)
+    assert calls == [dtype]  # one peak per dtype, measured once and shared by both variants
+    assert list(result["peaks"]) == [name]
+    for r in result["results"]:
+        assert r["status"] == "ok", r["error"]
+        assert r["precision"] == precision and r["mfu_dtype"] == name and r["mfu_peak_tflops"] == 0.5
+        assert r["mfu_pct"] == pytest.approx(100 * r["flops_per_step"] / (r["step_ms"]["median"] / 1000) / 0.5e12)
+    md = (tmp_path / "throughput.md").read_text()
+    assert f"peak for MFU ({name}): 0.500 TFLOP/s (fake {name})" in md
+    assert all(f" ({name}) |" in line for line in md.splitlines() if line.startswith("| tiny |"))
+
+
+def test_fp32_on_cuda_is_measured_and_labelled_as_tf32_when_training_allows_it(monkeypatch):
+    """Training turns TF32 on for fp32 matmuls, so an fp32 run's peak on CUDA is an fp32 matmul run as TF32."""
+    from fastddpm.bench import throughput
+    from fastddpm.bench.timing import matmul_dtype_name
+    from fastddpm.train.runtime import Precision
+
+    cuda = torch.device("cuda")  # never touched: the peak is faked
+    calls = []
+    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak(calls))
+    before = torch.backends.cuda.matmul.allow_tf32  # a module with its own __setattr__: set and restore by hand
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        peaks = throughput.PeakCache(cuda, log=lambda line: None)
+        assert peaks.get(Precision("fp32", None, False, "test"))["dtype"] == "tf32"
+        assert peaks.get(Precision("fp16", torch.float16, True, "test"))["dtype"] == "fp16"
+        assert peaks.get(Precision("fp32", None, False, "test"))["dtype"] == "tf32"  # cached, not measured again
+        assert calls == [torch.float32, torch.float16]
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert matmul_dtype_name(torch.float32, cuda) == "fp32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert matmul_dtype_name(torch.float32, torch.device("cpu")) == "fp32"
+    assert matmul_dtype_name(torch.bfloat16, cuda) == "bf16"
+
+
+def test_measure_matmul_peak_measures_in_the_dtype_asked():
+    from fastddpm.bench.timing import measure_matmul_peak
+
+    peak = measure_matmul_peak("cpu", dtype=torch.bfloat16, n=64, trials=1, iters=1)
+    assert peak["dtype"] == "bf16" and "bf16 matmul 64x64x64" in peak["label"] and peak["tflops"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results written after every variant, and a re-run that skips what is measured (issue 13, item 4)
+
+
+def test_a_killed_run_keeps_its_first_variant_and_a_rerun_measures_only_the_rest(tmp_path, monkeypatch):
+    from fastddpm.bench import throughput
+
+    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak([]))
+    real = throughput.measure_variant
+    measured = []
+
+    def killed_at_the_second(v, *a, **kw):
+        if measured:
+            raise KeyboardInterrupt  # what a time limit's signal looks like from inside: not an Exception
+        measured.append(v.batch_size)
+        return real(v, *a, **kw)
+
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4, 8), warmup_steps=1, steps=1, repeats=1,
+                                  device="cpu", num_images=64)
+    monkeypatch.setattr(throughput, "measure_variant", killed_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_throughput(settings, tmp_path, log=lambda line: None)
+    saved = json.loads((tmp_path / "throughput.json").read_text())
+    assert saved["complete"] is False and [r["batch_size"] for r in saved["results"]] == [4]
+    assert saved["results"][0]["status"] == "ok"
+    assert "Incomplete" in (tmp_path / "throughput.md").read_text()
+    assert not list(tmp_path.glob(".*.tmp"))  # the atomic writes left no temporary file behind
+
+    def counting(v, *a, **kw):
+        measured.append(v.batch_size)
+        return real(v, *a, **kw)
+
+    measured.clear()
+    monkeypatch.setattr(throughput, "measure_variant", counting)
+    lines = []
+    result = run_throughput(settings, tmp_path, log=lines.append)
+    assert measured == [8]  # batch 4 was reused, not measured again
+    assert any("tiny batch 4: already measured" in line for line in lines)
+    assert [r["batch_size"] for r in result["results"]] == [4, 8] and result["complete"] is True
+    assert result["results"][0] == saved["results"][0] | {"ratio_to_first": 1.0}
+    assert len(result["runs"]) == 2  # both runs are named as the rows' provenance
+
+    # Other timing settings: nothing matches, everything is measured again (and the old file is kept aside).
+    measured.clear()
+    run_throughput(dataclasses.replace(settings, steps=2), tmp_path, log=lambda line: None)
+    assert measured == [4, 8] and (tmp_path / "throughput.replaced.json").is_file()
+    # --remeasure: the same settings, measured again.
+    measured.clear()
+    run_throughput(dataclasses.replace(settings, steps=2, remeasure=True), tmp_path, log=lambda line: None)
+    assert measured == [4, 8]
+
+
+def test_the_gpu_summary_reads_this_runs_files(quick_run, tmp_path):
+    """benchmarks/summarize_gpu.py turns the file this command writes into a RESULTS.md table."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    out, result = quick_run
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "summarize_gpu.py"
+    spec = importlib.util.spec_from_file_location("summarize_gpu", path)
+    summarize_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize_gpu)
+    shutil.copytree(out, tmp_path / "throughput-tiny")
+    md = "\n".join(summarize_gpu.section_throughput(tmp_path, summarize_gpu.Calls(tmp_path)))
+    assert "### Throughput: tiny" in md and result["environment"]["command_line"] in md
+    assert f"torch {torch.__version__}" in md and "| tiny | 8 |" in md and "(fp32) |" in md

@@ -100,3 +100,29 @@ def test_docs_config_reference_is_current():
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     assert doc.read_text() == reference_markdown(), "regenerate: python -m fastddpm.config > docs/config.md"
+
+
+def test_preset_help_states_the_real_parameter_counts():
+    """`train --help` and the README's preset table give each preset's parameter count: both must match the
+    model the preset builds (the help text is generated from the presets' docstrings, the README is checked)."""
+    import re
+    from pathlib import Path
+
+    from fastddpm.cli import _train_epilog
+    from fastddpm.config import preset_summaries, resolve_model_shape
+    from fastddpm.models import UNet, count_parameters
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    help_text = " ".join(_train_epilog().split())
+    for name, summary in preset_summaries().items():
+        n = count_parameters(UNet(resolve_model_shape(get_preset(name), (1, 1, 28, 28)).model))
+        stated = re.search(r"~?([\d.]+)(k|M)[- ]param", summary)
+        assert stated, f"preset {name}'s docstring summary names no parameter count: {summary!r}"
+        value = float(stated.group(1)) * (1e3 if stated.group(2) == "k" else 1e6)
+        assert abs(value - n) <= 0.05 * n, f"preset {name}: docstring says {stated.group(0)}, the model has {n:,}"
+        assert f"{name} {summary}" in help_text
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"README's preset table has no row for {name}"
+        in_readme = re.search(r"~?([\d.]+)(k|M) params", row)
+        value = float(in_readme.group(1)) * (1e3 if in_readme.group(2) == "k" else 1e6)
+        assert abs(value - n) <= 0.05 * n, f"README says {in_readme.group(0)} for {name}, the model has {n:,}"

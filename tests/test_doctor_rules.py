@@ -1,8 +1,18 @@
-"""The rules on hand-made step records: which numbers fire which finding, and which never make a verdict."""
+"""The rules on hand-made step records: which numbers fire which finding, and which never make a verdict.
+Then each rule function on typed measurements built by hand, and the measurements' dict form."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import pytest
+
+from fastddpm.doctor import rules
+from fastddpm.doctor.measurements import (CompileCounts, CpuLoad, DeviceMemory, LoaderProbe, Measurements, Mfu,
+                                          StepRecord, StepStats, Telemetry)
 from fastddpm.doctor.rules import evaluate, verdict
+from fastddpm.doctor.trace import TraceStats
 
 
 def steps(n=20, host=10.0, wait=0.2, **over):
@@ -67,3 +77,231 @@ def test_recompiles_after_warmup_name_the_step():
                       compile={"recompiles_after_warmup": 1, "graph_breaks_after_warmup": 0, "cudagraph_skips": 0})
     assert v["id"] == "recompiles"
     assert "step(s) 7 (400 ms" in found["recompiles"].evidence[1]
+
+
+def test_low_mfu_names_the_dtype_of_the_peak_it_divides_by():
+    # a busy GPU (idle 2%) doing little math; an fp32 run's MFU is against the TF32 peak, and says so
+    busy_gpu = {"has_gpu": True, "idle_share": 0.02, "host_wait_share": 0.01, "kernel_wait_share": 0.01,
+                "host_wait_by_cause": {}, "kernels_per_step": 400, "median_kernel_us": 30.0,
+                "eager_kernels_per_step": 400, "graph_kernel_share": 0.0, "short_kernel_share": 0.0,
+                "median_launch_us": 5.0, "queue_depth_median": 40, "queue_depth_max": 90,
+                "gemm_flops_per_step": {"fp32": 1e9}, "gemm_time_share": {"fp32": 0.1}}
+    mfu = {"mfu": 0.01, "flops_per_step": 1e9, "step_ms": 2.0, "peak_tflops": 50.0, "peak_label": "measured",
+           "peak_dtype": "tf32", "peak_dtype_basis": "the input dtype of 100% of the matmul/conv FLOPs"}
+    _, found, _ = run(steps(), device="cuda:0", trace=busy_gpu, mfu=mfu)
+    assert "measured tf32 matmul peak of 50 TFLOP/s" in found["low-mfu"].evidence[0]
+
+
+# ---- one test per rule function, on typed measurements built by hand: the rule fires, and does not
+
+
+def record(n=20, host_ms=10.0, wait_ms=0.2, device="cpu", **parts) -> Measurements:
+    return Measurements(device=device, steps=[StepRecord(i, host_ms, wait_ms, 0.0, False) for i in range(n)],
+                        **parts)
+
+
+def gpu_trace(**over) -> TraceStats:
+    """A busy GPU (idle 2%, a deep launch queue, bf16 matmuls), changed by `over`."""
+    busy = TraceStats(steps=[], has_gpu=True, idle_share=0.02, host_wait_share=0.01, kernel_wait_share=0.01,
+                      host_wait_by_cause={"data": 0.0, "sync": 0.0, "host": 0.01}, small_gap_count=0,
+                      kernels_per_step=400, median_kernel_us=30.0, eager_kernels_per_step=400,
+                      median_eager_kernel_us=30.0, short_kernel_share=0.0, median_launch_us=5.0,
+                      graph_kernel_share=0.0, graph_launches_per_step=0.0, queue_depth_median=40,
+                      queue_depth_max=90, syncs_per_step=0, sync_share=0.0, h2d_share=0.0, h2d_exposed_share=0.0,
+                      h2d_pageable=0, h2d_pinned=0, h2d_bytes_per_step=0.0, layout_share=0.0,
+                      layout_kernels_per_step=0.0, gemm_flops_per_step={"bf16": 1e9}, gemm_time_share={"bf16": 0.5})
+    return dataclasses.replace(busy, **over)
+
+
+def check(rule, m: Measurements):
+    unavailable: dict[str, str] = {}
+    return rule(m, unavailable), unavailable
+
+
+def test_rule_data_bound():
+    f, _ = check(rules.data_bound, record(wait_ms=3.0))
+    assert f.id == "data-bound" and f.rules == (1,) and f.cost == pytest.approx(0.3) and f.kind == "bottleneck"
+    # rule 3: the workers are busy, so the pipeline is CPU-bound
+    busy = CpuLoad(main_cores=1.0, workers_cores=3.8, workers_seen=4, cpu_count=8, wall_s=1.0)
+    f, _ = check(rules.data_bound, record(wait_ms=3.0, cpu_load=busy, loader_workers=4))
+    assert f.rules == (1, 3) and "CPU-bound" in f.cause
+    # a slow loader alone is a note, costed under the verdict floor
+    slow = LoaderProbe(batches_per_s=10.0, batches=20, seconds=2.0, train_steps_per_s=9.0, ratio=10 / 9)
+    f, _ = check(rules.data_bound, record(wait_ms=0.2, loader_probe=slow))
+    assert f.kind == "note" and f.cost < rules.HEALTHY_FLOOR and "1.11x" in f.evidence[1]
+    assert check(rules.data_bound, record(wait_ms=0.5))[0] is None  # 5%
+
+
+def test_rule_epoch_spikes():
+    m = record()
+    m.steps[5] = StepRecord(5, 200.0, 190.0, 0.0, True)
+    f, _ = check(rules.epoch_spikes, m)
+    assert f.id == "epoch-spikes" and f.cost == pytest.approx(190.0 / 390.0)
+    m.steps[5] = StepRecord(5, 200.0, 0.2, 0.0, True)  # slow, but computing: noise, not a spike
+    assert check(rules.epoch_spikes, m)[0] is None
+
+
+def test_rule_host_bound():
+    waiting = dict(idle_share=0.5, host_wait_share=0.45, kernel_wait_share=0.05,
+                   host_wait_by_cause={"data": 0.0, "sync": 0.0, "host": 0.4})
+    f, _ = check(rules.host_bound, record(device="cuda:0", trace=gpu_trace(**waiting)))
+    assert f.id == "host-bound" and f.rules == (4,) and f.cost == 0.4
+    assert f.fixes[0].fastddpm.startswith("--cuda-graphs capture")
+    tiny = dict(waiting, median_eager_kernel_us=3.0, short_kernel_share=0.9)
+    f, _ = check(rules.host_bound, record(device="cuda:0", trace=gpu_trace(**tiny)))
+    assert f.id == "launch-bound" and f.rules == (4, 6)
+    # the same tiny kernels, but most of the step replays from a CUDA graph: host-bound between replays
+    f, _ = check(rules.host_bound, record(device="cuda:0", trace=gpu_trace(**tiny, graph_kernel_share=0.9)))
+    assert f.id == "host-bound" and "graph replays" in f.title
+    assert not any("--cuda-graphs" in (fx.fastddpm or "") for fx in f.fixes)
+    assert check(rules.host_bound, record(device="cuda:0", trace=gpu_trace()))[0] is None
+    # without a GPU timeline, one entry says why for all the rules that read it
+    assert check(rules.host_bound, record())[1] == {
+        "4-6,8,9,11 (GPU timeline)": "no CUDA device: the GPU timeline needs a CUDA trace"}
+    assert check(rules.host_bound, record(device="cuda:0"))[1] == {"4-6,8,9,11": "no profile window (profile_steps=0)"}
+
+
+def test_rule_kernel_gaps():
+    gaps = dict(idle_share=0.5, host_wait_share=0.05, kernel_wait_share=0.45, small_gap_count=700)
+    f, _ = check(rules.kernel_gaps, record(device="cuda:0", trace=gpu_trace(**gaps)))
+    assert f.id == "kernel-gaps" and f.cost == 0.45 and "700 gaps" in f.evidence[1]
+    assert check(rules.kernel_gaps, record(device="cuda:0", trace=gpu_trace()))[0] is None
+
+
+def test_rule_sync_bound():
+    syncing = dict(syncs_per_step=1, sync_share=0.3, host_wait_by_cause={"data": 0.0, "sync": 0.35, "host": 0.0})
+    f, _ = check(rules.sync_bound, record(device="cuda:0", trace=gpu_trace(**syncing)))
+    assert f.id == "sync-bound" and f.cost == 0.35
+    assert check(rules.sync_bound, record(device="cuda:0", trace=gpu_trace())) == (None, {})
+    assert "7 (syncs)" in check(rules.sync_bound, record())[1]
+
+
+def test_rule_transfer_bound():
+    pageable = dict(h2d_share=0.02, h2d_exposed_share=0.01, h2d_pageable=8, h2d_bytes_per_step=2.0**20)
+    f, _ = check(rules.transfer_bound, record(device="cuda:0", trace=gpu_trace(**pageable)))
+    assert f.id == "transfer-bound" and "8 copies from pageable memory" in f.evidence[1]
+    assert check(rules.transfer_bound, record(device="cuda:0", trace=gpu_trace(h2d_share=0.02)))[0] is None
+
+
+def test_rule_recompiles():
+    m = record(compile=CompileCounts(compiled_graphs=2, recompiles_after_warmup=1))
+    m.steps[7] = StepRecord(7, 400.0, 0.2, 0.0, False, recompiles=1)
+    f, _ = check(rules.recompiles, m)
+    assert f.id == "recompiles" and f.cost == pytest.approx(390.0 / 590.0)
+    # a CUDA-graph skip costs no step time of its own, but the slower fallback is worth the verdict floor
+    f, _ = check(rules.recompiles, record(compile=CompileCounts(compiled_graphs=1, cudagraph_skips=1)))
+    assert f.cost == rules.HEALTHY_FLOOR
+    assert check(rules.recompiles, record(compile=CompileCounts(compiled_graphs=1)))[0] is None
+    assert check(rules.recompiles, record())[0] is None
+
+
+def test_rule_layout_thrash():
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3)))
+    assert f.id == "layout-thrash" and f.cost == pytest.approx(0.3 * 0.98)
+    assert check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.04)))[0] is None
+
+
+def test_rule_precision():
+    mixed = dict(gemm_flops_per_step={"bf16": 1e9, "fp32": 1e9}, gemm_time_share={"bf16": 0.1, "fp32": 0.4})
+    f, _ = check(rules.precision, record(device="cuda:0", trace=gpu_trace(**mixed)))
+    assert f.id == "autocast-gap" and f.cost == pytest.approx(0.2) and "GPU busy" in f.evidence[1]
+    fp32 = dict(gemm_flops_per_step={"fp32": 1e9}, gemm_time_share={"fp32": 0.6})
+    f, _ = check(rules.precision, record(device="cuda:0", trace=gpu_trace(**fp32)))
+    assert f.id == "fp32" and f.cost == pytest.approx(0.3)
+    # an fp32 CPU run is not told to use bf16; a bf16 GPU run is fine
+    cpu_fp32 = TraceStats(steps=[], has_gpu=False, **fp32)
+    assert check(rules.precision, record(trace=cpu_fp32)) == (None, {})
+    assert check(rules.precision, record(device="cuda:0", trace=gpu_trace())) == (None, {})
+    hidden = gpu_trace(gemm_unavailable="kernels replay from CUDA graphs", gemm_flops_per_step={})
+    assert check(rules.precision, record(device="cuda:0", trace=hidden)) == (
+        None, {"12 (FLOPs by dtype, GEMM share, autocast coverage)": "kernels replay from CUDA graphs"})
+
+
+def test_rule_low_mfu():
+    mfu = Mfu(mfu=0.01, flops_per_step=1e9, step_ms=2.0, peak_tflops=50.0, peak_label="measured",
+              peak_dtype="bf16", peak_dtype_basis="the input dtype of 100% of the matmul/conv FLOPs")
+    f, _ = check(rules.low_mfu, record(device="cuda:0", trace=gpu_trace(), mfu=mfu))
+    assert f.id == "low-mfu" and f.cost == pytest.approx(0.49) and "MFU 1%" in f.evidence[0]
+    good = dataclasses.replace(mfu, mfu=0.4)
+    assert check(rules.low_mfu, record(device="cuda:0", trace=gpu_trace(), mfu=good)) == (None, {})
+    idle = gpu_trace(idle_share=0.5)  # an idle GPU has another finding; low MFU follows from it
+    assert check(rules.low_mfu, record(device="cuda:0", trace=idle, mfu=mfu)) == (None, {})
+    assert check(rules.low_mfu, record(mfu_unavailable="no FLOPs counted")) == (None, {"13 (MFU)": "no FLOPs counted"})
+
+
+def test_rule_memory_headroom():
+    mem = DeviceMemory(peak_allocated_bytes=2**30, total_bytes=80 * 2**30, free_bytes=0, peak_share=1 / 80)
+    f, _ = check(rules.memory_headroom, record(device="cuda:0", memory=mem))
+    assert f.kind == "opportunity" and "1.0 GiB of 80 GiB" in f.evidence[0]
+    full = dataclasses.replace(mem, peak_share=0.9)
+    assert check(rules.memory_headroom, record(device="cuda:0", memory=full)) == (None, {})
+    assert check(rules.memory_headroom, record()) == (None, {"14 (memory)": "no CUDA device"})
+
+
+def test_rule_drift():
+    grew = StepStats(first_fifth_median_ms=10.0, last_fifth_median_ms=12.0)
+    steady_clock = Telemetry(sm_clock_mhz=1980.0, temperature_c=60.0, power_w=None, source="nvml")
+    f, unavailable = check(rules.drift, record(device="cuda:0", step_stats=grew, telemetry_start=steady_clock,
+                                               telemetry_end=steady_clock))
+    assert f.kind == "note" and f.cost == pytest.approx(0.2) and "clocks held steady" in f.cause
+    assert unavailable == {}
+    flat = StepStats(first_fifth_median_ms=10.0, last_fifth_median_ms=10.4)
+    assert check(rules.drift, record(step_stats=flat)) == (None, {"15 (clocks)": "no CUDA device"})
+
+
+def test_every_rule_function_is_checked_in_order():
+    # RULES' order is the order of findings of equal cost and of the report's "unavailable" lines
+    assert [r.__name__ for r in rules.RULES] == [
+        "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
+        "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift"]
+    _, unavailable = rules.evaluate(record())
+    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "13 (MFU)", "14 (memory)"]
+
+
+# ---- the record's dict form: the JSON report's `measurements`, as users read it
+
+def full_record() -> Measurements:
+    trace = gpu_trace(timeline={"steps": [[0.0, 5.0]], "data_wait": [], "syncs": [], "gpu_busy": [[0.0, 4.0]]})
+    return Measurements(
+        device="cuda:0", steps=[StepRecord(5, 10.0, 1.0, 0.5, True, data_queued_ms=0.1, gpu_ms=9.0, recompiles=1)],
+        step_stats=StepStats(steps=1, median_ms=10.0, mean_ms=10.0, p10_ms=10.0, p90_ms=10.0, max_ms=10.0,
+                             data_wait_ms_total=1.0, host_ms_total=10.0, epoch_starts=1,
+                             first_fifth_median_ms=10.0, last_fifth_median_ms=10.0, gpu_median_ms=9.0),
+        cpu_load=CpuLoad(main_cores=1.0, workers_cores=0.0, workers_seen=0, cpu_count=8, wall_s=1.0),
+        memory=DeviceMemory(peak_allocated_bytes=1, total_bytes=2, free_bytes=1, peak_share=0.5),
+        telemetry_start=Telemetry(sm_clock_mhz=1980.0, temperature_c=60.0, power_w=None, source="nvml"),
+        telemetry_end=Telemetry(sm_clock_mhz=1980.0, temperature_c=61.0, power_w=300.0, source="nvml"),
+        profiled_steps=1, notes=["a note"], compile=CompileCounts(compiled_graphs=1), trace=trace,
+        trace_file="t.json", flops_source="given by the caller",
+        mfu=Mfu(mfu=0.1, flops_per_step=1e9, step_ms=9.0, peak_tflops=1.0, peak_label="l", peak_dtype="bf16",
+                peak_dtype_basis="b"),
+        loader_probe=LoaderProbe(batches_per_s=None, note="no batch within 2 s"), loader_workers=0)
+
+
+def test_measurements_dict_keeps_the_report_keys():
+    d = full_record().to_dict()
+    assert list(d) == ["device", "steps", "step_stats", "cpu_load", "memory", "telemetry_start", "telemetry_end",
+                       "profiled_steps", "notes", "compile", "trace", "trace_timeline", "trace_file", "flops_source",
+                       "mfu", "loader_probe", "loader_workers"]
+    assert d["steps"] == [{"index": 5, "host_ms": 10.0, "data_wait_ms": 1.0, "data_cpu_ms": 0.5, "epoch_start": True,
+                           "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1}]
+    assert list(d["step_stats"])[-1] == "gpu_median_ms" and d["step_stats"]["p90_ms"] == 10.0
+    assert d["telemetry_start"] == {"sm_clock_mhz": 1980.0, "temperature_c": 60.0, "power_w": None, "source": "nvml"}
+    assert d["compile"] == {"compiled_graphs": 1, "recompiles_after_warmup": 0, "graph_breaks": 0,
+                            "graph_breaks_after_warmup": 0, "cudagraph_skips": 0}
+    assert d["trace"]["steps_measured"] == 0 and "timeline" not in d["trace"] and d["trace"]["idle_share"] == 0.02
+    assert d["trace_timeline"]["gpu_busy"] == [[0.0, 4.0]]
+    assert list(d["mfu"]) == ["mfu", "flops_per_step", "step_ms", "peak_tflops", "peak_label", "peak_dtype",
+                              "peak_dtype_basis"]
+    assert d["loader_probe"] == {"batches_per_s": None, "note": "no batch within 2 s"}
+    # a part not measured: None, {} for the step statistics, and no key at all for compile, trace file and MFU
+    bare = Measurements(device="cpu", steps=[], mfu_unavailable="no FLOPs counted").to_dict()
+    assert bare["step_stats"] == {} and bare["trace"] is None and bare["memory"] is None
+    assert not {"compile", "trace_timeline", "trace_file", "flops_source", "mfu"} & set(bare)
+    assert list(bare)[-3:] == ["mfu_unavailable", "loader_probe", "loader_workers"]
+
+
+def test_measurements_read_back_from_their_dict():
+    m = full_record()
+    assert Measurements.from_dict(m.to_dict()) == m
+    assert Measurements.from_dict(json.loads(json.dumps(m.to_dict()))) == m  # as report.json holds it

@@ -9,76 +9,163 @@ same verdicts on real traces when a GPU is present.
 from __future__ import annotations
 
 import json
+import statistics
+from contextlib import contextmanager
 
 import pytest
 import torch
 
+from fastddpm.doctor.api import mfu_measurements, run_matmul_dtype
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.trace import DATA_MARK, STEP_MARK, analyze, gemm_flops
 
 
+# CUPTI callback ids Kineto writes as a runtime call's "cbid"
+CBID = {"cudaLaunchKernel": 211, "cudaMemcpyAsync": 41, "cudaMemsetAsync": 51, "cudaStreamSynchronize": 131,
+        "cudaGraphLaunch": 311}
+
+
 class CudaTrace:
-    """A host thread launching onto one GPU stream. Times in microseconds."""
+    """A host thread launching onto one GPU stream. Times in microseconds.
+
+    The events imitate what torch.profiler's Kineto exports for a CUDA run:
+    - host thread (pid 1, tid 1): record_function ranges as "user_annotation"; "cpu_op" events with their
+      "External id", "Input Dims", "Input type", "Concrete Inputs"; "cuda_runtime" calls with "cbid",
+      "correlation" and the "External id" of the op they were issued from;
+    - device (pid 0, tid = stream 7): "kernel" / "gpu_memcpy" events carrying the "correlation" of the runtime
+      call that launched them, plus "External id", "device", "stream", "grid", "block";
+    - every record_function range that launched GPU work is written again as "gpu_user_annotation" on the
+      stream, from its first kernel's start to its last kernel's end;
+    - a CUDA-graph replay is one "cudaGraphLaunch" runtime call, and CUPTI files every kernel it replays under
+      that call's correlation id (newer Kineto adds "graph id" / "graph node id" on each kernel).
+    """
 
     def __init__(self):
         self.events: list[dict] = []
         self.host = 0.0
         self.gpu = 0.0
         self.corr = 0
+        self.ext = 0
+        self._ops: list[int] = []  # External ids of the cpu_ops open now, outermost first
+        self._ranges: list[list] = []  # open record_function ranges: [first kernel start, last kernel end]
         self._step0: float | None = None
 
-    def _x(self, cat, name, ts, dur, **args):
-        self.events.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
+    def _x(self, cat, name, ts, dur, pid=1, tid=1, **args):
+        self.events.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid,
                             "args": args})
+
+    def _on_gpu(self, cat, name, start, dur, **args):
+        ext = self._ops[-1] if self._ops else 0
+        self._x(cat, name, start, dur, pid=0, tid=7, **{"External id": ext, "device": 0, "stream": 7,
+                                                        "correlation": self.corr, **args})
+        for r in self._ranges:
+            r[0] = start if r[0] is None else r[0]
+            r[1] = start + dur
+
+    def _runtime(self, name, dur):
+        self.corr += 1
+        args = {"cbid": CBID[name], "correlation": self.corr}
+        if self._ops:
+            args["External id"] = self._ops[-1]
+        self._x("cuda_runtime", name, self.host, dur, **args)
+
+    def _user_range(self, name, t0):
+        """Close a record_function range opened at t0: the host copy, and the GPU copy if it launched work."""
+        first, last = self._ranges.pop()
+        self._x("user_annotation", name, t0, self.host - t0)
+        if first is not None:
+            self._x("gpu_user_annotation", name, first, last - first, pid=0, tid=7)
 
     def begin_step(self):
         self._step0 = self.host
+        self._ranges.append([None, None])
 
     def end_step(self):
-        self._x("user_annotation", STEP_MARK, self._step0, self.host - self._step0)
+        self._user_range(STEP_MARK, self._step0)
 
     def launch(self, name="void gemm_kernel", kernel_us=10.0, launch_us=5.0, latency_us=2.0, cat="kernel",
                runtime="cudaLaunchKernel", **kargs):
-        self.corr += 1
-        self._x("cuda_runtime", runtime, self.host, launch_us, correlation=self.corr)
+        self._runtime(runtime, launch_us)
         start = max(self.gpu, self.host + latency_us)
-        self.events.append({"ph": "X", "cat": cat, "name": name, "ts": start, "dur": kernel_us, "pid": 0, "tid": 7,
-                            "args": {"correlation": self.corr, "stream": 7, **kargs}})
+        if cat == "kernel":
+            kargs = {"grid": [128, 1, 1], "block": [256, 1, 1], **kargs}
+        self._on_gpu(cat, name, start, kernel_us, **kargs)
         self.gpu = start + kernel_us
         self.host += launch_us
 
+    def graph_replay(self, kernels_us, node_gap_us=1.0, launch_us=15.0, latency_us=4.0, graph_ids=True):
+        """One cudaGraphLaunch replaying a captured graph: its kernels run back to back, `node_gap_us` apart."""
+        self._runtime("cudaGraphLaunch", launch_us)
+        start = max(self.gpu, self.host + latency_us)
+        for node, us in enumerate(kernels_us, 1):
+            ids = {"graph id": 3, "graph node id": 30000 + node} if graph_ids else {}
+            self._on_gpu("kernel", f"triton_poi_fused_{node % 7}", start, us, grid=[64, 1, 1], block=[128, 1, 1],
+                         **ids)
+            self.gpu = start + us
+            start = self.gpu + node_gap_us
+        self.host += launch_us
+
+    @contextmanager
+    def cpu_op(self, name, input_types, dims, concrete=None, min_us=0.0):
+        """A host op; kernels launched inside the block belong to it."""
+        t0 = self.host
+        self.ext += 1
+        ext = self.ext
+        self._ops.append(ext)
+        yield
+        self._ops.pop()
+        self.host = max(self.host, t0 + min_us)
+        self._x("cpu_op", name, t0, self.host - t0, **{"External id": ext, "Input Dims": dims,
+                                                       "Input type": input_types,
+                                                       "Concrete Inputs": concrete or [""] * len(dims)})
+
     def op(self, name, dur_us, input_types, dims, launches=()):
         """A cpu_op that launches kernels (for dtype/owner attribution)."""
-        t0 = self.host
-        for k in launches:
-            self.launch(**k)
-        self.host = max(self.host, t0 + dur_us)
-        self._x("cpu_op", name, t0, self.host - t0, **{"Input type": input_types, "Input Dims": dims})
+        with self.cpu_op(name, input_types, dims, min_us=dur_us):
+            for k in launches:
+                self.launch(**k)
 
     def sync(self):
         t0 = self.host
         self.host = max(self.host, self.gpu) + 5.0
-        self._x("cuda_runtime", "cudaStreamSynchronize", t0, self.host - t0)
+        self.corr += 1
+        self._x("cuda_runtime", "cudaStreamSynchronize", t0, self.host - t0, cbid=CBID["cudaStreamSynchronize"],
+                correlation=self.corr)
 
     def python(self, us):
         self.host += us
 
-    def data_wait(self, us):
-        self._x("user_annotation", DATA_MARK, self.host, us)
-        self.host += us
+    def data_wait(self, us, launches=()):
+        """A wait for data; `launches`: GPU work the fetch issues (a batch indexed from device-resident data)."""
+        t0 = self.host
+        self._ranges.append([None, None])
+        for k in launches:
+            self.launch(**k)
+        self.host = max(self.host, t0 + us)
+        self._user_range(DATA_MARK, t0)
 
 
 def measurements_for(trace: CudaTrace) -> dict:
     stats = analyze(trace.events)
     steps = [{"index": i, "host_ms": s.dur_us / 1e3, "data_wait_ms": s.data_wait_us / 1e3, "data_cpu_ms": 0.0,
               "epoch_start": False, "gpu_ms": None, "recompiles": 0} for i, s in enumerate(stats.steps)]
-    return {"device": "cuda:0", "steps": steps, "trace": stats.to_dict(), "step_stats": {}}
+    step_stats = {"median_ms": statistics.median(s["host_ms"] for s in steps)}
+    # FLOPs as diagnose() takes them (no peak is measured here: only whether MFU can be had, and why not)
+    return {"device": "cuda:0", "steps": steps, "trace": stats.to_dict(), "step_stats": {},
+            **mfu_measurements(stats, step_stats, "cuda:0", measure_peak=False)}
 
 
-def diagnose_trace(trace: CudaTrace):
+def diagnose_trace(trace: CudaTrace, with_unavailable=False):
     m = measurements_for(trace)
-    found, _ = evaluate(m)
-    return verdict(found, m), {f.id: f for f in found}, m["trace"]
+    found, unavailable = evaluate(m)
+    out = verdict(found, m), {f.id: f for f in found}, m["trace"]
+    return out + (unavailable,) if with_unavailable else out
+
+
+def graph_fixes(found: dict) -> list[str]:
+    """Fixes that prescribe CUDA graphs, as a setting or as code."""
+    return [f"{f.id}: {fx.fastddpm} / {fx.code}" for f in found.values() for fx in f.fixes
+            if "--cuda-graphs" in (fx.fastddpm or "") or "reduce-overhead" in fx.code or "torch.cuda.graph" in fx.code]
 
 
 def test_launch_bound_tiny_kernels_waiting_for_the_host():
@@ -94,6 +181,50 @@ def test_launch_bound_tiny_kernels_waiting_for_the_host():
     assert t["median_kernel_us"] == pytest.approx(3.0)
     assert t["kernels_per_step"] == 200
     assert t["queue_depth_median"] <= 1  # the queue never fills
+    assert t["graph_kernel_share"] == 0 and graph_fixes(found)  # eager launches: capture is the first fix
+
+
+def captured_step_trace(host_between_replays_us: float, graph_ids: bool) -> CudaTrace:
+    """A whole training step captured in one CUDA graph, as fastddpm's `--cuda-graphs capture` (or torch.compile
+    mode='reduce-overhead') runs it: the batch is copied into the static input buffer by one eager kernel, then
+    one cudaGraphLaunch replays 300 short fused kernels (forward, backward, optimizer) one node after another;
+    no matmul or conv op appears on the host."""
+    tr = CudaTrace()
+    for _ in range(8):
+        tr.begin_step()
+        tr.python(40)
+        with tr.cpu_op("aten::copy_", ["c10::BFloat16", "c10::BFloat16", ""], [[64, 3, 32, 32], [64, 3, 32, 32], []]):
+            tr.launch(name="void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_copy>",
+                      kernel_us=4.0, launch_us=6.0)
+        tr.graph_replay([3.0] * 300, node_gap_us=1.0, launch_us=15.0, graph_ids=graph_ids)
+        tr.python(host_between_replays_us)
+        tr.end_step()
+    return tr
+
+
+@pytest.mark.parametrize("graph_ids", [True, False], ids=["graph-ids", "correlation-only"])
+@pytest.mark.parametrize("host_us", [2500.0, 20.0], ids=["host-slower-than-replay", "gpu-bound"])
+def test_a_captured_step_is_never_launch_bound_nor_told_to_capture(host_us, graph_ids):
+    v, found, t, unavailable = diagnose_trace(captured_step_trace(host_us, graph_ids), with_unavailable=True)
+    assert t["graph_kernel_share"] == pytest.approx(300 / 301) and t["graph_launches_per_step"] == 1
+    assert t["eager_kernels_per_step"] == 1 and t["kernels_per_step"] == 301
+    # launch metrics read the one eager copy only: the replay's 300 kernels share one launch call, and a
+    # replay is one unit in the launch queue, not 300
+    assert t["median_launch_us"] == 6.0 and t["median_eager_kernel_us"] == 4.0 and t["short_kernel_share"] == 1.0
+    # (16 launch calls in the whole trace: a deeper queue would count a replay's kernels one by one)
+    assert t["queue_depth_max"] <= (1 if host_us > 1000 else 16)
+    assert "launch-bound" not in found, found["launch-bound"].evidence
+    assert graph_fixes(found) == []
+    if host_us > 1000:  # the GPU waits between replays: host-bound, with fixes for what is outside the graph
+        assert v["id"] == "host-bound" and "graph replays" in found["host-bound"].title
+    else:  # the queue is full; the GPU idles only between the replay's nodes
+        assert v["id"] == "kernel-gaps" and "graph replay" in found["kernel-gaps"].title
+    # the matmuls ran inside the graph: FLOPs, GEMM share and autocast coverage cannot be read, and say why
+    assert t["gemm_flops_per_step"] == {} and t["gemm_time_share"] == {} and t["groupnorm_share"] is None
+    why = unavailable["12 (FLOPs by dtype, GEMM share, autocast coverage)"]
+    assert "CUDA graphs" in why and "no shapes or dtypes" in why
+    assert "CUDA graphs" in unavailable["13 (MFU)"] and "flops_per_step" in unavailable["13 (MFU)"]
+    assert "autocast-gap" not in found and "fp32" not in found
 
 
 def test_gpu_bound_is_healthy_with_a_deep_queue():
@@ -141,6 +272,26 @@ def test_data_wait_gaps_are_blamed_on_data_not_on_python():
     v, found, _ = diagnose_trace(tr)
     assert "host-bound" not in found and "launch-bound" not in found
     assert v["id"] == "data-bound"  # from the step records: data wait dominates each step
+
+
+def test_a_data_wait_that_launches_gpu_work_is_counted_once():
+    # device-resident data (--data-placement device): the fetch indexes the batch and flips it on the GPU, so
+    # Kineto writes `fastddpm::data_wait` twice, on the host thread and as a gpu_user_annotation on the stream
+    tr = CudaTrace()
+    for _ in range(6):
+        tr.begin_step()
+        tr.data_wait(300, launches=[{"name": "void at::native::index_elementwise_kernel", "kernel_us": 20.0},
+                                    {"name": "void at::native::flip_kernel", "kernel_us": 10.0}])
+        for _ in range(10):
+            tr.launch(kernel_us=50.0, launch_us=5.0)
+        tr.python(600)
+        tr.end_step()
+    gpu_copies = [e for e in tr.events if e["name"] == DATA_MARK and e["cat"] == "gpu_user_annotation"]
+    assert len(gpu_copies) == 6  # the trace has both copies, each GPU copy inside its step
+    stats = analyze(tr.events)
+    assert [s.data_wait_us for s in stats.steps] == [300.0] * 6
+    assert len(stats.timeline["data_wait"]) == 6
+    assert sum(b - a for a, b in stats.timeline["data_wait"]) == 6 * 300.0
 
 
 def test_pageable_copies_are_transfer_bound():
@@ -221,6 +372,74 @@ def test_gemm_flops_formulas():
                       ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]"]) == fwd
     bwd_args = ["", "", "", "[8]", "[2, 2]", "[1, 1]", "[1, 1]", "False", "[0, 0]", "1", "[False, True, True]"]
     assert gemm_flops("aten::convolution_backward", [[4, 8, 8, 8], [4, 3, 16, 16], [8, 3, 3, 3]], bwd_args) == fwd
+    # transposed, 2 groups: weight (C_in, C_out/groups, kH, kW); 2 * N * C_in * H_in * W_in * C_out * kH * kW / groups
+    up_args = ["", "", "", "[2, 2]", "[1, 1]", "[1, 1]", "True", "[1, 1]", "2"]
+    up_flops = 2 * 2 * 6 * 16 * 16 * 4 * 9 // 2
+    assert gemm_flops("aten::convolution", [[2, 6, 16, 16], [6, 2, 3, 3], [4]], up_args) == up_flops
+
+
+def cpu_trace_flops(tmp_path, step) -> dict[str, float]:
+    """FLOPs per step by dtype, as the doctor reads them from a real CPU profile of two calls of `step`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            with torch.autograd.profiler.record_function(STEP_MARK):
+                step()
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    stats = analyze(json.loads(path.read_text())["traceEvents"])
+    assert len(stats.steps) == 2
+    return stats.gemm_flops_per_step
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+def test_transposed_conv_flops_match_flop_counter_mode(tmp_path, backward):
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    # a U-Net decoder's upsampling: ConvTranspose2d records as aten::convolution(transposed=True), whose
+    # multiply-adds go per *input* pixel; a plain conv after it, and an input that needs no gradient
+    model = nn.Sequential(nn.ConvTranspose2d(8, 6, 4, stride=2, padding=1), nn.Conv2d(6, 6, 3, padding=1),
+                          nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1))
+    x = torch.randn(2, 8, 8, 8)
+
+    def step():
+        out = model(x)
+        if backward:
+            out.sum().backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    assert cpu_trace_flops(tmp_path, step) == {"fp32": counter.get_total_flops()}
+
+
+@pytest.mark.parametrize("kind, d_v", [("flash", 32), ("efficient", 16)])
+def test_attention_backward_is_counted_once_through_its_nest(kind, d_v):
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    # cross-attention, 64 queries over 48 keys, shapes (B, H, L, D); the kernel ops take (B, L, H, D).
+    # Memory-efficient attention allows a value head dim unlike the query's.
+    q, k, v, o = [2, 4, 64, 32], [2, 4, 48, 32], [2, 4, 48, d_v], [2, 4, 64, d_v]
+    q_, k_, v_, o_ = ([t[0], t[2], t[1], t[3]] for t in (q, k, v, o))
+    bf16 = "c10::BFloat16"
+    # what Kineto records for SDPA on CUDA: the forward op calls the kernel op, and so does the backward op
+    # (autograd's ScaledDotProduct*AttentionBackward0 -> aten::_scaled_dot_product_*_backward -> aten::_*_backward)
+    tr = CudaTrace()
+    for _ in range(2):
+        tr.begin_step()
+        with tr.cpu_op(f"aten::_scaled_dot_product_{kind}_attention", [bf16] * 3, [q, k, v]):
+            with tr.cpu_op(f"aten::_{kind}_attention_forward", [bf16] * 3, [q_, k_, v_]):
+                tr.launch(name=f"{kind}_fwd_kernel", kernel_us=80.0)
+        with tr.cpu_op(f"aten::_scaled_dot_product_{kind}_attention_backward", [bf16] * 5, [o, q, k, v, o]):
+            with tr.cpu_op(f"aten::_{kind}_attention_backward", [bf16] * 5, [o_, q_, k_, v_, o_]):
+                tr.launch(name=f"{kind}_bwd_kernel", kernel_us=200.0)
+        tr.end_step()
+    stats = analyze(tr.events)
+    assert stats.gemm_flops_per_step == {"bf16": sdpa_flop_count(q, k, v) + sdpa_backward_flop_count(o, q, k, v)}
+    # the kernel op alone (outermost when called directly) is read in its own (B, L, H, D) layout
+    assert gemm_flops(f"aten::_{kind}_attention_backward", [o_, q_, k_, v_]) == sdpa_backward_flop_count(o, q, k, v)
 
 
 def test_flops_from_a_real_cpu_trace_match_flop_counter_mode(tmp_path):
@@ -244,3 +463,78 @@ def test_flops_from_a_real_cpu_trace_match_flop_counter_mode(tmp_path):
     assert len(stats.steps) == 2
     assert stats.gemm_flops_per_step == {"fp32": counter.get_total_flops()}
     assert stats.has_gpu is False and stats.syncs_per_step is None
+
+
+@contextmanager
+def allow_tf32(on: bool):
+    # torch.backends.cuda.matmul is not a plain object (monkeypatch cannot restore it): set and restore by hand
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_the_mfu_peak_dtype_is_the_runs_own():
+    # most FLOPs decide; fp32 on CUDA is the TF32 rate when the run allowed TF32 (read in the run's process)
+    with allow_tf32(True):
+        assert run_matmul_dtype({"fp32": 9.0, "bf16": 1.0}, "cuda:0") == (torch.float32, "tf32")
+        assert run_matmul_dtype({"fp32": 9.0}, "cpu") == (torch.float32, "fp32")  # TF32 is a CUDA setting
+        assert run_matmul_dtype({"bf16": 9.0, "fp32": 1.0}, "cuda:0") == (torch.bfloat16, "bf16")
+        assert run_matmul_dtype({"fp16": 9.0, "fp32": 1.0}, "cuda:0") == (torch.float16, "fp16")
+    with allow_tf32(False):
+        assert run_matmul_dtype({"fp32": 9.0, "bf16": 1.0}, "cuda:0") == (torch.float32, "fp32")
+    dtype, why = run_matmul_dtype({"fp8": 9.0, "bf16": 1.0}, "cuda:0")
+    assert dtype is None and "fp8" in why
+
+
+def test_a_known_precision_picks_the_peak_when_the_trace_hides_the_dtypes(monkeypatch):
+    """fastddpm's own trainer under capture (or without a profile window): the dtypes are unseen in the trace,
+    so its configured precision picks the peak instead of the device's usual dtype being assumed."""
+    import fastddpm.bench.timing
+    from fastddpm.doctor.api import mfu_measurements
+
+    asked = []
+    monkeypatch.setattr(fastddpm.bench.timing, "measure_matmul_peak",
+                        lambda device, *, dtype=None, **kw: asked.append(dtype) or {"tflops": 1.0, "label": "fake"})
+    stats = {"median_ms": 10.0}
+    known = mfu_measurements(None, stats, "cpu", flops_per_step=1e9, matmul_dtype="bf16")
+    assert asked == [torch.bfloat16]
+    assert known["mfu"]["peak_dtype"] == "bf16" and "configured precision" in known["mfu"]["peak_dtype_basis"]
+    assert known["mfu"]["mfu"] == pytest.approx(1e9 / 0.01 / 1e12)
+    assumed = mfu_measurements(None, stats, "cpu", flops_per_step=1e9)
+    assert asked[-1] == torch.float32 and assumed["mfu"]["peak_dtype_basis"].startswith("assumed")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_mfu_is_measured_against_a_peak_in_the_runs_dtype(monkeypatch, precision):
+    import fastddpm.doctor
+    import fastddpm.bench.timing
+
+    asked = []
+
+    def fake_peak(device, *, n=None, dtype=None, trials=5, iters=None):
+        asked.append(dtype)
+        # the doctor names the peak's dtype itself (this dict's vocabulary has no tf32), so this is never read
+        return {"tflops": 0.5, "label": f"fake {dtype} peak", "dtype": "never read"}
+
+    monkeypatch.setattr(fastddpm.bench.timing, "measure_matmul_peak", fake_peak)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    loader = [torch.randn(32, 64) for _ in range(4)]
+    with fastddpm.doctor.watch(loader, warmup_steps=1, steps=3, profile_steps=2, loader_probe_s=0,
+                               device="cpu", print_report=False) as dr:
+        for x in dr.batches():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            dr.step()
+    m = dr.report.measurements
+    by_dtype = m["trace"]["gemm_flops_per_step"]
+    assert max(by_dtype, key=by_dtype.get) == precision  # the run's matmuls are the dtype it was run in
+    assert asked == [{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]]
+    assert m["mfu"]["peak_dtype"] == precision and m["mfu"]["peak_dtype_basis"].startswith("the input dtype of")
+    assert f"({precision} peak 0.5 TFLOP/s)" in dr.report.text()
+    assert f"{precision} peak 0.5 TFLOP/s" in dr.report.html()
+    assert json.loads(json.dumps(dr.report.to_dict(), default=str))["measurements"]["mfu"]["peak_dtype"] == precision

@@ -18,6 +18,8 @@ from fastddpm.train.checkpoint import load_checkpoint, list_checkpoints
 from fastddpm.train.loop import train
 from fastddpm.train.metrics import read_metrics
 
+from conftest import needs_bf16_gpu
+
 
 def quiet(*args):
     pass
@@ -149,7 +151,8 @@ def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.models import UNet
     from fastddpm.rng import derive_seed
-    from fastddpm.train.loop import load_for_sampling, resolve_model_shape
+    from fastddpm.config import resolve_model_shape
+    from fastddpm.sampling import load_for_sampling
 
     cfg = tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50)
     train(cfg, out_dir=tmp_path / "run", log=quiet)
@@ -204,6 +207,7 @@ def test_bench_quality_quick(fmnist_splits, tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_bf16_gpu
 def test_cuda_eval_compiled_bf16_and_eval_every(evaluated_run, fmnist_splits, tmp_path, capsys):
     """On a GPU: `fastddpm eval` samples compiled in bf16 and agrees with the CPU's FID to within sampling noise
     of the precision change; --eval-every runs inside a CUDA-graph-captured training run."""

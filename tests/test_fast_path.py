@@ -20,6 +20,8 @@ from fastddpm.train.metrics import read_metrics
 from fastddpm.train.runtime import resolve_precision
 from fastddpm.train.step import TrainStep, make_optimizer, train_step
 
+from conftest import needs_bf16_gpu
+
 CPU = torch.device("cpu")
 
 
@@ -259,6 +261,7 @@ def _cuda_run(tmp_path, fmnist_npz, name, **over):
 
 @pytest.mark.cuda
 @cuda
+@needs_bf16_gpu
 def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
     eager = _cuda_run(tmp_path, fmnist_npz, "eager", **{"train.compile": "off", "train.cuda_graphs": "off"})
     graphs = _cuda_run(tmp_path, fmnist_npz, "graphs", **{"train.compile": "off", "train.cuda_graphs": "capture"})
@@ -272,6 +275,7 @@ def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
 
 @pytest.mark.cuda
 @cuda
+@needs_bf16_gpu
 def test_cuda_step_has_no_host_syncs(real_images):
     device = torch.device("cuda")
     model = tiny_model().to(device)

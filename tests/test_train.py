@@ -21,6 +21,7 @@ from fastddpm.train.checkpoint import (
     load_safetensors,
 )
 from fastddpm.train.loop import train
+from fastddpm.train.runtime import cuda_native_bf16, resolve_precision
 from fastddpm.train.metrics import read_metrics
 
 
@@ -56,7 +57,12 @@ def _params(path):
 
 
 def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz):
-    """N + N steps (the second N in a fresh process) equal 2N steps: losses, weights, EMA, optimizer state."""
+    """N + N steps (the second N in a fresh process) equal 2N steps: losses, weights, EMA, optimizer state.
+
+    This process first calls torch.set_num_threads with its own count, as a notebook, another test or the doctor's
+    self-test may have: that switches MKL's dynamic threading off, which a fresh process has on, and used to change
+    the CPU GEMMs' summation order between the two (the 8th digit of the 8th loss)."""
+    torch.set_num_threads(torch.get_num_threads())
     n = 6
     cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n)
     full = tmp_path / "full"
@@ -81,6 +87,26 @@ def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz):
     for i, sa in oa["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sa[key], ob["state"][i][key])
+
+
+def test_a_resume_on_another_cpu_thread_count_says_it_is_not_bit_exact(tmp_path, fmnist_npz):
+    """The checkpoint records the CPU thread count; a resume with another count says so. A library call to train()
+    leaves the caller's own thread count as it found it."""
+    threads = torch.get_num_threads()
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2, cpu_threads=threads + 1), out_dir=run, log=quiet)
+    assert torch.get_num_threads() == threads
+    assert load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["cpu_threads"] == threads + 1
+    assert json.loads((run / "run.json").read_text())["cpu_threads"] == threads + 1
+    lines = []
+    train(tiny_cfg(fmnist_npz, max_steps=3, cpu_threads=threads), out_dir=run, resume="latest", log=lines.append)
+    assert torch.get_num_threads() == threads
+    note = [x for x in lines if "CPU thread" in x]
+    assert note and f"written with {threads + 1} CPU thread(s), this run has {threads}" in note[0], lines
+    assert f"--cpu-threads {threads + 1}" in note[0]
+    lines.clear()  # the same count: no note
+    train(tiny_cfg(fmnist_npz, max_steps=4), out_dir=run, resume="latest", log=lines.append)
+    assert not [x for x in lines if "written with" in x], lines
 
 
 def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
@@ -189,7 +215,7 @@ def test_a_module_wrapped_by_torch_compile_has_clean_keys_and_loads_both_ways(tm
     exchange weights in both directions, and the compiled module runs with the loaded weights."""
     from fastddpm.models import UNet
     from fastddpm.train.checkpoint import CheckpointError, load_model_state, unwrap_model
-    from fastddpm.train.loop import load_for_sampling
+    from fastddpm.sampling import load_for_sampling
 
     run = tmp_path / "run"
     train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
@@ -250,6 +276,26 @@ def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys
     assert "fewer than batch_size=1000" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("gpu, capability, auto", [("Tesla T4", (7, 5), "fp16"), ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+                                                    ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"),
+                                                    ("NVIDIA H100 80GB HBM3", (9, 0), "bf16")])
+def test_precision_follows_native_bf16_not_emulation(monkeypatch, gpu, capability, auto):
+    """torch.cuda.is_bf16_supported() says True on a T4 because it counts emulation; the seed's T4 must train in
+    fp16 + GradScaler, and --precision bf16 is refused there with the reason and the fix."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # what torch answers on a T4
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: gpu)
+    cuda = torch.device("cuda", 0)
+    p = resolve_precision("auto", cuda)
+    assert p.name == auto and p.use_grad_scaler == (auto == "fp16")
+    assert f"sm{capability[0]}{capability[1]}" in p.reason and gpu in p.reason
+    if auto == "fp16":
+        with pytest.raises(ConfigError, match=r"sm7\d: bf16 would be emulated.*--precision fp16"):
+            resolve_precision("bf16", cuda)
+    else:
+        assert resolve_precision("bf16", cuda).autocast_dtype == torch.bfloat16
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_training_and_sampling(tmp_path, fmnist_npz):
@@ -257,6 +303,6 @@ def test_cuda_bf16_training_and_sampling(tmp_path, fmnist_npz):
     result = train(cfg, out_dir=tmp_path / "run", log=quiet)
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["device"].startswith("cuda")
-    assert info["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    assert info["precision"] == ("bf16" if cuda_native_bf16(torch.device("cuda"))[0] else "fp16")
     assert result.last_loss is not None and np.isfinite(result.last_loss)
     assert (tmp_path / "run" / "samples" / "final.png").is_file()

@@ -9,20 +9,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
 
 from fastddpm import __version__
-from fastddpm.config import PRESETS, SECTIONS, ConfigError, RunConfig, apply_overrides, get_preset, load_config_file
+from fastddpm.config import (
+    PRESETS,
+    SECTIONS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    flag_name,
+    get_preset,
+    load_config_file,
+    preset_summaries,
+)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < flags):
-  tiny         seconds on a CPU: a ~140k-parameter U-Net, 20 steps (tests, smoke runs)
-  cpu-demo     ~7 minutes on a 2-core CPU: a small U-Net without attention, 100k Fashion-MNIST images,
-               samples you can recognise (the README's CPU quickstart)
-  seed-1layer  the seed notebook's U-Net (6.1M params): batch 192, Adam 1e-4, 40 epochs (GPU)
-  seed-2layer  the public DDPM-Pytorch default U-Net (10.2M params), same recipe (GPU)
+{presets}
   Default: seed-1layer when CUDA is available, else cpu-demo.
 
 Config files (YAML or JSON) hold sections model/diffusion/data/train and an optional preset, e.g.
@@ -43,11 +50,16 @@ Exit codes: 0 done, 2 bad input or config, 130 SIGINT / 143 SIGTERM (after writi
 """
 
 
+def _train_epilog() -> str:
+    """TRAIN_EPILOG with each preset's line from its own docstring (config.preset_summaries), so they cannot drift."""
+    lines = []
+    for name, text in preset_summaries().items():
+        lines += textwrap.wrap(text, width=110, initial_indent=f"  {name:12s} ", subsequent_indent=" " * 15,
+                               break_on_hyphens=False)
+    return TRAIN_EPILOG.replace("{presets}", "\n".join(lines))
+
+
 _METAVARS = {"source": "SOURCE", "cache_dir": "DIR", "device": "DEVICE"}
-
-
-def _flag_name(name: str, meta: dict) -> str:
-    return "--" + (meta.get("cli") or name).replace("_", "-")
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
@@ -59,7 +71,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
         defaults = cls()
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            flag = _flag_name(f.name, meta)
+            flag = flag_name(f)
             dest = f"cfg__{section}__{f.name}"
             default = getattr(defaults, f.name)
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
@@ -92,7 +104,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "train", help="train a DDPM U-Net on a dataset", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a DDPM U-Net (Ho et al. 2020) on a dataset, writing checkpoints, metrics and sample "
                     "grids to a run directory.",
-        epilog=TRAIN_EPILOG,
+        epilog=_train_epilog(),
     )
     run = tr.add_argument_group("run")
     run.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (created if missing)")
@@ -186,10 +198,11 @@ def resolve_train_config(args, dests: dict, resumed_config: dict | None = None) 
 def cmd_train(args, dests) -> int:
     import json
 
-    from fastddpm.train.loop import TrainingInterrupted, resolve_resume, train
+    from fastddpm.train.checkpoint import Checkpointer
+    from fastddpm.train.loop import TrainingInterrupted, train
 
     run_dir = Path(args.out)
-    resumed = resolve_resume(args.resume, run_dir) if args.resume else None
+    resumed = Checkpointer(run_dir).resolve(args.resume) if args.resume else None
     cfg = resolve_train_config(args, dests, resumed_config=resumed[1]["config"] if resumed else None)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
@@ -204,7 +217,7 @@ def cmd_train(args, dests) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from fastddpm.train.loop import load_for_sampling, sample_to_files
+    from fastddpm.sampling import load_for_sampling, sample_to_files
     from fastddpm.train.runtime import resolve_device
 
     device, _ = resolve_device(args.device)

@@ -188,7 +188,9 @@ class TrainConfig:
     )
     compile: str = field(
         default="auto",
-        metadata=_doc("torch.compile the loss (U-Net fwd+bwd) and the update with static shapes. auto = on for CUDA.",
+        metadata=_doc("torch.compile the loss (U-Net fwd+bwd, one graph with its backward) with static shapes; "
+                      "the update stays eager (fused AdamW is one kernel, clip and EMA are foreach ops). "
+                      "auto = on for CUDA.",
                       choices=("auto", "on", "off")),
     )
     cuda_graphs: str = field(
@@ -220,6 +222,12 @@ class TrainConfig:
     )
     ema_every: int = field(default=1, metadata=_doc("Update the EMA every k steps (with decay^k), outside CUDA graphs."))
     device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
+    cpu_threads: int | None = field(
+        default=None,
+        metadata=_doc("Intra-op threads when training on a CPU (torch.set_num_threads). none = torch's count "
+                      "(OMP_NUM_THREADS, else the cores). Recorded in each checkpoint: CPU sums run in an order that "
+                      "depends on it, so a bit-exact resume needs the same count."),
+    )
     global_batch_size: int | None = field(
         default=None,
         metadata=_doc("Images per optimizer step over all ranks (torchrun). none = batch_size is fixed per device and "
@@ -304,6 +312,8 @@ class TrainConfig:
         _require(0 <= self.ema_decay < 1, f"train.ema_decay={self.ema_decay} must be in [0, 1)")
         _require(self.grad_clip is None or self.grad_clip > 0, f"train.grad_clip={self.grad_clip} must be > 0")
         _require(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        _require(self.cpu_threads is None or self.cpu_threads >= 1,
+                 f"train.cpu_threads={self.cpu_threads} must be >= 1 (or none for torch's own count)")
         _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
         _require(self.num_sample_images >= 1, f"train.num_sample_images={self.num_sample_images} must be >= 1")
         _require(self.sample_steps >= 1, f"train.sample_steps={self.sample_steps} must be >= 1")
@@ -340,7 +350,7 @@ SECTIONS: dict[str, type] = {
 
 
 def preset_tiny() -> RunConfig:
-    """Seconds on a CPU: a 2-level U-Net with ~60k parameters, for tests and smoke runs."""
+    """Seconds on a CPU: a 2-level U-Net with ~140k parameters, 20 steps at batch 16 (tests, smoke runs)."""
     return RunConfig(
         preset="tiny",
         model=ModelConfig(down_channels=(16, 32, 32), mid_channels=(32, 32), down_sample=(True, False),
@@ -352,7 +362,8 @@ def preset_tiny() -> RunConfig:
 
 
 def preset_cpu_demo() -> RunConfig:
-    """About seven minutes on a 2-core CPU (230-290 img/s), recognisable Fashion-MNIST samples.
+    """About seven minutes on a 2-core CPU: a 0.6M-parameter U-Net without attention, 100k Fashion-MNIST
+    images, samples you can recognise (the README's CPU quickstart).
 
     A narrower U-Net without attention (attention at 28x28 dominates CPU time), a larger learning rate with a
     short warm-up, a cosine schedule and a faster EMA, so garments are recognisable after 100,000 images
@@ -370,8 +381,9 @@ def preset_cpu_demo() -> RunConfig:
 
 
 def preset_seed_1layer() -> RunConfig:
-    """The seed notebook's U-Net (one ResNet + attention per block, ~6.1M params) and recipe: batch 192,
-    Adam 1e-4, 40 epochs of 60,000 images, linear schedule, epsilon prediction."""
+    """The seed notebook's U-Net (6.1M params) and recipe: batch 192, Adam 1e-4, 40 epochs (GPU).
+
+    One ResNet + attention per block; 40 epochs of 60,000 images, linear schedule, epsilon prediction."""
     return RunConfig(
         preset="seed-1layer",
         model=ModelConfig(num_down_layers=1, num_mid_layers=1, num_up_layers=1),
@@ -381,7 +393,9 @@ def preset_seed_1layer() -> RunConfig:
 
 
 def preset_seed_2layer() -> RunConfig:
-    """The public DDPM-Pytorch default U-Net (two layers per block, ~10.2M params), same recipe as the seed."""
+    """The public DDPM-Pytorch default U-Net (10.2M params), the seed's recipe (GPU).
+
+    Two ResNet + attention layers per block."""
     return RunConfig(
         preset="seed-2layer",
         model=ModelConfig(),
@@ -396,6 +410,11 @@ PRESETS = {
     "seed-1layer": preset_seed_1layer,
     "seed-2layer": preset_seed_2layer,
 }
+
+
+def preset_summaries() -> dict[str, str]:
+    """{name: the first paragraph of its function's docstring}: the one source of the presets' help text."""
+    return {name: " ".join(fn.__doc__.strip().split("\n\n")[0].split()) for name, fn in PRESETS.items()}
 
 
 def positive_int(text: str) -> int:
@@ -545,6 +564,41 @@ def save_config(cfg: RunConfig, path: Path) -> None:
     path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
+def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
+    """Fill model.image_channels / image_size from the data, or check the ones the user set."""
+    _, c, h, w = images_NCHW_shape
+    if h != w:
+        raise ConfigError(f"the data's images are {h}x{w}; the U-Net wants square images: use --resize N")
+    m = cfg.model
+    for name, have in (("image_channels", c), ("image_size", h)):
+        want = getattr(m, name)
+        if want is not None and want != have:
+            raise ConfigError(
+                f"model.{name}={want} but the data has {have}: drop the setting (it comes from the data) "
+                + ("or use --resize" if name == "image_size" else "or use --image-mode L|RGB")
+            )
+    model = dataclasses.replace(m, image_channels=c, image_size=h)
+    model.validate_resolved()
+    return dataclasses.replace(cfg, model=model)
+
+
+def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
+    """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
+    for section in ("model", "diffusion"):
+        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
+        for key in a:
+            if a[key] != b[key]:
+                raise ConfigError(
+                    f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
+                    f"now; drop the change, or start a new run directory"
+                )
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The command-line flag of a config field: `--batch-size`, or its `cli` name (`--eval-every`)."""
+    return "--" + (f.metadata.get("cli") or f.name).replace("_", "-")
+
+
 def reference_markdown() -> str:
     """The table of every config field in docs/config.md (regenerate with `python -m fastddpm.config`)."""
     lines = [
@@ -562,7 +616,7 @@ def reference_markdown() -> str:
         for f in dataclasses.fields(cls):
             default = getattr(defaults, f.name)
             shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            flag = "--" + (f.metadata.get("cli") or f.name).replace("_", "-")
+            flag = flag_name(f)
             text = f.metadata["help"]
             if f.metadata.get("choices"):
                 text += " One of: " + ", ".join("none" if c is None else c for c in f.metadata["choices"]) + "."

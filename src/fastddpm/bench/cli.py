@@ -31,12 +31,19 @@ examples:
   fastddpm bench ladder                                # seed-1layer on all of fashion-mnist
   fastddpm bench ladder --num-images 20000 --workers 4 --out runs/ladder-h100
   fastddpm bench ladder --quick                        # tiny preset, 96 images, a few steps (CI, CPU)
+  fastddpm bench ladder --rungs 0,1,2,3,3b,4,5 --out runs/ladder   # then, into the same folder:
+  fastddpm bench ladder --rungs 6,7,8,9 --skip-mlp --out runs/ladder
 
 --quick sets --preset tiny --num-images 96 --warmup-steps 1 --steps 2 --repeats 2, divides every
-rung's batch by 4 (64 -> 16, 192 -> 48), and the MLP ladder to 1 epoch on 2,000 images; flags given explicitly still win. On a CPU the CUDA rungs (fp16, bf16,
-CUDA graphs) are reported as skipped with the reason, and so is compile under --quick.
-Writes OUT/ladder.json, ladder.md, ladder.csv, mlp.csv and ladder.png (needs matplotlib).
-Exit codes: 0 at least one rung ran, 1 none did, 2 bad flags or config.
+rung's batch by 4 (64 -> 16, 192 -> 48), and the MLP ladder to 1 epoch on 2,000 images; flags
+given explicitly still win. On a CPU the CUDA rungs (fp16, bf16, CUDA graphs) are reported as
+skipped with the reason, and so is compile under --quick; on a GPU without native bf16 (before
+Ampere, sm80) so are bf16 (3b) and CUDA graphs (8, which need bf16 there).
+Writes OUT/ladder.json, ladder.md, ladder.csv, mlp.csv after every rung, and ladder.png (needs
+matplotlib) at the end. Rungs already measured in OUT with the same settings, data, device and
+torch are reused (--remeasure measures them again); --rungs measures only the rungs named, so a
+ladder can be split over several runs into one folder.
+Exit codes: 0 at least one rung is measured, 1 none is, 2 bad flags or config.
 """
 
 _THROUGHPUT_DESCRIPTION = """\
@@ -48,10 +55,15 @@ Per variant: compile / warm-up time (the first --warmup-steps steps, timed on th
 steady-state step time over --repeats repeats of --steps steps (CUDA events; perf_counter on
 a CPU, where the numbers describe that CPU and are not GPU claims), as median [min-max];
 images/s and its ratio to the first variant; MFU = FlopCounterMode FLOPs of one step / median
-step time / the matmul peak measured in this run (bf16 8192^3 on CUDA, fp32 on a CPU);
+step time / the matmul peak measured in this run in the step's own dtype (bf16 or fp16 under
+autocast, TF32 for fp32 on CUDA, fp32 on a CPU; an 8192^3 matmul on CUDA), printed next to it;
 peak memory (CUDA); recompiles after warm-up and graph breaks; and the share of the step
 spent producing the batch. A variant that fails (out of memory, a compile error) is recorded
 as failed with its reason, and the others still run.
+
+The results are rewritten after every variant. Run the same command into the same --out again
+(after a time limit killed it, say) and the variants measured there with the same settings,
+device and torch are reused, not measured again (--remeasure measures them all).
 """
 
 _THROUGHPUT_EPILOG = """\
@@ -67,8 +79,8 @@ flags given explicitly still win.
 
 Writes OUT/throughput.json (every number, the environment and all settings) and
 OUT/throughput.md (the table below plus the environment), and prints the table:
-  | preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % |
-  | peak mem GiB | recompiles | graph breaks | input wait % | status |
+  | preset | batch | images/s | x first | step ms median [min-max] | compile s |
+  | MFU % (peak dtype) | peak mem GiB | recompiles | graph breaks | input wait % | status |
 Exit codes: 0 at least one variant ran, 1 every variant failed, 2 bad flags or config.
 """
 
@@ -124,7 +136,10 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                         help="the CI run: tiny preset, batch 8,16, warm-up 2, 2 x 3 steps (< 1 min on a CPU)")
     out = tp.add_argument_group("output")
     out.add_argument("--out", default=None, metavar="DIR",
-                     help="output folder for throughput.json / .md (default runs/bench-throughput-<UTC time>)")
+                     help="output folder for throughput.json / .md (default runs/bench-throughput-<UTC time>); "
+                          "variants already measured there with the same settings, device and torch are reused")
+    out.add_argument("--remeasure", action="store_true",
+                     help="measure every variant, even those already in DIR/throughput.json")
     return tp
 
 
@@ -143,7 +158,12 @@ def _add_ladder_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
                     help="DataLoader workers from rung 1 on (default min(8, CPU count))")
     lp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
     lp.add_argument("--mlp-epochs", type=positive_int, default=None, metavar="N", help="MLP epochs (5)")
-    lp.add_argument("--skip-mlp", action="store_true", help="run only the DDPM ladder")
+    lp.add_argument("--rungs", type=_csv_list, default=None, metavar="K,..",
+                    help="measure only these rungs (keys 0,1,2,3,3b,4,5,6,7,8,9; default all); the others are "
+                         "reused from OUT/ladder.json or shown as not run")
+    lp.add_argument("--skip-mlp", action="store_true",
+                    help="run only the DDPM ladder (MLP rows already in OUT are kept)")
+    lp.add_argument("--remeasure", action="store_true", help="measure again the rungs already in OUT/ladder.json")
     lp.add_argument("--quick", action="store_true", help="tiny model, 96 images, batches / 4, a few steps: about a minute on a CPU")
     lp.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/bench-ladder-<UTC time>)")
     return lp
@@ -153,11 +173,12 @@ def ladder_settings(args: argparse.Namespace):
     from fastddpm.bench.ladder import QUICK, LadderSettings
 
     base = dict(QUICK) if args.quick else {}
-    for name in ("data", "preset", "num_images", "steps", "warmup_steps", "repeats", "workers", "mlp_epochs"):
+    for name in ("data", "preset", "num_images", "steps", "warmup_steps", "repeats", "workers", "mlp_epochs", "rungs"):
         value = getattr(args, name)
         if value is not None:
             base[name] = value
-    return LadderSettings(**base, device=args.device, mlp=not args.skip_mlp, quick=args.quick)
+    return LadderSettings(**base, device=args.device, mlp=not args.skip_mlp, quick=args.quick,
+                          remeasure=args.remeasure)
 
 
 def _run_ladder(args: argparse.Namespace) -> int:
@@ -172,7 +193,8 @@ examples:
   fastddpm bench quality --out runs/quality-h100                       # reference (40 epochs), then fast
   fastddpm bench quality --target-fid 3.2 --options min-snr-5,cosine   # skip the reference, compare options
   fastddpm bench quality --reference-only --out runs/quality-ref              # then:
-  fastddpm bench quality --reference-from runs/quality-ref/quality.json
+  fastddpm bench quality --reference-from runs/quality-ref/quality.json --out runs/quality-fast   # then:
+  fastddpm bench quality --fast-from runs/quality-fast/quality.json --options min-snr-5,cosine
   fastddpm bench quality --quick                                       # tiny U-Net, 256 images: a CPU check
 
 --quick sets --preset tiny --num-images 256 --eval-samples 32 --eval-steps 4 --reference-epochs 1,
@@ -213,6 +235,8 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
                     metavar="N", help="images between the fast run's evaluations (default 120000)")
     qp.add_argument("--options", type=_csv_list, default=None, metavar="A,B",
                     help=f"options to compare on the fast recipe at equal images: {', '.join(OPTIONS)}")
+    qp.add_argument("--fast-from", default=None, metavar="FILE",
+                    help="reuse the reference, target and fast run of an earlier quality.json; train only --options")
     qp.add_argument("--reference-only", action="store_true",
                     help="train and record only the reference (then: --reference-from OUT/quality.json)")
     qp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
@@ -227,7 +251,7 @@ def quality_settings(args: argparse.Namespace):
     base = dict(QUICK) if args.quick else {}
     for name in ("data", "preset", "num_images", "eval_samples", "eval_steps", "reference_epochs",
                  "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides", "fast_max_images",
-                 "fast_eval_every_images", "options"):
+                 "fast_eval_every_images", "options", "fast_from"):
         value = getattr(args, name)
         if value is not None:
             base[name] = value
@@ -264,7 +288,8 @@ def throughput_settings(args: argparse.Namespace):
         if value is not None:
             base[name] = value
     return ThroughputSettings(**base, precision=args.precision, compile=args.compile, cuda_graphs=args.cuda_graphs,
-                              data_placement=args.data_placement, device=args.device, quick=args.quick)
+                              data_placement=args.data_placement, device=args.device, quick=args.quick,
+                              remeasure=args.remeasure)
 
 
 def _run_throughput(args: argparse.Namespace) -> int:

@@ -5,7 +5,10 @@ one (the rungs are spelled out in bench/ladder_rungs.py). Per rung: images/s (me
 [min-max] spread), the time one epoch of the dataset would take, speedup over the baseline and over the
 previous ok rung, warm-up / compile time (timed on its own, never in the steady state), GPU busy share, peak
 memory and recompiles. A rung that fails is recorded with its reason and the ladder goes on.
-Writes ladder.json, ladder.md, ladder.csv, mlp.csv and ladder.png (matplotlib, optional) in the run folder.
+Writes ladder.json, ladder.md, ladder.csv and mlp.csv in the run folder after every rung (so a run killed by a
+time limit keeps what it measured), and ladder.png (matplotlib, optional) at the end. A re-run into the same
+folder reuses the rungs measured there with the same settings, data, device and torch (bench/store.py), and
+`rungs` measures only some: a ladder can be split over several runs into one folder.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import csv
 import dataclasses
 import datetime as _dt
 import gc
-import json
+import hashlib
+import io
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,15 +29,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastddpm.bench import ladder_rungs
+from fastddpm.bench import ladder_rungs, store
 from fastddpm.bench.timing import (environment_record, free_device_memory, peak_memory_bytes, reset_peak_memory,
                                    summarize, time_steps, time_wall_s)
-from fastddpm.config import ConfigError, get_preset
+from fastddpm.config import ConfigError, get_preset, resolve_model_shape
+from fastddpm.data import DataError
+from fastddpm.train.batch_finder import is_oom
 from fastddpm.train.compile_counters import CompileCounters
-from fastddpm.train.loop import resolve_model_shape
 from fastddpm.train.runtime import resolve_device
 
-SCHEMA = "fastddpm-bench-ladder-1"
+SCHEMA = "fastddpm-bench-ladder-2"  # 2: rows carry identity and run; written after every rung
 QUICK = dict(preset="tiny", num_images=96, steps=2, warmup_steps=1, repeats=2, mlp_epochs=1, mlp_train_images=2000,
              mlp_test_images=1000, auto_batch_limit=32, batch_divisor=4)
 
@@ -58,9 +64,18 @@ class LadderSettings:
     auto_batch_limit: int = 8192  # rung 9's search stops here
     batch_divisor: int = 1  # every rung's batch is divided by this (--quick: 4, so 64 -> 16, 192 -> 48)
     quick: bool = False  # recorded: the caller applied QUICK's values
+    rungs: tuple[str, ...] | None = None  # measure only these rung keys (None: all); the rest are reused or not run
+    remeasure: bool = False  # measure rungs already in OUT/ladder.json again (else they are reused)
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.rungs is not None:
+            self.rungs = tuple(self.rungs)
+            keys = [r.key for r in ladder_rungs.DDPM_RUNGS]
+            unknown = [k for k in self.rungs if k not in keys]
+            if unknown or not self.rungs:
+                raise ConfigError(f"bench ladder: --rungs {','.join(self.rungs)}: unknown rung(s) "
+                                  f"{', '.join(unknown) or '(none given)'}; the rungs are {','.join(keys)}")
         for name in ("steps", "warmup_steps", "repeats", "mlp_epochs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench ladder: --{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
@@ -78,23 +93,39 @@ class LadderSettings:
 # Measuring one rung
 
 
+def gpu_busy_us(events: list[dict]) -> float:
+    """Microseconds with GPU work running, from a Chrome trace's events: the union of kernel, memcpy and memset
+    intervals on all streams, classified as the doctor classifies them (fastddpm.doctor.trace.GPU_CATS). Other
+    events on the GPU's timeline are not work: a `gpu_user_annotation` (a record_function range mirrored onto
+    the GPU) spans the idle gaps between its kernels."""
+    from fastddpm.doctor.trace import GPU_CATS
+
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                       if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+    busy_us, end = 0.0, -math.inf
+    for s, e in intervals:  # union: overlapping work (several streams) counts once
+        if e > end:
+            busy_us += e - max(s, end)
+            end = e
+    return busy_us
+
+
 def gpu_busy_share(step: Callable[[int], object], first: int, steps: int, device: torch.device) -> float | None:
-    """Share of wall time with a CUDA kernel running: the union of kernel intervals recorded by torch.profiler
-    over `steps` steps / the wall time of those steps. None on the CPU."""
+    """Share of wall time with GPU work running (gpu_busy_us) over `steps` steps recorded by torch.profiler /
+    the wall time of those steps. None on the CPU."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
+    from fastddpm.doctor.trace import load_trace
+
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_s = time_wall_s(lambda: [step(first + i) for i in range(steps)], device)
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    busy_us, end = 0.0, -math.inf
-    for s, e in intervals:  # union: overlapping kernels (several streams) count once
-        if e > end:
-            busy_us += e - max(s, end)
-            end = e
+    with tempfile.TemporaryDirectory(prefix="fastddpm-ladder-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))  # the doctor's input: its event categories say what is GPU work
+        busy_us = gpu_busy_us(load_trace(path))
     return min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else None
 
 
@@ -146,7 +177,7 @@ def run_rung(rung, sw, ctx, settings) -> dict:
             row["peak_memory_gib"] = row["peak_memory_bytes"] / 2**30
         del prepared
     except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the ladder goes on
-        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        oom = is_oom(e)
         row.update(status="failed", reason=("out of memory: " if oom else "") + f"{type(e).__name__}: {e}".strip())
     finally:
         gc.collect()
@@ -162,9 +193,16 @@ def default_out_dir() -> Path:
     return Path("runs") / f"bench-ladder-{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}"
 
 
-def _load_ddpm_data(settings: LadderSettings, log) -> tuple[np.ndarray, Path, dict]:
-    from fastddpm.data.cache import default_cache_dir
-    from fastddpm.data.export import export_images
+def _fingerprint(*arrays: np.ndarray) -> str:
+    """sha256 of the arrays' bytes: the data a rung measured on, whatever path it was read from."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(str((a.dtype, a.shape)).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _load_ddpm_data(settings: LadderSettings, log) -> tuple[np.ndarray, np.ndarray, dict]:
     from fastddpm.data.prepare import prepare
 
     prepared = prepare(settings.data, progress=False)
@@ -173,13 +211,23 @@ def _load_ddpm_data(settings: LadderSettings, log) -> tuple[np.ndarray, Path, di
     labels = np.asarray(prepared.labels[:n])
     # Rungs 0-2 read PNGs in (label, index) order: keep the array in that same order, so all rungs see one set.
     order = np.lexsort((np.arange(n), labels))
-    root = default_cache_dir() / "png-export" / f"{prepared.cache_path.name}-n{n}"
-    res = export_images(images, labels, root, identity={"cache": str(prepared.cache_path), "num_images": n},
-                        overwrite=True)
-    log(f"data: {n:,} images {'x'.join(map(str, images.shape[1:]))} from {settings.data}; PNG folder {root} "
-        f"({'reused' if res.reused else 'written'})")
-    return images[order], root, {"source": settings.data, "cache": str(prepared.cache_path), "num_images": n,
-                                 "png_root": str(root), "shape_CHW": list(images.shape[1:])}
+    images, labels = images[order], labels[order]
+    log(f"data: {n:,} images {'x'.join(map(str, images.shape[1:]))} from {settings.data}")
+    return images, labels, {"source": settings.data, "cache": str(prepared.cache_path), "num_images": n,
+                            "png_root": None, "shape_CHW": list(images.shape[1:]),
+                            "fingerprint": _fingerprint(images, labels)}
+
+
+def _export_pngs(images: np.ndarray, labels: np.ndarray, data_info: dict, log) -> Path:
+    """The images as one PNG file each (the seed's layout, ROOT/<label>/*.png), for the rungs that decode files."""
+    from fastddpm.data.cache import default_cache_dir
+    from fastddpm.data.export import export_images
+
+    root = default_cache_dir() / "png-export" / f"{Path(data_info['cache']).name}-n{data_info['num_images']}"
+    res = export_images(images, labels, root, identity={"cache": data_info["cache"],
+                                                        "num_images": data_info["num_images"]}, overwrite=True)
+    log(f"data: PNG folder {root} ({'reused' if res.reused else 'written'})")
+    return root
 
 
 def _load_mlp_data(settings: LadderSettings, log):
@@ -197,8 +245,35 @@ def _load_mlp_data(settings: LadderSettings, log):
                    test_x=np.array(test.images[:nte]), test_y=np.asarray(test.labels[:nte]))
 
 
+def _uses_pngs(sw: ladder_rungs.Switches) -> bool:
+    return not (sw.resident or sw.fused or sw.cuda_graphs or sw.auto_batch)
+
+
+def rung_identity(rung: ladder_rungs.Rung, sw: ladder_rungs.Switches, settings: LadderSettings, cfg, data_info: dict,
+                  env: dict) -> dict:
+    """Everything that changes a rung's numbers: a row measured under an equal identity is reused."""
+    return store.canonical({
+        "rung": rung.key, "switches": dataclasses.asdict(sw), "config": store.config_identity(cfg.to_dict()),
+        "data": {k: data_info[k] for k in ("fingerprint", "num_images")},
+        "timing": {k: getattr(settings, k) for k in ("steps", "warmup_steps", "repeats", "seed", "batch_divisor",
+                                                      "auto_batch_limit")},
+        **store.device_identity(env),
+    })
+
+
+def mlp_identity(key: str, settings: LadderSettings, workers: int, fingerprint: str, env: dict) -> dict:
+    return store.canonical({"mlp_rung": key, "data": fingerprint, "epochs": settings.mlp_epochs, "workers": workers,
+                            "seed": settings.seed, **store.device_identity(env)})
+
+
+def _all_rows(data: dict) -> list[dict]:
+    return list(data.get("rungs") or []) + list((data.get("mlp") or {}).get("rows") or [])
+
+
 def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
                log: Callable[[str], None] = print) -> dict:
+    from fastddpm.bench.mlp import MLP_RUNGS, fill_mlp_speedups, run_mlp_rung
+
     device, device_reason = resolve_device(settings.device)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,49 +283,104 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
         f"commit {str(env['git_commit'])[:12]}; {workers} DataLoader workers")
     if device.type != "cuda":
         log("note: CPU run: timings (perf_counter) describe this CPU only; CUDA rungs are skipped")
+    json_path = out_dir / "ladder.json"
+    previous = store.Previous(json_path, schema=SCHEMA, rows=_all_rows, remeasure=settings.remeasure, log=log)
 
-    images, png_root, data_info = _load_ddpm_data(settings, log)
+    images, labels, data_info = _load_ddpm_data(settings, log)
     cfg = resolve_model_shape(get_preset(settings.preset), images.shape)
+
+    # ---- the plan: each rung's switches, skip reason and identity, before anything is measured
+    plan = []
+    for rung, candidate, skip in ladder_rungs.plan(device, workers, settings.quick):
+        identity = rung_identity(rung, candidate, settings, cfg, data_info, env)
+        plan.append((rung, candidate, skip, identity, None if skip else previous.take(identity)))
+    selected = set(settings.rungs or [r.key for r in ladder_rungs.DDPM_RUNGS])
+
+    mlp_data, mlp_info, mlp_plan = None, None, []
+    if not settings.mlp and any("mlp_rung" in r["identity"] for r in previous.rows):
+        # --skip-mlp keeps the MLP rows already in OUT, once the data they were measured on is checked
+        try:
+            mlp_data = _load_mlp_data(settings, log)
+        except (ConfigError, DataError, OSError) as e:
+            log(f"--skip-mlp: cannot read {settings.mlp_data} to check the MLP rows in {json_path} ({e}): not kept")
+    elif settings.mlp:
+        mlp_data = _load_mlp_data(settings, log)
+    if mlp_data is not None:
+        mlp_info = {"source": settings.mlp_data, "train_images": int(len(mlp_data.train_y)),
+                    "test_images": int(len(mlp_data.test_y)), "epochs": settings.mlp_epochs, "workers": workers}
+        fingerprint = _fingerprint(mlp_data.train_x, mlp_data.train_y, mlp_data.test_x, mlp_data.test_y)
+        for key, _ in MLP_RUNGS:
+            identity = mlp_identity(key, settings, workers, fingerprint, env)
+            mlp_plan.append((key, identity, previous.take(identity)))
+    previous.finish_matching()
+
+    to_measure = [rung for rung, _, skip, _, old in plan if skip is None and old is None and rung.key in selected]
+    png_root = None
+    if any(_uses_pngs(sw) for rung, sw, *_ in plan if rung in to_measure):
+        png_root = _export_pngs(images, labels, data_info, log)
+        data_info["png_root"] = str(png_root)
     ctx = ladder_rungs.Context(cfg=cfg, device=device, png_root=png_root, images_NCHW=images, seed=settings.seed,
                                quick=settings.quick, auto_batch_limit=settings.auto_batch_limit,
                                batch_divisor=settings.batch_divisor, log=log)
-    rows = []
-    sw = ladder_rungs.Switches()
-    rungs = ladder_rungs.DDPM_RUNGS
-    for i, rung in enumerate(rungs):
-        candidate = ladder_rungs.apply_delta(sw, rung, workers) if rung.key != "0" else sw
-        tag = f"[{i + 1}/{len(rungs)}] rung {rung.key} {rung.title}"
-        reason = ladder_rungs.skip_reason(rung, device, settings.quick)
-        if reason:
+
+    rows: list[dict] = []
+    mlp_rows: list[dict] = []
+
+    def result(complete: bool) -> dict:
+        fill_speedups(rows, data_info["num_images"])
+        fill_mlp_speedups(mlp_rows)
+        return {"schema": SCHEMA, "benchmark": "ladder", "complete": complete,
+                "environment": {**env, "device_reason": device_reason},
+                "settings": {**dataclasses.asdict(settings), "workers_resolved": workers}, "data": data_info,
+                "notes": notes(device, settings, data_info), "runs": store.distinct_runs(rows + mlp_rows),
+                "rungs": rows, "mlp": {"info": mlp_info, "rows": mlp_rows or None}}
+
+    # ---- the DDPM ladder, one rung at a time; the files are rewritten after each
+    for i, (rung, candidate, skip, identity, old) in enumerate(plan):
+        tag = f"[{i + 1}/{len(plan)}] rung {rung.key} {rung.title}"
+        if skip:
             row = _row(rung, candidate)
-            row.update(status="skipped", reason=reason)
-            log(f"{tag}: {reason}")
+            row.update(status="skipped", reason=skip)
+            log(f"{tag}: {skip}")
+        elif old is not None:
+            row = old
+            log(f"{tag}: already measured in {json_path} ({row['run']['date_utc']}, commit "
+                f"{str(row['run']['git_commit'])[:12]}): skipped (--remeasure measures it again): {progress_line(row)}")
+        elif rung.key not in selected:
+            row = _row(rung, candidate)
+            row.update(status="not run", reason=f"not in --rungs {','.join(settings.rungs)}, and not yet in "
+                                                f"{json_path.name}")
+            log(f"{tag}: not run ({row['reason']})")
         else:
+            before = previous.failed_before(identity)
+            if before is not None:
+                log(f"{tag}: failed in the earlier run ({before['reason']}): measuring it again")
             log(f"{tag}: {rung.change}; warm-up {settings.warmup_steps} steps, then {settings.repeats} x "
                 f"{settings.steps} timed steps")
             row = run_rung(rung, candidate, ctx, settings)
+            row.update(identity=identity, run=store.run_record(env))
             log(f"{tag}: {progress_line(row)}")
         rows.append(row)
-        if not rung.branch and row["status"] != "skipped":
-            sw = candidate  # a failed rung's change still carries: the next rung is "that, plus one more"
-    fill_speedups(rows, data_info["num_images"])
+        write_results(result(complete=False), out_dir)  # a killed run keeps every rung so far
 
-    mlp_rows, mlp_info = None, None
-    if settings.mlp:
-        from fastddpm.bench.mlp import run_mlp_ladder
+    # ---- the MLP ladder (seed 002)
+    if mlp_plan:
+        if settings.mlp:
+            log("MLP ladder (seed 002): 784-128-64-10, batch 64, Adam 1e-3")
+        for key, identity, old in mlp_plan:
+            if old is not None:
+                mlp_rows.append(old)
+                log(f"  mlp rung {key}: already measured in {json_path}: skipped")
+            elif settings.mlp:
+                row = run_mlp_rung(key, mlp_data, device, epochs=settings.mlp_epochs, workers=workers,
+                                   seed=settings.seed, log=log)
+                row.update(identity=identity, run=store.run_record(env))
+                mlp_rows.append(row)
+            write_results(result(complete=False), out_dir)
 
-        log("MLP ladder (seed 002): 784-128-64-10, batch 64, Adam 1e-3")
-        mlp_data = _load_mlp_data(settings, log)
-        mlp_info = {"source": settings.mlp_data, "train_images": int(len(mlp_data.train_y)),
-                    "test_images": int(len(mlp_data.test_y)), "epochs": settings.mlp_epochs, "workers": workers}
-        mlp_rows = run_mlp_ladder(mlp_data, device, epochs=settings.mlp_epochs, workers=workers, seed=settings.seed,
-                                  log=log)
-
-    result = {"schema": SCHEMA, "benchmark": "ladder", "environment": {**env, "device_reason": device_reason},
-              "settings": {**dataclasses.asdict(settings), "workers_resolved": workers}, "data": data_info,
-              "notes": notes(device, settings, data_info), "rungs": rows, "mlp": {"info": mlp_info, "rows": mlp_rows}}
-    chart = write_results(result, out_dir, log)
-    result["chart"] = chart
+    final = result(complete=True)
+    chart = write_results(final, out_dir, log=log, chart=True)
+    final["chart"] = chart
     log("")
     log(table_markdown(rows))
     if mlp_rows:
@@ -258,18 +388,19 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
         log(mlp_table_markdown(mlp_rows))
     log(f"\nwrote {out_dir}/ladder.json, ladder.md, ladder.csv" + (", mlp.csv" if mlp_rows else "")
         + (", ladder.png" if chart else ""))
-    result["out_dir"] = str(out_dir)
-    return result
+    final["out_dir"] = str(out_dir)
+    return final
 
 
 def fill_speedups(rows: list[dict], num_images: int) -> None:
-    base = rows[0]["images_per_s"] if rows[0]["status"] == "ok" else None
+    base = rows[0]["images_per_s"] if rows and rows[0]["status"] == "ok" else None
     prev = None  # the previous ok rung on the main line (3b is a branch)
     branch_keys = {r.key for r in ladder_rungs.DDPM_RUNGS if r.branch}
     for r in rows:
         if r["status"] != "ok":
             continue
-        r["epoch_s"] = num_images / r["images_per_s"]
+        r.update(epoch_s=num_images / r["images_per_s"], speedup_vs_baseline=None, speedup_vs_previous=None,
+                 previous_rung=None)  # a reused row's old ratios are recomputed against this run's rows
         if base:
             r["speedup_vs_baseline"] = r["images_per_s"] / base
         if prev is not None:
@@ -289,10 +420,11 @@ def notes(device: torch.device, s: LadderSettings, data_info: dict) -> list[str]
         f"epoch s: {data_info['num_images']:,} images / images/s" + (" (extrapolated from a few --quick steps)"
                                                                     if s.quick else "") + ".",
         "speedup vs previous: over the previous ok rung of the main line (3b, bf16, is a branch: not carried).",
-        "GPU busy: union of CUDA kernel intervals from torch.profiler over up to 20 steps / their wall time "
-        "(n/a on the CPU).",
+        "GPU busy: union of the kernel, memcpy and memset intervals (as the doctor counts them; annotation ranges "
+        "on the GPU timeline are not work) from torch.profiler over up to 20 steps / their wall time (n/a on the "
+        "CPU). The profiler's own host overhead slows host-bound rungs a little during those steps.",
         "recompiles: graphs compiled after the warm-up (torch._dynamo counters), for compiled rungs.",
-        "A skipped rung's change is not carried forward; a failed rung's change is.",
+        "A skipped rung's change is not carried forward; a failed (or not run) rung's change is.",
     ]
     if s.batch_divisor != 1:
         out.append(f"--quick: every rung's batch is divided by {s.batch_divisor} (64 -> {64 // s.batch_divisor}, "
@@ -306,19 +438,13 @@ def notes(device: torch.device, s: LadderSettings, data_info: dict) -> list[str]
 # Reporting
 
 
-def _f(v, spec: str, missing: str = "n/a") -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return missing
-    return format(v, spec)
-
-
 def progress_line(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['status'].upper()} ({r['reason']})"
     s = r["step_ms"]
     return (f"{r['images_per_s']:,.0f} img/s (batch {r['batch_size']}, {r['precision']}), step {s['median']:.2f} ms "
             f"[{s['min']:.2f}-{s['max']:.2f}], warm-up {r['warmup_s']:.1f} s, GPU busy "
-            f"{_f(r['gpu_busy'] and 100 * r['gpu_busy'], '.0f')}%")
+            + ("n/a" if r["gpu_busy"] is None else f"{100 * r['gpu_busy']:.0f}%"))
 
 
 DDPM_HEADER = ("| rung | change | batch | prec | images/s [min-max] | epoch s | x baseline | x previous | "
@@ -329,16 +455,17 @@ def table_markdown(rows: list[dict]) -> str:
     lines = [DDPM_HEADER, "|" + "---|" * (DDPM_HEADER.count("|") - 1)]
     for r in rows:
         if r["status"] != "ok":
-            reason = (r["reason"] or "").splitlines()[0][:140].replace("|", "\\|")
-            lines.append(f"| {r['rung']} | {r['title']} |" + " - |" * 10 + f" {r['status']}: {reason} |")
+            reason = (r["reason"] or "").splitlines()[0][:140].replace("|", "\\|") if r["reason"] else ""
+            status = reason if reason.startswith(r["status"]) else f"{r['status']}: {reason}"
+            lines.append(f"| {r['rung']} | {r['title']} |" + " - |" * 10 + f" {status} |")
             continue
         lo, hi = r["images_per_s_range"]
         lines.append(
             f"| {r['rung']} | {r['title']} | {r['batch_size']} | {r['precision']} | {r['images_per_s']:,.0f} "
-            f"[{lo:,.0f}-{hi:,.0f}] | {r['epoch_s']:.1f} | {_f(r['speedup_vs_baseline'], '.2f')} | "
-            f"{_f(r['speedup_vs_previous'], '.2f')} | {r['warmup_s']:.2f} | "
-            f"{_f(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')} | "
-            f"{_f(r['peak_memory_gib'], '.2f')} | {_f(r['recompiles_after_warmup'], 'd', '-')} | ok |")
+            f"[{lo:,.0f}-{hi:,.0f}] | {r['epoch_s']:.1f} | {store.fmt(r['speedup_vs_baseline'], '.2f')} | "
+            f"{store.fmt(r['speedup_vs_previous'], '.2f')} | {r['warmup_s']:.2f} | "
+            f"{store.fmt(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')} | "
+            f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd', '-')} | ok |")
     return "\n".join(lines)
 
 
@@ -348,7 +475,7 @@ def mlp_table_markdown(rows: list[dict]) -> str:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | - | - | - | failed: {r['error']} |")
             continue
-        speed = "baseline" if r["rung"] == "0" else f"{r['speedup']:.2f}x"
+        speed = "baseline" if r["rung"] == "0" else store.fmt(r["speedup"], ".2f") + "x"
         lines.append(f"| {r['name']} | {r['total_s']:.2f} | {speed} | {r['accuracy']:.4f} | ok |")
     return "\n".join(lines)
 
@@ -358,34 +485,53 @@ CSV_FIELDS = ["rung", "title", "status", "batch_size", "precision", "images_per_
               "warmup_s", "setup_s", "gpu_busy", "peak_memory_gib", "recompiles_after_warmup", "reason"]
 
 
-def write_results(result: dict, out_dir: Path, log) -> str | None:
-    (out_dir / "ladder.json").write_text(json.dumps(result, indent=2, default=str))
-    with open(out_dir / "ladder.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in result["rungs"]:
-            rng = r["images_per_s_range"] or [None, None]
-            w.writerow({**{k: r.get(k) for k in CSV_FIELDS}, "images_per_s_min": rng[0], "images_per_s_max": rng[1],
-                        "step_ms_median": r["step_ms"]["median"] if r["step_ms"] else None})
+def _csv_text(fields: list[str], rows: list[dict]) -> str:
+    f = io.StringIO()
+    w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow(r)
+    return f.getvalue()
+
+
+def write_results(result: dict, out_dir: Path, log: Callable[[str], None] = print, *,
+                  chart: bool = False) -> str | None:
+    """ladder.json, ladder.csv, mlp.csv and ladder.md, each replaced atomically; ladder.png too when `chart`
+    (once, at the end: matplotlib costs a second or two). Returns the chart's path, or None."""
+    store.write_json(out_dir / "ladder.json", result)
+    csv_rows = []
+    for r in result["rungs"]:
+        rng = r["images_per_s_range"] or [None, None]
+        csv_rows.append({**{k: r.get(k) for k in CSV_FIELDS}, "images_per_s_min": rng[0], "images_per_s_max": rng[1],
+                         "step_ms_median": r["step_ms"]["median"] if r["step_ms"] else None})
+    store.atomic_write_text(out_dir / "ladder.csv", _csv_text(CSV_FIELDS, csv_rows))
     mlp_rows = result["mlp"]["rows"]
     if mlp_rows:
-        with open(out_dir / "mlp.csv", "w", newline="") as f:
-            fields = ["rung", "name", "status", "total_s", "epoch_s", "speedup", "accuracy", "final_loss", "error"]
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            for r in mlp_rows:
-                w.writerow({k: r.get(k) for k in fields})
-    chart = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"], log)
+        fields = ["rung", "name", "status", "total_s", "epoch_s", "speedup", "accuracy", "final_loss", "error"]
+        store.atomic_write_text(out_dir / "mlp.csv", _csv_text(fields, [{k: r.get(k) for k in fields}
+                                                                        for r in mlp_rows]))
+    chart_path = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"], log) \
+        if chart else None
     env = result["environment"]
-    md = ["# fastddpm bench ladder", "",
-          f"- command: `{env['command_line']}`",
+    n_measured = sum(r["status"] in ("ok", "failed") for r in result["rungs"])
+    md = ["# fastddpm bench ladder", ""]
+    if not result.get("complete", True):
+        md += [f"**Incomplete**: {n_measured} of {len(ladder_rungs.DDPM_RUNGS)} rungs measured so far (the run was "
+               "stopped, or is still running); the same command into this folder measures the rest.", ""]
+    md += [f"- command: `{env['command_line']}`",
           f"- device: {env['device_name']} ({env['device']}), driver {env.get('cuda_driver') or 'n/a'}, CUDA runtime "
           f"{env.get('cuda_runtime') or 'n/a'}",
           f"- torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {env['git_commit']}"
           + (" (uncommitted changes)" if env.get("git_dirty") else ""),
           f"- date (UTC): {env['date_utc']}",
-          f"- data: {result['data']['num_images']:,} images of {result['data']['source']}; preset "
-          f"{result['settings']['preset']}", "", "## DDPM ladder (seed 000)", "", table_markdown(result["rungs"]), ""]
+          f"- data: {result['data']['num_images']:,} images of {result['data']['source']} (fingerprint "
+          f"{result['data']['fingerprint']}); preset {result['settings']['preset']}"]
+    runs = result.get("runs") or []
+    if len(runs) > 1 or (runs and runs[0]["date_utc"] != env["date_utc"]):
+        md += ["- rows measured by: " + "; ".join(
+            f"{run['date_utc']} `{run['command_line']}` (commit {str(run['git_commit'])[:12]}"
+            + (", uncommitted changes" if run.get("git_dirty") else "") + ")" for run in runs)]
+    md += ["", "## DDPM ladder (seed 000)", "", table_markdown(result["rungs"]), ""]
     for r in result["rungs"]:
         extra = "; ".join(r["notes"] + ([f"CUDA graphs failed: {r['cuda_graphs_failed']}"]
                                         if r.get("cuda_graphs_failed") else []))
@@ -400,10 +546,10 @@ def write_results(result: dict, out_dir: Path, log) -> str | None:
             if r["notes"]:
                 md.append(f"- {r['name']}: {'; '.join(r['notes'])}")
     md += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
-    if chart:
+    if chart_path:
         md += ["", "![images/s per rung](ladder.png)"]
-    (out_dir / "ladder.md").write_text("\n".join(md) + "\n")
-    return chart
+    store.atomic_write_text(out_dir / "ladder.md", "\n".join(md) + "\n")
+    return chart_path
 
 
 def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | None:

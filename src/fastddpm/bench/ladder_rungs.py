@@ -5,8 +5,10 @@ Rungs 0-6 are "the user's loop": a torch Dataset / DataLoader, `.to(device)`, an
 and a per-tensor EMA loop, as a user writes them. Rungs 7-9 are fastddpm's own machinery (build_model /
 build_optimization: TrainStep, fused AdamW, foreach EMA, CUDA graph capture; find_batch_size).
 
-A rung's switches are the previous rung's plus its own change. A rung that cannot run here (no CUDA) is
-skipped and its change is not carried forward; a rung with `branch=True` (bf16) is shown but not carried.
+A rung's switches are the previous rung's plus its own change. A rung that cannot run here (no CUDA; bf16 on a
+GPU that would emulate it) is skipped and its change is not carried forward; a rung with `branch=True` (bf16)
+is shown but not carried. Every rung's precision goes through fastddpm.train.runtime.resolve_precision, the
+trainer's own owner of that choice.
 Every builder returns a Prepared: a `step(i)` closure (one optimizer step, drawing its batch) plus notes.
 """
 
@@ -25,7 +27,7 @@ from PIL import Image
 
 from fastddpm.config import RunConfig, apply_overrides
 from fastddpm.train.batches import Batch, ResidentBatches
-from fastddpm.train.runtime import FastPath, Precision
+from fastddpm.train.runtime import FastPath, Precision, cuda_native_bf16, resolve_precision
 from fastddpm.train.setup import build_model, build_optimization
 from fastddpm.train.step import train_step
 
@@ -65,7 +67,7 @@ DDPM_RUNGS: list[Rung] = [
          {"workers": -1, "pin_memory": True, "non_blocking": True}),  # -1: the --workers value
     Rung("2", "RAM preload", "decode every PNG once at start into tensors in RAM", {"source": "ram"}),
     Rung("3", "AMP fp16", "fp16 autocast + GradScaler", {"precision": "fp16"},
-         needs_cuda="fp16 autocast + GradScaler is a GPU feature (fastddpm rejects fp16 on the CPU)"),
+         needs_cuda="fp16 autocast + GradScaler is the GPU recipe (on a CPU it runs slower than fp32)"),
     Rung("3b", "AMP bf16", "bf16 autocast instead of fp16 (no GradScaler); shown, not carried forward",
          {"precision": "bf16"}, needs_cuda="bf16 autocast is measured on GPUs that support it", branch=True),
     Rung("4", "batch 192", "batch 192", {"batch_size": 192}),
@@ -87,8 +89,14 @@ def skip_reason(rung: Rung, device: torch.device, quick: bool) -> str | None:
     cuda = device.type == "cuda"
     if rung.needs_cuda and not cuda:
         return f"skipped on {device.type}: {rung.needs_cuda}"
-    if rung.key == "3b" and cuda and not torch.cuda.is_bf16_supported():
-        return "skipped: this GPU has no native bf16"
+    if rung.key in ("3b", "8") and cuda:
+        # Not torch.cuda.is_bf16_supported(): it also says True on a T4 (sm75), which emulates bf16 slowly.
+        native, why = cuda_native_bf16(device)
+        if not native and rung.key == "3b":
+            return f"skipped: {why}; fp16 (rung 3) is this GPU's fast precision"
+        if not native:
+            return (f"skipped: capturing the step in a CUDA graph needs bf16 here (fp16's GradScaler checks for "
+                    f"inf on the host), and {why}")
     if rung.cpu_quick_skip and quick and not cuda:
         return f"skipped: {rung.cpu_quick_skip}"
     return None
@@ -99,6 +107,20 @@ def apply_delta(base: Switches, rung: Rung, workers: int) -> Switches:
     if rung.key == "8" and base.precision == "fp16":
         delta["precision"] = "bf16"
     return dataclasses.replace(base, **delta)
+
+
+def plan(device: torch.device, workers: int, quick: bool) -> list[tuple[Rung, Switches, str | None]]:
+    """(rung, its switches, why it is skipped or None) for every rung, in order. A skipped rung's change is not
+    carried to the next rung, nor is a branch's; a rung that fails when measured still carries."""
+    out = []
+    sw = Switches()
+    for rung in DDPM_RUNGS:
+        candidate = apply_delta(sw, rung, workers) if rung.key != "0" else sw
+        skip = skip_reason(rung, device, quick)
+        out.append((rung, candidate, skip))
+        if not rung.branch and skip is None:
+            sw = candidate
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,7 +182,7 @@ class Context:
 
     cfg: RunConfig  # the preset, model shape resolved
     device: torch.device
-    png_root: Path
+    png_root: Path | None  # None when no rung measured in this run decodes PNG files
     images_NCHW: np.ndarray  # uint8, the same images as the PNG folder, in the same order
     seed: int = 0
     quick: bool = False
@@ -180,10 +202,10 @@ class Prepared:
     graph_failed: Callable[[], str | None] = lambda: None
 
 
-def precision_of(name: str) -> Precision:
-    return {"fp32": Precision("fp32", None, False, "ladder"),
-            "fp16": Precision("fp16", torch.float16, True, "ladder"),
-            "bf16": Precision("bf16", torch.bfloat16, False, "ladder")}[name]
+def precision_of(name: str, device: torch.device) -> Precision:
+    """The rung's precision as the trainer resolves it (fp16 gets a GradScaler; bf16 on a GPU without native bf16
+    is a ConfigError, though skip_reason keeps such rungs from running)."""
+    return resolve_precision(name, device)
 
 
 def prepare_rung(rung: Rung, sw: Switches, ctx: Context) -> Prepared:
@@ -200,7 +222,7 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
 
     cfg, device = ctx.cfg, ctx.device
     cuda = device.type == "cuda"
-    precision = precision_of(sw.precision)
+    precision = precision_of(sw.precision, device)
     notes = []
     torch.manual_seed(ctx.seed)
     model, schedule = build_model(cfg, device=device,
@@ -261,7 +283,7 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
 
     device = ctx.device
     cuda = device.type == "cuda"
-    precision = precision_of(sw.precision)
+    precision = precision_of(sw.precision, device)
     notes = []
     batch_size, setup_s = sw.batch_size, 0.0
     if sw.auto_batch:

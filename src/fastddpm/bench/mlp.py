@@ -181,29 +181,38 @@ def run_fast_rung(data: MlpData, device: torch.device, *, epochs: int, seed: int
             "notes": notes + [f"drops the ragged last batch: {steps_per_epoch} steps per epoch"]}
 
 
+def run_mlp_rung(key: str, data: MlpData, device: torch.device, *, epochs: int, workers: int, seed: int = 0,
+                 log=print) -> dict:
+    """One rung of the MLP ladder, as a row; a failure is recorded in the row (the other rungs still run)."""
+    plans = {"0": dict(workers=0, pin=False, non_blocking=False), "1": dict(workers=workers, pin=False,
+             non_blocking=False), "2": dict(workers=workers, pin=True, non_blocking=True), "3": None}
+    kw = plans[key]
+    name = dict(MLP_RUNGS)[key].replace("N workers", f"{workers} workers")
+    log(f"  mlp rung {key} ({name}): {epochs} epoch(s) on {len(data.train_y):,} images ...")
+    row = {"rung": key, "name": name, "status": "ok", "error": None, "total_s": None, "epoch_s": None,
+           "speedup": None, "accuracy": None, "final_loss": None, "notes": []}
+    try:
+        out = (run_fast_rung(data, device, epochs=epochs, seed=seed) if kw is None
+               else run_loader_rung(data, device, epochs=epochs, seed=seed, **kw))
+        row.update(total_s=out["total_s"], epoch_s=out["total_s"] / epochs, accuracy=out["accuracy"],
+                   final_loss=out["epoch_losses"][-1], notes=out["notes"])
+    except Exception as e:  # noqa: BLE001 - a failed rung is reported; the others still run
+        row.update(status="failed", error=f"{type(e).__name__}: {e}")
+    log(f"  mlp rung {key}: " + (f"{row['total_s']:.2f} s, accuracy {row['accuracy']:.4f}" if row["status"] == "ok"
+                                 else f"FAILED ({row['error']})"))
+    return row
+
+
+def fill_mlp_speedups(rows: list[dict]) -> None:
+    """Speed-up of each ok rung over rung 0's total time (None while rung 0 is missing or failed)."""
+    base = next((r["total_s"] for r in rows if r["rung"] == "0" and r["status"] == "ok"), None)
+    for r in rows:
+        r["speedup"] = base / r["total_s"] if r["status"] == "ok" and base else None
+
+
 def run_mlp_ladder(data: MlpData, device: torch.device, *, epochs: int, workers: int, seed: int = 0,
                    log=print) -> list[dict]:
-    rows = []
-    plans = [("0", dict(workers=0, pin=False, non_blocking=False)), ("1", dict(workers=workers, pin=False,
-             non_blocking=False)), ("2", dict(workers=workers, pin=True, non_blocking=True)), ("3", None)]
-    names = dict(MLP_RUNGS)
-    for key, kw in plans:
-        name = names[key].replace("N workers", f"{workers} workers")
-        log(f"  mlp rung {key} ({name}): {epochs} epoch(s) on {len(data.train_y):,} images ...")
-        row = {"rung": key, "name": name, "status": "ok", "error": None, "total_s": None, "epoch_s": None,
-               "speedup": None, "accuracy": None, "final_loss": None, "notes": []}
-        try:
-            out = (run_fast_rung(data, device, epochs=epochs, seed=seed) if kw is None
-                   else run_loader_rung(data, device, epochs=epochs, seed=seed, **kw))
-            row.update(total_s=out["total_s"], epoch_s=out["total_s"] / epochs, accuracy=out["accuracy"],
-                       final_loss=out["epoch_losses"][-1], notes=out["notes"])
-        except Exception as e:  # noqa: BLE001 - a failed rung is reported; the others still run
-            row.update(status="failed", error=f"{type(e).__name__}: {e}")
-        rows.append(row)
-        log(f"  mlp rung {key}: " + (f"{row['total_s']:.2f} s, accuracy {row['accuracy']:.4f}" if row["status"] == "ok"
-                                     else f"FAILED ({row['error']})"))
-    base = rows[0]["total_s"] if rows[0]["status"] == "ok" else None
-    for r in rows:
-        if r["status"] == "ok" and base:
-            r["speedup"] = base / r["total_s"]
+    rows = [run_mlp_rung(key, data, device, epochs=epochs, workers=workers, seed=seed, log=log)
+            for key, _ in MLP_RUNGS]
+    fill_mlp_speedups(rows)
     return rows

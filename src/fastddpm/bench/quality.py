@@ -8,7 +8,9 @@
               evaluation excluded) of the first evaluation at or below the target. Target on one H100: <= 60 s.
 3. options    (optional) each named option on top of the fast recipe, trained for as many images as the fast
               run needed, FID at the end: at equal images these options cost the same per step, so this is FID
-              at (about) equal wall time, which is recorded next to it.
+              at (about) equal wall time, which is recorded next to it. With --fast-from, the reference, target
+              and fast run come from an earlier quality.json and only the options train (so a GPU session can
+              spread the options over several calls).
 
 Every evaluation uses the same feature network, sample count, sampler and noise, so FIDs compare across runs.
 Time resolution is the evaluation interval (time-to-target is the first evaluation that reaches it).
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fastddpm.bench import store
 from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
 
 SCHEMA = "fastddpm-bench-quality-1"
@@ -61,6 +64,7 @@ class QualitySettings:
     fast_max_images: int = 1_200_000
     fast_eval_every_images: int = 120_000
     options: tuple[str, ...] = ()
+    fast_from: str | None = None  # an earlier quality.json with a fast run: reuse it and its target; train options
     reference_only: bool = False  # stop after the reference (a GPU session measures it in its own call)
     device: str = "auto"
     seed: int = 0
@@ -74,6 +78,13 @@ class QualitySettings:
             raise ConfigError("bench quality: give --reference-from or --target-fid, not both")
         if self.reference_only and (self.reference_from is not None or self.target_fid is not None):
             raise ConfigError("bench quality: --reference-only trains the reference; drop --reference-from/--target-fid")
+        if self.fast_from is not None:
+            if self.reference_from is not None or self.target_fid is not None or self.reference_only:
+                raise ConfigError("bench quality: --fast-from reuses that file's reference and target; drop "
+                                  "--reference-from / --target-fid / --reference-only")
+            if not self.options:
+                raise ConfigError("bench quality: --fast-from reuses the fast run, so only --options are left to "
+                                  f"train: name some, from {', '.join(OPTIONS)}")
 
 
 def _overrides(items) -> dict[str, str]:
@@ -160,7 +171,21 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     source = _data_source(s, out, log)
 
     # 1. the reference: the preset's recipe as it is, FID at its end = the target.
-    if s.reference_from is not None:
+    reused_fast = None
+    if s.fast_from is not None:
+        previous = json.loads(Path(s.fast_from).read_text())
+        if previous.get("fast") is None:
+            raise ConfigError(f"bench quality: {s.fast_from} holds no fast run (a --reference-only file?): "
+                              "use it with --reference-from instead")
+        for key in ("preset", "num_images", "eval_samples", "eval_steps", "seed", "fast_overrides", "fast_max_images",
+                    "fast_eval_every_images"):
+            theirs, ours = previous["settings"][key], getattr(s, key)
+            if json.dumps(theirs) != json.dumps(ours):
+                raise ConfigError(f"bench quality: {s.fast_from} was measured with {key}={theirs!r}, this run has "
+                                  f"{ours!r}: options compare with the fast run only at equal settings")
+        reference, reused_fast = previous["reference"], {**previous["fast"], "reused_from": s.fast_from}
+        log(f"reference and fast run: from {s.fast_from}: target FID {previous['target_fid']:.3f}")
+    elif s.reference_from is not None:
         previous = json.loads(Path(s.reference_from).read_text())
         for key in ("preset", "num_images", "eval_samples", "eval_steps", "seed"):
             if previous["settings"][key] != getattr(s, key):
@@ -193,14 +218,17 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         return result
 
     # 2. the fast recipe: the wall time to reach the target.
-    fast_cfg = _config(s, source, {**_overrides(s.fast_overrides), "train.max_steps": None, "train.max_epochs": None,
-                                   "train.max_images": s.fast_max_images,
-                                   "train.eval_every_images": s.fast_eval_every_images})
-    log(f"fast: {', '.join(s.fast_overrides)}; up to {s.fast_max_images:,} images, evaluated every "
-        f"{s.fast_eval_every_images:,}")
-    fast = _train_run("fast", fast_cfg, out, log)
-    hit = time_to_target(fast["evals"], target)
-    fast["time_to_target"] = hit
+    if reused_fast is not None:
+        fast, hit = reused_fast, reused_fast["time_to_target"]
+    else:
+        fast_cfg = _config(s, source, {**_overrides(s.fast_overrides), "train.max_steps": None,
+                                       "train.max_epochs": None, "train.max_images": s.fast_max_images,
+                                       "train.eval_every_images": s.fast_eval_every_images})
+        log(f"fast: {', '.join(s.fast_overrides)}; up to {s.fast_max_images:,} images, evaluated every "
+            f"{s.fast_eval_every_images:,}")
+        fast = _train_run("fast", fast_cfg, out, log)
+        hit = time_to_target(fast["evals"], target)
+        fast["time_to_target"] = hit
     if hit:
         log(f"fast: reached FID <= {target:.3f} after {hit['wall_s']:.1f} s of training ({hit['images_seen']:,} "
             f"images; FID {hit['fid']:.3f})")
@@ -237,10 +265,6 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     return result
 
 
-def _f(v, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
 def report_markdown(r: dict) -> str:
     env = r["environment"]
     ref, fast = r["reference"], r["fast"]
@@ -251,17 +275,20 @@ def report_markdown(r: dict) -> str:
              f"{r['settings']['eval_steps']}.", "",
              "| run | recipe | images | train wall s | final FID | time to target s | images to target |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines.append(f"| reference | {r['settings']['preset']} as is | {_f(ref.get('images_seen'), ',')} | "
-                 f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('final_fid'), '.3f')} (target) | "
-                 f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('images_seen'), ',')} |")
+    lines.append(f"| reference | {r['settings']['preset']} as is | {store.fmt(ref.get('images_seen'), ',')} | "
+                 f"{store.fmt(ref.get('train_wall_s'), '.1f')} | {store.fmt(ref.get('final_fid'), '.3f')} (target) | "
+                 f"{store.fmt(ref.get('train_wall_s'), '.1f')} | {store.fmt(ref.get('images_seen'), ',')} |")
     if fast:
-        lines.append(f"| fast | {', '.join(r['settings']['fast_overrides'])} | {_f(fast['images_seen'], ',')} | "
-                     f"{_f(fast['train_wall_s'], '.1f')} | {_f(fast['final_fid'], '.3f')} | "
-                     f"{_f(hit['wall_s'] if hit else None, '.1f')} | {_f(hit['images_seen'] if hit else None, ',')} |")
+        lines.append(f"| fast | {', '.join(r['settings']['fast_overrides'])} | {store.fmt(fast['images_seen'], ',')} | "
+                     f"{store.fmt(fast['train_wall_s'], '.1f')} | {store.fmt(fast['final_fid'], '.3f')} | "
+                     f"{store.fmt(hit['wall_s'] if hit else None, '.1f')} | {store.fmt(hit['images_seen'] if hit else None, ',')} |")
     for o in r["options"]:
         lines.append(f"| option {o['name'].removeprefix('option-')} | fast + {', '.join(o['overrides'])} | "
-                     f"{_f(o['images_seen'], ',')} | {_f(o['train_wall_s'], '.1f')} | {_f(o['final_fid'], '.3f')} | "
+                     f"{store.fmt(o['images_seen'], ',')} | {store.fmt(o['train_wall_s'], '.1f')} | {store.fmt(o['final_fid'], '.3f')} | "
                      f"- | - |")
+    if fast and fast.get("reused_from"):
+        lines += ["", f"The reference and fast rows are reused from {fast['reused_from']}; only the options trained "
+                  "in this run."]
     speedup = r["speedup_vs_reference"]
     lines += ["", f"Speed-up in wall time to the target: {'n/a' if speedup is None else f'{speedup:.2f}x'} "
               "(reference's training time to its end / fast run's time to the target; compile included, "

@@ -9,12 +9,16 @@ on synthetic uint8 images of the data's shape (1x28x28). Each variant then repor
   step ms        `repeats` x `steps` steady-state steps, each repeat timed with CUDA events (perf_counter on
                  the CPU): the median over repeats and the [min-max] spread
   images/s       images per step / median step time; and its ratio to the first variant of the run
-  MFU %          FlopCounterMode FLOPs of one step / median step time / the matmul peak measured in this run
+  MFU %          FlopCounterMode FLOPs of one step / median step time / the matmul peak measured in this run in
+                 the step's own dtype (bf16 or fp16 under autocast; fp32 runs: TF32 on CUDA, as training runs it,
+                 fp32 on the CPU), one peak per dtype, measured once; the dtype is printed next to the MFU
   peak mem GiB   torch.cuda.max_memory_allocated over the variant (n/a on the CPU)
   recompiles     graphs compiled after the warm-up, and graph breaks (torch._dynamo's counters)
   input wait %   batches.get(...) alone, timed the same way for `steps` steps, as a share of the step time
 
 A variant that fails (out of memory, a compile error) is recorded with its reason and the run goes on.
+throughput.json / .md are rewritten after every variant, and a re-run into the same folder skips the variants
+already measured there with the same settings, device and torch (bench/store.py; --remeasure measures again).
 The data is random uniform uint8: the step has no data-dependent control flow, so its speed does not depend
 on what the images show.
 """
@@ -24,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import gc
-import json
-import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +36,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from fastddpm.bench import store
 from fastddpm.bench.timing import (
     count_step_flops,
     environment_record,
     free_device_memory,
+    matmul_dtype_name,
     measure_matmul_peak,
     peak_memory_bytes,
     reset_peak_memory,
@@ -45,21 +49,21 @@ from fastddpm.bench.timing import (
     time_steps,
     time_wall_s,
 )
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset, resolve_model_shape
 from fastddpm.models import count_parameters
 from fastddpm.rng import derive_seed
+from fastddpm.train.batch_finder import is_oom
 from fastddpm.train.batches import make_batches
 from fastddpm.train.compile_counters import CompileCounters
-from fastddpm.train.loop import resolve_model_shape
 from fastddpm.train.runtime import Precision, resolve_device, resolve_fast_path, resolve_precision
 from fastddpm.train.setup import build_model, build_optimization
 
-SCHEMA = "fastddpm-bench-throughput-1"
+SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity and run; written after every variant
 
 # --quick: what CI runs. Well under a minute on a 2-core CPU.
 QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2)
 
-TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % | "
+TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
                 "peak mem GiB | recompiles | graph breaks | input wait % | status |")
 
 
@@ -82,6 +86,7 @@ class ThroughputSettings:
     image_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the synthetic uint8 images
     seed: int = 0  # seeds the synthetic data, the model init and the (seed, step) batch draws
     quick: bool = False  # recorded only: the caller has already applied QUICK's values
+    remeasure: bool = False  # measure every variant, even those already in OUT/throughput.json (else reused)
 
     def __post_init__(self) -> None:
         self.presets = tuple(self.presets)
@@ -160,14 +165,15 @@ def _empty_row(v: Variant) -> dict:
         "parameters": None, "precision": None, "fast_path": v.fast_reasons, "data_placement": t.data_placement,
         "cuda_graphs_failed": None, "compile_s": None, "step_ms": None, "images_per_s": None,
         "images_per_s_range": None, "ratio_to_first": None, "flops_per_step": None, "gflops_per_image": None,
-        "achieved_tflops": None, "mfu_pct": None, "peak_memory_bytes": None, "peak_memory_gib": None,
+        "achieved_tflops": None, "mfu_pct": None, "mfu_dtype": None, "mfu_peak_tflops": None, "mfu_peak_label": None,
+        "peak_memory_bytes": None, "peak_memory_gib": None,
         "compiled_graphs": None, "graph_breaks": None, "recompiles_after_warmup": None,
         "input_ms_per_step": None, "input_wait_pct": None, "final_loss": None, "config": v.cfg.to_dict(),
     }
 
 
 def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, precision: Precision,
-                    settings: ThroughputSettings, peak_tflops: float) -> dict:
+                    settings: ThroughputSettings, peak: dict) -> dict:
     """Build the trainer's step for one variant, warm it up, time it. Raises whatever the step raises."""
     cfg, t = v.cfg, v.cfg.train
     row = _empty_row(v)
@@ -237,7 +243,10 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
         "flops_per_step": flops_per_step,
         "gflops_per_image": flops_per_step / images_per_step / 1e9,
         "achieved_tflops": achieved_flops / 1e12,
-        "mfu_pct": 100 * achieved_flops / (peak_tflops * 1e12),
+        "mfu_pct": 100 * achieved_flops / (peak["tflops"] * 1e12),
+        "mfu_dtype": peak["dtype"],
+        "mfu_peak_tflops": peak["tflops"],
+        "mfu_peak_label": peak["label"],
         "peak_memory_bytes": peak_bytes,
         "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30,
         "compiled_graphs": compile_report.get("compiled_graphs"),
@@ -256,7 +265,7 @@ def run_variant(v: Variant, images_NCHW: np.ndarray, **kwargs) -> dict:
         return measure_variant(v, images_NCHW, **kwargs)
     except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the other variants must still run
         row = _empty_row(v)
-        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        oom = is_oom(e)
         row.update({"status": "failed", "error_type": "out of memory" if oom else type(e).__name__,
                     "error": f"{type(e).__name__}: {e}".strip()})
         return row
@@ -274,10 +283,46 @@ def default_out_dir(now: _dt.datetime | None = None) -> Path:
     return Path("runs") / f"bench-throughput-{now.strftime('%Y%m%dT%H%M%SZ')}"
 
 
+def peak_dtype(precision: Precision) -> torch.dtype:
+    """The dtype the step's matmuls and convolutions run in: autocast's, else fp32 (TF32 on CUDA, see
+    matmul_dtype_name)."""
+    return precision.autocast_dtype or torch.float32
+
+
+class PeakCache:
+    """One matmul peak per dtype, measured the first time a variant needs it: a run that reuses every variant
+    measures none, and variants that share a dtype share one measurement."""
+
+    def __init__(self, device: torch.device, log: Callable[[str], None]):
+        self.device, self.log = device, log
+        self.measured: dict[str, dict] = {}  # dtype name (bf16, fp16, tf32, fp32) -> measure_matmul_peak's dict
+
+    def get(self, precision: Precision) -> dict:
+        dtype = peak_dtype(precision)
+        name = matmul_dtype_name(dtype, self.device)
+        if name not in self.measured:
+            self.measured[name] = measure_matmul_peak(self.device, dtype=dtype)
+            peak = self.measured[name]
+            self.log(f"peak for MFU ({name}): {peak['tflops']:,.3f} TFLOP/s ({peak['label']})")
+        return self.measured[name]
+
+
+def variant_identity(v: Variant, settings: ThroughputSettings, precision: Precision, env: dict) -> dict:
+    """Everything that changes a variant's numbers: a row measured under an equal identity is reused."""
+    return store.canonical({
+        "config": store.config_identity(v.cfg.to_dict()), "precision": precision.name,
+        "timing": {k: getattr(settings, k) for k in ("warmup_steps", "steps", "repeats", "num_images", "image_shape",
+                                                      "data_placement", "seed")},
+        **store.device_identity(env),
+    })
+
+
 def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
                    log: Callable[[str], None] = print) -> dict:
-    """Benchmark every preset x batch size; write throughput.json and throughput.md under `out_dir`; return the
-    result. Config errors (a bad preset, fp16 on a CPU, graphs without CUDA) raise ConfigError before any timing."""
+    """Benchmark every preset x batch size; write throughput.json and throughput.md under `out_dir` after every
+    variant; return the result. Variants already measured in `out_dir` with the same identity are reused
+    (unless settings.remeasure). Config errors (a bad preset, graphs without CUDA) raise ConfigError before
+    any timing."""
     device, device_reason = resolve_device(settings.device)
     precision = resolve_precision(settings.precision, device)
     variants = plan_variants(settings)
@@ -288,53 +333,73 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
 
     env = environment_record(device, argv)
     if device.type == "cuda":
-        # As the trainer: TF32 for the fp32 matmuls/convs left outside autocast.
+        # As the trainer: TF32 for the fp32 matmuls/convs left outside autocast (and for an fp32 run's peak).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     log(f"bench throughput: {len(variants)} variants on {env['device_name']} ({device}; {device_reason}); "
         f"precision {precision.name} ({precision.reason}); torch {env['torch']}; commit {str(env['git_commit'])[:12]}")
     if device.type != "cuda":
         log("note: CPU timings (perf_counter) describe this CPU only; they are not GPU claims")
-    peak = measure_matmul_peak(device)
-    log(f"peak for MFU: {peak['tflops']:,.3f} TFLOP/s ({peak['label']})")
+
+    json_path = out_dir / "throughput.json"
+    previous = store.Previous(json_path, schema=SCHEMA, rows=lambda data: data.get("results") or [],
+                              remeasure=settings.remeasure, log=log)
+    identities = [variant_identity(v, settings, precision, env) for v in variants]
+    reused = [previous.take(identity) for identity in identities]
+    previous.finish_matching()
+    peaks = PeakCache(device, log)
+
+    def result(rows: list[dict], complete: bool) -> dict:
+        base = next((r["images_per_s"] for r in rows if r["status"] == "ok"), None)
+        for r in rows:
+            r["ratio_to_first"] = r["images_per_s"] / base if r["status"] == "ok" else None
+        return {
+            "schema": SCHEMA,
+            "benchmark": "throughput",
+            "complete": complete,  # False while variants are still to be measured (or the run was killed)
+            "planned_variants": len(variants),
+            "environment": {**env, "device_reason": device_reason},
+            "settings": {**dataclasses.asdict(settings), "precision_resolved": precision.name,
+                         "precision_reason": precision.reason, "data": "synthetic uniform uint8"},
+            "peaks": dict(peaks.measured),  # measured by this run; each row names the peak its MFU used
+            "runs": store.distinct_runs(rows),
+            "notes": notes(device, settings),
+            "results": rows,
+        }
 
     images = synthetic_images(settings.num_images, settings.image_shape, settings.seed)
-    rows = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="fastddpm-bench-") as tmp:
         source = as_memmap(images, Path(tmp)) if settings.data_placement == "stream" else images
         for i, v in enumerate(variants):
             tag = f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}"
-            log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
-                f"{settings.repeats} x {settings.steps} timed steps")
-            row = run_variant(v, source, device=device, precision=precision, settings=settings,
-                              peak_tflops=peak["tflops"])
+            if reused[i] is not None:
+                row = reused[i]
+                run = row["run"]
+                log(f"{tag}: already measured in {json_path} ({run['date_utc']}, commit {str(run['git_commit'])[:12]}):"
+                    f" skipped (--remeasure measures it again): {progress_line(row)}")
+            else:
+                before = previous.failed_before(identities[i])
+                if before is not None:
+                    log(f"{tag}: failed in the earlier run ({before['error_type']}): measuring it again")
+                peak = peaks.get(precision)
+                log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
+                    f"{settings.repeats} x {settings.steps} timed steps")
+                row = run_variant(v, source, device=device, precision=precision, settings=settings, peak=peak)
+                row.update(identity=identities[i], run=store.run_record(env))
+                log(f"{tag}: {progress_line(row)}")
             rows.append(row)
-            log(f"{tag}: {progress_line(row)}")
+            write_results(result(rows, complete=False), out_dir)  # a killed run keeps every variant so far
         del source
 
-    base = next((r["images_per_s"] for r in rows if r["status"] == "ok"), None)
-    for r in rows:
-        if r["status"] == "ok":
-            r["ratio_to_first"] = r["images_per_s"] / base
-
-    result = {
-        "schema": SCHEMA,
-        "benchmark": "throughput",
-        "environment": {**env, "device_reason": device_reason},
-        "settings": {**dataclasses.asdict(settings), "precision_resolved": precision.name,
-                     "precision_reason": precision.reason, "data": "synthetic uniform uint8"},
-        "peak": peak,
-        "notes": notes(device, settings),
-        "results": rows,
-    }
-    write_results(result, out_dir)
+    final = result(rows, complete=True)
+    write_results(final, out_dir)
     log("")
     log(table_markdown(rows))
     failed = [r for r in rows if r["status"] != "ok"]
-    log(f"\n{len(rows) - len(failed)}/{len(rows)} variants ok; wrote {out_dir / 'throughput.json'} and "
-        f"{out_dir / 'throughput.md'}")
-    result["out_dir"] = str(out_dir)
-    return result
+    log(f"\n{len(rows) - len(failed)}/{len(rows)} variants ok; wrote {json_path} and {out_dir / 'throughput.md'}")
+    final["out_dir"] = str(out_dir)
+    return final
 
 
 def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
@@ -347,7 +412,9 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
         "(torch._dynamo.reset), but Inductor's on-disk caches persist: a first run on a fresh machine is slower.",
         "MFU: FLOPs of one training step (FlopCounterMode over one uncompiled forward+backward of the U-Net, "
         "attention via SDPA's math backend = model FLOPs, no recompute) / median step time / the matmul peak "
-        "measured in this run (see 'peak').",
+        "measured in the step's own dtype (named next to each MFU: bf16 or fp16 under autocast; tf32 for fp32 on "
+        "CUDA, where training allows TF32; fp32 on the CPU). A bf16 peak under an fp32 step would read ~2x low, "
+        "and under fp16 on a pre-Ampere GPU over 100%.",
         f"input wait %: batches.get(...) alone for {s.steps} steps ({clock}) as a share of the median step time; "
         "an upper bound on the wait, since on a GPU the next batch's kernels can overlap the step.",
         "peak mem: torch.cuda.max_memory_allocated over the variant (model, AdamW state, EMA, the resident dataset, "
@@ -359,18 +426,12 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
     ]
     if device.type != "cuda":
         out.insert(0, "CPU run: timings describe this CPU (perf_counter) and are not GPU claims; the MFU peak is "
-                      "an fp32 CPU matmul.")
+                      "a CPU matmul in the step's dtype.")
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reporting
-
-
-def _fmt(value, spec: str, missing: str = "n/a") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return missing
-    return format(value, spec)
 
 
 def _short_error(row: dict, limit: int = 100) -> str:
@@ -389,7 +450,7 @@ def progress_line(row: dict) -> str:
     graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
         row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
     return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
-            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}%{mem}{rec}, "
+            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak{mem}{rec}, "
             f"input wait {row['input_wait_pct']:.1f}%{graphs}")
 
 
@@ -402,40 +463,51 @@ def table_markdown(rows: list[dict]) -> str:
             continue
         s = r["step_ms"]
         lines.append(
-            f"| {r['preset']} | {r['batch_size']} | {r['images_per_s']:,.0f} | {_fmt(r['ratio_to_first'], '.2f')} | "
-            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} | "
-            f"{_fmt(r['peak_memory_gib'], '.2f')} | {_fmt(r['recompiles_after_warmup'], 'd')} | "
-            f"{_fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
+            f"| {r['preset']} | {r['batch_size']} | {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
+            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
+            f"({r['mfu_dtype']}) | "
+            f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
+            f"{store.fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
         )
     return "\n".join(lines)
 
 
 def report_markdown(result: dict) -> str:
-    env, peak, s = result["environment"], result["peak"], result["settings"]
+    env, s, rows = result["environment"], result["settings"], result["results"]
     commit = str(env["git_commit"])[:12] + (" (uncommitted changes)" if env.get("git_dirty") else "")
     cuda = "" if env.get("cuda_runtime") is None else f", CUDA runtime {env['cuda_runtime']}"
     driver = "" if env.get("cuda_driver") is None else f", driver {env['cuda_driver']}"
-    lines = [
-        "# fastddpm bench throughput",
-        "",
+    peaks = {}
+    for r in rows:
+        if r["status"] == "ok":
+            peaks.setdefault(r["mfu_dtype"], (r["mfu_peak_tflops"], r["mfu_peak_label"]))
+    lines = ["# fastddpm bench throughput", ""]
+    if not result.get("complete", True):
+        lines += [f"**Incomplete**: {len(rows)} of {result['planned_variants']} variants measured so far (the run "
+                  "was stopped, or is still running); the same command into this folder measures the rest.", ""]
+    lines += [
         f"- date (UTC): {env['date_utc']}",
         f"- device: {env['device_name']} ({env['device']}){driver}{cuda}; {env['torch_threads']} torch threads",
         f"- software: torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {commit}",
         f"- command: `{env['command_line']}`",
+    ]
+    runs = result.get("runs") or []
+    if len(runs) > 1 or (runs and runs[0]["date_utc"] != env["date_utc"]):
+        lines += ["- rows measured by: " + "; ".join(
+            f"{run['date_utc']} `{run['command_line']}` (commit {str(run['git_commit'])[:12]}"
+            + (", uncommitted changes" if run.get("git_dirty") else "") + ")" for run in runs)]
+    lines += [
         f"- settings: precision {s['precision_resolved']} ({s['precision_reason']}); compile {s['compile']}, "
         f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
         f"then {s['repeats']} x {s['steps']} timed steps",
-        f"- peak for MFU: {peak['tflops']:,.3f} TFLOP/s ({peak['label']})",
-        "",
-        table_markdown(result["results"]),
-        "",
-    ]
-    failed = [r for r in result["results"] if r["status"] != "ok"]
+    ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})" for dtype, (tflops, label) in peaks.items()]
+    lines += ["", table_markdown(rows), ""]
+    failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["## Failed variants", ""]
         lines += [f"- {r['preset']} batch {r['batch_size']} ({r['error_type']}): {r['error']}" for r in failed]
         lines.append("")
-    ok = [r for r in result["results"] if r["status"] == "ok"]
+    ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         lines += ["## Per variant", ""]
         for r in ok:
@@ -445,23 +517,12 @@ def report_markdown(result: dict) -> str:
                          f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
                             and fp["cuda_graphs"].startswith("capture") else "")
-                         + f"; input {r['input_ms_per_step']:.3f} ms/step; final loss {_fmt(r['final_loss'], '.4f')}")
+                         + f"; input {r['input_ms_per_step']:.3f} ms/step; final loss {store.fmt(r['final_loss'], '.4f')}")
         lines.append("")
     lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)
 
 
-def _json_safe(obj):
-    """NaN and inf become null, so the file is strict JSON any parser reads."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_results(result: dict, out_dir: Path) -> None:
-    (out_dir / "throughput.json").write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False) + "\n")
-    (out_dir / "throughput.md").write_text(report_markdown(result))
+    store.write_json(out_dir / "throughput.json", result)
+    store.atomic_write_text(out_dir / "throughput.md", report_markdown(result))

@@ -2,8 +2,8 @@
 
 The discipline (airbench / modded-nanogpt): warm up before timing; time the GPU with CUDA events between two
 synchronisations, not with the host clock around asynchronous launches; repeat and report the median and the
-spread; measure the peak that MFU is divided by in the same process, on the same device; and write the code
-version, library versions and device next to every number.
+spread; measure the peak that MFU is divided by in the same process, on the same device, in the dtype the
+step computes in; and write the code version, library versions and device next to every number.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -130,19 +131,29 @@ def count_step_flops(model: torch.nn.Module, batch_shape: tuple[int, ...], *, ac
     return int(counter.get_total_flops()) * accum_steps
 
 
+def matmul_dtype_name(dtype: torch.dtype, device: torch.device) -> str:
+    """bf16 / fp16 / fp32, or tf32 for an fp32 matmul on CUDA while TF32 is allowed (cuBLAS then runs it on the
+    tensor cores with 10-bit mantissas, at 7-8x the datasheet fp32 rate of an A100 or H100)."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
 def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dtype: torch.dtype | None = None,
                         trials: int = 5, iters: int | None = None) -> dict:
-    """The achievable dense-matmul rate on `device`, measured now: the MFU denominator.
+    """The achievable dense-matmul rate on `device` in `dtype`, measured now: an MFU denominator.
 
-    CUDA: an n x n x n bf16 matmul (n = 8192: 1.1 TFLOP each), warmed, timed with CUDA events, best of
-    `trials` trials of `iters` matmuls (an H100 80GB measures ~790-800 TFLOP/s; the datasheet's 989 is not
-    reached by any real kernel). CPU: an fp32 matmul of moderate size (n = 1024) on all of torch's threads.
+    CUDA: an n x n x n matmul (n = 8192: 1.1 TFLOP each), warmed, timed with CUDA events, best of `trials`
+    trials of `iters` matmuls (an H100 80GB measures ~790-800 TFLOP/s in bf16; the datasheet's 989 is not
+    reached by any real kernel). An fp32 matmul runs as TF32 when torch.backends.cuda.matmul.allow_tf32 is on
+    (as in training), and is then labelled tf32. CPU: n = 1024 on all of torch's threads (256 for fp16, which
+    most CPUs emulate at well under 1 GFLOP/s). Default dtype: bf16 on CUDA, fp32 on the CPU.
     Returns {"tflops", "label", "device", "dtype", "n", "iters", "trials", "per_trial_tflops"}.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
-    n = n or (8192 if cuda else 1024)
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    n = n or (8192 if cuda else 256 if dtype == torch.float16 else 1024)
     iters = iters or (10 if cuda else 3)
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
@@ -156,7 +167,7 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
         rates.append(2 * n**3 * iters / (ms / 1000) / 1e12)
     del a, b, c
     free_device_memory(device)
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+    name = matmul_dtype_name(dtype, device)
     threads = "" if cuda else f", {torch.get_num_threads()} threads"
     return {
         "tflops": max(rates),
@@ -218,6 +229,7 @@ def environment_record(device: torch.device | str, argv: list[str] | None = None
     argv = list(sys.argv if argv is None else argv)
     env: dict[str, object] = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "run_id": uuid.uuid4().hex[:12],  # two runs of one command within a second are still two runs
         "command": argv,
         "command_line": shlex.join(argv),
         "device": str(device),

@@ -13,10 +13,9 @@ eta = 0 is deterministic DDIM; eta = 1 matches DDPM's variance on the sub-sequen
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from fastddpm import amp
 from fastddpm.diffusion.objective import predict_eps_and_x0
 from fastddpm.diffusion.schedule import NoiseSchedule
 
@@ -35,9 +34,7 @@ def ddim_timesteps(num_timesteps: int, steps: int) -> list[int]:
 
 def _model_out(model, x_t: torch.Tensor, t: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     t_B = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
-    ctx = (torch.autocast(x_t.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
-    with ctx:
+    with amp.autocast(x_t.device.type, autocast_dtype):
         return model(x_t, t_B).float()
 
 

@@ -22,70 +22,130 @@ from pathlib import Path
 
 import torch
 
+from fastddpm.doctor.measurements import CompileCounts, Measurements, Mfu
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
-from fastddpm.doctor.trace import analyze, load_trace
+from fastddpm.doctor.trace import TraceStats, analyze, load_trace
+
+# the trace's names for matmul input dtypes -> the dtype a peak can be measured in
+_PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def measurements(session: Session, *, flops_per_step: float | None = None, peak: dict | None = None,
-                 measure_peak: bool = True) -> dict:
-    """Everything measured in the run, as plain data (the JSON report's `measurements`)."""
+                 measure_peak: bool = True, matmul_dtype: str | None = None) -> Measurements:
+    """Everything measured in the run (its `to_dict()` is the JSON report's `measurements`)."""
     s = session
-    steps = [dataclasses.asdict(r) for r in s.records]
-    m: dict = {"device": str(s.device), "steps": steps, "step_stats": s.step_stats(), "cpu_load": s.cpu_load,
-               "memory": s.memory, "telemetry_start": s.telemetry_start, "telemetry_end": s.telemetry_end,
-               "profiled_steps": 0, "notes": list(s.notes)}
+    stats = s.step_stats()
+    compiled = _compile_counts(s)
+    trace = analyze(load_trace(s.trace_path)) if s.trace_path is not None else None
+    mfu = mfu_measurements(trace, stats.to_dict() if stats is not None else {}, s.device,
+                           flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
+                           matmul_dtype=matmul_dtype)
+    return Measurements(
+        device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
+        telemetry_start=s.telemetry_start, telemetry_end=s.telemetry_end,
+        profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
+        trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None else None,
+        flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,
+        mfu_unavailable=mfu.get("mfu_unavailable"))
+
+
+def _compile_counts(s: Session) -> CompileCounts | None:
+    """Rule 10's counters; None when nothing was compiled in the whole run."""
     warm, end = s.compile_warm, s.compile_end or _dynamo_graphs()
     total = _dynamo_graphs()
-    if total[0] or total[1] or total[2]:
-        w = warm or (0, 0, 0)
-        m["compile"] = {"compiled_graphs": total[0], "recompiles_after_warmup": end[0] - w[0],
-                        "graph_breaks": total[1], "graph_breaks_after_warmup": end[1] - w[1],
-                        "cudagraph_skips": end[2] - w[2]}
-    if s.trace_path is not None:
-        ts = analyze(load_trace(s.trace_path))
-        m["trace"] = ts.to_dict()
-        m["trace_timeline"] = ts.timeline
-        m["profiled_steps"] = len(ts.steps)
-        m["trace_file"] = str(s.trace_path)
-        if flops_per_step is None and ts.gemm_flops_per_step:
-            flops_per_step = sum(ts.gemm_flops_per_step.values())
-            m["flops_source"] = "counted from the trace's matmul/conv/attention shapes (fwd + bwd)"
-    else:
-        m["trace"] = None
-    if flops_per_step is not None and s.records:
-        m.setdefault("flops_source", "given by the caller")
-        if peak is None and measure_peak:
-            from fastddpm.bench.timing import measure_matmul_peak
+    if not any(total):
+        return None
+    w = warm or (0, 0, 0)
+    return CompileCounts(compiled_graphs=total[0], recompiles_after_warmup=end[0] - w[0], graph_breaks=total[1],
+                         graph_breaks_after_warmup=end[1] - w[1], cudagraph_skips=end[2] - w[2])
 
-            peak = measure_matmul_peak(s.device)
-        if peak is not None:
-            ss = m["step_stats"]
-            step_ms = ss.get("gpu_median_ms") or ss["median_ms"]
-            m["mfu"] = {"mfu": flops_per_step / (step_ms / 1e3) / (peak["tflops"] * 1e12),
-                        "flops_per_step": flops_per_step, "step_ms": step_ms, "peak_tflops": peak["tflops"],
-                        "peak_label": peak["label"]}
-    if "mfu" not in m:
-        m["mfu_unavailable"] = ("no FLOPs counted (no profile window, or no matmul/conv ops seen)"
-                                if flops_per_step is None else "peak not measured")
-    return m
+
+def run_matmul_dtype(flops_by_dtype: dict[str, float], device: torch.device | str) -> tuple[torch.dtype | None, str]:
+    """(dtype, label) of the run's own matmuls: the input dtype that carries most matmul/conv FLOPs, so that MFU
+    is measured against the peak of the arithmetic the run actually does (an fp32 run against a bf16 peak
+    reads ~2x low). fp32 on CUDA is labelled tf32 when torch.backends.cuda.matmul.allow_tf32 is on: read now,
+    in the run's own process, it is the setting the run had, and measure_matmul_peak's fp32 matmul obeys it.
+    (None, why) when no peak can be measured in that dtype."""
+    name = max(flops_by_dtype, key=flops_by_dtype.get)
+    if name not in _PEAK_DTYPES:
+        return None, (f"most matmul/conv FLOPs have input dtype {name}, and torch.matmul has no peak to measure "
+                      f"in it: MFU needs a peak in the run's own dtype")
+    if name == "fp32" and torch.device(device).type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return torch.float32, "tf32"
+    return _PEAK_DTYPES[name], name
+
+
+def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.device | str, *,
+                     flops_per_step: float | None = None, peak: dict | None = None,
+                     measure_peak: bool = True, matmul_dtype: str | None = None) -> dict:
+    """MFU = FLOPs per step / step time / the matmul peak measured in the run's dtype (rule 13), as entries of
+    the measurements' dict form: {"flops_source": ..., "mfu": {...}}, or {"mfu_unavailable": why}, with or
+    without flops_source. `step_stats` is StepStats' dict form (its step time: gpu_median_ms, else median_ms).
+    `matmul_dtype` ("bf16", "fp16", "fp32"): the run's dtype when the caller knows it (fastddpm's trainer: its
+    precision), used when the trace cannot show it (no profile window, or a step replayed from a CUDA graph)."""
+    by_dtype = trace.gemm_flops_per_step if trace is not None else {}
+    out: dict = {}
+    if flops_per_step is not None:
+        out["flops_source"] = "given by the caller"
+    elif by_dtype:
+        flops_per_step = sum(by_dtype.values())
+        out["flops_source"] = "counted from the trace's matmul/conv/attention shapes (fwd + bwd)"
+    else:
+        why = ("no profile window (profile_steps=0)" if trace is None else
+               trace.gemm_unavailable or "the trace shows no matmul/conv/attention op")
+        return {"mfu_unavailable": f"no FLOPs counted: {why}; pass flops_per_step (e.g. from FlopCounterMode on one "
+                                   "eager step) to measure MFU"}
+    if not step_stats:
+        return {**out, "mfu_unavailable": "no watched steps to time"}
+    if by_dtype:
+        dtype, dtype_name = run_matmul_dtype(by_dtype, device)
+        if dtype is None:
+            return {**out, "mfu_unavailable": dtype_name}
+        share = by_dtype.get("fp32" if dtype_name == "tf32" else dtype_name, 0.0) / sum(by_dtype.values())
+        basis = f"the input dtype of {100 * share:.0f}% of the matmul/conv FLOPs"
+    elif matmul_dtype is not None:  # dtypes unseen in the trace, but the caller knows the run's precision
+        dtype, dtype_name = run_matmul_dtype({matmul_dtype: 1.0}, device)
+        if dtype is None:
+            return {**out, "mfu_unavailable": dtype_name}
+        basis = "the run's configured precision (its matmul dtypes are not visible in the trace)"
+    else:
+        # FLOPs from the caller, dtypes unseen (no trace, or the ops hidden in CUDA graphs): the usual training
+        # dtype of the device, said to be assumed
+        dtype, dtype_name = run_matmul_dtype({"bf16" if torch.device(device).type == "cuda" else "fp32": 1.0}, device)
+        unseen = "no profile window" if trace is None else trace.gemm_unavailable or "no matmul op in the trace"
+        basis = f"assumed, the device's usual training dtype: the run's matmul dtypes are unseen ({unseen})"
+    if peak is None:
+        if not measure_peak:
+            return {**out, "mfu_unavailable": "peak not measured (measure_peak=False)"}
+        from fastddpm.bench.timing import measure_matmul_peak
+
+        peak = measure_matmul_peak(device, dtype=dtype)
+    else:
+        dtype_name, basis = peak.get("dtype", "?"), "the caller's peak"
+    step_ms = step_stats.get("gpu_median_ms") or step_stats["median_ms"]
+    out["mfu"] = {"mfu": flops_per_step / (step_ms / 1e3) / (peak["tflops"] * 1e12),
+                  "flops_per_step": flops_per_step, "step_ms": step_ms, "peak_tflops": peak["tflops"],
+                  "peak_label": peak["label"], "peak_dtype": dtype_name, "peak_dtype_basis": basis}
+    return out
 
 
 def diagnose(session: Session, *, context: str = "user", command: list[str] | None = None,
-             flops_per_step: float | None = None, peak: dict | None = None, measure_peak: bool = True) -> Report:
+             flops_per_step: float | None = None, peak: dict | None = None, measure_peak: bool = True,
+             matmul_dtype: str | None = None) -> Report:
     """Measurements -> rules -> verdict -> Report (saved under the session's out_dir when it has one)."""
     if not session.done:
         session.finish_early("diagnosed before the planned steps were done")
-    ss = session.step_stats()
     probe = None
-    if session.loader is not None and ss:
+    if session.loader is not None and session.records:
         compute_ms = statistics.median(r.host_ms - r.data_wait_ms for r in session.records)
         probe = session.probe_loader(compute_ms)
-    m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak)
-    m["loader_probe"] = probe
-    m["loader_workers"] = getattr(session.loader, "num_workers", None) if session.loader is not None else None
-    if not m["steps"]:
+    m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
+                     matmul_dtype=matmul_dtype)
+    m.loader_probe = probe
+    m.loader_workers = getattr(session.loader, "num_workers", None) if session.loader is not None else None
+    if not m.steps:
         raise DoctorError(
             f"the doctor saw no step after the {session.config.warmup_steps} warm-up steps "
             f"({session.step_index} steps in all): call dr.step() once per optimizer step, or lower warmup_steps")
@@ -102,7 +162,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
         env["git"] = git_state(Path(__file__).resolve().parent)
     except Exception:  # noqa: BLE001 - provenance is best effort outside a checkout
         pass
-    report = Report(verdict=verdict(found, m), findings=found, measurements=m, unavailable=unavailable,
+    report = Report(verdict=verdict(found, m), findings=found, measurements=m.to_dict(), unavailable=unavailable,
                     environment=env, context=context)
     if session.trace_path is not None:
         report.files["trace"] = str(session.trace_path)

@@ -81,6 +81,16 @@ def _loop(dr, model: nn.Module, opt, device, *, to_device: Callable | None = Non
         dr.step()
 
 
+def _half_dtype(device) -> torch.dtype:
+    """The autocast dtype the device computes natively: bf16 on a CPU and on CUDA from sm80, fp16 below (a T4's
+    bf16 is emulated, and a planted case must not measure the emulation)."""
+    if device.type != "cuda":
+        return torch.bfloat16
+    from fastddpm.train.runtime import cuda_native_bf16
+
+    return torch.bfloat16 if cuda_native_bf16(device)[0] else torch.float16
+
+
 def _window(kw: dict, **defaults) -> dict:
     out = dict(defaults)
     out.update(kw)
@@ -158,7 +168,7 @@ def big_matmul(device, **kw) -> Report:
     data = torch.randn(batch * 8, width, device=device)
     model = _mlp(width, width, 2).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else None
+    dtype = _half_dtype(device) if device.type == "cuda" else None
     with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
                                                                       profile_steps=5, loader_probe_s=0)) as dr:
         _loop(dr, model, opt, device, autocast_dtype=dtype)
@@ -196,7 +206,7 @@ def channels_last_thrash(device, **kw) -> Report:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     with watch(_ResidentLoader(data, 16), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
                                                                    loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=torch.bfloat16)
+        _loop(dr, model, opt, device, autocast_dtype=_half_dtype(device))
     return dr.report
 
 
@@ -221,7 +231,7 @@ def autocast_gap(device, **kw) -> Report:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
                                                                       loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=torch.bfloat16)
+        _loop(dr, model, opt, device, autocast_dtype=_half_dtype(device))
     return dr.report
 
 

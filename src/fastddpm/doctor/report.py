@@ -88,7 +88,7 @@ class Report:
                 parts.append(f"GPU idle {100 * tr['idle_share']:.0f}%")
                 parts.append(f"kernels/step {tr['kernels_per_step']:.0f}")
         if m.get("mfu"):
-            parts.append(f"MFU {100 * m['mfu']['mfu']:.1f}%")
+            parts.append(_mfu_text(m["mfu"]))
         lines.append("measured: " + "; ".join(parts))
         for rule, why in self.unavailable.items():
             lines.append(f"unavailable: rules {rule}: {why}")
@@ -113,6 +113,11 @@ class Report:
 
     def html(self) -> str:
         return render_html(self)
+
+
+def _mfu_text(mf: dict) -> str:
+    """MFU with the dtype of the peak it divides by: the same run reads ~2x apart against bf16 and fp32 peaks."""
+    return f"MFU {100 * mf['mfu']:.1f}% ({mf['peak_dtype']} peak {mf['peak_tflops']:.3g} TFLOP/s)"
 
 
 def _jsonable(x):
@@ -276,7 +281,9 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
                        ("scalar_reads_per_step", ".item() calls per step"),
                        ("idle_share", "GPU idle share of span"), ("host_wait_share", "host-wait share"),
                        ("kernel_wait_share", "kernel-wait share"), ("kernels_per_step", "kernels per step"),
-                       ("median_kernel_us", "median kernel (us)"), ("short_kernel_share", "kernels shorter than launch"),
+                       ("median_kernel_us", "median kernel (us)"),
+                       ("graph_kernel_share", "kernels replayed from CUDA graphs"),
+                       ("short_kernel_share", "eager kernels shorter than their launch"),
                        ("queue_depth_median", "launch queue depth (median)"), ("h2d_share", "HtoD share of busy"),
                        ("h2d_pageable", "pageable HtoD copies"), ("layout_share", "layout-conversion share"),
                        ("groupnorm_share", "GroupNorm share")):
@@ -288,8 +295,8 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
                      ", ".join(f"{k} {v / 1e9:.2f}" for k, v in tr["gemm_flops_per_step"].items())))
     if m.get("mfu"):
         mf = m["mfu"]
-        rows.append(("MFU", f"{100 * mf['mfu']:.2f}% ({mf['flops_per_step'] / 1e9:.2f} GFLOP/step, "
-                            f"peak {mf['peak_tflops']:.2f} TFLOP/s: {mf['peak_label']})"))
+        rows.append(("MFU", f"{_mfu_text(mf)}: {mf['flops_per_step'] / 1e9:.2f} GFLOP/step; {mf['peak_dtype']} is "
+                            f"{mf['peak_dtype_basis']}; peak {mf['peak_label']}"))
     comp = m.get("compile") or {}
     if comp:
         rows.append(("torch.compile", ", ".join(f"{k} {v}" for k, v in comp.items())))

@@ -175,4 +175,5 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     m = resolved.model
     flops = count_step_flops(UNet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
-    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv)
+    precision = json.loads((run_dir / "run.json").read_text())["precision"]  # what autocast ran the matmuls in
+    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision)

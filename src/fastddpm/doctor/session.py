@@ -22,12 +22,13 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
 from fastddpm.doctor.trace import DATA_MARK, STEP_MARK
 
@@ -64,18 +65,6 @@ class DoctorConfig:
     @property
     def total_steps(self) -> int:
         return self.warmup_steps + self.steps + self.profile_steps
-
-
-@dataclass
-class StepRecord:
-    index: int  # 0-based step number of the run
-    host_ms: float  # boundary to boundary, host clock
-    data_wait_ms: float
-    data_cpu_ms: float  # of the wait: this thread running (work done in-process)
-    epoch_start: bool
-    data_queued_ms: float = 0.0  # of the wait: this thread runnable but waiting for a core (crowded CPU)
-    gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
-    recompiles: int = 0  # graphs compiled during this step
 
 
 class _ThreadDemand:
@@ -147,10 +136,10 @@ class Session:
         self.compile_warm: tuple[int, int, int] | None = None
         self.compile_end: tuple[int, int, int] | None = None
         self.cpu = CpuSampler()
-        self.cpu_load: dict | None = None
-        self.telemetry_start: dict | None = None
-        self.telemetry_end: dict | None = None
-        self.memory: dict | None = None
+        self.cpu_load: CpuLoad | None = None
+        self.telemetry_start: Telemetry | None = None
+        self.telemetry_end: Telemetry | None = None
+        self.memory: DeviceMemory | None = None
         self.profiler = None
         self._step_range = None
         self.trace_path: Path | None = None
@@ -313,7 +302,7 @@ class Session:
             self._finish()
 
     # ---------------------------------------------------------------- after the run
-    def probe_loader(self, train_step_ms: float | None) -> dict | None:
+    def probe_loader(self, train_step_ms: float | None) -> LoaderProbe | None:
         """Rule 1b: the loader alone, no training, for up to loader_probe_s: batches per second."""
         loader = self.loader
         if loader is None or self.config.loader_probe_s <= 0:
@@ -334,34 +323,31 @@ class Session:
         elapsed = time.perf_counter() - t0
         del it
         if n == 0:
-            return {"batches_per_s": None, "note": f"no batch within {budget:g} s"}
+            return LoaderProbe(batches_per_s=None, note=f"no batch within {budget:g} s")
         rate = n / elapsed
-        out = {"batches_per_s": rate, "batches": n, "seconds": elapsed}
+        out = LoaderProbe(batches_per_s=rate, batches=n, seconds=elapsed)
         if train_step_ms:
-            out["train_steps_per_s"] = 1000.0 / train_step_ms
-            out["ratio"] = rate / out["train_steps_per_s"]
+            out.train_steps_per_s = 1000.0 / train_step_ms
+            out.ratio = rate / out.train_steps_per_s
         return out
 
-    def step_stats(self) -> dict:
+    def step_stats(self) -> StepStats | None:
+        """The watched steps' statistics; None before any step was watched."""
         recs = self.records
         if not recs:
-            return {}
+            return None
         host = [r.host_ms for r in recs]
-        med = statistics.median(host)
         first = recs[: max(1, len(recs) // 5)]
         last = recs[-max(1, len(recs) // 5):]
-        out = {
-            "steps": len(recs), "median_ms": med, "mean_ms": statistics.fmean(host),
-            "p10_ms": _quantile(host, 0.1), "p90_ms": _quantile(host, 0.9), "max_ms": max(host),
-            "data_wait_ms_total": sum(r.data_wait_ms for r in recs), "host_ms_total": sum(host),
-            "epoch_starts": sum(r.epoch_start for r in recs),
-            "first_fifth_median_ms": statistics.median(r.host_ms for r in first),
-            "last_fifth_median_ms": statistics.median(r.host_ms for r in last),
-        }
         gpu = [r.gpu_ms for r in recs if r.gpu_ms is not None]
-        if gpu:
-            out["gpu_median_ms"] = statistics.median(gpu)
-        return out
+        return StepStats(
+            steps=len(recs), median_ms=statistics.median(host), mean_ms=statistics.fmean(host),
+            p10_ms=_quantile(host, 0.1), p90_ms=_quantile(host, 0.9), max_ms=max(host),
+            data_wait_ms_total=sum(r.data_wait_ms for r in recs), host_ms_total=sum(host),
+            epoch_starts=sum(r.epoch_start for r in recs),
+            first_fifth_median_ms=statistics.median(r.host_ms for r in first),
+            last_fifth_median_ms=statistics.median(r.host_ms for r in last),
+            gpu_median_ms=statistics.median(gpu) if gpu else None)
 
 
 def _quantile(xs: list[float], q: float) -> float:

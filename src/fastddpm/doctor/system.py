@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, Telemetry
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -97,7 +99,7 @@ class CpuSampler:
         self._thread = threading.Thread(target=self._run, name="fastddpm-doctor-cpu", daemon=True)
         self._thread.start()
 
-    def stop(self) -> dict | None:
+    def stop(self) -> CpuLoad | None:
         if not self.available or self._thread is None:
             return None
         self._stop.set()
@@ -108,11 +110,11 @@ class CpuSampler:
         me = os.getpid()
         main = (self._last[me] - self._first[me]) / wall
         workers = sum(self._last[p] - self._first[p] for p in self._last if p != me) / wall
-        return {"main_cores": main, "workers_cores": workers, "workers_seen": self.max_workers,
-                "cpu_count": os.cpu_count(), "wall_s": wall}
+        return CpuLoad(main_cores=main, workers_cores=workers, workers_seen=self.max_workers,
+                       cpu_count=os.cpu_count(), wall_s=wall)
 
 
-def gpu_telemetry(device: torch.device) -> dict | None:
+def gpu_telemetry(device: torch.device) -> Telemetry | None:
     """SM clock (MHz), temperature (C) and power (W) now, from NVML (pynvml) or nvidia-smi; None without."""
     if device.type != "cuda":
         return None
@@ -122,9 +124,9 @@ def gpu_telemetry(device: torch.device) -> dict | None:
 
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return {"sm_clock_mhz": float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, "source": "nvml"}
+        return Telemetry(sm_clock_mhz=float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),
+                         temperature_c=float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                         power_w=pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0, source="nvml")
     except Exception:  # noqa: BLE001 - any NVML failure means: try nvidia-smi
         pass
     smi = shutil.which("nvidia-smi")
@@ -134,17 +136,17 @@ def gpu_telemetry(device: torch.device) -> dict | None:
         out = subprocess.run([smi, f"--id={index}", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
         clock, temp, power = (v.strip() for v in out.stdout.strip().split(","))
-        return {"sm_clock_mhz": float(clock), "temperature_c": float(temp),
-                "power_w": float(power) if power not in ("[N/A]", "N/A") else None, "source": "nvidia-smi"}
+        return Telemetry(sm_clock_mhz=float(clock), temperature_c=float(temp),
+                         power_w=float(power) if power not in ("[N/A]", "N/A") else None, source="nvidia-smi")
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
-def device_memory(device: torch.device) -> dict | None:
+def device_memory(device: torch.device) -> DeviceMemory | None:
     """Peak allocated by torch's allocator vs the device's total, for rule 14."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
     peak = torch.cuda.max_memory_allocated(device)
-    return {"peak_allocated_bytes": int(peak), "total_bytes": int(total), "free_bytes": int(free),
-            "peak_share": peak / total}
+    return DeviceMemory(peak_allocated_bytes=int(peak), total_bytes=int(total), free_bytes=int(free),
+                        peak_share=peak / total)

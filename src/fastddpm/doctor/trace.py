@@ -8,17 +8,22 @@ Time is in microseconds, as in the trace. The doctor brackets each training step
 annotation and each wait for data with `fastddpm::data_wait` (fastddpm.doctor.session), so steps, data waits,
 host ops and GPU activity all share one clock.
 
-Terms (DOCTOR_RULES.md):
+Terms (docs/DOCTOR.md):
 - kernel span: first GPU activity start to last GPU activity end inside the measured steps.
 - busy: the union of kernel, memcpy and memset intervals on all streams; idle = span - busy.
 - a gap is *host-wait* when the CPU issued the launch of the work that ends the gap only after the GPU had
   gone idle: the GPU waited for Python. Otherwise it is *kernel-wait*: the work was queued and the gap is
   launch latency or a dependency between streams.
+- a *graph* kernel is replayed from a CUDA graph: CUPTI gives every kernel of one replay the correlation id
+  of the one `cudaGraphLaunch` that replayed it. Such kernels have no launch call of their own, so the launch
+  metrics count only *eager* kernels (launched one by one); and the ops inside the graph leave no cpu_op, so
+  matmul FLOPs and dtypes cannot be read from a trace that has them (`gemm_unavailable` says why).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import re
 import statistics
@@ -28,21 +33,30 @@ from pathlib import Path
 STEP_MARK = "fastddpm::step"
 DATA_MARK = "fastddpm::data_wait"
 
-# Runtime calls that block the host until the GPU catches up (DOCTOR_RULES rule 7): `.item()` or `float()` of a
+# Runtime calls that block the host until the GPU catches up (docs/DOCTOR.md rule 7): `.item()` or `float()` of a
 # GPU tensor issues a DtoH copy and a cudaStreamSynchronize.
 SYNC_RUNTIME = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                 "cuStreamSynchronize", "cuCtxSynchronize"}
 LAUNCH_RUNTIME = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|"
                             r"cudaLaunchCooperativeKernel|cudaMemcpyAsync|cudaMemsetAsync|cudaGraphLaunch|"
-                            r"cudaMemcpy|cudaMemset)")
+                            r"cuGraphLaunch|cudaMemcpy|cudaMemset)")
+GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")  # one call replays a whole captured graph
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+# Our record_function ranges as the host thread wrote them. On a CUDA trace Kineto also writes each range a
+# second time, as cat "gpu_user_annotation" on the GPU timeline (spanning the kernels launched inside it):
+# counting that copy would count every range twice.
+HOST_MARK_CATS = ("user_annotation", "cpu_op", None)
 LAYOUT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose", re.IGNORECASE)
 
-# Matmul/conv ops whose inputs' dtype says whether autocast covered them (rule 12). Leaf ops only: under
-# autocast, `aten::conv2d` and `aten::linear` appear twice (an fp32 outer call that casts, a bf16 inner one).
+# Matmul/conv ops whose inputs' dtype says whether autocast covered them (rule 12). `aten::conv2d` and
+# `aten::linear` are left out: under autocast they appear as an fp32 outer call that casts around the bf16
+# `aten::convolution` / `aten::addmm` that does the work. Some of these ops still nest (the SDPA backward op
+# calls `aten::_flash_attention_backward` / `aten::_efficient_attention_backward`): only the outermost one of
+# a nest is counted (`_nested_ops`).
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::convolution_backward",
             "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
-            "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_backward",
+            "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_cudnn_attention_backward",
+            "aten::_flash_attention_backward",
             "aten::_efficient_attention_backward", "aten::_scaled_dot_product_flash_attention_backward",
             "aten::_scaled_dot_product_efficient_attention_backward",
             "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -65,10 +79,11 @@ def _ints(text: str) -> list[int]:
 
 
 def gemm_flops(name: str, dims: list, concrete: list | None = None) -> int:
-    """FLOPs (2 per multiply-add) of one matmul/conv/attention op from its recorded input shapes.
+    """FLOPs (2 per multiply-add) of one matmul/conv/attention op from its recorded input shapes, counted as
+    torch.utils.flop_counter.FlopCounterMode counts them.
 
-    Backward ops count both gradients (input and weight): twice the forward. Attention counts QK^T and PV
-    (4·B·H·L·S·D forward; backward 2.5x forward, as FlashAttention-2 counts it)."""
+    Conv backward counts each gradient it computes (input, weight) as one forward. Attention counts QK^T and
+    PV forward; backward recomputes QK^T and adds dP, dV, dQ, dK (2.5x forward when the head dims agree)."""
     try:
         if name == "aten::mm":
             (m, k), (_, n) = dims[0], dims[1]
@@ -88,35 +103,47 @@ def gemm_flops(name: str, dims: list, concrete: list | None = None) -> int:
             x, w = (dims[1], dims[2]) if backward else (dims[0], dims[1])
             if len(w) < 3:
                 return 0
-            # stride, padding, dilation follow (input, weight, bias) forward; (grad, input, weight, bias_sizes) backward
+            # after the tensors: stride, padding, dilation, transposed, output_padding, groups; the tensors are
+            # (input, weight, bias) forward and (grad_output, input, weight, bias_sizes) backward
             base = 4 if backward else 3
             stride = _ints(concrete[base]) if len(concrete) > base else []
             pad = _ints(concrete[base + 1]) if len(concrete) > base + 1 else []
             dil = _ints(concrete[base + 2]) if len(concrete) > base + 2 else []
-            spatial_in, kernel = x[2:], w[2:]
-            if backward:
-                out_spatial = dims[0][2:]
+            transposed = len(concrete) > base + 3 and concrete[base + 3] in ("True", "1")
+            kernel = w[2:]
+            if transposed:
+                # weight (C_in, C_out/groups, k...): every *input* pixel scatters into a C_out/groups x k patch
+                pixels = x[2:]
+            elif backward:
+                pixels = dims[0][2:]  # grad_output has the forward's output size
             else:
-                out_spatial = [
+                pixels = [
                     (s + 2 * (pad[i] if i < len(pad) else 0) - (dil[i] if i < len(dil) else 1) * (k - 1) - 1)
                     // (stride[i] if i < len(stride) else 1) + 1
-                    for i, (s, k) in enumerate(zip(spatial_in, kernel))
+                    for i, (s, k) in enumerate(zip(x[2:], kernel))
                 ]
-            fwd = 2 * x[0] * w[0] * _prod(out_spatial) * w[1] * _prod(kernel)
+            # w[0] * w[1] is C_out * C_in/groups (or C_in * C_out/groups transposed): grouped convs included
+            fwd = 2 * x[0] * w[0] * w[1] * _prod(pixels) * _prod(kernel)
             if not backward:
                 return fwd
             # output_mask (last argument): which of grad_input, grad_weight, grad_bias are computed; each of the
-            # first two costs one forward (the first layer's input needs no gradient)
+            # first two costs one forward (the first layer's input needs no gradient). FlopCounterMode counts a
+            # grouped conv's weight gradient `groups` times; this counts the work done.
             mask = re.findall(r"True|False|1|0", concrete[-1]) if concrete else []
             return fwd * (sum(v in ("True", "1") for v in mask[:2]) if len(mask) >= 2 else 2)
-        if "scaled_dot_product" in name or "attention" in name:
-            q, k = dims[0], dims[1]
-            if len(q) != 4:
+        if "attention" in name:
+            backward = "backward" in name
+            q, k, v = dims[1:4] if backward else dims[0:3]  # backward ops take grad_out first
+            if not (len(q) == len(k) == len(v) == 4):
                 return 0
-            b, h, l, d = q
-            s = k[2]
-            fwd = 4 * b * h * l * s * d
-            return int(2.5 * fwd) if "backward" in name else fwd
+            if name in ("aten::_flash_attention_backward", "aten::_efficient_attention_backward"):
+                q, k, v = ([t[0], t[2], t[1], t[3]] for t in (q, k, v))  # these take (B, L, H, D), not (B, H, L, D)
+            b, h, l, d_qk = q
+            s, d_v = k[2], v[3]
+            qk = 2 * b * h * l * s * d_qk  # scores = Q K^T: (B, H, L, S)
+            pv = 2 * b * h * l * s * d_v  # out = P V: (B, H, L, Dv)
+            # backward: QK^T again, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q
+            return 3 * qk + 2 * pv if backward else qk + pv
     except (IndexError, TypeError, ValueError):
         return 0
     return 0
@@ -152,7 +179,9 @@ class TraceStats:
     sync_share: float | None = None  # host time blocked in syncs / step time
     gemm_flops_per_step: dict[str, float] = field(default_factory=dict)  # by input dtype
     gemm_time_share: dict[str, float] = field(default_factory=dict)  # by dtype, of step time (CPU) or busy (GPU)
-    groupnorm_share: float = 0.0
+    groupnorm_share: float | None = 0.0
+    # why the three above could not be read (then {}, {}, None): CUDA-graph replays hide their ops
+    gemm_unavailable: str | None = None
     # GPU
     span_us: float | None = None
     busy_us: float | None = None
@@ -161,10 +190,14 @@ class TraceStats:
     kernel_wait_share: float | None = None
     host_wait_by_cause: dict[str, float] = field(default_factory=dict)  # data / sync / host, share of span
     small_gap_count: int | None = None  # kernel-wait gaps under 30 us
-    kernels_per_step: float | None = None
+    kernels_per_step: float | None = None  # all kernels, eager and graph-replayed
     median_kernel_us: float | None = None
-    short_kernel_share: float | None = None  # kernels shorter than their launch call
+    # launch metrics: eager kernels only (a graph-replayed kernel has no launch call of its own)
+    eager_kernels_per_step: float | None = None
+    median_eager_kernel_us: float | None = None
+    short_kernel_share: float | None = None  # eager kernels shorter than their launch call
     median_launch_us: float | None = None
+    # at each launch call (one per eager kernel/copy, one per graph replay): calls whose work is not finished
     queue_depth_median: float | None = None
     queue_depth_max: int | None = None
     blocked_launch_us_per_step: float | None = None  # launch calls > 100 us: the CPU blocked on a full queue
@@ -176,6 +209,7 @@ class TraceStats:
     layout_share: float | None = None  # layout-conversion kernels / busy
     layout_kernels_per_step: float | None = None
     graph_launches_per_step: float | None = None
+    graph_kernel_share: float | None = None  # kernels replayed from CUDA graphs / all kernels
     # for the HTML timeline, microseconds from the first step's start: [start, end] pairs and sync moments
     timeline: dict = field(default_factory=dict)
 
@@ -222,39 +256,101 @@ def analyze(events: list[dict]) -> TraceStats:
     """Measure one trace. Only work inside `fastddpm::step` ranges counts."""
     xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
     steps = sorted((StepTrace(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in xs
-                    if e.get("name") == STEP_MARK and e.get("cat") in ("user_annotation", "cpu_op", None)),
+                    if e.get("name") == STEP_MARK and e.get("cat") in HOST_MARK_CATS),
                    key=lambda s: s.start_us)
     if not steps:
         raise ValueError(f"the trace has no '{STEP_MARK}' ranges: it was not recorded by fastddpm.doctor")
-    starts = [s.start_us for s in steps]
+    step_of = functools.partial(_step_index, steps, [s.start_us for s in steps])  # ts -> step index, or None
     total_step_us = sum(s.dur_us for s in steps) or 1.0
     n = len(steps)
 
-    for e in xs:
-        if e.get("name") == DATA_MARK:
-            i = _step_index(steps, starts, float(e["ts"]))
-            if i is not None:
-                steps[i].data_wait_us += float(e.get("dur", 0))
+    data_marks = [e for e in xs if e.get("name") == DATA_MARK and e.get("cat") in HOST_MARK_CATS]
+    for e in data_marks:
+        i = step_of(float(e["ts"]))
+        if i is not None:
+            steps[i].data_wait_us += float(e.get("dur", 0))
 
-    # ---- host ops: syncs, op counts, matmul dtypes and FLOPs
-    ops = 0
-    scalar_reads = 0
-    gemm_flops: dict[str, float] = {}
-    gemm_time: dict[str, float] = {}
-    norm_time = 0.0
+    # ---- host: op counts, matmul dtypes and FLOPs, syncs
     op_events = [e for e in xs if e.get("cat") == "cpu_op"]
+    host = _host_ops(op_events, step_of)
+    runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    sync_calls = [e for e in runtime if e.get("name") in SYNC_RUNTIME]
+    for e in sync_calls:
+        i = step_of(float(e["ts"]))
+        if i is not None:
+            steps[i].syncs += 1
+            steps[i].sync_us += float(e.get("dur", 0))
+
+    stats = TraceStats(steps=steps, has_gpu=False)
+    stats.ops_per_step = host.ops / n
+    stats.scalar_reads_per_step = host.scalar_reads / n
+    if runtime:  # a CUDA trace: a sync is a runtime call that blocks the host (.item() on a GPU tensor makes one)
+        stats.syncs_per_step = statistics.median(s.syncs for s in steps)
+        stats.sync_share = sum(s.sync_us for s in steps) / total_step_us
+    stats.gemm_flops_per_step = {k: v / n for k, v in host.gemm_flops.items()}
+    t0_us = steps[0].start_us
+    data_iv = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in data_marks]
+    sync_ends_us = [float(e["ts"]) + float(e.get("dur", 0)) for e in sync_calls]
+    stats.timeline = {
+        "steps": [[s.start_us - t0_us, s.end_us - t0_us] for s in steps],
+        "data_wait": [[a - t0_us, b - t0_us] for a, b in _merge(data_iv) if step_of(a) is not None],
+        "syncs": [v - t0_us for v in sync_ends_us if step_of(v) is not None],
+        "gpu_busy": [],
+    }
+
+    launches = {}  # correlation id -> the runtime call that launched (or replayed) the work
+    for e in runtime:
+        corr = (e.get("args") or {}).get("correlation")
+        if corr is not None and LAUNCH_RUNTIME.match(e.get("name", "")):
+            launches[corr] = e
+    # keep GPU work launched from inside the measured steps
+    gpu = [g for g in xs if g.get("cat") in GPU_CATS and (g.get("args") or {}).get("correlation") in launches
+           and step_of(float(launches[g["args"]["correlation"]]["ts"])) is not None]
+    if not gpu:
+        stats.gemm_time_share = {k: v / total_step_us for k, v in host.gemm_time_us.items()}
+        stats.groupnorm_share = host.norm_us / total_step_us
+        return stats
+
+    # ---- GPU timeline
+    stats.has_gpu = True
+    kernels = [g for g in gpu if g.get("cat") == "kernel"]
+    _gaps(stats, gpu, launches, data_iv, sorted(sync_ends_us), t0_us)
+    for g in gpu:
+        i = step_of(float(launches[g["args"]["correlation"]]["ts"]))
+        if g.get("cat") == "kernel":
+            steps[i].kernels += 1
+        steps[i].gpu_busy_us += float(g.get("dur", 0))
+    _launch_metrics(stats, gpu, kernels, launches, step_of)
+    _copies(stats, gpu, kernels)
+    _layout(stats, kernels, launches, op_events)
+    _gpu_matmul_shares(stats, kernels, launches, op_events)
+    return stats
+
+
+@dataclass
+class _HostOps:
+    ops: int = 0
+    scalar_reads: int = 0  # .item() and friends
+    gemm_flops: dict[str, float] = field(default_factory=dict)  # by input dtype, all steps
+    gemm_time_us: dict[str, float] = field(default_factory=dict)  # host time of those ops, by dtype
+    norm_us: float = 0.0  # host time in GroupNorm ops
+
+
+def _host_ops(op_events: list[dict], step_of) -> _HostOps:
+    """The host ops inside the measured steps: counts, `.item()` calls, matmul FLOPs and time by input dtype."""
+    out = _HostOps()
     item_ranges = _Ranges(op_events, "aten::item")
+    nested = _nested_ops(op_events, GEMM_OPS)
     for e in op_events:
-        i = _step_index(steps, starts, float(e["ts"]))
-        if i is None:
+        if step_of(float(e["ts"])) is None:
             continue
         name = e.get("name", "")
-        ops += 1
-        dur = float(e.get("dur", 0))
+        out.ops += 1
+        dur_us = float(e.get("dur", 0))
         if name == "aten::item" or (name == "aten::_local_scalar_dense"
                                     and not item_ranges.contains(e.get("tid"), float(e["ts"]))):
-            scalar_reads += 1
-        elif name in GEMM_OPS:
+            out.scalar_reads += 1
+        elif name in GEMM_OPS and id(e) not in nested:
             args = e.get("args", {})
             types = args.get("Input type") or []
             dtype = _DTYPE.get(types[0] if types else "", types[0] if types else "?")
@@ -262,154 +358,129 @@ def analyze(events: list[dict]) -> TraceStats:
                 dtype = _DTYPE.get(types[1], types[1]) if len(types) > 1 else dtype
             if name == "aten::convolution_backward":
                 dtype = _DTYPE.get(types[0], types[0]) if types else dtype
-            gemm_flops[dtype] = gemm_flops.get(dtype, 0.0) + gemm_flops_of(e)
-            gemm_time[dtype] = gemm_time.get(dtype, 0.0) + dur
+            out.gemm_flops[dtype] = out.gemm_flops.get(dtype, 0.0) + gemm_flops_of(e)
+            out.gemm_time_us[dtype] = out.gemm_time_us.get(dtype, 0.0) + dur_us
         elif name in NORM_OPS:
-            norm_time += dur
-    runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    for e in runtime:
-        if e.get("name") in SYNC_RUNTIME:
-            i = _step_index(steps, starts, float(e["ts"]))
-            if i is not None:
-                steps[i].syncs += 1
-                steps[i].sync_us += float(e.get("dur", 0))
+            out.norm_us += dur_us
+    return out
 
-    stats = TraceStats(steps=steps, has_gpu=False)
-    stats.ops_per_step = ops / n
-    stats.scalar_reads_per_step = scalar_reads / n
-    if runtime:  # a CUDA trace: a sync is a runtime call that blocks the host (.item() on a GPU tensor makes one)
-        stats.syncs_per_step = statistics.median(s.syncs for s in steps)
-        stats.sync_share = sum(s.sync_us for s in steps) / total_step_us
-    stats.gemm_flops_per_step = {k: v / n for k, v in gemm_flops.items()}
-    t0 = steps[0].start_us
-    data_iv = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in xs if e.get("name") == DATA_MARK]
-    sync_at = [float(e["ts"]) + float(e.get("dur", 0)) for e in runtime if e.get("name") in SYNC_RUNTIME]
-    stats.timeline = {
-        "steps": [[s.start_us - t0, s.end_us - t0] for s in steps],
-        "data_wait": [[a - t0, b - t0] for a, b in _merge(data_iv) if _step_index(steps, starts, a) is not None],
-        "syncs": [v - t0 for v in sync_at if _step_index(steps, starts, v) is not None],
-        "gpu_busy": [],
-    }
 
-    gpu = [e for e in xs if e.get("cat") in GPU_CATS]
-    launches = {}
-    for e in runtime:
-        corr = (e.get("args") or {}).get("correlation")
-        if corr is not None and LAUNCH_RUNTIME.match(e.get("name", "")):
-            launches[corr] = e
-    # keep GPU work launched from inside the measured steps
-    gpu = [g for g in gpu if (g.get("args") or {}).get("correlation") in launches
-           and _step_index(steps, starts, float(launches[g["args"]["correlation"]]["ts"])) is not None]
-    if not gpu:
-        busy_ref = total_step_us
-        stats.gemm_time_share = {k: v / busy_ref for k, v in gemm_time.items()}
-        stats.groupnorm_share = norm_time / busy_ref
-        return stats
-
-    # ---- GPU timeline
-    stats.has_gpu = True
-    ivs = sorted((float(g["ts"]), float(g["ts"]) + float(g.get("dur", 0)), g) for g in gpu)
+def _gaps(stats: TraceStats, gpu: list[dict], launches: dict, data_iv: list[tuple[float, float]],
+          sync_ends_us: list[float], t0_us: float) -> None:
+    """Span, busy and idle time; each gap host-wait or kernel-wait, and a host-wait gap's cause."""
+    ivs = sorted(((float(g["ts"]), float(g["ts"]) + float(g.get("dur", 0)), g) for g in gpu), key=lambda t: t[:2])
     merged = _merge([(s, e) for s, e, _ in ivs])
-    mstarts = [s for s, _ in merged]
-    span0, span1 = merged[0][0], merged[-1][1]
-    span = max(span1 - span0, 1e-9)
-    busy = sum(e - s for s, e in merged)
-    stats.span_us, stats.busy_us = span, busy
-    stats.timeline["gpu_busy"] = [[a - t0, b - t0] for a, b in _coarsen(merged, 4000)]
-    stats.idle_share = max(0.0, 1 - busy / span)
+    span_us = max(merged[-1][1] - merged[0][0], 1e-9)
+    busy_us = sum(e - s for s, e in merged)
+    stats.span_us, stats.busy_us = span_us, busy_us
+    stats.timeline["gpu_busy"] = [[a - t0_us, b - t0_us] for a, b in _coarsen(merged, 4000)]
+    stats.idle_share = max(0.0, 1 - busy_us / span_us)
 
     # each merged interval's first activity tells who ended the previous gap
     first_at = {}
     for s, e, g in ivs:
         first_at.setdefault(s, g)
-    data_ranges = _merge([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in xs
-                          if e.get("name") == DATA_MARK])
+    data_ranges = _merge(data_iv)
     dstarts = [s for s, _ in data_ranges]
-    sync_ends = sorted(float(e["ts"]) + float(e.get("dur", 0)) for e in runtime if e.get("name") in SYNC_RUNTIME)
-    host_wait = kernel_wait = 0.0
-    by_cause = {"data": 0.0, "sync": 0.0, "host": 0.0}
+    host_wait_us = kernel_wait_us = 0.0
+    by_cause_us = {"data": 0.0, "sync": 0.0, "host": 0.0}
     small_gaps = 0
     for (s0, e0), (s1, _) in zip(merged, merged[1:]):
-        gap = s1 - e0
-        if gap <= 0:
+        gap_us = s1 - e0
+        if gap_us <= 0:
             continue
         nxt = first_at.get(s1)
         launch_ts = float(launches[nxt["args"]["correlation"]]["ts"]) if nxt is not None else e0
         if launch_ts >= e0:
-            host_wait += gap
-            if data_ranges and _overlap(e0, s1, data_ranges, dstarts) > 0.5 * gap:
-                by_cause["data"] += gap
-            elif _any_between(sync_ends, e0 - 50.0, s1):
-                by_cause["sync"] += gap
+            host_wait_us += gap_us
+            if data_ranges and _overlap(e0, s1, data_ranges, dstarts) > 0.5 * gap_us:
+                by_cause_us["data"] += gap_us
+            elif _any_between(sync_ends_us, e0 - 50.0, s1):
+                by_cause_us["sync"] += gap_us
             else:
-                by_cause["host"] += gap
+                by_cause_us["host"] += gap_us
         else:
-            kernel_wait += gap
-            if gap < 30.0:
+            kernel_wait_us += gap_us
+            if gap_us < 30.0:
                 small_gaps += 1
-    stats.host_wait_share = host_wait / span
-    stats.kernel_wait_share = kernel_wait / span
-    stats.host_wait_by_cause = {k: v / span for k, v in by_cause.items()}
+    stats.host_wait_share = host_wait_us / span_us
+    stats.kernel_wait_share = kernel_wait_us / span_us
+    stats.host_wait_by_cause = {k: v / span_us for k, v in by_cause_us.items()}
     stats.small_gap_count = small_gaps
 
-    kernels = [g for g in gpu if g.get("cat") == "kernel"]
-    for g in gpu:
-        i = _step_index(steps, starts, float(launches[g["args"]["correlation"]]["ts"]))
-        if g.get("cat") == "kernel":
-            steps[i].kernels += 1
-        steps[i].gpu_busy_us += float(g.get("dur", 0))
+
+def _launch_metrics(stats: TraceStats, gpu: list[dict], kernels: list[dict], launches: dict, step_of) -> None:
+    """Kernels per step, eager vs replayed from CUDA graphs, launch times, and the launch queue's depth."""
+    n = len(stats.steps)
     stats.kernels_per_step = len(kernels) / n
+    graph_ids = {id(k) for k in kernels if _graph_replayed(k, launches)}
+    eager = [k for k in kernels if id(k) not in graph_ids]
+    stats.eager_kernels_per_step = len(eager) / n
     if kernels:
-        durs = [float(k.get("dur", 0)) for k in kernels]
-        stats.median_kernel_us = statistics.median(durs)
-        short = sum(1 for k in kernels if float(k.get("dur", 0)) < float(launches[k["args"]["correlation"]].get("dur", 0)))
-        stats.short_kernel_share = short / len(kernels)
-        stats.median_launch_us = statistics.median(float(launches[k["args"]["correlation"]].get("dur", 0))
-                                                   for k in kernels)
-        # queue depth at each launch: work already launched that the GPU has not finished
-        order = sorted(((float(launches[g["args"]["correlation"]]["ts"]), float(g["ts"]) + float(g.get("dur", 0)))
-                        for g in gpu))
-        ends_sorted: list[float] = []
-        depths = []
-        for launch_ts, end in order:
-            # drop work finished by now
-            cut = bisect.bisect_right(ends_sorted, launch_ts)
-            del ends_sorted[:cut]
-            depths.append(len(ends_sorted))
-            bisect.insort(ends_sorted, end)
-        stats.queue_depth_median = float(statistics.median(depths))
-        stats.queue_depth_max = max(depths)
-    blocked = sum(float(e.get("dur", 0)) for e in launches.values()
-                  if float(e.get("dur", 0)) > 100.0 and e.get("name", "").startswith(("cudaLaunch", "cuLaunch"))
-                  and _step_index(steps, starts, float(e["ts"])) is not None)
-    stats.blocked_launch_us_per_step = blocked / n
-    graph_launches = sum(1 for e in launches.values() if e.get("name") == "cudaGraphLaunch"
-                         and _step_index(steps, starts, float(e["ts"])) is not None)
+        stats.median_kernel_us = statistics.median(float(k.get("dur", 0)) for k in kernels)
+        stats.graph_kernel_share = len(graph_ids) / len(kernels)
+    if eager:
+        launch_us = [float(launches[k["args"]["correlation"]].get("dur", 0)) for k in eager]
+        stats.median_eager_kernel_us = statistics.median(float(k.get("dur", 0)) for k in eager)
+        stats.short_kernel_share = sum(float(k.get("dur", 0)) < us for k, us in zip(eager, launch_us)) / len(eager)
+        stats.median_launch_us = statistics.median(launch_us)
+    # queue depth at each launch call: calls whose work the GPU has not finished. One call is one unit of
+    # work, whether it launched one kernel or replayed a graph of hundreds (counting a replay's kernels one by
+    # one would read a single cudaGraphLaunch as a queue hundreds deep)
+    work_end_us: dict = {}
+    for g in gpu:
+        corr = g["args"]["correlation"]
+        work_end_us[corr] = max(work_end_us.get(corr, 0.0), float(g["ts"]) + float(g.get("dur", 0)))
+    order = sorted((float(launches[c]["ts"]), end) for c, end in work_end_us.items())
+    ends_sorted: list[float] = []
+    depths = []
+    for launch_ts, end in order:
+        del ends_sorted[:bisect.bisect_right(ends_sorted, launch_ts)]  # work finished by now
+        depths.append(len(ends_sorted))
+        bisect.insort(ends_sorted, end)
+    stats.queue_depth_median = float(statistics.median(depths))
+    stats.queue_depth_max = max(depths)
+    blocked_us = sum(float(e.get("dur", 0)) for e in launches.values()
+                     if float(e.get("dur", 0)) > 100.0 and e.get("name", "").startswith(("cudaLaunch", "cuLaunch"))
+                     and step_of(float(e["ts"])) is not None)
+    stats.blocked_launch_us_per_step = blocked_us / n
+    graph_launches = sum(1 for e in launches.values() if e.get("name", "").startswith(GRAPH_LAUNCH)
+                         and step_of(float(e["ts"])) is not None)
     stats.graph_launches_per_step = graph_launches / n
 
+
+def _copies(stats: TraceStats, gpu: list[dict], kernels: list[dict]) -> None:
+    """Host-to-device copies: their share of busy time, the part no kernel overlaps, pageable vs pinned."""
+    n = len(stats.steps)
     h2d = [g for g in gpu if g.get("cat") == "gpu_memcpy" and "HtoD" in g.get("name", "")]
     kernel_merged = _merge([(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in kernels])
     kstarts = [s for s, _ in kernel_merged]
-    h2d_time = sum(float(g.get("dur", 0)) for g in h2d)
-    exposed = sum(float(g.get("dur", 0)) - _overlap(float(g["ts"]), float(g["ts"]) + float(g.get("dur", 0)),
-                                                     kernel_merged, kstarts) for g in h2d)
-    stats.h2d_share = h2d_time / busy
-    stats.h2d_exposed_share = exposed / span
+    h2d_us = sum(float(g.get("dur", 0)) for g in h2d)
+    exposed_us = sum(float(g.get("dur", 0)) - _overlap(float(g["ts"]), float(g["ts"]) + float(g.get("dur", 0)),
+                                                        kernel_merged, kstarts) for g in h2d)
+    stats.h2d_share = h2d_us / stats.busy_us
+    stats.h2d_exposed_share = exposed_us / stats.span_us
     stats.h2d_pageable = sum(1 for g in h2d if "Pageable" in g.get("name", ""))
     stats.h2d_pinned = sum(1 for g in h2d if "Pinned" in g.get("name", ""))
     stats.h2d_bytes_per_step = sum(float((g.get("args") or {}).get("bytes", 0)) for g in h2d) / n
 
+
+def _layout(stats: TraceStats, kernels: list[dict], launches: dict, op_events: list[dict]) -> None:
+    """Layout conversions: kernels named for one, and kernels launched inside `aten::contiguous`."""
     layout = [k for k in kernels if LAYOUT_KERNEL.search(k.get("name", ""))]
     layout_ids = {id(k) for k in layout}
     contiguous = _Ranges(op_events, "aten::contiguous")
     layout += [k for k in kernels if id(k) not in layout_ids and contiguous.contains(
         launches[k["args"]["correlation"]].get("tid"), float(launches[k["args"]["correlation"]]["ts"]))]
-    stats.layout_share = sum(float(k.get("dur", 0)) for k in layout) / busy
-    stats.layout_kernels_per_step = len(layout) / n
+    stats.layout_share = sum(float(k.get("dur", 0)) for k in layout) / stats.busy_us
+    stats.layout_kernels_per_step = len(layout) / len(stats.steps)
 
-    # GEMM time on the GPU: kernel time of the kernels each matmul/conv op launched
-    gemm_gpu: dict[str, float] = {}
-    norm_gpu = 0.0
+
+def _gpu_matmul_shares(stats: TraceStats, kernels: list[dict], launches: dict, op_events: list[dict]) -> None:
+    """GEMM time by dtype on the GPU (kernel time of the kernels each matmul/conv op launched) and GroupNorm's;
+    none of it, with the reason, when kernels replay from CUDA graphs."""
+    gemm_us: dict[str, float] = {}
+    norm_us = 0.0
     owner = _kernel_owner_ops(kernels, launches, op_events)
     for k in kernels:
         op = owner.get(id(k))
@@ -419,12 +490,44 @@ def analyze(events: list[dict]) -> TraceStats:
             types = (op.get("args") or {}).get("Input type") or ["?"]
             t = types[1] if op.get("name") in ("aten::addmm", "aten::baddbmm") and len(types) > 1 else types[0]
             dtype = _DTYPE.get(t, t)
-            gemm_gpu[dtype] = gemm_gpu.get(dtype, 0.0) + float(k.get("dur", 0))
+            gemm_us[dtype] = gemm_us.get(dtype, 0.0) + float(k.get("dur", 0))
         elif op.get("name") in NORM_OPS:
-            norm_gpu += float(k.get("dur", 0))
-    stats.gemm_time_share = {k: v / busy for k, v in gemm_gpu.items()}
-    stats.groupnorm_share = norm_gpu / busy
-    return stats
+            norm_us += float(k.get("dur", 0))
+    stats.gemm_time_share = {k: v / stats.busy_us for k, v in gemm_us.items()}
+    stats.groupnorm_share = norm_us / stats.busy_us
+    if stats.graph_kernel_share:
+        # the ops inside a graph ran at capture time, not now: a partial count would pass for the whole
+        stats.gemm_unavailable = (
+            f"{100 * stats.graph_kernel_share:.0f}% of kernels replay from CUDA graphs "
+            f"({stats.graph_launches_per_step:g} cudaGraphLaunch per step): the matmuls and convs inside a graph "
+            "run without a cpu_op, so the trace holds no shapes or dtypes for them")
+        stats.gemm_flops_per_step, stats.gemm_time_share, stats.groupnorm_share = {}, {}, None
+
+
+def _graph_replayed(kernel: dict, launches: dict) -> bool:
+    """Replayed from a CUDA graph: CUPTI files it under the correlation id of the cudaGraphLaunch that replayed
+    it (every Kineto version; newer ones also write "graph id" on the kernel)."""
+    return launches[kernel["args"]["correlation"]].get("name", "").startswith(GRAPH_LAUNCH)
+
+
+def _nested_ops(op_events: list[dict], names: set[str]) -> set[int]:
+    """ids of the ops named in `names` that run inside another such op on the same thread: counting both would
+    count one piece of work twice (an SDPA backward op and the attention kernel op it calls)."""
+    by_tid: dict = {}
+    for o in op_events:
+        if o.get("name") in names:
+            by_tid.setdefault(o.get("tid"), []).append(o)
+    out = set()
+    for lst in by_tid.values():
+        open_ends: list[float] = []  # ends of the enclosing ops still open, outermost first
+        for o in sorted(lst, key=lambda o: (float(o["ts"]), -float(o.get("dur", 0)))):
+            ts = float(o["ts"])
+            while open_ends and open_ends[-1] <= ts:
+                open_ends.pop()
+            if open_ends:
+                out.add(id(o))
+            open_ends.append(ts + float(o.get("dur", 0)))
+    return out
 
 
 def gemm_flops_of(e: dict) -> float:

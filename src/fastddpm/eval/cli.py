@@ -105,7 +105,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.train.checkpoint import CheckpointError
-    from fastddpm.train.loop import load_for_sampling
+    from fastddpm.sampling import load_for_sampling
     from fastddpm.train.runtime import resolve_device, resolve_precision
 
     log = print

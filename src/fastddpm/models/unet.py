@@ -1,6 +1,6 @@
 """The seed's DDPM U-Net, rebuilt: same blocks and parameter layout, fused attention, correct time embedding.
 
-The architecture follows the public DDPM-Pytorch code the seed started from (see ../shared/CONTEXT.md):
+The architecture follows the public DDPM-Pytorch code the seed notebook started from:
 
     conv_in -> DownBlock* -> MidBlock* -> UpBlock* (skip concatenation) -> GN -> SiLU -> conv_out
 

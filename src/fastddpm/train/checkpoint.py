@@ -216,3 +216,93 @@ def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) 
             if key in current:
                 group[key] = current[key]
     return saved
+
+
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's name: ckpt_000000042.pt or ckpt_000000042.dcp -> 42."""
+    return int(path.name.split("_")[1].split(".")[0])
+
+
+def newest_checkpoint(ckpt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest usable checkpoint in `ckpt_dir`: a verified .pt file with its state, or an FSDP run's sharded
+    .dcp directory with its metadata only (the shards are read once the model is sharded)."""
+    from fastddpm.train.fsdp import latest_sharded
+
+    found = [f for f in (load_latest(ckpt_dir), latest_sharded(ckpt_dir)) if f is not None]
+    return max(found, key=lambda f: int(f[1]["step"])) if found else None
+
+
+class Checkpointer:
+    """A run's checkpoints, in one place: where they live (RUN_DIR/checkpoints), which format this run writes (a
+    verified .pt file; under FSDP a sharded .dcp directory), which one a resume means, and what a save writes
+    (the checkpoint, then RUN_DIR/ema.safetensors for sampling anywhere)."""
+
+    def __init__(self, run_dir: str | Path, *, sharded: bool = False, keep: int = 3, is_main: bool = True):
+        self.dir = Path(run_dir) / "checkpoints"
+        self.ema_export = Path(run_dir) / "ema.safetensors"
+        self.sharded, self.keep, self.is_main = sharded, keep, is_main
+
+    def saved(self) -> list[Path]:
+        """Every complete checkpoint, .pt files and .dcp directories, oldest first."""
+        from fastddpm.train.fsdp import list_sharded
+
+        return sorted(list_checkpoints(self.dir) + list_sharded(self.dir), key=step_of)
+
+    def latest(self) -> tuple[Path, dict[str, Any]] | None:
+        return newest_checkpoint(self.dir)
+
+    def resolve(self, resume: str | Path | tuple | None) -> tuple[Path, dict[str, Any]] | None:
+        """What to resume from: None (a new run); "latest" (the newest checkpoint that verifies, None if there is
+        none yet); a run directory (its newest); a .pt file or a .dcp directory; or an already loaded
+        (path, state) pair, returned as it is."""
+        if resume is None or isinstance(resume, tuple):
+            return resume
+        if resume == "latest":
+            return self.latest()
+        path = Path(resume)
+        if path.is_dir() and path.suffix == ".dcp":  # one sharded (FSDP) checkpoint
+            from fastddpm.train.fsdp import read_meta
+
+            return path, read_meta(path)
+        if path.is_dir():  # a run directory
+            found = newest_checkpoint(path / "checkpoints")
+            if found is None:
+                raise CheckpointError(f"no usable checkpoint in {path / 'checkpoints'}")
+            return found
+        return path, load_checkpoint(path)
+
+    def check_format(self, found: tuple[Path, dict[str, Any]]) -> None:
+        """A run resumes the format it writes: a sharded checkpoint under FSDP, a .pt file otherwise."""
+        path, state = found
+        if self.sharded and not state.get("sharded"):
+            raise CheckpointError(
+                f"{path} is a .pt checkpoint of a single-process or DDP run, and --parallel fsdp reads sharded "
+                "checkpoints: resume it with --parallel ddp, or start the FSDP run in a new directory")
+        if not self.sharded and state.get("sharded"):
+            raise CheckpointError(
+                f"{path} is a sharded checkpoint of an FSDP run: resume it under torchrun with --parallel fsdp "
+                "(any number of processes, 1 included), or sample from the run's ema.safetensors")
+
+    def save(self, step: int, *, model: torch.nn.Module, ema_model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer, meta: dict[str, Any], export_meta: dict[str, Any]) -> Path | None:
+        """Write the checkpoint of `step` (weights, EMA, optimizer, and `meta`: step, RNG, config, ...) and the EMA
+        export. A .pt run: rank 0 writes, the other ranks return None at once (their state is the same).
+        Sharded: every rank writes its shards and returns the path (a collective; the loop's "was a checkpoint
+        written" then agrees across ranks), and rank 0 also writes the metadata and the gathered EMA."""
+        if self.sharded:
+            from fastddpm.train.fsdp import full_state_dict, save_sharded
+
+            path = save_sharded(self.dir, step, model=model, ema_model=ema_model, optimizer=optimizer, meta=meta,
+                                is_main=self.is_main, keep=self.keep)
+            ema_full = full_state_dict(ema_model)  # a collective: the full weights land on rank 0
+            if self.is_main:
+                export_safetensors(ema_full, self.ema_export, export_meta)
+            return path
+        if not self.is_main:
+            return None
+        ema_weights = clean_state_dict(ema_model.state_dict())
+        state = {"model": clean_state_dict(model.state_dict()), "ema": ema_weights,
+                 "optimizer": portable_optimizer_state(optimizer), **meta}
+        path = save_checkpoint(self.dir, step, state, keep=self.keep)
+        export_safetensors(ema_weights, self.ema_export, export_meta)
+        return path

@@ -12,7 +12,9 @@ checkpoints, grids and logs; every rank computes. Nothing here is home-made comm
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +69,12 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
     else:
         backend = "gloo"
     if not dist.is_initialized():
+        # Before the group exists: torch.distributed.nn binds `group.WORLD` as a default argument of ten functions
+        # when it is imported, and torch._dynamo (torch.compile, DDP's constructor) imports it. Imported after
+        # init_process_group it holds the live group forever, destroy_process_group cannot free it, and the
+        # backend's threads (gloo's run loops, NCCL's watchdog) are still running while the interpreter shuts
+        # down: an intermittent SIGABRT at exit ("terminate called without an active exception").
+        import torch.distributed.nn  # noqa: F401
         # The timeout bounds a wait on a dead peer; torchrun's agent also tears the group down when a worker exits.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
@@ -74,8 +82,22 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
 
 
 def shutdown(info: DistInfo) -> None:
+    """Destroy the process group so that its backend's threads end here, not while the interpreter shuts down.
+
+    destroy_process_group only drops torch's own references: the group lives on while anything else holds it.
+    - A DDP wrapper's reducer holds it; a wrapper caught in a reference cycle is freed by the next cyclic GC,
+      which at the end of a run may only come during interpreter finalization: collect first.
+    - Under FSDP, every DeviceMesh keeps its groups in `_pg_registry`, and DTensor's sharding caches (unbounded,
+      keyed by specs that name the mesh) keep every mesh alive for the life of the process: empty the
+      registries once the groups are destroyed (a mesh is unusable after that anyway)."""
     if info.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        mesh_module = sys.modules.get("torch.distributed.device_mesh")
+        if mesh_module is not None:
+            for obj in gc.get_objects():
+                if isinstance(obj, mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+                    obj._pg_registry.clear()
 
 
 def barrier(info: DistInfo) -> None:

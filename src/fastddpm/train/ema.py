@@ -11,28 +11,35 @@ from fastddpm.train.checkpoint import load_model_state
 
 
 class EMA:
-    """ema <- beta * ema + (1 - beta) * theta after each optimizer step, as one foreach lerp (no Python loop
-    over tensors). With warm-up, beta = min(decay, (1 + step) / (10 + step)): early on the average forgets the
-    random initialisation quickly, so grids written in the first epochs are already meaningful."""
+    """ema <- beta * ema + (1 - beta) * theta after each optimizer step. With warm-up, beta = min(decay,
+    (1 + step) / (10 + step)): early on the average forgets the random initialisation quickly, so grids written
+    in the first epochs are already meaningful.
+
+    The update is three foreach ops over all tensors (sub, mul by a 0-dim device tensor, add), not one
+    _foreach_lerp_: lerp has no tensor-weight overload, and a float weight would be read back to the host each
+    step (a sync) and baked into a captured CUDA graph as a constant."""
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
         self.decay = decay
         self.warmup = warmup
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self._ema_params = list(self.model.parameters())
-        self._src_params = list(model.parameters())
+        self.rebind(model)
 
     def rebind(self, model: nn.Module) -> None:
-        """Refresh the parameter lists after both models were sharded in place (FSDP2 swaps in DTensors)."""
-        self._ema_params = list(self.model.parameters())
+        """(Re)read both parameter lists: at construction, and after both models were sharded in place (FSDP2
+        swaps in DTensors)."""
+        self.params = list(self.model.parameters())
         self._src_params = list(model.parameters())
 
     def beta(self, step: int) -> float:
         return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
 
-    @torch.no_grad()
-    def update(self, step: int) -> None:
-        torch._foreach_lerp_(self._ema_params, [p.detach() for p in self._src_params], 1.0 - self.beta(step))
+    @torch.no_grad()  # without it every EMA tensor grows an autograd chain, one node per step
+    def update(self, weight: torch.Tensor) -> None:
+        """ema += weight * (theta - ema), with `weight` = 1 - beta as a 0-dim tensor on the device (0 skips)."""
+        delta = torch._foreach_sub(self._src_params, self.params)
+        torch._foreach_mul_(delta, weight)
+        torch._foreach_add_(self.params, delta)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()

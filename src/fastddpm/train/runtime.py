@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from fastddpm import amp
 from fastddpm.config import ConfigError
 
 
@@ -18,9 +18,7 @@ class Precision:
     reason: str
 
     def autocast(self, device: torch.device, cache: bool = True):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype, cache_enabled=cache)
+        return amp.autocast(device.type, self.autocast_dtype, cache)
 
 
 def resolve_device(spec: str) -> tuple[torch.device, str]:
@@ -37,6 +35,33 @@ def resolve_device(spec: str) -> tuple[torch.device, str]:
     return device, "requested"
 
 
+def fix_cpu_threads(requested: int | None) -> tuple[int, int]:
+    """Set the intra-op thread count for a CPU run; returns (count now, count before) so a library caller's
+    count can be restored afterwards.
+
+    Called even when the count does not change: torch.set_num_threads also switches MKL's dynamic threading off
+    (mkl_set_dynamic(false), aten/src/ATen/ParallelOpenMP.cpp), and MKL in dynamic mode runs some GEMMs on fewer
+    threads, summing them in another order. A fresh process and one that has called set_num_threads before (a
+    notebook, a test, the doctor's self-test) would then differ in the 8th digit. After this call a CPU run's
+    summation order is a function of the thread count alone, which is what exact resume needs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(requested or before)
+    return torch.get_num_threads(), before
+
+
+def cuda_native_bf16(device: torch.device | int | None = None) -> tuple[bool, str]:
+    """Whether a CUDA device computes bf16 natively (compute capability >= 8.0: Ampere and later), and why.
+
+    `torch.cuda.is_bf16_supported()` also answers True on a T4 or V100 (sm75 / sm70), where bf16 is emulated:
+    no bf16 tensor cores, no bf16 cuDNN convolutions, no flash attention. There fp16 + GradScaler is the fast
+    recipe (the seed's T4 ran fp16), so "native" is read off the compute capability alone."""
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if major >= 8:
+        return True, f"{name} is sm{major}{minor}: native bf16"
+    return False, f"{name} is sm{major}{minor}: bf16 would be emulated (native from sm80, Ampere)"
+
+
 def resolve_precision(spec: str, device: torch.device) -> Precision:
     if device.type != "cuda":
         if spec in ("auto", "fp32"):
@@ -47,15 +72,15 @@ def resolve_precision(spec: str, device: torch.device) -> Precision:
         # it lets the loss-scaling path (skips on overflow, scale state across resume) be tested without a GPU.
         return Precision("fp16", torch.float16, True, f"requested fp16 autocast with GradScaler on {device.type} "
                          "(slower than fp32 on most CPUs: meant for testing the GPU recipe)")
-    bf16_ok = torch.cuda.is_bf16_supported()
+    bf16_ok, why = cuda_native_bf16(device)
     if spec == "auto":
         if bf16_ok:
-            return Precision("bf16", torch.bfloat16, False, "auto: the GPU supports bf16 (fp32 range, no loss scaling)")
-        return Precision("fp16", torch.float16, True, "auto: no bf16 on this GPU, fp16 with GradScaler")
+            return Precision("bf16", torch.bfloat16, False, f"auto: {why} (fp32 range, no loss scaling)")
+        return Precision("fp16", torch.float16, True, f"auto: {why}; fp16 with GradScaler")
     if spec == "bf16":
         if not bf16_ok:
-            raise ConfigError("train.precision=bf16 but this GPU has no native bf16 (it would be emulated, slowly): "
-                              "use fp16 or auto")
+            raise ConfigError(f"train.precision=bf16 but {why}, slowly: use --precision fp16 (with GradScaler) "
+                              "or auto")
         return Precision("bf16", torch.bfloat16, False, "requested")
     if spec == "fp16":
         return Precision("fp16", torch.float16, True, "requested (with GradScaler)")
@@ -104,8 +129,10 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
             graphs, why = "off", (f"auto: FSDP over {world_size} rank(s); its all-gathers and reduce-scatters are not "
                                   "captured")
         elif world_size:
+            # Not suggested: reduce-overhead (cudagraph trees) under DDP + compile has an open PyTorch bug
+            # (pytorch#113809) and is unmeasured here.
             graphs, why = "off", (f"auto: DDP over {world_size} rank(s); the gradient all-reduce is not captured into the "
-                                  "step's graph (compile stays on; --cuda-graphs reduce-overhead is an option)")
+                                  "step's graph (compile stays on)")
         else:
             graphs, why = "capture", "auto: the whole step captured in one CUDA graph"
     else:
@@ -123,7 +150,7 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         if g == "capture" and world_size:
             raise ConfigError(f"train.cuda_graphs=capture records the whole step in one graph, which does not "
                               f"include DDP's all-reduce ({world_size} rank(s)): use "
-                              f"--cuda-graphs reduce-overhead or off")
+                              f"--cuda-graphs off")
         if g == "capture" and precision.use_grad_scaler:
             raise ConfigError("train.cuda_graphs=capture does not capture fp16's GradScaler: use --precision bf16 "
                               "(or fp32), or --cuda-graphs off")

@@ -142,14 +142,6 @@ class TrainStep:
         elif bool(self.healthy_t):  # foreach: the CPU path (no sync there), and FSDP's (one small sync per step)
             self.optimizer.step()
 
-    @torch.no_grad()  # without it every EMA tensor grows an autograd chain, one node per step
-    def _ema(self) -> None:
-        # ema += w * (theta - ema), with w a 0-dim device tensor. _foreach_lerp_ has no tensor-weight overload: it
-        # would read w back to the host (a sync, and a constant baked into a captured graph). mul_ takes a tensor.
-        delta = torch._foreach_sub(self.params, self.ema._ema_params)
-        torch._foreach_mul_(delta, self.ema_weight_t * self.healthy_t)
-        torch._foreach_add_(self.ema._ema_params, delta)
-
     def _body(self, batches: Sequence[Batch], do_ema: bool) -> torch.Tensor:
         """forward+backward over the micro-batches, update, EMA. Gradients are zeroed at the start (in place
         when graphs are on, so their memory stays where the graph recorded it)."""
@@ -176,7 +168,7 @@ class TrainStep:
         else:
             self._update(total)
         if do_ema:
-            self._ema()
+            self.ema.update(self.ema_weight_t * self.healthy_t)  # a weight of 0 after a non-finite step: skipped
         return total / len(batches)
 
     # -- the step --------------------------------------------------------------------------------------------
@@ -216,7 +208,7 @@ class TrainStep:
 
     # -- CUDA graph capture ----------------------------------------------------------------------------------
     def _state_tensors(self) -> list[torch.Tensor]:
-        tensors = list(self.params) + list(self.ema._ema_params)
+        tensors = list(self.params) + list(self.ema.params)
         for state in self.optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return tensors

@@ -1,0 +1,214 @@
+"""What one bounded run measured, as typed records: the rules (fastddpm.doctor.rules) read these attributes.
+
+    Measurements
+      steps            list[StepRecord]   the watch window, one record a step (session.py times them)
+      step_stats       StepStats          medians and totals of those steps
+      cpu_load         CpuLoad            this process and its loader workers (system.py)
+      memory           DeviceMemory       peak allocated vs the device's total (CUDA only)
+      telemetry_start  Telemetry          SM clock, temperature, power at both ends of the watch (CUDA only)
+      telemetry_end
+      compile          CompileCounts      torch._dynamo's counters (only when something was compiled)
+      trace            TraceStats         the profile window's trace (trace.py)
+      mfu              Mfu                FLOPs per step against the measured matmul peak (api.py)
+      loader_probe     LoaderProbe        the DataLoader alone, after the run
+
+A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
+tests read its keys); `Measurements.from_dict` reads that dict back, or one made by hand, where keys left out
+take their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fastddpm.doctor.trace import TraceStats
+
+
+@dataclass
+class StepRecord:
+    index: int  # 0-based step number of the run
+    host_ms: float  # boundary to boundary, host clock
+    data_wait_ms: float
+    data_cpu_ms: float  # of the wait: this thread running (work done in-process)
+    epoch_start: bool
+    data_queued_ms: float = 0.0  # of the wait: this thread runnable but waiting for a core (crowded CPU)
+    gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
+    recompiles: int = 0  # graphs compiled during this step
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """The watched steps' host times (Session.step_stats). A field left out of a hand-made dict reads 0."""
+
+    steps: int = 0
+    median_ms: float = 0.0
+    mean_ms: float = 0.0
+    p10_ms: float = 0.0
+    p90_ms: float = 0.0
+    max_ms: float = 0.0
+    data_wait_ms_total: float = 0.0
+    host_ms_total: float = 0.0
+    epoch_starts: int = 0
+    first_fifth_median_ms: float = 0.0  # rule 15 compares the first and the last fifth of the watch
+    last_fifth_median_ms: float = 0.0
+    gpu_median_ms: float | None = None  # from CUDA events; absent from the dict when None
+
+    def to_dict(self) -> dict:
+        return _without_none(dataclasses.asdict(self), keep=())
+
+
+@dataclass(kw_only=True)
+class CpuLoad:
+    """Cores busy on average over the watch (system.CpuSampler)."""
+
+    main_cores: float
+    workers_cores: float  # all descendants of this process: DataLoader workers
+    workers_seen: int  # the most descendants seen at once
+    cpu_count: int | None
+    wall_s: float
+
+
+@dataclass(kw_only=True)
+class DeviceMemory:
+    """Rule 14: torch's allocator peak against the device's total."""
+
+    peak_allocated_bytes: int
+    total_bytes: int
+    free_bytes: int
+    peak_share: float
+
+
+@dataclass(kw_only=True)
+class Telemetry:
+    """Rule 15: the GPU's state at one moment, from NVML or nvidia-smi."""
+
+    sm_clock_mhz: float
+    temperature_c: float
+    power_w: float | None
+    source: str  # "nvml" or "nvidia-smi"
+
+
+@dataclass(kw_only=True)
+class CompileCounts:
+    """Rule 10: torch._dynamo's counters, over the whole run and after the warm-up."""
+
+    compiled_graphs: int = 0
+    recompiles_after_warmup: int = 0
+    graph_breaks: int = 0
+    graph_breaks_after_warmup: int = 0
+    cudagraph_skips: int = 0  # after the warm-up
+
+
+@dataclass(kw_only=True)
+class Mfu:
+    """Rule 13: model FLOPs utilisation, against a matmul peak measured in the run's own dtype."""
+
+    mfu: float  # a share of the peak
+    flops_per_step: float
+    step_ms: float
+    peak_tflops: float
+    peak_label: str
+    peak_dtype: str  # bf16, fp16, fp32 or tf32: the report prints it next to MFU
+    peak_dtype_basis: str  # why that dtype: counted from the trace, configured, or assumed
+
+
+@dataclass(kw_only=True)
+class LoaderProbe:
+    """Rule 1: the DataLoader alone after the run (Session.probe_loader); None fields are left out of the dict."""
+
+    batches_per_s: float | None  # None: no batch came within the probe's time (see note)
+    batches: int | None = None
+    seconds: float | None = None
+    train_steps_per_s: float | None = None  # the rate the training step alone could take batches at
+    ratio: float | None = None  # batches_per_s / train_steps_per_s
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        return _without_none(dataclasses.asdict(self), keep=("batches_per_s",))
+
+
+@dataclass(kw_only=True)
+class Measurements:
+    device: str  # "cpu", "cuda:0", ...
+    steps: list[StepRecord]
+    step_stats: StepStats | None = None
+    cpu_load: CpuLoad | None = None
+    memory: DeviceMemory | None = None
+    telemetry_start: Telemetry | None = None
+    telemetry_end: Telemetry | None = None
+    profiled_steps: int = 0  # steps in the trace
+    notes: list[str] = field(default_factory=list)
+    compile: CompileCounts | None = None
+    trace: TraceStats | None = None
+    trace_file: str | None = None
+    flops_source: str | None = None  # where mfu's FLOPs came from
+    mfu: Mfu | None = None
+    mfu_unavailable: str | None = None  # why mfu is None
+    loader_probe: LoaderProbe | None = None
+    loader_workers: int | None = None  # the DataLoader's own num_workers, when the doctor saw the loader
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def gpu_trace(self) -> TraceStats | None:
+        """The trace when it holds a GPU timeline (rules 4-9, 11)."""
+        return self.trace if self.trace is not None and self.trace.has_gpu else None
+
+    def to_dict(self) -> dict:
+        """The JSON report's `measurements`: the keys, their order and their presence as users read them."""
+        d = {"device": self.device, "steps": [dataclasses.asdict(s) for s in self.steps],
+             "step_stats": self.step_stats.to_dict() if self.step_stats is not None else {},
+             "cpu_load": _asdict(self.cpu_load), "memory": _asdict(self.memory),
+             "telemetry_start": _asdict(self.telemetry_start), "telemetry_end": _asdict(self.telemetry_end),
+             "profiled_steps": self.profiled_steps, "notes": self.notes}
+        if self.compile is not None:
+            d["compile"] = dataclasses.asdict(self.compile)
+        d["trace"] = self.trace.to_dict() if self.trace is not None else None
+        if self.trace is not None:
+            d["trace_timeline"] = self.trace.timeline
+        if self.trace_file is not None:
+            d["trace_file"] = self.trace_file
+        if self.flops_source is not None:
+            d["flops_source"] = self.flops_source
+        if self.mfu is not None:
+            d["mfu"] = dataclasses.asdict(self.mfu)
+        if self.mfu_unavailable is not None:
+            d["mfu_unavailable"] = self.mfu_unavailable
+        d["loader_probe"] = self.loader_probe.to_dict() if self.loader_probe is not None else None
+        d["loader_workers"] = self.loader_workers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Measurements:
+        """Read `to_dict()`'s form back (a saved report.json's `measurements`, or a test's hand-made dict: keys
+        left out take their defaults). The trace's per-step list is not in the dict: its `steps` stay empty."""
+        trace = d.get("trace")
+        if trace is not None:
+            trace = TraceStats(steps=[], timeline=d.get("trace_timeline") or {},
+                               **{k: v for k, v in trace.items() if k != "steps_measured"})
+        return cls(device=d["device"], steps=[StepRecord(**s) for s in d["steps"]],
+                   step_stats=_typed(StepStats, d.get("step_stats")), cpu_load=_typed(CpuLoad, d.get("cpu_load")),
+                   memory=_typed(DeviceMemory, d.get("memory")),
+                   telemetry_start=_typed(Telemetry, d.get("telemetry_start")),
+                   telemetry_end=_typed(Telemetry, d.get("telemetry_end")),
+                   profiled_steps=d.get("profiled_steps", 0), notes=list(d.get("notes", [])),
+                   compile=_typed(CompileCounts, d.get("compile")), trace=trace, trace_file=d.get("trace_file"),
+                   flops_source=d.get("flops_source"), mfu=_typed(Mfu, d.get("mfu")),
+                   mfu_unavailable=d.get("mfu_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),
+                   loader_workers=d.get("loader_workers"))
+
+
+def _typed(cls, d: dict | None):
+    """`cls(**d)`, or None for a part not measured (None, or an empty dict)."""
+    return cls(**d) if d else None
+
+
+def _asdict(record) -> dict | None:
+    return dataclasses.asdict(record) if record is not None else None
+
+
+def _without_none(d: dict, keep: tuple[str, ...]) -> dict:
+    return {k: v for k, v in d.items() if v is not None or k in keep}

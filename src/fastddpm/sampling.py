@@ -1,0 +1,128 @@
+"""Sampling from a trained model: load its weights from whatever a run left, draw images, write them.
+
+The diffusion math (DDPM, DDIM) is fastddpm.diffusion.samplers; this module is everything around it that a user
+touches: `fastddpm sample`, the trainer's grids and the evaluator's loader all come through here.
+
+    load_for_sampling   a checkpoint (.pt), an FSDP run's .dcp, an ema.safetensors export or a run directory
+                        -> (model in eval mode, RunConfig)
+    sample_to_files     N images in batches -> a PNG grid and an .npz of uint8 (N, C, H, W)
+    write_grid          the trainer's grid: a fixed seed, so grids across a run are comparable
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastddpm.config import RunConfig, from_dict
+from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+from fastddpm.grid import save_grid
+from fastddpm.models import UNet
+from fastddpm.rng import derive_seed
+from fastddpm.train.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_model_state,
+    load_safetensors,
+    newest_checkpoint,
+)
+from fastddpm.train.runtime import Precision, resolve_precision
+
+
+def grid_scale(image_size: int) -> int:
+    """Upscaling of grid images: 28x28 digits are too small to judge at 1x."""
+    return min(4, max(1, 128 // image_size))
+
+
+def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weights: str = "ema"):
+    """Load a model from a checkpoint (.pt, or an FSDP run's sharded .dcp directory), an ema.safetensors export,
+    or a run directory. Returns (model in eval mode, RunConfig)."""
+    path = Path(path)
+    if path.is_dir() and path.suffix != ".dcp":  # a run directory
+        found = newest_checkpoint(path / "checkpoints")
+        if found is not None and found[1].get("sharded") and weights == "ema" and (path / "ema.safetensors").is_file():
+            found = None  # an FSDP run: its gathered EMA export is the cheap read
+        if found is None:
+            st = path / "ema.safetensors"
+            if not st.is_file():
+                raise CheckpointError(f"{path} holds no checkpoint and no ema.safetensors")
+            path = st
+        else:
+            path = found[0]
+    if path.is_dir() and path.suffix == ".dcp":  # a sharded checkpoint of an FSDP run, gathered here
+        from fastddpm.train.fsdp import read_sharded_checkpoint
+
+        state = read_sharded_checkpoint(path)
+        cfg = from_dict(state["config"])
+        model = UNet(cfg.model)
+        load_model_state(model, state["ema" if weights == "ema" else "model"], what=f"{path} ({weights} weights)")
+        return model.to(device).eval(), cfg
+    if path.suffix == ".safetensors":
+        if weights != "ema":
+            raise CheckpointError(f"{path} holds only the EMA weights; use --weights ema or pass a .pt checkpoint")
+        state_dict, meta = load_safetensors(path)
+        if "config" not in meta:
+            raise CheckpointError(f"{path} has no fastddpm config in its metadata; it was not written by fastddpm")
+        cfg = from_dict(json.loads(meta["config"]))
+    else:
+        state = load_checkpoint(path)
+        cfg = from_dict(state["config"])
+        state_dict = state["ema" if weights == "ema" else "model"]
+    model = UNet(cfg.model)
+    load_model_state(model, state_dict, what=f"{path} ({weights} weights)")
+    return model.to(device).eval(), cfg
+
+
+def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
+                    batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
+                    progress: bool = True) -> np.ndarray:
+    """Sample `num_images` in batches; write a PNG grid (up to 256 images) and an .npz of uint8 (N, C, H, W)."""
+    device = torch.device(device)
+    prec = resolve_precision(precision, device)
+    schedule = schedule_from_config(cfg.diffusion)
+    model_cfg = cfg.model
+    chunks = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
+        bar = tqdm(total=math.ceil(num_images / batch_size) * per_batch, unit="model-call", dynamic_ncols=True)
+    for i, start in enumerate(range(0, num_images, batch_size)):
+        n = min(batch_size, num_images - start)
+        shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
+        x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
+                   seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype, progress=bar)
+        chunks.append(to_uint8(x).cpu().numpy())
+    if bar is not None:
+        bar.close()
+    images = np.concatenate(chunks)
+    save_grid(images[:256], out_grid, scale=grid_scale(model_cfg.image_size))
+    if out_npz is not None:
+        out_npz.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_npz.with_name(f".{out_npz.stem}.tmp.npz")
+        np.savez(tmp, images=images)
+        tmp.replace(out_npz)
+    return images
+
+
+def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision, path: Path,
+               save: bool = True) -> Path | None:
+    """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable. `save=False`:
+    sample only (an FSDP rank other than 0 takes part in the all-gathers; rank 0 writes)."""
+    model_cfg = cfg.model
+    shape = (cfg.train.num_sample_images, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
+    x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
+               prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
+               autocast_dtype=precision.autocast_dtype)
+    if hasattr(ema_model, "reshard"):
+        # FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them,
+        # or the next grid would run on this grid's copy instead of re-gathering the updated EMA shards.
+        ema_model.reshard()
+    if not save:
+        return None
+    return save_grid(to_uint8(x).cpu().numpy(), path, scale=grid_scale(model_cfg.image_size))

@@ -1,0 +1,74 @@
+"""`bench quality --fast-from`: the options train against an earlier run's fast result (so a GPU session can
+spread the options over several calls); the reference and fast run are not trained again."""
+
+import json
+
+import pytest
+
+from fastddpm.bench import quality
+from fastddpm.bench.quality import QUICK, QualitySettings, run_quality
+from fastddpm.config import ConfigError
+
+
+def _evals(fids, every):
+    return [{"fid": f, "wall_s": 1.0 + i, "images_seen": every * (i + 1), "step": i + 1, "features_label": "test"}
+            for i, f in enumerate(fids)]
+
+
+def _fake_train_run(trained: list):
+    def fake(name, cfg, out_dir, log):
+        trained.append((name, cfg.train.max_images, cfg.train.lr))
+        evals = _evals([3.0], cfg.train.max_images)
+        return {"name": name, "run_dir": str(out_dir / name), "config": cfg.to_dict(), "evals": evals,
+                "final_fid": 3.0, "images_seen": cfg.train.max_images, "train_wall_s": 1.0, "process_s": 2.0,
+                "images_per_s_last": 100.0}
+
+    return fake
+
+
+def _earlier(tmp_path, settings: QualitySettings) -> str:
+    """A quality.json as a fast run writes it: target 4.0, reached at the second evaluation (512 images)."""
+    import dataclasses
+
+    every = settings.fast_eval_every_images
+    fast = {"name": "fast", "evals": _evals([6.0, 3.9, 3.5], every), "final_fid": 3.5, "images_seen": 3 * every,
+            "train_wall_s": 3.0, "process_s": 4.0, "images_per_s_last": 100.0, "run_dir": "x", "config": {},
+            "time_to_target": {"wall_s": 2.0, "images_seen": 2 * every, "fid": 3.9, "step": 2}}
+    reference = {"name": "reference", "evals": _evals([4.0], 256), "final_fid": 4.0, "images_seen": 256,
+                 "train_wall_s": 10.0}
+    data = {"schema": quality.SCHEMA, "settings": dataclasses.asdict(settings), "target_fid": 4.0,
+            "reference": reference, "fast": fast, "options": [], "features": "test",
+            "environment": {"device_name": "cpu", "device": "cpu", "torch": "t", "git_commit": "c", "date_utc": "d"}}
+    path = tmp_path / "fast" / "quality.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_fast_from_trains_only_the_options_at_the_fast_runs_images(tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(quality, "_train_run", _fake_train_run(trained))
+    base = dict(QUICK, device="cpu", quick=True)
+    earlier = _earlier(tmp_path, QualitySettings(**base, reference_from="ref.json"))
+    result = run_quality(QualitySettings(**base, fast_from=earlier, options=("lr-x2", "cosine")), tmp_path / "opt",
+                         argv=["test"], log=lambda m: None)
+    images = 2 * QUICK["fast_eval_every_images"]  # the fast run's images to the target
+    assert trained == [("option-lr-x2", images, 8e-4), ("option-cosine", images, 2e-3)]
+    assert result["target_fid"] == 4.0 and result["fast"]["reused_from"] == earlier
+    assert result["speedup_vs_reference"] == pytest.approx(10.0 / 2.0)
+    saved = json.loads((tmp_path / "opt" / "quality.json").read_text())
+    assert [o["name"] for o in saved["options"]] == ["option-lr-x2", "option-cosine"]
+    assert "reused from" in (tmp_path / "opt" / "quality.md").read_text()
+
+
+def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "_train_run", _fake_train_run([]))
+    base = dict(QUICK, device="cpu", quick=True)
+    earlier = _earlier(tmp_path, QualitySettings(**base, reference_from="ref.json"))
+    with pytest.raises(ConfigError, match="fast_max_images"):
+        run_quality(QualitySettings(**{**base, "fast_max_images": 1024}, fast_from=earlier, options=("lr-x2",)),
+                    tmp_path / "x", log=lambda m: None)
+    with pytest.raises(ConfigError, match="--options"):
+        QualitySettings(**base, fast_from=earlier)
+    with pytest.raises(ConfigError, match="--fast-from"):
+        QualitySettings(**base, fast_from=earlier, options=("lr-x2",), target_fid=3.0)
