@@ -109,13 +109,16 @@ def test_preset_help_states_the_real_parameter_counts():
     from pathlib import Path
 
     from fastddpm.cli import _train_epilog
-    from fastddpm.config import preset_summaries, resolve_model_shape
+    import numpy as np
+
+    from fastddpm.config import preset_summaries, resolve_classes, resolve_model_shape
     from fastddpm.models import UNet, count_parameters
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     help_text = " ".join(_train_epilog().split())
     for name, summary in preset_summaries().items():
-        n = count_parameters(UNet(resolve_model_shape(get_preset(name), (1, 1, 28, 28)).model))
+        cfg = resolve_classes(resolve_model_shape(get_preset(name), (1, 1, 28, 28)), np.arange(10), [], "ten labels")
+        n = count_parameters(UNet(cfg.model))
         stated = re.search(r"~?([\d.]+)(k|M)[- ]param", summary)
         assert stated, f"preset {name}'s docstring summary names no parameter count: {summary!r}"
         value = float(stated.group(1)) * (1e3 if stated.group(2) == "k" else 1e6)

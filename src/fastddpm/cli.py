@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import textwrap
 import types
@@ -124,9 +125,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         description="Sample images with DDPM (ancestral, all T steps) or DDIM (K steps) from a checkpoint.",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
                "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler ddim --steps 50"
-               "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n\n"
-               "Writes OUT/<sampler><steps>_n<N>_seed<S>.png (a grid of up to 256 images) and a matching .npz with\n"
-               "`images`: uint8 (N, C, H, W).",
+               "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
+               "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 3     # a conditional model\n"
+               "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
+               "Writes OUT/<sampler><steps>_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; with\n"
+               "--class all one row per class, named) and a matching .npz with `images`: uint8 (N, C, H, W), and for\n"
+               "a conditional model `labels` (N,) and `guidance`.",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
@@ -142,6 +146,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument("--class", dest="klass", metavar="NAME|ID|all",
+                    help="a conditional model's class: its name (e.g. sneaker) or number, or all (one row per class); "
+                         "default: unconditional")
+    sp.add_argument("--guidance", type=float, default=1.0, metavar="W",
+                    help="classifier-free guidance scale with --class: 1 = plain conditional (default), 0 = "
+                         "unconditional, > 1 = more faithful to the class, less varied")
 
     from fastddpm.bench.cli import add_bench_parser
     from fastddpm.data.cli import add_data_parser
@@ -217,7 +227,7 @@ def cmd_train(args, dests) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from fastddpm.sampling import load_for_sampling, sample_to_files
+    from fastddpm.sampling import class_labels, load_for_sampling, sample_to_files
     from fastddpm.train.runtime import resolve_device
 
     device, _ = resolve_device(args.device)
@@ -229,13 +239,22 @@ def cmd_sample(args) -> int:
     ckpt = Path(args.checkpoint)
     run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
     out = Path(args.out) if args.out else run_dir / "samples"
+    if args.guidance < 0:
+        raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
+    if args.guidance != 1.0 and args.klass is None:
+        raise ConfigError("--guidance steers toward a class: give --class NAME|ID|all with it")
+    labels, per_class = class_labels(cfg.model, args.klass, args.num_images)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
-    stem = f"{args.sampler}{steps}_n{args.num_images}_seed{args.seed}"
+    num_images = len(labels) if labels is not None else args.num_images
+    stem = f"{args.sampler}{steps}_n{num_images}_seed{args.seed}"
+    if args.klass is not None:
+        stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{args.guidance:g}"
     with torch.inference_mode():
-        images = sample_to_files(model, cfg, num_images=args.num_images, sampler=args.sampler, steps=steps,
+        images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  eta=args.eta, seed=args.seed, batch_size=args.batch_size, device=device,
                                  out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
-                                 precision=args.precision, progress=not args.no_progress)
+                                 precision=args.precision, progress=not args.no_progress, labels=labels,
+                                 guidance=args.guidance, per_class_row=per_class)
     print(f"wrote {out / (stem + '.png')} and {out / (stem + '.npz')} ({images.shape[0]} images, "
           f"{tuple(images.shape[1:])} uint8)")
     return 0

@@ -62,9 +62,26 @@ class ModelConfig:
     norm_groups: int = field(default=8, metadata=_doc("GroupNorm groups; every channel count must divide by it."))
     attention: bool = field(default=True, metadata=_doc("Self-attention after each ResNet block (off = faster on CPU)."))
     out_block_channels: int = field(default=16, metadata=_doc("Channels of the last up block (the seed's code: 16)."))
+    conditional: bool = field(
+        default=False,
+        metadata=_doc("Class-conditional: a learned class embedding is added to the time embedding, with one more "
+                      "entry, the null class, for classifier-free guidance. The classes come from the data's labels."),
+    )
+    num_classes: int = field(
+        default=0, metadata=_doc("Classes of a conditional model (0 = unconditional); --conditional sets it from "
+                                 "the data.")
+    )
+    class_names: tuple[str, ...] = field(
+        default=(), metadata=_doc("A conditional model's class names, from the data (folder names, a named "
+                                  "dataset's classes); `fastddpm sample --class NAME` reads them.")
+    )
 
     def __post_init__(self) -> None:
         self.down_channels = tuple(int(c) for c in self.down_channels)
+        self.class_names = tuple(str(c) for c in self.class_names)
+        _require(self.num_classes >= 0, f"model.num_classes={self.num_classes} must be >= 0 (0 = unconditional)")
+        _require(self.conditional or self.num_classes == 0,
+                 f"model.num_classes={self.num_classes} needs --conditional (a class embedding); or leave it at 0")
         self.mid_channels = tuple(int(c) for c in self.mid_channels)
         self.down_sample = tuple(bool(d) for d in self.down_sample)
         dc, mc = self.down_channels, self.mid_channels
@@ -94,6 +111,14 @@ class ModelConfig:
                          f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
 
     def validate_resolved(self) -> None:
+        """Checks that need the data, once the shape (and a conditional model's classes) are known."""
+        self.validate_shape()
+        if self.conditional:
+            _require(self.num_classes >= 1 and len(self.class_names) == self.num_classes,
+                     f"a conditional model needs its classes: num_classes={self.num_classes} with "
+                     f"{len(self.class_names)} class names (they come from the data's labels)")
+
+    def validate_shape(self) -> None:
         """Checks that need the data's shape, once image_channels and image_size are known."""
         _require(self.image_channels is not None and self.image_size is not None,
                  "model.image_channels and model.image_size must be set (they come from the data)")
@@ -258,6 +283,17 @@ class TrainConfig:
     num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
     sampler: str = field(default="ddim", metadata=_doc("Sampler for the grids.", choices=("ddpm", "ddim")))
     sample_steps: int = field(default=50, metadata=_doc("Sampling steps for DDIM grids (DDPM always uses T)."))
+    sample_guidance: float = field(
+        default=2.0,
+        metadata=_doc("Classifier-free guidance scale W of a conditional model's grids (one row per class): 1 = plain "
+                      "conditional, 0 = unconditional, > 1 = more class-faithful, less varied."),
+    )
+    cond_drop_prob: float = field(
+        default=0.1,
+        metadata=_doc("A conditional model's label dropout: the share of training images whose class is replaced by "
+                      "the null class, so the one model also learns the unconditional prediction that classifier-free "
+                      "guidance needs (Ho & Salimans 2022 use 0.1-0.2)."),
+    )
     eval_every_images: int | None = field(
         default=None,
         metadata=_doc("Evaluate FID, precision/recall and class coverage from the EMA weights every this many images "
@@ -318,6 +354,8 @@ class TrainConfig:
         _require(self.num_sample_images >= 1, f"train.num_sample_images={self.num_sample_images} must be >= 1")
         _require(self.sample_steps >= 1, f"train.sample_steps={self.sample_steps} must be >= 1")
         _require(self.warmup_images >= 0, f"train.warmup_images={self.warmup_images} must be >= 0")
+        _require(0 <= self.cond_drop_prob < 1, f"train.cond_drop_prob={self.cond_drop_prob} must be in [0, 1)")
+        _require(self.sample_guidance >= 0, f"train.sample_guidance={self.sample_guidance} must be >= 0")
         _require(self.eval_samples >= 10,
                  f"train.eval_samples={self.eval_samples} must be >= 10 (a covariance and 3-NN radii need a few "
                  "samples; 1000 is fast, 10000 is the usual final count)")
@@ -380,6 +418,17 @@ def preset_cpu_demo() -> RunConfig:
     )
 
 
+def preset_cpu_demo_cond() -> RunConfig:
+    """The cpu-demo recipe, class-conditional: the same 0.6M-parameter U-Net with a class embedding, trained on
+    the data's labels (10% dropped for classifier-free guidance); grids show one row per class.
+
+    For Fashion-MNIST the final grid is ten rows of garments, each row its class, at guidance W = 2.
+    """
+    cfg = preset_cpu_demo()
+    return dataclasses.replace(cfg, preset="cpu-demo-cond", model=dataclasses.replace(cfg.model, conditional=True),
+                               train=dataclasses.replace(cfg.train, num_sample_images=80))
+
+
 def preset_seed_1layer() -> RunConfig:
     """The seed notebook's U-Net (6.1M params) and recipe: batch 192, Adam 1e-4, 40 epochs (GPU).
 
@@ -407,6 +456,7 @@ def preset_seed_2layer() -> RunConfig:
 PRESETS = {
     "tiny": preset_tiny,
     "cpu-demo": preset_cpu_demo,
+    "cpu-demo-cond": preset_cpu_demo_cond,
     "seed-1layer": preset_seed_1layer,
     "seed-2layer": preset_seed_2layer,
 }
@@ -578,8 +628,52 @@ def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> R
                 + ("or use --resize" if name == "image_size" else "or use --image-mode L|RGB")
             )
     model = dataclasses.replace(m, image_channels=c, image_size=h)
-    model.validate_resolved()
+    model.validate_shape()
     return dataclasses.replace(cfg, model=model)
+
+
+def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source: str) -> RunConfig:
+    """A conditional model's classes from the data: their number from the labels (or the data's class list, if
+    longer) and their names (the data's, else "0", "1", ...). Data without labels is refused with the fix."""
+    m = cfg.model
+    if not m.conditional:
+        return cfg
+    unlabeled = int((labels < 0).sum()) if len(labels) else 0
+    if not len(labels) or unlabeled:
+        what = "no labels" if not len(labels) or unlabeled == len(labels) else f"{unlabeled} images without a label"
+        raise ConfigError(
+            f"--conditional trains on class labels, and {source} has {what}: use a labelled source (a folder of "
+            f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional")
+    n = max(int(labels.max()) + 1, len(class_names))
+    names = tuple(class_names) + tuple(str(i) for i in range(len(class_names), n))
+    if m.num_classes and m.num_classes != n:
+        raise ConfigError(f"model.num_classes={m.num_classes} but the data has {n} classes: drop the setting (it "
+                          f"comes from the data)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
+
+
+def class_index(model_cfg: ModelConfig, name_or_id: str) -> int:
+    """The class id that `--class` names: a class name (case-insensitive) or a number. Refused naming the valid ones."""
+    names = model_cfg.class_names
+    if not model_cfg.conditional:
+        raise ConfigError(f"--class {name_or_id}: this model is unconditional (trained without --conditional); "
+                          f"sample without --class")
+    wanted = name_or_id.strip()
+    for i, name in enumerate(names):
+        if name.lower() == wanted.lower():
+            return i
+    if wanted.lstrip("-").isdigit():
+        i = int(wanted)
+        if 0 <= i < model_cfg.num_classes:
+            return i
+        raise ConfigError(f"--class {i} is out of range: this model has classes 0-{model_cfg.num_classes - 1} "
+                          f"({_list_classes(names)})")
+    raise ConfigError(f"--class {name_or_id!r} is not one of this model's classes: {_list_classes(names)} (a name or "
+                      f"its number, or all)")
+
+
+def _list_classes(names: tuple[str, ...]) -> str:
+    return ", ".join(f"{i} {n!r}" for i, n in enumerate(names))
 
 
 def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:

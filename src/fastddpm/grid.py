@@ -38,9 +38,30 @@ def save_png(array_HWC: np.ndarray, path: str | Path) -> Path:
     return path
 
 
-def save_grid(images_NCHW: np.ndarray, path: str | Path, *, nrow: int | None = None, scale: int = 1) -> Path:
-    """Save a grid PNG; `scale` enlarges it with nearest-neighbour so 28x28 samples are easy to see."""
+def save_grid(images_NCHW: np.ndarray, path: str | Path, *, nrow: int | None = None, scale: int = 1,
+              row_labels: list[str] | None = None) -> Path:
+    """Save a grid PNG; `scale` enlarges it with nearest-neighbour so 28x28 samples are easy to see.
+    `row_labels`: a name written left of each row (a conditional model's grid: one row per class)."""
     grid = make_grid(images_NCHW, nrow=nrow)
     if scale > 1:
         grid = grid.repeat(scale, axis=0).repeat(scale, axis=1)
+    if row_labels:
+        h = images_NCHW.shape[2]
+        grid = label_rows(grid, row_labels, row_pitch=(h + 2) * scale, first_row=2 * scale)
     return save_png(grid, path)
+
+
+def label_rows(grid_HWC: np.ndarray, labels: list[str], *, row_pitch: int, first_row: int) -> np.ndarray:
+    """The grid with a white strip on its left holding one label per row, vertically centred on the row."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=max(10, min(20, row_pitch // 3)))
+    measure = ImageDraw.Draw(Image.new("L", (1, 1)))
+    width = 8 + max(int(measure.textlength(text, font=font)) for text in labels)
+    h, w, c = grid_HWC.shape
+    strip = Image.new("L", (width, h), 255)
+    draw = ImageDraw.Draw(strip)
+    for r, text in enumerate(labels):
+        draw.text((4, first_row + r * row_pitch + row_pitch // 2), text, fill=0, font=font, anchor="lm")
+    strip_HWC = np.asarray(strip)[:, :, None].repeat(c, axis=2)
+    return np.concatenate([strip_HWC, grid_HWC], axis=1)

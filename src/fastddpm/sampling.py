@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastddpm.config import RunConfig, from_dict
+from fastddpm.config import RunConfig, class_index, from_dict
 from fastddpm.diffusion import sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import UNet
@@ -77,14 +77,33 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
     return model.to(device).eval(), cfg
 
 
+def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
+    """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
+    null class), one class (a name or an id), or "all": num_images // num_classes images of every class, class
+    by class. Returns (labels (N,) int64 or None, images per class for an "all" grid's rows)."""
+    if wanted is None:
+        return None, None
+    if wanted.strip().lower() == "all":
+        if not model_cfg.conditional:
+            class_index(model_cfg, wanted)  # raises: an unconditional model has no classes
+        per_class = max(1, num_images // model_cfg.num_classes)
+        return np.repeat(np.arange(model_cfg.num_classes, dtype=np.int64), per_class), per_class
+    return np.full(num_images, class_index(model_cfg, wanted), dtype=np.int64), None
+
+
 def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
                     batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
-                    progress: bool = True) -> np.ndarray:
-    """Sample `num_images` in batches; write a PNG grid (up to 256 images) and an .npz of uint8 (N, C, H, W)."""
+                    progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
+                    per_class_row: int | None = None) -> np.ndarray:
+    """Sample `num_images` in batches (or one per entry of `labels`, a conditional model's class ids, guided with
+    scale `guidance`); write a PNG grid (up to 256 images; with `per_class_row`, one row per class, named) and an
+    .npz of uint8 (N, C, H, W) with the labels beside them."""
     device = torch.device(device)
     prec = resolve_precision(precision, device)
     schedule = schedule_from_config(cfg.diffusion)
     model_cfg = cfg.model
+    if labels is not None:
+        num_images = len(labels)
     chunks = []
     bar = None
     if progress:
@@ -95,17 +114,23 @@ def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, ste
     for i, start in enumerate(range(0, num_images, batch_size)):
         n = min(batch_size, num_images - start)
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
+        y = torch.from_numpy(labels[start:start + n]) if labels is not None else None
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype, progress=bar)
+                   seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype,
+                   progress=bar, labels=y, guidance=guidance, num_classes=model_cfg.num_classes)
         chunks.append(to_uint8(x).cpu().numpy())
     if bar is not None:
         bar.close()
     images = np.concatenate(chunks)
-    save_grid(images[:256], out_grid, scale=grid_scale(model_cfg.image_size))
+    scale = grid_scale(model_cfg.image_size)
+    if per_class_row:
+        save_grid(images, out_grid, nrow=per_class_row, scale=scale, row_labels=list(model_cfg.class_names))
+    else:
+        save_grid(images[:256], out_grid, scale=scale)
     if out_npz is not None:
         out_npz.parent.mkdir(parents=True, exist_ok=True)
         tmp = out_npz.with_name(f".{out_npz.stem}.tmp.npz")
-        np.savez(tmp, images=images)
+        np.savez(tmp, images=images, **({"labels": labels, "guidance": guidance} if labels is not None else {}))
         tmp.replace(out_npz)
     return images
 
@@ -115,14 +140,21 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision
     """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable. `save=False`:
     sample only (an FSDP rank other than 0 takes part in the all-gathers; rank 0 writes)."""
     model_cfg = cfg.model
-    shape = (cfg.train.num_sample_images, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
+    n, labels, per_class = cfg.train.num_sample_images, None, None
+    if model_cfg.conditional:  # one row per class, at the run's guidance scale
+        per_class = max(1, n // model_cfg.num_classes)
+        labels = torch.arange(model_cfg.num_classes).repeat_interleave(per_class)
+        n = len(labels)
+    shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
     x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
-               autocast_dtype=precision.autocast_dtype)
+               autocast_dtype=precision.autocast_dtype, labels=labels, guidance=cfg.train.sample_guidance,
+               num_classes=model_cfg.num_classes)
     if hasattr(ema_model, "reshard"):
         # FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them,
         # or the next grid would run on this grid's copy instead of re-gathering the updated EMA shards.
         ema_model.reshard()
     if not save:
         return None
-    return save_grid(to_uint8(x).cpu().numpy(), path, scale=grid_scale(model_cfg.image_size))
+    return save_grid(to_uint8(x).cpu().numpy(), path, nrow=per_class, scale=grid_scale(model_cfg.image_size),
+                     row_labels=list(model_cfg.class_names) if per_class else None)

@@ -51,11 +51,12 @@ def min_snr_weights(schedule: NoiseSchedule, prediction: str, t_B: torch.Tensor,
 
 
 def diffusion_loss(model, schedule: NoiseSchedule, prediction: str, x0: torch.Tensor, t_B: torch.Tensor,
-                   noise: torch.Tensor, min_snr_gamma: float | None = None) -> torch.Tensor:
+                   noise: torch.Tensor, min_snr_gamma: float | None = None,
+                   y_B: torch.Tensor | None = None) -> torch.Tensor:
     """Mean-squared error between the model output at (x_t, t) and the target, in float32; with min_snr_gamma,
-    each sample's error is weighted first (see the module docstring)."""
+    each sample's error is weighted first (see the module docstring). y_B: class ids of a conditional model."""
     x_t = q_sample(schedule, x0, t_B, noise)
-    out = model(x_t, t_B)
+    out = model(x_t, t_B) if y_B is None else model(x_t, t_B, y_B)
     target = training_target(schedule, prediction, x0, t_B, noise)
     if min_snr_gamma is None:
         return F.mse_loss(out.float(), target.float())

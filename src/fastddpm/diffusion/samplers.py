@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from fastddpm import amp
+from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
 from fastddpm.diffusion.schedule import NoiseSchedule
 
@@ -99,8 +100,15 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
 
 def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: str = "ddim", steps: int = 50,
            eta: float = 0.0, prediction: str = "epsilon", seed: int = 0, device: torch.device | str = "cpu",
-           autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
-    """Draw images with a sampler; the result is a function of (weights, seed, sampler settings)."""
+           autocast_dtype: torch.dtype | None = None, progress=None, labels: torch.Tensor | None = None,
+           guidance: float = 1.0, num_classes: int = 0) -> torch.Tensor:
+    """Draw images with a sampler; the result is a function of (weights, seed, sampler settings). A conditional
+    model samples `labels` ((B,) class ids; None: unconditional) with classifier-free guidance W = `guidance`
+    (fastddpm.diffusion.guidance); `num_classes` is the model's, the id of its null class."""
+    if labels is not None:
+        if not num_classes:
+            raise ValueError("class labels need a conditional model: num_classes is 0")
+        model = guided(model, labels.to(device), guidance, num_classes)
     generator = torch.Generator(device=device).manual_seed(seed)
     if sampler == "ddpm":
         return ddpm_sample(model, schedule, shape, prediction=prediction, generator=generator, device=device,

@@ -72,9 +72,24 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the U-Net for sampling (default auto: on for CUDA, where 10,000 x 50 "
                          "model calls repay the compile time)")
+    ev.add_argument("--guidance", type=_guidance_list, default=None, metavar="W[,W...]",
+                    help="a conditional model: classifier-free guidance scales to evaluate, each with FID, "
+                         "precision/recall, class accuracy and per-class FID (default 1 = plain conditional; "
+                         "e.g. 0,1,2,3,5 for the trade-off table)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/eval)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ev
+
+
+def _guidance_list(text: str) -> list[float]:
+    try:
+        scales = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated guidance scales such as 1,2,3,5, got {text!r}") \
+            from None
+    if not scales or any(w < 0 for w in scales):
+        raise argparse.ArgumentTypeError(f"guidance scales are >= 0 (1 = plain conditional), got {text!r}")
+    return scales
 
 
 def _checkpoint_info(path: Path) -> dict:
@@ -145,19 +160,35 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         log(f"features: {net.label} ({net.info['file']})")
 
+    if args.guidance is not None and not cfg.model.conditional:
+        raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
+                          "unconditional: drop --guidance")
+    if cfg.model.conditional:
+        log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by the "
+            f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
     sampling_model = torch.compile(model, dynamic=False) if compile_on else model
     log(f"sampling {args.num_samples:,} images: {args.sampler}"
         f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}, batch {batch_size}, {device}, "
         f"{precision.name}, compile {'on' if compile_on else 'off'}, {args.weights} weights from {info['file']}")
-    with torch.inference_mode():
-        metrics, images = evaluator.evaluate(sampling_model, cfg, num_samples=args.num_samples, sampler=args.sampler,
-                                             steps=args.steps, eta=args.eta, seed=args.seed, batch_size=batch_size,
-                                             device=device, autocast_dtype=precision.autocast_dtype,
-                                             progress=not args.no_progress)
+    scales = (args.guidance or [1.0]) if cfg.model.conditional else [None]
+    per_scale = []
+    for w in scales:
+        with torch.inference_mode():
+            metrics, images = evaluator.evaluate(sampling_model, cfg, num_samples=args.num_samples,
+                                                 sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
+                                                 batch_size=batch_size, device=device,
+                                                 autocast_dtype=precision.autocast_dtype,
+                                                 progress=not args.no_progress, guidance=w)
+        per_scale.append((metrics, images))
+        if len(scales) > 1:
+            log(summary_line(metrics))
+    metrics, images = per_scale[0]
     run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
     out = Path(args.out) if args.out else run_dir / "eval"
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     stem = f"eval_{args.sampler}{steps}_n{args.num_samples}_seed{args.seed}"
+    if cfg.model.conditional:
+        stem += "_w" + "-".join(f"{w:g}" for w in scales)
     m = cfg.model
     grid = save_grid(images[:256].numpy(), out / f"{stem}.png", scale=min(4, max(1, 128 // m.image_size)))
     s = metrics["sampling"]
@@ -165,6 +196,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "schema": "fastddpm-eval-1",
         "fid": metrics["fid"], "precision": metrics["precision"], "recall": metrics["recall"],
         "coverage": metrics.get("coverage"),
+        "guidance": [_scale_record(mw) for mw, _ in per_scale] if cfg.model.conditional else None,
         "features": evaluator.describe(),
         "reference": {k: evaluator.ref.meta.get(k) for k in ("source", "split", "cache", "fingerprint", "num_images",
                                                              "label_histogram", "cached", "file")},
@@ -179,12 +211,36 @@ def run_eval(args: argparse.Namespace) -> int:
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(as_json_safe(result), indent=2) + "\n")
     steady = s.get("steady_samples_per_s")
-    log(summary_line(metrics))
+    if cfg.model.conditional:
+        log(guidance_table(result["guidance"]))
+    else:
+        log(summary_line(metrics))
     log(f"sampling: {s['samples_per_s']:,.1f} samples/s overall ({s['wall_s']:.1f} s"
         + (f"; {steady:,.1f}/s after the first batch, which took {s['first_batch_s']:.1f} s" if steady else "")
         + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
+
+
+def _scale_record(metrics: dict) -> dict:
+    """One guidance scale's row of a conditional evaluation."""
+    per_class = metrics.get("per_class_fid") or {}
+    return {"guidance": metrics["guidance"], "fid": metrics["fid"], "precision": metrics["precision"],
+            "recall": metrics["recall"], "class_accuracy": metrics["class_accuracy"],
+            "class_accuracy_by_class": metrics["class_accuracy_by_class"], "per_class_fid": per_class or None,
+            "mean_per_class_fid": sum(per_class.values()) / len(per_class) if per_class else None,
+            "samples_per_s": metrics["sampling"]["samples_per_s"]}
+
+
+def guidance_table(rows: list[dict]) -> str:
+    """The quality / diversity trade-off of a conditional model, one guidance scale a row (markdown)."""
+    lines = ["| guidance W | class accuracy | FID | mean per-class FID | precision | recall |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        pc = f"{r['mean_per_class_fid']:.2f}" if r["mean_per_class_fid"] is not None else "n/a"
+        lines.append(f"| {r['guidance']:g} | {r['class_accuracy']:.1%} | {r['fid']:.2f} | {pc} | "
+                     f"{r['precision']:.3f} | {r['recall']:.3f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

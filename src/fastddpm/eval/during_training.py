@@ -57,9 +57,11 @@ class TrainingEvaluator:
         t_eval = time.perf_counter()
         wall_s = t_eval - t_start
         t = self.cfg.train
+        conditional = self.cfg.model.conditional  # sampled class-balanced at the grids' guidance scale
         result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler="ddim",
                                             steps=t.eval_steps, seed=self.seed, batch_size=self.batch_size,
-                                            device=self.device, autocast_dtype=self.autocast_dtype)
+                                            device=self.device, autocast_dtype=self.autocast_dtype,
+                                            guidance=t.sample_guidance if conditional else None)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
@@ -67,6 +69,8 @@ class TrainingEvaluator:
                   "features": result["features"], "features_label": result["features_label"]}
         if "coverage" in result:
             record["classes_present"] = result["coverage"]["classes_present"]
+        if conditional:
+            record.update(guidance=result["guidance"], class_accuracy=result["class_accuracy"])
         metrics.write(as_json_safe(record))
         self.eval_log.write(as_json_safe({**record, "coverage": result.get("coverage"),
                                           "sampling": result["sampling"], "score_s": result["score_s"]}))

@@ -20,7 +20,16 @@ import torch
 
 from fastddpm.config import RunConfig
 from fastddpm.diffusion import sample, schedule_from_config, to_uint8
-from fastddpm.eval.features import FeatureNet, ReferenceStats, build_feature_net, check_compatible, extract, reference_stats
+from fastddpm.eval.features import (
+    ClassReference,
+    FeatureNet,
+    ReferenceStats,
+    build_feature_net,
+    check_compatible,
+    class_reference_stats,
+    extract,
+    reference_stats,
+)
 from fastddpm.eval.frechet import frechet_distance
 from fastddpm.eval.precision_recall import DEFAULT_K, class_coverage, precision_recall
 from fastddpm.rng import derive_seed
@@ -31,12 +40,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def balanced_labels(num_images: int, num_classes: int) -> torch.Tensor:
+    """Class i % K for image i: every class equally often (to within one), the classes of each batch mixed."""
+    return torch.arange(num_images) % num_classes
+
+
 @torch.no_grad()
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
-                 progress: bool = False) -> tuple[torch.Tensor, dict]:
+                 progress: bool = False, guidance: float | None = None) -> tuple[torch.Tensor, dict]:
     """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
-    last one is dropped), so a compiled model sees one shape."""
+    last one is dropped), so a compiled model sees one shape. A conditional model samples every class equally
+    often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`."""
     schedule = schedule_from_config(cfg.diffusion).to(device)
     m = cfg.model
     shape = (batch_size, m.image_channels, m.image_size, m.image_size)
@@ -47,6 +62,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
 
         per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
         bar = tqdm(total=num_batches * per_batch, unit="model-call", desc="sampling", dynamic_ncols=True)
+    labels = balanced_labels(num_batches * batch_size, m.num_classes) if m.conditional else None
     chunks = []
     _sync(device)
     t0 = time.perf_counter()
@@ -54,7 +70,8 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     for i in range(num_batches):
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
                    seed=derive_seed(seed, "eval-sample", i), device=device, autocast_dtype=autocast_dtype,
-                   progress=bar)
+                   progress=bar, num_classes=m.num_classes, guidance=1.0 if guidance is None else guidance,
+                   labels=labels[i * batch_size:(i + 1) * batch_size] if labels is not None else None)
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t0
@@ -70,10 +87,14 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
 
 
 def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: int = DEFAULT_K,
-          batch_size: int = 500) -> dict:
-    """FID, precision/recall and (classifier features) class coverage of uint8 samples against `ref`."""
+          batch_size: int = 500, labels: torch.Tensor | None = None, classifier: FeatureNet | None = None,
+          classes: ClassReference | None = None, class_names: tuple[str, ...] = ()) -> dict:
+    """FID, precision/recall and (classifier features) class coverage of uint8 samples against `ref`. With the
+    classes the samples were asked for (`labels`, a conditional model): class accuracy, the share that the
+    dataset's `classifier` assigns to the asked class, and per-class FID against `classes`."""
     t0 = time.perf_counter()
-    ex = extract(net, images_u8, batch_size=batch_size)
+    ex = extract(net, images_u8, batch_size=batch_size,
+                 labels=labels.numpy() if labels is not None and classes is not None else None)
     mu, sigma = ex.stats.mean_cov()
     fid = frechet_distance(mu, sigma, ref.mu, ref.sigma)
     # Equal-sized sets, as in Kynkaanniemi et al.: the reference subset is a random order, a prefix is random.
@@ -83,16 +104,30 @@ def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: i
            "num_samples": int(images_u8.shape[0]), "features": net.name, "features_label": net.label}
     if ex.pred is not None:
         out["coverage"] = class_coverage(ex.pred, net.num_classes)
+    if labels is not None:
+        pred = ex.pred if classifier is None or classifier is net else extract(classifier, images_u8).pred
+        asked = labels.numpy()
+        out["class_accuracy"] = float((pred == asked).mean())
+        out["class_accuracy_by_class"] = {class_names[c] if c < len(class_names) else str(c):
+                                          float((pred[asked == c] == c).mean()) for c in np.unique(asked)}
+        if classes is not None:
+            out["per_class_fid"] = {
+                class_names[c] if c < len(class_names) else str(c):
+                frechet_distance(*ex.class_stats[c].mean_cov(), classes.mu[c], classes.sigma[c])
+                for c in sorted(ex.class_stats) if ex.class_stats[c].n >= 2}
     out["score_s"] = time.perf_counter() - t0
     return out
 
 
 @dataclass(kw_only=True)
 class Evaluator:
-    """A feature network and the reference statistics of the real data in it."""
+    """A feature network and the reference statistics of the real data in it; for a conditional model also the
+    dataset's classifier (class accuracy) and the per-class statistics (per-class FID)."""
 
     net: FeatureNet
     ref: ReferenceStats
+    classifier: FeatureNet | None = None
+    classes: ClassReference | None = None
 
     @classmethod
     def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
@@ -116,7 +151,13 @@ class Evaluator:
             net = build_feature_net(d, device=device, inception=inception, cache_root=cache_root, log=log,
                                     progress=progress)
             ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
-        return cls(net=net, ref=ref)
+            classifier = classes = None
+            if cfg.model.conditional:
+                classifier = net if net.num_classes is not None else build_feature_net(
+                    d, device=device, inception=None, cache_root=cache_root, log=log, progress=progress)
+                if net.num_classes is not None:  # per-class covariances in the classifier's 128-d features only
+                    classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
+        return cls(net=net, ref=ref, classifier=classifier, classes=classes)
 
     def describe(self) -> dict:
         info = {k: v for k, v in self.net.info.items() if k not in ("recipe", "train_data", "test_data")}
@@ -125,22 +166,31 @@ class Evaluator:
 
     def evaluate(self, model, cfg: RunConfig, *, num_samples: int, sampler: str = "ddim", steps: int = 50,
                  eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
-                 autocast_dtype: torch.dtype | None = None, progress: bool = False) -> tuple[dict, torch.Tensor]:
-        """(metrics + sampling timings, the uint8 samples)."""
+                 autocast_dtype: torch.dtype | None = None, progress: bool = False,
+                 guidance: float | None = None) -> tuple[dict, torch.Tensor]:
+        """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
+        classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too."""
+        m = cfg.model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
-                                          autocast_dtype=autocast_dtype, progress=progress)
-            metrics = score(images, self.net, self.ref)
+                                          autocast_dtype=autocast_dtype, progress=progress, guidance=guidance)
+            labels = balanced_labels(images.shape[0], m.num_classes) if m.conditional else None
+            metrics = score(images, self.net, self.ref, labels=labels, classifier=self.classifier,
+                            classes=self.classes, class_names=m.class_names)
         metrics["sampling"] = {"sampler": sampler, "steps": cfg.diffusion.num_timesteps if sampler == "ddpm" else steps,
                                "eta": eta, "seed": seed, **timing}
+        if m.conditional:
+            metrics["guidance"] = 1.0 if guidance is None else guidance
         return metrics, images
 
 
 def summary_line(metrics: dict) -> str:
-    """One line for logs: FID, precision/recall, coverage, and the feature space's label."""
+    """One line for logs: FID, precision/recall, coverage (and guidance and class accuracy), and the features."""
     text = (f"FID {metrics['fid']:.3f}, precision {metrics['precision']:.3f}, recall {metrics['recall']:.3f} "
             f"({metrics['num_samples']:,} samples")
+    if "class_accuracy" in metrics:
+        text = f"guidance {metrics['guidance']:g}: class accuracy {metrics['class_accuracy']:.1%}, " + text
     cov = metrics.get("coverage")
     if cov is not None:
         text += f"; classes present {cov['classes_present']:.0%}, entropy ratio {cov['entropy_ratio']:.3f}"

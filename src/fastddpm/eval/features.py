@@ -105,14 +105,16 @@ class Extracted:
     stats: FeatureStats
     feats: torch.Tensor  # (N, D) float32 on the CPU (all of them, or the rows asked for)
     pred: np.ndarray | None  # (N,) predicted classes (classifier only)
+    class_stats: dict[int, FeatureStats] | None = None  # per label, when labels were given
 
 
 def extract(net: FeatureNet, images_u8, *, batch_size: int = 500, keep: np.ndarray | None = None,
-            progress=None) -> Extracted:
-    """Features of uint8 images (numpy memmap or tensor, (N, C, H, W)): streaming stats over all of them; the
-    rows `keep` (default: all) and the predicted labels returned."""
+            progress=None, labels: np.ndarray | None = None) -> Extracted:
+    """Features of uint8 images (numpy memmap or tensor, (N, C, H, W)): streaming stats over all of them (and per
+    class of `labels`, when given); the rows `keep` (default: all) and the predicted labels returned."""
     n = images_u8.shape[0]
     stats = None
+    class_stats: dict[int, FeatureStats] | None = {} if labels is not None else None
     kept, preds = [], []
     keep_mask = None
     if keep is not None:
@@ -125,13 +127,19 @@ def extract(net: FeatureNet, images_u8, *, batch_size: int = 500, keep: np.ndarr
         if stats is None:
             stats = FeatureStats(feats.shape[1], device=feats.device)
         stats.update(feats)
+        if class_stats is not None:
+            chunk_labels = torch.from_numpy(np.asarray(labels[s:s + batch_size])).to(feats.device)
+            for c in torch.unique(chunk_labels).tolist():
+                class_stats.setdefault(c, FeatureStats(feats.shape[1], device=feats.device)).update(
+                    feats[chunk_labels == c])
         feats_cpu = feats.cpu()  # note: device -> host copy (a sync), once per batch
         kept.append(feats_cpu if keep_mask is None else feats_cpu[torch.from_numpy(keep_mask[s:s + batch_size])])
         if logits is not None:
             preds.append(logits.argmax(1).cpu().numpy())
         if progress is not None:
             progress.update(x.shape[0])
-    return Extracted(stats=stats, feats=torch.cat(kept), pred=np.concatenate(preds) if preds else None)
+    return Extracted(stats=stats, feats=torch.cat(kept), pred=np.concatenate(preds) if preds else None,
+                     class_stats=class_stats)
 
 
 @dataclass(kw_only=True)
@@ -193,6 +201,46 @@ def reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | N
     log(f"reference statistics: {n:,} real images of {data.cache_path.name} in {net.name} features -> {path}")
     return ReferenceStats(mu=mu, sigma=sigma, num_images=n, pr_feats=pr_feats, label_histogram=hist,
                           meta={**meta, "cached": False, "file": str(path)})
+
+
+@dataclass(kw_only=True)
+class ClassReference:
+    """The real data's feature statistics per class: per-class FID compares a conditional model's samples of class
+    c with the real images of class c."""
+
+    mu: np.ndarray  # (K, D) float64
+    sigma: np.ndarray  # (K, D, D) float64
+    counts: np.ndarray  # (K,) real images per class
+
+
+def class_reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | None, batch_size: int = 500,
+                          log: Callable[[str], None] = print) -> ClassReference:
+    """Per-class statistics of the real images of a labelled dataset, cached beside the whole-set ones. Only for
+    feature spaces of a few hundred dimensions (the dataset's classifier): K covariances of Inception's 2,048
+    dimensions would take gigabytes, and a few hundred samples per class cannot estimate them."""
+    from fastddpm.data import default_cache_dir
+
+    path = _reference_path(data, net, Path(cache_root) if cache_root is not None else default_cache_dir())
+    path = path.with_name(path.stem + "-classes.npz")
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            return ClassReference(mu=z["mu"], sigma=z["sigma"], counts=z["counts"])
+    if (data.labels < 0).any():
+        raise ConfigError(f"per-class statistics need labels, and {data.cache_path.name} has images without one")
+    ex = extract(net, data.images, batch_size=batch_size, keep=np.zeros(0, dtype=np.int64), labels=data.labels)
+    classes = sorted(ex.class_stats)
+    k = max(classes) + 1
+    dim = ex.stats.dim
+    mu, sigma, counts = np.zeros((k, dim)), np.zeros((k, dim, dim)), np.zeros(k, dtype=np.int64)
+    for c in classes:
+        mu[c], sigma[c] = ex.class_stats[c].mean_cov()
+        counts[c] = ex.class_stats[c].n
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
+    np.savez(tmp, mu=mu, sigma=sigma, counts=counts)
+    os.replace(tmp, path)
+    log(f"per-class reference statistics: {k} classes of {data.cache_path.name} in {net.name} features -> {path}")
+    return ClassReference(mu=mu, sigma=sigma, counts=counts)
 
 
 def check_compatible(model_cfg, data: PreparedData, *, where: str) -> None:

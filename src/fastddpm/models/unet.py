@@ -143,7 +143,12 @@ class UpBlock(nn.Module):
 
 
 class UNet(nn.Module):
-    """eps_theta(x_t, t): (B, C, H, W) images in [-1, 1] and (B,) integer timesteps -> (B, C, H, W)."""
+    """eps_theta(x_t, t[, y]): (B, C, H, W) images in [-1, 1] and (B,) integer timesteps -> (B, C, H, W).
+
+    A conditional model (cfg.num_classes > 0) also takes y, (B,) class ids in [0, num_classes]: the last id is
+    the null class that classifier-free guidance trains by dropping labels (Ho & Salimans 2022,
+    arXiv:2207.12598). Its embedding is added to the time embedding, as improved-diffusion does; y=None means
+    the null class for every image."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -168,6 +173,9 @@ class UNet(nn.Module):
         # Gradient checkpointing per block (a training choice, not part of the architecture): each block's
         # activations are recomputed in backward instead of stored, trading ~30% more compute for memory.
         self.grad_checkpointing = False
+        # Built last: a conditional model's other weights start where the unconditional one's do (same seed).
+        self.num_classes = cfg.num_classes
+        self.class_emb = nn.Embedding(cfg.num_classes + 1, d) if cfg.num_classes else None
 
     def _run(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -175,8 +183,14 @@ class UNet(nn.Module):
             return checkpoint(block, *args, use_reentrant=False, preserve_rng_state=False)
         return block(*args)
 
-    def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
         t_emb = self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim))
+        if self.class_emb is not None:
+            if y_B is None:  # no label: the null class
+                y_B = torch.full_like(t_B, self.num_classes)
+            t_emb = t_emb + self.class_emb(y_B)
+        elif y_B is not None:
+            raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
         h = self.conv_in(x_BCHW)
         skips = []
         for down in self.downs:

@@ -40,13 +40,14 @@ class Batch:
     t: torch.Tensor       # (B,) int64 timesteps in [0, T)
     noise: torch.Tensor   # (B, C, H, W) float32 standard normal
     indices: torch.Tensor  # (B,) int64 dataset indices (for tests and provenance)
+    y: torch.Tensor | None = None  # (B,) int64 class ids of a conditional run; num_classes = dropped (null class)
 
 
 class _BatchSource(ABC):
     placement = "?"
 
     def __init__(self, num_images: int, *, batch_size: int, num_timesteps: int, seed: int, device: torch.device,
-                 hflip: bool, rank: int = 0, world_size: int = 1):
+                 hflip: bool, rank: int = 0, world_size: int = 1, cond_drop_prob: float = 0.0, num_classes: int = 0):
         shard = num_images // world_size
         if shard < batch_size:
             per = f" ({world_size} ranks: {shard} images each)" if world_size > 1 else ""
@@ -64,6 +65,8 @@ class _BatchSource(ABC):
         self.seed = seed
         self.device = torch.device(device)
         self.hflip = hflip
+        # Classifier-free guidance: each label is replaced by the null class (id num_classes) with this probability
+        self.cond_drop_prob, self.num_classes = cond_drop_prob, num_classes
         self._perm_epoch = -1
         self._perm_cpu: torch.Tensor | None = None
         self._cpu_gen = torch.Generator()
@@ -90,8 +93,9 @@ class _BatchSource(ABC):
         """Dataset row indices of batch m (CPU int64)."""
         return self.shard_positions(m) * self.world_size + self.rank
 
-    def _finish(self, m: int, x0_u8: torch.Tensor, idx: torch.Tensor) -> Batch:
-        """uint8 rows on the device -> the Batch, drawing t, noise and flips from the (seed, m) generator."""
+    def _finish(self, m: int, x0_u8: torch.Tensor, idx: torch.Tensor, y: torch.Tensor | None = None) -> Batch:
+        """uint8 rows (and labels) on the device -> the Batch, drawing t, noise, flips and label dropout from the
+        (seed, m) generator, in that order (an unconditional run draws exactly what it drew before labels)."""
         x0 = x0_u8.to(torch.float32).div_(127.5).sub_(1.0)  # uint8 -> [-1, 1]
         g = generator_for(self.device, self.seed, self._step_purpose, m, self._dev_gen)  # host-side seeding: no sync
         t = torch.randint(0, self.num_timesteps, (self.batch_size,), generator=g, device=self.device)
@@ -99,7 +103,10 @@ class _BatchSource(ABC):
         if self.hflip:
             flip = torch.rand(self.batch_size, generator=g, device=self.device) < 0.5
             x0 = torch.where(flip[:, None, None, None], x0.flip(-1), x0)
-        return Batch(x0=x0, t=t, noise=noise, indices=idx)
+        if y is not None and self.cond_drop_prob > 0:
+            drop = torch.rand(self.batch_size, generator=g, device=self.device) < self.cond_drop_prob
+            y = torch.where(drop, torch.full_like(y, self.num_classes), y)
+        return Batch(x0=x0, t=t, noise=noise, indices=idx, y=y)
 
     @abstractmethod
     def get(self, m: int) -> Batch:
@@ -110,13 +117,18 @@ class ResidentBatches(_BatchSource):
     placement = "device"
 
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1):
+                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
+                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
         super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip, rank=rank, world_size=world_size)
+                         device=device, hflip=hflip, rank=rank, world_size=world_size,
+                         cond_drop_prob=cond_drop_prob, num_classes=num_classes)
         # One read of this rank's shard of the memory-mapped cache into RAM (a private, writable copy), then one
         # copy to the device.
-        shard = images_NCHW[rank:self.shard_size * world_size:world_size] if world_size > 1 else images_NCHW
-        self.images_u8 = torch.from_numpy(np.array(shard, dtype=np.uint8, copy=True)).to(self.device)
+        rows = slice(rank, self.shard_size * world_size, world_size) if world_size > 1 else slice(None)
+        self.images_u8 = torch.from_numpy(np.array(images_NCHW[rows], dtype=np.uint8, copy=True)).to(self.device)
+        # A conditional run's labels live beside the images: (shard,) int64 on the device
+        self.labels = (torch.from_numpy(np.asarray(labels[rows], dtype=np.int64)).to(self.device)
+                       if labels is not None else None)
         self._perm_dev: torch.Tensor | None = None
 
     def _on_new_epoch(self) -> None:
@@ -135,23 +147,32 @@ class ResidentBatches(_BatchSource):
     def get(self, m: int) -> Batch:
         pos = self.positions(m)
         idx = pos if self.world_size == 1 else pos * self.world_size + self.rank
-        return self._finish(m, self.images_u8[pos], idx)
+        return self._finish(m, self.images_u8[pos], idx, self.labels[pos] if self.labels is not None else None)
 
 
 class StreamingBatches(_BatchSource):
     placement = "stream"
 
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1):
+                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
+                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
         super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip, rank=rank, world_size=world_size)
+                         device=device, hflip=hflip, rank=rank, world_size=world_size,
+                         cond_drop_prob=cond_drop_prob, num_classes=num_classes)
         self.images = images_NCHW  # the np.memmap: pages are read on demand, never the whole file
+        # Labels are 8 bytes an image: all of them stay in RAM, gathered per batch into the pinned buffers below.
+        self.labels = np.asarray(labels, dtype=np.int64) if labels is not None else None
         shape = (batch_size, *images_NCHW.shape[1:])
         cuda = self.device.type == "cuda"
         # Allocated once. Pinned host memory lets the copy engine DMA without a staging copy (the seed's
         # pin_memory), and lets non_blocking=True return immediately.
         self._host = [torch.empty(shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self._dev = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(2)] if cuda else None
+        with_y = labels is not None
+        self._host_y = ([torch.empty(batch_size, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+                        if with_y else None)
+        self._dev_y = ([torch.empty(batch_size, dtype=torch.int64, device=self.device) for _ in range(2)]
+                       if with_y and cuda else None)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:  # the buffers were allocated on the compute stream; the copy stream writes them first
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -168,6 +189,8 @@ class StreamingBatches(_BatchSource):
         rows = self.images[idx.numpy()[order]]
         host = self._host[slot]
         host.numpy()[order] = rows
+        if self.labels is not None:
+            self._host_y[slot].numpy()[:] = self.labels[idx.numpy()]
         return idx
 
     def _prefetch(self, m: int) -> None:
@@ -179,6 +202,8 @@ class StreamingBatches(_BatchSource):
             if self._consumed[slot] is not None:
                 self._stream.wait_event(self._consumed[slot])  # don't overwrite rows still being read
             self._dev[slot].copy_(self._host[slot], non_blocking=True)
+            if self._dev_y is not None:
+                self._dev_y[slot].copy_(self._host_y[slot], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
             self._copied[slot] = ev
@@ -186,15 +211,19 @@ class StreamingBatches(_BatchSource):
 
     def get(self, m: int) -> Batch:
         if self._stream is None:  # CPU: gather rows straight from the memmap
-            idx = self._fill_host(m, m % 2)
-            return self._finish(m, self._host[m % 2].clone(), idx)
+            slot = m % 2
+            idx = self._fill_host(m, slot)
+            y = self._host_y[slot].clone() if self._host_y is not None else None
+            return self._finish(m, self._host[slot].clone(), idx, y)
         slot = m % 2
         self._prefetch(m)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self._copied[slot])
         x0_u8 = self._dev[slot]
         # The indices stay on the host: copying them from pageable memory would block on the stream.
-        batch = self._finish(m, x0_u8, self.indices_cpu(m))
+        # The labels are cloned here, on the compute stream, before the slot is released below (like x0's conversion)
+        y = self._dev_y[slot].clone() if self._dev_y is not None else None
+        batch = self._finish(m, x0_u8, self.indices_cpu(m), y)
         ev = torch.cuda.Event()
         ev.record(current)
         self._consumed[slot] = ev

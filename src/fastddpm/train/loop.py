@@ -25,7 +25,15 @@ from typing import Any, Callable
 import torch
 
 import fastddpm
-from fastddpm.config import ConfigError, RunConfig, check_same_architecture, from_dict, resolve_model_shape, save_config
+from fastddpm.config import (
+    ConfigError,
+    RunConfig,
+    check_same_architecture,
+    from_dict,
+    resolve_classes,
+    resolve_model_shape,
+    save_config,
+)
 from fastddpm.diffusion import NoiseSchedule
 from fastddpm.models import UNet, count_parameters
 from fastddpm.sampling import write_grid
@@ -185,8 +193,9 @@ def split_batch(b: Batch, parts: int) -> list[Batch]:
     """A batch cut into `parts` equal micro-batches (views: the same images, timesteps and noise)."""
     if parts == 1:
         return [b]
-    return [Batch(x0=x0, t=t, noise=noise, indices=idx) for x0, t, noise, idx in
-            zip(b.x0.chunk(parts), b.t.chunk(parts), b.noise.chunk(parts), b.indices.chunk(parts))]
+    ys = b.y.chunk(parts) if b.y is not None else [None] * parts
+    return [Batch(x0=x0, t=t, noise=noise, indices=idx, y=y) for x0, t, noise, idx, y in
+            zip(b.x0.chunk(parts), b.t.chunk(parts), b.noise.chunk(parts), b.indices.chunk(parts), ys)]
 
 
 def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int | None = None) -> int:
@@ -211,7 +220,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume, *, stop: _StopFlag, log, 
     if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     data = _load_data(cfg, dist)
-    cfg = resolve_model_shape(cfg, data.images.shape)
+    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape), data.labels, data.class_names, cfg.data.source)
     checkpointer = Checkpointer(run_dir, sharded=fsdp, keep=cfg.train.keep_checkpoints, is_main=dist.is_main)
     resumed = _find_resume(checkpointer, resume, cfg, data.images.shape, dist, device, log)
 
@@ -313,9 +322,13 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
     train_cfg = cfg.train
     placement, reason = choose_placement(data.images, device, train_cfg.data_placement, train_cfg.device_memory_budget,
                                          world_size=dist.world_size)
+    conditional = cfg.model.conditional  # the labels travel with the images, dropped to the null class at random
     batches = make_batches(data.images, placement, batch_size=train_cfg.batch_size,
                            num_timesteps=cfg.diffusion.num_timesteps, seed=train_cfg.seed, device=device,
-                           hflip=cfg.data.hflip, rank=dist.rank, world_size=dist.world_size)
+                           hflip=cfg.data.hflip, rank=dist.rank, world_size=dist.world_size,
+                           labels=data.labels if conditional else None,
+                           cond_drop_prob=train_cfg.cond_drop_prob if conditional else 0.0,
+                           num_classes=cfg.model.num_classes)
     if hooks.wrap_batches is not None:
         batches = hooks.wrap_batches(batches)
     return batches, placement, reason
@@ -421,7 +434,8 @@ def _describe(run: Run) -> None:
     """The run's choices, one line each, as run.json records them."""
     cfg, train_cfg, log, info = run.cfg, run.cfg.train, run.log, run.info
     world, threads = run.dist.world_size, info["cpu_threads"]
-    log(f"model: U-Net, {info['parameters']:,} parameters ({cfg.preset or 'custom'} preset)")
+    classes = f", conditional on {cfg.model.num_classes} classes" if cfg.model.conditional else ""
+    log(f"model: U-Net, {info['parameters']:,} parameters{classes} ({cfg.preset or 'custom'} preset)")
     log(f"data: {run.data.images.shape[0]:,} images {tuple(run.data.images.shape[1:])} from {cfg.data.source}; "
         f"placement {info['data']['placement']} ({info['data']['placement_reason']})")
     log(f"batch: {train_cfg.batch_size} x {train_cfg.accum_steps} accumulation"

@@ -34,7 +34,7 @@ def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradSc
                min_snr_gamma: float | None = None) -> torch.Tensor:
     """The plain step. Returns the detached loss on the device; reading it (.item()) is the caller's sync."""
     with precision.autocast(batch.x0.device):
-        loss = diffusion_loss(model, schedule, prediction, batch.x0, batch.t, batch.noise, min_snr_gamma)
+        loss = diffusion_loss(model, schedule, prediction, batch.x0, batch.t, batch.noise, min_snr_gamma, batch.y)
     optimizer.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -111,11 +111,12 @@ class TrainStep:
         self._loss_fn = loss_fn
 
     # -- the pieces ------------------------------------------------------------------------------------------
-    def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+              y: torch.Tensor | None = None) -> torch.Tensor:
         # Autocast's weight-cast cache must be off under CUDA graph capture (cached casts would be freed).
         with self.precision.autocast(x0.device, cache=self.cuda_graphs != "capture"):
             return diffusion_loss(self.forward_model, self.schedule, self.prediction, x0, t, noise,
-                                  self.min_snr_gamma)
+                                  self.min_snr_gamma, y)
 
     def _update(self, loss: torch.Tensor) -> None:
         if self.grad_clip is not None:
@@ -153,7 +154,7 @@ class TrainStep:
             if self._fsdp:  # FSDP's no_sync: reduce-scatter the gradients after the last micro-batch only
                 self.forward_model.set_requires_gradient_sync(last)
             with self.forward_model.no_sync() if self._ddp and not last else contextlib.nullcontext():
-                loss = self._loss_fn(b.x0, b.t, b.noise)
+                loss = self._loss_fn(b.x0, b.t, b.noise, b.y)
                 if self.scaler is not None:
                     self.scaler.scale(loss / self.accum_steps).backward()
                 else:
@@ -200,6 +201,8 @@ class TrainStep:
                     static.x0.copy_(b.x0)
                     static.t.copy_(b.t)
                     static.noise.copy_(b.noise)
+                    if b.y is not None:  # a conditional run's labels: a static buffer like the rest
+                        static.y.copy_(b.y)
                 self.graph.replay()
                 return self._static_loss.clone()
         if self.compile and self.cuda_graphs == "reduce-overhead":
@@ -222,8 +225,8 @@ class TrainStep:
         before = {id(t): t.detach().clone() for t in self._state_tensors()}
         side = torch.cuda.Stream(self.device)
         try:
-            self._static = [Batch(x0=b.x0.clone(), t=b.t.clone(), noise=b.noise.clone(), indices=b.indices)
-                            for b in batches]
+            self._static = [Batch(x0=b.x0.clone(), t=b.t.clone(), noise=b.noise.clone(), indices=b.indices,
+                                  y=b.y.clone() if b.y is not None else None) for b in batches]
             side.wait_stream(torch.cuda.current_stream(self.device))
             self._capturing = True
             with torch.cuda.stream(side):

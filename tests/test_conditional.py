@@ -1,0 +1,266 @@
+"""Class-conditional models and classifier-free guidance: the model, the labels through training, the sampler's
+guidance, the CLI, and the evaluation's class accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.cli import main
+from fastddpm.config import ConfigError, apply_overrides, class_index, get_preset, resolve_classes, resolve_model_shape
+from fastddpm.diffusion import make_schedule, sample
+from fastddpm.diffusion.guidance import guided
+from fastddpm.models import UNet
+from fastddpm.train.batches import ResidentBatches, StreamingBatches
+from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from fastddpm.train.loop import train
+from fastddpm.train.metrics import read_metrics
+
+from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
+
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def cond_model(num_classes: int = 10, seed: int = 0) -> UNet:
+    cfg = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, conditional=True))
+    cfg = resolve_classes(cfg, np.arange(num_classes), list(CLASSES[:num_classes]), "test labels")
+    torch.manual_seed(seed)
+    return UNet(cfg.model).eval()
+
+
+def tiny_cond_cfg(source, **train):
+    over = {"data.source": str(source), "model.conditional": True, "train.progress": False,
+            "train.num_sample_images": 10, "train.sample_steps": 2}
+    over.update({f"train.{k}": v for k, v in train.items()})
+    return apply_overrides(get_preset("tiny"), over)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def test_the_null_class_is_what_no_label_means_and_unconditional_models_are_unchanged():
+    model = cond_model()
+    x, t = torch.randn(4, 1, 28, 28), torch.tensor([0, 10, 500, 999])
+    with torch.no_grad():
+        null = model(x, t, torch.full((4,), 10))
+        assert torch.equal(model(x, t), null)
+        assert not torch.allclose(model(x, t, torch.tensor([1, 2, 3, 4])), null)
+    # A conditional U-Net is the unconditional one plus a class embedding: the other weights start the same
+    torch.manual_seed(0)
+    plain = UNet(resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model)
+    cond_state = model.state_dict()
+    assert set(cond_state) - set(plain.state_dict()) == {"class_emb.weight"}
+    assert cond_state["class_emb.weight"].shape == (11, 32)  # 10 classes + the null class
+    for k, v in plain.state_dict().items():
+        assert torch.equal(cond_state[k], v), k
+    with pytest.raises(ValueError, match="unconditional"):
+        plain(x, t, torch.zeros(4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------ labels in batches
+def _images_and_labels(n=200):
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (n, 1, 8, 8), dtype=np.uint8), rng.integers(0, 10, n).astype(np.int64)
+
+
+def test_label_dropout_rate_and_the_labels_follow_their_images():
+    images, labels = _images_and_labels()
+    kw = dict(batch_size=40, num_timesteps=100, seed=3, device=torch.device("cpu"))
+    src = ResidentBatches(images, labels=labels, cond_drop_prob=0.25, num_classes=10, **kw)
+    plain = ResidentBatches(images, **kw)
+    dropped = total = 0
+    for m in range(60):
+        b, p = src.get(m), plain.get(m)
+        kept = b.y != 10
+        assert torch.equal(b.y[kept], torch.from_numpy(labels)[b.indices][kept])  # the image's own label
+        dropped += int((~kept).sum())
+        total += b.y.numel()
+        # labels draw after t, noise and flips: an unconditional run's stream is what it was
+        assert torch.equal(b.t, p.t) and torch.equal(b.noise, p.noise) and p.y is None
+    assert abs(dropped / total - 0.25) < 0.03, dropped / total  # 2,400 draws: 3 sigma is 0.027
+    again = ResidentBatches(images, labels=labels, cond_drop_prob=0.25, num_classes=10, **kw)
+    assert torch.equal(again.get(17).y, src.get(17).y)  # a function of (seed, step): exact on resume
+    no_drop = ResidentBatches(images, labels=labels, cond_drop_prob=0.0, num_classes=10, **kw)
+    assert (no_drop.get(5).y != 10).all()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_streamed_and_sharded_batches_carry_the_same_labels(world):
+    images, labels = _images_and_labels()
+    kw = dict(batch_size=20, num_timesteps=100, seed=1, device=torch.device("cpu"), labels=labels,
+              cond_drop_prob=0.1, num_classes=10, world_size=world)
+    for rank in range(world):
+        resident, streamed = ResidentBatches(images, rank=rank, **kw), StreamingBatches(images, rank=rank, **kw)
+        for m in range(8):
+            a, b = resident.get(m), streamed.get(m)
+            assert torch.equal(a.y, b.y) and torch.equal(a.indices, b.indices)
+            kept = a.y != 10
+            assert torch.equal(a.y[kept], torch.from_numpy(labels)[a.indices][kept])
+
+
+# ------------------------------------------------------------------------------------------------ guidance
+def test_guidance_one_is_plain_conditional_zero_is_unconditional_and_2b_equals_two_passes():
+    model = cond_model()
+    x, t = torch.randn(6, 1, 28, 28), torch.full((6,), 300)
+    y = torch.tensor([0, 1, 2, 7, 8, 9])
+    with torch.no_grad():
+        cond, uncond = model(x, t, y), model(x, t)
+        assert torch.equal(guided(model, y, 1.0, 10)(x, t), cond)
+        assert torch.equal(guided(model, y, 0.0, 10)(x, t), uncond)
+        for w in (2.0, 3.5):
+            calls = []
+            counting = lambda *a: calls.append(a[0].shape[0]) or model(*a)  # noqa: E731
+            out = guided(counting, y, w, 10)(x, t)
+            assert calls == [12]  # one forward of the 2B batch, not two calls
+            torch.testing.assert_close(out, uncond + w * (cond - uncond), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm"])
+def test_samplers_guide_every_class_and_null_sampling_is_the_unconditional_path(sampler):
+    model = cond_model()
+    schedule = make_schedule("linear", 20)
+    kw = dict(sampler=sampler, steps=5, seed=4, num_classes=10)
+    y = torch.tensor([3, 7, 7, 1])
+    plain = sample(model, schedule, (4, 1, 28, 28), **{k: v for k, v in kw.items() if k != "num_classes"})
+    null = sample(model, schedule, (4, 1, 28, 28), labels=torch.full((4,), 10), **kw)
+    w0 = sample(model, schedule, (4, 1, 28, 28), labels=y, guidance=0.0, **kw)
+    assert torch.equal(plain, null) and torch.equal(plain, w0)
+    w1 = sample(model, schedule, (4, 1, 28, 28), labels=y, guidance=1.0, **kw)
+    w3 = sample(model, schedule, (4, 1, 28, 28), labels=y, guidance=3.0, **kw)
+    assert not torch.allclose(w1, plain) and not torch.allclose(w3, w1)
+    with pytest.raises(ValueError, match="conditional"):
+        sample(model, schedule, (4, 1, 28, 28), labels=y, sampler=sampler, steps=5)
+
+
+# ------------------------------------------------------------------------------------------------ classes by name
+def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
+    cfg = cond_model().cfg
+    assert class_index(cfg, "sneaker") == 7 and class_index(cfg, "Ankle boot") == 9 and class_index(cfg, "3") == 3
+    with pytest.raises(ConfigError, match=r"'boots' is not one of this model's classes: 0 'T-shirt/top'.*9 'Ankle boot'"):
+        class_index(cfg, "boots")
+    with pytest.raises(ConfigError, match=r"--class 10 is out of range: this model has classes 0-9"):
+        class_index(cfg, "10")
+    plain = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model
+    with pytest.raises(ConfigError, match="unconditional"):
+        class_index(plain, "sneaker")
+
+
+def test_data_without_labels_is_refused_with_the_fix(tmp_path, capsys):
+    images, _ = _images_and_labels(64)
+    src = tmp_path / "nolabels.npz"
+    np.savez(src, images=np.repeat(np.repeat(images, 4, axis=2), 4, axis=3)[:, 0])  # (N, 32, 32), no labels
+    code = main(["train", "--data", str(src), "--out", str(tmp_path / "r"), "--preset", "tiny", "--conditional",
+                 "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--conditional trains on class labels" in err and "has no labels" in err and "drop --conditional" in err
+
+
+# ------------------------------------------------------------------------------------------------ training
+def test_conditional_training_resumes_exactly_and_its_grid_has_a_row_per_class(tmp_path, fmnist_npz):
+    cfg = tiny_cond_cfg(fmnist_npz, max_steps=8, log_every=1, checkpoint_every=4)
+    full, half = tmp_path / "full", tmp_path / "half"
+    train(cfg, out_dir=full, log=quiet)
+    train(apply_overrides(cfg, {"train.max_steps": 4}), out_dir=half, log=quiet)
+    train(cfg, out_dir=half, resume="latest", log=quiet)
+    la = [m["loss"] for m in read_metrics(full / "metrics.jsonl")]
+    assert la == [m["loss"] for m in read_metrics(half / "metrics.jsonl")]
+    a, b = (load_checkpoint(list_checkpoints(d / "checkpoints")[-1]) for d in (full, half))
+    for part in ("model", "ema"):
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+    assert a["config"]["model"]["num_classes"] == 10
+    assert list(a["config"]["model"]["class_names"]) == [str(i) for i in range(10)]  # the .npz has no names
+    assert "class_emb.weight" in a["model"]
+    from PIL import Image
+
+    grid = Image.open(full / "samples" / "final.png")
+    # 10 rows of 1 image (num_sample_images 10 // 10 classes), each 28 px + padding at 4x, and a label strip
+    assert grid.height == (2 + 10 * 30) * 4 and grid.width > (2 + 30) * 4
+
+
+def test_a_checkpoint_from_before_conditional_models_loads_samples_and_resumes(tmp_path, fmnist_npz):
+    """A checkpoint whose config has no conditional / num_classes / class_names (what runs wrote before them)."""
+    from fastddpm.sampling import load_for_sampling
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 2, "train.num_sample_images": 2,
+                                               "train.sample_steps": 2})
+    run = tmp_path / "old"
+    train(cfg, out_dir=run, log=quiet)
+    path = list_checkpoints(run / "checkpoints")[-1]
+    state = load_checkpoint(path)
+    for key in ("conditional", "num_classes", "class_names"):
+        del state["config"]["model"][key]
+    state.pop("format")
+    save_checkpoint(run / "checkpoints", int(state["step"]), state, keep=3)
+    model, loaded = load_for_sampling(path)
+    assert not loaded.model.conditional and model.class_emb is None
+    assert main(["sample", "--checkpoint", str(path), "--num-images", "2", "--steps", "2", "--no-progress",
+                 "--out", str(tmp_path / "s")]) == 0
+    result = train(apply_overrides(cfg, {"train.max_steps": 3}), out_dir=run, resume="latest", log=quiet)
+    assert result.step == 3
+
+
+def test_compiled_conditional_step_matches_eager_and_does_not_recompile(tmp_path, fmnist_npz):
+    over = {"train.max_steps": 5, "train.log_every": 1, "train.warmup_images": 1000, "train.checkpoint_every": None}
+    eager = tiny_cond_cfg(fmnist_npz, **{k.split(".")[1]: v for k, v in over.items()}, compile="off")
+    compiled = apply_overrides(eager, {"train.compile": "on"})
+    train(eager, out_dir=tmp_path / "eager", log=quiet)
+    train(compiled, out_dir=tmp_path / "compiled", log=quiet)
+    le = [m["loss"] for m in read_metrics(tmp_path / "eager" / "metrics.jsonl")]
+    mc = read_metrics(tmp_path / "compiled" / "metrics.jsonl")
+    np.testing.assert_allclose([m["loss"] for m in mc], le, rtol=1e-4, atol=1e-5)
+    assert mc[-1]["recompiles_after_warmup"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, capsys):
+    run = tmp_path / "run"
+    train(tiny_cond_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+    args = ["sample", "--checkpoint", str(run), "--steps", "2", "--no-progress", "--out", str(tmp_path / "s")]
+    assert main([*args, "--class", "7", "--guidance", "2", "--num-images", "3"]) == 0
+    z = np.load(tmp_path / "s" / "ddim2_n3_seed0_7_w2.npz")
+    assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 2
+    assert main([*args, "--class", "all", "--num-images", "20"]) == 0
+    z = np.load(tmp_path / "s" / "ddim2_n20_seed0_all_w1.npz")
+    assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)]
+    capsys.readouterr()
+    assert main([*args, "--class", "boots"]) == 2
+    assert "is not one of this model's classes" in capsys.readouterr().err
+    assert main([*args, "--guidance", "3"]) == 2
+    assert "--guidance steers toward a class" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_path, fmnist_splits, capsys):
+    """`fastddpm eval --guidance 0,1,3` on a conditional checkpoint: one row per scale with FID, precision/recall,
+    class accuracy by the dataset's classifier and per-class FID; --guidance on an unconditional model refused."""
+    run = tmp_path / "run"
+    train(tiny_cond_cfg(fmnist_splits, max_steps=3), out_dir=run, log=quiet)
+    args = ["eval", "--checkpoint", str(run), "--num-samples", "20", "--steps", "2", "--no-progress"]
+    assert main([*args, "--guidance", "0,1,3"]) == 0
+    out = capsys.readouterr().out
+    assert "| guidance W | class accuracy | FID |" in out and "classifier" in out
+    result = json.loads(next((run / "eval").glob("eval_ddim2_n20_seed0_w0-1-3.json")).read_text())
+    rows = result["guidance"]
+    assert [r["guidance"] for r in rows] == [0.0, 1.0, 3.0]
+    for r in rows:
+        assert 0.0 <= r["class_accuracy"] <= 1.0 and r["fid"] > 0
+        assert set(r["per_class_fid"]) == {str(i) for i in range(10)}
+        assert set(r["class_accuracy_by_class"]) == {str(i) for i in range(10)}
+    assert result["fid"] == rows[0]["fid"]  # the top-level numbers are the first scale's
+    plain = tmp_path / "plain"
+    train(apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_splits), "train.progress": False,
+                                               "train.max_steps": 1, "train.num_sample_images": 2,
+                                               "train.sample_steps": 2}), out_dir=plain, log=quiet)
+    assert main(["eval", "--checkpoint", str(plain), "--num-samples", "20", "--steps", "2", "--no-progress",
+                 "--guidance", "2"]) == 2
+    assert "--guidance needs a conditional model" in capsys.readouterr().err
