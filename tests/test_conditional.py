@@ -122,7 +122,7 @@ def test_guidance_one_is_plain_conditional_zero_is_unconditional_and_2b_equals_t
             torch.testing.assert_close(out, uncond + w * (cond - uncond), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "ddpm"])
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm", "dpmpp-2m", "unipc", "heun"])
 def test_samplers_guide_every_class_and_null_sampling_is_the_unconditional_path(sampler):
     model = cond_model()
     schedule = make_schedule("linear", 20)

@@ -9,7 +9,7 @@ import torch
 from fastddpm.diffusion import (
     cosine_betas,
     ddim_sample,
-    ddim_timesteps,
+    trailing_timesteps,
     ddpm_sample,
     linear_betas,
     make_schedule,
@@ -82,13 +82,13 @@ def test_prediction_conversions_round_trip(prediction):
     torch.testing.assert_close(x0_hat[ok], x0[ok], rtol=1e-4, atol=1e-4)
 
 
-def test_ddim_timesteps_trailing():
-    ts = ddim_timesteps(1000, 50)
+def test_trailing_timesteps_trailing():
+    ts = trailing_timesteps(1000, 50)
     assert ts[0] == 999 and ts[-1] == 19 and len(ts) == 50
     assert all(a - b == 20 for a, b in zip(ts, ts[1:]))
-    assert ddim_timesteps(1000, 1000) == list(range(999, -1, -1))
+    assert trailing_timesteps(1000, 1000) == list(range(999, -1, -1))
     with pytest.raises(ValueError, match="steps=0"):
-        ddim_timesteps(1000, 0)
+        trailing_timesteps(1000, 0)
 
 
 class OracleDenoiser(torch.nn.Module):
@@ -106,7 +106,8 @@ class OracleDenoiser(torch.nn.Module):
 
 
 @pytest.mark.parametrize("prediction", ["epsilon", "v"])
-@pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 10), ("ddpm", 1000)])
+@pytest.mark.parametrize("sampler,steps", [("ddim", 50), ("ddim", 10), ("ddpm", 1000), ("dpmpp-2m", 10),
+                                           ("unipc", 10), ("heun", 10)])
 def test_samplers_recover_the_data_under_an_oracle(sampler, steps, prediction):
     s = make_schedule("linear", 1000)
     x_star = torch.linspace(-0.9, 0.9, 16).view(1, 1, 4, 4)

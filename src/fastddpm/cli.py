@@ -18,7 +18,10 @@ from pathlib import Path
 from fastddpm import __version__
 from fastddpm.config import (
     PRESETS,
+    SAMPLERS,
     SECTIONS,
+    SPACINGS,
+    default_spacing,
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -122,13 +125,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp = sub.add_parser(
         "sample", help="draw images from a trained model (PNG grid + .npz)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Sample images with DDPM (ancestral, all T steps) or DDIM (K steps) from a checkpoint.",
+        description="Sample images from a checkpoint with DDPM (ancestral, all T steps), DDIM, or the few-step ODE\n"
+                    "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls).",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
-               "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler ddim --steps 50"
+               "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m --steps 10"
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 3     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
-               "Writes OUT/<sampler><steps>_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; with\n"
+               "Writes OUT/<sampler><steps>[-<spacing>]_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; with\n"
                "--class all one row per class, named) and a matching .npz with `images`: uint8 (N, C, H, W), and for\n"
                "a conditional model `labels` (N,) and `guidance`.",
     )
@@ -136,8 +140,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
                          "ema.safetensors")
     sp.add_argument("--num-images", type=int, default=64, metavar="N", help="images to draw (default 64)")
-    sp.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddim", help="default ddim")
-    sp.add_argument("--steps", type=int, default=50, metavar="K", help="DDIM steps (default 50; DDPM uses all T)")
+    sp.add_argument("--sampler", choices=SAMPLERS, default="ddim", help="default ddim")
+    sp.add_argument("--steps", type=int, default=50, metavar="K", help="sampler steps (default 50; DDPM uses all T)")
+    sp.add_argument("--spacing", choices=SPACINGS, default=None,
+                    help="timesteps: trailing (evenly spaced from T-1) or karras (EDM noise levels, dense at low "
+                         "noise); default: karras for heun, trailing for the others")
     sp.add_argument("--eta", type=float, default=0.0, help="DDIM eta: 0 deterministic, 1 DDPM-like (default 0)")
     sp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N", help="images per model call (default 256)")
@@ -232,8 +239,10 @@ def cmd_sample(args) -> int:
 
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(args.checkpoint, device=device, weights=args.weights)
-    if args.sampler == "ddim" and not 1 <= args.steps <= cfg.diffusion.num_timesteps:
+    if args.sampler != "ddpm" and not 1 <= args.steps <= cfg.diffusion.num_timesteps:
         raise ConfigError(f"--steps {args.steps} must be between 1 and {cfg.diffusion.num_timesteps}")
+    if args.eta != 0.0 and args.sampler != "ddim":
+        raise ConfigError(f"--eta is DDIM's: --sampler {args.sampler} is deterministic (use --sampler ddim)")
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     ckpt = Path(args.checkpoint)
@@ -246,12 +255,14 @@ def cmd_sample(args) -> int:
     labels, per_class = class_labels(cfg.model, args.klass, args.num_images)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
-    stem = f"{args.sampler}{steps}_n{num_images}_seed{args.seed}"
+    spacing = args.spacing or default_spacing(args.sampler)
+    tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
+    stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
     if args.klass is not None:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{args.guidance:g}"
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
-                                 eta=args.eta, seed=args.seed, batch_size=args.batch_size, device=device,
+                                 spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size, device=device,
                                  out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
                                  precision=args.precision, progress=not args.no_progress, labels=labels,
                                  guidance=args.guidance, per_class_row=per_class)

@@ -32,6 +32,17 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
+SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
+SPACINGS = ("trailing", "karras")
+
+
+def default_spacing(sampler: str) -> str:
+    """A sampler's own timesteps: EDM's Heun is defined with the Karras noise levels (its steps in sigma need them:
+    uniform steps put one huge step at high noise); the others with evenly spaced 'trailing' timesteps."""
+    return "karras" if sampler == "heun" else "trailing"
+
+
 def _check_choice(section: str, obj: Any, name: str) -> None:
     choices = obj.__dataclass_fields__[name].metadata["choices"]
     value = getattr(obj, name)
@@ -281,8 +292,8 @@ class TrainConfig:
         default=None, metadata=_doc("Write a sample grid every this many images (none = only at the end).")
     )
     num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
-    sampler: str = field(default="ddim", metadata=_doc("Sampler for the grids.", choices=("ddpm", "ddim")))
-    sample_steps: int = field(default=50, metadata=_doc("Sampling steps for DDIM grids (DDPM always uses T)."))
+    sampler: str = field(default="ddim", metadata=_doc("Sampler for the grids.", choices=SAMPLERS))
+    sample_steps: int = field(default=50, metadata=_doc("Sampler steps for the grids (DDPM always uses T)."))
     sample_guidance: float = field(
         default=2.0,
         metadata=_doc("Classifier-free guidance scale W of a conditional model's grids (one row per class): 1 = plain "
@@ -304,7 +315,8 @@ class TrainConfig:
         default=1000, metadata=_doc("Images sampled per evaluation during training (FID is biased upward at small "
                                     "counts: compare runs at equal counts).")
     )
-    eval_steps: int = field(default=25, metadata=_doc("DDIM steps for the evaluation samples."))
+    eval_sampler: str = field(default="ddim", metadata=_doc("Sampler for the evaluation samples.", choices=SAMPLERS))
+    eval_steps: int = field(default=25, metadata=_doc("Sampler steps for the evaluation samples."))
     eval_inception: str | None = field(
         default=None,
         metadata=_doc("Local Inception weights for standard FID during training (pytorch-fid's "
@@ -323,6 +335,7 @@ class TrainConfig:
         self.adam_betas = tuple(float(b) for b in self.adam_betas)
         _check_choice("train", self, "precision")
         _check_choice("train", self, "sampler")
+        _check_choice("train", self, "eval_sampler")
         _require(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                  f"train.batch_size={self.batch_size!r} must be a positive integer or auto")
         _require(self.accum_steps >= 1, f"train.accum_steps={self.accum_steps} must be >= 1")

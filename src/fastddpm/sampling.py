@@ -1,6 +1,6 @@
 """Sampling from a trained model: load its weights from whatever a run left, draw images, write them.
 
-The diffusion math (DDPM, DDIM) is fastddpm.diffusion.samplers; this module is everything around it that a user
+The diffusion math (DDPM, DDIM, the ODE solvers) is fastddpm.diffusion.samplers; this module is everything around it that a user
 touches: `fastddpm sample`, the trainer's grids and the evaluator's loader all come through here.
 
     load_for_sampling   a checkpoint (.pt), an FSDP run's .dcp, an ema.safetensors export or a run directory
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fastddpm.config import RunConfig, class_index, from_dict
-from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import UNet
 from fastddpm.rng import derive_seed
@@ -31,6 +31,15 @@ from fastddpm.train.checkpoint import (
     newest_checkpoint,
 )
 from fastddpm.train.runtime import Precision, resolve_precision
+
+
+def compile_for_sampling(model, device: torch.device):
+    """The U-Net compiled for a sampler's loop: one static shape (every batch full), and on CUDA each step's
+    forward replayed as a CUDA graph (mode="reduce-overhead"): a sampler's step is one small forward whose kernel
+    launches would otherwise cost as much as its math. The samplers never keep a network output across calls (a
+    replay overwrites it); they keep x0_hat and eps, computed from it."""
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    return torch.compile(model, dynamic=False, mode=mode)
 
 
 def grid_scale(image_size: int) -> int:
@@ -77,6 +86,28 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
     return model.to(device).eval(), cfg
 
 
+def checkpoint_info(path: str | Path) -> dict:
+    """File, step and images seen of what load_for_sampling loads from `path` (a second, cheap read of the
+    metadata), to name the weights a result came from."""
+    path = Path(path)
+    if path.is_dir() and path.suffix != ".dcp":
+        found = newest_checkpoint(path / "checkpoints")
+        if found is not None:
+            return {"file": str(found[0]), "step": found[1]["step"], "images_seen": found[1].get("images_seen")}
+        path = path / "ema.safetensors"
+    if path.suffix == ".safetensors":
+        _, meta = load_safetensors(path)
+        return {"file": str(path), "step": json.loads(meta.get("step", "null")),
+                "images_seen": json.loads(meta.get("images_seen", "null"))}
+    if path.suffix == ".dcp":
+        from fastddpm.train.fsdp import read_meta
+
+        state = read_meta(path)
+    else:
+        state = load_checkpoint(path)
+    return {"file": str(path), "step": state.get("step"), "images_seen": state.get("images_seen")}
+
+
 def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
     """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
     null class), one class (a name or an id), or "all": num_images // num_classes images of every class, class
@@ -94,7 +125,7 @@ def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.nda
 def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
                     batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
                     progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
-                    per_class_row: int | None = None) -> np.ndarray:
+                    per_class_row: int | None = None, spacing: str | None = None) -> np.ndarray:
     """Sample `num_images` in batches (or one per entry of `labels`, a conditional model's class ids, guided with
     scale `guidance`); write a PNG grid (up to 256 images; with `per_class_row`, one row per class, named) and an
     .npz of uint8 (N, C, H, W) with the labels beside them."""
@@ -109,14 +140,14 @@ def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, ste
     if progress:
         from tqdm import tqdm
 
-        per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
+        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
         bar = tqdm(total=math.ceil(num_images / batch_size) * per_batch, unit="model-call", dynamic_ncols=True)
     for i, start in enumerate(range(0, num_images, batch_size)):
         n = min(batch_size, num_images - start)
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
         y = torch.from_numpy(labels[start:start + n]) if labels is not None else None
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype,
+                   spacing=spacing, seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype,
                    progress=bar, labels=y, guidance=guidance, num_classes=model_cfg.num_classes)
         chunks.append(to_uint8(x).cpu().numpy())
     if bar is not None:

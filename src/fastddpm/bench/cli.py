@@ -24,6 +24,32 @@ and the device, driver, library versions, git commit and command written next to
                auto batch), then the MLP ladder of seed 002
   quality      time to quality: wall time (compile included) for a fast recipe to reach the FID
                that the seed's recipe reaches at its end; options compared by FID at equal images
+  samplers     FID (and class accuracy) against network calls per image for every sampler at
+               5-100 steps, DDPM-1000 as the reference, on a trained checkpoint
+"""
+
+_SAMPLERS_DESCRIPTION = """\
+Image quality against sampling cost. For each sampler x step count, and DDPM over all T steps
+as the reference point, draw --num-samples images from the checkpoint's EMA weights and score
+them as `fastddpm eval` does: FID, precision/recall and, for a conditional model, class
+accuracy (class-balanced, at one guidance scale). Every point starts from the same noise for
+the same seed, so samplers differ only by their steps. Cost: network calls per image (NFE)
+and samples/s. FID at a few thousand samples has a seed-to-seed spread as large as the gaps
+between good samplers: --spread-points are drawn again with --spread-seeds and reported as
+mean and min-max.
+"""
+
+_SAMPLERS_EPILOG = """\
+examples:
+  fastddpm bench samplers runs/quickstart                    # the table of RESULTS.md: 2,000 samples a point
+  fastddpm bench samplers runs/cond --guidance 3             # a conditional model, class accuracy too
+  fastddpm bench samplers runs/quickstart --samplers dpmpp-2m --steps 8,10,12 --no-ddpm
+  fastddpm bench samplers runs/quickstart --quick            # 20 samples at 2 and 4 steps: a pipeline check
+
+Writes OUT/samplers.json, samplers.csv, samplers.md after every point and samplers.png (FID vs
+NFE, needs matplotlib) at the end; OUT defaults to RUN_DIR/bench-samplers. Points already in OUT
+with the same checkpoint, settings, device and torch are reused (--remeasure draws them again).
+Exit codes: 0 at least one point measured, 1 none, 2 bad flags or checkpoint.
 """
 
 _LADDER_EPILOG = """\
@@ -89,6 +115,13 @@ def _csv_list(text: str) -> tuple[str, ...]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
     return items
+
+
+def _csvints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(item) for item in _csv_list(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _csvpositive_ints(text: str) -> tuple[int, ...]:
@@ -265,15 +298,66 @@ def _run_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    sp = commands.add_parser("samplers", help="FID against network calls per image for every sampler",
+                             description=_SAMPLERS_DESCRIPTION, epilog=_SAMPLERS_EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory, ckpt_*.pt or ema.safetensors")
+    sp.add_argument("--samplers", type=_csv_list, default=None, metavar="A,B",
+                    help="default ddim,dpmpp-2m,unipc,heun")
+    sp.add_argument("--steps", type=_csvpositive_ints, default=None, metavar="K,..", help="default 5,10,20,50,100")
+    sp.add_argument("--no-ddpm", dest="ddpm", action="store_false", default=None,
+                    help="leave out the DDPM-over-all-T reference point (the costliest)")
+    sp.add_argument("--spacing", choices=("trailing", "karras"), default=None,
+                    help="default: each sampler's own (karras for heun, trailing for the others)")
+    sp.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="per point (default 2000)")
+    sp.add_argument("--seed", type=int, default=None, help="noise seed of every point (default 0)")
+    sp.add_argument("--spread-points", type=_csv_list, default=None, metavar="S-K,..",
+                    help="points drawn again with --spread-seeds (default ddim-50,ddim-100,dpmpp-2m-10,dpmpp-2m-20)")
+    sp.add_argument("--spread-seeds", type=_csvints, default=None, metavar="N,..", help="default 1,2")
+    sp.add_argument("--guidance", type=float, default=None, metavar="W",
+                    help="a conditional model's guidance scale (default: its train.sample_guidance)")
+    sp.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
+                    help="default 1000 on a GPU, 250 on a CPU")
+    sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto")
+    sp.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="default auto: on for CUDA")
+    sp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
+    sp.add_argument("--remeasure", action="store_true", help="draw again the points already in OUT/samplers.json")
+    sp.add_argument("--quick", action="store_true", help="20 samples at 2 and 4 steps, no DDPM: a pipeline check")
+    sp.add_argument("--out", default=None, metavar="DIR", help="default RUN_DIR/bench-samplers")
+    return sp
+
+
+def samplers_settings(args: argparse.Namespace):
+    from fastddpm.bench.samplers import QUICK, SamplerBenchSettings
+
+    base = dict(QUICK) if args.quick else {}
+    for name in ("samplers", "steps", "ddpm", "spacing", "num_samples", "seed", "spread_points", "spread_seeds",
+                 "guidance", "batch_size"):
+        value = getattr(args, name)
+        if value is not None:
+            base[name] = value
+    return SamplerBenchSettings(checkpoint=args.checkpoint, **base, precision=args.precision, compile=args.compile,
+                                device=args.device, remeasure=args.remeasure, quick=args.quick)
+
+
+def _run_samplers(args: argparse.Namespace) -> int:
+    from fastddpm.bench.samplers import run_samplers
+
+    result = run_samplers(samplers_settings(args), args.out)
+    return 0 if any(r.get("status") == "ok" for r in result["rows"]) else 1
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `bench {throughput,ladder,quality}` to a top-level CLI's subparsers; returns the `bench` parser.
     Sub-commands dispatch through `run_bench` on args.bench_command."""
     bench = subparsers.add_parser("bench", help="benchmark the training step (throughput, MFU, memory)",
                                   description=_BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,ladder,quality}", required=True)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,ladder,quality,samplers}", required=True)
     _add_throughput_parser(commands)
     _add_ladder_parser(commands)
     _add_quality_parser(commands)
+    _add_samplers_parser(commands)
     bench.set_defaults(func=run_bench)
     return bench
 
@@ -299,7 +383,8 @@ def _run_throughput(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
 
 
-_COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder, "quality": _run_quality}
+_COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder, "quality": _run_quality,
+             "samplers": _run_samplers}
 
 
 def run_bench(args: argparse.Namespace) -> int:

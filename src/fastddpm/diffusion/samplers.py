@@ -1,4 +1,5 @@
-"""Reverse-process samplers: DDPM ancestral sampling and DDIM.
+"""Reverse-process samplers: DDPM ancestral sampling and DDIM here; DPM-Solver++(2M), UniPC and Heun in
+fastddpm.diffusion.ode_solvers; `sample` runs any of them, with classifier-free guidance for conditional models.
 
 DDPM (Ho et al. 2020, arXiv:2006.11239): x_{t-1} ~ q(x_{t-1} | x_t, x0_hat), the Gaussian posterior of eq. 6-7,
     mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),  ct_t = sqrt(alpha_t)(1 - a_{t-1}) / (1 - a_t)
@@ -16,21 +17,24 @@ from __future__ import annotations
 import torch
 
 from fastddpm import amp
+from fastddpm.config import SAMPLERS, SPACINGS, default_spacing
 from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
+from fastddpm.diffusion.ode_solvers import (dpmpp_2m, first_timestep, heun_2, noise_levels, solver_timesteps,
+                                           unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
 
-
-def ddim_timesteps(num_timesteps: int, steps: int) -> list[int]:
-    """Evenly spaced 'trailing' timesteps, from T-1 down (Lin et al. 2024, arXiv:2305.08891, table 2).
-
-    Trailing spacing always starts at the last, noisiest step t = T-1, so the sampler begins where training noise
-    ends; steps == T gives every timestep.
-    """
-    if not 1 <= steps <= num_timesteps:
-        raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({num_timesteps})")
-    ratio = num_timesteps / steps
-    return [int(round(num_timesteps - i * ratio)) - 1 for i in range(steps)]
+def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
+    """Network evaluations (NFE) per image of one sampling run: what a sampler costs. DDPM always walks all T
+    timesteps; Heun evaluates twice per step but once on the last; the others once per step. (Karras spacing can
+    merge steps at the low-noise end: `sample` then makes fewer calls than this upper bound.)"""
+    if sampler == "ddpm":
+        return num_timesteps
+    if sampler == "heun":
+        return 2 * steps - 1
+    if sampler in SAMPLERS:
+        return steps
+    raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
 
 
 def _model_out(model, x_t: torch.Tensor, t: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
@@ -78,11 +82,12 @@ def ddpm_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, predi
 @torch.no_grad()
 def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps: int = 50, eta: float = 0.0,
                 prediction: str = "epsilon", generator: torch.Generator, device: torch.device | str,
-                clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
-    """DDIM over `steps` trailing timesteps. Returns images in [-1, 1], float32, shape `shape`."""
+                clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None,
+                spacing: str = "trailing") -> torch.Tensor:
+    """DDIM over `steps` timesteps (ode_solvers.solver_timesteps). Returns images in [-1, 1], float32, shape `shape`."""
     sched = schedule.to(device)
     ab = sched.float64("alpha_bar")
-    ts = ddim_timesteps(sched.num_timesteps, steps)
+    ts = solver_timesteps(sched, steps, spacing)
     x = torch.randn(shape, generator=generator, device=device)
     for i, t in enumerate(ts):
         out = _model_out(model, x, t, autocast_dtype)
@@ -98,25 +103,73 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
     return x
 
 
+@torch.no_grad()
+def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver: str, steps: int,
+               spacing: str | None = None, prediction: str = "epsilon", generator: torch.Generator,
+               device: torch.device | str, clip: bool = True, autocast_dtype: torch.dtype | None = None,
+               progress=None) -> torch.Tensor:
+    """DPM-Solver++(2M), UniPC or Heun (fastddpm.diffusion.ode_solvers) over `steps` timesteps. Returns images in
+    [-1, 1], float32, shape `shape`."""
+    sched = schedule.to(device)
+    ts = sampler_timesteps(sched, solver, steps, spacing)
+    alpha, sigma, lam = noise_levels(sched, ts)
+    x = torch.randn(shape, generator=generator, device=device)
+
+    def denoise(x_t: torch.Tensor, i: int) -> torch.Tensor:
+        out = _model_out(model, x_t, ts[i], autocast_dtype)
+        t_B = torch.full((x_t.shape[0],), ts[i], device=x_t.device, dtype=torch.long)
+        _, x0 = predict_eps_and_x0(sched, prediction, out, x_t, t_B)
+        if progress is not None:
+            progress.update(1)
+        return x0.clamp(-1.0, 1.0) if clip else x0
+
+    if solver == "dpmpp-2m":
+        return dpmpp_2m(denoise, x, alpha, sigma, lam)
+    if solver == "unipc":
+        return unipc_2(denoise, x, alpha, sigma, lam)
+    if solver == "heun":
+        return heun_2(denoise, x, alpha, sigma)
+    raise ValueError(f"unknown solver {solver!r}: choose dpmpp-2m, unipc or heun")
+
+
+def sampler_timesteps(schedule: NoiseSchedule, sampler: str, steps: int, spacing: str | None = None) -> list[int]:
+    """The timesteps `sample` evaluates the network at (Heun also at each one after the first, a second time);
+    spacing None: the sampler's own (config.default_spacing)."""
+    spacing = spacing or default_spacing(sampler)
+    if sampler == "ddpm":
+        return list(range(schedule.num_timesteps - 1, -1, -1))
+    if sampler == "ddim":
+        return solver_timesteps(schedule, steps, spacing)
+    return solver_timesteps(schedule, steps, spacing, first=first_timestep(schedule))
+
+
 def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: str = "ddim", steps: int = 50,
            eta: float = 0.0, prediction: str = "epsilon", seed: int = 0, device: torch.device | str = "cpu",
            autocast_dtype: torch.dtype | None = None, progress=None, labels: torch.Tensor | None = None,
-           guidance: float = 1.0, num_classes: int = 0) -> torch.Tensor:
-    """Draw images with a sampler; the result is a function of (weights, seed, sampler settings). A conditional
-    model samples `labels` ((B,) class ids; None: unconditional) with classifier-free guidance W = `guidance`
-    (fastddpm.diffusion.guidance); `num_classes` is the model's, the id of its null class."""
+           guidance: float = 1.0, num_classes: int = 0, spacing: str | None = None,
+           clip: bool = True) -> torch.Tensor:
+    """Draw images with a sampler (SAMPLERS); the result is a function of (weights, seed, sampler settings). The
+    initial noise depends on the seed alone, so every sampler starts from the same x_T. A conditional model
+    samples `labels` ((B,) class ids; None: unconditional) with classifier-free guidance W = `guidance`
+    (fastddpm.diffusion.guidance); `num_classes` is the model's, the id of its null class. `clip` clamps every
+    x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own (config.default_spacing)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
+    spacing = spacing or default_spacing(sampler)
+    if spacing not in SPACINGS:
+        raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")
     if labels is not None:
         if not num_classes:
             raise ValueError("class labels need a conditional model: num_classes is 0")
         model = guided(model, labels.to(device), guidance, num_classes)
     generator = torch.Generator(device=device).manual_seed(seed)
+    common = dict(prediction=prediction, generator=generator, device=device, clip=clip,
+                  autocast_dtype=autocast_dtype, progress=progress)
     if sampler == "ddpm":
-        return ddpm_sample(model, schedule, shape, prediction=prediction, generator=generator, device=device,
-                           autocast_dtype=autocast_dtype, progress=progress)
+        return ddpm_sample(model, schedule, shape, **common)
     if sampler == "ddim":
-        return ddim_sample(model, schedule, shape, steps=steps, eta=eta, prediction=prediction, generator=generator,
-                           device=device, autocast_dtype=autocast_dtype, progress=progress)
-    raise ValueError(f"unknown sampler {sampler!r}: choose 'ddpm' or 'ddim'")
+        return ddim_sample(model, schedule, shape, steps=steps, eta=eta, spacing=spacing, **common)
+    return ode_sample(model, schedule, shape, solver=sampler, steps=steps, spacing=spacing, **common)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:

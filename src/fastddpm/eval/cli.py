@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastddpm.config import positive_int  # no torch import
+from fastddpm.config import SAMPLERS, SPACINGS, default_spacing, positive_int  # no torch import
 
 _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
@@ -52,8 +52,11 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
-    ev.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddim", help="default ddim")
-    ev.add_argument("--steps", type=positive_int, default=50, metavar="K", help="DDIM steps (default 50)")
+    ev.add_argument("--sampler", choices=SAMPLERS, default="ddim", help="default ddim")
+    ev.add_argument("--steps", type=positive_int, default=50, metavar="K",
+                    help="sampler steps (default 50; DDPM uses all T; Heun makes 2K-1 network calls)")
+    ev.add_argument("--spacing", choices=SPACINGS, default=None,
+                    help="timestep spacing (default: karras for heun, trailing for the others)")
     ev.add_argument("--eta", type=float, default=0.0, help="DDIM eta (default 0)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ev.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
@@ -70,8 +73,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it, fp32 on a CPU)")
     ev.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                    help="torch.compile the U-Net for sampling (default auto: on for CUDA, where 10,000 x 50 "
-                         "model calls repay the compile time)")
+                    help="torch.compile the U-Net for sampling, each step a CUDA graph replay on a GPU (default "
+                         "auto: on for CUDA, where 10,000 x 50 model calls repay the compile time)")
     ev.add_argument("--guidance", type=_guidance_list, default=None, metavar="W[,W...]",
                     help="a conditional model: classifier-free guidance scales to evaluate, each with FID, "
                          "precision/recall, class accuracy and per-class FID (default 1 = plain conditional; "
@@ -92,23 +95,6 @@ def _guidance_list(text: str) -> list[float]:
     return scales
 
 
-def _checkpoint_info(path: Path) -> dict:
-    """Step and images seen of what load_for_sampling loads (a second, cheap read of the metadata)."""
-    from fastddpm.train.checkpoint import load_checkpoint, load_latest, load_safetensors
-
-    if path.is_dir():
-        found = load_latest(path / "checkpoints")
-        if found is not None:
-            return {"file": str(found[0]), "step": found[1]["step"], "images_seen": found[1]["images_seen"]}
-        path = path / "ema.safetensors"
-    if path.suffix == ".safetensors":
-        _, meta = load_safetensors(path)
-        return {"file": str(path), "step": json.loads(meta.get("step", "null")),
-                "images_seen": json.loads(meta.get("images_seen", "null"))}
-    state = load_checkpoint(path)
-    return {"file": str(path), "step": state["step"], "images_seen": state["images_seen"]}
-
-
 def run_eval(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -117,10 +103,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.bench.timing import environment_record
     from fastddpm.config import ConfigError
     from fastddpm.data import DataError
+    from fastddpm.diffusion import network_calls
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.train.checkpoint import CheckpointError
-    from fastddpm.sampling import load_for_sampling
+    from fastddpm.sampling import checkpoint_info, compile_for_sampling, load_for_sampling
     from fastddpm.train.runtime import resolve_device, resolve_precision
 
     log = print
@@ -130,9 +117,11 @@ def run_eval(args: argparse.Namespace) -> int:
                               "checkpoints/ckpt_*.pt file, or an ema.safetensors export")
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    info = _checkpoint_info(ckpt)
-    if args.sampler == "ddim" and args.steps > cfg.diffusion.num_timesteps:
+    info = checkpoint_info(ckpt)
+    if args.sampler != "ddpm" and args.steps > cfg.diffusion.num_timesteps:
         raise ConfigError(f"--steps {args.steps} must be between 1 and {cfg.diffusion.num_timesteps}")
+    if args.eta != 0.0 and args.sampler != "ddim":
+        raise ConfigError(f"--eta is DDIM's: --sampler {args.sampler} is deterministic (use --sampler ddim)")
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
@@ -166,9 +155,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if cfg.model.conditional:
         log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by the "
             f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
-    sampling_model = torch.compile(model, dynamic=False) if compile_on else model
+    sampling_model = compile_for_sampling(model, device) if compile_on else model
+    nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps)
+    spacing = args.spacing or default_spacing(args.sampler)
     log(f"sampling {args.num_samples:,} images: {args.sampler}"
-        f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}, batch {batch_size}, {device}, "
+        f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}"
+        f"{'' if args.sampler == 'ddpm' else f', {spacing} spacing'} = {nfe} network calls each, "
+        f"batch {batch_size}, {device}, "
         f"{precision.name}, compile {'on' if compile_on else 'off'}, {args.weights} weights from {info['file']}")
     scales = (args.guidance or [1.0]) if cfg.model.conditional else [None]
     per_scale = []
@@ -178,7 +171,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                                  sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
                                                  batch_size=batch_size, device=device,
                                                  autocast_dtype=precision.autocast_dtype,
-                                                 progress=not args.no_progress, guidance=w)
+                                                 progress=not args.no_progress, guidance=w, spacing=args.spacing)
         per_scale.append((metrics, images))
         if len(scales) > 1:
             log(summary_line(metrics))
@@ -186,7 +179,8 @@ def run_eval(args: argparse.Namespace) -> int:
     run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
     out = Path(args.out) if args.out else run_dir / "eval"
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
-    stem = f"eval_{args.sampler}{steps}_n{args.num_samples}_seed{args.seed}"
+    tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
+    stem = f"eval_{args.sampler}{steps}{tag}_n{args.num_samples}_seed{args.seed}"
     if cfg.model.conditional:
         stem += "_w" + "-".join(f"{w:g}" for w in scales)
     m = cfg.model

@@ -1,6 +1,6 @@
 """`fastddpm train --eval-every N`: FID from the EMA weights at fixed image counts, against training wall time.
 
-Each evaluation samples `eval_samples` images with DDIM (`eval_steps` steps, eta 0) from the EMA weights, with the
+Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps) from the EMA weights, with the
 same noise every time (seed derived from (run seed, "eval")), so successive points differ only by the weights.
 It writes one record to metrics.jsonl ({"event": "eval", fid, precision, recall, wall_s, images_seen, ...}) and
 a fuller one to eval.jsonl, and redraws RUN_DIR/eval_curve.png (FID vs wall time and vs images seen).
@@ -42,7 +42,7 @@ class TrainingEvaluator:
         self.eval_log = MetricsLog(Path(run_dir) / "eval.jsonl")
         self.curve_path = Path(run_dir) / "eval_curve.png"
         self.curve_ok = True
-        log(f"eval: every {self.every:,} images, {t.eval_samples:,} DDIM-{t.eval_steps} samples from the EMA "
+        log(f"eval: every {self.every:,} images, {t.eval_samples:,} {t.eval_sampler}-{t.eval_steps} samples from the EMA "
             f"weights, in {self.evaluator.net.label}")
 
     def due(self, images_seen: int, images_per_step: int) -> bool:
@@ -58,14 +58,14 @@ class TrainingEvaluator:
         wall_s = t_eval - t_start
         t = self.cfg.train
         conditional = self.cfg.model.conditional  # sampled class-balanced at the grids' guidance scale
-        result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler="ddim",
+        result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler=t.eval_sampler,
                                             steps=t.eval_steps, seed=self.seed, batch_size=self.batch_size,
                                             device=self.device, autocast_dtype=self.autocast_dtype,
                                             guidance=t.sample_guidance if conditional else None)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
-                  "eval_samples": t.eval_samples, "eval_steps": t.eval_steps, "eval_s": eval_s,
+                  "eval_samples": t.eval_samples, "eval_sampler": t.eval_sampler, "eval_steps": t.eval_steps, "eval_s": eval_s,
                   "features": result["features"], "features_label": result["features_label"]}
         if "coverage" in result:
             record["classes_present"] = result["coverage"]["classes_present"]
@@ -80,6 +80,6 @@ class TrainingEvaluator:
             records = read_metrics(self.eval_log.path)
             path = write_curve(records, self.curve_path, log=self.log,
                                title=f"{self.cfg.data.source}: FID ({result['features_label']}), "
-                                     f"{t.eval_samples:,} samples, DDIM {t.eval_steps}")
+                                     f"{t.eval_samples:,} samples, {t.eval_sampler} {t.eval_steps}")
             self.curve_ok = path is not None  # without matplotlib: say so once
         return time.perf_counter() - t_eval

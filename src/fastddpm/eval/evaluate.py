@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastddpm.config import RunConfig
-from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+from fastddpm.config import RunConfig, default_spacing
+from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.eval.features import (
     ClassReference,
     FeatureNet,
@@ -48,7 +48,8 @@ def balanced_labels(num_images: int, num_classes: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
-                 progress: bool = False, guidance: float | None = None) -> tuple[torch.Tensor, dict]:
+                 progress: bool = False, guidance: float | None = None,
+                 spacing: str | None = None) -> tuple[torch.Tensor, dict]:
     """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
     last one is dropped), so a compiled model sees one shape. A conditional model samples every class equally
     often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`."""
@@ -60,7 +61,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     if progress:
         from tqdm import tqdm
 
-        per_batch = cfg.diffusion.num_timesteps if sampler == "ddpm" else steps
+        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
         bar = tqdm(total=num_batches * per_batch, unit="model-call", desc="sampling", dynamic_ncols=True)
     labels = balanced_labels(num_batches * batch_size, m.num_classes) if m.conditional else None
     chunks = []
@@ -69,7 +70,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     first_batch_s = None
     for i in range(num_batches):
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   seed=derive_seed(seed, "eval-sample", i), device=device, autocast_dtype=autocast_dtype,
+                   spacing=spacing, seed=derive_seed(seed, "eval-sample", i), device=device, autocast_dtype=autocast_dtype,
                    progress=bar, num_classes=m.num_classes, guidance=1.0 if guidance is None else guidance,
                    labels=labels[i * batch_size:(i + 1) * batch_size] if labels is not None else None)
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
@@ -167,18 +168,21 @@ class Evaluator:
     def evaluate(self, model, cfg: RunConfig, *, num_samples: int, sampler: str = "ddim", steps: int = 50,
                  eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
                  autocast_dtype: torch.dtype | None = None, progress: bool = False,
-                 guidance: float | None = None) -> tuple[dict, torch.Tensor]:
+                 guidance: float | None = None, spacing: str | None = None) -> tuple[dict, torch.Tensor]:
         """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
         classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too."""
         m = cfg.model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
-                                          autocast_dtype=autocast_dtype, progress=progress, guidance=guidance)
+                                          autocast_dtype=autocast_dtype, progress=progress, guidance=guidance,
+                                          spacing=spacing)
             labels = balanced_labels(images.shape[0], m.num_classes) if m.conditional else None
             metrics = score(images, self.net, self.ref, labels=labels, classifier=self.classifier,
                             classes=self.classes, class_names=m.class_names)
-        metrics["sampling"] = {"sampler": sampler, "steps": cfg.diffusion.num_timesteps if sampler == "ddpm" else steps,
+        T = cfg.diffusion.num_timesteps
+        metrics["sampling"] = {"sampler": sampler, "steps": T if sampler == "ddpm" else steps,
+                               "spacing": spacing or default_spacing(sampler), "nfe": network_calls(sampler, steps, T),
                                "eta": eta, "seed": seed, **timing}
         if m.conditional:
             metrics["guidance"] = 1.0 if guidance is None else guidance

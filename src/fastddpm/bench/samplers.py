@@ -1,0 +1,261 @@
+"""`fastddpm bench samplers CHECKPOINT`: image quality against sampling cost, for every sampler.
+
+For each sampler x step count (and DDPM over all T steps as the reference point) it draws `num_samples` images
+from the checkpoint's EMA weights and scores them like `fastddpm eval`: FID, precision / recall and, for a
+conditional model, class accuracy (class-balanced, at one guidance scale). Every point uses the same noise for
+the same seed (eval's per-batch seeds), so samplers differ only by their steps. The cost is the network calls
+per image (NFE) and the wall time. FID at a few thousand samples has a seed-to-seed spread comparable to the
+differences between good samplers: `spread_points` are drawn again with `spread_seeds`, and the report gives
+each of them as mean and min-max, beside the single-seed points.
+
+Rows are written after every point (OUT/samplers.json, .csv, .md) and a run into the same folder reuses every
+point measured there with the same checkpoint, settings, device and torch (fastddpm.bench.store): a killed
+run loses at most the point it was drawing. OUT/samplers.png plots FID against NFE (matplotlib).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fastddpm.bench import store
+from fastddpm.bench.timing import environment_record
+from fastddpm.config import SAMPLERS, SPACINGS, ConfigError
+
+SCHEMA = "fastddpm-bench-samplers-1"
+
+
+@dataclass(kw_only=True)
+class SamplerBenchSettings:
+    checkpoint: str
+    samplers: tuple[str, ...] = field(default=("ddim", "dpmpp-2m", "unipc", "heun"),
+                                      metadata={"help": "samplers to measure at every step count"})
+    steps: tuple[int, ...] = field(default=(5, 10, 20, 50, 100), metadata={"help": "step counts"})
+    ddpm: bool = field(default=True, metadata={"help": "also DDPM over all T steps (the reference point)"})
+    spacing: str | None = None  # None: each sampler's own (config.default_spacing: karras for heun)
+    num_samples: int = 2000
+    seed: int = 0
+    spread_points: tuple[str, ...] = field(default=("ddim-50", "ddim-100", "dpmpp-2m-10", "dpmpp-2m-20"),
+                                           metadata={"help": "SAMPLER-STEPS points drawn with every spread seed"})
+    spread_seeds: tuple[int, ...] = (1, 2)
+    guidance: float | None = None  # a conditional model's W (default: its training grids' train.sample_guidance)
+    batch_size: int | None = None  # default: 1000 on a GPU, 250 on a CPU
+    precision: str = "auto"
+    compile: str = "auto"  # auto: on for CUDA
+    device: str = "auto"
+    remeasure: bool = False
+    quick: bool = False
+
+    def __post_init__(self):
+        for s in self.samplers:
+            if s not in SAMPLERS:
+                raise ConfigError(f"--samplers: unknown sampler {s!r}; choose from {', '.join(SAMPLERS)}")
+        if self.spacing is not None and self.spacing not in SPACINGS:
+            raise ConfigError(f"--spacing {self.spacing!r}: choose from {', '.join(SPACINGS)}")
+        if not self.steps or min(self.steps) < 1:
+            raise ConfigError(f"--steps {self.steps}: give step counts >= 1")
+        if self.num_samples < 10:
+            raise ConfigError(f"--num-samples {self.num_samples}: at least 10 (2,000 for the table in RESULTS.md)")
+        for p in self.spread_points:
+            name, _, k = p.rpartition("-")
+            if name not in SAMPLERS or not k.isdigit():
+                raise ConfigError(f"--spread-points: {p!r} is not SAMPLER-STEPS (e.g. ddim-50, dpmpp-2m-10)")
+
+
+QUICK = dict(samplers=("ddim", "dpmpp-2m", "unipc", "heun"), steps=(2, 4), ddpm=False, num_samples=20,
+             spread_points=("ddim-4",), spread_seeds=(1,))
+
+
+def points(settings: SamplerBenchSettings, num_timesteps: int) -> list[tuple[str, int, int]]:
+    """(sampler, steps, seed) in the order they are drawn: the grid, DDPM, then the spread seeds."""
+    out = [(s, k, settings.seed) for s in settings.samplers for k in settings.steps if k <= num_timesteps]
+    if settings.ddpm:
+        out.append(("ddpm", num_timesteps, settings.seed))
+    for p in settings.spread_points:
+        name, _, k = p.rpartition("-")
+        out += [(name, int(k), seed) for seed in settings.spread_seeds if seed != settings.seed]
+    return list(dict.fromkeys(out))
+
+
+def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> dict:
+    from fastddpm.diffusion import network_calls
+    from fastddpm.eval.evaluate import Evaluator
+    from fastddpm.sampling import checkpoint_info, compile_for_sampling, load_for_sampling
+    from fastddpm.train.runtime import resolve_device, resolve_precision
+
+    device, _ = resolve_device(settings.device)
+    model, cfg = load_for_sampling(settings.checkpoint, device=device)
+    info = checkpoint_info(settings.checkpoint)
+    T = cfg.diffusion.num_timesteps
+    precision = resolve_precision(settings.precision, device)
+    compile_on = device.type == "cuda" if settings.compile == "auto" else settings.compile == "on"
+    batch_size = min(settings.batch_size or (1000 if device.type == "cuda" else 250), settings.num_samples)
+    guidance = None
+    if cfg.model.conditional:
+        guidance = cfg.train.sample_guidance if settings.guidance is None else settings.guidance
+    elif settings.guidance is not None:
+        raise ConfigError("--guidance needs a conditional model; this checkpoint is unconditional")
+    out_dir = Path(out_dir) if out_dir else Path(info["file"]).parent.parent / "bench-samplers"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment_record(device)
+    evaluator = Evaluator.for_config(cfg, device=device, log=log)
+    sampling_model = compile_for_sampling(model, device) if compile_on else model
+    todo = points(settings, T)
+    common = {"checkpoint": {k: info[k] for k in ("file", "step", "images_seen")}, "num_samples": settings.num_samples,
+              "spacing": settings.spacing, "guidance": guidance, "batch_size": batch_size,
+              "precision": precision.name, "compile": compile_on, "features": evaluator.net.name,
+              **store.device_identity(env)}
+    json_path = out_dir / "samplers.json"
+    previous = store.Previous(json_path, schema=SCHEMA, rows=lambda data: data.get("rows") or [],
+                              remeasure=settings.remeasure, log=log)
+    rows = []
+    result = {"schema": SCHEMA, "settings": asdict(settings), "checkpoint": info, "environment": env,
+              "features": evaluator.describe(), "conditional": cfg.model.conditional, "rows": rows}
+    log(f"bench samplers: {len(todo)} points x {settings.num_samples:,} samples from {info['file']} "
+        f"(step {info['step']}), {device}, {precision.name}, compile {'on' if compile_on else 'off'}, "
+        f"features {evaluator.net.label}")
+    for sampler, steps, seed in todo:
+        identity = {**common, "sampler": sampler, "steps": steps, "seed": seed}
+        row = previous.take(identity)
+        if row is None:
+            nfe = network_calls(sampler, steps, T)
+            row = {"sampler": sampler, "steps": steps, "seed": seed, "nfe": nfe}
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    metrics, _ = evaluator.evaluate(sampling_model, cfg, num_samples=settings.num_samples,
+                                                    sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
+                                                    device=device, autocast_dtype=precision.autocast_dtype,
+                                                    guidance=guidance, spacing=settings.spacing)
+            except Exception as e:  # recorded, and the other points still run
+                row.update(status="failed", error=f"{type(e).__name__}: {e}")
+            else:
+                s = metrics["sampling"]
+                row.update(status="ok", fid=metrics["fid"], precision=metrics["precision"],
+                           recall=metrics["recall"], class_accuracy=metrics.get("class_accuracy"),
+                           sampling_s=s["wall_s"], samples_per_s=s["samples_per_s"],
+                           steady_samples_per_s=s.get("steady_samples_per_s"), score_s=metrics["score_s"])
+            row.update(wall_s=time.perf_counter() - t0, identity=identity, run=store.run_record(env))
+            log(f"  {sampler}-{steps} seed {seed} ({row['nfe']} NFE): " + (
+                f"FID {row['fid']:.3f}, precision {row['precision']:.3f}, recall {row['recall']:.3f}"
+                + (f", class accuracy {row['class_accuracy']:.1%}" if row.get("class_accuracy") is not None
+                   else "") + f", {row['samples_per_s']:.1f} samples/s" if row["status"] == "ok"
+                else f"failed: {row['error']}"))
+        else:
+            log(f"  {sampler}-{steps} seed {seed}: reused from {json_path}")
+        rows.append(row)
+        write_reports(result, out_dir)
+    previous.finish_matching()
+    result["summary"] = summarize(rows)
+    write_reports(result, out_dir)
+    plot = write_plot(result, out_dir / "samplers.png", log=log)
+    log(report_markdown(result))
+    log(f"wrote {json_path}, samplers.csv, samplers.md" + (f" and {plot}" if plot else ""))
+    return result
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (sampler, steps): FID over the seeds drawn (mean, min, max), NFE, samples/s."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            groups.setdefault((r["sampler"], r["steps"]), []).append(r)
+    out = []
+    for (sampler, steps), rs in groups.items():
+        fids = [r["fid"] for r in rs]
+        acc = [r["class_accuracy"] for r in rs if r.get("class_accuracy") is not None]
+        out.append({"sampler": sampler, "steps": steps, "nfe": rs[0]["nfe"], "seeds": len(rs),
+                    "fid": statistics.fmean(fids), "fid_min": min(fids), "fid_max": max(fids),
+                    "fid_std": statistics.stdev(fids) if len(fids) > 1 else None,
+                    "precision": statistics.fmean(r["precision"] for r in rs),
+                    "recall": statistics.fmean(r["recall"] for r in rs),
+                    "class_accuracy": statistics.fmean(acc) if acc else None,
+                    "samples_per_s": statistics.median(r["samples_per_s"] for r in rs)})
+    return sorted(out, key=lambda e: (e["sampler"] != "ddpm", e["sampler"], e["steps"]))
+
+
+def report_markdown(result: dict) -> str:
+    summary = result.get("summary") or summarize(result["rows"])
+    env, ck, st = result["environment"], result["checkpoint"], result["settings"]
+    cond = result["conditional"]
+    lines = [f"# bench samplers: {ck['file']} (step {ck['step']})", "",
+             f"{st['num_samples']:,} samples per point, "
+             f"{st['spacing'] + ' spacing' if st['spacing'] else 'karras spacing for heun, trailing for the others'}, "
+             f"features "
+             f"{result['features']['label']}, device {env['device_name']}, torch {env['torch']}, commit "
+             f"{env['git_commit']}, {env['date_utc']}", "",
+             "| sampler | steps | NFE | FID | seeds (min-max) | precision | recall |"
+             + (" class accuracy |" if cond else "") + " samples/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if cond else "") + " --- |"]
+    for e in summary:
+        spread = f"{e['seeds']} ({e['fid_min']:.2f}-{e['fid_max']:.2f})" if e["seeds"] > 1 else "1"
+        lines.append(f"| {e['sampler']} | {e['steps']} | {e['nfe']} | {e['fid']:.2f} | {spread} | "
+                     f"{e['precision']:.3f} | {e['recall']:.3f} |"
+                     + (f" {store.fmt(e['class_accuracy'], '.1%')} |" if cond else "")
+                     + f" {e['samples_per_s']:.1f} |")
+    failed = [r for r in result["rows"] if r.get("status") == "failed"]
+    for r in failed:
+        lines.append(f"\nfailed: {r['sampler']}-{r['steps']} seed {r['seed']}: {r['error']}")
+    lines += ["", "Measured by: " + "; ".join(f"{run['date_utc']} `{run['command_line']}` ({run['git_commit']})"
+                                              for run in store.distinct_runs(result["rows"]))]
+    return "\n".join(lines)
+
+
+def write_reports(result: dict, out_dir: Path) -> None:
+    store.write_json(out_dir / "samplers.json", result)
+    buf = io.StringIO()
+    fields = ["sampler", "steps", "nfe", "seed", "status", "fid", "precision", "recall", "class_accuracy",
+              "samples_per_s", "steady_samples_per_s", "sampling_s", "error"]
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in result["rows"]:
+        w.writerow(store.json_safe(r))
+    store.atomic_write_text(out_dir / "samplers.csv", buf.getvalue())
+    store.atomic_write_text(out_dir / "samplers.md", report_markdown(result) + "\n")
+
+
+def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> Path | None:
+    """FID against network calls per image, one line per sampler (log x), DDPM as a marked point."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("no matplotlib: skipping samplers.png (pip install matplotlib)")
+        return None
+    summary = result.get("summary") or summarize(result["rows"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for sampler in dict.fromkeys(e["sampler"] for e in summary):
+        es = [e for e in summary if e["sampler"] == sampler]
+        nfe = [e["nfe"] for e in es]
+        fid = [e["fid"] for e in es]
+        if sampler == "ddpm":
+            ax.scatter(nfe, fid, marker="*", s=120, color="black", label=f"ddpm ({nfe[0]} steps)", zorder=3)
+            continue
+        line = ax.plot(nfe, fid, marker="o", label=sampler)[0]
+        for e in es:
+            if e["seeds"] > 1:
+                ax.vlines(e["nfe"], e["fid_min"], e["fid_max"], color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_xlabel("network calls per image (NFE)")
+    ax.set_ylabel(f"FID ({result['features']['label']})")
+    ck = result["checkpoint"]
+    ax.set_title(f"samplers: {Path(ck['file']).name}, {result['settings']['num_samples']:,} samples", fontsize=10)
+    if all(math.isfinite(e["fid"]) and e["fid"] > 0 for e in summary) and summary:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,177 @@
+"""Few-step samplers: solvers of the diffusion probability-flow ODE, in 10-20 network calls instead of 50-1000.
+
+All three work on the same discrete-time model fastddpm trains (epsilon or v prediction, linear or cosine betas).
+At timestep t the noisy image is x_t = alpha_t x_0 + sigma_t eps with alpha_t = sqrt(alpha_bar_t), sigma_t =
+sqrt(1 - alpha_bar_t); the half log-SNR is lambda_t = log(alpha_t / sigma_t). Every solver asks the network for the
+data prediction x0_hat(x_t, t) (clipped to [-1, 1] when `clip`), and the last step lands on sigma = 0, where the
+image is the last x0_hat ("lower-order final step", as the references do it).
+
+DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, alg. 2), with h_i = lambda_{i+1} - lambda_i:
+    x_{i+1} = (sigma_{i+1} / sigma_i) x_i - alpha_{i+1} (e^{-h_i} - 1) D_i,
+    D_i = x0_i + (h_i / (2 h_{i-1})) (x0_i - x0_{i-1})          (first step: D_0 = x0_0, which is DDIM)
+
+UniPC (Zhao et al. 2023, arXiv:2302.04867), order 2 with B(h) = e^{-h} - 1 ("bh2"), data prediction. Its
+predictor UniP-2 is the update above. Its corrector UniC reuses the network call the next step makes anyway at
+x_{i+1}: it refits the step from x_i with that new x0 (alg. 2, eq. 8), so it raises the order at no extra cost.
+
+Heun (Karras et al. 2022 "EDM", arXiv:2206.00364, alg. 1 without churn), in the variance-exploding variables
+    x~ = x / alpha,  sigma~ = sigma / alpha,  d = (x~ - x0_hat) / sigma~:
+    Euler to sigma~_{i+1}, evaluate there, and step again with the mean of the two slopes (Euler on the last step).
+K steps cost 2K - 1 network calls. (Computed in the VP variables, see heun_2.)
+
+Timesteps ("spacing"): "trailing" is evenly spaced from T-1 down (Lin et al. 2024, arXiv:2305.08891), as DDIM;
+"karras" takes the EDM noise levels sigma~_i = (s_max^(1/7) + i/(K-1) (s_min^(1/7) - s_max^(1/7)))^7 (eq. 5, rho = 7)
+between the schedule's extremes and rounds each to the nearest trained timestep, so the network only ever sees
+timesteps it was trained on and the solver uses their exact noise levels. Steps are dense at low noise there.
+Both start at the noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fastddpm.config import SPACINGS
+from fastddpm.diffusion.schedule import NoiseSchedule
+
+# The solvers start at the noisiest trained timestep with lambda >= -5.1 (sigma~ = sigma / alpha <= 164): the cosine
+# schedule's clipped last betas put its final timesteps at sigma~ = 640 and 20,000, where a step in sigma~ (Heun) or
+# a multistep difference in lambda is ill-conditioned (diffusers' `lambda_min_clipped`, -5.1 for cosine; EDM's
+# VP sigma_max is 157, Karras et al. 2022, table 1). Starting there from pure noise errs by alpha <= 0.006 of x_0.
+# The linear schedule's lambda at T-1 is -5.06: it keeps every timestep.
+LAMBDA_MIN = -5.1
+
+
+def trailing_timesteps(num_timesteps: int, steps: int, first: int | None = None) -> list[int]:
+    """Evenly spaced 'trailing' timesteps from `first` (default T-1) down (Lin et al. 2024, arXiv:2305.08891,
+    table 2).
+
+    Trailing spacing always starts at the noisiest step, so the sampler begins where training noise ends;
+    steps == T gives every timestep.
+    """
+    first = num_timesteps - 1 if first is None else first
+    if not 1 <= steps <= first + 1:
+        raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({first + 1})")
+    ratio = (first + 1) / steps
+    return [int(round(first + 1 - i * ratio)) - 1 for i in range(steps)]
+
+
+def first_timestep(schedule: NoiseSchedule, lambda_min: float = LAMBDA_MIN) -> int:
+    """The noisiest timestep whose half log-SNR is >= lambda_min."""
+    ab = schedule.float64("alpha_bar")
+    lam_T = 0.5 * (ab.log() - (1 - ab).log())  # decreasing in t
+    return int((lam_T >= lambda_min).nonzero().max())
+
+
+def karras_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, first: int | None = None) -> list[int]:
+    """Timesteps at the EDM noise levels (Karras et al. 2022, eq. 5) between those of `first` (default T-1) and
+    t = 0, rounded to trained timesteps, noisiest first. Where two levels round to the same timestep (many
+    steps, the dense low-noise end) it is kept once, so the result may have fewer than `steps` entries."""
+    T = schedule.num_timesteps
+    first = T - 1 if first is None else first
+    if not 1 <= steps <= first + 1:
+        raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({first + 1})")
+    ab = schedule.float64("alpha_bar").numpy()
+    log_sigma_T = np.log(np.sqrt((1 - ab) / ab))  # increasing in t
+    lo, hi = math.exp(log_sigma_T[0]) ** (1 / rho), math.exp(log_sigma_T[first]) ** (1 / rho)
+    sigmas = (hi + np.linspace(0, 1, steps) * (lo - hi)) ** rho
+    t = np.interp(np.log(sigmas), log_sigma_T, np.arange(T)).round().astype(np.int64)
+    return list(dict.fromkeys(t.tolist()))
+
+
+def solver_timesteps(schedule: NoiseSchedule, steps: int, spacing: str = "trailing",
+                     first: int | None = None) -> list[int]:
+    """The timesteps a sampler visits, noisiest first, starting at `first` (default T-1)."""
+    if spacing == "trailing":
+        return trailing_timesteps(schedule.num_timesteps, steps, first)
+    if spacing == "karras":
+        return karras_timesteps(schedule, steps, first=first)
+    raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")
+
+
+def noise_levels(schedule: NoiseSchedule, timesteps: list[int]) -> tuple[list[float], list[float], list[float]]:
+    """(alpha, sigma, lambda) at each timestep and, appended, at the end of sampling (1, 0, +inf); host floats
+    computed in float64, so the solvers' coefficients cost no device work and no sync."""
+    ab = schedule.float64("alpha_bar")
+    alpha = [math.sqrt(float(ab[t])) for t in timesteps] + [1.0]
+    sigma = [math.sqrt(1.0 - float(ab[t])) for t in timesteps] + [0.0]
+    lam = [math.log(a / s) for a, s in zip(alpha[:-1], sigma[:-1])] + [math.inf]
+    return alpha, sigma, lam
+
+
+def dpmpp_2m(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], lam: list[float]) -> torch.Tensor:
+    """DPM-Solver++(2M) from x at level 0 through the levels of `noise_levels`; denoise(x, i) -> x0_hat at level i."""
+    steps = len(alpha) - 1
+    x0_prev = h_prev = None
+    for i in range(steps):
+        x0 = denoise(x, i)
+        if i == steps - 1:  # sigma_{i+1} = 0: the first-order step lands on x0_hat
+            return x0
+        h = lam[i + 1] - lam[i]
+        d = x0 if x0_prev is None else x0 + (0.5 * h / h_prev) * (x0 - x0_prev)
+        x = (sigma[i + 1] / sigma[i]) * x - (alpha[i + 1] * math.expm1(-h)) * d
+        x0_prev, h_prev = x0, h
+    return x
+
+
+def _unic_coefficients(h: float, r1: float | None) -> tuple[float, float]:
+    """UniC's (rho_D1, rho_new) for B(h) = e^{-h} - 1 (Zhao et al., alg. 2/ eq. 8). Order 1 (r1 None): (0, 1/2).
+    Order 2: solve [[1, 1], [r1, 1]] rho = (phi_2 / B, 2 phi_3 / B), phi_2 = (e^{-h}-1)/(-h) - 1,
+    phi_3 = phi_2 / (-h) - 1/2, with r1 = (lambda_{i-1} - lambda_i) / h the previous step's relative size."""
+    if r1 is None:
+        return 0.0, 0.5
+    hh = -h
+    b_h = math.expm1(hh)
+    phi_2 = b_h / hh - 1.0
+    phi_3 = phi_2 / hh - 0.5
+    b1, b2 = phi_2 / b_h, 2.0 * phi_3 / b_h
+    rho_d1 = (b1 - b2) / (1.0 - r1)
+    return rho_d1, b1 - rho_d1
+
+
+def unipc_2(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], lam: list[float]) -> torch.Tensor:
+    """UniPC (bh2, order 2, data prediction): UniP-2 predictor + UniC corrector, one network call per step."""
+    steps = len(alpha) - 1
+    x0s: list[torch.Tensor] = []  # x0_hat at levels 0 .. i
+    x_prev = None  # the (corrected) image at level i - 1, where the last predictor started
+    for i in range(steps):
+        x0 = denoise(x, i)
+        if i == steps - 1:  # the final step lands on x0_hat; correcting x first would not change it
+            return x0
+        if i > 0:  # UniC: refit the step from level i-1 to i with the x0_hat just computed at level i
+            h = lam[i] - lam[i - 1]
+            r1 = (lam[i - 2] - lam[i - 1]) / h if i >= 2 else None  # order 2 once two x0_hat precede level i
+            rho_d1, rho_new = _unic_coefficients(h, r1)
+            m0 = x0s[-1]
+            correction = rho_new * (x0 - m0)
+            if r1 is not None:
+                correction = correction + (rho_d1 / r1) * (x0s[-2] - m0)
+            b_h = math.expm1(-h)
+            x = (sigma[i] / sigma[i - 1]) * x_prev - (alpha[i] * b_h) * (m0 + correction)
+        x0s = x0s[-1:] + [x0]
+        x_prev = x
+        h = lam[i + 1] - lam[i]
+        # UniP-2 (order 1 on the first step): the same update as DPM-Solver++(2M)
+        d = x0 if len(x0s) < 2 else x0 + (0.5 * h / (lam[i] - lam[i - 1])) * (x0 - x0s[-2])
+        x = (sigma[i + 1] / sigma[i]) * x - (alpha[i + 1] * math.expm1(-h)) * d
+    return x
+
+
+def heun_2(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float]) -> torch.Tensor:
+    """EDM's deterministic Heun sampler (alg. 1, S_churn = 0) over the given levels, written in the VP image x:
+    the VE slope d = (x~ - x0_hat) / sigma~ is the predicted noise (x - alpha x0_hat) / sigma, the Euler step
+    x~ + (sigma~' - sigma~) d is DDIM's alpha' x0_hat + sigma' d, and the correction adds
+    alpha' (sigma~' - sigma~) (d' - d) / 2. This form never holds x~ = x / alpha, which reaches ~1e4 at the start
+    of a cosine schedule and would cost float32 its precision."""
+    steps = len(alpha) - 1
+    for i in range(steps):
+        x0 = denoise(x, i)
+        if i == steps - 1:  # the final Euler step to sigma = 0 lands on x0_hat
+            return x0
+        d = (x - alpha[i] * x0) * (1.0 / sigma[i])
+        x_euler = alpha[i + 1] * x0 + sigma[i + 1] * d
+        d_next = (x_euler - alpha[i + 1] * denoise(x_euler, i + 1)) * (1.0 / sigma[i + 1])
+        x = x_euler + (0.5 * (sigma[i + 1] - alpha[i + 1] * sigma[i] / alpha[i])) * (d_next - d)
+    return x

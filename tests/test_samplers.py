@@ -1,0 +1,223 @@
+"""The few-step samplers (DPM-Solver++(2M), UniPC, Heun) against diffusers' schedulers, the field's reference:
+the same model, the same initial noise, fastddpm's own betas (`trained_betas`), the same samples to float
+tolerance. Then what makes them worth having: on a problem whose exact answer is known, second order."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.cli import main
+from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
+from fastddpm.diffusion import SAMPLERS, karras_timesteps, make_schedule, network_calls, sample, sampler_timesteps
+from fastddpm.train.loop import train
+
+from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy 2's copy keyword, inside diffusers
+
+SHAPE = (3, 1, 4, 4)
+SEED = 7
+
+
+def smooth_model(x, t):
+    """A deterministic network stand-in: smooth in x, different at every timestep, mixing pixels a little."""
+    c = (t.to(x.dtype) / 1000.0).reshape(-1, 1, 1, 1)
+    return torch.tanh(0.7 * x + c) * (0.5 + c) + 0.1 * x.mean(dim=(1, 2, 3), keepdim=True)
+
+
+def reference(name: str, schedule, prediction: str, timesteps: list[int]) -> torch.Tensor:
+    """diffusers' scheduler `name` run on `timesteps` from fastddpm's initial noise for SEED."""
+    betas = schedule.float64("betas").numpy()
+    kw = dict(num_train_timesteps=schedule.num_timesteps, trained_betas=betas, timestep_spacing="trailing",
+              prediction_type={"epsilon": "epsilon", "v": "v_prediction"}[prediction])
+    if name == "dpmpp-2m":
+        sch = diffusers.DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, **kw)
+        sch.set_timesteps(timesteps=timesteps)
+    elif name == "unipc":  # UniPC takes no custom timesteps: set them as diffusers' own set_timesteps would
+        sch = diffusers.UniPCMultistepScheduler(solver_order=2, solver_type="bh2", predict_x0=True, **kw)
+        sch.set_timesteps(len(timesteps))
+        sch.timesteps = torch.tensor(timesteps)
+    elif name == "heun":
+        sch = diffusers.HeunDiscreteScheduler(**kw)
+        sch.set_timesteps(timesteps=timesteps)
+    else:
+        sch = diffusers.DDIMScheduler(clip_sample=False, set_alpha_to_one=True, **kw)
+        sch.set_timesteps(len(timesteps))
+        assert sch.timesteps.tolist() == timesteps
+        sch.alphas_cumprod = schedule.float64("alpha_bar")
+    # Noise levels from the float64 schedule, in float64 where diffusers computes them: diffusers keeps them in
+    # float32, and Heun's variance-exploding variables (x / alpha, up to ~1e4 at the start of a cosine schedule)
+    # then lose the digits this comparison is about; fastddpm's float32 arithmetic avoids that form.
+    if name != "ddim":
+        ab = schedule.float64("alpha_bar")[sch.timesteps.long()]
+        sch.sigmas = torch.cat([((1 - ab) / ab).sqrt(), torch.zeros(1, dtype=torch.float64)])
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(SEED))
+    x = noise.double() * (sch.sigmas[0] ** 2 + 1) ** 0.5 if name == "heun" else noise * sch.init_noise_sigma
+    for t in sch.timesteps:
+        out = smooth_model(sch.scale_model_input(x, t), torch.full((SHAPE[0],), float(t), dtype=x.dtype))
+        x = sch.step(out, t, x).prev_sample
+    return x.float()
+
+
+CASES = [(name, steps, spacing) for name in ("dpmpp-2m", "unipc", "heun", "ddim")
+         for steps, spacing in ((5, "trailing"), (20, "trailing"), (10, "karras"))
+         if (name, spacing) != ("ddim", "karras")]  # diffusers' DDIM steps by T // K: no custom timesteps
+
+
+@pytest.mark.parametrize("schedule_kind,prediction", [("linear", "epsilon"), ("cosine", "v"), ("cosine", "epsilon"),
+                                                      ("linear", "v")])
+@pytest.mark.parametrize("name,steps,spacing", CASES)
+def test_samplers_equal_diffusers_schedulers(name, steps, spacing, schedule_kind, prediction):
+    schedule = make_schedule(schedule_kind, 1000)
+    ours = sample(smooth_model, schedule, SHAPE, sampler=name, steps=steps, spacing=spacing, prediction=prediction,
+                  seed=SEED, clip=False)
+    ts = sampler_timesteps(schedule, name, steps, spacing)
+    if schedule_kind == "cosine" and name != "ddim":  # they start below the cosine schedule's last, clipped betas
+        assert ts[0] == 995
+    ref = reference(name, schedule, prediction, ts)
+    # relative to the samples' scale: unclipped x0 predictions at high noise reach |x| ~ 10
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 5e-5
+
+
+def test_karras_timesteps_are_diffusers_karras_sigmas_rounded_to_trained_timesteps():
+    schedule = make_schedule("linear", 1000)
+    for steps in (5, 10, 20):
+        sch = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, use_karras_sigmas=True,
+                                                    trained_betas=schedule.float64("betas").numpy())
+        sch.set_timesteps(steps)
+        assert karras_timesteps(schedule, steps) == sch.timesteps.tolist()
+    ts = karras_timesteps(schedule, 100)  # dense at low noise: levels that round to one timestep are kept once
+    assert ts == sorted(set(ts), reverse=True) and 90 < len(ts) < 100 and ts[0] == 999 and ts[-1] == 0
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_network_calls_are_what_each_sampler_makes(name):
+    schedule = make_schedule("linear", 50)
+    calls = []
+
+    def counting(x, t):
+        calls.append(int(t[0]))
+        return smooth_model(x, t)
+
+    sample(counting, schedule, SHAPE, sampler=name, steps=6, seed=1)
+    assert len(calls) == network_calls(name, 6, 50) == {"ddpm": 50, "heun": 11}.get(name, 6)
+    assert calls[0] == 49  # every sampler starts at the noisiest trained timestep
+
+
+@pytest.mark.parametrize("schedule_kind", ["linear", "cosine"])
+def test_solvers_are_second_order_on_a_problem_with_a_known_answer(schedule_kind):
+    """Gaussian data N(0, s^2): the exact denoiser is x0_hat = alpha s^2 x_t / (alpha^2 s^2 + sigma^2), and the
+    probability-flow ODE maps x_T to x_0 = s x_T / sqrt(alpha_T^2 s^2 + sigma_T^2) exactly. DDIM's error halves
+    when the steps double (first order); the other solvers' falls ~4x or more (second order) and is far smaller.
+    (On the cosine schedule Heun diverges if it starts at T-1, sigma~ = 20,000: ode_solvers.LAMBDA_MIN.)"""
+    s_data = 0.5
+    schedule = make_schedule(schedule_kind, 1000)
+    ab = schedule.float64("alpha_bar")
+
+    def exact_eps(x, t):
+        a, sig = ab[t].sqrt().float().view(-1, 1, 1, 1), (1 - ab[t]).sqrt().float().view(-1, 1, 1, 1)
+        x0 = a * s_data**2 * x / (a**2 * s_data**2 + sig**2)
+        return (x - a * x0) / sig
+
+    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(SEED))
+
+    def error(name: str, steps: int) -> float:
+        t0 = sampler_timesteps(schedule, name, steps, "trailing")[0]  # the exact answer from where it starts
+        target = s_data * noise / math.sqrt(float(ab[t0]) * s_data**2 + 1 - float(ab[t0]))
+        x = sample(exact_eps, schedule, SHAPE, sampler=name, steps=steps, seed=SEED, clip=False, spacing="trailing")
+        return (x - target).abs().max().item()
+
+    err = {(n, k): error(n, k) for n in ("ddim", "dpmpp-2m", "unipc", "heun") for k in (20, 40)}
+    assert 1.6 < err["ddim", 20] / err["ddim", 40] < 2.6, err
+    for n in ("dpmpp-2m", "unipc", "heun"):
+        if schedule_kind == "linear":  # on cosine the lower-order final step (x0_hat from t ~ T/K) sets the error
+            assert err[n, 20] / err[n, 40] > 3.0, (n, err)  # at 20-40 steps, first order in 1/K but 20x below DDIM
+        assert err[n, 40] < err["ddim", 40] / 3, (n, err)
+        assert err[n, 20] < err["ddim", 20] / 2.5, (n, err)
+
+
+def test_unknown_sampler_or_spacing_is_refused_naming_the_choices():
+    schedule = make_schedule("linear", 50)
+    with pytest.raises(ValueError, match="dpmpp-2m, unipc, heun"):
+        sample(smooth_model, schedule, SHAPE, sampler="dpm++")
+    with pytest.raises(ValueError, match="trailing, karras"):
+        sample(smooth_model, schedule, SHAPE, sampler="unipc", spacing="quadratic")
+    with pytest.raises(ValueError, match="between 1 and"):
+        sample(smooth_model, schedule, SHAPE, sampler="heun", steps=51)
+    assert np.all(np.diff(karras_timesteps(schedule, 8)) < 0)
+
+
+def tiny_run(tmp_path, source):
+    run = tmp_path / "run"
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(source), "train.progress": False,
+                                               "train.max_steps": 2, "train.num_sample_images": 2,
+                                               "train.sample_steps": 2})
+    train(cfg, out_dir=run, log=lambda *a, **k: None)
+    return run
+
+
+def test_sample_and_eval_take_every_sampler_and_say_what_it_costs(tmp_path, fmnist_splits, capsys):
+    run = tiny_run(tmp_path, fmnist_splits)
+    assert main(["sample", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-images", "4",
+                 "--no-progress"]) == 0
+    assert (run / "samples" / "heun3_n4_seed0.npz").is_file()  # heun's own spacing (karras): no tag
+    assert main(["sample", "--checkpoint", str(run), "--sampler", "unipc", "--steps", "3", "--spacing", "karras",
+                 "--num-images", "4", "--no-progress"]) == 0
+    images = np.load(run / "samples" / "unipc3-karras_n4_seed0.npz")["images"]
+    assert images.shape == (4, 1, 28, 28) and images.dtype == np.uint8
+    assert main(["sample", "--checkpoint", str(run), "--sampler", "dpmpp-2m", "--eta", "1"]) == 2
+    assert "--eta is DDIM's" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-samples", "20",
+                 "--no-progress"]) == 0
+    assert "karras spacing = 5 network calls each" in capsys.readouterr().out
+    s = json.loads((run / "eval" / "eval_heun3_n20_seed0.json").read_text())["sampling"]
+    assert s["nfe"] == 5 and s["spacing"] == "karras" and s["sampler"] == "heun"
+
+
+def test_bench_samplers_writes_the_table_and_resumes(tmp_path, fmnist_splits, capsys):
+    run = tiny_run(tmp_path, fmnist_splits)
+    out = tmp_path / "bench"
+    args = ["bench", "samplers", str(run), "--quick", "--samplers", "ddim,heun", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads((out / "samplers.json").read_text())
+    points = [(r["sampler"], r["steps"], r["seed"], r["nfe"]) for r in result["rows"]]
+    assert points == [("ddim", 2, 0, 2), ("ddim", 4, 0, 4), ("heun", 2, 0, 3), ("heun", 4, 0, 7), ("ddim", 4, 1, 4)]
+    assert all(r["status"] == "ok" and r["fid"] > 0 and 0 <= r["recall"] <= 1 for r in result["rows"])
+    ddim4 = next(e for e in result["summary"] if (e["sampler"], e["steps"]) == ("ddim", 4))
+    assert ddim4["seeds"] == 2 and ddim4["fid_min"] <= ddim4["fid"] <= ddim4["fid_max"]
+    assert ddim4["fid_min"] < ddim4["fid_max"]  # other noise, other samples
+    md = (out / "samplers.md").read_text()
+    assert "| ddim | 4 | 4 |" in md and "| 2 (" in md and "Measured by:" in md
+    assert (out / "samplers.csv").read_text().splitlines()[0].startswith("sampler,steps,nfe,seed,status,fid")
+    assert (out / "samplers.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(args) == 0  # the same command again: every point is reused, none drawn again
+    log = capsys.readouterr().out
+    assert log.count("reused from") == 5 and "FID" in log
+    again = json.loads((out / "samplers.json").read_text())
+    assert [r["fid"] for r in again["rows"]] == [r["fid"] for r in result["rows"]]
+    assert main(["bench", "samplers", str(run), "--samplers", "dpm++"]) == 2
+    assert "unknown sampler 'dpm++'" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["dpmpp-2m", "unipc", "heun", "ddim"])
+def test_cuda_graph_replayed_sampling_equals_eager(name):
+    """On a GPU the sampler's network runs compiled with each step a CUDA graph replay; the solvers keep no network
+    output across calls, so a replay overwriting it changes nothing: the same images as eager, to fp32 tolerance."""
+    from fastddpm.models import UNet
+    from fastddpm.sampling import compile_for_sampling
+
+    torch.manual_seed(0)
+    model = UNet(resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model).cuda().eval()
+    schedule = make_schedule("linear", 1000)
+    kw = dict(sampler=name, steps=6, seed=3, device="cuda")
+    with torch.inference_mode():
+        eager = sample(model, schedule, (8, 1, 28, 28), **kw)
+        graphed = sample(compile_for_sampling(model, torch.device("cuda")), schedule, (8, 1, 28, 28), **kw)
+    torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
