@@ -13,6 +13,7 @@
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
+#   samplers          2-4 min      bench samplers on that reference run: FID vs NFE, 5,000 samples a point
 #   quality-fast      3-4 min      the fast recipe's wall time to the target (needs quality-reference's file)
 #   quality-options   3-5 min      min-snr-5, v-prediction, cosine on the fast recipe (needs quality-fast's file)
 #   quality-options-2 3-5 min      no-ema-warmup, no-lr-warmup, lr-x2, likewise
@@ -53,7 +54,7 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer ladder ladder-fast doctor ddp quality-reference eval quality-fast
+ALL="tests throughput throughput-2layer ladder ladder-fast doctor ddp quality-reference eval samplers quality-fast
      quality-options quality-options-2 summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
   echo "usage: bash benchmarks/gpu_session.sh PART [PART ...]; parts:" $ALL; exit 2
@@ -155,6 +156,14 @@ for part in "${PARTS[@]}"; do
       else
         limited 90 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/quality-reference/reference" --num-samples 10000 \
           --steps 50 --out "$RES/eval" --no-progress
+      fi ;;
+    samplers)
+      if [ ! -d "$QUALITY_DIR/quality-reference/reference" ]; then
+        echo "!! samplers needs the reference run of quality-reference on this machine: run \"quality-reference samplers\" in one call"
+        false
+      else
+        limited 240 $PY -m fastddpm bench samplers "$QUALITY_DIR/quality-reference/reference" --num-samples 5000 \
+          --no-ddpm --out "$RES/samplers"
       fi ;;
     quality-fast)
       if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID")

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/summarize_gpu.py benchmarks/gpu/<date> [--out FILE]
 
 Reads what each part writes: throughput-*/throughput.json, ladder/ladder.json, doctor/planted.txt and
-doctor/overhead.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, tests/junit.xml, and the
+doctor/overhead.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json, tests/junit.xml, and the
 call records (calls/<time>.json: device, driver, torch, commit given; calls/parts.jsonl: which call ran which
 part). Every table is headed by the device, date, torch version, commit and command that produced it. A part
 with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md (or --out) and prints it.
@@ -289,8 +289,29 @@ def section_eval(folder: Path, calls: Calls) -> list[str]:
     return lines + [""] + rows + [""]
 
 
-SECTIONS = (section_tests, section_throughput, section_ladder, section_eval, section_quality, section_doctor,
-            section_ddp)
+def section_samplers(folder: Path, calls: Calls) -> list[str]:
+    title = "### `fastddpm bench samplers` on a GPU (issue #16)"
+    path = folder / "samplers" / "samplers.json"
+    if not path.is_file():
+        return [title, "", "Not measured yet (part `samplers`, in the call of `quality-reference`).", ""]
+    r = json.loads(path.read_text())
+    rows = ["| sampler | steps | NFE | FID | seeds (min-max) | precision | recall | samples/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in r.get("summary") or []:
+        spread = f"{e['seeds']} ({e['fid_min']:.2f}-{e['fid_max']:.2f})" if e["seeds"] > 1 else "1"
+        rows.append(f"| {e['sampler']} | {e['steps']} | {e['nfe']} | {_f(e['fid'], '.2f')} | {spread} | "
+                    f"{_f(e['precision'], '.3f')} | {_f(e['recall'], '.3f')} | {_f(e['samples_per_s'], ',.1f')} |")
+    runs = []
+    for row in r.get("rows") or []:
+        if row.get("run") and row["run"] not in runs:
+            runs.append(row["run"])
+    return ([title, ""] + provenance(r["environment"], runs, calls)
+            + ["", f"{r['settings']['num_samples']:,} samples per point from {r['checkpoint']['file']}; FID in "
+               f"{r['features']['label']}.", ""] + rows + [""])
+
+
+SECTIONS = (section_tests, section_throughput, section_ladder, section_eval, section_samplers, section_quality,
+            section_doctor, section_ddp)
 
 
 def summarize(folder: Path) -> str:

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "ladder", "ladder-fast", "doctor", "ddp", "quality-reference",
-         "eval", "quality-fast", "quality-options", "quality-options-2", "summarize"]
+         "eval", "samplers", "quality-fast", "quality-options", "quality-options-2", "summarize"]
 
 
 def _load(name: str):
@@ -77,7 +77,7 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             args = parser.parse_args(cmd[3:])  # SystemExit(2) on a bad flag
             if args.command == "bench":  # and the settings they make: ConfigError on a bad value
                 make = {"throughput": bench_cli.throughput_settings, "ladder": bench_cli.ladder_settings,
-                        "quality": bench_cli.quality_settings}[args.bench_command]
+                        "quality": bench_cli.quality_settings, "samplers": bench_cli.samplers_settings}[args.bench_command]
                 make(args)
             seen.add(f"{args.command} {getattr(args, 'bench_command', '')}".strip())
         elif cmd[1:3] == ["-m", "fastddpm.doctor.planted"]:
@@ -92,7 +92,7 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             args = _load(name).build_parser().parse_args(cmd[2:])
             assert args.out
             seen.add(name)
-    assert seen == {"bench throughput", "bench ladder", "bench quality", "eval", "planted", "pytest",
+    assert seen == {"bench throughput", "bench ladder", "bench quality", "bench samplers", "eval", "planted", "pytest",
                     "doctor_overhead", "ddp_overhead"}
     ladder = [c for c in commands if c[3:5] == ["bench", "ladder"]]
     assert len(ladder) == 2 and len({c[c.index("--out") + 1] for c in ladder}) == 1  # one folder: resumed, merged
@@ -104,12 +104,14 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
 
 
 def test_budget_holds_parts_back_and_names_the_next_call(tmp_path):
-    done = _session(tmp_path, "throughput", "quality-reference", "ladder", BUDGET_S="100")
+    # A budget of 250 s: throughput (needs 90 s) starts unless the call's set-up took 160 s; quality-reference
+    # (300 s) can never start, however fast the machine (the set-up's time must not decide this test).
+    done = _session(tmp_path, "throughput", "quality-reference", BUDGET_S="250")
     out = done.stdout
-    assert "DRY" in out.split("== quality-reference")[0]  # throughput needs 90 s: started
+    assert "DRY" in out.split("== quality-reference")[0]  # throughput: started
     assert "!! not started: it needs about 300 s" in out  # quality-reference: held back
     assert out.strip().splitlines()[-1] == ("next call (parts not started, cut short or failed): "
-                                           "bash benchmarks/gpu_session.sh quality-reference ladder")
+                                           "bash benchmarks/gpu_session.sh quality-reference")
 
 
 def test_unknown_part_is_refused(tmp_path):
@@ -211,6 +213,14 @@ def _fabricate(folder: Path) -> None:
         "sampling": {"num_samples": 10000, "precision": "bf16", "compile": True, "samples_per_s": 2500.0,
                      "steady_samples_per_s": 3100.0},
         "environment": _env("2026-12-01T11:15:00+00:00", "python -m fastddpm eval --checkpoint x")})
+    sampler_run = _run("2026-12-01T11:17:00+00:00", "python -m fastddpm bench samplers x --num-samples 5000")
+    write("samplers/samplers.json", {
+        "environment": _env("2026-12-01T11:17:00+00:00", "python -m fastddpm bench samplers x --num-samples 5000"),
+        "settings": {"num_samples": 5000}, "checkpoint": {"file": "x/checkpoints/ckpt_000012500.pt"},
+        "features": {"label": "fastddpm-features"},
+        "rows": [{"sampler": "dpmpp-2m", "steps": 10, "seed": s, "run": sampler_run} for s in (0, 1)],
+        "summary": [{"sampler": "dpmpp-2m", "steps": 10, "nfe": 10, "seeds": 2, "fid": 3.4, "fid_min": 3.3,
+                     "fid_max": 3.5, "precision": 0.7, "recall": 0.68, "samples_per_s": 21000.0}]})
 
 
 def test_summary_of_a_fabricated_session(tmp_path):
@@ -220,7 +230,7 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert summarize_gpu.main([str(folder)]) == 0
     md = (folder / "SUMMARY.md").read_text()
     sections = md.split("\n### ")[1:]
-    assert len(sections) == 7  # tests, throughput (one folder here), ladder, eval, quality, doctor, ddp
+    assert len(sections) == 8  # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, ddp
     for section in sections:
         assert "Not measured yet" not in section and "Not run yet" not in section, section
         # every table names device, torch, date, commit (the call's, as the results say unknown) and command
@@ -238,9 +248,10 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert "| fast | train.batch_size=512 | 1,200,000 | 30.0 | 2.900 | 21.5 | 720,000 |" in md
     assert "| option min-snr-5 |" in md and "4.42x" in md
     assert "| 10,000 | ddim50 | bf16 | True | 2,500.0 | 3,100.0 | 3.300 |" in md
+    assert "| dpmpp-2m | 10 | 10 | 3.40 | 2 (3.30-3.50) | 0.700 | 0.680 | 21,000.0 |" in md
 
 
 def test_summary_of_an_empty_session_says_what_is_missing(tmp_path):
     summarize_gpu = _load("summarize_gpu")
     text = summarize_gpu.summarize(tmp_path)
-    assert text.count("Not measured yet") == 6 and "Not run yet (part `tests`)" in text
+    assert text.count("Not measured yet") == 7 and "Not run yet (part `tests`)" in text

@@ -16,7 +16,6 @@ from fastddpm.train.loop import train
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
 
-diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy 2's copy keyword, inside diffusers
 
 SHAPE = (3, 1, 4, 4)
@@ -29,7 +28,12 @@ def smooth_model(x, t):
     return torch.tanh(0.7 * x + c) * (0.5 + c) + 0.1 * x.mean(dim=(1, 2, 3), keepdim=True)
 
 
-def reference(name: str, schedule, prediction: str, timesteps: list[int]) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def diffusers():
+    return pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
+
+
+def reference(diffusers, name: str, schedule, prediction: str, timesteps: list[int]) -> torch.Tensor:
     """diffusers' scheduler `name` run on `timesteps` from fastddpm's initial noise for SEED."""
     betas = schedule.float64("betas").numpy()
     kw = dict(num_train_timesteps=schedule.num_timesteps, trained_betas=betas, timestep_spacing="trailing",
@@ -71,19 +75,19 @@ CASES = [(name, steps, spacing) for name in ("dpmpp-2m", "unipc", "heun", "ddim"
 @pytest.mark.parametrize("schedule_kind,prediction", [("linear", "epsilon"), ("cosine", "v"), ("cosine", "epsilon"),
                                                       ("linear", "v")])
 @pytest.mark.parametrize("name,steps,spacing", CASES)
-def test_samplers_equal_diffusers_schedulers(name, steps, spacing, schedule_kind, prediction):
+def test_samplers_equal_diffusers_schedulers(diffusers, name, steps, spacing, schedule_kind, prediction):
     schedule = make_schedule(schedule_kind, 1000)
     ours = sample(smooth_model, schedule, SHAPE, sampler=name, steps=steps, spacing=spacing, prediction=prediction,
                   seed=SEED, clip=False)
     ts = sampler_timesteps(schedule, name, steps, spacing)
     if schedule_kind == "cosine" and name != "ddim":  # they start below the cosine schedule's last, clipped betas
         assert ts[0] == 995
-    ref = reference(name, schedule, prediction, ts)
+    ref = reference(diffusers, name, schedule, prediction, ts)
     # relative to the samples' scale: unclipped x0 predictions at high noise reach |x| ~ 10
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 5e-5
 
 
-def test_karras_timesteps_are_diffusers_karras_sigmas_rounded_to_trained_timesteps():
+def test_karras_timesteps_are_diffusers_karras_sigmas_rounded_to_trained_timesteps(diffusers):
     schedule = make_schedule("linear", 1000)
     for steps in (5, 10, 20):
         sch = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, use_karras_sigmas=True,
