@@ -20,6 +20,7 @@ from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint, save_ch
 from fastddpm.train.loop import train
 from fastddpm.train.metrics import read_metrics
 
+from conftest import needs_bf16_gpu
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
 
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
@@ -221,6 +222,24 @@ def test_compiled_conditional_step_matches_eager_and_does_not_recompile(tmp_path
     assert mc[-1]["recompiles_after_warmup"] == 0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_bf16_gpu
+def test_cuda_graph_captured_conditional_step_matches_eager(tmp_path, fmnist_npz):
+    """On a GPU the whole conditional step (labels in their static buffer, label dropout on the device) is one
+    CUDA graph: its losses follow the eager run's, and the grid samples with guidance from the captured run."""
+    losses = {}
+    for name, graphs in (("eager", "off"), ("graphs", "capture")):
+        cfg = tiny_cond_cfg(fmnist_npz, max_steps=8, log_every=1, checkpoint_every=None, device="cuda",
+                            precision="bf16", compile="on" if graphs == "capture" else "off", cuda_graphs=graphs)
+        train(cfg, out_dir=tmp_path / name, log=quiet)
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+    info = json.loads((tmp_path / "graphs" / "run.json").read_text())
+    assert info["cuda_graphs_used"], info["cuda_graphs_failure"]
+    np.testing.assert_allclose(losses["graphs"], losses["eager"], rtol=2e-2)
+    assert (tmp_path / "graphs" / "samples" / "final.png").is_file()
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, capsys):
     run = tmp_path / "run"
@@ -229,9 +248,9 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     assert main([*args, "--class", "7", "--guidance", "2", "--num-images", "3"]) == 0
     z = np.load(tmp_path / "s" / "ddim2_n3_seed0_7_w2.npz")
     assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 2
-    assert main([*args, "--class", "all", "--num-images", "20"]) == 0
-    z = np.load(tmp_path / "s" / "ddim2_n20_seed0_all_w1.npz")
-    assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)]
+    assert main([*args, "--class", "all", "--num-images", "20"]) == 0  # W: the run's train.sample_guidance (3)
+    z = np.load(tmp_path / "s" / "ddim2_n20_seed0_all_w3.npz")
+    assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)] and float(z["guidance"]) == 3
     capsys.readouterr()
     assert main([*args, "--class", "boots"]) == 2
     assert "is not one of this model's classes" in capsys.readouterr().err

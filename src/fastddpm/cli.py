@@ -34,7 +34,7 @@ from fastddpm.config import (
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < flags):
 {presets}
-  Default: seed-1layer when CUDA is available, else cpu-demo.
+  Default: seed-1layer when CUDA is available, else cpu-demo-cond (a grid of one row per class).
 
 Config files (YAML or JSON) hold sections model/diffusion/data/train and an optional preset, e.g.
   preset: seed-1layer
@@ -156,8 +156,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--class", dest="klass", metavar="NAME|ID|all",
                     help="a conditional model's class: its name (e.g. sneaker) or number, or all (one row per class); "
                          "default: unconditional")
-    sp.add_argument("--guidance", type=float, default=1.0, metavar="W",
-                    help="classifier-free guidance scale with --class: 1 = plain conditional (default), 0 = "
+    sp.add_argument("--guidance", type=float, default=None, metavar="W",
+                    help="classifier-free guidance scale with --class (default: the model's train.sample_guidance, "
+                         "3 for new runs, the best FID measured on the CPU demo): 1 = plain conditional, 0 = "
                          "unconditional, > 1 = more faithful to the class, less varied")
 
     from fastddpm.bench.cli import add_bench_parser
@@ -185,7 +186,7 @@ def resolve_train_config(args, dests: dict, resumed_config: dict | None = None) 
         cfg = from_dict(resumed_config)
     else:
         if preset is None:
-            preset = "seed-1layer" if torch.cuda.is_available() else "cpu-demo"
+            preset = "seed-1layer" if torch.cuda.is_available() else "cpu-demo-cond"
             print(f"preset: {preset} (no --preset given; "
                   f"{'CUDA is available' if preset == 'seed-1layer' else 'no CUDA device'})")
         cfg = get_preset(preset)
@@ -248,10 +249,11 @@ def cmd_sample(args) -> int:
     ckpt = Path(args.checkpoint)
     run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
     out = Path(args.out) if args.out else run_dir / "samples"
-    if args.guidance < 0:
+    if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
-    if args.guidance != 1.0 and args.klass is None:
+    if args.guidance is not None and args.klass is None:
         raise ConfigError("--guidance steers toward a class: give --class NAME|ID|all with it")
+    guidance = cfg.train.sample_guidance if args.guidance is None else args.guidance
     labels, per_class = class_labels(cfg.model, args.klass, args.num_images)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
@@ -259,13 +261,13 @@ def cmd_sample(args) -> int:
     tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
     stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
     if args.klass is not None:
-        stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{args.guidance:g}"
+        stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size, device=device,
                                  out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
                                  precision=args.precision, progress=not args.no_progress, labels=labels,
-                                 guidance=args.guidance, per_class_row=per_class)
+                                 guidance=guidance, per_class_row=per_class)
     print(f"wrote {out / (stem + '.png')} and {out / (stem + '.npz')} ({images.shape[0]} images, "
           f"{tuple(images.shape[1:])} uint8)")
     return 0
