@@ -204,6 +204,13 @@ def test_bench_samplers_writes_the_table_and_resumes(tmp_path, fmnist_splits, ca
     assert log.count("reused from") == 5 and "FID" in log
     again = json.loads((out / "samplers.json").read_text())
     assert [r["fid"] for r in again["rows"]] == [r["fid"] for r in result["rows"]]
+    # another part of the table into the same folder: its point is added, the earlier ones stay
+    assert main(["bench", "samplers", str(run), "--quick", "--samplers", "unipc", "--steps", "2", "--spread-points",
+                 "none", "--out", str(out)]) == 0
+    merged = json.loads((out / "samplers.json").read_text())
+    assert sorted((r["sampler"], r["steps"], r["seed"]) for r in merged["rows"]) == sorted(
+        [("unipc", 2, 0)] + [(r["sampler"], r["steps"], r["seed"]) for r in result["rows"]])
+    assert "carried 5 point(s)" in capsys.readouterr().out
     assert main(["bench", "samplers", str(run), "--samplers", "dpm++"]) == 2
     assert "unknown sampler 'dpm++'" in capsys.readouterr().err
 

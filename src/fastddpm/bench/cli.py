@@ -313,7 +313,8 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
     sp.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="per point (default 2000)")
     sp.add_argument("--seed", type=int, default=None, help="noise seed of every point (default 0)")
     sp.add_argument("--spread-points", type=_csv_list, default=None, metavar="S-K,..",
-                    help="points drawn again with --spread-seeds (default ddim-50,ddim-100,dpmpp-2m-10,dpmpp-2m-20)")
+                    help="points drawn again with --spread-seeds (default ddim-50,ddim-100,dpmpp-2m-10,dpmpp-2m-20; "
+                         "none: no spread)")
     sp.add_argument("--spread-seeds", type=_csvints, default=None, metavar="N,..", help="default 1,2")
     sp.add_argument("--guidance", type=float, default=None, metavar="W",
                     help="a conditional model's guidance scale (default: its train.sample_guidance)")
@@ -336,7 +337,7 @@ def samplers_settings(args: argparse.Namespace):
                  "guidance", "batch_size"):
         value = getattr(args, name)
         if value is not None:
-            base[name] = value
+            base[name] = () if name == "spread_points" and value == ("none",) else value
     return SamplerBenchSettings(checkpoint=args.checkpoint, **base, precision=args.precision, compile=args.compile,
                                 device=args.device, remeasure=args.remeasure, quick=args.quick)
 

@@ -10,7 +10,8 @@ each of them as mean and min-max, beside the single-seed points.
 
 Rows are written after every point (OUT/samplers.json, .csv, .md) and a run into the same folder reuses every
 point measured there with the same checkpoint, settings, device and torch (fastddpm.bench.store): a killed
-run loses at most the point it was drawing. OUT/samplers.png plots FID against NFE (matplotlib).
+run loses at most the point it was drawing. Points of other samplers or step counts measured there with the same
+checkpoint and settings are kept, so one table can be built over several runs (`--samplers`, `--steps`). OUT/samplers.png plots FID against NFE (matplotlib).
 """
 
 from __future__ import annotations
@@ -81,13 +82,12 @@ def points(settings: SamplerBenchSettings, num_timesteps: int) -> list[tuple[str
         out.append(("ddpm", num_timesteps, settings.seed))
     for p in settings.spread_points:
         name, _, k = p.rpartition("-")
-        out += [(name, int(k), seed) for seed in settings.spread_seeds if seed != settings.seed]
+        out += [(name, int(k), seed) for seed in (settings.seed, *settings.spread_seeds)]
     return list(dict.fromkeys(out))
 
 
 def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = None,
                  log: Callable[[str], None] = print) -> dict:
-    from fastddpm.diffusion import network_calls
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.sampling import checkpoint_info, compile_for_sampling, load_for_sampling
     from fastddpm.train.runtime import resolve_device, resolve_precision
@@ -117,34 +117,26 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     json_path = out_dir / "samplers.json"
     previous = store.Previous(json_path, schema=SCHEMA, rows=lambda data: data.get("rows") or [],
                               remeasure=settings.remeasure, log=log)
-    rows = []
+    identities = [{**common, "sampler": sampler, "steps": steps, "seed": seed} for sampler, steps, seed in todo]
+    reused = [previous.take(identity) for identity in identities]
+    # Points of the same table measured by earlier runs into this folder (other samplers or steps, other seeds)
+    # stay in it, written from the first point on: a table can be built over several runs, and a killed run
+    # loses none of them.
+    same = store.canonical(common)
+    rows = previous.take_all(lambda ident: all(ident.get(k) == v for k, v in same.items()))
+    if rows:
+        log(f"carried {len(rows)} point(s) of the same checkpoint and settings from {json_path}")
+    previous.finish_matching()
     result = {"schema": SCHEMA, "settings": asdict(settings), "checkpoint": info, "environment": env,
               "features": evaluator.describe(), "conditional": cfg.model.conditional, "rows": rows}
     log(f"bench samplers: {len(todo)} points x {settings.num_samples:,} samples from {info['file']} "
         f"(step {info['step']}), {device}, {precision.name}, compile {'on' if compile_on else 'off'}, "
         f"features {evaluator.net.label}")
-    for sampler, steps, seed in todo:
-        identity = {**common, "sampler": sampler, "steps": steps, "seed": seed}
-        row = previous.take(identity)
+    for (sampler, steps, seed), identity, row in zip(todo, identities, reused):
         if row is None:
-            nfe = network_calls(sampler, steps, T)
-            row = {"sampler": sampler, "steps": steps, "seed": seed, "nfe": nfe}
-            t0 = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    metrics, _ = evaluator.evaluate(sampling_model, cfg, num_samples=settings.num_samples,
-                                                    sampler=sampler, steps=steps, seed=seed, batch_size=batch_size,
-                                                    device=device, autocast_dtype=precision.autocast_dtype,
-                                                    guidance=guidance, spacing=settings.spacing)
-            except Exception as e:  # recorded, and the other points still run
-                row.update(status="failed", error=f"{type(e).__name__}: {e}")
-            else:
-                s = metrics["sampling"]
-                row.update(status="ok", fid=metrics["fid"], precision=metrics["precision"],
-                           recall=metrics["recall"], class_accuracy=metrics.get("class_accuracy"),
-                           sampling_s=s["wall_s"], samples_per_s=s["samples_per_s"],
-                           steady_samples_per_s=s.get("steady_samples_per_s"), score_s=metrics["score_s"])
-            row.update(wall_s=time.perf_counter() - t0, identity=identity, run=store.run_record(env))
+            row = measure_point(evaluator, sampling_model, cfg, settings, sampler=sampler, steps=steps, seed=seed,
+                                batch_size=batch_size, device=device, precision=precision, guidance=guidance)
+            row.update(identity=identity, run=store.run_record(env))
             log(f"  {sampler}-{steps} seed {seed} ({row['nfe']} NFE): " + (
                 f"FID {row['fid']:.3f}, precision {row['precision']:.3f}, recall {row['recall']:.3f}"
                 + (f", class accuracy {row['class_accuracy']:.1%}" if row.get("class_accuracy") is not None
@@ -154,13 +146,38 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
             log(f"  {sampler}-{steps} seed {seed}: reused from {json_path}")
         rows.append(row)
         write_reports(result, out_dir)
-    previous.finish_matching()
     result["summary"] = summarize(rows)
     write_reports(result, out_dir)
     plot = write_plot(result, out_dir / "samplers.png", log=log)
     log(report_markdown(result))
     log(f"wrote {json_path}, samplers.csv, samplers.md" + (f" and {plot}" if plot else ""))
     return result
+
+
+def measure_point(evaluator, model, cfg, settings: SamplerBenchSettings, *, sampler: str, steps: int, seed: int,
+                  batch_size: int, device, precision, guidance) -> dict:
+    """One point of the table: sample, score, time. A failure is recorded in the row, and the others still run."""
+    from fastddpm.diffusion import network_calls
+
+    row = {"sampler": sampler, "steps": steps, "seed": seed,
+           "nfe": network_calls(sampler, steps, cfg.diffusion.num_timesteps)}
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            metrics, _ = evaluator.evaluate(model, cfg, num_samples=settings.num_samples, sampler=sampler, steps=steps,
+                                            seed=seed, batch_size=batch_size, device=device,
+                                            autocast_dtype=precision.autocast_dtype, guidance=guidance,
+                                            spacing=settings.spacing)
+    except Exception as e:
+        row.update(status="failed", error=f"{type(e).__name__}: {e}")
+    else:
+        s = metrics["sampling"]
+        row.update(status="ok", fid=metrics["fid"], precision=metrics["precision"], recall=metrics["recall"],
+                   class_accuracy=metrics.get("class_accuracy"), sampling_s=s["wall_s"],
+                   samples_per_s=s["samples_per_s"], steady_samples_per_s=s.get("steady_samples_per_s"),
+                   score_s=metrics["score_s"])
+    row["wall_s"] = time.perf_counter() - t0
+    return row
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -136,6 +136,16 @@ class Previous:
         want = canonical(identity)
         return next((r for r in self.failed if r["identity"] == want), None)
 
+    def take_all(self, keep: Callable[[dict], bool]) -> list[dict]:
+        """Every earlier ok row not yet taken whose identity `keep` accepts: for a command whose runs each measure a
+        part of one table (other points of the same subject), to carry them into the new file."""
+        out = []
+        for i, r in enumerate(self.rows):
+            if i not in self._used and keep(r["identity"]):
+                self._used.add(i)
+                out.append(r)
+        return out
+
     def finish_matching(self) -> None:
         """Say which earlier ok rows matched nothing in this run, and keep the old file beside the new one."""
         unused = [r for i, r in enumerate(self.rows) if i not in self._used]
