@@ -12,7 +12,7 @@ DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, alg. 2), with h_i = lambda_{
 
 UniPC (Zhao et al. 2023, arXiv:2302.04867), order 2 with B(h) = e^{-h} - 1 ("bh2"), data prediction. Its
 predictor UniP-2 is the update above. Its corrector UniC reuses the network call the next step makes anyway at
-x_{i+1}: it refits the step from x_i with that new x0 (alg. 2, eq. 8), so it raises the order at no extra cost.
+x_{i+1}: it refits the step from x_i with that new x0, raising the order at no extra cost.
 
 Heun (Karras et al. 2022 "EDM", arXiv:2206.00364, alg. 1 without churn), in the variance-exploding variables
     x~ = x / alpha,  sigma~ = sigma / alpha,  d = (x~ - x0_hat) / sigma~:
@@ -117,9 +117,9 @@ def dpmpp_2m(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], l
 
 
 def _unic_coefficients(h: float, r1: float | None) -> tuple[float, float]:
-    """UniC's (rho_D1, rho_new) for B(h) = e^{-h} - 1 (Zhao et al., alg. 2/ eq. 8). Order 1 (r1 None): (0, 1/2).
+    """UniC's (rho_D1, rho_new) for B(h) = e^{-h} - 1 (Zhao et al. 2023, UniC-p). Order 1 (r1 None): (0, 1/2).
     Order 2: solve [[1, 1], [r1, 1]] rho = (phi_2 / B, 2 phi_3 / B), phi_2 = (e^{-h}-1)/(-h) - 1,
-    phi_3 = phi_2 / (-h) - 1/2, with r1 = (lambda_{i-1} - lambda_i) / h the previous step's relative size."""
+    phi_3 = phi_2 / (-h) - 1/2, for the step from level s to s+1 of size h, with r1 = (lambda_{s-1} - lambda_s) / h."""
     if r1 is None:
         return 0.0, 0.5
     hh = -h
