@@ -110,6 +110,13 @@ OUT/throughput.md (the table below plus the environment), and prints the table:
 Exit codes: 0 at least one variant ran, 1 every variant failed, 2 bad flags or config.
 """
 
+def _given(args: argparse.Namespace, quick: dict, names: tuple[str, ...]) -> dict:
+    """A command's settings: --quick's values (when given), then every flag of `names` given explicitly."""
+    base = dict(quick) if args.quick else {}
+    base.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
+    return base
+
+
 def _csv_list(text: str) -> tuple[str, ...]:
     items = tuple(s.strip() for s in text.split(",") if s.strip())
     if not items:
@@ -205,11 +212,8 @@ def _add_ladder_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
 def ladder_settings(args: argparse.Namespace):
     from fastddpm.bench.ladder import QUICK, LadderSettings
 
-    base = dict(QUICK) if args.quick else {}
-    for name in ("data", "preset", "num_images", "steps", "warmup_steps", "repeats", "workers", "mlp_epochs", "rungs"):
-        value = getattr(args, name)
-        if value is not None:
-            base[name] = value
+    base = _given(args, QUICK, ("data", "preset", "num_images", "steps", "warmup_steps", "repeats", "workers",
+                                "mlp_epochs", "rungs"))
     return LadderSettings(**base, device=args.device, mlp=not args.skip_mlp, quick=args.quick,
                           remeasure=args.remeasure)
 
@@ -281,13 +285,9 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
 def quality_settings(args: argparse.Namespace):
     from fastddpm.bench.quality import QUICK, QualitySettings
 
-    base = dict(QUICK) if args.quick else {}
-    for name in ("data", "preset", "num_images", "eval_samples", "eval_steps", "reference_epochs",
-                 "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides", "fast_max_images",
-                 "fast_eval_every_images", "options", "fast_from"):
-        value = getattr(args, name)
-        if value is not None:
-            base[name] = value
+    base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_steps", "reference_epochs",
+                                "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides",
+                                "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
     return QualitySettings(**base, reference_only=args.reference_only, device=args.device, quick=args.quick)
 
 
@@ -332,12 +332,10 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
 def samplers_settings(args: argparse.Namespace):
     from fastddpm.bench.samplers import QUICK, SamplerBenchSettings
 
-    base = dict(QUICK) if args.quick else {}
-    for name in ("samplers", "steps", "ddpm", "spacing", "num_samples", "seed", "spread_points", "spread_seeds",
-                 "guidance", "batch_size"):
-        value = getattr(args, name)
-        if value is not None:
-            base[name] = () if name == "spread_points" and value == ("none",) else value
+    base = _given(args, QUICK, ("samplers", "steps", "ddpm", "spacing", "num_samples", "seed", "spread_points",
+                                "spread_seeds", "guidance", "batch_size"))
+    if base.get("spread_points") == ("none",):
+        base["spread_points"] = ()
     return SamplerBenchSettings(checkpoint=args.checkpoint, **base, precision=args.precision, compile=args.compile,
                                 device=args.device, remeasure=args.remeasure, quick=args.quick)
 
@@ -367,11 +365,7 @@ def throughput_settings(args: argparse.Namespace):
     """The ThroughputSettings the flags ask for: ThroughputSettings' defaults, or --quick's, then every flag given."""
     from fastddpm.bench.throughput import QUICK, ThroughputSettings
 
-    base = dict(QUICK) if args.quick else {}
-    for name in ("presets", "batch_sizes", "warmup_steps", "steps", "repeats"):
-        value = getattr(args, name)
-        if value is not None:
-            base[name] = value
+    base = _given(args, QUICK, ("presets", "batch_sizes", "warmup_steps", "steps", "repeats"))
     return ThroughputSettings(**base, precision=args.precision, compile=args.compile, cuda_graphs=args.cuda_graphs,
                               data_placement=args.data_placement, device=args.device, quick=args.quick,
                               remeasure=args.remeasure)

@@ -137,11 +137,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
             row = measure_point(evaluator, sampling_model, cfg, settings, sampler=sampler, steps=steps, seed=seed,
                                 batch_size=batch_size, device=device, precision=precision, guidance=guidance)
             row.update(identity=identity, run=store.run_record(env))
-            log(f"  {sampler}-{steps} seed {seed} ({row['nfe']} NFE): " + (
-                f"FID {row['fid']:.3f}, precision {row['precision']:.3f}, recall {row['recall']:.3f}"
-                + (f", class accuracy {row['class_accuracy']:.1%}" if row.get("class_accuracy") is not None
-                   else "") + f", {row['samples_per_s']:.1f} samples/s" if row["status"] == "ok"
-                else f"failed: {row['error']}"))
+            log(f"  {sampler}-{steps} seed {seed} ({row['nfe']} NFE): {describe(row)}")
         else:
             log(f"  {sampler}-{steps} seed {seed}: reused from {json_path}")
         rows.append(row)
@@ -178,6 +174,16 @@ def measure_point(evaluator, model, cfg, settings: SamplerBenchSettings, *, samp
                    score_s=metrics["score_s"])
     row["wall_s"] = time.perf_counter() - t0
     return row
+
+
+def describe(row: dict) -> str:
+    """A measured point, for the log."""
+    if row["status"] != "ok":
+        return f"failed: {row['error']}"
+    accuracy = row.get("class_accuracy")
+    return (f"FID {row['fid']:.3f}, precision {row['precision']:.3f}, recall {row['recall']:.3f}"
+            + (f", class accuracy {accuracy:.1%}" if accuracy is not None else "")
+            + f", {row['samples_per_s']:.1f} samples/s")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
