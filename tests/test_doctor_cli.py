@@ -129,6 +129,19 @@ def test_doctor_train_fast_path_is_healthy(tmp_path, fmnist_npz, capsys):
     assert not (out / "run" / "samples" / "final.png").exists()  # a diagnostic run draws no grid
 
 
+def test_doctor_train_stops_the_trainer_when_the_time_bound_ends_the_windows(tmp_path, fmnist_npz):
+    out = tmp_path / "doc"
+    code = main(["doctor", "train", "--preset", "tiny", "--data", str(fmnist_npz), "--warmup", "5", "--steps", "40",
+                 "--profile-steps", "10", "--max-seconds", "0.05", "--report-dir", str(out)])
+    assert code == 0
+    m = json.loads((out / "report.json").read_text())["measurements"]
+    # each window cut to its fewest steps (2 warm-up, 3 watched, 1 profiled): the trainer stopped there too,
+    # not after the 55 planned steps
+    assert len(m["steps"]) == 3 and m["profiled_steps"] == 1
+    assert [p.name for p in (out / "run" / "checkpoints").glob("ckpt_*.pt")] == ["ckpt_000000006.pt"]
+    assert any(n.startswith("watched 3 of 40 planned steps") for n in m["notes"])
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

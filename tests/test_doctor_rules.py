@@ -9,8 +9,9 @@ import json
 import pytest
 
 from fastddpm.doctor import rules
-from fastddpm.doctor.measurements import (CompileCounts, CpuLoad, DeviceMemory, LoaderProbe, Measurements, Mfu,
-                                          StepRecord, StepStats, Telemetry)
+from fastddpm.doctor.measurements import (AttentionCalls, CompileCounts, CpuLoad, DeviceMemory, LoaderProbe,
+                                          LowPrecision, Measurements, Mfu, OptimizerInfo, StepRecord, StepStats,
+                                          Telemetry)
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.trace import TraceStats
 
@@ -217,6 +218,113 @@ def test_rule_precision():
         None, {"12 (FLOPs by dtype, GEMM share, autocast coverage)": "kernels replay from CUDA graphs"})
 
 
+def cpu_trace(**over) -> TraceStats:
+    """A CPU step split as the compute breakdown splits it (shares of the step), changed by `over`."""
+    split = {"matmul": 0.6, "attention": 0.0, "norm": 0.05, "elementwise": 0.1, "optimizer": 0.05, "copy": 0.05,
+             "data": 0.0, "framework": 0.1, "python": 0.05}
+    split.update(over.pop("split", {}))
+    base = TraceStats(steps=[], has_gpu=False, gemm_flops_per_step={"fp32": 1e9}, gemm_time_share={"fp32": 0.6},
+                      breakdown=split, breakdown_basis="share of the step", matmul_share_by_dtype={"fp32": 0.6},
+                      optimizer_kind="foreach", optimizer_ops_per_step=20.0)
+    return dataclasses.replace(base, **over)
+
+
+def lowp(ratio: float, native: bool = True) -> LowPrecision:
+    return LowPrecision(dtype="bf16", native=native, reason="the CPU has amx_bf16" if native else "no bf16 flags",
+                        peak_ratio=ratio, peak_tflops=0.1 * ratio, fp32_peak_tflops=0.1)
+
+
+def test_rule_fp32_matmuls_prescribes_autocast_only_where_low_precision_measured_faster():
+    # a CPU with native bf16 measured 8x fp32: the estimate counts at most 2x, on the fp32 matmul time (60%)
+    f, _ = check(rules.precision, record(trace=cpu_trace(), low_precision=lowp(8.0)))
+    assert f.id == "fp32" and f.rules == (16,) and f.kind == "bottleneck" and f.group == "compute"
+    assert f.cost == pytest.approx(0.3) and f.speedup == pytest.approx(1 / 0.7)
+    assert "torch.autocast('cpu', dtype=torch.bfloat16)" in f.fixes[0].code and "8.00x" in f.evidence[1]
+    # 1.5x measured: the estimate uses 1.5x
+    f, _ = check(rules.precision, record(trace=cpu_trace(), low_precision=lowp(1.5)))
+    assert f.cost == pytest.approx(0.6 * (1 - 1 / 1.5))
+    # emulated bf16 (slower than fp32), or flags without the speed: a note that fp32 is right, never a verdict
+    for lp in (lowp(0.56, native=False), lowp(1.1)):
+        f, _ = check(rules.precision, record(trace=cpu_trace(), low_precision=lp))
+        assert f.kind == "note" and f.cost == 0.0 and "FP32 IS RIGHT HERE" in f.title
+    # not measured on a CPU: no claim either way
+    assert check(rules.precision, record(trace=cpu_trace())) == (None, {})
+
+
+def test_rule_attention_weights():
+    t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.4, "SDPA flash (CPU)": 0.1})
+    calls = AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6)
+    f, _ = check(rules.attention_weights, record(trace=t, attention_calls=calls))
+    assert f.id == "attention-weights" and f.cost == pytest.approx(0.2) and f.group == "compute"
+    assert "need_weights=False" in f.fixes[0].code and "6 of them with need_weights=True" in f.evidence[1]
+    # hand-written attention (no nn.MultiheadAttention seen): the SDPA fix alone
+    f, _ = check(rules.attention_weights, record(trace=t))
+    assert len(f.fixes) == 1 and "scaled_dot_product_attention" in f.fixes[0].code
+    fused = cpu_trace(attention_share_by_impl={"SDPA flash (CPU)": 0.5})
+    assert check(rules.attention_weights, record(trace=fused)) == (None, {})
+    small = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.02})
+    assert check(rules.attention_weights, record(trace=small)) == (None, {})
+
+
+def test_rule_eager_elementwise():
+    t = cpu_trace(split={"elementwise": 0.3, "norm": 0.2, "matmul": 0.3})
+    f, _ = check(rules.eager_elementwise, record(trace=t))
+    assert f.id == "eager-elementwise" and f.cost == pytest.approx(0.15) and "torch.compile" in f.fixes[0].code
+    assert check(rules.eager_elementwise, record(trace=t, compile=CompileCounts(compiled_graphs=2))) == (None, {})
+    assert check(rules.eager_elementwise, record(trace=cpu_trace())) == (None, {})  # 15%: under the threshold
+
+
+def test_rule_per_tensor_optimizer():
+    t = cpu_trace(optimizer_kind="per-tensor", optimizer_ops_per_step=3600.0, split={"optimizer": 0.4})
+    opt = OptimizerInfo(name="AdamW", param_tensors=302, foreach=False, fused=None)
+    f, _ = check(rules.per_tensor_optimizer, record(trace=t, optimizer=opt))
+    assert f.id == "per-tensor-optimizer" and f.cost == pytest.approx(0.2)
+    assert "torch.optim.AdamW(params, ..., fused=True)" in f.fixes[0].code and "302 parameter tensors" in f.evidence[1]
+    # a few big tensors (few ops): memory-bound, multi-tensor kernels would not help much
+    few = dataclasses.replace(t, optimizer_ops_per_step=72.0)
+    assert check(rules.per_tensor_optimizer, record(trace=few)) == (None, {})
+    assert check(rules.per_tensor_optimizer, record(trace=dataclasses.replace(t, optimizer_kind="foreach"))) == (
+        None, {})
+
+
+def test_rule_small_batch():
+    t = cpu_trace(split={"python": 0.2, "framework": 0.2, "optimizer": 0.1})
+    f, _ = check(rules.small_batch, record(trace=t, batch_size=8))
+    assert f.id == "small-batch" and f.cost == pytest.approx(0.25) and "batch 8" in f.evidence[0]
+    assert check(rules.small_batch, record(trace=t, batch_size=128)) == (None, {})
+    assert check(rules.small_batch, record(trace=t)) == (None, {})  # batch unknown
+    full = DeviceMemory(peak_allocated_bytes=9, total_bytes=10, free_bytes=1, peak_share=0.9)
+    assert check(rules.small_batch, record(device="cuda:0", trace=t, batch_size=8, memory=full)) == (None, {})
+
+
+def test_compute_verdict_ranks_every_compute_fix_by_expected_gain():
+    t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.2},
+                  optimizer_kind="per-tensor", optimizer_ops_per_step=3000.0,
+                  split={"matmul": 0.4, "attention": 0.2, "optimizer": 0.2, "elementwise": 0.05})
+    m = record(trace=t, low_precision=lowp(8.0))
+    found, _ = evaluate(m)
+    v = verdict(found, m)
+    # fp32: 0.4 * 0.5 = 0.2 of the step; attention 0.1; optimizer 0.1
+    assert v["kind"] == "compute" and v["id"] == "fp32" and v["title"].startswith("COMPUTE-BOUND")
+    assert v["ranked"][0] == "fp32" and set(v["ranked"][1:]) == {"attention-weights", "per-tensor-optimizer"}
+    # a data problem larger than any compute fix is still the verdict
+    slow = dataclasses.replace(m, steps=record(wait_ms=5.0).steps)
+    v = verdict(evaluate(slow)[0], slow)
+    assert v["id"] == "data-bound" and "kind" not in v
+
+
+def test_cpu_healthy_needs_the_step_to_be_the_math():
+    mfu = Mfu(mfu=0.1, flops_per_step=1e9, step_ms=10.0, peak_tflops=1.0, peak_label="measured",
+              peak_dtype="fp32", peak_dtype_basis="b")
+    busy = record(trace=cpu_trace(), mfu=mfu)  # 60% of the step in matmuls: as fast as its shapes allow
+    assert verdict(*[evaluate(busy)[0], busy])["healthy"]
+    thin = record(trace=cpu_trace(split={"matmul": 0.3, "python": 0.3}), mfu=mfu)
+    found, _ = evaluate(thin)
+    v = verdict(found, thin)
+    assert v["id"] == "low-mfu" and v["kind"] == "compute"
+    assert "matmuls and attention take 30% of the step" in {f.id: f for f in found}["low-mfu"].evidence[1]
+
+
 def test_rule_low_mfu():
     mfu = Mfu(mfu=0.01, flops_per_step=1e9, step_ms=2.0, peak_tflops=50.0, peak_label="measured",
               peak_dtype="bf16", peak_dtype_basis="the input dtype of 100% of the matmul/conv FLOPs")
@@ -253,7 +361,8 @@ def test_every_rule_function_is_checked_in_order():
     # RULES' order is the order of findings of equal cost and of the report's "unavailable" lines
     assert [r.__name__ for r in rules.RULES] == [
         "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
-        "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift"]
+        "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift", "attention_weights",
+        "eager_elementwise", "per_tensor_optimizer", "small_batch"]
     _, unavailable = rules.evaluate(record())
     assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "13 (MFU)", "14 (memory)"]
 
@@ -275,14 +384,20 @@ def full_record() -> Measurements:
         trace_file="t.json", flops_source="given by the caller",
         mfu=Mfu(mfu=0.1, flops_per_step=1e9, step_ms=9.0, peak_tflops=1.0, peak_label="l", peak_dtype="bf16",
                 peak_dtype_basis="b"),
-        loader_probe=LoaderProbe(batches_per_s=None, note="no batch within 2 s"), loader_workers=0)
+        loader_probe=LoaderProbe(batches_per_s=None, note="no batch within 2 s"), loader_workers=0, batch_size=16,
+        low_precision=LowPrecision(dtype="bf16", native=True, reason="r", peak_ratio=4.0, peak_tflops=2.0,
+                                   fp32_peak_tflops=0.5),
+        attention_calls=AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6),
+        optimizer=OptimizerInfo(name="AdamW", param_tensors=300, foreach=None, fused=None),
+        windows={"watch": {"planned": 40, "taken": 3, "seconds": 27.0, "cut_by_time": True}})
 
 
 def test_measurements_dict_keeps_the_report_keys():
     d = full_record().to_dict()
     assert list(d) == ["device", "steps", "step_stats", "cpu_load", "memory", "telemetry_start", "telemetry_end",
                        "profiled_steps", "notes", "compile", "trace", "trace_timeline", "trace_file", "flops_source",
-                       "mfu", "loader_probe", "loader_workers"]
+                       "mfu", "loader_probe", "loader_workers", "batch_size", "low_precision", "attention_calls",
+                       "optimizer", "windows"]
     assert d["steps"] == [{"index": 5, "host_ms": 10.0, "data_wait_ms": 1.0, "data_cpu_ms": 0.5, "epoch_start": True,
                            "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1}]
     assert list(d["step_stats"])[-1] == "gpu_median_ms" and d["step_stats"]["p90_ms"] == 10.0
@@ -298,7 +413,7 @@ def test_measurements_dict_keeps_the_report_keys():
     bare = Measurements(device="cpu", steps=[], mfu_unavailable="no FLOPs counted").to_dict()
     assert bare["step_stats"] == {} and bare["trace"] is None and bare["memory"] is None
     assert not {"compile", "trace_timeline", "trace_file", "flops_source", "mfu"} & set(bare)
-    assert list(bare)[-3:] == ["mfu_unavailable", "loader_probe", "loader_workers"]
+    assert list(bare)[-4:] == ["mfu_unavailable", "loader_probe", "loader_workers", "batch_size"]
 
 
 def test_measurements_read_back_from_their_dict():

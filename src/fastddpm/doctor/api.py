@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from fastddpm.doctor.measurements import CompileCounts, Measurements, Mfu
+from fastddpm.doctor.measurements import CompileCounts, LowPrecision, Measurements, Mfu
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
 from fastddpm.doctor.trace import TraceStats, analyze, load_trace
+from fastddpm.doctor.watchers import AttentionWatch, batch_size
 
 # the trace's names for matmul input dtypes -> the dtype a peak can be measured in
 _PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -42,7 +43,11 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     mfu = mfu_measurements(trace, stats.to_dict() if stats is not None else {}, s.device,
                            flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
                            matmul_dtype=matmul_dtype)
+    mf = mfu.get("mfu") or {}
+    low = (low_precision(s.device, fp32_peak={"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None)
+           if measure_peak and peak is None and _fp32_matmuls_only(trace) else None)
     return Measurements(
+        low_precision=low, windows=dict(getattr(s, "windows", {}) or {}),
         device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
         telemetry_start=s.telemetry_start, telemetry_end=s.telemetry_end,
         profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
@@ -51,10 +56,41 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
         mfu_unavailable=mfu.get("mfu_unavailable"))
 
 
+def _fp32_matmuls_only(trace: TraceStats | None) -> bool:
+    """The trace's matmuls all take fp32 inputs: the case where autocast is the question (rule 16)."""
+    flops = trace.gemm_flops_per_step if trace is not None else {}
+    return bool(flops) and flops.get("fp32", 0.0) > 0 and not any(
+        flops.get(k, 0.0) for k in ("bf16", "fp16", "fp8"))
+
+
+def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None) -> LowPrecision:
+    """Rule 16's measurement: the reduced-precision dtype this device would train in (bf16 where it is native,
+    fp16 on a pre-Ampere GPU), whether it is native and why, and its matmul rate measured now against fp32's
+    (`fp32_peak`: the MFU peak already measured in fp32, reused). A CPU without amx_bf16/avx512_bf16 emulates
+    bf16 slower than fp32: the ratio shows it, whatever the flags say."""
+    from fastddpm.bench.timing import measure_matmul_peak
+    from fastddpm.train.runtime import cpu_native_bf16, cuda_native_bf16
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        native_bf16, reason = cuda_native_bf16(device)
+        major, _ = torch.cuda.get_device_capability(device)
+        dtype, native = ("bf16", True) if native_bf16 else ("fp16", major >= 7)  # fp16 tensor cores from sm70
+        if not native_bf16:
+            reason += "; fp16 with a GradScaler instead" + ("" if native else " (no tensor cores before sm70)")
+    else:
+        dtype, (native, reason) = "bf16", cpu_native_bf16()
+    fp32 = fp32_peak or measure_matmul_peak(device, dtype=torch.float32)
+    low = measure_matmul_peak(device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+    return LowPrecision(dtype=dtype, native=native, reason=reason, peak_ratio=low["tflops"] / fp32["tflops"],
+                        peak_tflops=low["tflops"], fp32_peak_tflops=fp32["tflops"])
+
+
 def _compile_counts(s: Session) -> CompileCounts | None:
     """Rule 10's counters; None when nothing was compiled in the whole run."""
     warm, end = s.compile_warm, s.compile_end or _dynamo_graphs()
-    total = _dynamo_graphs()
+    # this run's own graphs: the counters are the process's, and an earlier run (a notebook, a test) counted too
+    total = tuple(a - b for a, b in zip(_dynamo_graphs(), s.compile_start))
     if not any(total):
         return None
     w = warm or (0, 0, 0)
@@ -133,8 +169,10 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
 
 def diagnose(session: Session, *, context: str = "user", command: list[str] | None = None,
              flops_per_step: float | None = None, peak: dict | None = None, measure_peak: bool = True,
-             matmul_dtype: str | None = None) -> Report:
-    """Measurements -> rules -> verdict -> Report (saved under the session's out_dir when it has one)."""
+             matmul_dtype: str | None = None, seen: dict | None = None) -> Report:
+    """Measurements -> rules -> verdict -> Report (saved under the session's out_dir when it has one).
+    `seen`: what the caller watched from outside the steps, as Measurements fields (attention_calls,
+    optimizer, batch_size: fastddpm.doctor.watchers)."""
     if not session.done:
         session.finish_early("diagnosed before the planned steps were done")
     probe = None
@@ -145,6 +183,8 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
                      matmul_dtype=matmul_dtype)
     m.loader_probe = probe
     m.loader_workers = getattr(session.loader, "num_workers", None) if session.loader is not None else None
+    for key, value in (seen or {}).items():
+        setattr(m, key, value)
     if not m.steps:
         raise DoctorError(
             f"the doctor saw no step after the {session.config.warmup_steps} warm-up steps "
@@ -176,15 +216,20 @@ class Watch:
 
     def __init__(self, loader, *, warmup_steps: int = 5, steps: int = 40, profile_steps: int = 10,
                  out: str | Path | None = None, device: torch.device | str | None = None,
-                 loader_probe_s: float = 2.0, print_report: bool = True, flops_per_step: float | None = None):
+                 loader_probe_s: float = 2.0, print_report: bool = True, flops_per_step: float | None = None,
+                 time_budget_s: float | None = 60.0):
+        """time_budget_s: the warm-up, watch and profile windows together end in about this many seconds
+        (DoctorConfig.time_budget_s); None: bounded by steps only."""
         self.loader = loader
         self.config = DoctorConfig(warmup_steps=warmup_steps, steps=steps, profile_steps=profile_steps,
-                                   out_dir=out, loader_probe_s=loader_probe_s)
+                                   out_dir=out, loader_probe_s=loader_probe_s, time_budget_s=time_budget_s)
         self.session = Session(self.config, device=device)
         self.session.loader = loader if hasattr(loader, "__iter__") else None
         self.print_report = print_report
         self.flops_per_step = flops_per_step
         self.report: Report | None = None
+        self.batch_size: int | None = None
+        self.attention = AttentionWatch(lambda: self.session.phase == "watch")
 
     def batches(self):
         """The loader's batches, epoch after epoch, until the planned steps are done."""
@@ -198,6 +243,8 @@ class Watch:
                 except StopIteration:
                     break
                 got_any = True
+                if self.batch_size is None:
+                    self.batch_size = batch_size(batch)
                 yield batch
             if not got_any:
                 s.finish_early("the loader yielded no batch")
@@ -211,16 +258,20 @@ class Watch:
         return self.session.done
 
     def __enter__(self) -> "Watch":
+        self.attention.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self.attention.__exit__()
         if exc_type is not None and not issubclass(exc_type, (StopIteration, GeneratorExit)):
             self.session._stop_profiler()
             self.session.cpu.stop()
             return False
         if not self.session.done:
             self.session.finish_early("the loop ended")
-        self.report = diagnose(self.session, context="user", flops_per_step=self.flops_per_step)
+        seen = {"batch_size": self.batch_size,
+                "attention_calls": self.attention.measured(len(self.session.records))}
+        self.report = diagnose(self.session, context="user", flops_per_step=self.flops_per_step, seen=seen)
         if self.print_report:
             self.report.print()
         return False

@@ -7,7 +7,9 @@ from pathlib import Path
 
 EPILOG = """\
 The run is bounded: --warmup steps (not judged), --steps watched with cheap timers, then --profile-steps
-under torch.profiler. The verdict names one bottleneck with the numbers behind it, then ranked fixes.
+under torch.profiler, and all three within --max-seconds (default 60; a window whose share of it is spent ends
+early, with at least 2, 3 and 1 steps). The verdict names one bottleneck with the numbers behind it, then
+ranked fixes.
 
 Examples:
   fastddpm doctor train --data fashion-mnist --preset seed-1layer      # the built-in trainer, any config
@@ -31,6 +33,9 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=40, metavar="N", help="steps watched with timers (default 40)")
     g.add_argument("--profile-steps", type=int, default=10, metavar="N",
                    help="steps traced with torch.profiler after the watch (default 10; 0 = no trace)")
+    g.add_argument("--max-seconds", type=float, default=60.0, metavar="S",
+                   help="bound the three windows to about S seconds: warm-up 25%%, watch 45%%, profile 30%%, each "
+                        "ending early with at least 2, 3, 1 steps (default 60; 0 = bounded by steps only)")
     g.add_argument("--loader-probe-s", type=float, default=2.0, metavar="S",
                    help="time the DataLoader alone for up to S seconds afterwards (default 2; 0 = skip)")
     g.add_argument("--report-dir", dest="report_dir", default="doctor_report", metavar="DIR",
@@ -83,7 +88,8 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
                           "`fastddpm doctor run SCRIPT [ARGS]` (see fastddpm doctor --help)")
     try:
         cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
-                           loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir))
+                           loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir),
+                           time_budget_s=args.max_seconds if args.max_seconds != 0 else None)
     except ValueError as e:
         from fastddpm.config import ConfigError
 

@@ -11,6 +11,9 @@
       trace            TraceStats         the profile window's trace (trace.py)
       mfu              Mfu                FLOPs per step against the measured matmul peak (api.py)
       loader_probe     LoaderProbe        the DataLoader alone, after the run
+      low_precision    LowPrecision       what bf16/fp16 would give this device's matmuls (measured; api.py)
+      attention_calls  AttentionCalls     nn.MultiheadAttention.forward calls seen (doctor run, watch())
+      optimizer        OptimizerInfo      the optimizer whose steps are the boundaries (doctor run)
 
 A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
 tests read its keys); `Measurements.from_dict` reads that dict back, or one made by hand, where keys left out
@@ -129,6 +132,39 @@ class LoaderProbe:
 
 
 @dataclass(kw_only=True)
+class LowPrecision:
+    """Rule 16: the reduced-precision dtype this device would train in, whether it computes it natively, and
+    the matmul rate it measured in it against fp32's: the gain bf16/fp16 autocast can give the matmuls."""
+
+    dtype: str  # "bf16" or "fp16"
+    native: bool
+    reason: str  # the CPU flag or the GPU's compute capability
+    peak_ratio: float | None = None  # measured matmul rate in `dtype` / in fp32 (TF32 where on)
+    peak_tflops: float | None = None
+    fp32_peak_tflops: float | None = None
+
+
+@dataclass(kw_only=True)
+class AttentionCalls:
+    """Rule 17: nn.MultiheadAttention.forward calls per step, and how many asked for the weights (the default
+    need_weights=True, which keeps it off the fused scaled_dot_product_attention kernels)."""
+
+    calls_per_step: float
+    need_weights_per_step: float
+    modules: int  # distinct nn.MultiheadAttention modules seen
+
+
+@dataclass(kw_only=True)
+class OptimizerInfo:
+    """Rule 19: the optimizer whose step() marks the step boundaries, as configured."""
+
+    name: str
+    param_tensors: int
+    foreach: bool | None
+    fused: bool | None
+
+
+@dataclass(kw_only=True)
 class Measurements:
     device: str  # "cpu", "cuda:0", ...
     steps: list[StepRecord]
@@ -147,6 +183,11 @@ class Measurements:
     mfu_unavailable: str | None = None  # why mfu is None
     loader_probe: LoaderProbe | None = None
     loader_workers: int | None = None  # the DataLoader's own num_workers, when the doctor saw the loader
+    batch_size: int | None = None  # the leading dimension of the first batch seen, or the trainer's setting
+    low_precision: LowPrecision | None = None
+    attention_calls: AttentionCalls | None = None
+    optimizer: OptimizerInfo | None = None
+    windows: dict = field(default_factory=dict)  # per window: planned and taken steps, seconds, cut by time
 
     @property
     def cuda(self) -> bool:
@@ -179,6 +220,12 @@ class Measurements:
             d["mfu_unavailable"] = self.mfu_unavailable
         d["loader_probe"] = self.loader_probe.to_dict() if self.loader_probe is not None else None
         d["loader_workers"] = self.loader_workers
+        d["batch_size"] = self.batch_size
+        for key in ("low_precision", "attention_calls", "optimizer"):
+            if getattr(self, key) is not None:
+                d[key] = dataclasses.asdict(getattr(self, key))
+        if self.windows:
+            d["windows"] = self.windows
         return d
 
     @classmethod
@@ -198,7 +245,10 @@ class Measurements:
                    compile=_typed(CompileCounts, d.get("compile")), trace=trace, trace_file=d.get("trace_file"),
                    flops_source=d.get("flops_source"), mfu=_typed(Mfu, d.get("mfu")),
                    mfu_unavailable=d.get("mfu_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),
-                   loader_workers=d.get("loader_workers"))
+                   loader_workers=d.get("loader_workers"), batch_size=d.get("batch_size"),
+                   low_precision=_typed(LowPrecision, d.get("low_precision")),
+                   attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
+                   optimizer=_typed(OptimizerInfo, d.get("optimizer")), windows=dict(d.get("windows") or {}))
 
 
 def _typed(cls, d: dict | None):

@@ -34,8 +34,21 @@ EXPECTED = {
     "uneven-last-batch": "recompiles",  # torch.compile meets a ragged last batch
     "channels-last-thrash": "layout-thrash",  # NHWC conv + GroupNorm in eager (GPU)
     "autocast-gap": "autocast-gap",  # half of the matmul work outside autocast
+    # the compute rules: each case runs in the device's native precision except where precision is the fault
+    "fp32-matmuls": "fp32",  # big fp32 matmuls on hardware with native bf16 (healthy where bf16 is not native)
+    "mha-need-weights": "attention-weights",  # nn.MultiheadAttention with its default need_weights=True
+    "eager-elementwise": "eager-elementwise",  # norms and activations around cheap 1x1 convs, uncompiled
+    "per-tensor-adam": "per-tensor-optimizer",  # AdamW(foreach=False) over hundreds of small tensors
 }
 GPU_ONLY = {"item-every-step", "pageable-h2d", "tiny-kernels", "channels-last-thrash"}
+
+
+def expected(name: str, device) -> str:
+    """The verdict case `name` must get on `device`: EXPECTED's, except that fp32 matmuls are the right choice
+    on hardware without native bf16/fp16 (the doctor then says so in a note, and the run is healthy)."""
+    if name == "fp32-matmuls" and _native_dtype(torch.device(device)) is None:
+        return "healthy"
+    return EXPECTED[name]
 
 
 # ---------------------------------------------------------------------- datasets (module level: picklable)
@@ -91,8 +104,20 @@ def _half_dtype(device) -> torch.dtype:
     return torch.bfloat16 if cuda_native_bf16(device)[0] else torch.float16
 
 
+def _native_dtype(device) -> torch.dtype | None:
+    """The reduced precision the device computes natively (None: fp32 is its fast path): the dtype a planted
+    compute case runs in, so that precision is not a fault it plants by accident."""
+    if device.type == "cuda":
+        return _half_dtype(device)
+    from fastddpm.train.runtime import cpu_native_bf16
+
+    return torch.bfloat16 if cpu_native_bf16()[0] else None
+
+
 def _window(kw: dict, **defaults) -> dict:
-    out = dict(defaults)
+    # the planted windows are short and sized to show their fault (an epoch boundary, a ragged batch): steps
+    # only, so a loaded machine cannot cut them short
+    out = {"time_budget_s": None, **defaults}
     out.update(kw)
     return out
 
@@ -167,11 +192,84 @@ def big_matmul(device, **kw) -> Report:
     width, batch = (8192, 4096) if device.type == "cuda" else (1024, 256)
     data = torch.randn(batch * 8, width, device=device)
     model = _mlp(width, width, 2).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    dtype = _half_dtype(device) if device.type == "cuda" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
                                                                       profile_steps=5, loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=dtype)
+        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
+    return dr.report
+
+
+def fp32_matmuls(device, **kw) -> Report:
+    """big-matmul's loop in fp32, where the device could run it in bf16/fp16."""
+    width, batch = (4096, 2048) if device.type == "cuda" else (1024, 256)
+    data = torch.randn(batch * 8, width, device=device)
+    model = _mlp(width, width, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
+                                                                      profile_steps=5, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device)
+    return dr.report
+
+
+class _SelfAttention(nn.Module):
+    """Tokens through nn.MultiheadAttention called the way most tutorials call it: attn(x, x, x)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h, _weights = self.attn(x, x, x)  # need_weights=True by default: the planted fault
+        return self.out(x + h)
+
+
+def mha_need_weights(device, **kw) -> Report:
+    tokens, dim, batch = (1024, 128, 32) if device.type == "cuda" else (256, 64, 64)
+    data = torch.randn(batch * 4, tokens, dim, device=device)
+    model = _SelfAttention(dim, 4).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
+                                                                      profile_steps=5, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
+    return dr.report
+
+
+class _NormAct(nn.Module):
+    """Blocks of GroupNorm, SiLU, a scale and a residual around a cheap 1x1 conv: memory-bound elementwise
+    work, one pass over the feature map per op in eager mode."""
+
+    def __init__(self, c: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.GroupNorm(8, c), nn.SiLU(), nn.Conv2d(c, c, 1))
+                                    for _ in range(depth))
+        self.gains = nn.Parameter(torch.ones(depth))
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            h = b(x)
+            x = x + self.gains[i] * torch.sigmoid(h) * h
+        return x
+
+
+def eager_elementwise(device, **kw) -> Report:
+    c, size, batch = (64, 64, 64) if device.type == "cuda" else (32, 32, 64)
+    data = torch.randn(batch * 4, c, size, size, device=device)
+    model = _NormAct(c, 6).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
+                                                                      profile_steps=5, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
+    return dr.report
+
+
+def per_tensor_adam(device, **kw) -> Report:
+    data = torch.randn(64 * 8, 16, device=device)
+    model = _mlp(16, 16, 150).to(device)  # 302 parameter tensors of 16 x 16 or 16
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # the planted fault (a CPU's default)
+    with watch(_ResidentLoader(data, 64), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
+                                                                   loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
     return dr.report
 
 
@@ -270,6 +368,8 @@ CASES: dict[str, Callable[..., Report]] = {name: _one_cpu_thread(fn) for name, f
     "item-every-step": item_every_step, "pageable-h2d": pageable_h2d, "tiny-kernels": tiny_kernels,
     "big-matmul": big_matmul, "uneven-last-batch": uneven_last_batch,
     "channels-last-thrash": channels_last_thrash, "autocast-gap": autocast_gap,
+    "fp32-matmuls": fp32_matmuls, "mha-need-weights": mha_need_weights, "eager-elementwise": eager_elementwise,
+    "per-tensor-adam": per_tensor_adam,
 }.items()}
 
 
@@ -288,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         out = f"{args.out}/{name}" if args.out else None
         report = CASES[name](device, out=out, print_report=False)
         wall = time.perf_counter() - t0
-        good = report.bottleneck == EXPECTED[name]
+        want = expected(name, device)
+        good = report.bottleneck == want
         ok &= good
-        rows.append((name, EXPECTED[name], report.bottleneck, report.verdict["cost"], wall, good))
-        print(f"{name:22s} expected {EXPECTED[name]:15s} got {report.bottleneck:15s} "
+        rows.append((name, want, report.bottleneck, report.verdict["cost"], wall, good))
+        print(f"{name:22s} expected {want:20s} got {report.bottleneck:20s} "
               f"cost {100 * report.verdict['cost']:5.1f}%  {wall:5.1f} s  {'ok' if good else 'WRONG'}", flush=True)
     print(f"{sum(r[-1] for r in rows)}/{len(rows)} planted faults diagnosed correctly on {device}")
     return 0 if ok else 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastddpm.doctor.rules import Finding
+from fastddpm.doctor.trace import BREAKDOWN, BREAKDOWN_LABELS
 
 
 @dataclass
@@ -60,14 +61,24 @@ class Report:
         lines.append("")
         lines.append(f"verdict: {v['title']}" + ("" if v["healthy"] else f"  (~{100 * v['cost']:.0f}% of step time)"))
         top = self.finding(v["id"]) if not v["healthy"] else None
+        ranked = self.ranked_compute()
         if top is not None:
             for e in top.evidence:
                 lines.append(f"  evidence: {e}")
             lines.append(f"  cause: {top.cause}")
-            lines.append("  fixes, best first:")
-            for i, fx in enumerate(self._fix_lines(top), 1):
-                lines.append(f"    {i}. {fx}")
-        others = [f for f in self.findings if f is not top]
+            if ranked:
+                lines.append("  compute fixes, ranked by expected gain:")
+                for i, f in enumerate(ranked, 1):
+                    fx = self._fix_lines(f)
+                    lines.append(f"    {i}. [{f.id}: ~{100 * f.cost:.0f}% of the step, {f.speedup:.2f}x] "
+                                 f"{fx[0] if fx else f.title}")
+                    lines.extend(f"       or: {x}" for x in fx[1:])
+            else:
+                lines.append("  fixes, best first:")
+                for i, fx in enumerate(self._fix_lines(top), 1):
+                    lines.append(f"    {i}. {fx}")
+        shown = {top.id} | {f.id for f in ranked} if top is not None else set()
+        others = [f for f in self.findings if f.id not in shown]
         if others:
             lines.append("")
             lines.append("also found:")
@@ -90,6 +101,11 @@ class Report:
         if m.get("mfu"):
             parts.append(_mfu_text(m["mfu"]))
         lines.append("measured: " + "; ".join(parts))
+        split = breakdown_text(tr)
+        if split:
+            lines.append(f"where the step goes ({tr.get('breakdown_basis')}): {split}")
+        for note in m.get("notes") or []:
+            lines.append(f"note: {note}")
         for rule, why in self.unavailable.items():
             lines.append(f"unavailable: rules {rule}: {why}")
         if self.files:
@@ -98,6 +114,10 @@ class Report:
 
     def print(self) -> None:
         print(self.text())
+
+    def ranked_compute(self) -> list[Finding]:
+        """With a compute verdict: its findings, largest expected gain first (the verdict's `ranked`)."""
+        return [f for f in (self.finding(i) for i in self.verdict.get("ranked", [])) if f is not None]
 
     # ------------------------------------------------------------------ files
     def save(self, out_dir: str | Path) -> dict[str, str]:
@@ -113,6 +133,23 @@ class Report:
 
     def html(self) -> str:
         return render_html(self)
+
+
+def breakdown_text(trace: dict) -> str:
+    """The compute breakdown as one line: categories over 0.5%, largest first, matmul by dtype and attention by
+    implementation in brackets."""
+    b = trace.get("breakdown") or {}
+    if not b:
+        return ""
+    parts = []
+    for k in sorted((k for k in BREAKDOWN if b.get(k, 0.0) >= 0.005), key=lambda k: -b[k]):
+        sub = {"matmul": trace.get("matmul_share_by_dtype"), "attention": trace.get("attention_share_by_impl")}.get(k)
+        detail = (" [" + ", ".join(f"{n} {100 * v:.0f}%" for n, v in sorted(sub.items(), key=lambda kv: -kv[1])
+                                   if v >= 0.005) + "]") if sub and len(sub) > 0 else ""
+        if k == "optimizer" and trace.get("optimizer_kind"):
+            detail = f" [{trace['optimizer_kind']}]"
+        parts.append(f"{BREAKDOWN_LABELS[k]} {100 * b[k]:.0f}%{detail}")
+    return ", ".join(parts)
 
 
 def _mfu_text(mf: dict) -> str:
@@ -227,11 +264,23 @@ def render_html(r: Report) -> str:
              + "</div>"]
     if top is not None:
         parts.append("<h2>Evidence</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in top.evidence) + "</ul>")
-        parts.append(f"<p><b>Cause.</b> {e(top.cause)}</p><h2>Fixes, best first</h2><ol>")
-        for fx in top.fixes:
-            parts.append("<li>" + (f"<b>fastddpm:</b> <code>{e(fx.fastddpm)}</code><br>" if fx.fastddpm else "")
-                         + f"<b>your code:</b> {e(fx.code)}</li>")
+        ranked = r.ranked_compute()
+        if ranked:
+            parts.append(f"<p><b>Cause.</b> {e(top.cause)}</p><h2>Compute fixes, ranked by expected gain</h2><ol>")
+            for f in ranked:
+                parts.append(f"<li><b>{e(f.title)}</b> <span class=muted>(~{100 * f.cost:.0f}% of the step, "
+                             f"{f.speedup:.2f}x)</span><br>" + "<br>".join(_fix_html(r, fx) for fx in f.fixes)
+                             + "</li>")
+        else:
+            parts.append(f"<p><b>Cause.</b> {e(top.cause)}</p><h2>Fixes, best first</h2><ol>")
+            for fx in top.fixes:
+                parts.append("<li>" + _fix_html(r, fx) + "</li>")
         parts.append("</ol>")
+    split = (m.get("trace") or {}).get("breakdown") or {}
+    if split:
+        parts.append("<h2>Where the step goes</h2>" + _breakdown_svg(m.get("trace") or {}))
+    if m.get("notes"):
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(x)}</li>" for x in m["notes"]) + "</ul>")
     parts.append("<h2>Step timeline (watched steps)</h2><div class=legend>"
                  f"<span style='background:{COLORS['compute']}'></span>compute"
                  f"<span style='background:{COLORS['data']}'></span>data wait"
@@ -260,6 +309,46 @@ def render_html(r: Report) -> str:
                                                            for k, v2 in r.unavailable.items()) + "</ul>")
     parts.append("</body></html>\n")
     return "".join(parts)
+
+
+def _fix_html(r: Report, fx) -> str:
+    """A fix as the diagnosed loop applies it: fastddpm's setting first for `doctor train`, the code change
+    first (and the setting only as an aside) for a user's own script."""
+    e = html.escape
+    code = f"<b>your code:</b> {e(fx.code)}"
+    if not fx.fastddpm:
+        return code
+    setting = f"<b>fastddpm:</b> <code>{e(fx.fastddpm)}</code>"
+    return f"{setting}<br>{code}" if r.context == "fastddpm" else f"{code}<br><span class=muted>{setting}</span>"
+
+
+BREAKDOWN_COLORS = {"matmul": "#4a7fc1", "attention": "#8a5cc2", "norm": "#2f9e55", "elementwise": "#7cc47f",
+                    "optimizer": "#d9a02b", "copy": "#e8912d", "data": "#d93b2b", "framework": "#9aa5b1",
+                    "python": "#c9d0d8", "idle": "#eef1f4"}
+
+
+def _breakdown_svg(trace: dict, width: int = 1040) -> str:
+    """The compute breakdown as one stacked bar with a legend."""
+    b = trace["breakdown"]
+    total = sum(b.values()) or 1.0
+    out = [f'<p class=muted>{html.escape(str(trace.get("breakdown_basis") or ""))}</p>'
+           f'<svg id="breakdown" width="{width}" height="34" role="img" aria-label="where the step goes">']
+    x = 0.0
+    for k in BREAKDOWN:
+        v = b.get(k, 0.0)
+        if v <= 0:
+            continue
+        w = width * v / total
+        out.append(f'<rect class="bd-{k}" x="{x:.1f}" y="4" width="{max(w, 0.5):.1f}" height="26" '
+                   f'fill="{BREAKDOWN_COLORS[k]}"><title>{html.escape(BREAKDOWN_LABELS[k])} {100 * v:.1f}%</title></rect>')
+        x += w
+    out.append("</svg><div class=legend>" + "".join(
+        f"<span style='background:{BREAKDOWN_COLORS[k]}'></span>{html.escape(BREAKDOWN_LABELS[k])} "
+        f"{100 * b[k]:.0f}%" for k in BREAKDOWN if b.get(k, 0.0) >= 0.005) + "</div>")
+    text = breakdown_text(trace)
+    if text:
+        out.append(f"<p>{html.escape(text)}</p>")
+    return "".join(out)
 
 
 def _breakdown(m: dict) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastddpm.doctor.measurements import CompileCounts, Measurements, StepRecord
-from fastddpm.doctor.trace import TraceStats
+from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 HEALTHY_FLOOR = 0.05  # a finding that costs less than 5% of step time does not make a verdict
 
@@ -41,6 +41,22 @@ FP32_GEMM_SHARE = 0.20
 LOW_MFU_SHARE = 0.05
 MEMORY_HEADROOM_SHARE = 0.50
 DRIFT_SHARE = 0.05
+# the compute rules (16-20). Their costs are deliberately conservative: a fix must give at least what the
+# report promised (benchmarks/RESULTS.md measures the seed-style script before and after its top fix)
+LOW_PRECISION_MIN_RATIO = 1.2  # bf16/fp16 matmuls must measure this much faster than fp32 to be prescribed
+LOW_PRECISION_MAX_SPEEDUP = 2.0  # the matmul speed-up the estimate counts, however fast the peak ratio reads
+ATTENTION_WEIGHTS_SHARE = 0.03  # materialised attention over this share of the step fires rule 17
+FUSED_ATTENTION_SAVES = 0.5  # of the materialised attention's time: the fused kernel's usual gain, halved
+ELEMENTWISE_SHARE = 0.25  # eager elementwise + norm over this share of the step fires rule 18
+COMPILE_SAVES = 0.3  # of that time: fusion removes the memory round trips, not the math (conservative)
+OPTIMIZER_SHARE = 0.05  # a per-tensor optimizer over this share of the step fires rule 19 ...
+OPTIMIZER_OPS = 300  # ... with this many ops per step (~25 tensors for AdamW): a few big tensors are memory-bound
+FOREACH_SAVES = 0.5  # of the optimizer's time: multi-tensor kernels replace one op per tensor per update
+SMALL_BATCH = 32  # rule 20: at or under this batch, the per-step overhead is a large share of each image's cost
+OVERHEAD_SHARE = 0.2  # ... when Python, framework and optimizer time take this share of the step
+BATCH_DOUBLING_SAVES = 0.5  # doubling the batch spreads the per-step overhead over twice the images
+CPU_LOW_MFU = 0.3  # rule 13 on a CPU: MFU under this with less than half the step in the matmuls
+CPU_MATMUL_SHARE = 0.5
 
 
 @dataclass
@@ -59,10 +75,17 @@ class Finding:
     cause: str
     fixes: list[Fix] = field(default_factory=list)
     kind: str = "bottleneck"  # or "opportunity" (never a verdict) / "note"
+    group: str = "pipeline"  # or "compute": the model's own arithmetic is slow (rules 12, 13, 16-20)
+
+    @property
+    def speedup(self) -> float:
+        """The step-rate gain the cost estimate promises: 1 / (1 - cost)."""
+        return 1.0 / max(1e-9, 1.0 - self.cost)
 
     def to_dict(self) -> dict:
         return {"id": self.id, "rules": list(self.rules), "title": self.title, "cost": self.cost,
-                "evidence": self.evidence, "cause": self.cause, "kind": self.kind,
+                "expected_speedup": self.speedup, "evidence": self.evidence, "cause": self.cause,
+                "kind": self.kind, "group": self.group,
                 "fixes": [{"fastddpm": f.fastddpm, "code": f.code} for f in self.fixes]}
 
 
@@ -97,7 +120,8 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     ev += cpu_ev
     if cpu_bound:
         cause = ("CPU-bound data pipeline: decoding/augmentation saturates the CPU " +
-                 ("workers" if workers else "in the training process") + " while the accelerator waits")
+                 ("workers" if workers else "in the training process") +
+                 (" while the GPU waits" if m.cuda else ", taking cores and time from the training step"))
         rules = (1, 3)
         fixes = [
             Fix("--data-placement device (the default on a GPU: uint8 data resident on the device, "
@@ -393,16 +417,157 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             "calls, or a second model (EMA, loss network) called outside it",
             [Fix("--precision bf16 (fastddpm runs the whole loss under autocast)",
                  "wrap the full forward and loss in torch.autocast('cuda', dtype=torch.bfloat16); keep the "
-                 "backward outside; look for .float() in the model")])
-    if total > 0 and low == 0 and t.has_gpu:
-        return Finding(
-            "fp32", (12,), "FP32: no matmul runs in reduced precision", 0.5 * fp32_time_share,
-            [f"all {total / 1e9:.1f} GFLOP of matmul/conv work per step has fp32 inputs; these take "
-             f"{_pct(fp32_time_share)} of GPU busy time (estimate: bf16 about halves it)"],
-            "no autocast: the tensor cores run at the fp32/TF32 rate",
-            [Fix("--precision bf16", "torch.autocast('cuda', dtype=torch.bfloat16) around forward + loss "
-                                     "(bf16 on Ampere and newer; fp16 + GradScaler before)")])
+                 "backward outside; look for .float() in the model")], group="compute")
+    if total > 0 and low == 0:
+        return _fp32_matmuls(m, t, total, fp32_time_share)
     return None
+
+
+def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share: float) -> Finding | None:
+    """Rule 16: every matmul runs in fp32. Prescribe autocast where the device's bf16/fp16 matmuls measured
+    faster than fp32 (a GPU's tensor cores; a CPU with AMX or AVX512-BF16); elsewhere say fp32 is right."""
+    lp = m.low_precision
+    where = "GPU busy" if t.has_gpu else "step"
+    ev = [f"all {total / 1e9:.2f} GFLOP of matmul/conv work per step has fp32 inputs; these take "
+          f"{_pct(fp32_time_share)} of {where} time"]
+    if lp is None:
+        if not t.has_gpu:
+            return None  # a CPU's bf16 rate was not measured (measure_peak=False): no claim either way
+        ratio, dtype, native, basis = 2.0, "bf16", True, "assumed: bf16 tensor cores run ~2x the TF32 rate"
+    else:
+        ratio, dtype, native = lp.peak_ratio or 0.0, lp.dtype, lp.native
+        basis = (f"measured now: {dtype} matmuls {lp.peak_tflops * 1e3:.3g} GFLOP/s vs fp32 "
+                 f"{lp.fp32_peak_tflops * 1e3:.3g} GFLOP/s ({ratio:.2f}x); {lp.reason}")
+    ev.append(basis)
+    device = "cuda" if m.cuda else "cpu"
+    if not (native and ratio >= LOW_PRECISION_MIN_RATIO):
+        return Finding(
+            "fp32", (16,), f"FP32 IS RIGHT HERE: {dtype} would not speed up this device's matmuls", 0.0, ev,
+            f"{dtype} autocast pays off only where the hardware computes it natively; here it measured "
+            f"{ratio:.2f}x fp32's matmul rate, so the casts would cost more than they save",
+            [Fix("keep --precision fp32 (auto does)", f"keep fp32: no torch.autocast('{device}', ...) on this "
+                                                      "machine")], kind="note", group="compute")
+    speedup = min(ratio, LOW_PRECISION_MAX_SPEEDUP)
+    cost = fp32_time_share * (1 - 1 / speedup)
+    scaler = dtype == "fp16"
+    code = (f"with torch.autocast('{device}', dtype=torch.{'float16' if scaler else 'bfloat16'}): loss = ... "
+            "around forward and loss (not the backward)" +
+            ("; and a torch.amp.GradScaler('cuda') for the backward and step" if scaler else ""))
+    ev.append(f"estimate: the fp32 matmul time at {speedup:.2g}x the speed saves {_pct(cost)} of the step "
+              f"(counted at most {LOW_PRECISION_MAX_SPEEDUP:g}x: casts and non-matmul work do not speed up)")
+    return Finding(
+        "fp32", (16,), f"FP32 MATMULS on hardware with native {dtype}", cost, ev,
+        f"no autocast: the matmuls run at fp32's rate on a device whose {dtype} rate measured {ratio:.2f}x that",
+        [Fix(f"--precision {dtype} (auto picks it)", code)], group="compute")
+
+
+def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 17: attention that materialises its weights (softmax(QK^T)V written out, nn.MultiheadAttention
+    with its default need_weights=True, or SDPA's math fallback) takes > 3% of the step."""
+    t = m.trace
+    if t is None or not t.attention_share_by_impl:
+        return None
+    slow = {k: v for k, v in t.attention_share_by_impl.items() if "materialised" in k}
+    share = sum(slow.values())
+    if share <= ATTENTION_WEIGHTS_SHARE:
+        return None
+    where = "GPU span" if t.has_gpu else "step"
+    ev = [f"attention that builds the full L x L weight matrix takes {_pct(share)} of the {where}: " +
+          ", ".join(f"{k} {_pct(v)}" for k, v in slow.items())]
+    calls = m.attention_calls
+    if calls is not None and calls.need_weights_per_step > 0:
+        ev.append(f"nn.MultiheadAttention.forward is called {calls.calls_per_step:g} times per step "
+                  f"({calls.modules} module(s)), {calls.need_weights_per_step:g} of them with need_weights=True "
+                  "(the default): it then returns the averaged weights and cannot use the fused kernel")
+    cost = FUSED_ATTENTION_SAVES * share
+    ev.append(f"estimate: a fused kernel (scaled_dot_product_attention) saves at least half of it, "
+              f"{_pct(cost)} of the step")
+    mha = calls is not None and calls.need_weights_per_step > 0
+    fixes = ([Fix(None, "attn(x, x, x, need_weights=False): nn.MultiheadAttention then runs "
+                        "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
+             if mha else [])
+    fixes.append(Fix("fastddpm's U-Net already calls F.scaled_dot_product_attention",
+                     "replace softmax(q @ k.transpose(-2, -1) * scale) @ v with "
+                     "F.scaled_dot_product_attention(q, k, v) (flash / memory-efficient kernels, no L x L matrix)"))
+    return Finding("attention-weights", (17,), "MATERIALISED ATTENTION: the L x L weights are built and stored",
+                   cost, ev, "attention computed as separate matmuls and a softmax: the weight matrix is written "
+                   "to memory, read back, and kept for the backward", fixes, group="compute")
+
+
+def eager_elementwise(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 18: uncompiled elementwise and norm ops take > 25% of the step: torch.compile fuses them."""
+    t = m.trace
+    if t is None or not t.breakdown:
+        return None
+    if m.compile is not None and m.compile.compiled_graphs > 0:
+        return None  # already compiled: what is left is not eager fusion's to fix
+    share = t.breakdown.get("elementwise", 0.0) + t.breakdown.get("norm", 0.0)
+    if share <= ELEMENTWISE_SHARE:
+        return None
+    cost = COMPILE_SAVES * share
+    where = "GPU span" if t.has_gpu else "step"
+    return Finding(
+        "eager-elementwise", (18,), "EAGER ELEMENTWISE: activations and norms run one op at a time", cost,
+        [f"elementwise/activation ops take {_pct(t.breakdown.get('elementwise', 0.0))} and norms "
+         f"{_pct(t.breakdown.get('norm', 0.0))} of the {where}, in eager mode (nothing compiled)",
+         f"estimate: fusing them saves {_pct(COMPILE_SAVES)} of that time, {_pct(cost)} of the step "
+         "(each eager op reads and writes its whole tensor; a fused kernel does it once)"],
+        "each elementwise op is a separate pass over memory (and a separate dispatch): GroupNorm, SiLU, adds and "
+        "scales between the matmuls",
+        [Fix("--compile on", "model = torch.compile(model) (first steps compile: worth it for runs of minutes "
+                             "or more)")], group="compute")
+
+
+def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 19: the optimizer updates one tensor at a time (torch's default on a CPU), issuing >= 300 ops and
+    taking > 5% of the step: foreach (multi-tensor) or fused kernels update all parameters in a few ops."""
+    t = m.trace
+    if t is None or t.optimizer_kind != "per-tensor" or not t.breakdown:
+        return None
+    share = t.breakdown.get("optimizer", 0.0)
+    if share <= OPTIMIZER_SHARE or (t.optimizer_ops_per_step or 0) < OPTIMIZER_OPS:
+        return None
+    cost = FOREACH_SAVES * share
+    opt = m.optimizer
+    name = opt.name if opt is not None else "the optimizer"
+    ev = [f"{name}.step takes {_pct(share)} of the step, {t.optimizer_ops_per_step:.0f} ops per step: one op "
+          "per parameter tensor per update term"]
+    if opt is not None:
+        ev.append(f"{opt.param_tensors} parameter tensors; foreach={opt.foreach}, fused={opt.fused} "
+                  "(None: torch picks per-tensor on a CPU, foreach on CUDA)")
+    ev.append(f"estimate: multi-tensor kernels save at least half of it, {_pct(cost)} of the step")
+    cls = opt.name if opt is not None else "AdamW"
+    return Finding(
+        "per-tensor-optimizer", (19,), "PER-TENSOR OPTIMIZER: one small op per parameter per update", cost, ev,
+        "the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
+        "the per-op overhead outweighs the arithmetic",
+        [Fix("fastddpm's AdamW is foreach (fused on CUDA) already",
+             f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True")],
+        group="compute")
+
+
+def small_batch(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 20: a small batch (<= 32) whose per-step overhead (Python, framework, optimizer) is > 20% of the
+    step, with memory to spare: a larger batch spreads that overhead over more images."""
+    t = m.trace
+    if t is None or not t.breakdown or m.batch_size is None or m.batch_size > SMALL_BATCH:
+        return None
+    if m.memory is not None and m.memory.peak_share >= MEMORY_HEADROOM_SHARE:
+        return None
+    overhead = sum(t.breakdown.get(k, 0.0) for k in ("python", "framework", "optimizer"))
+    if overhead <= OVERHEAD_SHARE:
+        return None
+    cost = BATCH_DOUBLING_SAVES * overhead
+    return Finding(
+        "small-batch", (20,), f"SMALL BATCH: {m.batch_size} images share each step's fixed overhead", cost,
+        [f"batch {m.batch_size}; Python, framework and optimizer time, which do not grow with the batch, take "
+         f"{_pct(overhead)} of the step",
+         f"estimate: twice the batch halves that overhead per image, {_pct(cost)} of the time per image"],
+        "the per-step costs (op dispatch, autograd bookkeeping, the optimizer over every parameter) are paid "
+        "once per step however many images it holds",
+        [Fix("--batch-size auto (the throughput knee; fastddpm scales the learning rate with it)",
+             "raise batch_size toward the throughput knee (not the out-of-memory edge); scale the learning rate "
+             "with it")], group="compute")
 
 
 def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -411,6 +576,8 @@ def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         unavailable["13 (MFU)"] = m.mfu_unavailable or "FLOPs or peak not measured"
         return None
     t = m.gpu_trace
+    if t is None and m.trace is not None and m.trace.breakdown and not m.cuda:
+        return _cpu_low_mfu(m)
     if t is None or not (m.mfu.mfu < LOW_MFU_SHARE and t.idle_share < GPU_IDLE_SHARE):
         return None
     mf = m.mfu
@@ -421,7 +588,27 @@ def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
          f"idle only {_pct(t.idle_share)}"],
         "memory- or elementwise-bound kernels (norms, activations, copies) dominate",
         [Fix("--compile on (fuses elementwise chains); --precision bf16; a larger --batch-size or model",
-             "torch.compile for fusion, bf16, larger batch or wider layers")])
+             "torch.compile for fusion, bf16, larger batch or wider layers")], group="compute")
+
+
+def _cpu_low_mfu(m: Measurements) -> Finding | None:
+    """Rule 13 on a CPU: MFU < 30% with under half the step in matmuls/attention: the step's time goes to the
+    work around the math. (A step that is mostly matmuls runs as fast as its shapes allow: healthy.)"""
+    mf, b = m.mfu, m.trace.breakdown
+    math_share = b.get("matmul", 0.0) + b.get("attention", 0.0)
+    if not (mf.mfu < CPU_LOW_MFU and math_share < CPU_MATMUL_SHARE):
+        return None
+    rest = 1 - math_share
+    top = sorted(((v, BREAKDOWN_LABELS[k]) for k, v in b.items() if k not in ("matmul", "attention")), reverse=True)
+    return Finding(
+        "low-mfu", (13,), "LOW MFU: most of the step is not matmul work", HEALTHY_FLOOR,
+        [f"MFU {_pct(mf.mfu)}: {mf.flops_per_step / 1e9:.2f} GFLOP per step in {mf.step_ms:.1f} ms against a "
+         f"measured {mf.peak_dtype} matmul peak of {mf.peak_tflops * 1e3:.3g} GFLOP/s",
+         f"matmuls and attention take {_pct(math_share)} of the step; the other {_pct(rest)}: " +
+         ", ".join(f"{label} {_pct(v)}" for v, label in top[:4])],
+        "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
+        [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops")],
+        group="compute")
 
 
 def memory_headroom(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -476,7 +663,8 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
 # rules not checked, keep this order. Rule 9 (launch-queue depth) has no function: it is evidence in rules 4-6
 # and in the healthy verdict.
 RULES: list[Rule] = [data_bound, epoch_spikes, host_bound, kernel_gaps, sync_bound, transfer_bound, recompiles,
-                     layout_thrash, precision, low_mfu, memory_headroom, drift]
+                     layout_thrash, precision, low_mfu, memory_headroom, drift, attention_weights,
+                     eager_elementwise, per_tensor_optimizer, small_batch]
 
 
 def _watched_ms(steps: list[StepRecord]) -> tuple[float, float]:
@@ -511,7 +699,12 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
     cands = [f for f in found if f.kind == "bottleneck" and f.cost >= HEALTHY_FLOOR]
     if cands:
         top = max(cands, key=lambda f: f.cost)
-        return {"healthy": False, "id": top.id, "title": top.title, "cost": top.cost}
+        if top.group != "compute":
+            return {"healthy": False, "id": top.id, "title": top.title, "cost": top.cost}
+        # the model's own arithmetic is the bottleneck: every compute fix, ranked by the gain it promises
+        ranked = [f for f in found if f.group == "compute" and f.kind == "bottleneck" and f.cost > 0]
+        return {"healthy": False, "id": top.id, "kind": "compute", "cost": top.cost,
+                "title": f"COMPUTE-BOUND: {top.title}", "ranked": [f.id for f in ranked]}
     t = m.gpu_trace
     if t is not None:
         text = (f"HEALTHY (GPU-bound): the GPU is busy {_pct(1 - t.idle_share)} of the kernel span, launch "
@@ -520,6 +713,10 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
     elif m.cuda:
         text = "HEALTHY by the host-side rules; the GPU timeline was not profiled (profile_steps=0)"
     else:
-        text = ("HEALTHY for a CPU run: compute-bound in the training process, with no data, epoch, sync or compile "
-                "problem costing 5% or more; the GPU-level rules need a CUDA device")
+        math = ""
+        if m.trace is not None and m.trace.breakdown:
+            b = m.trace.breakdown
+            math = f" ({_pct(b.get('matmul', 0.0) + b.get('attention', 0.0))} of the step in matmuls and attention)"
+        text = ("HEALTHY for a CPU run: the step is the model's math" + math + ", with no data, epoch, compile, "
+                "precision or overhead problem costing 5% or more; the GPU-level rules need a CUDA device")
     return {"healthy": True, "id": "healthy", "title": text, "cost": 0.0}

@@ -22,20 +22,25 @@ import torch
 from fastddpm.doctor.api import diagnose
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
+from fastddpm.doctor.watchers import AttentionWatch, batch_size, optimizer_info
 
 
 class _TimedIterator:
     """A DataLoader iterator whose every `next` is timed as a wait for data."""
 
-    def __init__(self, it, session: Session):
+    def __init__(self, it, session: Session, hooks: "ScriptHooks"):
         self._it = it
         self._session = session
+        self._hooks = hooks
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return self._session.wait_for_data(lambda: next(self._it))
+        batch = self._session.wait_for_data(lambda: next(self._it))
+        if self._hooks.batch_size is None:
+            self._hooks.batch_size = batch_size(batch)
+        return batch
 
     def __len__(self):
         return len(self._it)
@@ -55,6 +60,9 @@ class ScriptHooks:
         self._train_loader = None  # weakref to the first DataLoader iterated: its new iterators are epochs
         self.optimizer_steps = 0
         self.batches_fetched = 0
+        self.batch_size: int | None = None  # of the training loader's first batch
+        self.optimizer_info = None
+        self.attention = AttentionWatch(lambda: session.phase == "watch")
 
     def __enter__(self):
         from torch.utils.data import DataLoader
@@ -69,15 +77,15 @@ class ScriptHooks:
                 session.loader = loader
             if hooks._train_loader() is loader:
                 it = session.new_iterator(lambda: orig(loader))
-            else:
-                it = session.wait_for_data(lambda: orig(loader))
-            return _TimedIterator(it, session)
+                return _TimedIterator(it, session, hooks)
+            return _TimedIterator(session.wait_for_data(lambda: orig(loader)), session, _NoBatchSize())
 
         DataLoader.__iter__ = timed_iter
 
         def after_optimizer_step(optimizer, args, kwargs):
             if hooks._optimizer is None:
                 hooks._optimizer = weakref.ref(optimizer)
+                hooks.optimizer_info = optimizer_info(optimizer)
             if hooks._optimizer() is not optimizer:
                 return
             hooks.optimizer_steps += 1
@@ -88,6 +96,7 @@ class ScriptHooks:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(after_optimizer_step)
+        self.attention.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -95,7 +104,19 @@ class ScriptHooks:
 
         DataLoader.__iter__ = self._orig_iter
         self._handle.remove()
+        self.attention.__exit__()
         return False
+
+    def seen(self) -> dict:
+        """What the hooks saw, as Measurements fields (diagnose's `seen`)."""
+        return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
+                "attention_calls": self.attention.measured(len(self.session.records))}
+
+
+class _NoBatchSize:
+    """An iterator over another loader (validation): its batches do not set the training batch size."""
+
+    batch_size = 0
 
 
 def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
@@ -128,7 +149,8 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
             f"step boundaries. Mark them yourself with fastddpm.doctor.watch(loader) and dr.step() in the script")
     if ended is not None:
         session.finish_early(ended)
-    return diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args])
+    return diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
+                    seen=hooks.seen())
 
 
 class _TimedBatches:
@@ -145,6 +167,12 @@ class _TimedBatches:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def _step_done(session: Session) -> bool:
+    """A step boundary; True once the doctor's windows are over (the trainer then stops)."""
+    session.step()
+    return session.done
 
 
 def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
@@ -168,7 +196,7 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     device, _ = resolve_device(t.device)
     session = Session(config, device=device)
     run_dir = out / "run"
-    hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: session.step(),
+    hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: _step_done(session),
                        final_outputs=False)
     train(cfg, out_dir=run_dir, hooks=hooks, log=log)
     resolved = from_dict(json.loads((run_dir / "config.json").read_text()))
@@ -176,4 +204,5 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     flops = count_step_flops(UNet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
     precision = json.loads((run_dir / "run.json").read_text())["precision"]  # what autocast ran the matmuls in
-    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision)
+    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
+                    seen={"batch_size": resolved.train.batch_size})

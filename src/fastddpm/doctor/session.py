@@ -3,6 +3,10 @@
     step:   0 ......... warmup | ........ watch ........ | .... profile .... | done
             compile, caches      cheap timers only         torch.profiler      diagnose
 
+Each window ends at a step boundary when its planned steps are done, or earlier when its share of the time budget
+(DoctorConfig.time_budget_s) is spent and it has the fewest steps it can use: a loop of 10-second steps is
+diagnosed in about a minute, not after 55 steps.
+
 - warm-up: nothing is judged (compilation, cuDNN autotuning, allocator growth, worker start-up).
 - watch: host timers around every wait for data and every step boundary, CUDA events on the boundaries,
   CPU load from /proc on a side thread, dynamo's counters. Costs microseconds per step (<= 3% is the promise;
@@ -18,9 +22,13 @@ are three ways of placing those two calls.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,53 @@ import torch
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
 from fastddpm.doctor.trace import DATA_MARK, STEP_MARK
+
+
+# The time budget's shares of the windows. The watch gets the most: its steps are the step-time statistics. The
+# profile gets more than its few steps need because the profiler slows every step, and its start and stop cost
+# time of their own. The warm-up only has to get past the first steps' compilation and autotuning.
+WARMUP_SHARE = 0.25
+WATCH_SHARE = 0.45
+PROFILE_SHARE = 0.30
+
+# The fewest steps a window cut by time may end with: the first step often compiles, so the warm-up sees a second
+# one; a median needs 3 watched steps; one profiled step is a trace the rules can read.
+MIN_WARMUP_STEPS = 2
+MIN_WATCH_STEPS = 3
+MIN_PROFILE_STEPS = 1
+
+# Kineto's own log lines. It writes them from C++ straight to file descriptor 2 (redirecting sys.stderr does not
+# catch them); torch 2.13 prints at its default level, at the profiler's start and stop:
+#   USDT:2026-11-22 22:45:39 28823:28823 SyncActivityProfilerHandler.cpp:52] profiler_start
+#   USDT:2026-11-22 22:45:39 28823:28823 SyncActivityProfilerHandler.cpp:59] profiler_stop
+# and, with KINETO_LOG_LEVEL lowered, INFO: and STAGE: lines of the same form. Its WARNING: and ERROR: lines
+# (e.g. CUPTI without permission: no GPU timeline) are kept. Setting KINETO_LOG_LEVEL is no fix: Kineto reads
+# it once, when the process first profiles.
+_PROFILER_LOG_LINE = re.compile(rb"(?:INFO|STAGE|USDT|VERBOSE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\] ")
+
+
+@contextlib.contextmanager
+def profiler_logs_muted():
+    """Around the profiler's start, stop and export: file descriptor 2 goes to a temporary file, and afterwards
+    every line in it but Kineto's own log lines is written back to fd 2, so real warnings and errors still
+    reach the user (later, in their order)."""
+    if sys.stderr is not None:
+        sys.stderr.flush()  # Python's buffered stderr writes before the switch go out in place
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = b"".join(line for line in captured.read().splitlines(keepends=True)
+                            if not _PROFILER_LOG_LINE.match(line))
+            while kept:
+                kept = kept[os.write(2, kept):]
 
 
 class DoctorError(Exception):
@@ -50,6 +105,9 @@ class DoctorConfig:
     steps: int = 40  # watched with cheap timers: the step-time statistics
     profile_steps: int = 10  # then traced with torch.profiler (0: no trace; GPU-level rules unavailable)
     loader_probe_s: float = 2.0  # afterwards, time the loader alone for up to this long (0: skip)
+    # the three windows together, seconds (warm-up 25%, watch 45%, profile 30%): a window whose share is spent
+    # ends early, at a step boundary, once it has its fewest steps (2, 3, 1). None: bounded by steps only
+    time_budget_s: float | None = 60.0
     out_dir: str | Path | None = None  # report.txt / report.json / report.html / trace.json; None: nothing written
 
     def __post_init__(self):
@@ -61,6 +119,9 @@ class DoctorConfig:
                              f"use 20 or more")
         if self.loader_probe_s < 0:
             raise ValueError(f"loader_probe_s={self.loader_probe_s} must be >= 0")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0 seconds (--max-seconds S), or None to "
+                             f"bound the run by steps only (--max-seconds 0)")
 
     @property
     def total_steps(self) -> int:
@@ -133,6 +194,7 @@ class Session:
         self._epochs = 0
         self._events: list[torch.cuda.Event] = []
         self._graphs_prev = _dynamo_graphs()
+        self.compile_start = self._graphs_prev  # dynamo's counters are per process: count from here
         self.compile_warm: tuple[int, int, int] | None = None
         self.compile_end: tuple[int, int, int] | None = None
         self.cpu = CpuSampler()
@@ -150,20 +212,58 @@ class Session:
         self.wall_s: float | None = None
         self.notes: list[str] = []
         self.loader = None  # the training DataLoader when known: timed alone at the end
-        if self.phase == "watch":  # no warm-up asked for
+        c = config
+        # window -> (planned steps, fewest steps when cut by time, share of the time budget)
+        self._plan = {"warmup": (c.warmup_steps, min(MIN_WARMUP_STEPS, c.warmup_steps), WARMUP_SHARE),
+                      "watch": (c.steps, MIN_WATCH_STEPS, WATCH_SHARE),
+                      "profile": (c.profile_steps, min(MIN_PROFILE_STEPS, c.profile_steps), PROFILE_SHARE)}
+        # each window that ran: {"planned", "taken", "seconds", "budget_s", "cut_by_time"}, for the report
+        self.windows: dict[str, dict] = {}
+        self._phase = "warmup"
+        self._window_t0 = self.wall_t0
+        self._window_step_s: list[float] = []  # the current window's step times, for the note when it is cut
+        if c.warmup_steps == 0:
+            self._phase = "watch"
             self._enter("warmup", "watch")
 
     # ---------------------------------------------------------------- windows
     @property
     def phase(self) -> str:
-        c, k = self.config, self.step_index
-        if k < c.warmup_steps:
-            return "warmup"
-        if k < c.warmup_steps + c.steps:
-            return "watch"
-        if k < c.total_steps:
-            return "profile"
+        """The current window: "warmup", "watch", "profile" or "done"."""
+        return self._phase
+
+    def _window_over(self, now: float) -> bool:
+        planned, fewest, share = self._plan[self._phase]
+        taken = len(self._window_step_s)
+        if taken >= planned:
+            return True
+        budget = self.config.time_budget_s
+        return budget is not None and taken >= fewest and now - self._window_t0 >= share * budget
+
+    def _next_window(self, phase: str) -> str:
+        order = ("warmup", "watch", "profile")
+        for later in order[order.index(phase) + 1:]:
+            if self._plan[later][0] > 0:
+                return later
         return "done"
+
+    def _close_window(self, now: float, *, ended_by_loop: bool = False) -> None:
+        """Record the current window; say why when its time share cut it short."""
+        phase, steps_s = self._phase, self._window_step_s
+        planned, _, share = self._plan[phase]
+        budget = self.config.time_budget_s
+        cut = not ended_by_loop and len(steps_s) < planned
+        self.windows[phase] = {"planned": planned, "taken": len(steps_s), "seconds": now - self._window_t0,
+                               "budget_s": share * budget if budget is not None else None, "cut_by_time": cut}
+        if cut:
+            did = {"warmup": "warmed up for", "watch": "watched", "profile": "profiled"}[phase]
+            name = {"warmup": "warm-up", "watch": "watch", "profile": "profile"}[phase]
+            self.notes.append(
+                f"{did} {len(steps_s)} of {planned} planned steps: the {name} window is bounded at "
+                f"{_seconds(share * budget)} s ({share:.0%} of the {budget:g} s time budget, --max-seconds / "
+                f"time_budget_s) and its median step took {_seconds(statistics.median(steps_s))} s")
+        self._window_t0 = now
+        self._window_step_s = []
 
     # ---------------------------------------------------------------- the two calls
     def wait_for_data(self, fetch: Callable[[], object]) -> object:
@@ -199,7 +299,7 @@ class Session:
         if self.done:
             return
         now = time.perf_counter()
-        phase = self.phase
+        phase = self._phase
         if phase == "watch":
             graphs = _dynamo_graphs()
             rec = StepRecord(self.step_index, (now - self._t_boundary) * 1e3, self._wait_s * 1e3,
@@ -212,11 +312,13 @@ class Session:
                 ev.record()  # no sync: read after the run
                 self._events.append(ev)
         self.step_index += 1
+        self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
         self._epoch_start = False
-        new_phase = self.phase
-        if new_phase != phase:
-            self._enter(phase, new_phase)
+        if self._window_over(now):
+            self._close_window(now)
+            self._phase = self._next_window(phase)
+            self._enter(phase, self._phase)
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
@@ -248,7 +350,8 @@ class Session:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             self._profile_t0 = time.perf_counter()
             self.profiler = profile(activities=activities, record_shapes=True)
-            self.profiler.__enter__()
+            with profiler_logs_muted():
+                self.profiler.__enter__()
         if old == "profile":
             self._stop_profiler()
 
@@ -260,16 +363,13 @@ class Session:
             self._step_range = None
         if self.cuda:
             torch.cuda.synchronize(self.device)  # note: sync, after the measured steps, to flush the trace
-        self.profiler.__exit__(None, None, None)
-        out = Path(self.config.out_dir) if self.config.out_dir else None
-        if out is None:
-            import tempfile
-
-            out = Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
+        out = Path(self.config.out_dir) if self.config.out_dir else Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
         out.mkdir(parents=True, exist_ok=True)
         # TensorBoard's profiler plugin looks for <worker>.<n>.pt.trace.json under a run folder
         self.trace_path = out / f"{socket.gethostname()}_{os.getpid()}.doctor.pt.trace.json"
-        self.profiler.export_chrome_trace(str(self.trace_path))
+        with profiler_logs_muted():
+            self.profiler.__exit__(None, None, None)
+            self.profiler.export_chrome_trace(str(self.trace_path))
         self.profiler = None
         self.profile_wall_s = time.perf_counter() - self._profile_t0
 
@@ -277,7 +377,9 @@ class Session:
         if self.done:
             return
         self.done = True
-        if self.phase != "done" and self.records and self.cpu_load is None:  # ended early, inside the watch
+        if self._phase != "done":  # ended early, by the loop
+            self._close_window(time.perf_counter(), ended_by_loop=True)
+        if self._phase != "done" and self.records and self.cpu_load is None:  # ended early, inside the watch
             self.compile_end = _dynamo_graphs()
             self.cpu_load = self.cpu.stop()
         self._stop_profiler()
@@ -348,6 +450,10 @@ class Session:
             first_fifth_median_ms=statistics.median(r.host_ms for r in first),
             last_fifth_median_ms=statistics.median(r.host_ms for r in last),
             gpu_median_ms=statistics.median(gpu) if gpu else None)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g}" if s < 100 else f"{s:.0f}"
 
 
 def _quantile(xs: list[float], q: float) -> float:

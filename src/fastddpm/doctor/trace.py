@@ -182,6 +182,15 @@ class TraceStats:
     groupnorm_share: float | None = 0.0
     # why the three above could not be read (then {}, {}, None): CUDA-graph replays hide their ops
     gemm_unavailable: str | None = None
+    # where the step goes (compute_breakdown): {category: share}, categories in BREAKDOWN order. A CPU trace:
+    # shares of the main thread's step time, summing to 1. A GPU trace: shares of the kernel span (kernel time
+    # by the op that launched it, plus "idle"). Empty when CUDA graphs hide the ops.
+    breakdown: dict[str, float] = field(default_factory=dict)
+    breakdown_basis: str | None = None
+    matmul_share_by_dtype: dict[str, float] = field(default_factory=dict)  # the "matmul" category split by dtype
+    attention_share_by_impl: dict[str, float] = field(default_factory=dict)  # "attention" by implementation
+    optimizer_kind: str | None = None  # "per-tensor", "foreach" or "fused": how the optimizer step ran
+    optimizer_ops_per_step: float | None = None  # ops inside Optimizer.step: one per tensor per op when per-tensor
     # GPU
     span_us: float | None = None
     busy_us: float | None = None
@@ -306,9 +315,12 @@ def analyze(events: list[dict]) -> TraceStats:
     # keep GPU work launched from inside the measured steps
     gpu = [g for g in xs if g.get("cat") in GPU_CATS and (g.get("args") or {}).get("correlation") in launches
            and step_of(float(launches[g["args"]["correlation"]]["ts"])) is not None]
+    tree = _OpTree(xs, steps, step_of)
+    stats.optimizer_kind, stats.optimizer_ops_per_step = tree.optimizer_kind()
     if not gpu:
         stats.gemm_time_share = {k: v / total_step_us for k, v in host.gemm_time_us.items()}
         stats.groupnorm_share = host.norm_us / total_step_us
+        _host_breakdown(stats, tree, total_step_us)
         return stats
 
     # ---- GPU timeline
@@ -324,7 +336,250 @@ def analyze(events: list[dict]) -> TraceStats:
     _copies(stats, gpu, kernels)
     _layout(stats, kernels, launches, op_events)
     _gpu_matmul_shares(stats, kernels, launches, op_events)
+    if not stats.gemm_unavailable:
+        _gpu_breakdown(stats, kernels, launches, tree)
     return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where the step goes: every op's own time (its duration less its children's) is charged to a category. An op
+# inside a categorised op is charged to the outer one (the casts and reshapes inside a GroupNorm are the norm's
+# cost; everything inside Optimizer.step is the optimizer's), so the categories add up to the step.
+BREAKDOWN = ("matmul", "attention", "norm", "elementwise", "optimizer", "copy", "data", "framework", "python", "idle")
+BREAKDOWN_LABELS = {
+    "matmul": "matmul/conv", "attention": "attention", "norm": "norms", "elementwise": "elementwise/activation",
+    "optimizer": "optimizer step", "copy": "copies/layout/casts", "data": "data wait",
+    "framework": "framework (autograd, views, allocation)", "python": "Python/dispatch (no op running)",
+    "idle": "GPU idle"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::convolution_backward",
+              "aten::_convolution", "aten::mkldnn_convolution", "aten::cudnn_convolution", "aten::addbmm",
+              "aten::cudnn_convolution_transpose", "aten::_scaled_mm"}
+SOFTMAX_OPS = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data", "aten::_safe_softmax"}
+BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}  # with a softmax beside them: attention written out by hand
+NORM_BREAKDOWN_OPS = {"aten::group_norm", "aten::native_group_norm", "aten::native_group_norm_backward",
+                      "aten::layer_norm", "aten::native_layer_norm", "aten::native_layer_norm_backward",
+                      "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm",
+                      "aten::native_batch_norm_backward", "aten::_native_batch_norm_legit",
+                      "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
+                      "aten::cudnn_batch_norm_backward", "aten::instance_norm", "aten::rms_norm",
+                      "aten::_fused_rms_norm", "aten::_fused_rms_norm_backward"}
+COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::clone", "aten::cat",
+            "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::_copy_from",
+            "aten::_copy_from_and_resize", "aten::to_dense", "aten::masked_select", "aten::repeat"}
+# views, allocation and wrappers: cheap bookkeeping, or a call whose work is done by the op inside it
+TRANSPARENT_OPS = {
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::as_strided", "aten::as_strided_", "aten::view",
+    "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::t", "aten::transpose", "aten::permute",
+    "aten::expand", "aten::select", "aten::slice", "aten::squeeze", "aten::unsqueeze", "aten::flatten",
+    "aten::unflatten", "aten::detach", "aten::detach_", "aten::alias", "aten::lift_fresh", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::split", "aten::chunk", "aten::narrow", "aten::unbind", "aten::resize_",
+    "aten::result_type", "aten::item", "aten::_local_scalar_dense", "aten::linear", "aten::matmul", "aten::einsum",
+    "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d", "aten::conv_transpose2d",
+    "aten::conv_transpose3d", "aten::set_", "aten::is_nonzero", "aten::view_as", "aten::expand_as",
+    "aten::split_with_sizes", "aten::unsafe_split", "aten::movedim", "aten::numpy_T", "aten::record_stream"}
+
+
+def _attention_impl(name: str) -> str | None:
+    """The attention implementation an op belongs to, or None: fused SDPA kernels by backend, SDPA's math
+    fallback, and nn.MultiheadAttention's inference fast path."""
+    if "scaled_dot_product" not in name and "flash_attention" not in name and "efficient_attention" not in name \
+            and "multi_head_attention" not in name:
+        return None
+    if "math" in name:
+        return "SDPA math (materialised)"
+    if "for_cpu" in name:
+        return "SDPA flash (CPU)"
+    if "flash" in name:
+        return "SDPA flash"
+    if "efficient" in name:
+        return "SDPA memory-efficient"
+    if "cudnn" in name:
+        return "SDPA cuDNN"
+    if "multi_head_attention" in name:
+        return "nn.MultiheadAttention fast path"
+    return "SDPA"  # the dispatching op itself: its child names the kernel
+
+
+class _OpTree:
+    """The host events of the measured steps as per-thread nesting trees, each node charged to a category."""
+
+    class Node:
+        __slots__ = ("e", "ts", "end", "children", "cat", "impl", "owner")
+
+        def __init__(self, e: dict):
+            self.e, self.ts = e, float(e["ts"])
+            self.end = self.ts + float(e.get("dur", 0))
+            self.children: list = []
+            self.cat: str | None = None
+            self.impl: str | None = None  # attention: its implementation
+            self.owner = self  # the outermost op of this category around it (the matmul whose dtype counts)
+
+    def __init__(self, xs: list[dict], steps: list[StepTrace], step_of):
+        self.main_tid = next((e.get("tid") for e in xs if e.get("name") == STEP_MARK
+                              and e.get("cat") in HOST_MARK_CATS), None)
+        events = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") != STEP_MARK
+                  and step_of(float(e["ts"])) is not None]
+        self.softmax = any(e.get("name") in SOFTMAX_OPS for e in events)
+        self.roots: dict = {}  # tid -> top-level nodes, in time order
+        by_tid: dict = {}
+        for e in events:
+            by_tid.setdefault(e.get("tid"), []).append(e)
+        for tid, lst in by_tid.items():
+            roots, stack = [], []
+            for e in sorted(lst, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0)))):
+                node = _OpTree.Node(e)
+                while stack and stack[-1].end <= node.ts:
+                    stack.pop()
+                (stack[-1].children if stack else roots).append(node)
+                stack.append(node)
+            for r in roots:
+                self._categorise(r, None, None)
+            self.roots[tid] = roots
+
+    def _own_category(self, name: str, cat: str | None) -> str | None:
+        if name == DATA_MARK:
+            return "data"
+        if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
+            return "optimizer"
+        if _attention_impl(name) is not None:
+            return "attention"
+        if name in SOFTMAX_OPS or (name in BATCHED_MATMUL_OPS and self.softmax):
+            return "attention"
+        if name in MATMUL_OPS:
+            return "matmul"
+        if name in NORM_BREAKDOWN_OPS:
+            return "norm"
+        if name in COPY_OPS:
+            return "copy"
+        if cat == "cpu_op" and name.startswith("aten::") and name not in TRANSPARENT_OPS:
+            return "elementwise?"  # unless something inside it is of another category (a wrapper we do not know)
+        return None
+
+    def _categorise(self, node: "_OpTree.Node", inherited: str | None, owner) -> None:
+        """Outermost category wins; an unknown aten op is elementwise unless it wraps categorised work."""
+        name = node.e.get("name", "")
+        own = self._own_category(name, node.e.get("cat"))
+        if inherited is not None:
+            node.cat, node.owner = inherited, owner
+        elif own == "elementwise?":
+            node.cat = "elementwise" if not self._wraps_work(node) else None
+        else:
+            node.cat = own
+        if node.cat == "attention" and node.owner is node:
+            node.impl = self._impl(node)
+        for c in node.children:
+            self._categorise(c, node.cat, node.owner if node.cat is not None else None)
+
+    def _wraps_work(self, node: "_OpTree.Node") -> bool:
+        for c in node.children:
+            own = self._own_category(c.e.get("name", ""), c.e.get("cat"))
+            if own not in (None, "elementwise?") or self._wraps_work(c):
+                return True
+        return False
+
+    def _impl(self, node: "_OpTree.Node") -> str:
+        found = None
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            impl = _attention_impl(n.e.get("name", ""))
+            if impl is not None and (found is None or found == "SDPA"):
+                found = impl
+            todo.extend(n.children)
+        return found or "softmax(QK^T)V (materialised)"
+
+    def walk(self, tid=None):
+        """Every node of thread `tid` (all threads when None), parents before children."""
+        todo = [n for t, roots in self.roots.items() if tid is None or t == tid for n in reversed(roots)]
+        while todo:
+            n = todo.pop()
+            yield n
+            todo.extend(reversed(n.children))
+
+    def optimizer_kind(self) -> tuple[str | None, float | None]:
+        steps = [n for n in self.walk() if n.e.get("name", "").startswith("Optimizer.step#")]
+        if not steps:
+            return None, None
+        names = [d.e.get("name", "") for s in steps for d in self._descendants(s)]
+        kind = ("fused" if any("_fused_" in x for x in names) else
+                "foreach" if any("_foreach_" in x for x in names) else "per-tensor")
+        # the ops the optimizer itself issues (not what they call inside): one per tensor per term when
+        # per-tensor, a few for all tensors when foreach or fused (on a CPU a foreach op still loops inside)
+        return kind, sum(len(s.children) for s in steps) / len(steps)
+
+    @staticmethod
+    def _descendants(node: "_OpTree.Node"):
+        todo = list(node.children)
+        while todo:
+            n = todo.pop()
+            yield n
+            todo.extend(n.children)
+
+    def innermost_at(self, tid, ts: float) -> "_OpTree.Node | None":
+        """The deepest node of thread `tid` open at `ts`."""
+        level = self.roots.get(tid) or []
+        found = None
+        while level:
+            i = bisect.bisect_right([n.ts for n in level], ts) - 1
+            if i < 0 or level[i].end < ts:
+                break
+            found = level[i]
+            level = found.children
+        return found
+
+
+def _host_breakdown(stats: TraceStats, tree: _OpTree, total_step_us: float) -> None:
+    """A CPU trace: the main thread's step time by category (own time of each op), the rest Python."""
+    own: dict[str, float] = {}
+    by_dtype: dict[str, float] = {}
+    by_impl: dict[str, float] = {}
+    for n in tree.walk(tree.main_tid):
+        self_us = max(0.0, (n.end - n.ts) - sum(c.end - c.ts for c in n.children))
+        cat = n.cat or ("framework" if n.e.get("cat") == "cpu_op" else "python")
+        own[cat] = own.get(cat, 0.0) + self_us
+        if n.cat == "matmul":
+            d = _op_dtype(n.owner.e)
+            by_dtype[d] = by_dtype.get(d, 0.0) + self_us
+        elif n.cat == "attention":
+            by_impl[n.owner.impl] = by_impl.get(n.owner.impl, 0.0) + self_us
+    covered_us = sum(n.end - n.ts for n in tree.roots.get(tree.main_tid, []))
+    own["python"] = own.get("python", 0.0) + max(0.0, total_step_us - covered_us)
+    stats.breakdown = {k: own.get(k, 0.0) / total_step_us for k in BREAKDOWN if k != "idle"}
+    stats.breakdown_basis = "share of the profiled steps' host time (the training thread)"
+    stats.matmul_share_by_dtype = {k: v / total_step_us for k, v in by_dtype.items()}
+    stats.attention_share_by_impl = {k: v / total_step_us for k, v in by_impl.items()}
+
+
+def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree: _OpTree) -> None:
+    """A GPU trace: kernel time by the category of the op that launched each kernel, over the kernel span."""
+    own: dict[str, float] = {}
+    by_dtype: dict[str, float] = {}
+    by_impl: dict[str, float] = {}
+    for k in kernels:
+        launch = launches[k["args"]["correlation"]]
+        node = tree.innermost_at(launch.get("tid"), float(launch["ts"]))
+        cat = node.cat if node is not None and node.cat is not None else "framework"
+        dur_us = float(k.get("dur", 0))
+        own[cat] = own.get(cat, 0.0) + dur_us
+        if cat == "matmul":
+            d = _op_dtype(node.owner.e)
+            by_dtype[d] = by_dtype.get(d, 0.0) + dur_us
+        elif cat == "attention":
+            by_impl[node.owner.impl] = by_impl.get(node.owner.impl, 0.0) + dur_us
+    span = stats.span_us or 1e-9
+    stats.breakdown = {k: own.get(k, 0.0) / span for k in BREAKDOWN if k not in ("python", "data")}
+    stats.breakdown["idle"] = stats.idle_share or 0.0
+    stats.breakdown_basis = ("share of the GPU's kernel span: kernel time by the op that launched it "
+                             "(framework: kernels launched outside any known op), and idle time")
+    stats.matmul_share_by_dtype = {k: v / span for k, v in by_dtype.items()}
+    stats.attention_share_by_impl = {k: v / span for k, v in by_impl.items()}
+
+
+def _op_dtype(e: dict) -> str:
+    """The input dtype of a matmul/conv op (addmm/baddbmm: of the matrices, not the bias)."""
+    types = (e.get("args") or {}).get("Input type") or ["?"]
+    t = types[1] if e.get("name") in ("aten::addmm", "aten::baddbmm") and len(types) > 1 else types[0]
+    return _DTYPE.get(t, t or "?")
 
 
 @dataclass

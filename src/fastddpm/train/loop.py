@@ -83,7 +83,9 @@ class TrainHooks:
     source and step boundary without a copy of the loop. Defaults leave training unchanged."""
 
     wrap_batches: Callable[[object], object] | None = None  # batches -> object with the same .get(m)
-    after_step: Callable[[int], None] | None = None  # called with the finished step number, on the host
+    # called with the finished step number, on the host; returning True ends the run there (the doctor's
+    # windows are bounded in time, so it stops the trainer once it has measured enough)
+    after_step: Callable[[int], bool | None] | None = None
     final_outputs: bool = True  # False: skip the final grid (a diagnostic run does not need it)
 
 
@@ -499,8 +501,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
         progress.step += 1
         progress.images_seen += run.images_per_step
         out.count(loss)
-        if hooks.after_step is not None:
-            hooks.after_step(progress.step)
+        if hooks.after_step is not None and hooks.after_step(progress.step):
+            break
 
         logging_step = progress.step % train_cfg.log_every == 0 or progress.step == run.total_steps
         stop_code = _agreed_stop(run, stop, logging_step)

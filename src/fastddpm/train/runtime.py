@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -60,6 +62,37 @@ def cuda_native_bf16(device: torch.device | int | None = None) -> tuple[bool, st
     if major >= 8:
         return True, f"{name} is sm{major}{minor}: native bf16"
     return False, f"{name} is sm{major}{minor}: bf16 would be emulated (native from sm80, Ampere)"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"); None where there is no such
+    file (macOS, Windows): callers then assume the least."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+# x86: AMX tiles (Sapphire Rapids and later) or AVX512-BF16 dot products (Cooper Lake, Zen 4); Arm: FEAT_BF16
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+
+
+def cpu_native_bf16(flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether this CPU computes bf16 matmuls in hardware, and why (the flag it has, or the ones it lacks).
+    Without them oneDNN emulates bf16 by converting to fp32, which is slower than fp32 itself."""
+    flags = cpu_flags() if flags is None else flags
+    if flags is None:
+        return False, "the CPU's flags are unknown (no /proc/cpuinfo): assuming no native bf16"
+    have = [f for f in CPU_BF16_FLAGS if f in flags]
+    if have:
+        return True, f"the CPU has {' and '.join(have)}: native bf16 matmuls"
+    return False, "the CPU has none of amx_bf16, avx512_bf16 (x86) or bf16 (Arm): bf16 would be emulated"
 
 
 def resolve_precision(spec: str, device: torch.device) -> Precision:
