@@ -14,12 +14,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 CPU_CASES = [n for n in planted.CASES if n not in planted.GPU_ONLY]
 
 
+@pytest.fixture(scope="module")
+def cpu_case(tmp_path_factory):
+    """Each CPU case run once per module with its default window (the tests below read the same report)."""
+    cache = {}
+
+    def run(name):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            cache[name] = (planted.CASES[name](torch.device("cpu"), out=out, print_report=False), out)
+        return cache[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", CPU_CASES)
-def test_planted_fault_is_diagnosed_on_cpu(name, tmp_path):
-    report = planted.CASES[name](torch.device("cpu"), out=tmp_path, print_report=False)
+def test_planted_fault_is_diagnosed_on_cpu(name, cpu_case):
+    report, out = cpu_case(name)
     want = planted.expected(name, "cpu")
     assert report.bottleneck == want, report.text()
-    saved = json.loads((tmp_path / "report.json").read_text())
+    saved = json.loads((out / "report.json").read_text())
     assert saved["verdict"]["id"] == want
     if not report.healthy:
         top = report.finding(report.bottleneck)
@@ -32,10 +46,10 @@ def test_planted_fault_is_diagnosed_on_cpu(name, tmp_path):
                                        "per-tensor-optimizer"))
 
 
-def test_fp32_case_says_why_fp32_stays_where_bf16_is_not_native():
+def test_fp32_case_says_why_fp32_stays_where_bf16_is_not_native(cpu_case):
     """On a CPU without amx_bf16/avx512_bf16 the fp32 case is healthy, and the doctor says it measured bf16 slower;
     with native bf16 the same loop is COMPUTE-BOUND with autocast as the top fix (the parametrised test)."""
-    report = planted.CASES["fp32-matmuls"](torch.device("cpu"), print_report=False)
+    report, _ = cpu_case("fp32-matmuls")
     lp = report.measurements["low_precision"]
     note = report.finding("fp32")
     assert note is not None and lp["dtype"] == "bf16"
@@ -49,8 +63,8 @@ def test_fp32_case_says_why_fp32_stays_where_bf16_is_not_native():
     assert tr["optimizer_kind"] == "fused" and sum(tr["breakdown"].values()) == pytest.approx(1.0)
 
 
-def test_mha_case_counts_the_calls_that_asked_for_weights():
-    report = planted.CASES["mha-need-weights"](torch.device("cpu"), print_report=False)
+def test_mha_case_counts_the_calls_that_asked_for_weights(cpu_case):
+    report, _ = cpu_case("mha-need-weights")
     calls = report.measurements["attention_calls"]
     assert calls == {"calls_per_step": 1.0, "need_weights_per_step": 1.0, "modules": 1}
     impl = report.measurements["trace"]["attention_share_by_impl"]
@@ -61,17 +75,17 @@ def test_mha_case_counts_the_calls_that_asked_for_weights():
     assert not hasattr(nn.MultiheadAttention.forward, "__wrapped__")  # the watch put the method back
 
 
-def test_slow_loader_names_latency_and_heavy_transform_names_the_cpu():
-    sleep = planted.CASES["slow-loader"](torch.device("cpu"), print_report=False).finding("data-bound")
-    heavy = planted.CASES["heavy-transform"](torch.device("cpu"), print_report=False).finding("data-bound")
+def test_slow_loader_names_latency_and_heavy_transform_names_the_cpu(cpu_case):
+    sleep = cpu_case("slow-loader")[0].finding("data-bound")
+    heavy = cpu_case("heavy-transform")[0].finding("data-bound")
     assert sleep.rules == (1,) and "not the limit" in sleep.cause
     assert heavy.rules == (1, 3) and "CPU-bound" in heavy.cause
     # the loader alone was timed and is slower than training could go
     assert any("the loader alone gives" in e for e in sleep.evidence)
 
 
-def test_epoch_spike_evidence_points_at_the_epoch_start_steps():
-    report = planted.CASES["epoch-respawn"](torch.device("cpu"), print_report=False)
+def test_epoch_spike_evidence_points_at_the_epoch_start_steps(cpu_case):
+    report, _ = cpu_case("epoch-respawn")
     steps = report.measurements["steps"]
     starts = [s for s in steps if s["epoch_start"]]
     assert starts, "the watch window must cross an epoch boundary"
@@ -90,8 +104,8 @@ def test_item_every_step_is_counted_on_cpu_but_not_called_a_sync():
     assert "7 (syncs)" in with_item.unavailable
 
 
-def test_recompile_step_is_the_ragged_one():
-    report = planted.CASES["uneven-last-batch"](torch.device("cpu"), print_report=False)
+def test_recompile_step_is_the_ragged_one(cpu_case):
+    report, _ = cpu_case("uneven-last-batch")
     comp = report.measurements["compile"]
     assert comp["recompiles_after_warmup"] >= 1
     hit = [s for s in report.measurements["steps"] if s["recompiles"]]
@@ -107,8 +121,8 @@ def test_watch_overhead_is_small_on_cpu():
     assert report.environment["profile_wall_s"] is None
 
 
-def test_a_full_profile_of_a_run_is_bounded_in_time():
-    report = planted.CASES["slow-loader"](torch.device("cpu"), print_report=False)
+def test_a_full_profile_of_a_run_is_bounded_in_time(cpu_case):
+    report, _ = cpu_case("slow-loader")
     assert report.environment["wall_s"] < 60
 
 
