@@ -155,7 +155,7 @@ for part in "${PARTS[@]}"; do
         false
       else
         limited 90 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/quality-reference/reference" --num-samples 10000 \
-          --steps 50 --out "$RES/eval" --no-progress
+          --sampler ddim --steps 50 --out "$RES/eval" --no-progress
       fi ;;
     samplers)
       if [ ! -d "$QUALITY_DIR/quality-reference/reference" ]; then

@@ -246,10 +246,10 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     train(tiny_cond_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
     args = ["sample", "--checkpoint", str(run), "--steps", "2", "--no-progress", "--out", str(tmp_path / "s")]
     assert main([*args, "--class", "7", "--guidance", "2", "--num-images", "3"]) == 0
-    z = np.load(tmp_path / "s" / "ddim2_n3_seed0_7_w2.npz")
+    z = np.load(tmp_path / "s" / "unipc2_n3_seed0_7_w2.npz")
     assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 2
     assert main([*args, "--class", "all", "--num-images", "20"]) == 0  # W: the run's train.sample_guidance (3)
-    z = np.load(tmp_path / "s" / "ddim2_n20_seed0_all_w3.npz")
+    z = np.load(tmp_path / "s" / "unipc2_n20_seed0_all_w3.npz")
     assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)] and float(z["guidance"]) == 3
     capsys.readouterr()
     assert main([*args, "--class", "boots"]) == 2
@@ -268,7 +268,7 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
     assert main([*args, "--guidance", "0,1,3"]) == 0
     out = capsys.readouterr().out
     assert "| guidance W | class accuracy | FID |" in out and "classifier" in out
-    result = json.loads(next((run / "eval").glob("eval_ddim2_n20_seed0_w0-1-3.json")).read_text())
+    result = json.loads(next((run / "eval").glob("eval_unipc2_n20_seed0_w0-1-3.json")).read_text())
     rows = result["guidance"]
     assert [r["guidance"] for r in rows] == [0.0, 1.0, 3.0]
     for r in rows:

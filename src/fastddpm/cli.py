@@ -17,6 +17,8 @@ from pathlib import Path
 
 from fastddpm import __version__
 from fastddpm.config import (
+    DEFAULT_SAMPLER,
+    DEFAULT_SAMPLER_STEPS,
     PRESETS,
     SAMPLERS,
     SECTIONS,
@@ -140,8 +142,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
                          "ema.safetensors")
     sp.add_argument("--num-images", type=int, default=64, metavar="N", help="images to draw (default 64)")
-    sp.add_argument("--sampler", choices=SAMPLERS, default="ddim", help="default ddim")
-    sp.add_argument("--steps", type=int, default=50, metavar="K", help="sampler steps (default 50; DDPM uses all T)")
+    sp.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER, help=f"default {DEFAULT_SAMPLER}")
+    sp.add_argument("--steps", type=int, default=DEFAULT_SAMPLER_STEPS, metavar="K",
+                    help=f"sampler steps (default {DEFAULT_SAMPLER_STEPS}; DDPM uses all T)")
     sp.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="timesteps: trailing (evenly spaced from T-1) or karras (EDM noise levels, dense at low "
                          "noise); default: karras for heun, trailing for the others")

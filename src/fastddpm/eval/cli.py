@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from fastddpm.config import SAMPLERS, SPACINGS, default_spacing, positive_int  # no torch import
+from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLERS, SPACINGS,  # no torch import
+                             default_spacing, positive_int)
 
 _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
@@ -33,7 +34,7 @@ every output. The real data's statistics are cached too, so a second evaluation 
 
 _EPILOG = """\
 examples:
-  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 DDIM-50 samples
+  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 UniPC-10 samples
   fastddpm eval --checkpoint runs/fmnist/ema.safetensors --num-samples 2000 --steps 20
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
@@ -52,9 +53,10 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
-    ev.add_argument("--sampler", choices=SAMPLERS, default="ddim", help="default ddim")
-    ev.add_argument("--steps", type=positive_int, default=50, metavar="K",
-                    help="sampler steps (default 50; DDPM uses all T; Heun makes 2K-1 network calls)")
+    ev.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER, help=f"default {DEFAULT_SAMPLER}")
+    ev.add_argument("--steps", type=positive_int, default=DEFAULT_SAMPLER_STEPS, metavar="K",
+                    help=f"sampler steps (default {DEFAULT_SAMPLER_STEPS}; DDPM uses all T; Heun makes 2K-1 network "
+                         "calls)")
     ev.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="timestep spacing (default: karras for heun, trailing for the others)")
     ev.add_argument("--eta", type=float, default=0.0, help="DDIM eta (default 0)")
