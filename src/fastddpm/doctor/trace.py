@@ -421,6 +421,7 @@ class _OpTree:
                   and step_of(float(e["ts"])) is not None]
         self.softmax = any(e.get("name") in SOFTMAX_OPS for e in events)
         self.roots: dict = {}  # tid -> top-level nodes, in time order
+        self._starts: dict = {}  # id(a list of sibling nodes) -> their start times, for innermost_at
         by_tid: dict = {}
         for e in events:
             by_tid.setdefault(e.get("tid"), []).append(e)
@@ -516,11 +517,15 @@ class _OpTree:
             todo.extend(n.children)
 
     def innermost_at(self, tid, ts: float) -> "_OpTree.Node | None":
-        """The deepest node of thread `tid` open at `ts`."""
+        """The deepest node of thread `tid` open at `ts` (a binary search per level: a GPU trace asks once per
+        kernel)."""
         level = self.roots.get(tid) or []
         found = None
         while level:
-            i = bisect.bisect_right([n.ts for n in level], ts) - 1
+            starts = self._starts.get(id(level))
+            if starts is None:
+                starts = self._starts[id(level)] = [n.ts for n in level]
+            i = bisect.bisect_right(starts, ts) - 1
             if i < 0 or level[i].end < ts:
                 break
             found = level[i]
