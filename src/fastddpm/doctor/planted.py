@@ -188,27 +188,30 @@ def tiny_kernels(device, **kw) -> Report:
     return dr.report
 
 
-def big_matmul(device, **kw) -> Report:
-    width, batch = (8192, 4096) if device.type == "cuda" else (1024, 256)
-    data = torch.randn(batch * 8, width, device=device)
-    model = _mlp(width, width, 2).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+def _resident_case(device, kw: dict, model: nn.Module, opt, data: torch.Tensor, batch: int,
+                   autocast_dtype=None) -> Report:
+    """A loop over batches already on the device, with the window most cases use."""
     with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
                                                                       profile_steps=5, loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
+        _loop(dr, model, opt, device, autocast_dtype=autocast_dtype)
     return dr.report
+
+
+def _big_mlp(device, kw: dict, cuda_size: tuple[int, int], autocast_dtype) -> Report:
+    width, batch = cuda_size if device.type == "cuda" else (1024, 256)
+    model = _mlp(width, width, 2).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return _resident_case(device, kw, model, opt, torch.randn(batch * 8, width, device=device), batch,
+                          autocast_dtype)
+
+
+def big_matmul(device, **kw) -> Report:
+    return _big_mlp(device, kw, (8192, 4096), _native_dtype(device))
 
 
 def fp32_matmuls(device, **kw) -> Report:
     """big-matmul's loop in fp32, where the device could run it in bf16/fp16."""
-    width, batch = (4096, 2048) if device.type == "cuda" else (1024, 256)
-    data = torch.randn(batch * 8, width, device=device)
-    model = _mlp(width, width, 2).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
-                                                                      profile_steps=5, loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device)
-    return dr.report
+    return _big_mlp(device, kw, (4096, 2048), None)
 
 
 class _SelfAttention(nn.Module):
@@ -229,10 +232,7 @@ def mha_need_weights(device, **kw) -> Report:
     data = torch.randn(batch * 4, tokens, dim, device=device)
     model = _SelfAttention(dim, 4).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
-                                                                      profile_steps=5, loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
-    return dr.report
+    return _resident_case(device, kw, model, opt, data, batch, _native_dtype(device))
 
 
 class _NormAct(nn.Module):
@@ -257,20 +257,14 @@ def eager_elementwise(device, **kw) -> Report:
     data = torch.randn(batch * 4, c, size, size, device=device)
     model = _NormAct(c, 6).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20,
-                                                                      profile_steps=5, loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
-    return dr.report
+    return _resident_case(device, kw, model, opt, data, batch, _native_dtype(device))
 
 
 def per_tensor_adam(device, **kw) -> Report:
     data = torch.randn(64 * 8, 16, device=device)
     model = _mlp(16, 16, 150).to(device)  # 302 parameter tensors of 16 x 16 or 16
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)  # the planted fault (a CPU's default)
-    with watch(_ResidentLoader(data, 64), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
-                                                                   loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, autocast_dtype=_native_dtype(device))
-    return dr.report
+    return _resident_case(device, kw, model, opt, data, 64, _native_dtype(device))
 
 
 def uneven_last_batch(device, **kw) -> Report:
