@@ -287,6 +287,47 @@ def test_rule_per_tensor_optimizer():
         None, {})
 
 
+def test_rule_per_tensor_optimizer_on_a_gpu_that_waits_for_its_launches():
+    """On a GPU a per-tensor optimizer's kernels are tiny (2% of the span on an H100): its cost is the launches.
+    When it launches most of the kernels of a launch-bound step, it is the verdict and rule 4-6's finding keeps
+    only the rest of the wait."""
+    launch_bound = dict(idle_share=0.96, host_wait_share=0.96, kernel_wait_share=0.0,
+                        host_wait_by_cause={"data": 0.0, "sync": 0.0, "host": 0.96}, median_eager_kernel_us=1.2,
+                        short_kernel_share=1.0, kernels_per_step=3932, optimizer_kind="per-tensor",
+                        optimizer_ops_per_step=3624.0, breakdown={"optimizer": 0.02, "idle": 0.96},
+                        kernel_share_by_category={"optimizer": 0.9, "matmul": 0.05, "elementwise": 0.05})
+    m = record(device="cuda:0", trace=gpu_trace(**launch_bound),
+               optimizer=OptimizerInfo(name="AdamW", param_tensors=302, foreach=False, fused=None))
+    found, _ = evaluate(m)
+    by_id = {f.id: f for f in found}
+    v = verdict(found, m)
+    assert v["id"] == "per-tensor-optimizer" and "kind" not in v  # a launch problem, not the model's arithmetic
+    assert by_id["per-tensor-optimizer"].cost == pytest.approx(0.96 * 0.9)
+    assert by_id["launch-bound"].cost == pytest.approx(0.96 * 0.1)
+    assert "90% of the kernels are launched by a per-tensor optimizer" in by_id["launch-bound"].evidence[-1]
+    # a fused optimizer on the same waiting GPU: the launches are rule 6's alone
+    fused = record(device="cuda:0", trace=gpu_trace(**dict(launch_bound, optimizer_kind="fused")))
+    found, _ = evaluate(fused)
+    assert verdict(found, fused)["id"] == "launch-bound" and "per-tensor-optimizer" not in {f.id for f in found}
+
+
+def test_low_mfu_on_a_gpu_does_not_count_what_the_specific_compute_rules_explain():
+    """An H100 run of MultiheadAttention with need_weights=True: busy 97%, 62% of it materialised attention. The
+    fused kernel (rule 17) is the fix; low MFU's estimate covers only the other 35% of the span."""
+    mfu = Mfu(mfu=0.02, flops_per_step=64e9, step_ms=4.4, peak_tflops=774.0, peak_label="measured",
+              peak_dtype="bf16", peak_dtype_basis="b")
+    t = gpu_trace(idle_share=0.03, attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.62},
+                  breakdown={"attention": 0.62, "copies": 0.2, "elementwise": 0.12, "matmul": 0.02, "idle": 0.03})
+    m = record(device="cuda:0", trace=t, mfu=mfu,
+               attention_calls=AttentionCalls(calls_per_step=1.0, need_weights_per_step=1.0, modules=1))
+    found, _ = evaluate(m)
+    by_id = {f.id: f for f in found}
+    assert by_id["low-mfu"].cost == pytest.approx(0.5 * (0.97 - 0.62))
+    assert "62% of the span is materialised attention or eager elementwise work" in by_id["low-mfu"].evidence[1]
+    v = verdict(found, m)
+    assert v["id"] == "attention-weights" and v["ranked"] == ["attention-weights", "low-mfu"]
+
+
 def test_rule_small_batch():
     t = cpu_trace(split={"python": 0.2, "framework": 0.2, "optimizer": 0.1})
     f, _ = check(rules.small_batch, record(trace=t, batch_size=8))

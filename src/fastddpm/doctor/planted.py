@@ -80,7 +80,7 @@ def _mlp(dim: int, width: int, depth: int) -> nn.Module:
 
 
 def _loop(dr, model: nn.Module, opt, device, *, to_device: Callable | None = None, item: bool = False,
-          autocast_dtype=None, compiled: nn.Module | None = None):
+          autocast_dtype=None, compiled: nn.Module | None = None, host_work_s: float = 0.0):
     net = compiled or model
     for x in dr.batches():
         x = to_device(x) if to_device else x.to(device, non_blocking=True)
@@ -91,7 +91,16 @@ def _loop(dr, model: nn.Module, opt, device, *, to_device: Callable | None = Non
         opt.step()
         if item:
             _ = loss.item()  # the planted sync: a float every step "for the progress bar"
+        if host_work_s:
+            _host_work(host_work_s)
         dr.step()
+
+
+def _host_work(seconds: float) -> None:
+    """Python busy for `seconds`: a stand-in for a loop's per-step host work (logging, metrics, bookkeeping)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _half_dtype(device) -> torch.dtype:
@@ -156,19 +165,27 @@ def epoch_respawn(device, **kw) -> Report:
 
 
 def item_every_step(device, **kw) -> Report:
-    width = 2048 if device.type == "cuda" else 256
-    data = torch.randn(64 * 32, width, device=device)
-    loader = _ResidentLoader(data, 64)
+    """loss.item() every step, then the step's host work (the progress bar, metrics: 2 ms here) before the next
+    launch. A sync costs what the host does after it: without the sync that work overlaps the GPU's step; with it
+    the GPU waits it out. So on a GPU the step is sized to keep the GPU busy (H100: a few ms in bf16, kernels far
+    longer than their launches) and the host work is a real share of it; first sized smaller, an H100 finished
+    the step's tiny kernels faster than Python launched them and the run was launch-bound, not sync-bound."""
+    cuda = device.type == "cuda"
+    width, batch = (2048, 8192) if cuda else (256, 64)
+    data = torch.randn(batch * 8, width, device=device)
     model = _mlp(width, width, 4).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
-    with watch(loader, device=device, **_window(kw, warmup_steps=5, steps=30, profile_steps=10,
-                                                loader_probe_s=0)) as dr:
-        _loop(dr, model, opt, device, item=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)
+    with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=5, steps=30,
+                                                                      profile_steps=10, loader_probe_s=0)) as dr:
+        _loop(dr, model, opt, device, item=True, host_work_s=0.002 if cuda else 0.0,
+              autocast_dtype=_native_dtype(device))
     return dr.report
 
 
 def pageable_h2d(device, **kw) -> Report:
-    host = torch.randn(8, 32, 3, 128, 128)  # 8 batches of 6 MiB, pageable
+    # 8 batches of 48 MiB, pageable: on an H100 batches of 6 MiB copied in under a millisecond, and the step's
+    # tiny kernels (launch-bound) weighed as much as the copy
+    host = torch.randn(8, 64, 3, 256, 256)
     loader = [host[i] for i in range(8)]
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -253,7 +270,8 @@ class _NormAct(nn.Module):
 
 
 def eager_elementwise(device, **kw) -> Report:
-    c, size, batch = (64, 64, 64) if device.type == "cuda" else (32, 32, 64)
+    # GPU: batch 256 keeps an H100 busy (at 64 the host's launches left it idle a third of the step: host-bound)
+    c, size, batch = (64, 64, 256) if device.type == "cuda" else (32, 32, 64)
     data = torch.randn(batch * 4, c, size, size, device=device)
     model = _NormAct(c, 6).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -317,10 +335,11 @@ class _HalfCovered(nn.Module):
 
 
 def autocast_gap(device, **kw) -> Report:
-    width, batch = (2048, 1024) if device.type == "cuda" else (256, 128)
+    # GPU: batch 8192 keeps an H100 busy with the matmuls (at 1024 it idled 46% of the step, host-bound)
+    width, batch = (2048, 8192) if device.type == "cuda" else (256, 128)
     data = torch.randn(batch * 8, width, device=device)
     model = _HalfCovered(width).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     with watch(_ResidentLoader(data, batch), device=device, **_window(kw, warmup_steps=3, steps=20, profile_steps=5,
                                                                       loader_probe_s=0)) as dr:
         _loop(dr, model, opt, device, autocast_dtype=_half_dtype(device))

@@ -189,6 +189,8 @@ class TraceStats:
     breakdown_basis: str | None = None
     matmul_share_by_dtype: dict[str, float] = field(default_factory=dict)  # the "matmul" category split by dtype
     attention_share_by_impl: dict[str, float] = field(default_factory=dict)  # "attention" by implementation
+    # a GPU trace: the share of the kernels each category's ops launch (a launch-bound step's launches, by owner)
+    kernel_share_by_category: dict[str, float] = field(default_factory=dict)
     optimizer_kind: str | None = None  # "per-tensor", "foreach" or "fused": how the optimizer step ran
     optimizer_ops_per_step: float | None = None  # ops inside Optimizer.step: one per tensor per op when per-tensor
     # GPU
@@ -558,6 +560,7 @@ def _host_breakdown(stats: TraceStats, tree: _OpTree, total_step_us: float) -> N
 def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree: _OpTree) -> None:
     """A GPU trace: kernel time by the category of the op that launched each kernel, over the kernel span."""
     own: dict[str, float] = {}
+    count: dict[str, int] = {}
     by_dtype: dict[str, float] = {}
     by_impl: dict[str, float] = {}
     for k in kernels:
@@ -566,6 +569,7 @@ def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree:
         cat = node.cat if node is not None and node.cat is not None else "framework"
         dur_us = float(k.get("dur", 0))
         own[cat] = own.get(cat, 0.0) + dur_us
+        count[cat] = count.get(cat, 0) + 1
         if cat == "matmul":
             d = _op_dtype(node.owner.e)
             by_dtype[d] = by_dtype.get(d, 0.0) + dur_us
@@ -578,6 +582,7 @@ def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree:
                              "(framework: kernels launched outside any known op), and idle time")
     stats.matmul_share_by_dtype = {k: v / span for k, v in by_dtype.items()}
     stats.attention_share_by_impl = {k: v / span for k, v in by_impl.items()}
+    stats.kernel_share_by_category = {k: v / max(1, len(kernels)) for k, v in count.items()}
 
 
 def _op_dtype(e: dict) -> str:

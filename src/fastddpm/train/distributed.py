@@ -74,7 +74,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
         # init_process_group it holds the live group forever, destroy_process_group cannot free it, and the
         # backend's threads (gloo's run loops, NCCL's watchdog) are still running while the interpreter shuts
         # down: an intermittent SIGABRT at exit ("terminate called without an active exception").
-        import torch.distributed.nn  # noqa: F401
+        # (bound to its own name: a bare `import torch.distributed.nn` would make `torch` local to this function)
+        import torch.distributed.nn as _dist_nn  # noqa: F401
         # The timeout bounds a wait on a dead peer; torchrun's agent also tears the group down when a worker exits.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)

@@ -460,7 +460,10 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
     """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or an already
     loaded (path, state) pair (what Checkpointer.resolve returns). SIGTERM/SIGINT at any point, set-up included,
     end the run after the current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
-    threads = torch.get_num_threads()  # a CPU run sets its own count (train.cpu_threads); the caller's comes back
+    # A run sets torch's process-wide switches for itself (CPU threads: train.cpu_threads; on CUDA TF32 and
+    # cudnn.benchmark): the caller's come back when it ends, so a notebook or test that trains in-process keeps its own.
+    threads = torch.get_num_threads()
+    switches = _backend_switches()
     hooks = hooks or TrainHooks()
     with _StopFlag() as stop:
         try:
@@ -474,6 +477,16 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | tuple[Path, dict
             shutdown(stop.dist)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+            _set_backend_switches(switches)
+
+
+def _backend_switches() -> tuple[bool, bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+
+
+def _set_backend_switches(switches: tuple[bool, bool, bool]) -> None:
+    if _backend_switches() != switches:  # set only when changed: a torch.backends module has its own __setattr__
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = switches
 
 
 def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, log, hooks: TrainHooks
