@@ -44,6 +44,11 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export FASTDDPM_FMNIST_DIR=${FASTDDPM_FMNIST_DIR:-$PWD/.data/fashion-mnist}
 export FASTDDPM_CACHE=${FASTDDPM_CACHE:-/tmp/fastddpm-cache}
+# the named source "fashion-mnist" (the MLP ladder's train and test splits) reads the carried copy from the cache:
+# the device cannot download it
+if [ -d "$FASTDDPM_FMNIST_DIR" ] && [ ! -d "$FASTDDPM_CACHE/downloads/fashion-mnist" ]; then
+  mkdir -p "$FASTDDPM_CACHE/downloads" && cp -r "$FASTDDPM_FMNIST_DIR" "$FASTDDPM_CACHE/downloads/fashion-mnist"
+fi
 PY=${PYTHON:-python3}
 DATA=$FASTDDPM_FMNIST_DIR
 RES=${GPU_RESULTS:-benchmarks/gpu/$(date -u +%Y-%m-%d)}

@@ -615,8 +615,8 @@ def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
           f"against a measured {mf.peak_dtype} matmul peak of {mf.peak_tflops:.0f} TFLOP/s, with the GPU "
           f"idle only {_pct(t.idle_share)}"]
     if explained > 0:
-        ev.append(f"{_pct(explained)} of the span is materialised attention or eager elementwise work, costed by "
-                  f"their own findings; this estimate covers the other {_pct(residual)}")
+        ev.append(f"{_pct(explained)} of the span is layout conversions, materialised attention or eager "
+                  f"elementwise work, costed by their own findings; this estimate covers the other {_pct(residual)}")
     return Finding(
         "low-mfu", (13,), "LOW MFU: the GPU is busy but does little math", min(0.5, residual * 0.5), ev,
         "memory- or elementwise-bound kernels (norms, activations, copies) dominate",
@@ -625,8 +625,11 @@ def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
 
 
 def _explained_by_compute_rules(m: Measurements, t: TraceStats) -> float:
-    """The share of the span that rules 17 (materialised attention) and 18 (eager elementwise) account for."""
+    """The share of the span that rules 11 (layout conversions), 17 (materialised attention) and 18 (eager
+    elementwise) account for."""
     out = 0.0
+    if t.layout_share is not None and t.layout_share > LAYOUT_SHARE:
+        out += t.layout_share * (1 - t.idle_share)
     if t.attention_share_by_impl:
         slow = sum(v for k, v in t.attention_share_by_impl.items() if "materialised" in k)
         out += slow if slow > ATTENTION_WEIGHTS_SHARE else 0.0
