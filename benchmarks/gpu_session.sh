@@ -57,6 +57,7 @@ BUDGET_S=${BUDGET_S:-540}
 START=$(date +%s)
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
 ALL="tests throughput throughput-2layer ladder ladder-fast doctor ddp quality-reference eval samplers quality-fast

@@ -75,3 +75,14 @@ def test_a_new_optional_config_field_keeps_the_identity():
     assert store.config_identity(after) == store.config_identity(before)
     assert store.config_identity({**after, "train": {**after["train"], "cpu_threads": 4}}) != \
         store.config_identity(before)
+
+
+def test_the_commit_a_caller_gives_is_the_records_commit(monkeypatch):
+    """A tree copied to the GPU machine carried a stale .git: FASTDDPM_COMMIT (gpu_session.sh sets it) wins."""
+    from fastddpm.bench.timing import git_state
+
+    monkeypatch.setenv("FASTDDPM_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    assert git_state() == {"git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": None,
+                           "git_commit_source": "FASTDDPM_COMMIT"}
+    monkeypatch.delenv("FASTDDPM_COMMIT")
+    assert git_state()["git_commit"] != "0123456789abcdef0123456789abcdef01234567"

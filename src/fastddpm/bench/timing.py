@@ -197,7 +197,13 @@ def _run(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> st
 
 def git_state(path: Path | None = None) -> dict[str, object]:
     """The commit of the fastddpm source tree (not of the current directory), and whether the package's files
-    (changed or new) differ from it. Read-only: GIT_OPTIONAL_LOCKS=0 keeps `git status` from refreshing the index."""
+    (changed or new) differ from it. Read-only: GIT_OPTIONAL_LOCKS=0 keeps `git status` from refreshing the index.
+
+    FASTDDPM_COMMIT, when set, is the commit: a copy of the tree sent to another machine can carry a stale .git
+    (seen on the device machine: the session's first commit, every file then "uncommitted changes")."""
+    given = os.environ.get("FASTDDPM_COMMIT")
+    if given:
+        return {"git_commit": given, "git_dirty": None, "git_commit_source": "FASTDDPM_COMMIT"}
     path = path or Path(__file__).resolve().parent.parent  # src/fastddpm
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
     commit = _run(["git", "rev-parse", "HEAD"], cwd=path, env=env)
