@@ -13,7 +13,7 @@
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
-#   samplers          2-4 min      bench samplers on that reference run: FID vs NFE, 5,000 samples a point
+#   samplers          3-5 min      bench samplers on that reference run: FID vs NFE, 5,000 samples a point, DDPM-1000 too
 #   quality-fast      3-4 min      the fast recipe's wall time to the target (needs quality-reference's file)
 #   quality-options   3-5 min      min-snr-5, v-prediction, cosine on the fast recipe (needs quality-fast's file)
 #   quality-options-2 3-5 min      no-ema-warmup, no-lr-warmup, lr-x2, likewise
@@ -168,8 +168,8 @@ for part in "${PARTS[@]}"; do
         echo "!! samplers needs the reference run of quality-reference on this machine: run \"quality-reference samplers\" in one call"
         false
       else
-        limited 240 $PY -m fastddpm bench samplers "$QUALITY_DIR/quality-reference/reference" --num-samples 5000 \
-          --no-ddpm --out "$RES/samplers"
+        limited 270 $PY -m fastddpm bench samplers "$QUALITY_DIR/quality-reference/reference" --num-samples 5000 \
+          --out "$RES/samplers"
       fi ;;
     quality-fast)
       if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID")

@@ -8,6 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from fastddpm.train.runtime import CPU_BF16_FLAGS, cpu_flags
+
+# The same choices on every machine: `--precision auto` picks bf16 on a CPU with native bf16 (amx_bf16,
+# avx512_bf16) and fp32 elsewhere, so the suite runs as on a CPU without them (this process and the ones its tests
+# start). Tests of the bf16 choice set FASTDDPM_CPU_FLAGS themselves.
+os.environ.setdefault("FASTDDPM_CPU_FLAGS", " ".join(sorted((cpu_flags() or frozenset()) - set(CPU_BF16_FLAGS))))
+
 # Debian's dataset-fashion-mnist; FASTDDPM_FMNIST_DIR points elsewhere (e.g. a copy carried to a GPU machine).
 FMNIST_DIR = Path(os.environ.get("FASTDDPM_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 

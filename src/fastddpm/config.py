@@ -223,15 +223,17 @@ class TrainConfig:
     )
     precision: str = field(
         default="auto",
-        metadata=_doc("Autocast precision. auto = bf16 on GPUs that support it, fp16+GradScaler on older GPUs, "
-                      "fp32 on CPU. fp16 also runs on a CPU (slowly: for testing the loss-scaling path).",
+        metadata=_doc("Autocast precision. auto = bf16 on GPUs that support it, fp16+GradScaler on older GPUs; "
+                      "on a CPU bf16 where it has native bf16 (amx_bf16, avx512_bf16, Arm bf16), else fp32. fp16 "
+                      "also runs on a CPU (slowly: for testing the loss-scaling path).",
                       choices=("auto", "fp32", "bf16", "fp16")),
     )
     compile: str = field(
         default="auto",
         metadata=_doc("torch.compile the loss (U-Net fwd+bwd, one graph with its backward) with static shapes; "
                       "the update stays eager (fused AdamW is one kernel, clip and EMA are foreach ops). "
-                      "auto = on for CUDA.",
+                      "auto = on for CUDA; on a CPU only under bf16 and for runs long enough (about 227k "
+                      "images) for ~45 s of compiling to pay back twice (the run's log gives the numbers).",
                       choices=("auto", "on", "off")),
     )
     cuda_graphs: str = field(

@@ -211,6 +211,18 @@ def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int |
     raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a --preset)")
 
 
+def _planned_images(cfg: RunConfig, num_images: int, world: int) -> int | None:
+    """The run's length in images as configured, before the batch size is settled (None: not known yet)."""
+    t = cfg.train
+    if t.max_images is not None:
+        return t.max_images
+    if t.max_steps is not None and isinstance(t.batch_size, int):
+        return t.max_steps * t.batch_size * t.accum_steps * max(1, world)
+    if t.max_epochs is not None:
+        return int(t.max_epochs * num_images)
+    return None
+
+
 def prepare_run(cfg: RunConfig, run_dir: Path, resume, *, stop: _StopFlag, log, hooks: TrainHooks) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log."""
@@ -227,7 +239,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume, *, stop: _StopFlag, log, 
     resumed = _find_resume(checkpointer, resume, cfg, data.images.shape, dist, device, log)
 
     fast = resolve_fast_path(cfg.train, device, precision, world_size=dist.world_size if dist.enabled else 0,
-                             parallel="fsdp" if fsdp else "ddp")
+                             parallel="fsdp" if fsdp else "ddp",
+                             planned_images=_planned_images(cfg, len(data.images), dist.world_size))
     model, schedule = build_model(cfg, device=device, fast=fast, keep_on_cpu=fsdp)
     cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device, log)
     train_cfg, world = cfg.train, dist.world_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,10 +65,18 @@ def cuda_native_bf16(device: torch.device | int | None = None) -> tuple[bool, st
     return False, f"{name} is sm{major}{minor}: bf16 would be emulated (native from sm80, Ampere)"
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"); None where there is no such
-    file (macOS, Windows): callers then assume the least."""
+    file (macOS, Windows): callers then assume the least. FASTDDPM_CPU_FLAGS (space-separated), when set, is
+    the flag set instead: the test suite sets it so that every machine makes the same choices."""
+    given = os.environ.get("FASTDDPM_CPU_FLAGS")
+    if given is not None:
+        return frozenset(given.split())
+    return _proc_cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def _proc_cpu_flags() -> frozenset[str] | None:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -97,6 +106,14 @@ def cpu_native_bf16(flags: frozenset[str] | None = None) -> tuple[bool, str]:
 
 def resolve_precision(spec: str, device: torch.device) -> Precision:
     if device.type != "cuda":
+        if spec == "auto" and device.type == "cpu":
+            # issue 18's measurement on a 2-core CPU with amx_bf16: the cpu-demo U-Net trains 1.6x faster under bf16
+            # autocast than in fp32; without the flags oneDNN emulates bf16 and it runs slower (0.23x fp32 matmuls)
+            native, why = cpu_native_bf16()
+            if native:
+                return Precision("bf16", torch.bfloat16, False, f"auto: {why}; bf16 autocast (fp32 range, no loss "
+                                 "scaling)")
+            return Precision("fp32", None, False, f"auto: fp32, because {why}")
         if spec in ("auto", "fp32"):
             return Precision("fp32", None, False, f"{spec}: fp32 on {device.type}")
         if spec == "bf16":
@@ -134,21 +151,53 @@ class FastPath:
         return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
 
 
+# torch.compile on a CPU, measured (issue 18: the cpu-demo U-Net, batch 64, 2 cores with amx_bf16): under bf16
+# autocast 371 -> 435 images/s after ~45 s of compiling; in fp32 222 vs 231 eager (no gain). So compile pays back
+# only under bf16, after CPU_COMPILE_S / (1/371 - 1/435) ~ 113k images; auto asks for twice that.
+CPU_COMPILE_S = 45.0
+CPU_COMPILE_SPEEDUP_BF16 = 435 / 371
+CPU_EAGER_BF16_IMAGES_PER_S = 371.0
+CPU_COMPILE_MARGIN = 2.0
+
+
+def cpu_compile_min_images() -> int:
+    """The planned run length (images) from which `--compile auto` compiles on a CPU under bf16."""
+    saved_s_per_image = (1 - 1 / CPU_COMPILE_SPEEDUP_BF16) / CPU_EAGER_BF16_IMAGES_PER_S
+    return int(CPU_COMPILE_MARGIN * CPU_COMPILE_S / saved_s_per_image)
+
+
+def _cpu_compile_auto(precision: Precision, planned_images: int | None) -> tuple[bool, str]:
+    if precision.autocast_dtype != torch.bfloat16:
+        return False, ("auto: off on CPU in fp32, where compiling measured no faster than eager (222 vs 231 "
+                       "images/s, cpu-demo); it pays only under bf16")
+    need = cpu_compile_min_images()
+    if planned_images is None:
+        return False, "auto: off on CPU, the run's length is not known here (--compile on to compile)"
+    if planned_images < need:
+        return False, (f"auto: off on CPU, this run plans {planned_images:,} images; compiling (~{CPU_COMPILE_S:.0f} "
+                       f"s measured) pays back at {CPU_COMPILE_SPEEDUP_BF16:.2f}x under bf16 after "
+                       f"~{need // 2:,}, and auto asks for {need:,}")
+    return True, (f"auto: on, this run plans {planned_images:,} images, more than the {need:,} it takes for "
+                  f"~{CPU_COMPILE_S:.0f} s of compiling to pay back twice at {CPU_COMPILE_SPEEDUP_BF16:.2f}x (bf16)")
+
+
 def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0,
-                      parallel: str = "ddp") -> FastPath:
-    """`world_size`: ranks under torchrun (DDP or FSDP, per `parallel`), 0 for a plain single process."""
+                      parallel: str = "ddp", planned_images: int | None = None) -> FastPath:
+    """`world_size`: ranks under torchrun (DDP or FSDP, per `parallel`), 0 for a plain single process.
+    `planned_images`: the run's length, which decides `--compile auto` on a CPU."""
     cuda = device.type == "cuda"
     reasons = {}
     c = train_cfg.compile
     fsdp = bool(world_size) and parallel == "fsdp"
-    compile_on = (cuda and not fsdp) if c == "auto" else c == "on"
     if c != "auto":
-        why = "requested"
+        compile_on, why = c == "on", "requested"
     elif fsdp:
-        why = ("auto: off under FSDP, whose per-block all-gather hooks split the compiled loss into pieces; "
-               "not yet measured faster (--compile on to try)")
+        compile_on, why = False, ("auto: off under FSDP, whose per-block all-gather hooks split the compiled loss "
+                                  "into pieces; not yet measured faster (--compile on to try)")
+    elif cuda:
+        compile_on, why = True, "auto: CUDA"
     else:
-        why = "auto: CUDA" if cuda else "auto: off on CPU, compile time outweighs the gain for short runs"
+        compile_on, why = _cpu_compile_auto(precision, planned_images)
     reasons["compile"] = f"{'on' if compile_on else 'off'} ({why})"
     g = train_cfg.cuda_graphs
     if g == "auto":
