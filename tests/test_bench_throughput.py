@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fastddpm.bench.cli import add_bench_parser, run_bench
 from fastddpm.bench.throughput import QUICK, TABLE_HEADER, ThroughputSettings, run_throughput
 from fastddpm.bench.timing import count_step_flops, environment_record, summarize, time_steps
-from fastddpm.config import get_preset
+from fastddpm.config import ConfigError, get_preset
 from fastddpm.diffusion import diffusion_loss, schedule_from_config
 from fastddpm.models import UNet
 
@@ -207,7 +207,36 @@ def test_quick_flags_yield_to_explicit_ones():
     s = throughput_settings(args)
     assert (s.presets, s.batch_sizes, s.warmup_steps, s.steps, s.repeats) == (("tiny",), (4,), 2, 3, 3)
     full = throughput_settings(_parser().parse_args(["bench", "throughput"]))
-    assert full.presets == ("seed-1layer", "seed-2layer") and full.batch_sizes == (64, 192, 512, 1024)
+    gpu = full.for_device(torch.device("cuda"))
+    assert gpu.presets == ("seed-1layer", "seed-2layer") and gpu.batch_sizes == (64, 192, 512, 1024)
+    assert gpu.choices == ()
+    cpu = full.for_device(torch.device("cpu"))  # issue 18: every CPU choice side by side, on the quickstart's model
+    assert cpu.presets == ("cpu-demo",) and cpu.batch_sizes == (64,)
+    assert cpu.choices == ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
+    assert s.choices == ()  # --quick: one variant per preset and batch
+    named = throughput_settings(_parser().parse_args(["bench", "throughput", "--presets", "tiny"]))
+    assert named.for_device(torch.device("cpu")).choices == ()  # presets named: one variant each
+
+
+def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
+    """--choices: each preset and batch runs every choice, with that choice's precision and compile setting, and
+    `x first` compares the choices of one preset and batch."""
+    from fastddpm.bench.throughput import ThroughputSettings, run_throughput
+
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(2, 4), choices=("fp32-eager", "bf16-eager-cl"),
+                                  warmup_steps=1, steps=1, repeats=1, device="cpu", num_images=64)
+    result = run_throughput(settings, tmp_path, log=lambda *a: None)
+    rows = result["results"]
+    assert [(r["batch_size"], r["choice"], r["precision"]) for r in rows] == [
+        (2, "fp32-eager", "fp32"), (2, "bf16-eager-cl", "bf16"), (4, "fp32-eager", "fp32"), (4, "bf16-eager-cl", "bf16")]
+    assert all(r["status"] == "ok" and r["fast_path"]["compile"].startswith("off") for r in rows)
+    assert rows[1]["fast_path"]["channels_last"].startswith("on") and rows[0]["fast_path"]["channels_last"].startswith("off")
+    assert rows[0]["ratio_to_first"] == 1.0 and rows[2]["ratio_to_first"] == 1.0  # each batch against its first
+    assert rows[1]["ratio_to_first"] == pytest.approx(rows[1]["images_per_s"] / rows[0]["images_per_s"])
+    md = (tmp_path / "throughput.md").read_text()
+    assert "| preset | batch | choice | images/s |" in md and "| tiny | 4 | bf16-eager-cl |" in md
+    with pytest.raises(ConfigError, match="not PRECISION-MODE"):
+        ThroughputSettings(choices=("bf16-fast",))
 
 
 # ---------------------------------------------------------------------------------------------------------------

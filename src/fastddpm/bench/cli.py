@@ -99,8 +99,10 @@ examples:
   fastddpm bench throughput --compile off --cuda-graphs off   # the eager baseline, same table
   fastddpm bench throughput --data-placement stream           # pinned, double-buffered host->device copies
   fastddpm bench throughput --quick                           # tiny preset, batch 8,16: < 1 min on a CPU (CI)
+  fastddpm bench throughput --device cpu                      # cpu-demo at 64: fp32/bf16 x eager/compile side by side
+  fastddpm bench throughput --device cpu --presets seed-1layer --choices fp32-eager,auto-auto   # the CPU default
 
---quick sets --presets tiny --batch-sizes 8,16 --warmup-steps 2 --steps 3 --repeats 2;
+--quick sets --presets tiny --batch-sizes 8,16 --warmup-steps 2 --steps 3 --repeats 2 (no choices);
 flags given explicitly still win.
 
 Writes OUT/throughput.json (every number, the environment and all settings) and
@@ -150,9 +152,17 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     what = tp.add_argument_group("what to benchmark")
     what.add_argument("--presets", type=_csv_list, default=None, metavar="A,B",
-                      help=f"presets to benchmark, from {', '.join(PRESETS)} (default seed-1layer,seed-2layer)")
+                      help=f"presets to benchmark, from {', '.join(PRESETS)} (default seed-1layer,seed-2layer on a "
+                           "GPU, cpu-demo on a CPU)")
     what.add_argument("--batch-sizes", type=_csvpositive_ints, default=None, metavar="N,M",
-                      help="images per step; every preset runs at each (default 64,192,512,1024)")
+                      help="images per step; every preset runs at each (default 64,192,512,1024 on a GPU, 64 on a "
+                           "CPU)")
+    what.add_argument("--choices", type=_csv_list, default=None, metavar="A,B",
+                      help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl] (PRECISION "
+                           "auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last): every preset and batch "
+                           "runs each, and `x first` compares them (default on a CPU without --presets: fp32-eager,"
+                           "bf16-eager,bf16-compile,fp32-compile,bf16-eager-cl; otherwise none: one variant per "
+                           "--precision and --compile)")
     what.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                       help="autocast precision, as `train --precision` (default auto: bf16 on GPUs that have it, "
                            "fp32 on a CPU)")
@@ -365,7 +375,7 @@ def throughput_settings(args: argparse.Namespace):
     """The ThroughputSettings the flags ask for: ThroughputSettings' defaults, or --quick's, then every flag given."""
     from fastddpm.bench.throughput import QUICK, ThroughputSettings
 
-    base = _given(args, QUICK, ("presets", "batch_sizes", "warmup_steps", "steps", "repeats"))
+    base = _given(args, QUICK, ("presets", "batch_sizes", "choices", "warmup_steps", "steps", "repeats"))
     return ThroughputSettings(**base, precision=args.precision, compile=args.compile, cuda_graphs=args.cuda_graphs,
                               data_placement=args.data_placement, device=args.device, quick=args.quick,
                               remeasure=args.remeasure)

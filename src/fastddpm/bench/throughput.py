@@ -61,7 +61,27 @@ from fastddpm.train.setup import build_model, build_optimization
 SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity and run; written after every variant
 
 # --quick: what CI runs. Well under a minute on a 2-core CPU.
-QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2)
+QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2, choices=())
+
+# A CPU run's default: every precision / compile / layout choice side by side (issue 18), on the CPU quickstart's
+# preset and batch. Each is PRECISION-MODE[-cl]: PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl for
+# channels_last.
+CPU_CHOICES = ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
+CPU_PRESETS, CPU_BATCH_SIZES = ("cpu-demo",), (64,)
+GPU_PRESETS, GPU_BATCH_SIZES = ("seed-1layer", "seed-2layer"), (64, 192, 512, 1024)
+
+
+def parse_choice(name: str) -> dict:
+    """'bf16-compile-cl' -> the train.* settings it stands for."""
+    parts = name.split("-")
+    ok = (len(parts) in (2, 3) and parts[0] in ("auto", "fp32", "bf16", "fp16")
+          and parts[1] in ("eager", "compile", "auto") and (len(parts) == 2 or parts[2] == "cl"))
+    if not ok:
+        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl] (PRECISION auto, fp32, "
+                          f"bf16 or fp16; MODE eager, compile or auto; -cl for channels_last), e.g. "
+                          f"{','.join(CPU_CHOICES)}")
+    return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
+            "train.channels_last": "on" if len(parts) == 3 else "off"}
 
 TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
                 "peak mem GiB | recompiles | graph breaks | input wait % | status |")
@@ -71,8 +91,10 @@ TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max
 class ThroughputSettings:
     """What to benchmark and how long to time it. Every field is a flag of `fastddpm bench throughput`."""
 
-    presets: tuple[str, ...] = ("seed-1layer", "seed-2layer")  # fastddpm.config presets (the model + recipe)
-    batch_sizes: tuple[int, ...] = (64, 192, 512, 1024)  # images per micro-batch; each preset runs at each one
+    # None: by device (GPU: seed-1layer, seed-2layer at 64-1024; CPU: cpu-demo at 64 with every CPU_CHOICES choice)
+    presets: tuple[str, ...] | None = None  # fastddpm.config presets (the model + recipe)
+    batch_sizes: tuple[int, ...] | None = None  # images per micro-batch; each preset runs at each one
+    choices: tuple[str, ...] | None = None  # PRECISION-MODE[-cl] each; () = one variant with the flags below
     warmup_steps: int = 10  # steps timed as compile / warm-up (capture happens in the first, reduce-overhead
     #                         records in the second and third), never part of the steady state
     steps: int = 50  # steps per timed repeat: long enough that the two event records are noise
@@ -89,19 +111,25 @@ class ThroughputSettings:
     remeasure: bool = False  # measure every variant, even those already in OUT/throughput.json (else reused)
 
     def __post_init__(self) -> None:
-        self.presets = tuple(self.presets)
-        self.batch_sizes = tuple(int(b) for b in self.batch_sizes)
         self.image_shape = tuple(int(s) for s in self.image_shape)
-        if not self.presets:
-            raise ConfigError("bench throughput: --presets is empty; give at least one, e.g. seed-1layer")
-        for name in self.presets:
-            get_preset(name)  # raises ConfigError naming the valid presets
-        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
-            raise ConfigError(f"bench throughput: --batch-sizes {self.batch_sizes} must be positive integers")
-        too_big = [b for b in self.batch_sizes if b > self.num_images]
-        if too_big:
-            raise ConfigError(f"bench throughput: batch sizes {too_big} exceed the {self.num_images:,} synthetic "
-                              "images: lower them")
+        if self.presets is not None:
+            self.presets = tuple(self.presets)
+            if not self.presets:
+                raise ConfigError("bench throughput: --presets is empty; give at least one, e.g. seed-1layer")
+            for name in self.presets:
+                get_preset(name)  # raises ConfigError naming the valid presets
+        if self.batch_sizes is not None:
+            self.batch_sizes = tuple(int(b) for b in self.batch_sizes)
+            if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+                raise ConfigError(f"bench throughput: --batch-sizes {self.batch_sizes} must be positive integers")
+            too_big = [b for b in self.batch_sizes if b > self.num_images]
+            if too_big:
+                raise ConfigError(f"bench throughput: batch sizes {too_big} exceed the {self.num_images:,} "
+                                  "synthetic images: lower them")
+        if self.choices is not None:
+            self.choices = tuple(self.choices)
+            for name in self.choices:
+                parse_choice(name)
         for name in ("warmup_steps", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"bench throughput: {name}={getattr(self, name)} must be >= 1")
@@ -113,27 +141,42 @@ class ThroughputSettings:
                                   f"{', '.join(choices)}")
 
 
+    def for_device(self, device: torch.device) -> ThroughputSettings:
+        """The settings with each None filled in for `device`. On a CPU with no presets named: cpu-demo at 64 with
+        every CPU choice; named presets run one variant each unless choices are given too."""
+        cpu = device.type == "cpu"
+        default_choices = CPU_CHOICES if cpu and self.presets is None else ()
+        return dataclasses.replace(
+            self, presets=self.presets or (CPU_PRESETS if cpu else GPU_PRESETS),
+            batch_sizes=self.batch_sizes or (CPU_BATCH_SIZES if cpu else GPU_BATCH_SIZES),
+            choices=self.choices if self.choices is not None else default_choices)
+
+
 @dataclass
 class Variant:
     preset: str
     batch_size: int
     cfg: RunConfig  # the preset with the benchmark's overrides, model shape resolved
+    choice: str | None = None  # PRECISION-MODE[-cl], when the run compares choices
+    precision: Precision | None = None  # resolved on the device, per variant
     fast_reasons: dict[str, str] = field(default_factory=dict)
 
 
 def plan_variants(settings: ThroughputSettings) -> list[Variant]:
-    """One resolved RunConfig per preset x batch size: the preset, with the benchmark's flags layered on top as
-    `fastddpm train` would layer them. Config errors surface here, before anything is timed."""
+    """One resolved RunConfig per preset x batch size (x choice): the preset, with the benchmark's flags layered
+    on top as `fastddpm train` would layer them. Config errors surface here, before anything is timed. Call with
+    settings.for_device(...)."""
     overrides = {"train.precision": settings.precision, "train.compile": settings.compile,
                  "train.cuda_graphs": settings.cuda_graphs, "train.data_placement": settings.data_placement,
                  "train.device": settings.device, "train.seed": settings.seed}
     variants = []
     for preset in settings.presets:
         for batch_size in settings.batch_sizes:
-            cfg = apply_overrides(get_preset(preset), {**overrides, "train.batch_size": batch_size},
-                                  source="bench throughput")
-            cfg = resolve_model_shape(cfg, (settings.num_images, *settings.image_shape))
-            variants.append(Variant(preset=preset, batch_size=batch_size, cfg=cfg))
+            for choice in settings.choices or (None,):
+                over = {**overrides, "train.batch_size": batch_size, **(parse_choice(choice) if choice else {})}
+                cfg = apply_overrides(get_preset(preset), over, source="bench throughput")
+                cfg = resolve_model_shape(cfg, (settings.num_images, *settings.image_shape))
+                variants.append(Variant(preset=preset, batch_size=batch_size, cfg=cfg, choice=choice))
     return variants
 
 
@@ -160,7 +203,7 @@ def as_memmap(images_NCHW: np.ndarray, folder: Path) -> np.ndarray:
 def _empty_row(v: Variant) -> dict:
     t = v.cfg.train
     return {
-        "preset": v.preset, "batch_size": v.batch_size, "accum_steps": t.accum_steps,
+        "preset": v.preset, "batch_size": v.batch_size, "choice": v.choice, "accum_steps": t.accum_steps,
         "images_per_step": t.batch_size * t.accum_steps, "status": None, "error": None, "error_type": None,
         "parameters": None, "precision": None, "fast_path": v.fast_reasons, "data_placement": t.data_placement,
         "cuda_graphs_failed": None, "compile_s": None, "step_ms": None, "images_per_s": None,
@@ -172,10 +215,10 @@ def _empty_row(v: Variant) -> dict:
     }
 
 
-def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, precision: Precision,
-                    settings: ThroughputSettings, peak: dict) -> dict:
+def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, settings: ThroughputSettings,
+                    peak: dict) -> dict:
     """Build the trainer's step for one variant, warm it up, time it. Raises whatever the step raises."""
-    cfg, t = v.cfg, v.cfg.train
+    cfg, t, precision = v.cfg, v.cfg.train, v.precision
     row = _empty_row(v)
     fast = resolve_fast_path(t, device, precision)
     if fast.compile:
@@ -307,10 +350,10 @@ class PeakCache:
         return self.measured[name]
 
 
-def variant_identity(v: Variant, settings: ThroughputSettings, precision: Precision, env: dict) -> dict:
+def variant_identity(v: Variant, settings: ThroughputSettings, env: dict) -> dict:
     """Everything that changes a variant's numbers: a row measured under an equal identity is reused."""
     return store.canonical({
-        "config": store.config_identity(v.cfg.to_dict()), "precision": precision.name,
+        "config": store.config_identity(v.cfg.to_dict()), "precision": v.precision.name,
         "timing": {k: getattr(settings, k) for k in ("warmup_steps", "steps", "repeats", "num_images", "image_shape",
                                                       "data_placement", "seed")},
         **store.device_identity(env),
@@ -324,10 +367,12 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
     (unless settings.remeasure). Config errors (a bad preset, graphs without CUDA) raise ConfigError before
     any timing."""
     device, device_reason = resolve_device(settings.device)
-    precision = resolve_precision(settings.precision, device)
+    settings = settings.for_device(device)
+    precision = resolve_precision(settings.precision, device)  # the flags' own; a choice sets each variant's
     variants = plan_variants(settings)
     for v in variants:
-        v.fast_reasons = resolve_fast_path(v.cfg.train, device, precision).reasons
+        v.precision = resolve_precision(v.cfg.train.precision, device)
+        v.fast_reasons = resolve_fast_path(v.cfg.train, device, v.precision).reasons
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -336,23 +381,27 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
         # As the trainer: TF32 for the fp32 matmuls/convs left outside autocast (and for an fp32 run's peak).
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    what = (f"choices {', '.join(settings.choices)}" if settings.choices
+            else f"precision {precision.name} ({precision.reason})")
     log(f"bench throughput: {len(variants)} variants on {env['device_name']} ({device}; {device_reason}); "
-        f"precision {precision.name} ({precision.reason}); torch {env['torch']}; commit {str(env['git_commit'])[:12]}")
+        f"{what}; torch {env['torch']}; commit {str(env['git_commit'])[:12]}")
     if device.type != "cuda":
         log("note: CPU timings (perf_counter) describe this CPU only; they are not GPU claims")
 
     json_path = out_dir / "throughput.json"
     previous = store.Previous(json_path, schema=SCHEMA, rows=lambda data: data.get("results") or [],
                               remeasure=settings.remeasure, log=log)
-    identities = [variant_identity(v, settings, precision, env) for v in variants]
+    identities = [variant_identity(v, settings, env) for v in variants]
     reused = [previous.take(identity) for identity in identities]
     previous.finish_matching()
     peaks = PeakCache(device, log)
 
     def result(rows: list[dict], complete: bool) -> dict:
-        base = next((r["images_per_s"] for r in rows if r["status"] == "ok"), None)
+        # x first: against the first row that ran; comparing choices, the first choice of the same preset and batch
         for r in rows:
-            r["ratio_to_first"] = r["images_per_s"] / base if r["status"] == "ok" else None
+            group = [o for o in rows if o["status"] == "ok"
+                     and (not settings.choices or (o["preset"], o["batch_size"]) == (r["preset"], r["batch_size"]))]
+            r["ratio_to_first"] = r["images_per_s"] / group[0]["images_per_s"] if r["status"] == "ok" else None
         return {
             "schema": SCHEMA,
             "benchmark": "throughput",
@@ -372,7 +421,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
     with tempfile.TemporaryDirectory(prefix="fastddpm-bench-") as tmp:
         source = as_memmap(images, Path(tmp)) if settings.data_placement == "stream" else images
         for i, v in enumerate(variants):
-            tag = f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}"
+            tag = f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}" + (f" {v.choice}" if v.choice else "")
             if reused[i] is not None:
                 row = reused[i]
                 run = row["run"]
@@ -382,10 +431,10 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
                 before = previous.failed_before(identities[i])
                 if before is not None:
                     log(f"{tag}: failed in the earlier run ({before['error_type']}): measuring it again")
-                peak = peaks.get(precision)
+                peak = peaks.get(v.precision)
                 log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
                     f"{settings.repeats} x {settings.steps} timed steps")
-                row = run_variant(v, source, device=device, precision=precision, settings=settings, peak=peak)
+                row = run_variant(v, source, device=device, settings=settings, peak=peak)
                 row.update(identity=identities[i], run=store.run_record(env))
                 log(f"{tag}: {progress_line(row)}")
             rows.append(row)
@@ -454,16 +503,23 @@ def progress_line(row: dict) -> str:
             f"input wait {row['input_wait_pct']:.1f}%{graphs}")
 
 
+def _name(row: dict) -> str:
+    return f"{row['preset']} batch {row['batch_size']}" + (f" {row['choice']}" if row.get("choice") else "")
+
+
 def table_markdown(rows: list[dict]) -> str:
-    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    """The table; comparing choices, a `choice` column after the batch and `x first` within each preset and batch."""
+    choices = any(r.get("choice") for r in rows)
+    header = TABLE_HEADER.replace("| batch |", "| batch | choice |") if choices else TABLE_HEADER
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in rows:
+        key = f"| {r['preset']} | {r['batch_size']} |" + (f" {r.get('choice') or '-'} |" if choices else "")
         if r["status"] != "ok":
-            lines.append(f"| {r['preset']} | {r['batch_size']} | failed |" + " - |" * 8
-                         + f" failed: {_short_error(r)} |")
+            lines.append(f"{key} failed |" + " - |" * 8 + f" failed: {_short_error(r)} |")
             continue
         s = r["step_ms"]
         lines.append(
-            f"| {r['preset']} | {r['batch_size']} | {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
+            f"{key} {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
             f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
             f"({r['mfu_dtype']}) | "
             f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
@@ -505,14 +561,14 @@ def report_markdown(result: dict) -> str:
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         lines += ["## Failed variants", ""]
-        lines += [f"- {r['preset']} batch {r['batch_size']} ({r['error_type']}): {r['error']}" for r in failed]
+        lines += [f"- {_name(r)} ({r['error_type']}): {r['error']}" for r in failed]
         lines.append("")
     ok = [r for r in rows if r["status"] == "ok"]
     if ok:
         lines += ["## Per variant", ""]
         for r in ok:
             fp = r["fast_path"]
-            lines.append(f"- {r['preset']} batch {r['batch_size']}: {r['parameters']:,} parameters, "
+            lines.append(f"- {_name(r)}: {r['parameters']:,} parameters, precision {r['precision']}, "
                          f"{r['gflops_per_image']:.3f} GFLOP per training image, {r['achieved_tflops']:.3f} TFLOP/s; "
                          f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
