@@ -121,6 +121,24 @@ def test_bf16_rungs_follow_native_bf16(monkeypatch, name, capability, native):
     assert ladder_rungs.precision_of("fp16", cuda).use_grad_scaler
 
 
+@pytest.mark.parametrize("flags, native", [("avx512f amx_tile amx_bf16", True), ("avx512f avx512_vnni", False)])
+def test_cpu_ladder_adds_bf16_where_the_cpu_has_it(monkeypatch, flags, native):
+    """Issue 18: on a CPU with native bf16 the ladder runs bf16 autocast (rung 3b) and carries it forward, so the
+    later rungs (batch, compile, resident, fused) run in the CPU's fast precision; elsewhere 3b is skipped with
+    the reason, and the rest stay fp32. The flags are simulated."""
+    import torch
+
+    monkeypatch.setenv("FASTDDPM_CPU_FLAGS", flags)
+    plan = {rung.key: (sw, skip) for rung, sw, skip in ladder_rungs.plan(torch.device("cpu"), workers=2, quick=False)}
+    assert plan["3"][1].startswith("skipped on cpu") and plan["8"][1].startswith("skipped on cpu")
+    if native:
+        assert plan["3b"][1] is None and plan["3b"][0].precision == "bf16"
+        assert plan["5"][0].precision == "bf16" and plan["5"][0].compile and plan["9"][0].precision == "bf16"
+    else:
+        assert "bf16 would be emulated" in plan["3b"][1]
+        assert plan["5"][0].precision == "fp32" and plan["9"][0].precision == "fp32"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU busy counts kernels, memcpy and memset only (issue 13, item 5)
 

@@ -27,7 +27,7 @@ from PIL import Image
 
 from fastddpm.config import RunConfig, apply_overrides
 from fastddpm.train.batches import Batch, ResidentBatches
-from fastddpm.train.runtime import FastPath, Precision, cuda_native_bf16, resolve_precision
+from fastddpm.train.runtime import FastPath, Precision, cpu_native_bf16, cuda_native_bf16, resolve_precision
 from fastddpm.train.setup import build_model, build_optimization
 from fastddpm.train.step import train_step
 
@@ -68,8 +68,9 @@ DDPM_RUNGS: list[Rung] = [
     Rung("2", "RAM preload", "decode every PNG once at start into tensors in RAM", {"source": "ram"}),
     Rung("3", "AMP fp16", "fp16 autocast + GradScaler", {"precision": "fp16"},
          needs_cuda="fp16 autocast + GradScaler is the GPU recipe (on a CPU it runs slower than fp32)"),
-    Rung("3b", "AMP bf16", "bf16 autocast instead of fp16 (no GradScaler); shown, not carried forward",
-         {"precision": "bf16"}, needs_cuda="bf16 autocast is measured on GPUs that support it", branch=True),
+    # on a GPU a branch beside fp16; on a CPU with native bf16 the CPU's fast precision, carried forward (plan())
+    Rung("3b", "AMP bf16", "bf16 autocast instead of fp16 (no GradScaler); shown, not carried forward on a GPU",
+         {"precision": "bf16"}, branch=True),
     Rung("4", "batch 192", "batch 192", {"batch_size": 192}),
     Rung("5", "compile+drop_last", "torch.compile(model) + DataLoader(drop_last=True): static shapes",
          {"compile": True, "drop_last": True},
@@ -89,6 +90,9 @@ def skip_reason(rung: Rung, device: torch.device, quick: bool) -> str | None:
     cuda = device.type == "cuda"
     if rung.needs_cuda and not cuda:
         return f"skipped on {device.type}: {rung.needs_cuda}"
+    if rung.key == "3b" and not cuda:
+        native, why = cpu_native_bf16() if device.type == "cpu" else (False, f"no bf16 autocast on {device.type}")
+        return None if native else f"skipped on {device.type}: {why}"
     if rung.key in ("3b", "8") and cuda:
         # Not torch.cuda.is_bf16_supported(): it also says True on a T4 (sm75), which emulates bf16 slowly.
         native, why = cuda_native_bf16(device)
@@ -118,7 +122,8 @@ def plan(device: torch.device, workers: int, quick: bool) -> list[tuple[Rung, Sw
         candidate = apply_delta(sw, rung, workers) if rung.key != "0" else sw
         skip = skip_reason(rung, device, quick)
         out.append((rung, candidate, skip))
-        if not rung.branch and skip is None:
+        carried = not rung.branch or (rung.key == "3b" and device.type == "cpu")  # bf16: a CPU's fast precision
+        if carried and skip is None:
             sw = candidate
     return out
 
