@@ -42,8 +42,7 @@ def test_outputs_exist_and_parse(quick_run):
     assert len(list(csv.DictReader(open(out / "mlp.csv")))) == 4
     md = (out / "ladder.md").read_text()
     assert "## DDPM ladder" in md and "## MLP ladder" in md
-    pytest.importorskip("matplotlib")
-    assert (out / "ladder.png").stat().st_size > 1000
+    assert (out / "ladder.png").stat().st_size > 1000  # matplotlib is a dependency: every install draws it
 
 
 def test_rows_are_sane(quick_run):

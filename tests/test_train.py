@@ -132,6 +132,12 @@ def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
     assert {g.name for g in grids} == {"grid_000000096.png", "final.png"}  # the last one is final.png
     with Image.open(run / "samples" / "final.png") as im:
         assert im.mode == "L" and im.size[0] > 28 * 4
+    # the loss curve, redrawn with each grid: after the final one it holds all three logged steps
+    with Image.open(run / "loss.png") as im:
+        assert im.size[0] >= 600
+    from fastddpm import charts
+
+    assert charts.loss_curve(metrics[:1], run / "one.png", title="t") is None  # one point draws no curve
 
     # safetensors export round-trips bit-exactly against the checkpoint's EMA weights
     tensors, meta = load_safetensors(run / "ema.safetensors")

@@ -6,7 +6,7 @@ one (the rungs are spelled out in bench/ladder_rungs.py). Per rung: images/s (me
 previous ok rung, warm-up / compile time (timed on its own, never in the steady state), GPU busy share, peak
 memory and recompiles. A rung that fails is recorded with its reason and the ladder goes on.
 Writes ladder.json, ladder.md, ladder.csv and mlp.csv in the run folder after every rung (so a run killed by a
-time limit keeps what it measured), and ladder.png (matplotlib, optional) at the end. A re-run into the same
+time limit keeps what it measured), and ladder.png at the end. A re-run into the same
 folder reuses the rungs measured there with the same settings, data, device and torch (bench/store.py), and
 `rungs` measures only some: a ladder can be split over several runs into one folder.
 """
@@ -553,20 +553,15 @@ def write_results(result: dict, out_dir: Path, log: Callable[[str], None] = prin
 
 
 def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | None:
-    try:
-        import matplotlib
+    from fastddpm import charts
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("chart skipped: matplotlib is not installed (pip install 'fastddpm[plots]' or pip install matplotlib)")
-        return None
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return None
     labels = [f"{r['rung']}\n{r['title']}" for r in rows]
     values = [r["images_per_s"] if r["status"] == "ok" else 0 for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 5))
+    fig = charts.figure(max(8, 1.1 * len(rows)), 5)
+    ax = fig.subplots()
     bars = ax.bar(range(len(rows)), values, color=["tab:blue" if r["status"] == "ok" else "lightgrey" for r in rows])
     positive = [v for v in values if v > 0]
     if max(positive) / min(positive) > 20:
@@ -579,6 +574,4 @@ def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | No
     ax.set_ylabel("images/s (steady state)")
     ax.set_title(f"fastddpm bench ladder on {device_name}: images/s, speedup over the baseline")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return str(charts.save(fig, path, dpi=120))

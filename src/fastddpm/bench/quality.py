@@ -14,7 +14,7 @@
 
 Every evaluation uses the same feature network, sample count, sampler and noise, so FIDs compare across runs.
 Time resolution is the evaluation interval (time-to-target is the first evaluation that reaches it).
-Writes OUT/quality.json, quality.md and quality.png (matplotlib, optional); environment with every number.
+Writes OUT/quality.json, quality.md and quality.png; environment with every number.
 This module imports no torch at the top, so `fastddpm --help` stays fast.
 """
 
@@ -297,17 +297,11 @@ def report_markdown(r: dict) -> str:
 
 
 def write_chart(r: dict, path: Path, log) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("chart skipped: matplotlib is not installed (pip install 'fastddpm[plots]')")
-        return None
+    from fastddpm import charts
     from fastddpm.eval.curve import cumulative_wall_s
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig = charts.figure(7.5, 4.5)
+    ax = fig.subplots()
     for run in [r["reference"], r["fast"] or {}, *r["options"]]:
         evals = run.get("evals") or []
         if evals:
@@ -320,6 +314,4 @@ def write_chart(r: dict, path: Path, log) -> str | None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return str(charts.save(fig, path))

@@ -248,16 +248,11 @@ def write_reports(result: dict, out_dir: Path) -> None:
 
 def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> Path | None:
     """FID against network calls per image, one line per sampler (log x), DDPM as a marked point."""
-    try:
-        import matplotlib
+    from fastddpm import charts
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("no matplotlib: skipping samplers.png (pip install matplotlib)")
-        return None
     summary = result.get("summary") or summarize(result["rows"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = charts.figure(7, 4.5)
+    ax = fig.subplots()
     for sampler in dict.fromkeys(e["sampler"] for e in summary):
         es = [e for e in summary if e["sampler"] == sampler]
         nfe = [e["nfe"] for e in es]
@@ -279,6 +274,4 @@ def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return charts.save(fig, path, dpi=120)

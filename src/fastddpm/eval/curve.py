@@ -1,4 +1,4 @@
-"""The time-to-quality curve: FID against training wall time and against images seen (matplotlib, optional)."""
+"""The time-to-quality curve: FID against training wall time and against images seen."""
 
 from __future__ import annotations
 
@@ -20,21 +20,16 @@ def cumulative_wall_s(records: list[dict]) -> list[float]:
 
 
 def write_curve(records: list[dict], path: Path, *, title: str, log: Callable[[str], None] = print) -> Path | None:
-    """FID vs wall time and vs images seen, side by side. Returns the path, or None without matplotlib."""
-    try:
-        import matplotlib
+    """FID vs wall time and vs images seen, side by side. Returns the path, or None with no records."""
+    from fastddpm import charts
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("eval curve skipped: matplotlib is not installed (pip install 'fastddpm[plots]')")
-        return None
     if not records:
         return None
     fid = [r["fid"] for r in records]
     wall = cumulative_wall_s(records)
     images = [r["images_seen"] for r in records]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = charts.figure(11, 4.2)
+    a, b = fig.subplots(1, 2)
     for ax, x, xlabel in ((a, wall, "training wall time, s (evaluation excluded, compile included)"),
                           (b, images, "images seen")):
         ax.plot(x, fid, marker="o")
@@ -45,9 +40,4 @@ def write_curve(records: list[dict], path: Path, *, title: str, log: Callable[[s
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return charts.save(fig, path)

@@ -50,7 +50,7 @@ from fastddpm.train.distributed import (
     mean_across_ranks,
     shutdown,
 )
-from fastddpm.train.metrics import MetricsLog
+from fastddpm.train.metrics import MetricsLog, read_metrics
 from fastddpm.train.runtime import (
     FastPath,
     Precision,
@@ -708,6 +708,12 @@ def maybe_write_grid(run: Run, progress: Progress, name: str) -> None:
                                    run.run_dir / "samples" / name, save=run.dist.is_main)
         if name != "final.png":
             run.log(f"step {progress.step:,}: wrote {progress.grid}")
+    metrics = run.run_dir / "metrics.jsonl"
+    if run.dist.is_main and metrics.is_file():  # the loss curve, redrawn with each grid from the log so far
+        from fastddpm import charts
+
+        charts.loss_curve(read_metrics(metrics), run.run_dir / "loss.png",
+                          title=f"{run.cfg.preset or 'custom'}: training loss, {run.run_dir.name}")
 
 
 def maybe_evaluate(run: Run, progress: Progress, out: StepLog, done: bool) -> None:

@@ -1,0 +1,57 @@
+"""Every chart fastddpm draws (the ladder, samplers, time to quality, the FID curve, the loss curve) goes through
+here: matplotlib's object API, which leaves the caller's pyplot backend alone (a notebook keeps its own), and a
+PNG written to a temporary name and renamed, so a reader never sees half a file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+
+def figure(width_in: float, height_in: float) -> Figure:
+    return Figure(figsize=(width_in, height_in))
+
+
+def save(fig: Figure, path: Path, dpi: int = 110) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    tmp.replace(path)
+    return path
+
+
+def smoothed(values: list[float], alpha: float = 0.1) -> list[float]:
+    """An exponential moving average (bias-corrected, as Adam's moments), for a noisy loss."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = (1 - alpha) * avg + alpha * v
+        out.append(avg / (1 - (1 - alpha) ** i))
+    return out
+
+
+def loss_curve(records: list[dict], path: Path, *, title: str) -> Path | None:
+    """The training loss against images seen (metrics.jsonl's logged steps), raw and smoothed, on a log scale.
+    None when fewer than two steps were logged."""
+    points = [(r["images_seen"], r["loss"]) for r in records
+              if "loss" in r and "images_seen" in r and r["loss"] is not None and math.isfinite(r["loss"])]
+    if len(points) < 2:
+        return None
+    images, loss = zip(*points)
+    fig = figure(7, 4.2)
+    ax = fig.subplots()
+    # each logged loss is already the mean over its logging window: a light EMA over them, so the curve still
+    # follows the fast early drop
+    ax.plot(images, loss, color="0.7", linewidth=0.8, label="loss (mean of each logging window)")
+    ax.plot(images, smoothed(list(loss), alpha=0.3), color="C0", linewidth=1.6, label="smoothed (EMA 0.7)")
+    ax.set_xlabel("images seen")
+    ax.set_ylabel("loss")
+    if min(loss) > 0:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return save(fig, path)
