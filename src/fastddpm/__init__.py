@@ -1,3 +1,20 @@
-"""fastddpm: train DDPM diffusion models at the speed of the GPU."""
+"""fastddpm: train DDPM diffusion models at the speed of the GPU.
+
+From Python: fastddpm.train(...), fastddpm.load(...).sample(...), fastddpm.evaluate(...) (fastddpm.api)."""
 
 __version__ = "0.1.0"
+
+__all__ = ["train", "load", "evaluate", "Model", "__version__"]
+
+
+def __getattr__(name: str):
+    # imported on first use: `import fastddpm` (and `fastddpm --version`) stays free of torch
+    if name == "train":  # the trainer's package, which is callable: fastddpm.api.train (see train/__init__.py)
+        import fastddpm.train
+
+        return fastddpm.train
+    if name in ("load", "evaluate", "Model"):
+        from fastddpm import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fastddpm' has no attribute {name!r}")

@@ -1,0 +1,184 @@
+"""fastddpm from Python: train a run, load it, sample from it, evaluate it. The same code as the command line.
+
+    import fastddpm
+
+    result = fastddpm.train("cpu-demo", out="runs/demo", max_images=20_000)
+    model = fastddpm.load(result.run_dir)             # a run directory, a checkpoint or an ema.safetensors
+    images = model.sample(16, seed=0)                  # uint8 (16, 1, 28, 28): UniPC, 10 network calls each
+    pictures = model.sample(4, output="pil")           # or PIL images
+    fastddpm.evaluate(result.run_dir, num_samples=2_000)["fid"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SECTIONS, ConfigError, RunConfig, apply_overrides,
+                             get_preset, load_config_file)
+
+__all__ = ["train", "load", "evaluate", "Model"]
+
+
+def _config(config: str | Path | RunConfig | dict, overrides: dict[str, Any]) -> RunConfig:
+    """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
+    "section.field" or a bare field name of exactly one section (max_images -> train.max_images)."""
+    if isinstance(config, RunConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = apply_overrides(RunConfig(), config, source="config dict")
+    elif isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
+        data = load_config_file(config)
+        base = get_preset(data.pop("preset")) if data.get("preset") else RunConfig()
+        cfg = apply_overrides(base, data, source=str(config))
+    else:
+        cfg = get_preset(str(config))
+    dotted = {}
+    for key, value in overrides.items():
+        if "." not in key:
+            fields = {sec: {f.name for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
+            owners = [sec for sec, names in fields.items() if key in names]
+            if not owners:
+                import difflib
+
+                known = {name: sec for sec, names in fields.items() for name in names}
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]} ({known[close[0]]}.{close[0]})?" if close else \
+                    "docs/config.md lists every field"
+                raise ConfigError(f"fastddpm.train: {key}={value!r} is in no config section: {hint}")
+            if len(owners) > 1:
+                raise ConfigError(f"fastddpm.train: {key} is a field of {' and '.join(owners)}: name it as "
+                                  f"section.field, e.g. {owners[0]}.{key}")
+            key = f"{owners[0]}.{key}"
+        dotted[key] = value
+    return apply_overrides(cfg, dotted, source="fastddpm.train")
+
+
+def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path, data: str | None = None,
+          resume: str | None = None, log=print, **overrides):
+    """Train as `fastddpm train` does and return its TrainResult (run_dir, step, images_seen, last_loss,
+    checkpoint, grid). `config`: a preset name (default cpu-demo), a YAML/JSON file, or a RunConfig; `data`:
+    any data source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `overrides`:
+    config fields, e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style keys)."""
+    from fastddpm.train.loop import train as train_loop
+
+    if data is not None:
+        overrides = {"data.source": data, **overrides}
+    cfg = _config(config, overrides)
+    return train_loop(cfg, out_dir=Path(out), resume=resume, log=log)
+
+
+@dataclasses.dataclass
+class Model:
+    """A trained U-Net ready to sample: `net` (EMA weights unless loaded otherwise, eval mode), its RunConfig,
+    and the device it is on."""
+
+    net: torch.nn.Module
+    cfg: RunConfig
+    device: torch.device
+
+    @property
+    def classes(self) -> tuple[str, ...] | None:
+        """A conditional model's class names, in id order (None for an unconditional one)."""
+        m = self.cfg.model
+        return tuple(m.class_names) if m.conditional and m.class_names else None
+
+    def sample(self, n: int, *, sampler: str = DEFAULT_SAMPLER, steps: int = DEFAULT_SAMPLER_STEPS, seed: int = 0,
+               class_: str | int | None = None, guidance: float | None = None, batch_size: int = 250,
+               precision: str = "auto", output: str = "uint8", progress: bool = False):
+        """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
+        `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
+        "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance)."""
+        from fastddpm.diffusion import sample, schedule_from_config, to_uint8
+        from fastddpm.rng import derive_seed
+        from fastddpm.sampling import class_labels
+        from fastddpm.train.runtime import resolve_precision
+
+        if n < 1:
+            raise ConfigError(f"sample: n={n} must be at least 1")
+        if output not in ("uint8", "pil"):
+            raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
+        m = self.cfg.model
+        if guidance is not None and not m.conditional:
+            raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
+        labels, _ = class_labels(m, None if class_ is None else str(class_), n)
+        if labels is not None:
+            n = len(labels)
+        prec = resolve_precision(precision, self.device)
+        schedule = schedule_from_config(self.cfg.diffusion)
+        scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            from fastddpm.diffusion import network_calls
+
+            bar = tqdm(total=-(-n // batch_size) * network_calls(sampler, steps, self.cfg.diffusion.num_timesteps),
+                       unit="model-call", dynamic_ncols=True)
+        chunks = []
+        with torch.inference_mode():
+            for i, start in enumerate(range(0, n, batch_size)):
+                k = min(batch_size, n - start)
+                y = torch.from_numpy(labels[start:start + k]) if labels is not None else None
+                x = sample(self.net, schedule, (k, m.image_channels, m.image_size, m.image_size), sampler=sampler,
+                           steps=steps, prediction=self.cfg.diffusion.prediction, seed=derive_seed(seed, "sample", i),
+                           device=self.device, autocast_dtype=prec.autocast_dtype, progress=bar,
+                           num_classes=m.num_classes, guidance=scale, labels=y)
+                chunks.append(to_uint8(x).cpu().numpy())
+        if bar is not None:
+            bar.close()
+        images = np.concatenate(chunks)
+        if output == "uint8":
+            return images
+        from PIL import Image
+
+        return [Image.fromarray(im[0] if im.shape[0] == 1 else im.transpose(1, 2, 0)) for im in images]
+
+
+def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Model:
+    """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file or an ema.safetensors
+    export, ready to sample on `device` (auto: CUDA when present)."""
+    from fastddpm.sampling import load_for_sampling
+    from fastddpm.train.checkpoint import CheckpointError
+    from fastddpm.train.runtime import resolve_device
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"fastddpm.load: {path} does not exist. Pass a run directory, a "
+                              "checkpoints/ckpt_*.pt file, or an ema.safetensors export")
+    dev, _ = resolve_device(device)
+    net, cfg = load_for_sampling(path, device=dev, weights=weights)
+    return Model(net=net, cfg=cfg, device=dev)
+
+
+def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = DEFAULT_SAMPLER,
+             steps: int = DEFAULT_SAMPLER_STEPS, seed: int = 0, guidance: float | None = None,
+             data: str | None = None, inception: str | None = None, device: str = "auto",
+             batch_size: int | None = None, log=print) -> dict:
+    """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
+    them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
+    fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy."""
+    from fastddpm.eval.evaluate import Evaluator, as_json_safe
+
+    model = load(path, device=device)
+    cfg = model.cfg
+    if data is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
+    if num_samples < 10:
+        raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
+    if guidance is not None and not cfg.model.conditional:
+        raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
+    from fastddpm.train.runtime import resolve_precision
+
+    evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
+    batch = min(batch_size or (1000 if model.device.type == "cuda" else 250), num_samples)
+    with torch.inference_mode():
+        metrics, _ = evaluator.evaluate(model.net, cfg, num_samples=num_samples, sampler=sampler, steps=steps,
+                                        seed=seed, batch_size=batch, device=model.device,
+                                        autocast_dtype=resolve_precision("auto", model.device).autocast_dtype,
+                                        guidance=guidance if cfg.model.conditional else None)
+    return as_json_safe({**metrics, "features": evaluator.describe()})
