@@ -37,6 +37,7 @@ SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: the fewest network calls whose FID is
 # within the seed spread of the best measured (benchmarks/RESULTS.md, issue 16, on the quickstart checkpoint:
 # UniPC-10 FID 12.5 against UniPC-20 12.1, DDIM-50 12.7, DPM-Solver++(2M)-10 13.2-14.2 over three seeds).
+LOGGERS = ("jsonl", "tensorboard")  # train.log_to's choices
 DEFAULT_SAMPLER = "unipc"
 DEFAULT_SAMPLER_STEPS = 10
 SPACINGS = ("trailing", "karras")
@@ -293,6 +294,11 @@ class TrainConfig:
     )
     seed: int = field(default=0, metadata=_doc("Seed; data order, timesteps and noise are functions of (seed, step)."))
     log_every: int = field(default=50, metadata=_doc("Steps between metric log lines (the only host syncs)."))
+    log_to: tuple[str, ...] = field(
+        default=("jsonl",),
+        metadata=_doc("Where the metrics go: jsonl (RUN_DIR/metrics.jsonl, always), tensorboard (RUN_DIR/tensorboard: "
+                      "scalars, sample grids, the config; needs the tensorboard package), comma-separated."),
+    )
     checkpoint_every: int | None = field(default=1000, metadata=_doc("Steps between checkpoints (none = only at the end)."))
     keep_checkpoints: int = field(default=3, metadata=_doc("How many recent checkpoints to keep (>= 1)."))
     sample_every_images: int | None = field(
@@ -347,6 +353,9 @@ class TrainConfig:
         _check_choice("train", self, "precision")
         _check_choice("train", self, "sampler")
         _check_choice("train", self, "eval_sampler")
+        self.log_to = tuple(dict.fromkeys(("jsonl", *self.log_to)))  # jsonl always, first, once
+        unknown = [x for x in self.log_to if x not in LOGGERS]
+        _require(not unknown, f"train.log_to: {', '.join(unknown)} is not one of {', '.join(LOGGERS)}")
         _require(self.batch_size == "auto" or (isinstance(self.batch_size, int) and self.batch_size >= 1),
                  f"train.batch_size={self.batch_size!r} must be a positive integer or auto")
         _require(self.accum_steps >= 1, f"train.accum_steps={self.accum_steps} must be >= 1")

@@ -50,6 +50,7 @@ from fastddpm.train.distributed import (
     mean_across_ranks,
     shutdown,
 )
+from fastddpm.train.loggers import RunLoggers
 from fastddpm.train.metrics import MetricsLog, read_metrics
 from fastddpm.train.runtime import (
     FastPath,
@@ -170,6 +171,7 @@ class Run:
     start: Progress  # where the loop starts: step 0, or the resumed checkpoint's counters
     info: dict
     log: Callable[..., None]  # print on rank 0, silent on the others
+    loggers: RunLoggers | None = None  # --log-to: opened with the loop's StepLog, closed when the loop ends
 
     def micro_batches(self, progress: Progress) -> list[Batch]:
         """This step's accum_steps micro-batches, each cut in `micro_split` equal parts after an OOM."""
@@ -509,9 +511,16 @@ def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, lo
 
 
 def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
+    out = StepLog(run, run.start)  # metrics.jsonl (+ --log-to), the progress bar, the loss summed on the device
+    try:
+        return _steps(run, stop, hooks, out)
+    finally:
+        out.loggers.close()
+
+
+def _steps(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainResult:
     train_cfg = run.cfg.train
     progress = run.start
-    out = StepLog(run, progress)  # metrics.jsonl, the progress bar, the loss accumulated on the device
     while progress.step < run.total_steps:
         # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
         micro = run.micro_batches(progress)
@@ -566,7 +575,9 @@ class StepLog:
 
     def __init__(self, run: Run, progress: Progress):
         self.run, self.progress = run, progress
-        self.metrics = MetricsLog(run.run_dir / "metrics.jsonl")
+        self.loggers = run.loggers = RunLoggers(run.run_dir, run.cfg, enabled=run.dist.is_main)
+        self.loggers.hparams(run.cfg, run.info)
+        self.metrics = MetricsLog(run.run_dir / "metrics.jsonl", also=self.loggers.record)
         self.compile_counters = CompileCounters(enabled=run.fast.compile)
         self.loss_sum = torch.zeros((), device=run.device)
         self.loss_count = 0
@@ -708,6 +719,8 @@ def maybe_write_grid(run: Run, progress: Progress, name: str) -> None:
                                    run.run_dir / "samples" / name, save=run.dist.is_main)
         if name != "final.png":
             run.log(f"step {progress.step:,}: wrote {progress.grid}")
+        if run.dist.is_main and run.loggers is not None:
+            run.loggers.grid(progress.step, progress.grid)
     metrics = run.run_dir / "metrics.jsonl"
     if run.dist.is_main and metrics.is_file():  # the loss curve, redrawn with each grid from the log so far
         from fastddpm import charts

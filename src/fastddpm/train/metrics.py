@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    """`also`: called with every record after it is written (the run's --log-to loggers)."""
+
+    def __init__(self, path: Path, also: Callable[[dict[str, Any]], None] | None = None):
         self.path = path
+        self.also = also
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.also is not None:
+            self.also(record)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
