@@ -88,7 +88,7 @@ class Model:
         return tuple(m.class_names) if m.conditional and m.class_names else None
 
     def sample(self, n: int, *, sampler: str = DEFAULT_SAMPLER, steps: int = DEFAULT_SAMPLER_STEPS, seed: int = 0,
-               class_: str | int | None = None, guidance: float | None = None, batch_size: int = 250,
+               class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;

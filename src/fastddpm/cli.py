@@ -169,11 +169,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
     from fastddpm.doctor.cli import add_doctor_parser
     from fastddpm.eval.cli import add_eval_parser
+    from fastddpm.export import add_export_parser
 
     add_data_parser(sub)
     add_bench_parser(sub)
     add_doctor_parser(sub, _add_config_flags)
     add_eval_parser(sub)
+    add_export_parser(sub)
     return parser, dests
 
 
@@ -306,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             from fastddpm.eval.cli import run_eval
 
             return run_eval(args)
+        if args.command == "export":
+            from fastddpm.export import run_export
+
+            return run_export(args)
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,107 @@
+"""`fastddpm export`: ONNX (checked in onnxruntime), torch.export (.pt2, loaded back) and safetensors, each against
+PyTorch on the same inputs and a batch size the export never saw; the folder's schedule, config and model card;
+and examples/sample_onnx.py, which samples with onnxruntime and numpy alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.cli import main
+from fastddpm.config import apply_overrides, get_preset
+from fastddpm.diffusion import schedule_from_config
+from fastddpm.export import example_inputs
+from fastddpm.models import UNet
+from fastddpm.sampling import load_for_sampling
+from fastddpm.train.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fmnist_npz):
+    out = {}
+    for name, conditional in (("uncond", False), ("cond", True)):
+        cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                                   "train.max_steps": 3, "model.conditional": conditional,
+                                                   "train.num_sample_images": 4, "train.sample_steps": 2})
+        out[name] = tmp_path_factory.mktemp(name) / "run"
+        train(cfg, out_dir=out[name], log=quiet)
+    return out
+
+
+def reference(run: Path, batch: int):
+    model, cfg = load_for_sampling(run)
+    inputs = example_inputs(cfg, batch, seed=11)
+    with torch.no_grad():
+        return inputs, model(*inputs).numpy(), cfg
+
+
+def test_torch_export_loads_back_and_matches(runs, tmp_path):
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(tmp_path)]) == 0
+    inputs, want, _ = reference(runs["uncond"], 5)
+    got = torch.export.load(str(tmp_path / "model.pt2")).module()(*inputs).detach().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert json.loads((tmp_path / "export.json").read_text())["max_abs_diff"] <= 1e-3
+
+
+@pytest.mark.parametrize("name", ["uncond", "cond"])
+def test_onnx_runs_in_onnxruntime_like_pytorch(runs, tmp_path, name):
+    ort = pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    assert main(["export", str(runs[name]), "--format", "onnx", "--out", str(tmp_path)]) == 0
+    inputs, want, cfg = reference(runs[name], 5)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == (["x", "t", "y"] if name == "cond" else ["x", "t"])
+    got = session.run(None, {i.name: v.numpy() for i, v in zip(session.get_inputs(), inputs)})[0]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    record = json.loads((tmp_path / "export.json").read_text())
+    assert record["max_abs_diff"] <= 1e-3 and record["exporter"].startswith("torch.onnx.export")
+    schedule = json.loads((tmp_path / "schedule.json").read_text())
+    np.testing.assert_allclose(schedule["betas"], schedule_from_config(cfg.diffusion).betas.double().numpy())
+    assert schedule["num_classes"] == (10 if name == "cond" else 0)
+    card = (tmp_path / "README.md").read_text()
+    assert "images seen: 48 (step 3)" in card and "--format onnx" in card
+
+
+def test_safetensors_rebuilds_the_unet(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path)]) == 0
+    inputs, want, cfg = reference(runs["uncond"], 2)
+    model = UNet(cfg.model).eval()
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    with torch.no_grad():
+        assert np.array_equal(model(*inputs).numpy(), want)
+
+
+def test_the_onnx_example_samples_without_torch(runs, tmp_path):
+    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "exp")]) == 0
+    # torch made unimportable: the example must get by with onnxruntime and numpy
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "sample_onnx.py"), str(tmp_path / "exp"),
+                        "--num", "6", "--steps", "3", "--out", str(tmp_path / "grid.png")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    from PIL import Image
+
+    with Image.open(tmp_path / "grid.png") as im:  # 3 x 2 images of 28 px with 2 px borders
+        assert im.mode == "L" and im.size == (3 * 30 + 2, 2 * 30 + 2)
+        pixels = np.asarray(im)
+    assert pixels.std() > 0  # not a blank image
+
+
+def test_export_refuses_what_it_cannot_export(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nowhere"), "--format", "onnx"]) == 2
+    assert "does not exist" in capsys.readouterr().err
