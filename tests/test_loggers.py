@@ -59,3 +59,80 @@ def test_log_to_names_its_choices():
     with pytest.raises(ConfigError, match="wandbb is not one of jsonl, tensorboard"):
         apply_overrides(get_preset("tiny"), {"train.log_to": "jsonl,wandbb"})
     assert apply_overrides(get_preset("tiny"), {"train.log_to": "tensorboard"}).train.log_to == ("jsonl", "tensorboard")
+
+
+def wandb_records(path) -> list:
+    """The records of a W&B offline run file (run-<id>.wandb): ':W&B', a 2-byte magic and a version byte, then
+    LevelDB-log framing (32 KiB blocks; 7-byte record headers: crc32c, length, type full/first/middle/last) around
+    serialized wandb_internal_pb2.Record messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, out, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            buf = chunk
+        elif kind == 3:
+            buf += chunk
+        elif kind == 4:
+            out.append(buf + chunk)
+    return [wandb_internal_pb2.Record.FromString(b) for b in out]
+
+
+def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value), ...]} from every offline run file of RUN_DIR/wandb, oldest first."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") != "history":
+                continue
+            for item in r.history.item:
+                key = item.key or "/".join(item.nested_key)
+                value = json.loads(item.value_json)
+                if isinstance(value, (int, float)):
+                    out.setdefault(key, []).append((r.history.step.num, float(value)))
+    return out
+
+
+def test_wandb_offline_run_holds_what_metrics_jsonl_holds(tmp_path, fmnist_splits, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is an extra (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    args = ["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
+            "--log-every", "2", "--sample-every-images", "64", "--no-progress", "--log-to", "wandb",
+            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2"]
+    assert main(args) == 0
+    records = read_metrics(run / "metrics.jsonl")
+    train = [r for r in records if r.get("event") != "eval"]
+    evals = [r for r in records if r.get("event") == "eval"]
+    history = wandb_history(run)
+    assert [s for s, _ in history["train/loss"]] == [r["step"] for r in train]
+    np.testing.assert_allclose([v for _, v in history["train/loss"]], [r["loss"] for r in train], rtol=1e-12)
+    np.testing.assert_allclose([v for _, v in history["eval/fid"]], [r["fid"] for r in evals], rtol=1e-12)
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    kept = wandb_records(files[0])
+    assert {"run", "history", "artifact"} <= {r.WhichOneof("record_type") for r in kept}  # + ema.safetensors
+    config = {u.key: json.loads(u.value_json) for r in kept if r.WhichOneof("record_type") == "run"
+              for u in r.run.config.update}
+    assert config["model"] == json.loads((run / "config.json").read_text())["model"]
+    run_id = (run / "wandb_run_id").read_text().strip()
+    assert files[0].name == f"run-{run_id}.wandb"
+
+    # resumed: the same W&B run id, its history continued from the checkpoint's step
+    assert main([*args[:args.index("--max-steps")], "--max-steps", "10", *args[args.index("--max-steps") + 2:],
+                 "--resume", "latest"]) == 0
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and {f.name for f in files} == {f"run-{run_id}.wandb"}
+    assert [s for s, _ in wandb_history(run)["train/loss"]][-1] == 10

@@ -37,7 +37,7 @@ SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: the fewest network calls whose FID is
 # within the seed spread of the best measured (benchmarks/RESULTS.md, issue 16, on the quickstart checkpoint:
 # UniPC-10 FID 12.5 against UniPC-20 12.1, DDIM-50 12.7, DPM-Solver++(2M)-10 13.2-14.2 over three seeds).
-LOGGERS = ("jsonl", "tensorboard")  # train.log_to's choices
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
 DEFAULT_SAMPLER = "unipc"
 DEFAULT_SAMPLER_STEPS = 10
 SPACINGS = ("trailing", "karras")
@@ -297,7 +297,9 @@ class TrainConfig:
     log_to: tuple[str, ...] = field(
         default=("jsonl",),
         metadata=_doc("Where the metrics go: jsonl (RUN_DIR/metrics.jsonl, always), tensorboard (RUN_DIR/tensorboard: "
-                      "scalars, sample grids, the config; needs the tensorboard package), comma-separated."),
+                      "scalars, sample grids, the config; needs the tensorboard package), wandb (Weights & Biases, "
+                      "project WANDB_PROJECT or fastddpm, WANDB_MODE=offline without an account; the same plus "
+                      "ema.safetensors as an artifact; needs the wandb package), comma-separated."),
     )
     checkpoint_every: int | None = field(default=1000, metadata=_doc("Steps between checkpoints (none = only at the end)."))
     keep_checkpoints: int = field(default=3, metadata=_doc("How many recent checkpoints to keep (>= 1)."))

@@ -1,9 +1,12 @@
-"""Where a run's numbers go besides metrics.jsonl (which is always written): TensorBoard (`--log-to tensorboard`).
+"""Where a run's numbers go besides metrics.jsonl (which is always written): TensorBoard and Weights & Biases
+(`--log-to tensorboard,wandb`).
 
 Rank 0 logs; everything logged is already a host value on the logging steps (the loss read there, the evaluation's
-numbers, a grid written to disk), so logging adds no device sync to the steps between. TensorBoard's scalars are
-named train/<key> and eval/<key>; a grid is the image `samples` at the step it was drawn; the resolved config is the
-text `config` and the hyperparameters of the run."""
+numbers, a grid written to disk), so logging adds no device sync to the steps between. Scalars are named
+train/<key> and eval/<key> at x = the step; a grid is the image `samples` at the step it was drawn; the resolved
+config is TensorBoard's text `config` and hyperparameters, and W&B's run config. W&B also gets ema.safetensors as a
+model artifact when the run ends, runs offline with WANDB_MODE=offline, and a resumed run continues the same W&B
+run (its id is kept in RUN_DIR/wandb_run_id)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,13 @@ class RunLoggers:
 
     def __init__(self, run_dir: Path, cfg: RunConfig, *, enabled: bool = True):
         self.tb = None
+        self.wandb = None
+        self.run_dir = Path(run_dir)
+        if enabled and "wandb" in cfg.train.log_to:
+            import os
+
+            self._wandb_service = os.environ.get("WANDB_SERVICE")  # a caller's own W&B service, left running
+            self.wandb = _open_wandb(self.run_dir, cfg)
         if enabled and "tensorboard" in cfg.train.log_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -68,32 +78,72 @@ class RunLoggers:
 
     def train(self, record: dict) -> None:
         """A metrics.jsonl line of a logging step, at x = its step."""
-        if self.tb is None:
-            return
-        for key, value in _scalars(record).items():
-            self.tb.add_scalar(f"train/{key}", value, global_step=record["step"])
-        self.tb.flush()
+        self._scalars("train", record["step"], record)
 
     def evaluation(self, step: int, record: dict) -> None:
         """An evaluation's numbers (FID, precision, recall, class accuracy, coverage) at x = the step."""
-        if self.tb is None:
-            return
-        for key, value in _scalars(record).items():
-            self.tb.add_scalar(f"eval/{key}", value, global_step=step)
-        self.tb.flush()
+        self._scalars("eval", step, record)
+
+    def _scalars(self, prefix: str, step: int, record: dict) -> None:
+        values = {f"{prefix}/{k}": v for k, v in _scalars(record).items()}
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, global_step=step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def grid(self, step: int, path: Path) -> None:
         """A sample grid PNG, as the image `samples` at the step it was drawn."""
-        if self.tb is None or path is None or not Path(path).is_file():
+        if path is None or not Path(path).is_file():
             return
-        from PIL import Image
+        if self.tb is not None:
+            from PIL import Image
 
-        with Image.open(path) as im:
-            arr = np.asarray(im.convert("RGB"))
-        self.tb.add_image("samples", arr, global_step=step, dataformats="HWC")
-        self.tb.flush()
+            with Image.open(path) as im:
+                arr = np.asarray(im.convert("RGB"))
+            self.tb.add_image("samples", arr, global_step=step, dataformats="HWC")
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"samples": wandb.Image(str(path))}, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            import wandb
+
+            ema = self.run_dir / "ema.safetensors"
+            if ema.is_file():  # the weights to sample from, versioned with the run
+                artifact = wandb.Artifact(f"{self.run_dir.name}-ema", type="model",
+                                          description="EMA weights (safetensors; the config is in its metadata)")
+                artifact.add_file(str(ema))
+                self.wandb.log_artifact(artifact)
+            self.wandb.finish()
+            self.wandb = None
+            if self._wandb_service is None:  # the W&B service process this run started: ended with it
+                wandb.teardown()
+
+
+def _open_wandb(run_dir: Path, cfg: RunConfig):
+    """A W&B run in RUN_DIR/wandb: the project from WANDB_PROJECT (default fastddpm), named after the run folder;
+    the same W&B run again when the fastddpm run is resumed (the id is in RUN_DIR/wandb_run_id)."""
+    import os
+    import secrets
+    import string
+
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--log-to wandb needs the wandb package: pip install wandb (or pip install "
+                          "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account") from None
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else "".join(
+        secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
+    run_dir.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "fastddpm"), dir=str(run_dir), name=run_dir.name,
+                      id=run_id, resume="allow", config=cfg.to_dict(), settings=wandb.Settings(silent=True))
