@@ -17,6 +17,18 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
                                         reason="tensorboard is a test extra (pip install tensorboard)")
 
 
+def logged_run(tmp_path, data, log_to: str):
+    """A tiny run of 8 steps logging every 2, a grid every 4 steps and an evaluation at step 8, sent to `log_to`.
+    Returns (run dir, its CLI arguments, the metrics.jsonl train lines, its eval lines)."""
+    run = tmp_path / "run"
+    args = ["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
+            "--log-every", "2", "--sample-every-images", "64", "--no-progress", "--log-to", log_to,
+            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2"]
+    assert main(args) == 0
+    records = read_metrics(run / "metrics.jsonl")
+    return run, args, [r for r in records if r.get("event") != "eval"], [r for r in records if r.get("event") == "eval"]
+
+
 def accumulate(run_dir):
     acc = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
@@ -24,14 +36,7 @@ def accumulate(run_dir):
 
 
 def test_tensorboard_holds_what_metrics_jsonl_holds(tmp_path, fmnist_splits):
-    run = tmp_path / "run"
-    args = ["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
-            "--log-every", "2", "--sample-every-images", "64", "--no-progress", "--log-to", "jsonl,tensorboard",
-            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2"]
-    assert main(args) == 0
-    records = read_metrics(run / "metrics.jsonl")
-    train = [r for r in records if r.get("event") != "eval"]
-    evals = [r for r in records if r.get("event") == "eval"]
+    run, args, train, evals = logged_run(tmp_path, fmnist_splits, "jsonl,tensorboard")
     acc = accumulate(run)
     tags = acc.Tags()
     loss = acc.Scalars("train/loss")
@@ -109,14 +114,7 @@ def test_wandb_offline_run_holds_what_metrics_jsonl_holds(tmp_path, fmnist_split
     pytest.importorskip("wandb", reason="wandb is an extra (pip install wandb)")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run = tmp_path / "run"
-    args = ["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
-            "--log-every", "2", "--sample-every-images", "64", "--no-progress", "--log-to", "wandb",
-            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2"]
-    assert main(args) == 0
-    records = read_metrics(run / "metrics.jsonl")
-    train = [r for r in records if r.get("event") != "eval"]
-    evals = [r for r in records if r.get("event") == "eval"]
+    run, args, train, evals = logged_run(tmp_path, fmnist_splits, "wandb")
     history = wandb_history(run)
     assert [s for s, _ in history["train/loss"]] == [r["step"] for r in train]
     np.testing.assert_allclose([v for _, v in history["train/loss"]], [r["loss"] for r in train], rtol=1e-12)
