@@ -110,11 +110,13 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_wandb_offline_run_holds_what_metrics_jsonl_holds(tmp_path, fmnist_splits, monkeypatch):
+def test_tensorboard_and_wandb_offline_together_hold_what_metrics_jsonl_holds(tmp_path, fmnist_splits, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is an extra (pip install wandb)")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run, args, train, evals = logged_run(tmp_path, fmnist_splits, "wandb")
+    run, args, train, evals = logged_run(tmp_path, fmnist_splits, "tensorboard,wandb")  # both at once
+    tb_loss = [e.value for e in accumulate(run).Scalars("train/loss")]
+    np.testing.assert_allclose(tb_loss, [r["loss"] for r in train], rtol=1e-6)
     history = wandb_history(run)
     assert [s for s, _ in history["train/loss"]] == [r["step"] for r in train]
     np.testing.assert_allclose([v for _, v in history["train/loss"]], [r["loss"] for r in train], rtol=1e-12)
