@@ -216,6 +216,12 @@ def test_quick_flags_yield_to_explicit_ones():
     assert s.choices == ()  # --quick: one variant per preset and batch
     named = throughput_settings(_parser().parse_args(["bench", "throughput", "--presets", "tiny"]))
     assert named.for_device(torch.device("cpu")).choices == ()  # presets named: one variant each
+    # the synthetic images take the presets' shape (issue 20): CIFAR-10's for ddpm-cifar10
+    cifar = throughput_settings(_parser().parse_args(["bench", "throughput", "--presets", "ddpm-cifar10", "--quick"]))
+    assert cifar.for_device(torch.device("cpu")).image_shape == (3, 32, 32)
+    assert gpu.image_shape == (1, 28, 28)
+    with pytest.raises(ConfigError, match="differently shaped images"):
+        ThroughputSettings(presets=("seed-1layer", "ddpm-cifar10")).for_device(torch.device("cuda"))
 
 
 def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):

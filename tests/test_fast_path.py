@@ -20,16 +20,27 @@ from fastddpm.train.metrics import read_metrics
 from fastddpm.train.runtime import resolve_precision
 from fastddpm.train.step import TrainStep, make_optimizer, train_step
 
-from conftest import needs_bf16_gpu
+from conftest import TINY_DDPM, needs_bf16_gpu
 
 CPU = torch.device("cpu")
 
 
-def tiny_model(seed=0):
-    cfg = get_preset("tiny").model
+# every equivalence below runs for both U-Net families (issue 20); TINY_DDPM: the ddpm family at a test's size
+FAMILIES = pytest.mark.parametrize("family", ["seed", "ddpm"])
+
+
+def tiny_model(seed=0, family="seed"):
+    from fastddpm.models import build_unet
+
+    cfg = apply_overrides(get_preset("tiny"), TINY_DDPM if family == "ddpm" else {}).model
     cfg.image_channels, cfg.image_size = 1, 28
     torch.manual_seed(seed)
-    return UNet(cfg)
+    model = build_unet(cfg)
+    with torch.no_grad():  # the ddpm family zero-initialises its output layers: give them weights, so that the
+        for p in model.parameters():  # gradients compared below reach every layer
+            if p.ndim > 1 and not p.any():
+                p.normal_(0.0, 0.02)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +58,10 @@ def _grads(model):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _fast_and_plain(precision_name, images, **step_kwargs):
+def _fast_and_plain(precision_name, images, family="seed", **step_kwargs):
     schedule = make_schedule("linear", 1000)
     batch = _batch(images)
-    plain = tiny_model()
+    plain = tiny_model(family=family)
     fast = copy.deepcopy(plain)
     init = [p.detach().clone() for p in plain.parameters()]
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.0, foreach=True)
@@ -66,8 +77,9 @@ def _fast_and_plain(precision_name, images, **step_kwargs):
     return plain, fast, loss_plain, loss_fast, (ema, init)
 
 
-def test_fast_step_equals_plain_step_fp32(real_images):
-    plain, fast, loss_plain, loss_fast, (ema, init) = _fast_and_plain("fp32", real_images)
+@FAMILIES
+def test_fast_step_equals_plain_step_fp32(real_images, family):
+    plain, fast, loss_plain, loss_fast, (ema, init) = _fast_and_plain("fp32", real_images, family)
     assert abs(loss_fast.item() - loss_plain.item()) <= 1e-6
     for gp, gf in zip(_grads(plain), _grads(fast)):
         torch.testing.assert_close(gf, gp, rtol=0, atol=1e-6)
@@ -88,10 +100,11 @@ def test_fast_step_bf16_is_close_to_fp32(real_images):
     assert torch.nn.functional.cosine_similarity(gp, gf, dim=0).item() > 0.99
 
 
-def test_gradient_checkpointing_changes_nothing_but_memory(real_images):
+@FAMILIES
+def test_gradient_checkpointing_changes_nothing_but_memory(real_images, family):
     schedule = make_schedule("linear", 1000)
     batch = _batch(real_images)
-    a, b = tiny_model(), tiny_model()
+    a, b = tiny_model(family=family), tiny_model(family=family)
     b.grad_checkpointing = True
     from fastddpm.diffusion import diffusion_loss
 
@@ -104,14 +117,15 @@ def test_gradient_checkpointing_changes_nothing_but_memory(real_images):
         torch.testing.assert_close(gb, ga, rtol=0, atol=1e-6)
 
 
-def test_accumulation_of_two_halves_equals_one_full_batch(real_images):
+@FAMILIES
+def test_accumulation_of_two_halves_equals_one_full_batch(real_images, family):
     schedule = make_schedule("linear", 1000)
     full = _batch(real_images, batch_size=16)
     halves = [Batch(x0=full.x0[s], t=full.t[s], noise=full.noise[s], indices=full.indices[s])
               for s in (slice(0, 8), slice(8, 16))]
     results = []
     for accum, batches in ((1, [full]), (2, halves)):
-        model = tiny_model()
+        model = tiny_model(family=family)
         opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
                              capturable=False)
         step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=schedule,
@@ -202,12 +216,13 @@ def test_auto_batch_size_in_a_run(tmp_path, real_images):
     assert info["batch_size_reason"].startswith("auto: 32:")
 
 
-def test_compiled_step_matches_eager_and_does_not_recompile(tmp_path, fmnist_npz):
+@FAMILIES
+def test_compiled_step_matches_eager_and_does_not_recompile(tmp_path, fmnist_npz, family):
     """torch.compile on a tiny model (CPU inductor): the same losses as eager, and the changing warm-up learning
     rate (a tensor) causes no recompilation after warm-up."""
     over = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 6, "train.log_every": 1,
             "train.warmup_images": 1000, "train.checkpoint_every": None, "train.num_sample_images": 2,
-            "train.sample_steps": 2}
+            "train.sample_steps": 2, **(TINY_DDPM if family == "ddpm" else {})}
     eager = apply_overrides(get_preset("tiny"), {**over, "train.compile": "off"})
     compiled = apply_overrides(get_preset("tiny"), {**over, "train.compile": "on"})
     train(eager, out_dir=tmp_path / "eager", log=lambda *a: None)

@@ -28,6 +28,36 @@ def test_seed_unets_shapes_and_parameter_counts(preset, params):
     assert out.shape == x.shape and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("preset, shape, params", [("ddpm-cifar10", (3, 32, 32), 35_746_307),
+                                                   ("ddpm-rgb64", (3, 64, 64), 129_380_611)])
+def test_ddpm_family_presets_build_with_the_papers_parameter_counts(preset, shape, params):
+    """Ho et al. 2020 report 35.7M parameters for their CIFAR-10 model; the 64x64 preset's count is recorded."""
+    from fastddpm.config import resolve_model_shape
+    from fastddpm.models import DDPMUNet, build_unet
+
+    cfg = resolve_model_shape(get_preset(preset), (10, *shape)).model
+    torch.manual_seed(0)
+    model = build_unet(cfg)
+    assert isinstance(model, DDPMUNet) and count_parameters(model) == params
+    x = torch.randn(2, *shape)
+    with torch.no_grad():
+        out = model(x, torch.tensor([0, 999]))
+    assert out.shape == x.shape
+    assert torch.count_nonzero(out) == 0  # the output conv starts at zero, as in both papers
+
+
+def test_ddpm_family_config_names_what_does_not_fit():
+    from fastddpm.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="divisible by model.norm_groups=32"):
+        ModelConfig(family="ddpm", base_channels=48, norm_groups=32)
+    cfg = ModelConfig(family="ddpm", channel_mult=(1, 2, 2, 2), norm_groups=32, image_channels=3, image_size=28)
+    with pytest.raises(ConfigError, match="must divide by 8"):
+        cfg.validate_shape()
+    with pytest.raises(ConfigError, match="family"):
+        ModelConfig(family="adm")
+
+
 def test_rgb_32x32_unet():
     model = _model("seed-2layer", channels=3, size=32)
     x = torch.randn(2, 3, 32, 32)

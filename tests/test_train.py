@@ -56,8 +56,10 @@ def _params(path):
     return state["model"], state["ema"], state["optimizer"]
 
 
-def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz):
-    """N + N steps (the second N in a fresh process) equal 2N steps: losses, weights, EMA, optimizer state.
+@pytest.mark.parametrize("family", ["seed", "ddpm"])
+def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz, family):
+    """N + N steps (the second N in a fresh process) equal 2N steps: losses, weights, EMA, optimizer state. The
+    ddpm family runs with dropout: its random draws come back with the checkpoint's RNG state too.
 
     This process first calls torch.set_num_threads with its own count, as a notebook, another test or the doctor's
     self-test may have: that switches MKL's dynamic threading off, which a fresh process has on, and used to change
@@ -65,6 +67,10 @@ def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz):
     torch.set_num_threads(torch.get_num_threads())
     n = 6
     cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n)
+    if family == "ddpm":
+        from conftest import TINY_DDPM
+
+        cfg = apply_overrides(cfg, {**TINY_DDPM, "model.dropout": 0.1})
     full = tmp_path / "full"
     train(cfg, out_dir=full, log=quiet)
 

@@ -57,10 +57,37 @@ def _check_choice(section: str, obj: Any, name: str) -> None:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The seed's U-Net. Defaults are the public DDPM-Pytorch code's default config (10.2M parameters)."""
+    """The U-Net: the seed's (family seed; defaults are the public DDPM-Pytorch code's default config, 10.2M
+    parameters) or the DDPM / improved-diffusion one (family ddpm: base_channels, channel_mult, ...)."""
 
+    family: str = field(
+        default="seed",
+        metadata=_doc("U-Net family: seed (the seed notebook's, down_channels/mid_channels/...) or ddpm (Ho et al. "
+                      "2020 / improved-diffusion: base_channels, channel_mult, num_res_blocks, "
+                      "attention_resolutions, dropout, scale_shift_norm, resblock_updown).",
+                      choices=("seed", "ddpm")),
+    )
     image_channels: int | None = field(default=None, metadata=_doc("Input channels; none = taken from the data."))
     image_size: int | None = field(default=None, metadata=_doc("Square image side in pixels; none = from the data."))
+    base_channels: int = field(default=128, metadata=_doc("ddpm family: channels at the first level."))
+    channel_mult: tuple[int, ...] = field(
+        default=(1, 2, 2, 2), metadata=_doc("ddpm family: channels of each level as multiples of base_channels; "
+                                            "each level after the first halves the resolution.")
+    )
+    num_res_blocks: int = field(default=2, metadata=_doc("ddpm family: ResBlocks per level (the up path has one more)."))
+    attention_resolutions: tuple[int, ...] = field(
+        default=(16,), metadata=_doc("ddpm family: resolutions (pixels per side) with self-attention after each "
+                                     "ResBlock; the middle always has one.")
+    )
+    dropout: float = field(default=0.0, metadata=_doc("ddpm family: dropout inside each ResBlock (the paper: 0.1 on "
+                                                      "CIFAR-10)."))
+    scale_shift_norm: bool = field(
+        default=False, metadata=_doc("ddpm family: the time embedding scales and shifts the normalised features "
+                                     "(FiLM; improved-diffusion) instead of being added.")
+    )
+    resblock_updown: bool = field(
+        default=False, metadata=_doc("ddpm family: resample inside ResBlocks (BigGAN style) instead of plain convs.")
+    )
     down_channels: tuple[int, ...] = field(
         default=(32, 64, 128, 256), metadata=_doc("Channels at each U-Net level, comma-separated.")
     )
@@ -95,12 +122,18 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.down_channels = tuple(int(c) for c in self.down_channels)
+        self.channel_mult = tuple(int(c) for c in self.channel_mult)
+        self.attention_resolutions = tuple(int(r) for r in self.attention_resolutions)
         self.class_names = tuple(str(c) for c in self.class_names)
+        _check_choice("model", self, "family")
         _require(self.num_classes >= 0, f"model.num_classes={self.num_classes} must be >= 0 (0 = unconditional)")
         _require(self.conditional or self.num_classes == 0,
                  f"model.num_classes={self.num_classes} needs --conditional (a class embedding); or leave it at 0")
         self.mid_channels = tuple(int(c) for c in self.mid_channels)
         self.down_sample = tuple(bool(d) for d in self.down_sample)
+        if self.family == "ddpm":
+            self._check_ddpm()
+            return
         dc, mc = self.down_channels, self.mid_channels
         _require(len(dc) >= 2, f"model.down_channels={dc} needs at least two levels, e.g. 32,64,128,256")
         _require(len(mc) >= 2, f"model.mid_channels={mc} needs at least two entries, e.g. 256,256,128")
@@ -127,6 +160,19 @@ class ModelConfig:
                 _require(c % self.num_heads == 0,
                          f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
 
+    def _check_ddpm(self) -> None:
+        mult = self.channel_mult
+        _require(len(mult) >= 1 and all(m >= 1 for m in mult),
+                 f"model.channel_mult={mult} must be positive multipliers, e.g. 1,2,2,2")
+        _require(self.num_res_blocks >= 1, f"model.num_res_blocks={self.num_res_blocks} must be >= 1")
+        _require(0 <= self.dropout < 1, f"model.dropout={self.dropout} must be in [0, 1)")
+        _require(self.base_channels % 2 == 0, f"model.base_channels={self.base_channels} must be even (the time "
+                                               "embedding is sinusoidal over it)")
+        for c in {self.base_channels * m for m in mult} | {self.base_channels}:
+            _require(c % self.norm_groups == 0, f"channel count {c} (base_channels x channel_mult) is not divisible "
+                                                f"by model.norm_groups={self.norm_groups}")
+            _require(c % self.num_heads == 0, f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
+
     def validate_resolved(self) -> None:
         """Checks that need the data, once the shape (and a conditional model's classes) are known."""
         self.validate_shape()
@@ -139,6 +185,12 @@ class ModelConfig:
         """Checks that need the data's shape, once image_channels and image_size are known."""
         _require(self.image_channels is not None and self.image_size is not None,
                  "model.image_channels and model.image_size must be set (they come from the data)")
+        if self.family == "ddpm":
+            factor = 2 ** (len(self.channel_mult) - 1)
+            _require(self.image_size % factor == 0,
+                     f"model.image_size={self.image_size} must divide by {factor} (channel_mult={self.channel_mult} "
+                     f"halves it {len(self.channel_mult) - 1} times): resize the data (--resize) or use fewer levels")
+            return
         factor = 2 ** sum(self.down_sample)
         _require(
             self.image_size % factor == 0,
@@ -490,12 +542,48 @@ def preset_seed_2layer() -> RunConfig:
     )
 
 
+def preset_ddpm_cifar10() -> RunConfig:
+    """Ho et al. 2020's CIFAR-10 model and recipe (35.7M params): batch 128, Adam 2e-4, 800k steps (GPU).
+
+    The paper's appendix B and its released code: base 128 channels, multipliers 1,2,2,2, 2 ResBlocks per level,
+    self-attention at 16x16 (one head), dropout 0.1, random horizontal flips, linear betas 1e-4..0.02 over 1000
+    steps, learning-rate warm-up over 5,000 steps, gradient clipping at 1, EMA 0.9999."""
+    return RunConfig(
+        preset="ddpm-cifar10",
+        model=ModelConfig(family="ddpm", base_channels=128, channel_mult=(1, 2, 2, 2), num_res_blocks=2,
+                          attention_resolutions=(16,), dropout=0.1, num_heads=1, norm_groups=32),
+        data=DataConfig(source="cifar10", hflip=True),
+        train=TrainConfig(batch_size=128, max_steps=800_000, lr=2e-4, warmup_images=5_000 * 128, grad_clip=1.0,
+                          ema_decay=0.9999, checkpoint_every=5000, sample_every_images=1_280_000),
+    )
+
+
+def preset_ddpm_rgb64() -> RunConfig:
+    """A 64x64 RGB U-Net in the improved-diffusion style for a folder of your own images (129.4M params, GPU).
+
+    Nichol & Dhariwal 2021's ImageNet-64 shape: base 128, multipliers 1,2,3,4, 3 ResBlocks per level, attention
+    at 16x16 and 8x8 with 4 heads, scale-shift (FiLM) time conditioning, BigGAN up/down ResBlocks, dropout 0.1;
+    cosine schedule, batch 64, Adam 1e-4, flips. Point --data at a folder or zip (resized to 64x64 when cached)."""
+    return RunConfig(
+        preset="ddpm-rgb64",
+        model=ModelConfig(family="ddpm", base_channels=128, channel_mult=(1, 2, 3, 4), num_res_blocks=3,
+                          attention_resolutions=(16, 8), dropout=0.1, num_heads=4, norm_groups=32,
+                          scale_shift_norm=True, resblock_updown=True),
+        diffusion=DiffusionConfig(schedule="cosine"),
+        data=DataConfig(hflip=True, resize=64),
+        train=TrainConfig(batch_size=64, max_steps=500_000, lr=1e-4, warmup_images=64 * 1000, grad_clip=1.0,
+                          ema_decay=0.9999, checkpoint_every=5000, sample_every_images=640_000),
+    )
+
+
 PRESETS = {
     "tiny": preset_tiny,
     "cpu-demo": preset_cpu_demo,
     "cpu-demo-cond": preset_cpu_demo_cond,
     "seed-1layer": preset_seed_1layer,
     "seed-2layer": preset_seed_2layer,
+    "ddpm-cifar10": preset_ddpm_cifar10,
+    "ddpm-rgb64": preset_ddpm_rgb64,
 }
 
 

@@ -187,7 +187,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         path = out / "model.safetensors"
         export_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
                            {"config": cfg.to_dict(), "step": info.get("step"), "format": "fastddpm-ema-1"})
-        result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.UNet(config.model))"
+        result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
         raise RuntimeError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "
                            f"{TOLERANCE:g}) on the same inputs; the file is kept for inspection")

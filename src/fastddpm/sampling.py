@@ -21,7 +21,7 @@ import torch
 from fastddpm.config import RunConfig, class_index, from_dict
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
-from fastddpm.models import UNet
+from fastddpm.models import build_unet
 from fastddpm.rng import derive_seed
 from fastddpm.train.checkpoint import (
     CheckpointError,
@@ -67,7 +67,7 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
 
         state = read_sharded_checkpoint(path)
         cfg = from_dict(state["config"])
-        model = UNet(cfg.model)
+        model = build_unet(cfg.model)
         load_model_state(model, state["ema" if weights == "ema" else "model"], what=f"{path} ({weights} weights)")
         return model.to(device).eval(), cfg
     if path.suffix == ".safetensors":
@@ -81,7 +81,7 @@ def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weig
         state = load_checkpoint(path)
         cfg = from_dict(state["config"])
         state_dict = state["ema" if weights == "ema" else "model"]
-    model = UNet(cfg.model)
+    model = build_unet(cfg.model)
     load_model_state(model, state_dict, what=f"{path} ({weights} weights)")
     return model.to(device).eval(), cfg
 

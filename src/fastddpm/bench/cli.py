@@ -175,6 +175,9 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                            "double-buffered copies from a memory-mapped file")
     what.add_argument("--device", default="auto", metavar="DEVICE",
                       help="auto (CUDA when present, default), cpu, cuda, cuda:N")
+    what.add_argument("--image-shape", type=_csvpositive_ints, default=None, metavar="C,H,W",
+                      help="the synthetic images' shape (default: the presets' data: 3,32,32 for ddpm-cifar10, "
+                           "1,28,28 for the MNIST-sized ones)")
     timing = tp.add_argument_group("how long to time it")
     timing.add_argument("--warmup-steps", type=positive_int, default=None, metavar="N",
                         help="steps timed as compile / warm-up, before the steady state (default 10)")
@@ -376,6 +379,12 @@ def throughput_settings(args: argparse.Namespace):
     from fastddpm.bench.throughput import QUICK, ThroughputSettings
 
     base = _given(args, QUICK, ("presets", "batch_sizes", "choices", "warmup_steps", "steps", "repeats"))
+    if args.image_shape is not None and len(args.image_shape) != 3:
+        from fastddpm.config import ConfigError
+
+        raise ConfigError(f"bench throughput: --image-shape {','.join(map(str, args.image_shape))} needs C,H,W")
+    if args.image_shape is not None:
+        base["image_shape"] = args.image_shape
     return ThroughputSettings(**base, precision=args.precision, compile=args.compile, cuda_graphs=args.cuda_graphs,
                               data_placement=args.data_placement, device=args.device, quick=args.quick,
                               remeasure=args.remeasure)

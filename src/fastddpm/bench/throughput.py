@@ -71,6 +71,16 @@ CPU_PRESETS, CPU_BATCH_SIZES = ("cpu-demo",), (64,)
 GPU_PRESETS, GPU_BATCH_SIZES = ("seed-1layer", "seed-2layer"), (64, 192, 512, 1024)
 
 
+def preset_image_shape(preset: str) -> tuple[int, int, int]:
+    """(C, H, W) of the images a preset trains on: CIFAR-10's 3x32x32, an RGB preset's resize, else MNIST's."""
+    cfg = get_preset(preset)
+    if cfg.data.source == "cifar10":
+        return (3, 32, 32)
+    if cfg.data.resize:
+        return (3, cfg.data.resize, cfg.data.resize)
+    return (1, 28, 28)
+
+
 def parse_choice(name: str) -> dict:
     """'bf16-compile-cl' -> the train.* settings it stands for."""
     parts = name.split("-")
@@ -105,13 +115,14 @@ class ThroughputSettings:
     data_placement: str = "device"  # device = resident uint8 dataset; stream = pinned copies from a memmap file
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     num_images: int = 60_000  # synthetic dataset size (MNIST's), so epochs and permutations are realistic
-    image_shape: tuple[int, int, int] = (1, 28, 28)  # (C, H, W) of the synthetic uint8 images
+    image_shape: tuple[int, int, int] | None = None  # (C, H, W) of the synthetic images; None: the presets' data
     seed: int = 0  # seeds the synthetic data, the model init and the (seed, step) batch draws
     quick: bool = False  # recorded only: the caller has already applied QUICK's values
     remeasure: bool = False  # measure every variant, even those already in OUT/throughput.json (else reused)
 
     def __post_init__(self) -> None:
-        self.image_shape = tuple(int(s) for s in self.image_shape)
+        if self.image_shape is not None:
+            self.image_shape = tuple(int(s) for s in self.image_shape)
         if self.presets is not None:
             self.presets = tuple(self.presets)
             if not self.presets:
@@ -146,8 +157,16 @@ class ThroughputSettings:
         every CPU choice; named presets run one variant each unless choices are given too."""
         cpu = device.type == "cpu"
         default_choices = CPU_CHOICES if cpu and self.presets is None else ()
+        presets = self.presets or (CPU_PRESETS if cpu else GPU_PRESETS)
+        shape = self.image_shape
+        if shape is None:
+            shapes = {p: preset_image_shape(p) for p in presets}
+            if len(set(shapes.values())) > 1:
+                raise ConfigError(f"bench throughput: the presets train on differently shaped images ({shapes}): "
+                                  "benchmark them in separate runs, or give --image-shape C,H,W")
+            shape = next(iter(shapes.values()))
         return dataclasses.replace(
-            self, presets=self.presets or (CPU_PRESETS if cpu else GPU_PRESETS),
+            self, presets=presets, image_shape=shape,
             batch_sizes=self.batch_sizes or (CPU_BATCH_SIZES if cpu else GPU_BATCH_SIZES),
             choices=self.choices if self.choices is not None else default_choices)
 

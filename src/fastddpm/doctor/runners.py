@@ -179,7 +179,7 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig."""
     from fastddpm.bench.timing import count_step_flops
     from fastddpm.config import from_dict
-    from fastddpm.models import UNet
+    from fastddpm.models import build_unet
     from fastddpm.train.loop import TrainHooks, train
     from fastddpm.train.runtime import resolve_device
 
@@ -201,7 +201,7 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     train(cfg, out_dir=run_dir, hooks=hooks, log=log)
     resolved = from_dict(json.loads((run_dir / "config.json").read_text()))
     m = resolved.model
-    flops = count_step_flops(UNet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
+    flops = count_step_flops(build_unet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
     precision = json.loads((run_dir / "run.json").read_text())["precision"]  # what autocast ran the matmuls in
     return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,

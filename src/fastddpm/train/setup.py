@@ -14,7 +14,7 @@ import torch
 
 from fastddpm.config import ConfigError, RunConfig
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
-from fastddpm.models import UNet
+from fastddpm.models import UNet, build_unet
 from fastddpm.rng import derive_seed
 from fastddpm.train.checkpoint import load_model_state, with_current_optimizer_flags
 from fastddpm.train.ema import EMA
@@ -39,7 +39,7 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = fast.cudnn_benchmark
     torch.manual_seed(derive_seed(train_cfg.seed, "init"))
-    model = UNet(cfg.model).to("cpu" if keep_on_cpu else device)
+    model = build_unet(cfg.model).to("cpu" if keep_on_cpu else device)
     model.grad_checkpointing = train_cfg.grad_checkpointing
     if fast.channels_last:
         model = model.to(memory_format=torch.channels_last)
