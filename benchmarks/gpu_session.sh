@@ -7,6 +7,7 @@
 #   tests             3-5 min      pytest -m cuda (graph capture vs eager, no host syncs, FSDP, eval, doctor)
 #   throughput        3-5 min (r)  bench throughput, seed-1layer at batch 64, 192, 512, 1024
 #   throughput-2layer 4-6 min (r)  bench throughput, seed-2layer at the same batch sizes
+#   throughput-cifar10 3-5 min (r) bench throughput, ddpm-cifar10 (35.7M, 3x32x32) at batch 128, 256, 512
 #   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
 #   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
@@ -60,7 +61,7 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer ladder ladder-fast doctor ddp quality-reference eval samplers quality-fast
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor ddp quality-reference eval samplers quality-fast
      quality-options quality-options-2 summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
   echo "usage: bash benchmarks/gpu_session.sh PART [PART ...]; parts:" $ALL; exit 2
@@ -133,6 +134,9 @@ for part in "${PARTS[@]}"; do
       limited 90 $PY -m fastddpm bench throughput --presets seed-1layer --out "$RES/throughput-seed-1layer" ;;
     throughput-2layer)
       limited 90 $PY -m fastddpm bench throughput --presets seed-2layer --out "$RES/throughput-seed-2layer" ;;
+    throughput-cifar10)
+      limited 90 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128,256,512 \
+        --out "$RES/throughput-ddpm-cifar10" ;;
     ladder)
       limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 0,1,2,3,3b,4,5 --out "$RES/ladder" ;;
     ladder-fast)
