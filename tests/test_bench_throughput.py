@@ -243,6 +243,10 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
     assert "| preset | batch | choice | images/s |" in md and "| tiny | 4 | bf16-eager-cl |" in md
     with pytest.raises(ConfigError, match="not PRECISION-MODE"):
         ThroughputSettings(choices=("bf16-fast",))
+    from fastddpm.bench.throughput import parse_choice
+
+    assert parse_choice("bf16-compile-gc")["train.grad_checkpointing"] is True  # memory saved vs time, issue 20
+    assert parse_choice("fp32-eager-cl-gc")["train.channels_last"] == "on"
 
 
 # ---------------------------------------------------------------------------------------------------------------

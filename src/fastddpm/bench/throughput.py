@@ -64,8 +64,8 @@ SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity an
 QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2, choices=())
 
 # A CPU run's default: every precision / compile / layout choice side by side (issue 18), on the CPU quickstart's
-# preset and batch. Each is PRECISION-MODE[-cl]: PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl for
-# channels_last.
+# preset and batch. Each is PRECISION-MODE[-cl][-gc]: PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl
+# for channels_last, -gc for gradient checkpointing (peak memory against step time).
 CPU_CHOICES = ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
 CPU_PRESETS, CPU_BATCH_SIZES = ("cpu-demo",), (64,)
 GPU_PRESETS, GPU_BATCH_SIZES = ("seed-1layer", "seed-2layer"), (64, 192, 512, 1024)
@@ -82,16 +82,17 @@ def preset_image_shape(preset: str) -> tuple[int, int, int]:
 
 
 def parse_choice(name: str) -> dict:
-    """'bf16-compile-cl' -> the train.* settings it stands for."""
+    """'bf16-compile-cl' -> the train.* settings it stands for (-cl channels_last, -gc gradient checkpointing)."""
     parts = name.split("-")
-    ok = (len(parts) in (2, 3) and parts[0] in ("auto", "fp32", "bf16", "fp16")
-          and parts[1] in ("eager", "compile", "auto") and (len(parts) == 2 or parts[2] == "cl"))
+    flags = parts[2:]
+    ok = (len(parts) >= 2 and parts[0] in ("auto", "fp32", "bf16", "fp16")
+          and parts[1] in ("eager", "compile", "auto") and set(flags) <= {"cl", "gc"} and len(set(flags)) == len(flags))
     if not ok:
-        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl] (PRECISION auto, fp32, "
-                          f"bf16 or fp16; MODE eager, compile or auto; -cl for channels_last), e.g. "
-                          f"{','.join(CPU_CHOICES)}")
+        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-gc] (PRECISION auto, fp32, "
+                          f"bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -gc gradient "
+                          f"checkpointing), e.g. {','.join(CPU_CHOICES)}")
     return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
-            "train.channels_last": "on" if len(parts) == 3 else "off"}
+            "train.channels_last": "on" if "cl" in flags else "off", "train.grad_checkpointing": "gc" in flags}
 
 TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
                 "peak mem GiB | recompiles | graph breaks | input wait % | status |")
