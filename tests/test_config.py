@@ -111,14 +111,16 @@ def test_preset_help_states_the_real_parameter_counts():
     from fastddpm.cli import _train_epilog
     import numpy as np
 
+    from fastddpm.bench.throughput import preset_image_shape
     from fastddpm.config import preset_summaries, resolve_classes, resolve_model_shape
-    from fastddpm.models import UNet, count_parameters
+    from fastddpm.models import build_unet, count_parameters
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     help_text = " ".join(_train_epilog().split())
     for name, summary in preset_summaries().items():
-        cfg = resolve_classes(resolve_model_shape(get_preset(name), (1, 1, 28, 28)), np.arange(10), [], "ten labels")
-        n = count_parameters(UNet(cfg.model))
+        shape = (1, *preset_image_shape(name))  # the data the preset trains on: 1x28x28, CIFAR's 3x32x32, ...
+        cfg = resolve_classes(resolve_model_shape(get_preset(name), shape), np.arange(10), [], "ten labels")
+        n = count_parameters(build_unet(cfg.model))
         stated = re.search(r"~?([\d.]+)(k|M)[- ]param", summary)
         assert stated, f"preset {name}'s docstring summary names no parameter count: {summary!r}"
         value = float(stated.group(1)) * (1e3 if stated.group(2) == "k" else 1e6)
