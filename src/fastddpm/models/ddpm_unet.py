@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fastddpm.config import ModelConfig
-from fastddpm.models.unet import sinusoidal_time_embedding
+from fastddpm.models.unet import sinusoidal_time_embedding, with_class
 
 
 def _zero(module: nn.Module) -> nn.Module:
@@ -164,13 +164,8 @@ class DDPMUNet(nn.Module):
         return layer(h, t_emb)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
-        t_emb = self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.base_channels))
-        if self.class_emb is not None:
-            if y_B is None:  # no label: the null class
-                y_B = torch.full_like(t_B, self.num_classes)
-            t_emb = t_emb + self.class_emb(y_B)
-        elif y_B is not None:
-            raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
+        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.base_channels)), self.class_emb,
+                           y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = [h]
         for level in self.downs:

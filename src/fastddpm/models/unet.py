@@ -40,6 +40,19 @@ def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
 
 
+def with_class(t_emb_BD: torch.Tensor, class_emb: nn.Embedding | None, y_B: torch.Tensor | None, t_B: torch.Tensor,
+               num_classes: int) -> torch.Tensor:
+    """The time embedding plus a conditional model's class embedding (y None: the null class, id num_classes);
+    both U-Net families condition this way."""
+    if class_emb is not None:
+        if y_B is None:  # no label: the null class
+            y_B = torch.full_like(t_B, num_classes)
+        return t_emb_BD + class_emb(y_B)
+    if y_B is not None:
+        raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
+    return t_emb_BD
+
+
 class ResnetBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, t_emb_dim: int, groups: int):
         super().__init__()
@@ -184,13 +197,8 @@ class UNet(nn.Module):
         return block(*args)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
-        t_emb = self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim))
-        if self.class_emb is not None:
-            if y_B is None:  # no label: the null class
-                y_B = torch.full_like(t_B, self.num_classes)
-            t_emb = t_emb + self.class_emb(y_B)
-        elif y_B is not None:
-            raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
+        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim)), self.class_emb,
+                           y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = []
         for down in self.downs:
