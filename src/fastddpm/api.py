@@ -15,7 +15,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SECTIONS, ConfigError, RunConfig, apply_overrides,
@@ -93,10 +92,7 @@ class Model:
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
         "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance)."""
-        from fastddpm.diffusion import sample, schedule_from_config, to_uint8
-        from fastddpm.rng import derive_seed
-        from fastddpm.sampling import class_labels
-        from fastddpm.train.runtime import resolve_precision
+        from fastddpm.sampling import class_labels, sample_images
 
         if n < 1:
             raise ConfigError(f"sample: n={n} must be at least 1")
@@ -106,32 +102,11 @@ class Model:
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
         labels, _ = class_labels(m, None if class_ is None else str(class_), n)
-        if labels is not None:
-            n = len(labels)
-        prec = resolve_precision(precision, self.device)
-        schedule = schedule_from_config(self.cfg.diffusion)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            from fastddpm.diffusion import network_calls
-
-            bar = tqdm(total=-(-n // batch_size) * network_calls(sampler, steps, self.cfg.diffusion.num_timesteps),
-                       unit="model-call", dynamic_ncols=True)
-        chunks = []
         with torch.inference_mode():
-            for i, start in enumerate(range(0, n, batch_size)):
-                k = min(batch_size, n - start)
-                y = torch.from_numpy(labels[start:start + k]) if labels is not None else None
-                x = sample(self.net, schedule, (k, m.image_channels, m.image_size, m.image_size), sampler=sampler,
-                           steps=steps, prediction=self.cfg.diffusion.prediction, seed=derive_seed(seed, "sample", i),
-                           device=self.device, autocast_dtype=prec.autocast_dtype, progress=bar,
-                           num_classes=m.num_classes, guidance=scale, labels=y)
-                chunks.append(to_uint8(x).cpu().numpy())
-        if bar is not None:
-            bar.close()
-        images = np.concatenate(chunks)
+            images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
+                                   batch_size=batch_size, device=self.device, precision=precision, progress=progress,
+                                   labels=labels, guidance=scale)
         if output == "uint8":
             return images
         from PIL import Image

@@ -122,13 +122,12 @@ def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.nda
     return np.full(num_images, class_index(model_cfg, wanted), dtype=np.int64), None
 
 
-def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
-                    batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
-                    progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
-                    per_class_row: int | None = None, spacing: str | None = None) -> np.ndarray:
-    """Sample `num_images` in batches (or one per entry of `labels`, a conditional model's class ids, guided with
-    scale `guidance`); write a PNG grid (up to 256 images; with `per_class_row`, one row per class, named) and an
-    .npz of uint8 (N, C, H, W) with the labels beside them."""
+def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, seed: int, batch_size: int,
+                  device, precision: str = "auto", eta: float = 0.0, progress: bool = True,
+                  labels: np.ndarray | None = None, guidance: float = 1.0, spacing: str | None = None) -> np.ndarray:
+    """`num_images` as uint8 (N, C, H, W), in batches of `batch_size`, batch i from (seed, "sample", i); or one per
+    entry of `labels` (a conditional model's class ids), guided with scale `guidance`. `fastddpm sample` and the
+    Python API's Model.sample both draw here: the same seed and batch size give the same images."""
     device = torch.device(device)
     prec = resolve_precision(precision, device)
     schedule = schedule_from_config(cfg.diffusion)
@@ -152,7 +151,19 @@ def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, ste
         chunks.append(to_uint8(x).cpu().numpy())
     if bar is not None:
         bar.close()
-    images = np.concatenate(chunks)
+    return np.concatenate(chunks)
+
+
+def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
+                    batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
+                    progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
+                    per_class_row: int | None = None, spacing: str | None = None) -> np.ndarray:
+    """sample_images, then a PNG grid (up to 256 images; with `per_class_row`, one row per class, named) and an
+    .npz of uint8 (N, C, H, W) with the labels beside them."""
+    images = sample_images(model, cfg, num_images=num_images, sampler=sampler, steps=steps, seed=seed,
+                           batch_size=batch_size, device=device, precision=precision, eta=eta, progress=progress,
+                           labels=labels, guidance=guidance, spacing=spacing)
+    model_cfg = cfg.model
     scale = grid_scale(model_cfg.image_size)
     if per_class_row:
         save_grid(images, out_grid, nrow=per_class_row, scale=scale, row_labels=list(model_cfg.class_names))
