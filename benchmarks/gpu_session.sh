@@ -79,6 +79,22 @@ pack() {  # RESULTS -> $OUT/gpu-results.tar.gz (one file: the tool returns at mo
 }
 trap 'pack; exit 143' TERM INT
 
+# The reference run's EMA weights (a few MB) outlive the machine: packed into $OUT/reference-ema.safetensors, and
+# here copied to REF_KEPT (under the carried .data/), so `eval` and `samplers` can run in a later call.
+REF_KEPT=.data/quality-reference/ema.safetensors
+keep_reference() {
+  local st="$QUALITY_DIR/quality-reference/reference/ema.safetensors"
+  [ -f "$st" ] || { echo "!! no $st to keep"; return 0; }
+  mkdir -p "$(dirname "$REF_KEPT")" && cp "$st" "$REF_KEPT"
+  [ -n "${OUT:-}" ] && cp "$st" "$OUT/reference-ema.safetensors"
+  echo "kept the reference's EMA weights: $REF_KEPT (here: copy \$OUT's reference-ema.safetensors there and carry .data)"
+}
+reference_weights() {  # the reference run on this machine, else the carried copy of its weights
+  if [ -d "$QUALITY_DIR/quality-reference/reference" ]; then echo "$QUALITY_DIR/quality-reference/reference"
+  elif [ -f "$REF_KEPT" ]; then echo "$REF_KEPT"
+  else return 1; fi
+}
+
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 
 # limited NEED_S CMD...: CMD under `timeout` with the time left of this call's budget, if that covers NEED_S
@@ -159,22 +175,21 @@ for part in "${PARTS[@]}"; do
         --out "$RES/ddp/ddp_overhead.json" ;;
     quality-reference)
       limited 300 $PY -m fastddpm bench quality --reference-only --data "$DATA" --out "$QUALITY_DIR/quality-reference" &&
-        copy_quality quality-reference ;;
+        copy_quality quality-reference && keep_reference ;;
     eval)
-      if [ ! -d "$QUALITY_DIR/quality-reference/reference" ]; then
-        echo "!! eval needs the reference run of quality-reference on this machine: run \"quality-reference eval\" in one call"
+      if ! ref=$(reference_weights); then
+        echo "!! eval needs the reference run's weights: run \"quality-reference eval\" in one call, or carry $REF_KEPT"
         false
       else
-        limited 90 $PY -m fastddpm eval --checkpoint "$QUALITY_DIR/quality-reference/reference" --num-samples 10000 \
+        limited 90 $PY -m fastddpm eval --checkpoint "$ref" --num-samples 10000 \
           --sampler ddim --steps 50 --out "$RES/eval" --no-progress
       fi ;;
     samplers)
-      if [ ! -d "$QUALITY_DIR/quality-reference/reference" ]; then
-        echo "!! samplers needs the reference run of quality-reference on this machine: run \"quality-reference samplers\" in one call"
+      if ! ref=$(reference_weights); then
+        echo "!! samplers needs the reference run's weights: run \"quality-reference samplers\" in one call, or carry $REF_KEPT"
         false
       else
-        limited 270 $PY -m fastddpm bench samplers "$QUALITY_DIR/quality-reference/reference" --num-samples 5000 \
-          --out "$RES/samplers"
+        limited 270 $PY -m fastddpm bench samplers "$ref" --num-samples 5000 --out "$RES/samplers"
       fi ;;
     quality-fast)
       if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID")
