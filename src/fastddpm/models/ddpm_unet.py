@@ -97,10 +97,15 @@ class Attention(nn.Module):
     def forward(self, x_BCHW: torch.Tensor, t_emb_BD: torch.Tensor | None = None) -> torch.Tensor:
         B, C, H, W = x_BCHW.shape
         nh = self.num_heads
-        qkv = self.qkv(self.norm(x_BCHW)).reshape(B, 3, nh, C // nh, H * W)
-        q, k, v = qkv.permute(1, 0, 2, 4, 3).unbind(0)  # each (B, nh, HW, C/nh): SDPA's layout, contiguous last dim
-        out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous())  # (B, nh, HW, C/nh)
-        return x_BCHW + self.proj(out.transpose(2, 3).reshape(B, C, H, W))
+        # The 1x1 convolutions run as matmuls over (B, HW, C), so q, k and v come out with a unit-stride head
+        # dimension. Made contiguous from the (B, C, HW) layout instead, the stride was lost where Inductor
+        # recomputed the attention for gradient checkpointing, and cuDNN's attention rejected it (H100).
+        h_BNC = self.norm(x_BCHW).flatten(2).transpose(1, 2)
+        qkv = F.linear(h_BNC, self.qkv.weight.flatten(1), self.qkv.bias).view(B, H * W, 3, nh, C // nh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, HW, C/nh)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, H * W, C)
+        out = F.linear(out, self.proj.weight.flatten(1), self.proj.bias)  # (B, HW, C)
+        return x_BCHW + out.transpose(1, 2).reshape(B, C, H, W)
 
 
 class Level(nn.Module):
