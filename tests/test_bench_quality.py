@@ -72,3 +72,34 @@ def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatc
         QualitySettings(**base, fast_from=earlier)
     with pytest.raises(ConfigError, match="--fast-from"):
         QualitySettings(**base, fast_from=earlier, options=("lr-x2",), target_fid=3.0)
+
+
+def test_the_evaluation_sampler_is_a_setting_the_runs_use_and_the_report_names(tmp_path, monkeypatch):
+    """The report once said DDIM while the runs evaluated with the training default (UniPC): the sampler is now
+    a setting, passed to every run and written in quality.md; a file from before names it only in its reference's
+    config, and a reference evaluated with another sampler is refused."""
+    trained = []
+
+    def fake(name, cfg, out_dir, log):
+        trained.append(cfg.train.eval_sampler)
+        return _fake_train_run([])(name, cfg, out_dir, log)
+
+    monkeypatch.setattr(quality, "_train_run", fake)
+    base = dict(QUICK, device="cpu", quick=True)
+    earlier = _earlier(tmp_path, QualitySettings(**base, reference_from="ref.json", eval_sampler="dpmpp-2m"))
+    run_quality(QualitySettings(**base, eval_sampler="dpmpp-2m", fast_from=earlier, options=("lr-x2",)),
+                tmp_path / "opt", argv=["test"], log=lambda m: None)
+    assert trained == ["dpmpp-2m"]
+    assert f"dpmpp-2m {QUICK['eval_steps']} steps" in (tmp_path / "opt" / "quality.md").read_text()
+
+    # an older file: no eval_sampler in its settings; its reference's config says what its evaluations used
+    data = json.loads(open(earlier).read())
+    del data["settings"]["eval_sampler"]
+    data["reference"]["config"] = {"train": {"eval_sampler": "ddim"}}
+    open(earlier, "w").write(json.dumps(data))
+    with pytest.raises(ConfigError, match="eval_sampler='ddim'"):
+        run_quality(QualitySettings(**base, fast_from=earlier, options=("lr-x2",)), tmp_path / "y",
+                    log=lambda m: None)
+    run_quality(QualitySettings(**base, eval_sampler="ddim", fast_from=earlier, options=("lr-x2",)), tmp_path / "z",
+                argv=["test"], log=lambda m: None)
+    assert trained[-1] == "ddim"

@@ -11,7 +11,7 @@ import torch
 
 from fastddpm.cli import main
 from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
-from fastddpm.diffusion import SAMPLERS, karras_timesteps, make_schedule, network_calls, sample, sampler_timesteps
+from fastddpm.diffusion import SAMPLERS, karras_timesteps, logsnr_timesteps, make_schedule, network_calls, sample, sampler_timesteps
 from fastddpm.train.loop import train
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
@@ -98,6 +98,22 @@ def test_karras_timesteps_are_diffusers_karras_sigmas_rounded_to_trained_timeste
     assert ts == sorted(set(ts), reverse=True) and 90 < len(ts) < 100 and ts[0] == 999 and ts[-1] == 0
 
 
+def test_logsnr_timesteps_are_diffusers_lu_lambdas(diffusers):
+    """Evenly spaced in lambda (DPM-Solver's spacing for low-resolution images), as diffusers' use_lu_lambdas."""
+    for kind in ("linear", "cosine"):
+        schedule = make_schedule(kind, 1000)
+        for steps in (5, 10, 20):
+            sch = diffusers.DPMSolverMultistepScheduler(num_train_timesteps=1000, use_lu_lambdas=True,
+                                                        trained_betas=schedule.float64("betas").numpy())
+            sch.set_timesteps(steps)
+            if kind == "linear":  # diffusers starts at T-1 (its lambda_min_clipped is off by default)
+                assert logsnr_timesteps(schedule, steps) == sch.timesteps.tolist()
+            lam = 0.5 * torch.log(schedule.float64("alpha_bar") / (1 - schedule.float64("alpha_bar")))
+            ours = sampler_timesteps(schedule, "dpmpp-2m", steps, spacing="logsnr")
+            gaps = torch.diff(lam[ours])  # even in lambda up to rounding to trained timesteps
+            assert (gaps > 0).all() and gaps.max() / gaps.min() < 1.5
+
+
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_network_calls_are_what_each_sampler_makes(name):
     schedule = make_schedule("linear", 50)
@@ -148,7 +164,7 @@ def test_unknown_sampler_or_spacing_is_refused_naming_the_choices():
     schedule = make_schedule("linear", 50)
     with pytest.raises(ValueError, match="dpmpp-2m, unipc, heun"):
         sample(smooth_model, schedule, SHAPE, sampler="dpm++")
-    with pytest.raises(ValueError, match="trailing, karras"):
+    with pytest.raises(ValueError, match="trailing, karras, logsnr"):
         sample(smooth_model, schedule, SHAPE, sampler="unipc", spacing="quadratic")
     with pytest.raises(ValueError, match="between 1 and"):
         sample(smooth_model, schedule, SHAPE, sampler="heun", steps=51)

@@ -146,8 +146,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--steps", type=int, default=DEFAULT_SAMPLER_STEPS, metavar="K",
                     help=f"sampler steps (default {DEFAULT_SAMPLER_STEPS}; DDPM uses all T)")
     sp.add_argument("--spacing", choices=SPACINGS, default=None,
-                    help="timesteps: trailing (evenly spaced from T-1) or karras (EDM noise levels, dense at low "
-                         "noise); default: karras for heun, trailing for the others")
+                    help="timesteps: trailing (evenly spaced from T-1), karras (EDM noise levels, dense at low "
+                         "noise) or logsnr (evenly spaced in log-SNR, DPM-Solver's); default: karras for heun, "
+                         "trailing for the others")
     sp.add_argument("--eta", type=float, default=0.0, help="DDIM eta: 0 deterministic, 1 DDPM-like (default 0)")
     sp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N", help="images per model call (default 256)")

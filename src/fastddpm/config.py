@@ -40,7 +40,7 @@ SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
 DEFAULT_SAMPLER = "unipc"
 DEFAULT_SAMPLER_STEPS = 10
-SPACINGS = ("trailing", "karras")
+SPACINGS = ("trailing", "karras", "logsnr")
 
 
 def default_spacing(sampler: str) -> str:

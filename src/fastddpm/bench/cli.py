@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastddpm.config import PRESETS, positive_int  # plain dataclasses: no torch import
+from fastddpm.config import DEFAULT_SAMPLER, PRESETS, SAMPLERS, SPACINGS, positive_int  # plain dataclasses: no torch import
 
 _BENCH_DESCRIPTION = """\
 Benchmarks of the training step, honest and self-describing: warmed up before timing, timed
@@ -270,7 +270,9 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
     qp.add_argument("--num-images", type=positive_int, default=None, metavar="N", help="cap the dataset")
     qp.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                     help="samples per evaluation (default 5000)")
-    qp.add_argument("--eval-steps", type=positive_int, default=None, metavar="K", help="DDIM steps (default 50)")
+    qp.add_argument("--eval-sampler", default=None, choices=SAMPLERS,
+                    help=f"the evaluation samples' sampler (default {DEFAULT_SAMPLER}, the toolkit's default)")
+    qp.add_argument("--eval-steps", type=positive_int, default=None, metavar="K", help="its steps (default 50)")
     qp.add_argument("--reference-epochs", type=float, default=None, metavar="E",
                     help="length of the reference run (default: the preset's, 40 epochs)")
     qp.add_argument("--reference-eval-every", dest="reference_eval_every_images", type=positive_int, default=None,
@@ -299,7 +301,8 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
 def quality_settings(args: argparse.Namespace):
     from fastddpm.bench.quality import QUICK, QualitySettings
 
-    base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_steps", "reference_epochs",
+    base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_sampler", "eval_steps",
+                                "reference_epochs",
                                 "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides",
                                 "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
     return QualitySettings(**base, reference_only=args.reference_only, device=args.device, quick=args.quick)
@@ -322,7 +325,7 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
     sp.add_argument("--steps", type=_csvpositive_ints, default=None, metavar="K,..", help="default 5,10,20,50,100")
     sp.add_argument("--no-ddpm", dest="ddpm", action="store_false", default=None,
                     help="leave out the DDPM-over-all-T reference point (the costliest)")
-    sp.add_argument("--spacing", choices=("trailing", "karras"), default=None,
+    sp.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="default: each sampler's own (karras for heun, trailing for the others)")
     sp.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="per point (default 2000)")
     sp.add_argument("--seed", type=int, default=None, help="noise seed of every point (default 0)")

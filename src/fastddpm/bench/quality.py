@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastddpm.bench import store
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset
+from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -55,7 +55,8 @@ class QualitySettings:
     preset: str = "seed-1layer"
     num_images: int | None = None  # cap the dataset (None: all of it)
     eval_samples: int = 5000
-    eval_steps: int = 50  # DDIM steps of the evaluation samples
+    eval_sampler: str = DEFAULT_SAMPLER  # the evaluation samples' sampler (the toolkit's default, as users sample)
+    eval_steps: int = 50  # its steps
     reference_epochs: float | None = None  # None: the preset's own length (seed-1layer: 40 epochs)
     reference_eval_every_images: int = 600_000
     reference_from: str | None = None  # a previous quality.json: reuse its reference (target) instead of training
@@ -120,10 +121,18 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
     return str(path)
 
 
+def _recorded(previous: dict, key: str):
+    """A setting of an earlier quality.json. Files written before eval_sampler was a setting name it only in the
+    reference run's config (the sampler its evaluations used)."""
+    if key == "eval_sampler" and key not in previous["settings"]:
+        return (previous["reference"].get("config") or {}).get("train", {}).get("eval_sampler", "ddim")
+    return previous["settings"][key]
+
+
 def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
     base = {"data.source": source, "train.progress": False, "train.seed": s.seed, "train.device": s.device,
             "train.checkpoint_every": None, "train.sample_every_images": None,
-            "train.eval_samples": s.eval_samples, "train.eval_steps": s.eval_steps}
+            "train.eval_samples": s.eval_samples, "train.eval_sampler": s.eval_sampler, "train.eval_steps": s.eval_steps}
     return apply_overrides(get_preset(s.preset), {**base, **extra}, source="bench quality")
 
 
@@ -165,7 +174,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     out.mkdir(parents=True, exist_ok=True)
     env = environment_record(device, argv)
     log(f"bench quality: {s.preset} on {env['device_name']} ({device}); torch {env['torch']}; "
-        f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} DDIM-{s.eval_steps} samples per evaluation")
+        f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} {s.eval_sampler}-{s.eval_steps} samples per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
     source = _data_source(s, out, log)
@@ -177,9 +186,9 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         if previous.get("fast") is None:
             raise ConfigError(f"bench quality: {s.fast_from} holds no fast run (a --reference-only file?): "
                               "use it with --reference-from instead")
-        for key in ("preset", "num_images", "eval_samples", "eval_steps", "seed", "fast_overrides", "fast_max_images",
-                    "fast_eval_every_images"):
-            theirs, ours = previous["settings"][key], getattr(s, key)
+        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed", "fast_overrides",
+                    "fast_max_images", "fast_eval_every_images"):
+            theirs, ours = _recorded(previous, key), getattr(s, key)
             if json.dumps(theirs) != json.dumps(ours):
                 raise ConfigError(f"bench quality: {s.fast_from} was measured with {key}={theirs!r}, this run has "
                                   f"{ours!r}: options compare with the fast run only at equal settings")
@@ -187,11 +196,11 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         log(f"reference and fast run: from {s.fast_from}: target FID {previous['target_fid']:.3f}")
     elif s.reference_from is not None:
         previous = json.loads(Path(s.reference_from).read_text())
-        for key in ("preset", "num_images", "eval_samples", "eval_steps", "seed"):
-            if previous["settings"][key] != getattr(s, key):
+        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed"):
+            if _recorded(previous, key) != getattr(s, key):
                 raise ConfigError(f"bench quality: {s.reference_from} was measured with {key}="
-                                  f"{previous['settings'][key]!r}, this run has {getattr(s, key)!r}: FIDs compare only "
-                                  f"at equal settings; pass --{key.replace('_', '-')} {previous['settings'][key]}")
+                                  f"{_recorded(previous, key)!r}, this run has {getattr(s, key)!r}: FIDs compare only "
+                                  f"at equal settings; pass --{key.replace('_', '-')} {_recorded(previous, key)}")
         reference = previous["reference"]
         log(f"reference: from {s.reference_from}: FID {reference['final_fid']:.3f}")
     elif s.target_fid is not None:
@@ -271,8 +280,8 @@ def report_markdown(r: dict) -> str:
     hit = fast.get("time_to_target") if fast else None
     lines = [f"# Time to quality: {r['settings']['preset']} on {r['data_source']}", "",
              f"{env['device_name']} ({env['device']}), torch {env['torch']}, commit {str(env['git_commit'])[:12]}, "
-             f"{env['date_utc']}. FID in {r['features']}, {r['settings']['eval_samples']:,} samples, DDIM "
-             f"{r['settings']['eval_steps']}.", "",
+             f"{env['date_utc']}. FID in {r['features']}, {r['settings']['eval_samples']:,} samples, "
+             f"{_recorded(r, 'eval_sampler')} {r['settings']['eval_steps']} steps.", "",
              "| run | recipe | images | train wall s | final FID | time to target s | images to target |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines.append(f"| reference | {r['settings']['preset']} as is | {store.fmt(ref.get('images_seen'), ',')} | "

@@ -23,7 +23,8 @@ Timesteps ("spacing"): "trailing" is evenly spaced from T-1 down (Lin et al. 202
 "karras" takes the EDM noise levels sigma~_i = (s_max^(1/7) + i/(K-1) (s_min^(1/7) - s_max^(1/7)))^7 (eq. 5, rho = 7)
 between the schedule's extremes and rounds each to the nearest trained timestep, so the network only ever sees
 timesteps it was trained on and the solver uses their exact noise levels. Steps are dense at low noise there.
-Both start at the noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
+"logsnr" spaces the steps evenly in lambda (Lu et al. 2022, arXiv:2206.00927, sec. 3.3: their choice for
+low-resolution images), rounded likewise; each DPM-Solver step then has the same h. All three start at the noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
 """
 
 from __future__ import annotations
@@ -75,10 +76,19 @@ def karras_timesteps(schedule: NoiseSchedule, steps: int, rho: float = 7.0, firs
         raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({first + 1})")
     ab = schedule.float64("alpha_bar").numpy()
     log_sigma_T = np.log(np.sqrt((1 - ab) / ab))  # increasing in t
-    lo, hi = math.exp(log_sigma_T[0]) ** (1 / rho), math.exp(log_sigma_T[first]) ** (1 / rho)
-    sigmas = (hi + np.linspace(0, 1, steps) * (lo - hi)) ** rho
-    t = np.interp(np.log(sigmas), log_sigma_T, np.arange(T)).round().astype(np.int64)
+    if math.isinf(rho):  # the limit rho -> inf: even steps in log sigma~ = -lambda (logsnr_timesteps)
+        log_sigmas = log_sigma_T[first] + np.linspace(0, 1, steps) * (log_sigma_T[0] - log_sigma_T[first])
+    else:
+        lo, hi = math.exp(log_sigma_T[0]) ** (1 / rho), math.exp(log_sigma_T[first]) ** (1 / rho)
+        log_sigmas = np.log((hi + np.linspace(0, 1, steps) * (lo - hi)) ** rho)
+    t = np.interp(log_sigmas, log_sigma_T, np.arange(T)).round().astype(np.int64)
     return list(dict.fromkeys(t.tolist()))
+
+
+def logsnr_timesteps(schedule: NoiseSchedule, steps: int, first: int | None = None) -> list[int]:
+    """Timesteps evenly spaced in the half log-SNR lambda between those of `first` (default T-1) and t = 0, rounded
+    to trained timesteps and kept once each, noisiest first (diffusers' `use_lu_lambdas`)."""
+    return karras_timesteps(schedule, steps, rho=math.inf, first=first)
 
 
 def solver_timesteps(schedule: NoiseSchedule, steps: int, spacing: str = "trailing",
@@ -88,6 +98,8 @@ def solver_timesteps(schedule: NoiseSchedule, steps: int, spacing: str = "traili
         return trailing_timesteps(schedule.num_timesteps, steps, first)
     if spacing == "karras":
         return karras_timesteps(schedule, steps, first=first)
+    if spacing == "logsnr":
+        return logsnr_timesteps(schedule, steps, first=first)
     raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")
 
 
