@@ -79,15 +79,17 @@ pack() {  # RESULTS -> $OUT/gpu-results.tar.gz (one file: the tool returns at mo
 }
 trap 'pack; exit 143' TERM INT
 
-# The reference run's EMA weights (a few MB) outlive the machine: packed into $OUT/reference-ema.safetensors, and
-# here copied to REF_KEPT (under the carried .data/), so `eval` and `samplers` can run in a later call.
+# The reference run's EMA weights (24 MB for seed-1layer) outlive the machine: packed into $OUT as parts of 15 MB
+# (the tool returns files of 16 MiB at most), here joined into REF_KEPT under the carried .data/, so `eval` and
+# `samplers` can run in a later call on a fresh machine:
+#   mkdir -p .data/quality-reference && cat <files_at>/reference-ema.part-* > .data/quality-reference/ema.safetensors
 REF_KEPT=.data/quality-reference/ema.safetensors
 keep_reference() {
   local st="$QUALITY_DIR/quality-reference/reference/ema.safetensors"
   [ -f "$st" ] || { echo "!! no $st to keep"; return 0; }
   mkdir -p "$(dirname "$REF_KEPT")" && cp "$st" "$REF_KEPT"
-  [ -n "${OUT:-}" ] && cp "$st" "$OUT/reference-ema.safetensors"
-  echo "kept the reference's EMA weights: $REF_KEPT (here: copy \$OUT's reference-ema.safetensors there and carry .data)"
+  [ -n "${OUT:-}" ] && split -b 15M -d "$st" "$OUT/reference-ema.part-"
+  echo "kept the reference's EMA weights: $REF_KEPT; here, join \$OUT's reference-ema.part-* into it and carry .data"
 }
 reference_weights() {  # the reference run on this machine, else the carried copy of its weights
   if [ -d "$QUALITY_DIR/quality-reference/reference" ]; then echo "$QUALITY_DIR/quality-reference/reference"
