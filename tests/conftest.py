@@ -21,6 +21,18 @@ TINY_DDPM = {"model.family": "ddpm", "model.base_channels": 16, "model.channel_m
              "model.num_res_blocks": 1, "model.attention_resolutions": (14, 16), "model.norm_groups": 8,
              "model.num_heads": 2, "model.scale_shift_norm": True}
 
+def flags(over: dict) -> list[str]:
+    """Config overrides ({"model.num_heads": 2, ...}) as `fastddpm train` flags (--num-heads 2 ...)."""
+    out = []
+    for key, value in over.items():
+        name = "--" + key.split(".", 1)[1].replace("_", "-")
+        if isinstance(value, bool):
+            out += [name] if value else []
+        else:
+            out += [name, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return out
+
+
 # Debian's dataset-fashion-mnist; FASTDDPM_FMNIST_DIR points elsewhere (e.g. a copy carried to a GPU machine).
 FMNIST_DIR = Path(os.environ.get("FASTDDPM_FMNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 

@@ -9,20 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TINY_DDPM
+from conftest import TINY_DDPM, flags
 from fastddpm.cli import main
 from fastddpm.train.metrics import read_metrics
-
-
-def flags(over: dict) -> list[str]:
-    out = []
-    for key, value in over.items():
-        name = "--" + key.split(".", 1)[1].replace("_", "-")
-        if isinstance(value, bool):
-            out += [name] if value else []
-        else:
-            out += [name, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import torch
 from fastddpm.train.batches import ResidentBatches, StreamingBatches
 from fastddpm.train.checkpoint import load_latest
 
-from conftest import needs_bf16_gpu
+from conftest import TINY_DDPM, flags, needs_bf16_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_too_few_images_per_rank_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------- DDP on gloo
-def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int) -> dict:
+def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int, overrides: dict | None = None) -> dict:
     """One process trains on the concatenation of the ranks' batches: the global batch, by construction."""
     from fastddpm.config import get_preset, apply_overrides
     from fastddpm.data import prepare
@@ -100,7 +100,7 @@ def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int) ->
     from fastddpm.train.batches import Batch
 
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.batch_size": per_rank_batch * world,
-                                               "train.device": "cpu"}, source="test")
+                                               "train.device": "cpu", **(overrides or {})}, source="test")
     data = prepare(cfg.data.source, progress=False)
     cfg = resolve_model_shape(cfg, data.images.shape)
     device = torch.device("cpu")
@@ -318,6 +318,22 @@ def test_fsdp_two_ranks_match_one_process_on_the_same_global_batch(fsdp_run, fmn
     model, cfg = load_for_sampling(ckpt, weights="model")
     assert all(torch.equal(v, state["model"][k]) for k, v in model.state_dict().items())
     assert (out / "samples" / "final.png").is_file()
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_ddpm_family_block_by_block_and_matches_one_process(fmnist_npz, tmp_path):
+    """The DDPM U-Net's forward calls each ResBlock / Attention / Resample itself (its Levels' forward never
+    runs): FSDP must shard those, or their parameters are never gathered (it failed so before)."""
+    from fastddpm.train.fsdp import read_sharded_checkpoint
+
+    out = tmp_path / "fsdp-ddpm"
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", *flags(TINY_DDPM)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    state = read_sharded_checkpoint(_dcp(out, 2))
+    ref = _reference_params(fmnist_npz, 2, 8, 2, TINY_DDPM)
+    assert state["model"].keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(state["model"][k], v, rtol=1e-4, atol=5e-5, msg=f"parameter {k}")
 
 
 @pytest.mark.slow

@@ -203,11 +203,13 @@ def test_batch_finder_trials_leave_the_model_untouched():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_auto_batch_size_in_a_run(tmp_path, real_images):
+@FAMILIES
+def test_auto_batch_size_in_a_run(tmp_path, real_images, family):
     src = tmp_path / "64.npz"
     np.savez(src, images=real_images)  # 64 images: the search stops at the dataset size (trials 32, 64)
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,
-                                               "train.batch_size": "auto", "train.max_steps": 2})
+                                               "train.batch_size": "auto", "train.max_steps": 2,
+                                               **(TINY_DDPM if family == "ddpm" else {})})
     train(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     saved = json.loads((tmp_path / "run" / "config.json").read_text())

@@ -162,6 +162,11 @@ class DDPMUNet(nn.Module):
         self.num_classes = cfg.num_classes
         self.class_emb = nn.Embedding(cfg.num_classes + 1, emb) if cfg.num_classes else None
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one: every ResBlock, Attention and Resample (forward calls them directly;
+        a Level's own forward never runs)."""
+        return [layer for level in [*self.downs, *self.mids, *self.ups] for layer in level.layers]
+
     def _run(self, layer: nn.Module, h: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             # dropout draws random numbers: the recomputation must draw the same ones

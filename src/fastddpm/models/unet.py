@@ -190,6 +190,10 @@ class UNet(nn.Module):
         self.num_classes = cfg.num_classes
         self.class_emb = nn.Embedding(cfg.num_classes + 1, d) if cfg.num_classes else None
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The blocks FSDP shards one by one (fastddpm.train.fsdp.shard_unet): each down, mid and up block."""
+        return [*self.downs, *self.mids, *self.ups]
+
     def _run(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             # The U-Net has no dropout: no RNG state to save (saving it also breaks CUDA graph capture).

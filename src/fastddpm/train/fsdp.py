@@ -35,14 +35,15 @@ DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last
 
 
 def shard_unet(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """fully_shard each down, mid and up block (one all-gather per block), then the root (the stem, the time MLP
-    and the output head). `param_dtype` (bf16) all-gathers and computes in that dtype while the sharded master
-    weights, gradient reduction and AdamW stay fp32."""
+    """fully_shard each block the model's forward calls (`model.fsdp_units()`: one all-gather per block; a module
+    whose own forward never runs would never be gathered), then the root (the stem, the time MLP and the output
+    head). `param_dtype` (bf16) all-gathers and computes in that dtype while the sharded master weights, gradient
+    reduction and AdamW stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": mp} if mp is not None else {}
-    for block in [*model.downs, *model.mids, *model.ups]:
+    for block in model.fsdp_units():
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
