@@ -7,8 +7,8 @@
 #   tests             3-5 min      pytest -m cuda (graph capture vs eager, no host syncs, FSDP, eval, doctor)
 #   throughput        3-5 min (r)  bench throughput, seed-1layer at batch 64, 192, 512, 1024
 #   throughput-2layer 4-6 min (r)  bench throughput, seed-2layer at the same batch sizes
-#   throughput-cifar10 4-6 min (r) bench throughput, ddpm-cifar10 (35.7M, 3x32x32) at 128 and 512, without and with
-#                                  gradient checkpointing (peak memory saved vs step time)
+#   throughput-cifar10 6-10 min (r) bench throughput, ddpm-cifar10 (35.7M, 3x32x32) at 128 and 512: plain, with
+#                                  gradient checkpointing (peak memory saved vs step time), channels_last (two calls)
 #   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
 #   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
@@ -155,7 +155,7 @@ for part in "${PARTS[@]}"; do
       limited 90 $PY -m fastddpm bench throughput --presets seed-2layer --out "$RES/throughput-seed-2layer" ;;
     throughput-cifar10)
       limited 90 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128,512 \
-        --choices auto-auto,auto-auto-gc --out "$RES/throughput-ddpm-cifar10" ;;
+        --choices auto-auto,auto-auto-gc,auto-auto-cl --out "$RES/throughput-ddpm-cifar10" ;;
     ladder)
       limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 0,1,2,3,3b,4,5 --out "$RES/ladder" ;;
     ladder-fast)

@@ -35,11 +35,12 @@ def _require(ok: bool, message: str) -> None:
 # Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
 SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: the fewest network calls whose FID is
-# within the seed spread of the best measured (benchmarks/RESULTS.md, issue 16, on the quickstart checkpoint:
-# UniPC-10 FID 12.5 against UniPC-20 12.1, DDIM-50 12.7, DPM-Solver++(2M)-10 13.2-14.2 over three seeds).
-LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
+# within the seed spread of the best ODE point on both measured checkpoints (benchmarks/RESULTS.md, issue 16).
+# The quickstart's (CPU, 2,000 samples): UniPC-20 12.1 is the best, UniPC-10 12.5 within the spread. A fully
+# trained seed-1layer (H100, 5,000 samples): best 1.57, UniPC-20 1.71 within the spread, UniPC-10 2.14 not.
 DEFAULT_SAMPLER = "unipc"
-DEFAULT_SAMPLER_STEPS = 10
+DEFAULT_SAMPLER_STEPS = 20
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
 SPACINGS = ("trailing", "karras", "logsnr")
 
 

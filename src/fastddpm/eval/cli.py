@@ -34,7 +34,7 @@ every output. The real data's statistics are cached too, so a second evaluation 
 
 _EPILOG = """\
 examples:
-  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 UniPC-10 samples
+  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 UniPC-20 samples
   fastddpm eval --checkpoint runs/fmnist/ema.safetensors --num-samples 2000 --steps 20
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
