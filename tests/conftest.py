@@ -21,6 +21,7 @@ TINY_DDPM = {"model.family": "ddpm", "model.base_channels": 16, "model.channel_m
              "model.num_res_blocks": 1, "model.attention_resolutions": (14, 16), "model.norm_groups": 8,
              "model.num_heads": 2, "model.scale_shift_norm": True}
 
+
 def flags(over: dict) -> list[str]:
     """Config overrides ({"model.num_heads": 2, ...}) as `fastddpm train` flags (--num-heads 2 ...)."""
     out = []

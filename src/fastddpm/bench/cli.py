@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastddpm.config import DEFAULT_SAMPLER, PRESETS, SAMPLERS, SPACINGS, positive_int  # plain dataclasses: no torch import
+# plain dataclasses: no torch import
+from fastddpm.config import DEFAULT_SAMPLER, PRESETS, SAMPLERS, SPACINGS, positive_int
 
 _BENCH_DESCRIPTION = """\
 Benchmarks of the training step, honest and self-describing: warmed up before timing, timed
@@ -302,9 +303,8 @@ def quality_settings(args: argparse.Namespace):
     from fastddpm.bench.quality import QUICK, QualitySettings
 
     base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_sampler", "eval_steps",
-                                "reference_epochs",
-                                "reference_eval_every_images", "reference_from", "target_fid", "fast_overrides",
-                                "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
+                                "reference_epochs", "reference_eval_every_images", "reference_from", "target_fid",
+                                "fast_overrides", "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
     return QualitySettings(**base, reference_only=args.reference_only, device=args.device, quick=args.quick)
 
 

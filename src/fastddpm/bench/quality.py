@@ -132,7 +132,8 @@ def _recorded(previous: dict, key: str):
 def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
     base = {"data.source": source, "train.progress": False, "train.seed": s.seed, "train.device": s.device,
             "train.checkpoint_every": None, "train.sample_every_images": None,
-            "train.eval_samples": s.eval_samples, "train.eval_sampler": s.eval_sampler, "train.eval_steps": s.eval_steps}
+            "train.eval_samples": s.eval_samples, "train.eval_sampler": s.eval_sampler,
+            "train.eval_steps": s.eval_steps}
     return apply_overrides(get_preset(s.preset), {**base, **extra}, source="bench quality")
 
 
@@ -197,10 +198,11 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     elif s.reference_from is not None:
         previous = json.loads(Path(s.reference_from).read_text())
         for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed"):
-            if _recorded(previous, key) != getattr(s, key):
-                raise ConfigError(f"bench quality: {s.reference_from} was measured with {key}="
-                                  f"{_recorded(previous, key)!r}, this run has {getattr(s, key)!r}: FIDs compare only "
-                                  f"at equal settings; pass --{key.replace('_', '-')} {_recorded(previous, key)}")
+            theirs = _recorded(previous, key)
+            if theirs != getattr(s, key):
+                raise ConfigError(f"bench quality: {s.reference_from} was measured with {key}={theirs!r}, this run "
+                                  f"has {getattr(s, key)!r}: FIDs compare only at equal settings; pass "
+                                  f"--{key.replace('_', '-')} {theirs}")
         reference = previous["reference"]
         log(f"reference: from {s.reference_from}: FID {reference['final_fid']:.3f}")
     elif s.target_fid is not None:

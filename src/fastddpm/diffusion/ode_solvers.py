@@ -24,7 +24,8 @@ Timesteps ("spacing"): "trailing" is evenly spaced from T-1 down (Lin et al. 202
 between the schedule's extremes and rounds each to the nearest trained timestep, so the network only ever sees
 timesteps it was trained on and the solver uses their exact noise levels. Steps are dense at low noise there.
 "logsnr" spaces the steps evenly in lambda (Lu et al. 2022, arXiv:2206.00927, sec. 3.3: their choice for
-low-resolution images), rounded likewise; each DPM-Solver step then has the same h. All three start at the noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
+low-resolution images), rounded likewise; each DPM-Solver step then has the same h. All three start at the
+noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
 """
 
 from __future__ import annotations
