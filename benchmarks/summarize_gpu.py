@@ -3,10 +3,11 @@
     PYTHONPATH=src python benchmarks/summarize_gpu.py benchmarks/gpu/<date> [--out FILE]
 
 Reads what each part writes: throughput-*/throughput.json, ladder/ladder.json, doctor/planted.txt and
-doctor/overhead.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json, tests/junit.xml, and the
-call records (calls/<time>.json: device, driver, torch, commit given; calls/parts.jsonl: which call ran which
-part). Every table is headed by the device, date, torch version, commit and command that produced it. A part
-with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md (or --out) and prints it.
+doctor/overhead.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json,
+tests/junit.xml, and the call records (calls/<time>.json: device, driver, torch, commit given;
+calls/parts.jsonl: which call ran which part). Every table is headed by the device, date, torch version, commit
+and command that produced it. A part with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md
+(or --out) and prints it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from fastddpm.train.runtime import CPU_BF16_FLAGS, cpu_flags
 os.environ.setdefault("FASTDDPM_CPU_FLAGS", " ".join(sorted((cpu_flags() or frozenset()) - set(CPU_BF16_FLAGS))))
 
 # The DDPM / improved-diffusion U-Net family (model.family ddpm) at a test's size: 28x28 (attention at 14) or
-# 32x32 (at 16) images, every optional block on (scale-shift conditioning); the fast-path tests run it beside the seed's.
+# 32x32 (at 16) images, every optional block on (scale-shift conditioning); the fast-path tests run it beside the
+# seed's.
 TINY_DDPM = {"model.family": "ddpm", "model.base_channels": 16, "model.channel_mult": (1, 2),
              "model.num_res_blocks": 1, "model.attention_resolutions": (14, 16), "model.norm_groups": 8,
              "model.num_heads": 2, "model.scale_shift_norm": True}

@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor", "ddp", "quality-reference",
-         "eval", "samplers", "quality-fast", "quality-options", "quality-options-2", "summarize"]
+PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor", "ddp",
+         "quality-reference", "eval", "samplers", "quality-fast", "quality-options", "quality-options-2", "summarize"]
 
 
 def _load(name: str):
@@ -77,7 +77,8 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             args = parser.parse_args(cmd[3:])  # SystemExit(2) on a bad flag
             if args.command == "bench":  # and the settings they make: ConfigError on a bad value
                 make = {"throughput": bench_cli.throughput_settings, "ladder": bench_cli.ladder_settings,
-                        "quality": bench_cli.quality_settings, "samplers": bench_cli.samplers_settings}[args.bench_command]
+                        "quality": bench_cli.quality_settings,
+                        "samplers": bench_cli.samplers_settings}[args.bench_command]
                 make(args)
             seen.add(f"{args.command} {getattr(args, 'bench_command', '')}".strip())
         elif cmd[1:3] == ["-m", "fastddpm.doctor.planted"]:

@@ -234,9 +234,11 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
     result = run_throughput(settings, tmp_path, log=lambda *a: None)
     rows = result["results"]
     assert [(r["batch_size"], r["choice"], r["precision"]) for r in rows] == [
-        (2, "fp32-eager", "fp32"), (2, "bf16-eager-cl", "bf16"), (4, "fp32-eager", "fp32"), (4, "bf16-eager-cl", "bf16")]
+        (2, "fp32-eager", "fp32"), (2, "bf16-eager-cl", "bf16"),
+        (4, "fp32-eager", "fp32"), (4, "bf16-eager-cl", "bf16")]
     assert all(r["status"] == "ok" and r["fast_path"]["compile"].startswith("off") for r in rows)
-    assert rows[1]["fast_path"]["channels_last"].startswith("on") and rows[0]["fast_path"]["channels_last"].startswith("off")
+    assert (rows[1]["fast_path"]["channels_last"].startswith("on")
+            and rows[0]["fast_path"]["channels_last"].startswith("off"))
     assert rows[0]["ratio_to_first"] == 1.0 and rows[2]["ratio_to_first"] == 1.0  # each batch against its first
     assert rows[1]["ratio_to_first"] == pytest.approx(rows[1]["images_per_s"] / rows[0]["images_per_s"])
     md = (tmp_path / "throughput.md").read_text()

@@ -144,7 +144,8 @@ def test_samplers_guide_every_class_and_null_sampling_is_the_unconditional_path(
 def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     cfg = cond_model().cfg
     assert class_index(cfg, "sneaker") == 7 and class_index(cfg, "Ankle boot") == 9 and class_index(cfg, "3") == 3
-    with pytest.raises(ConfigError, match=r"'boots' is not one of this model's classes: 0 'T-shirt/top'.*9 'Ankle boot'"):
+    with pytest.raises(ConfigError,
+                       match=r"'boots' is not one of this model's classes: 0 'T-shirt/top'.*9 'Ankle boot'"):
         class_index(cfg, "boots")
     with pytest.raises(ConfigError, match=r"--class 10 is out of range: this model has classes 0-9"):
         class_index(cfg, "10")

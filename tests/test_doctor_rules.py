@@ -323,7 +323,8 @@ def test_low_mfu_on_a_gpu_does_not_count_what_the_specific_compute_rules_explain
     found, _ = evaluate(m)
     by_id = {f.id: f for f in found}
     assert by_id["low-mfu"].cost == pytest.approx(0.5 * (0.97 - 0.62))
-    assert "62% of the span is layout conversions, materialised attention or eager elementwise work" in by_id["low-mfu"].evidence[1]
+    assert ("62% of the span is layout conversions, materialised attention or eager elementwise work"
+            in by_id["low-mfu"].evidence[1])
     v = verdict(found, m)
     assert v["id"] == "attention-weights" and v["ranked"] == ["attention-weights", "low-mfu"]
 

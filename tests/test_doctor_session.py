@@ -211,7 +211,8 @@ def test_the_muted_region_passes_real_lines_through_and_restores_fd2(capfd, monk
 
 
 # ---------------------------------------------------------------- the CLI
-@pytest.mark.parametrize("argv, expected", [([], 60.0), (["--max-seconds", "7.5"], 7.5), (["--max-seconds", "0"], None)])
+@pytest.mark.parametrize("argv, expected", [([], 60.0), (["--max-seconds", "7.5"], 7.5),
+                                            (["--max-seconds", "0"], None)])
 def test_max_seconds_reaches_the_config(tmp_path, monkeypatch, argv, expected):
     seen = {}
 

@@ -65,7 +65,8 @@ def test_charts_leave_the_callers_pyplot_backend_alone(tmp_path):
     from fastddpm.eval.curve import write_curve
 
     before = matplotlib.get_backend()
-    path = write_curve([{"fid": 30.0, "wall_s": 1.0, "images_seen": 10}, {"fid": 20.0, "wall_s": 2.0, "images_seen": 20}],
+    path = write_curve([{"fid": 30.0, "wall_s": 1.0, "images_seen": 10},
+                        {"fid": 20.0, "wall_s": 2.0, "images_seen": 20}],
                        tmp_path / "c.png", title="t", log=lambda *a: None)
     assert path.stat().st_size > 1000 and matplotlib.get_backend() == before
     assert not list(tmp_path.glob(".*.tmp.png"))  # written under a temporary name, then renamed

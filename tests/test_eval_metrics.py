@@ -133,7 +133,8 @@ def test_precision_recall_on_known_sets():
 def test_class_coverage():
     balanced = class_coverage(np.repeat(np.arange(10), 5), 10)
     assert balanced["classes_present"] == 1.0
-    assert balanced["entropy_ratio"] == pytest.approx(1.0) and balanced["kl_to_uniform"] == pytest.approx(0.0, abs=1e-12)
+    assert (balanced["entropy_ratio"] == pytest.approx(1.0)
+            and balanced["kl_to_uniform"] == pytest.approx(0.0, abs=1e-12))
     collapsed = class_coverage(np.full(50, 3), 10)
     assert collapsed["classes_present"] == 0.1 and collapsed["entropy_ratio"] == 0.0
     assert collapsed["kl_to_uniform"] == pytest.approx(math.log(10))

@@ -11,7 +11,15 @@ import torch
 
 from fastddpm.cli import main
 from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
-from fastddpm.diffusion import SAMPLERS, karras_timesteps, logsnr_timesteps, make_schedule, network_calls, sample, sampler_timesteps
+from fastddpm.diffusion import (
+    SAMPLERS,
+    karras_timesteps,
+    logsnr_timesteps,
+    make_schedule,
+    network_calls,
+    sample,
+    sampler_timesteps,
+)
 from fastddpm.train.loop import train
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)

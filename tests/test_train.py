@@ -289,7 +289,8 @@ def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys
     assert "fewer than batch_size=1000" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("gpu, capability, auto", [("Tesla T4", (7, 5), "fp16"), ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
+@pytest.mark.parametrize("gpu, capability, auto", [("Tesla T4", (7, 5), "fp16"),
+                                                    ("Tesla V100-SXM2-16GB", (7, 0), "fp16"),
                                                     ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"),
                                                     ("NVIDIA H100 80GB HBM3", (9, 0), "bf16")])
 def test_precision_follows_native_bf16_not_emulation(monkeypatch, gpu, capability, auto):

@@ -130,11 +130,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         description="Sample images from a checkpoint with DDPM (ancestral, all T steps), DDIM, or the few-step ODE\n"
                     "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls).",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
-               "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m --steps 10"
+               "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m "
+               "--steps 10"
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 3     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
-               "Writes OUT/<sampler><steps>[-<spacing>]_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; with\n"
+               "Writes OUT/<sampler><steps>[-<spacing>]_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; "
+               "with\n"
                "--class all one row per class, named) and a matching .npz with `images`: uint8 (N, C, H, W), and for\n"
                "a conditional model `labels` (N,) and `guidance`.",
     )
@@ -270,8 +272,8 @@ def cmd_sample(args) -> int:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
-                                 spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size, device=device,
-                                 out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
+                                 spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size,
+                                 device=device, out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
                                  precision=args.precision, progress=not args.no_progress, labels=labels,
                                  guidance=guidance, per_class_row=per_class)
     print(f"wrote {out / (stem + '.png')} and {out / (stem + '.npz')} ({images.shape[0]} images, "

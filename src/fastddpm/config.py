@@ -75,7 +75,9 @@ class ModelConfig:
         default=(1, 2, 2, 2), metadata=_doc("ddpm family: channels of each level as multiples of base_channels; "
                                             "each level after the first halves the resolution.")
     )
-    num_res_blocks: int = field(default=2, metadata=_doc("ddpm family: ResBlocks per level (the up path has one more)."))
+    num_res_blocks: int = field(
+        default=2, metadata=_doc("ddpm family: ResBlocks per level (the up path has one more).")
+    )
     attention_resolutions: tuple[int, ...] = field(
         default=(16,), metadata=_doc("ddpm family: resolutions (pixels per side) with self-attention after each "
                                      "ResBlock; the middle always has one.")
@@ -105,7 +107,9 @@ class ModelConfig:
     num_up_layers: int = field(default=2, metadata=_doc("ResNet+attention layers per up block."))
     num_heads: int = field(default=4, metadata=_doc("Attention heads."))
     norm_groups: int = field(default=8, metadata=_doc("GroupNorm groups; every channel count must divide by it."))
-    attention: bool = field(default=True, metadata=_doc("Self-attention after each ResNet block (off = faster on CPU)."))
+    attention: bool = field(
+        default=True, metadata=_doc("Self-attention after each ResNet block (off = faster on CPU).")
+    )
     out_block_channels: int = field(default=16, metadata=_doc("Channels of the last up block (the seed's code: 16)."))
     conditional: bool = field(
         default=False,
@@ -240,9 +244,15 @@ class DataConfig:
         metadata=_doc("Convert every image to L (gray) or RGB when caching; none = keep, must be uniform.",
                       choices=(None, "L", "RGB")),
     )
-    skip_bad: bool = field(default=False, metadata=_doc("Skip unreadable images (counted and reported) instead of stopping."))
-    cache_dir: str | None = field(default=None, metadata=_doc("Dataset cache root (default $FASTDDPM_CACHE or ~/.cache/fastddpm)."))
-    hflip: bool = field(default=False, metadata=_doc("Random horizontal flips (on for CIFAR-like data, off for digits)."))
+    skip_bad: bool = field(
+        default=False, metadata=_doc("Skip unreadable images (counted and reported) instead of stopping.")
+    )
+    cache_dir: str | None = field(
+        default=None, metadata=_doc("Dataset cache root (default $FASTDDPM_CACHE or ~/.cache/fastddpm).")
+    )
+    hflip: bool = field(
+        default=False, metadata=_doc("Random horizontal flips (on for CIFAR-like data, off for digits).")
+    )
 
     def __post_init__(self) -> None:
         _check_choice("data", self, "split")
@@ -264,7 +274,9 @@ class TrainConfig:
         default=1, metadata=_doc("Gradient accumulation: micro-batches per optimizer step (batch = size x steps).")
     )
     max_steps: int | None = field(default=None, metadata=_doc("Stop after this many optimizer steps."))
-    max_images: int | None = field(default=None, metadata=_doc("Stop after this many training images (edm2-style kimg)."))
+    max_images: int | None = field(
+        default=None, metadata=_doc("Stop after this many training images (edm2-style kimg).")
+    )
     max_epochs: float | None = field(default=None, metadata=_doc("Stop after this many passes over the data."))
     lr: float = field(default=1e-4, metadata=_doc("AdamW learning rate (the seed: Adam 1e-4)."))
     adam_betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_doc("AdamW betas."))
@@ -307,17 +319,21 @@ class TrainConfig:
                       choices=("auto", "on", "off")),
     )
     grad_checkpointing: bool = field(
-        default=False, metadata=_doc("Recompute each U-Net block's activations in backward: less memory, ~30% more compute.")
+        default=False,
+        metadata=_doc("Recompute each U-Net block's activations in backward: less memory, ~30% more compute."),
     )
     data_placement: str = field(
         default="auto",
         metadata=_doc("device = the uint8 dataset lives on the GPU; stream = pinned, double-buffered copies from the "
-                      "memory-mapped cache. auto = device when it fits the budget.", choices=("auto", "device", "stream")),
+                      "memory-mapped cache. auto = device when it fits the budget.",
+                      choices=("auto", "device", "stream")),
     )
     device_memory_budget: float = field(
         default=0.5, metadata=_doc("Share of free device memory the resident dataset may use (data_placement=auto).")
     )
-    ema_every: int = field(default=1, metadata=_doc("Update the EMA every k steps (with decay^k), outside CUDA graphs."))
+    ema_every: int = field(
+        default=1, metadata=_doc("Update the EMA every k steps (with decay^k), outside CUDA graphs.")
+    )
     device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
     cpu_threads: int | None = field(
         default=None,
@@ -354,7 +370,9 @@ class TrainConfig:
                       "project WANDB_PROJECT or fastddpm, WANDB_MODE=offline without an account; the same plus "
                       "ema.safetensors as an artifact; needs the wandb package), comma-separated."),
     )
-    checkpoint_every: int | None = field(default=1000, metadata=_doc("Steps between checkpoints (none = only at the end)."))
+    checkpoint_every: int | None = field(
+        default=1000, metadata=_doc("Steps between checkpoints (none = only at the end).")
+    )
     keep_checkpoints: int = field(default=3, metadata=_doc("How many recent checkpoints to keep (>= 1)."))
     sample_every_images: int | None = field(
         default=None, metadata=_doc("Write a sample grid every this many images (none = only at the end).")

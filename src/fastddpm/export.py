@@ -213,6 +213,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
 
 def run_export(args: argparse.Namespace) -> int:
     command = f"fastddpm export {shlex.quote(str(args.run))} --format {args.format}" + (
-        f" --out {shlex.quote(str(args.out))}" if args.out else "") + (f" --opset {args.opset}" if args.opset != 18 else "")
+        f" --out {shlex.quote(str(args.out))}" if args.out else "") + (
+        f" --opset {args.opset}" if args.opset != 18 else "")
     export(args.run, args.format, args.out, opset=args.opset, command=command)
     return 0

@@ -1,7 +1,7 @@
 """Sampling from a trained model: load its weights from whatever a run left, draw images, write them.
 
-The diffusion math (DDPM, DDIM, the ODE solvers) is fastddpm.diffusion.samplers; this module is everything around it that a user
-touches: `fastddpm sample`, the trainer's grids and the evaluator's loader all come through here.
+The diffusion math (DDPM, DDIM, the ODE solvers) is fastddpm.diffusion.samplers; this module is everything around it
+that a user touches: `fastddpm sample`, the trainer's grids and the evaluator's loader all come through here.
 
     load_for_sampling   a checkpoint (.pt), an FSDP run's .dcp, an ema.safetensors export or a run directory
                         -> (model in eval mode, RunConfig)
@@ -146,7 +146,8 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
         y = torch.from_numpy(labels[start:start + n]) if labels is not None else None
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   spacing=spacing, seed=derive_seed(seed, "sample", i), device=device, autocast_dtype=prec.autocast_dtype,
+                   spacing=spacing, seed=derive_seed(seed, "sample", i), device=device,
+                   autocast_dtype=prec.autocast_dtype,
                    progress=bar, labels=y, guidance=guidance, num_classes=model_cfg.num_classes)
         chunks.append(to_uint8(x).cpu().numpy())
     if bar is not None:

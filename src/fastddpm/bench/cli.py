@@ -159,8 +159,8 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                       help="images per step; every preset runs at each (default 64,192,512,1024 on a GPU, 64 on a "
                            "CPU)")
     what.add_argument("--choices", type=_csv_list, default=None, metavar="A,B",
-                      help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl][-gc] (PRECISION "
-                           "auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last, -gc gradient "
+                      help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl][-gc] "
+                           "(PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last, -gc gradient "
                            "checkpointing: peak memory vs step time): every preset and batch "
                            "runs each, and `x first` compares them (default on a CPU without --presets: fp32-eager,"
                            "bf16-eager,bf16-compile,fp32-compile,bf16-eager-cl; otherwise none: one variant per "
@@ -219,7 +219,8 @@ def _add_ladder_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
     lp.add_argument("--skip-mlp", action="store_true",
                     help="run only the DDPM ladder (MLP rows already in OUT are kept)")
     lp.add_argument("--remeasure", action="store_true", help="measure again the rungs already in OUT/ladder.json")
-    lp.add_argument("--quick", action="store_true", help="tiny model, 96 images, batches / 4, a few steps: about a minute on a CPU")
+    lp.add_argument("--quick", action="store_true",
+                    help="tiny model, 96 images, batches / 4, a few steps: about a minute on a CPU")
     lp.add_argument("--out", default=None, metavar="DIR", help="run folder (default runs/bench-ladder-<UTC time>)")
     return lp
 

@@ -74,11 +74,13 @@ class QualitySettings:
     def __post_init__(self) -> None:
         unknown = [o for o in self.options if o not in OPTIONS]
         if unknown:
-            raise ConfigError(f"bench quality: unknown option(s) {', '.join(unknown)}; choose from {', '.join(OPTIONS)}")
+            raise ConfigError(f"bench quality: unknown option(s) {', '.join(unknown)}; "
+                              f"choose from {', '.join(OPTIONS)}")
         if self.reference_from is not None and self.target_fid is not None:
             raise ConfigError("bench quality: give --reference-from or --target-fid, not both")
         if self.reference_only and (self.reference_from is not None or self.target_fid is not None):
-            raise ConfigError("bench quality: --reference-only trains the reference; drop --reference-from/--target-fid")
+            raise ConfigError("bench quality: --reference-only trains the reference; "
+                              "drop --reference-from/--target-fid")
         if self.fast_from is not None:
             if self.reference_from is not None or self.target_fid is not None or self.reference_only:
                 raise ConfigError("bench quality: --fast-from reuses that file's reference and target; drop "
@@ -175,7 +177,8 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     out.mkdir(parents=True, exist_ok=True)
     env = environment_record(device, argv)
     log(f"bench quality: {s.preset} on {env['device_name']} ({device}); torch {env['torch']}; "
-        f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} {s.eval_sampler}-{s.eval_steps} samples per evaluation")
+        f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} {s.eval_sampler}-{s.eval_steps} samples "
+        "per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
     source = _data_source(s, out, log)
@@ -292,10 +295,12 @@ def report_markdown(r: dict) -> str:
     if fast:
         lines.append(f"| fast | {', '.join(r['settings']['fast_overrides'])} | {store.fmt(fast['images_seen'], ',')} | "
                      f"{store.fmt(fast['train_wall_s'], '.1f')} | {store.fmt(fast['final_fid'], '.3f')} | "
-                     f"{store.fmt(hit['wall_s'] if hit else None, '.1f')} | {store.fmt(hit['images_seen'] if hit else None, ',')} |")
+                     f"{store.fmt(hit['wall_s'] if hit else None, '.1f')} | "
+                     f"{store.fmt(hit['images_seen'] if hit else None, ',')} |")
     for o in r["options"]:
         lines.append(f"| option {o['name'].removeprefix('option-')} | fast + {', '.join(o['overrides'])} | "
-                     f"{store.fmt(o['images_seen'], ',')} | {store.fmt(o['train_wall_s'], '.1f')} | {store.fmt(o['final_fid'], '.3f')} | "
+                     f"{store.fmt(o['images_seen'], ',')} | {store.fmt(o['train_wall_s'], '.1f')} | "
+                     f"{store.fmt(o['final_fid'], '.3f')} | "
                      f"- | - |")
     if fast and fast.get("reused_from"):
         lines += ["", f"The reference and fast rows are reused from {fast['reused_from']}; only the options trained "

@@ -11,7 +11,8 @@ each of them as mean and min-max, beside the single-seed points.
 Rows are written after every point (OUT/samplers.json, .csv, .md) and a run into the same folder reuses every
 point measured there with the same checkpoint, settings, device and torch (fastddpm.bench.store): a killed
 run loses at most the point it was drawing. Points of other samplers or step counts measured there with the same
-checkpoint and settings are kept, so one table can be built over several runs (`--samplers`, `--steps`). OUT/samplers.png plots FID against NFE (matplotlib).
+checkpoint and settings are kept, so one table can be built over several runs (`--samplers`, `--steps`).
+OUT/samplers.png plots FID against NFE (matplotlib).
 """
 
 from __future__ import annotations

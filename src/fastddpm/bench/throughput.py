@@ -593,7 +593,8 @@ def report_markdown(result: dict) -> str:
                          f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
                             and fp["cuda_graphs"].startswith("capture") else "")
-                         + f"; input {r['input_ms_per_step']:.3f} ms/step; final loss {store.fmt(r['final_loss'], '.4f')}")
+                         + f"; input {r['input_ms_per_step']:.3f} ms/step; "
+                           f"final loss {store.fmt(r['final_loss'], '.4f')}")
         lines.append("")
     lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)

@@ -99,7 +99,8 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                                           "(label, index). `fastddpm bench ladder` rung 0 reads this layout.",
                               epilog=_EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     exp.add_argument("source", metavar="SOURCE", help="named dataset or path (see `fastddpm data --help`)")
-    exp.add_argument("out", metavar="OUT", type=Path, help="output folder (created; must be empty or a previous export)")
+    exp.add_argument("out", metavar="OUT", type=Path,
+                     help="output folder (created; must be empty or a previous export)")
     exp.add_argument("--split", default="train", help="train (default) or test")
     exp.add_argument("--limit", type=positive_int, default=None, metavar="N", help="export only the first N images")
     exp.add_argument("--overwrite", action="store_true", help="replace the PNGs of a previous, different export in OUT")

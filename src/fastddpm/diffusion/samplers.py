@@ -2,7 +2,8 @@
 fastddpm.diffusion.ode_solvers; `sample` runs any of them, with classifier-free guidance for conditional models.
 
 DDPM (Ho et al. 2020, arXiv:2006.11239): x_{t-1} ~ q(x_{t-1} | x_t, x0_hat), the Gaussian posterior of eq. 6-7,
-    mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),  ct_t = sqrt(alpha_t)(1 - a_{t-1}) / (1 - a_t)
+    mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),
+    ct_t = sqrt(alpha_t)(1 - a_{t-1}) / (1 - a_t)
 with variance beta_tilde_t (eq. 7, "fixed small") or beta_t ("fixed large"); a_t = alpha_bar_t.
 Writing the mean through x0_hat is the same as eq. 11 and lets x0_hat be clipped to the data range.
 

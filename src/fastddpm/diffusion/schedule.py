@@ -21,7 +21,8 @@ def linear_betas(num_timesteps: int, beta_start: float = 1e-4, beta_end: float =
 
 def cosine_betas(num_timesteps: int, s: float = 0.008, max_beta: float = 0.999) -> torch.Tensor:
     """Nichol & Dhariwal 2021 ("Improved DDPM", arXiv:2102.09672), eq. 17:
-    alpha_bar(t) = f(t) / f(0),  f(t) = cos(((t/T + s) / (1 + s)) * pi/2)^2,  beta_t = 1 - alpha_bar_t / alpha_bar_{t-1},
+    alpha_bar(t) = f(t) / f(0),  f(t) = cos(((t/T + s) / (1 + s)) * pi/2)^2,
+    beta_t = 1 - alpha_bar_t / alpha_bar_{t-1},
     clipped to max_beta = 0.999 to avoid the singularity at t = T."""
     steps = torch.arange(num_timesteps + 1, dtype=torch.float64) / num_timesteps
     f = torch.cos((steps + s) / (1 + s) * math.pi / 2) ** 2

@@ -56,7 +56,8 @@ class Report:
         m, env = self.measurements, self.environment
         ss = m.get("step_stats") or {}
         lines = [f"fastddpm doctor: {ss.get('steps', 0)} steps watched, {m.get('profiled_steps', 0)} profiled, on "
-                 f"{env.get('device_name', env.get('device'))} (torch {env.get('torch')}), {env.get('wall_s', 0):.1f} s"]
+                 f"{env.get('device_name', env.get('device'))} (torch {env.get('torch')}), "
+                 f"{env.get('wall_s', 0):.1f} s"]
         v = self.verdict
         lines.append("")
         lines.append(f"verdict: {v['title']}" + ("" if v["healthy"] else f"  (~{100 * v['cost']:.0f}% of step time)"))
@@ -169,7 +170,8 @@ body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px auto
 h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 8px;border-bottom:1px solid #dde3ea}
 .verdict{padding:12px 16px;border-radius:6px;font-size:16px;font-weight:600}
 .bad{background:#fde8e6;border-left:6px solid #d93b2b} .ok{background:#e5f5ea;border-left:6px solid #2f9e55}
-table{border-collapse:collapse} td,th{padding:3px 10px;border-bottom:1px solid #eef1f4;text-align:left;vertical-align:top}
+table{border-collapse:collapse} \
+td,th{padding:3px 10px;border-bottom:1px solid #eef1f4;text-align:left;vertical-align:top}
 .muted{color:#6b7785} code{background:#f3f5f7;padding:1px 4px;border-radius:3px}
 .legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}
 svg text{font:11px system-ui,sans-serif;fill:#3c4853}
@@ -340,7 +342,8 @@ def _breakdown_svg(trace: dict, width: int = 1040) -> str:
             continue
         w = width * v / total
         out.append(f'<rect class="bd-{k}" x="{x:.1f}" y="4" width="{max(w, 0.5):.1f}" height="26" '
-                   f'fill="{BREAKDOWN_COLORS[k]}"><title>{html.escape(BREAKDOWN_LABELS[k])} {100 * v:.1f}%</title></rect>')
+                   f'fill="{BREAKDOWN_COLORS[k]}">'
+                   f'<title>{html.escape(BREAKDOWN_LABELS[k])} {100 * v:.1f}%</title></rect>')
         x += w
     out.append("</svg><div class=legend>" + "".join(
         f"<span style='background:{BREAKDOWN_COLORS[k]}'></span>{html.escape(BREAKDOWN_LABELS[k])} "

@@ -353,9 +353,9 @@ BREAKDOWN_LABELS = {
     "optimizer": "optimizer step", "copy": "copies/layout/casts", "data": "data wait",
     "framework": "framework (autograd, views, allocation)", "python": "Python/dispatch (no op running)",
     "idle": "GPU idle"}
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::convolution_backward",
-              "aten::_convolution", "aten::mkldnn_convolution", "aten::cudnn_convolution", "aten::addbmm",
-              "aten::cudnn_convolution_transpose", "aten::_scaled_mm"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+              "aten::convolution_backward", "aten::_convolution", "aten::mkldnn_convolution",
+              "aten::cudnn_convolution", "aten::addbmm", "aten::cudnn_convolution_transpose", "aten::_scaled_mm"}
 SOFTMAX_OPS = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data", "aten::_safe_softmax"}
 BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}  # with a softmax beside them: attention written out by hand
 NORM_BREAKDOWN_OPS = {"aten::group_norm", "aten::native_group_norm", "aten::native_group_norm_backward",

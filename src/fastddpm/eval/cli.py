@@ -79,8 +79,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                          "auto: on for CUDA, where 10,000 x 50 model calls repay the compile time)")
     ev.add_argument("--guidance", type=_guidance_list, default=None, metavar="W[,W...]",
                     help="a conditional model: classifier-free guidance scales to evaluate, each with FID, "
-                         "precision/recall, class accuracy and per-class FID (default: the model's train.sample_guidance, "
-                         "3 for new runs; e.g. 0,1,2,3,5 for the trade-off table)")
+                         "precision/recall, class accuracy and per-class FID (default: the model's "
+                         "train.sample_guidance, 3 for new runs; e.g. 0,1,2,3,5 for the trade-off table)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/eval)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ev

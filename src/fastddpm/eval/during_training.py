@@ -42,8 +42,8 @@ class TrainingEvaluator:
         self.eval_log = MetricsLog(Path(run_dir) / "eval.jsonl")
         self.curve_path = Path(run_dir) / "eval_curve.png"
         self.curve_ok = True
-        log(f"eval: every {self.every:,} images, {t.eval_samples:,} {t.eval_sampler}-{t.eval_steps} samples from the EMA "
-            f"weights, in {self.evaluator.net.label}")
+        log(f"eval: every {self.every:,} images, {t.eval_samples:,} {t.eval_sampler}-{t.eval_steps} samples from the "
+            f"EMA weights, in {self.evaluator.net.label}")
 
     def due(self, images_seen: int, images_per_step: int) -> bool:
         """True on the step that crosses a multiple of eval_every_images."""
@@ -65,8 +65,8 @@ class TrainingEvaluator:
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
-                  "eval_samples": t.eval_samples, "eval_sampler": t.eval_sampler, "eval_steps": t.eval_steps, "eval_s": eval_s,
-                  "features": result["features"], "features_label": result["features_label"]}
+                  "eval_samples": t.eval_samples, "eval_sampler": t.eval_sampler, "eval_steps": t.eval_steps,
+                  "eval_s": eval_s, "features": result["features"], "features_label": result["features_label"]}
         if "coverage" in result:
             record["classes_present"] = result["coverage"]["classes_present"]
         if conditional:

@@ -201,5 +201,6 @@ def read_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
                          planner=_EmptyStateDictLoadPlanner(keys={"model", "ema"}), no_dist=True)
     except Exception as e:
         raise CheckpointError(f"could not read the sharded checkpoint {path}: {_describe(e)}. Check that every "
-                              f"__<rank>_0.distcp file is there, or use an earlier checkpoint in {path.parent}") from None
+                              f"__<rank>_0.distcp file is there, or use an earlier checkpoint in "
+                              f"{path.parent}") from None
     return {**meta, "model": full["model"], "ema": full["ema"]}

@@ -50,7 +50,8 @@ class RunLoggers:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("--log-to tensorboard needs the tensorboard package: pip install tensorboard "
-                                  "(or pip install 'fastddpm[tensorboard]'), or drop tensorboard from --log-to") from None
+                                  "(or pip install 'fastddpm[tensorboard]'), or drop tensorboard from "
+                                  "--log-to") from None
             self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
             self.tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```", global_step=0)
 

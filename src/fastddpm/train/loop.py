@@ -501,7 +501,8 @@ def _backend_switches() -> tuple[bool, bool, bool]:
 
 def _set_backend_switches(switches: tuple[bool, bool, bool]) -> None:
     if _backend_switches() != switches:  # set only when changed: a torch.backends module has its own __setattr__
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = switches
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = switches
 
 
 def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, log, hooks: TrainHooks

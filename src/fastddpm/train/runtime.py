@@ -213,8 +213,8 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         elif world_size:
             # Not suggested: reduce-overhead (cudagraph trees) under DDP + compile has an open PyTorch bug
             # (pytorch#113809) and is unmeasured here.
-            graphs, why = "off", (f"auto: DDP over {world_size} rank(s); the gradient all-reduce is not captured into the "
-                                  "step's graph (compile stays on)")
+            graphs, why = "off", (f"auto: DDP over {world_size} rank(s); the gradient all-reduce is not captured "
+                                  "into the step's graph (compile stays on)")
         else:
             graphs, why = "capture", "auto: the whole step captured in one CUDA graph"
     else:
