@@ -72,6 +72,24 @@ def test_charts_leave_the_callers_pyplot_backend_alone(tmp_path):
     assert not list(tmp_path.glob(".*.tmp.png"))  # written under a temporary name, then renamed
 
 
+@pytest.mark.parametrize("values, expected", [([12.1, 24.4], {"12", "14", "20"}),  # FID, under a decade
+                                               ([0.06, 0.5], {"0.1", "0.2", "0.4"}),  # a loss
+                                               ([0.5, 300.0], {"1", "10", "100"})])  # several decades
+def test_log_axes_are_labelled_in_plain_numbers(tmp_path, values, expected):
+    """matplotlib's default writes a log axis's labels as 1.2x10^1 or 4e-01; fastddpm's charts write 12 and 0.4,
+    on the ticks matplotlib would label."""
+    from fastddpm import charts
+
+    fig = charts.figure(5, 3)
+    ax = fig.subplots()
+    ax.plot([0, 1], values)
+    charts.log_y(ax)
+    charts.save(fig, tmp_path / "log.png")  # draws, so the formatters have seen the axis' range
+    labels = {t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True)} - {""}
+    assert expected <= labels, labels
+    assert not any("e" in s or "times" in s or "^" in s for s in labels), labels
+
+
 def test_eval_cli_end_to_end(evaluated_run, capsys):
     rc = main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "48", "--steps", "4",
                "--batch-size", "32", "--no-progress"])

@@ -565,7 +565,7 @@ def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | No
     bars = ax.bar(range(len(rows)), values, color=["tab:blue" if r["status"] == "ok" else "lightgrey" for r in rows])
     positive = [v for v in values if v > 0]
     if max(positive) / min(positive) > 20:
-        ax.set_yscale("log")
+        charts.log_y(ax)
     for bar, r in zip(bars, rows):
         text = f"{r['speedup_vs_baseline']:.2f}x" if r["status"] == "ok" and r["speedup_vs_baseline"] else r["status"]
         y = bar.get_height() if r["status"] == "ok" else min(positive)

@@ -325,7 +325,7 @@ def write_chart(r: dict, path: Path, log) -> str | None:
     ax.axhline(r["target_fid"], color="grey", linestyle="--", label=f"target {r['target_fid']:.3f}")
     ax.set_xlabel("training wall time, s (compile included, evaluation excluded)")
     ax.set_ylabel("FID")
-    ax.set_yscale("log")
+    charts.log_y(ax)
     ax.set_title(f"time to quality on {r['environment']['device_name']}\n{r['features']}", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)

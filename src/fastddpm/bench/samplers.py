@@ -271,7 +271,7 @@ def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> 
     ck = result["checkpoint"]
     ax.set_title(f"samplers: {Path(ck['file']).name}, {result['settings']['num_samples']:,} samples", fontsize=10)
     if all(math.isfinite(e["fid"]) and e["fid"] > 0 for e in summary) and summary:
-        ax.set_yscale("log")
+        charts.log_y(ax)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

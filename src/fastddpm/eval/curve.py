@@ -36,7 +36,7 @@ def write_curve(records: list[dict], path: Path, *, title: str, log: Callable[[s
         ax.set_xlabel(xlabel)
         ax.set_ylabel("FID")
         if min(fid) > 0 and max(fid) / min(fid) > 20:
-            ax.set_yscale("log")
+            charts.log_y(ax)
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
