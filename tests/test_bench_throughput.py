@@ -319,6 +319,28 @@ def test_measure_matmul_peak_measures_in_the_dtype_asked():
     assert peak["dtype"] == "bf16" and "bf16 matmul 64x64x64" in peak["label"] and peak["tflops"] > 0
 
 
+def test_the_cpu_peak_is_the_faster_of_blas_and_onednn_for_the_same_product(monkeypatch):
+    """MKL's sgemm runs an AMD CPU's fp32 matmul on a generic path at half oneDNN's rate, and a peak read off it
+    put an fp32 U-Net (oneDNN convolutions) above 100% MFU: the CPU peak is the faster library, named."""
+    from fastddpm.bench import timing
+
+    a, b = torch.randn(48, 32, dtype=torch.float64), torch.randn(32, 40, dtype=torch.float64)
+    out = timing.matmul_as_conv1x1(a, b)(0)
+    assert out.shape == (1, 40, 48, 1)
+    torch.testing.assert_close(out[0, :, :, 0].t(), a @ b)  # the same product, not merely the same FLOPs
+
+    for slow, fast in (("conv1x1 (oneDNN)", "matmul"), ("matmul", "conv1x1 (oneDNN)")):
+        def fake_time(fn, steps, device, slow=slow):
+            called = fn(0)  # the matmul path writes into `out` and returns it; the conv returns a new tensor
+            is_conv = called.dim() == 4
+            return 4.0 if (slow == "conv1x1 (oneDNN)") == is_conv else 1.0
+
+        monkeypatch.setattr(timing, "time_steps", fake_time)
+        peak = timing.measure_matmul_peak("cpu", dtype=torch.float32, n=32, trials=2, iters=1)
+        assert peak["path"] == fast and f"via {fast}; {slow} " in peak["label"]
+        assert peak["tflops"] == pytest.approx(2 * 32**3 / 1e-3 / 1e12)  # 1 ms, the fast path's time
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Results written after every variant, and a re-run that skips what is measured (issue 13, item 4)
 

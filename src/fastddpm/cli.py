@@ -157,7 +157,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples, or ./samples)")
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                    help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
+                         "native bf16, else fp32)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--class", dest="klass", metavar="NAME|ID|all",
                     help="a conditional model's class: its name (e.g. sneaker) or number, or all (one row per class); "

@@ -33,7 +33,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 # Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
-SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "unipc", "heun")
+SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: the fewest network calls whose FID is
 # within the seed spread of the best ODE point on both measured checkpoints (benchmarks/RESULTS.md, issue 16).
 # The quickstart's (CPU, 2,000 samples): UniPC-20 12.1 is the best, UniPC-10 12.5 within the spread. A fully

@@ -166,8 +166,8 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                            "bf16-eager,bf16-compile,fp32-compile,bf16-eager-cl; otherwise none: one variant per "
                            "--precision and --compile)")
     what.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                      help="autocast precision, as `train --precision` (default auto: bf16 on GPUs that have it, "
-                           "fp32 on a CPU)")
+                      help="autocast precision, as `train --precision` (default auto: bf16 on GPUs that have it; on a "
+                           "CPU bf16 where it has native bf16, else fp32)")
     what.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="torch.compile the loss and the update (default auto: on for CUDA)")
     what.add_argument("--cuda-graphs", choices=("auto", "off", "capture", "reduce-overhead"), default="auto",

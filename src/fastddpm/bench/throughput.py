@@ -110,7 +110,7 @@ class ThroughputSettings:
     #                         records in the second and third), never part of the steady state
     steps: int = 50  # steps per timed repeat: long enough that the two event records are noise
     repeats: int = 5  # timed repeats; the median is reported, min/max and IQR are the spread
-    precision: str = "auto"  # as train.precision: auto = bf16 on GPUs that have it, fp32 on the CPU
+    precision: str = "auto"  # as train.precision: auto = bf16 where native (GPU sm80+, CPU bf16 flags), else fp32
     compile: str = "auto"  # as train.compile: auto = on for CUDA
     cuda_graphs: str = "auto"  # as train.cuda_graphs: auto = capture the whole step on CUDA
     data_placement: str = "device"  # device = resident uint8 dataset; stream = pinned copies from a memmap file

@@ -1,4 +1,5 @@
-"""Few-step samplers: solvers of the diffusion probability-flow ODE, in 10-20 network calls instead of 50-1000.
+"""Few-step samplers: solvers of the diffusion probability-flow ODE (and one of the reverse SDE), in 10-50 network
+calls instead of 1000.
 
 All three work on the same discrete-time model fastddpm trains (epsilon or v prediction, linear or cosine betas).
 At timestep t the noisy image is x_t = alpha_t x_0 + sigma_t eps with alpha_t = sqrt(alpha_bar_t), sigma_t =
@@ -9,6 +10,11 @@ image is the last x0_hat ("lower-order final step", as the references do it).
 DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, alg. 2), with h_i = lambda_{i+1} - lambda_i:
     x_{i+1} = (sigma_{i+1} / sigma_i) x_i - alpha_{i+1} (e^{-h_i} - 1) D_i,
     D_i = x0_i + (h_i / (2 h_{i-1})) (x0_i - x0_{i-1})          (first step: D_0 = x0_0, which is DDIM)
+
+SDE-DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, sec. 5 / app. B; diffusers' "sde-dpmsolver++", midpoint),
+the same multistep data prediction for the reverse SDE instead of the ODE: each step forgets part of x_i and
+injects fresh noise z_i, so errors made early are washed out as in ancestral DDPM:
+    x_{i+1} = (sigma_{i+1} / sigma_i) e^{-h_i} x_i + alpha_{i+1} (1 - e^{-2 h_i}) D_i + sigma_{i+1} sqrt(1 - e^{-2 h_i}) z_i
 
 UniPC (Zhao et al. 2023, arXiv:2302.04867), order 2 with B(h) = e^{-h} - 1 ("bh2"), data prediction. Its
 predictor UniP-2 is the update above. Its corrector UniC reuses the network call the next step makes anyway at
@@ -125,6 +131,25 @@ def dpmpp_2m(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], l
         h = lam[i + 1] - lam[i]
         d = x0 if x0_prev is None else x0 + (0.5 * h / h_prev) * (x0 - x0_prev)
         x = (sigma[i + 1] / sigma[i]) * x - (alpha[i + 1] * math.expm1(-h)) * d
+        x0_prev, h_prev = x0, h
+    return x
+
+
+def dpmpp_2m_sde(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], lam: list[float],
+                 noise) -> torch.Tensor:
+    """SDE-DPM-Solver++(2M) over the levels of `noise_levels`; denoise(x, i) -> x0_hat at level i, noise() -> a
+    standard normal tensor like x (drawn once per step but the last, which lands on x0_hat with no noise)."""
+    steps = len(alpha) - 1
+    x0_prev = h_prev = None
+    for i in range(steps):
+        x0 = denoise(x, i)
+        if i == steps - 1:
+            return x0
+        h = lam[i + 1] - lam[i]
+        d = x0 if x0_prev is None else x0 + (0.5 * h / h_prev) * (x0 - x0_prev)
+        keep = -math.expm1(-2.0 * h)  # 1 - e^{-2h}, exact for small h
+        x = ((sigma[i + 1] / sigma[i]) * math.exp(-h)) * x + (alpha[i + 1] * keep) * d \
+            + (sigma[i + 1] * math.sqrt(keep)) * noise()
         x0_prev, h_prev = x0, h
     return x
 

@@ -1,5 +1,5 @@
-"""Reverse-process samplers: DDPM ancestral sampling and DDIM here; DPM-Solver++(2M), UniPC and Heun in
-fastddpm.diffusion.ode_solvers; `sample` runs any of them, with classifier-free guidance for conditional models.
+"""Reverse-process samplers: DDPM ancestral sampling and DDIM here; DPM-Solver++(2M), its SDE variant, UniPC and
+Heun in fastddpm.diffusion.ode_solvers; `sample` runs any of them, with classifier-free guidance for conditional models.
 
 DDPM (Ho et al. 2020, arXiv:2006.11239): x_{t-1} ~ q(x_{t-1} | x_t, x0_hat), the Gaussian posterior of eq. 6-7,
     mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),
@@ -21,8 +21,8 @@ from fastddpm import amp
 from fastddpm.config import SAMPLERS, SPACINGS, default_spacing
 from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
-from fastddpm.diffusion.ode_solvers import (dpmpp_2m, first_timestep, heun_2, noise_levels, solver_timesteps,
-                                           unipc_2)
+from fastddpm.diffusion.ode_solvers import (dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2, noise_levels,
+                                           solver_timesteps, unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
 
 def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
@@ -109,8 +109,9 @@ def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver
                spacing: str | None = None, prediction: str = "epsilon", generator: torch.Generator,
                device: torch.device | str, clip: bool = True, autocast_dtype: torch.dtype | None = None,
                progress=None) -> torch.Tensor:
-    """DPM-Solver++(2M), UniPC or Heun (fastddpm.diffusion.ode_solvers) over `steps` timesteps. Returns images in
-    [-1, 1], float32, shape `shape`."""
+    """DPM-Solver++(2M), SDE-DPM-Solver++(2M), UniPC or Heun (fastddpm.diffusion.ode_solvers) over `steps`
+    timesteps. Returns images in [-1, 1], float32, shape `shape`; the SDE solver's noise comes from `generator`
+    after the initial noise, one draw per step."""
     sched = schedule.to(device)
     ts = sampler_timesteps(sched, solver, steps, spacing)
     alpha, sigma, lam = noise_levels(sched, ts)
@@ -126,11 +127,14 @@ def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver
 
     if solver == "dpmpp-2m":
         return dpmpp_2m(denoise, x, alpha, sigma, lam)
+    if solver == "dpmpp-2m-sde":
+        return dpmpp_2m_sde(denoise, x, alpha, sigma, lam,
+                            noise=lambda: torch.randn(shape, generator=generator, device=device))
     if solver == "unipc":
         return unipc_2(denoise, x, alpha, sigma, lam)
     if solver == "heun":
         return heun_2(denoise, x, alpha, sigma)
-    raise ValueError(f"unknown solver {solver!r}: choose dpmpp-2m, unipc or heun")
+    raise ValueError(f"unknown solver {solver!r}: choose dpmpp-2m, dpmpp-2m-sde, unipc or heun")
 
 
 def sampler_timesteps(schedule: NoiseSchedule, sampler: str, steps: int, spacing: str | None = None) -> list[int]:

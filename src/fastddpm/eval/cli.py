@@ -73,7 +73,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                          "a TorchScript extractor such as NVlabs' inception-2015-12-05.pt (never downloaded)")
     ev.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     ev.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
-                    help="sampling autocast (default auto: bf16 on GPUs that have it, fp32 on a CPU)")
+                    help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
+                         "native bf16, else fp32)")
     ev.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="torch.compile the U-Net for sampling, each step a CUDA graph replay on a GPU (default "
                          "auto: on for CUDA, where 10,000 x 50 model calls repay the compile time)")
