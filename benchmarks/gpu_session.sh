@@ -15,7 +15,8 @@
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
-#   samplers          3-5 min      bench samplers on that reference run: FID vs NFE, 5,000 samples a point, DDPM-1000 too
+#   samplers          3-5 min      bench samplers on that reference run: FID vs NFE, 5,000 samples a point, DDPM-1000
+#   samplers-sde      1-2 min      SDE-DPM-Solver++(2M) alone on that run, 10, 20 (3 seeds), 50 steps: the default
 #   quality-fast      3-4 min      the fast recipe's wall time to the target (needs quality-reference's file)
 #   quality-options   3-5 min      min-snr-5, v-prediction, cosine on the fast recipe (needs quality-fast's file)
 #   quality-options-2 3-5 min      no-ema-warmup, no-lr-warmup, lr-x2, likewise
@@ -62,7 +63,8 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor ddp quality-reference eval samplers quality-fast
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor ddp quality-reference eval samplers
+     samplers-sde quality-fast
      quality-options quality-options-2 summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
   echo "usage: bash benchmarks/gpu_session.sh PART [PART ...]; parts:" $ALL; exit 2
@@ -192,6 +194,14 @@ for part in "${PARTS[@]}"; do
         false
       else
         limited 270 $PY -m fastddpm bench samplers "$ref" --num-samples 5000 --out "$RES/samplers"
+      fi ;;
+    samplers-sde)  # into the same folder as `samplers`: one table
+      if ! ref=$(reference_weights); then
+        echo "!! samplers-sde needs the reference run's weights: run \"quality-reference samplers-sde\" in one call"
+        false
+      else
+        limited 120 $PY -m fastddpm bench samplers "$ref" --num-samples 5000 --samplers dpmpp-2m-sde \
+          --steps 10,20,50 --no-ddpm --spread-points dpmpp-2m-sde-20 --out "$RES/samplers"
       fi ;;
     quality-fast)
       if [ -n "${TARGET_FID:-}" ]; then target=(--target-fid "$TARGET_FID")

@@ -1,9 +1,9 @@
-"""Draw the CPU sampler table of benchmarks/RESULTS.md (issue #16) as FID against network calls.
+"""Draw the CPU sampler tables of benchmarks/RESULTS.md (issue #16) as FID against network calls.
 
 `fastddpm bench samplers` draws this plot itself from the rows of its own folder. The CPU table was built over
 several sessions whose run folders (git-ignored) did not survive, so this script draws it from the FIDs recorded
-in RESULTS.md, section "Few-step samplers (issue #16): FID against network calls, on the CPU". The numbers
-below are copied from that table; change both together. The plot itself is fastddpm's (bench.samplers.write_plot).
+in RESULTS.md, sections "Few-step samplers (issue #16): FID against network calls, on the CPU" and "...: the
+SDE solver". The numbers below are copied from those tables; change both together. The plot itself is fastddpm's (bench.samplers.write_plot).
 
     .venv/bin/python benchmarks/plot_cpu_samplers.py [--out benchmarks/cpu/samplers.png]
 """
@@ -27,6 +27,9 @@ FID_BY_SAMPLER_STEPS: dict[str, dict[int, list[float]]] = {
     # Measured 2026-11-23 (afternoon) with a retrained feature network and a retrained checkpoint (same code and
     # seeds as the other points; DDIM-5 re-measured 18.50 there against 18.53): see RESULTS.md.
     "ddpm": {NUM_TIMESTEPS: [6.48]},
+    # Measured 2026-11-25 on that retrained checkpoint's twin (the same command again; DDIM-5 18.50 on both):
+    # RESULTS.md, "Few-step samplers (issue #16): the SDE solver".
+    "dpmpp-2m-sde": {10: [10.67], 20: [7.58, 7.76, 8.21], 50: [6.24, 6.30, 6.92], 100: [6.20]},
 }
 
 

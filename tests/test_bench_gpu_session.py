@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor", "ddp",
-         "quality-reference", "eval", "samplers", "quality-fast", "quality-options", "quality-options-2", "summarize"]
+         "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
+         "quality-options-2", "summarize"]
 
 
 def _load(name: str):

@@ -123,7 +123,7 @@ def test_guidance_one_is_plain_conditional_zero_is_unconditional_and_2b_equals_t
             torch.testing.assert_close(out, uncond + w * (cond - uncond), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "ddpm", "dpmpp-2m", "unipc", "heun"])
+@pytest.mark.parametrize("sampler", ["ddim", "ddpm", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"])
 def test_samplers_guide_every_class_and_null_sampling_is_the_unconditional_path(sampler):
     model = cond_model()
     schedule = make_schedule("linear", 20)
@@ -246,12 +246,12 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     run = tmp_path / "run"
     train(tiny_cond_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
     args = ["sample", "--checkpoint", str(run), "--steps", "2", "--no-progress", "--out", str(tmp_path / "s")]
-    assert main([*args, "--class", "7", "--guidance", "2", "--num-images", "3"]) == 0
-    z = np.load(tmp_path / "s" / "unipc2_n3_seed0_7_w2.npz")
-    assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 2
-    assert main([*args, "--class", "all", "--num-images", "20"]) == 0  # W: the run's train.sample_guidance (3)
-    z = np.load(tmp_path / "s" / "unipc2_n20_seed0_all_w3.npz")
-    assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)] and float(z["guidance"]) == 3
+    assert main([*args, "--class", "7", "--guidance", "4", "--num-images", "3"]) == 0  # the default sampler: SDE
+    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n3_seed0_7_w4.npz")
+    assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 4
+    assert main([*args, "--class", "all", "--num-images", "20"]) == 0  # W: the run's train.sample_guidance (2)
+    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n20_seed0_all_w2.npz")
+    assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)] and float(z["guidance"]) == 2
     capsys.readouterr()
     assert main([*args, "--class", "boots"]) == 2
     assert "is not one of this model's classes" in capsys.readouterr().err
@@ -269,7 +269,7 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
     assert main([*args, "--guidance", "0,1,3"]) == 0
     out = capsys.readouterr().out
     assert "| guidance W | class accuracy | FID |" in out and "classifier" in out
-    result = json.loads(next((run / "eval").glob("eval_unipc2_n20_seed0_w0-1-3.json")).read_text())
+    result = json.loads(next((run / "eval").glob("eval_dpmpp-2m-sde2_n20_seed0_w0-1-3.json")).read_text())
     rows = result["guidance"]
     assert [r["guidance"] for r in rows] == [0.0, 1.0, 3.0]
     for r in rows:

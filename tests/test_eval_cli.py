@@ -96,7 +96,7 @@ def test_eval_cli_end_to_end(evaluated_run, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert FEATURES_LABEL in out and "samples/s" in out and "classifier test accuracy" in out
-    result = json.loads((evaluated_run / "eval" / "eval_unipc4_n48_seed0.json").read_text())
+    result = json.loads((evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0.json").read_text())
     assert result["schema"] == "fastddpm-eval-1" and result["fid"] > 0
     assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["pr"]["k"] == 3
     assert result["features"]["label"] == FEATURES_LABEL
@@ -105,7 +105,7 @@ def test_eval_cli_end_to_end(evaluated_run, capsys):
     assert result["checkpoint"]["step"] == 40 and result["sampling"]["num_samples"] == 48
     assert result["sampling"]["drawn"] == 64 and result["sampling"]["samples_per_s"] > 0
     assert result["reference"]["num_images"] == 2000 and result["reference"]["split"] == "train"
-    assert (evaluated_run / "eval" / "eval_unipc4_n48_seed0.png").stat().st_size > 100
+    assert (evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0.png").stat().st_size > 100
     assert result["environment"]["torch"] == torch.__version__
 
 
@@ -227,7 +227,7 @@ def test_cuda_eval_compiled_bf16_and_eval_every(evaluated_run, fmnist_splits, tm
     rc = main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "64", "--steps", "4", "--batch-size",
                "32", "--device", "cuda", "--out", str(tmp_path / "gpu"), "--no-progress"])
     assert rc == 0
-    gpu = json.loads((tmp_path / "gpu" / "eval_unipc4_n64_seed0.json").read_text())
+    gpu = json.loads((tmp_path / "gpu" / "eval_dpmpp-2m-sde4_n64_seed0.json").read_text())
     assert gpu["sampling"]["compile"] is True and gpu["sampling"]["precision"] == "bf16"
     assert gpu["fid"] > 0 and gpu["sampling"]["steady_samples_per_s"] > 0
     result = train(tiny_cfg(fmnist_splits, max_steps=20, eval_every_images=160, eval_samples=32, eval_steps=4,

@@ -142,6 +142,18 @@ def test_network_calls_are_what_each_sampler_makes(name):
     assert calls[0] == 49  # every sampler starts at the noisiest trained timestep
 
 
+def gaussian_data_eps(schedule, s_data: float):
+    """The exact epsilon-prediction for data drawn from N(0, s_data^2): x0_hat = alpha s^2 x_t / (alpha^2 s^2 +
+    sigma^2) (the posterior mean), eps = (x_t - alpha x0_hat) / sigma."""
+    ab = schedule.float64("alpha_bar")
+
+    def eps(x, t):
+        a, sig = ab[t].sqrt().float().view(-1, 1, 1, 1), (1 - ab[t]).sqrt().float().view(-1, 1, 1, 1)
+        x0 = a * s_data**2 * x / (a**2 * s_data**2 + sig**2)
+        return (x - a * x0) / sig
+    return eps
+
+
 @pytest.mark.parametrize("schedule_kind", ["linear", "cosine"])
 def test_solvers_are_second_order_on_a_problem_with_a_known_answer(schedule_kind):
     """Gaussian data N(0, s^2): the exact denoiser is x0_hat = alpha s^2 x_t / (alpha^2 s^2 + sigma^2), and the
@@ -151,11 +163,7 @@ def test_solvers_are_second_order_on_a_problem_with_a_known_answer(schedule_kind
     s_data = 0.5
     schedule = make_schedule(schedule_kind, 1000)
     ab = schedule.float64("alpha_bar")
-
-    def exact_eps(x, t):
-        a, sig = ab[t].sqrt().float().view(-1, 1, 1, 1), (1 - ab[t]).sqrt().float().view(-1, 1, 1, 1)
-        x0 = a * s_data**2 * x / (a**2 * s_data**2 + sig**2)
-        return (x - a * x0) / sig
+    exact_eps = gaussian_data_eps(schedule, s_data)
 
     noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(SEED))
 
@@ -182,13 +190,7 @@ def test_the_sde_solver_draws_the_data_distribution_where_it_is_known(schedule_k
     too narrow). It injects fresh noise at every step, so a seed fixes its samples and another seed changes them."""
     s_data = 0.5
     schedule = make_schedule(schedule_kind, 1000)
-    ab = schedule.float64("alpha_bar")
-
-    def exact_eps(x, t):
-        a, sig = ab[t].sqrt().float().view(-1, 1, 1, 1), (1 - ab[t]).sqrt().float().view(-1, 1, 1, 1)
-        x0 = a * s_data**2 * x / (a**2 * s_data**2 + sig**2)
-        return (x - a * x0) / sig
-
+    exact_eps = gaussian_data_eps(schedule, s_data)
     shape = (20_000, 1, 1, 1)
 
     def draw(steps: int, sampler: str = "dpmpp-2m-sde", seed: int = SEED, **kw) -> torch.Tensor:

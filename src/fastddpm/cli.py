@@ -127,13 +127,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp = sub.add_parser(
         "sample", help="draw images from a trained model (PNG grid + .npz)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Sample images from a checkpoint with DDPM (ancestral, all T steps), DDIM, or the few-step ODE\n"
-                    "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls).",
+        description="Sample images from a checkpoint with DDPM (ancestral, all T steps), DDIM, the few-step ODE\n"
+                    "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls), or the\n"
+                    "stochastic SDE-DPM-Solver++(2M), the default (K steps).",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
                "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m "
                "--steps 10"
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
-               "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 3     # a conditional model\n"
+               "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 2     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
                "Writes OUT/<sampler><steps>[-<spacing>]_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; "
                "with\n"
@@ -245,15 +246,12 @@ def cmd_train(args, dests) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from fastddpm.sampling import class_labels, load_for_sampling, sample_to_files
+    from fastddpm.sampling import check_sampler_args, class_labels, load_for_sampling, sample_to_files
     from fastddpm.train.runtime import resolve_device
 
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(args.checkpoint, device=device, weights=args.weights)
-    if args.sampler != "ddpm" and not 1 <= args.steps <= cfg.diffusion.num_timesteps:
-        raise ConfigError(f"--steps {args.steps} must be between 1 and {cfg.diffusion.num_timesteps}")
-    if args.eta != 0.0 and args.sampler != "ddim":
-        raise ConfigError(f"--eta is DDIM's: --sampler {args.sampler} is deterministic (use --sampler ddim)")
+    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     ckpt = Path(args.checkpoint)

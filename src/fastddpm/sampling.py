@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastddpm.config import RunConfig, class_index, from_dict
+from fastddpm.config import ConfigError, RunConfig, class_index, from_dict
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
@@ -31,6 +31,15 @@ from fastddpm.train.checkpoint import (
     newest_checkpoint,
 )
 from fastddpm.train.runtime import Precision, resolve_precision
+
+
+def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int) -> None:
+    """`sample`'s and `eval`'s sampler flags against the model: a ConfigError naming the flag and the fix."""
+    if sampler != "ddpm" and not 1 <= steps <= num_timesteps:
+        raise ConfigError(f"--steps {steps} must be between 1 and {num_timesteps}")
+    if eta != 0.0 and sampler != "ddim":
+        kind = "stochastic by construction (the reverse SDE)" if sampler == "dpmpp-2m-sde" else "deterministic"
+        raise ConfigError(f"--eta is DDIM's: --sampler {sampler} is {kind} (use --sampler ddim for eta)")
 
 
 def compile_for_sampling(model, device: torch.device):

@@ -43,7 +43,7 @@ mean and min-max.
 _SAMPLERS_EPILOG = """\
 examples:
   fastddpm bench samplers runs/quickstart                    # the table of RESULTS.md: 2,000 samples a point
-  fastddpm bench samplers runs/cond --guidance 3             # a conditional model, class accuracy too
+  fastddpm bench samplers runs/cond --guidance 2             # a conditional model, class accuracy too
   fastddpm bench samplers runs/quickstart --samplers dpmpp-2m --steps 8,10,12 --no-ddpm
   fastddpm bench samplers runs/quickstart --quick            # 20 samples at 2 and 4 steps: a pipeline check
 
@@ -83,7 +83,8 @@ steady-state step time over --repeats repeats of --steps steps (CUDA events; per
 a CPU, where the numbers describe that CPU and are not GPU claims), as median [min-max];
 images/s and its ratio to the first variant; MFU = FlopCounterMode FLOPs of one step / median
 step time / the matmul peak measured in this run in the step's own dtype (bf16 or fp16 under
-autocast, TF32 for fp32 on CUDA, fp32 on a CPU; an 8192^3 matmul on CUDA), printed next to it;
+autocast, TF32 for fp32 on CUDA, fp32 on a CPU; an 8192^3 matmul on CUDA, the faster of a
+matmul and a 3x3 oneDNN convolution on a CPU), printed next to it;
 peak memory (CUDA); recompiles after warm-up and graph breaks; and the share of the step
 spent producing the batch. A variant that fails (out of memory, a compile error) is recorded
 as failed with its reason, and the others still run.
@@ -322,7 +323,7 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory, ckpt_*.pt or ema.safetensors")
     sp.add_argument("--samplers", type=_csv_list, default=None, metavar="A,B",
-                    help="default ddim,dpmpp-2m,unipc,heun")
+                    help="default ddim,dpmpp-2m,dpmpp-2m-sde,unipc,heun")
     sp.add_argument("--steps", type=_csvpositive_ints, default=None, metavar="K,..", help="default 5,10,20,50,100")
     sp.add_argument("--no-ddpm", dest="ddpm", action="store_false", default=None,
                     help="leave out the DDPM-over-all-T reference point (the costliest)")

@@ -38,7 +38,7 @@ SCHEMA = "fastddpm-bench-samplers-1"
 @dataclass(kw_only=True)
 class SamplerBenchSettings:
     checkpoint: str
-    samplers: tuple[str, ...] = field(default=("ddim", "dpmpp-2m", "unipc", "heun"),
+    samplers: tuple[str, ...] = field(default=("ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"),
                                       metadata={"help": "samplers to measure at every step count"})
     steps: tuple[int, ...] = field(default=(5, 10, 20, 50, 100), metadata={"help": "step counts"})
     ddpm: bool = field(default=True, metadata={"help": "also DDPM over all T steps (the reference point)"})

@@ -11,7 +11,8 @@ on synthetic uint8 images of the data's shape (1x28x28). Each variant then repor
   images/s       images per step / median step time; and its ratio to the first variant of the run
   MFU %          FlopCounterMode FLOPs of one step / median step time / the matmul peak measured in this run in
                  the step's own dtype (bf16 or fp16 under autocast; fp32 runs: TF32 on CUDA, as training runs it,
-                 fp32 on the CPU), one peak per dtype, measured once; the dtype is printed next to the MFU
+                 fp32 on the CPU; there the faster of a matmul and a 3x3 convolution), one peak per dtype,
+                 measured once; the dtype is printed next to the MFU
   peak mem GiB   torch.cuda.max_memory_allocated over the variant (n/a on the CPU)
   recompiles     graphs compiled after the warm-up, and graph breaks (torch._dynamo's counters)
   input wait %   batches.get(...) alone, timed the same way for `steps` steps, as a share of the step time
@@ -495,7 +496,8 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
     ]
     if device.type != "cuda":
         out.insert(0, "CPU run: timings describe this CPU (perf_counter) and are not GPU claims; the MFU peak is "
-                      "a CPU matmul in the step's dtype.")
+                      "the faster of a matmul and a 3x3 channels_last convolution (oneDNN, the U-Nets' own "
+                      "kernel) in the step's dtype.")
     return out
 
 

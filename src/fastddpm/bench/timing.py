@@ -146,12 +146,14 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
     CUDA: an n x n x n matmul (n = 8192: 1.1 TFLOP each), warmed, timed with CUDA events, best of `trials`
     trials of `iters` matmuls (an H100 80GB measures ~790-800 TFLOP/s in bf16; the datasheet's 989 is not
     reached by any real kernel). An fp32 matmul runs as TF32 when torch.backends.cuda.matmul.allow_tf32 is on
-    (as in training), and is then labelled tf32. CPU: n = 1024 on all of torch's threads (256 for fp16, which
-    most CPUs emulate at well under 1 GFLOP/s), the faster of two libraries for the same n x n x n product:
-    torch.matmul (MKL's sgemm in fp32, oneDNN in bf16) and a 1x1 convolution in channels_last (oneDNN's GEMM,
-    the library the U-Nets' convolutions run in). They differ: on an AMD Zen 5, MKL's sgemm takes its generic
-    AVX2 path at 0.22 TFLOP/s while oneDNN reaches 0.46 in fp32, and a peak read off MKL alone put the fp32
-    U-Net at "114% MFU" and bf16 at 4.4x fp32 instead of 2x. Default dtype: bf16 on CUDA, fp32 on the CPU.
+    (as in training), and is then labelled tf32. Default dtype: bf16 on CUDA, fp32 on the CPU.
+
+    CPU: on all of torch's threads, the faster of two kernels: an n x n x n torch.matmul (n = 1024; 256 for fp16,
+    which most CPUs emulate at well under 1 GFLOP/s) and a 3x3 convolution in channels_last (CONV_PEAK_SHAPE),
+    the oneDNN kernel the U-Nets' own convolutions use. They differ: torch.matmul is MKL's sgemm in fp32, which on
+    an AMD CPU runs AVX2 code: 0.21 TFLOP/s on a 2-core Zen 5 whose oneDNN convolutions reach 0.50 (AVX-512), while
+    bf16 goes to oneDNN either way (1.0). A peak read off MKL alone put the fp32 U-Net at "114% MFU" and bf16 at
+    4.2x fp32's rate; the hardware's ratio (avx512_bf16's dot products against fp32 FMAs) is 2x.
     Returns {"tflops", "label", "device", "dtype", "n", "iters", "trials", "per_trial_tflops", "path"}.
     """
     device = torch.device(device)
@@ -163,36 +165,43 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
     a = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
-    paths = {"matmul": lambda i: torch.matmul(a, b, out=c)}
+    paths = {f"matmul {n}^3": (lambda i: torch.matmul(a, b, out=c), 2 * n**3)}
     if not cuda:
-        paths["conv1x1 (oneDNN)"] = matmul_as_conv1x1(a, b)
+        paths["conv3x3 (oneDNN)"] = conv3x3_peak_case(dtype, device, gen)
     rates: dict[str, list[float]] = {}
-    for path, fn in paths.items():
+    for path, (fn, flops) in paths.items():
         for _ in range(3):  # warm-up: cuBLAS heuristics and workspace, clocks up, CPU threads spun up, primitives
             fn(0)
-        rates[path] = [2 * n**3 * iters / (time_steps(fn, iters, device) / 1000) / 1e12 for _ in range(trials)]
+        rates[path] = [flops * iters / (time_steps(fn, iters, device) / 1000) / 1e12 for _ in range(trials)]
     del a, b, c, paths
     free_device_memory(device)
     best = max(rates, key=lambda k: max(rates[k]))
     name = matmul_dtype_name(dtype, device)
-    threads = "" if cuda else f", {torch.get_num_threads()} threads"
-    how = "" if cuda else f" via {best}" + "".join(
-        f"; {k} {max(v):.3f}" for k, v in rates.items() if k != best)
+    if cuda:
+        what = f"{name} matmul {n}x{n}x{n} on {device_name(device)}"
+    else:
+        others = "".join(f"; {k} {max(v):.3f}" for k, v in rates.items() if k != best)
+        what = f"{name} {best} on {device_name(device)}, {torch.get_num_threads()} threads{others}"
     return {
         "tflops": max(rates[best]),
-        "label": f"measured {name} matmul {n}x{n}x{n} on {device_name(device)}{threads}, best of {trials}{how}",
+        "label": f"measured {what}, best of {trials}",
         "device": str(device), "dtype": name, "n": n, "iters": iters, "trials": trials,
         "per_trial_tflops": rates[best], "path": best,
     }
 
 
-def matmul_as_conv1x1(a_MK: torch.Tensor, b_KN: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    """The product a @ b as a 1x1 convolution in channels_last (M pixels of K channels, N filters), the way
-    oneDNN runs a U-Net's convolutions: a callable returning (a @ b) transposed, shaped (1, N, M, 1)."""
-    m, k = a_MK.shape
-    x_1KM1 = a_MK.t().reshape(1, k, m, 1).contiguous(memory_format=torch.channels_last)
-    w_NK11 = b_KN.t().reshape(-1, k, 1, 1).contiguous(memory_format=torch.channels_last)
-    return lambda i: torch.nn.functional.conv2d(x_1KM1, w_NK11)
+CONV_PEAK_SHAPE = (16, 128, 28, 28)  # (B, C, H, W), C -> C channels: a U-Net level's convolution at MNIST's size
+
+
+def conv3x3_peak_case(dtype: torch.dtype, device: torch.device,
+                      gen: torch.Generator) -> tuple[Callable[[int], torch.Tensor], int]:
+    """(a callable running one 3x3 convolution of CONV_PEAK_SHAPE in channels_last, its FLOPs: 2 per
+    multiply-add, as FlopCounterMode counts them)."""
+    b, ch, h, w = CONV_PEAK_SHAPE
+    x = torch.randn(CONV_PEAK_SHAPE, device=device, generator=gen).to(dtype)
+    weight = torch.randn(ch, ch, 3, 3, device=device, generator=gen).to(dtype)
+    x, weight = (t.contiguous(memory_format=torch.channels_last) for t in (x, weight))
+    return (lambda i: torch.nn.functional.conv2d(x, weight, padding=1)), 2 * b * h * w * ch * ch * 9
 
 
 # ----------------------------------------------------------------------------------------------------------------

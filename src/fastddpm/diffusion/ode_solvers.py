@@ -1,7 +1,7 @@
 """Few-step samplers: solvers of the diffusion probability-flow ODE (and one of the reverse SDE), in 10-50 network
 calls instead of 1000.
 
-All three work on the same discrete-time model fastddpm trains (epsilon or v prediction, linear or cosine betas).
+All four work on the same discrete-time model fastddpm trains (epsilon or v prediction, linear or cosine betas).
 At timestep t the noisy image is x_t = alpha_t x_0 + sigma_t eps with alpha_t = sqrt(alpha_bar_t), sigma_t =
 sqrt(1 - alpha_bar_t); the half log-SNR is lambda_t = log(alpha_t / sigma_t). Every solver asks the network for the
 data prediction x0_hat(x_t, t) (clipped to [-1, 1] when `clip`), and the last step lands on sigma = 0, where the
@@ -14,10 +14,11 @@ DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, alg. 2), with h_i = lambda_{
 SDE-DPM-Solver++(2M) (Lu et al. 2022, arXiv:2211.01095, sec. 5 / app. B; diffusers' "sde-dpmsolver++", midpoint),
 the same multistep data prediction for the reverse SDE instead of the ODE: each step forgets part of x_i and
 injects fresh noise z_i, so errors made early are washed out as in ancestral DDPM:
-    x_{i+1} = (sigma_{i+1} / sigma_i) e^{-h_i} x_i + alpha_{i+1} (1 - e^{-2 h_i}) D_i + sigma_{i+1} sqrt(1 - e^{-2 h_i}) z_i
+    x_{i+1} = (sigma_{i+1} / sigma_i) e^{-h_i} x_i + alpha_{i+1} (1 - e^{-2 h_i}) D_i
+              + sigma_{i+1} sqrt(1 - e^{-2 h_i}) z_i
 
 UniPC (Zhao et al. 2023, arXiv:2302.04867), order 2 with B(h) = e^{-h} - 1 ("bh2"), data prediction. Its
-predictor UniP-2 is the update above. Its corrector UniC reuses the network call the next step makes anyway at
+predictor UniP-2 is DPM-Solver++(2M)'s update. Its corrector UniC reuses the network call the next step makes anyway at
 x_{i+1}: it refits the step from x_i with that new x0, raising the order at no extra cost.
 
 Heun (Karras et al. 2022 "EDM", arXiv:2206.00364, alg. 1 without churn), in the variance-exploding variables

@@ -34,7 +34,7 @@ every output. The real data's statistics are cached too, so a second evaluation 
 
 _EPILOG = """\
 examples:
-  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 UniPC-20 samples
+  fastddpm eval --checkpoint runs/fmnist                                   # 10,000 SDE-DPM-Solver++-20 samples
   fastddpm eval --checkpoint runs/fmnist/ema.safetensors --num-samples 2000 --steps 20
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
@@ -81,7 +81,7 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--guidance", type=_guidance_list, default=None, metavar="W[,W...]",
                     help="a conditional model: classifier-free guidance scales to evaluate, each with FID, "
                          "precision/recall, class accuracy and per-class FID (default: the model's "
-                         "train.sample_guidance, 3 for new runs; e.g. 0,1,2,3,5 for the trade-off table)")
+                         "train.sample_guidance, 2 for new runs; e.g. 0,1,2,3,5 for the trade-off table)")
     ev.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/eval)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ev
@@ -110,7 +110,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.train.checkpoint import CheckpointError
-    from fastddpm.sampling import checkpoint_info, compile_for_sampling, load_for_sampling
+    from fastddpm.sampling import check_sampler_args, checkpoint_info, compile_for_sampling, load_for_sampling
     from fastddpm.train.runtime import resolve_device, resolve_precision
 
     log = print
@@ -121,10 +121,7 @@ def run_eval(args: argparse.Namespace) -> int:
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = checkpoint_info(ckpt)
-    if args.sampler != "ddpm" and args.steps > cfg.diffusion.num_timesteps:
-        raise ConfigError(f"--steps {args.steps} must be between 1 and {cfg.diffusion.num_timesteps}")
-    if args.eta != 0.0 and args.sampler != "ddim":
-        raise ConfigError(f"--eta is DDIM's: --sampler {args.sampler} is deterministic (use --sampler ddim)")
+    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
