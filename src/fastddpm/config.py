@@ -37,7 +37,7 @@ SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: SDE-DPM-Solver++(2M) in 20 network calls
 # (benchmarks/RESULTS.md, issue 16). On the CPU demo's checkpoints (2,000 samples) it beats every ODE sampler at
 # any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5 for DDPM
-# over all 1,000 steps; conditional 2.14 at W = 2 against UniPC-20's best, 2.56 at W = 3. 50 steps gain ~1.4 more
+# over all 1,000 steps; conditional 2.17 at W = 2 (3 seeds) against UniPC-20's best, 2.56 at W = 3. 50 steps gain ~1.4
 # (unconditional) at 2.5x the time: --steps 50. The ODE solvers level off where a stochastic sampler does not: each
 # step's fresh noise washes out the errors of the steps before. (Not yet measured on a GPU-trained model.)
 DEFAULT_SAMPLER = "dpmpp-2m-sde"
