@@ -90,6 +90,20 @@ def test_log_axes_are_labelled_in_plain_numbers(tmp_path, values, expected):
     assert not any("e" in s or "times" in s or "^" in s for s in labels), labels
 
 
+def test_a_log_x_axis_is_labelled_in_plain_numbers_too(tmp_path):
+    """The samplers' plot puts network calls (5 to 1,000) on a log x axis: 10 and 100, not 10^1 and 10^2."""
+    from fastddpm import charts
+
+    fig = charts.figure(5, 3)
+    ax = fig.subplots()
+    ax.plot([5, 1000], [1, 2])
+    charts.log_x(ax)
+    charts.save(fig, tmp_path / "log.png")
+    labels = {t.get_text() for t in ax.get_xticklabels(minor=False)} - {""}
+    assert {"10", "100", "1000"} <= labels, labels
+    assert not any("e" in s or "times" in s or "^" in s for s in labels), labels
+
+
 def test_eval_cli_end_to_end(evaluated_run, capsys):
     rc = main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "48", "--steps", "4",
                "--batch-size", "32", "--no-progress"])

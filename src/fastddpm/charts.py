@@ -29,8 +29,18 @@ def log_y(ax) -> None:
     1.2x10^1 on the minor ticks it labels when the range is under about a decade (FID 12-24). Which ticks get a
     label stays matplotlib's choice."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(_PlainLogFormatter())
-    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
+    _plain_labels(ax.yaxis)
+
+
+def log_x(ax) -> None:
+    """A log x axis labelled in plain numbers (10, 100, not 10^1), as log_y."""
+    ax.set_xscale("log")
+    _plain_labels(ax.xaxis)
+
+
+def _plain_labels(axis) -> None:
+    axis.set_major_formatter(_PlainLogFormatter())
+    axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
 
 
 class _PlainLogFormatter(LogFormatter):

@@ -265,7 +265,7 @@ def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> 
         for e in es:
             if e["seeds"] > 1:
                 ax.vlines(e["nfe"], e["fid_min"], e["fid_max"], color=line.get_color(), alpha=0.6)
-    ax.set_xscale("log")
+    charts.log_x(ax)
     ax.set_xlabel("network calls per image (NFE)")
     ax.set_ylabel(f"FID ({result['features']['label']})")
     ck = result["checkpoint"]
