@@ -3,7 +3,8 @@
 `fastddpm bench samplers` draws this plot itself from the rows of its own folder. The CPU table was built over
 several sessions whose run folders (git-ignored) did not survive, so this script draws it from the FIDs recorded
 in RESULTS.md, sections "Few-step samplers (issue #16): FID against network calls, on the CPU" and "...: the
-SDE solver". The numbers below are copied from those tables; change both together. The plot itself is fastddpm's (bench.samplers.write_plot).
+SDE solver". The numbers below are copied from those tables; change both together. The plot itself is
+fastddpm's (bench.samplers.write_plot).
 
     .venv/bin/python benchmarks/plot_cpu_samplers.py [--out benchmarks/cpu/samplers.png]
 """

@@ -533,8 +533,8 @@ def preset_cpu_demo_cond() -> RunConfig:
     the data's labels (10% dropped for classifier-free guidance); grids show one row per class.
 
     For Fashion-MNIST the final grid is ten rows of garments, each row its class, at guidance W = 2. The CPU's
-    default preset: after 100k images (bf16) its SDE-DPM-Solver++ 20-step samples score FID 4.5 at W = 1 and 2.1 at
-    W = 2, where 93% of them are the class asked for (benchmarks/RESULTS.md, issues 16 and 18).
+    default preset: after 100k images (bf16) its SDE-DPM-Solver++ 20-step samples score FID 4.5 at W = 1 and 2.2 at
+    W = 2 (three seeds: 2.14-2.19), where 93% of them are the class asked for (benchmarks/RESULTS.md, issues 16 and 18).
     """
     cfg = preset_cpu_demo()
     return dataclasses.replace(cfg, preset="cpu-demo-cond", model=dataclasses.replace(cfg.model, conditional=True),

@@ -190,12 +190,12 @@ def _cpu_compile_auto(precision: Precision, planned_images: int | None) -> tuple
     if precision.autocast_dtype != torch.bfloat16:
         return False, ("auto: off on CPU in fp32, where compiling measured no faster than eager (cpu-demo, two "
                        "CPUs); it pays only under bf16")
+    if planned_images is None:
+        return False, "auto: off on CPU, the run's length is not known here (--compile on to compile)"
     need = cpu_compile_min_images()
     slow = max(CPU_COMPILE_MEASURED, key=lambda m: m.payback_images)
     measured = (f"compiling (~{slow.compile_s:.0f} s cold) pays back at {slow.speedup:.2f}x under bf16 after "
-                f"~{need // 2:,} images on {slow.cpu}, the CPU it gained least on")
-    if planned_images is None:
-        return False, "auto: off on CPU, the run's length is not known here (--compile on to compile)"
+                f"~{int(slow.payback_images):,} images on {slow.cpu}, the CPU it gained least on")
     if planned_images < need:
         return False, (f"auto: off on CPU, this run plans {planned_images:,} images; {measured}, and auto asks "
                        f"for {need:,}")
