@@ -1,5 +1,5 @@
 """What fixing the CPU thread count costs: the trainer calls torch.set_num_threads at start (exact resume needs a
-reduction order that depends on the thread count alone, see fastddpm.train.runtime.fix_cpu_threads), which also
+reduction order that depends on the thread count alone, see fastddpm.device.fix_cpu_threads), which also
 switches MKL's dynamic threading off. This measures the training step of a preset on the CPU both ways.
 
 Each variant runs in its own fresh process (the switch cannot be undone in-process), alternating A B A B ..., so
@@ -23,28 +23,29 @@ def child(preset: str, steps: int, warmup: int, fixed: bool) -> None:
     import torch
 
     if fixed:
-        from fastddpm.train.runtime import fix_cpu_threads
+        from fastddpm.device import fix_cpu_threads
 
         fix_cpu_threads(None)
     from fastddpm.config import get_preset, resolve_model_shape
-    from fastddpm.train.batches import ResidentBatches
-    from fastddpm.train.runtime import resolve_fast_path, resolve_precision
-    from fastddpm.train.setup import build_model, build_optimization
+    from fastddpm.device import resolve_precision
+    from fastddpm.trainer.batches import ResidentBatches
+    from fastddpm.trainer.build import Optimization, build_model
+    from fastddpm.trainer.fast_path import resolve_fast_path
 
     cfg = resolve_model_shape(get_preset(preset), (1, 1, 28, 28))
     device = torch.device("cpu")
     precision = resolve_precision("fp32", device)
     fast = resolve_fast_path(cfg.train, device, precision)
     model, schedule = build_model(cfg, device=device, fast=fast)
-    opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast)
+    step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     bs = cfg.train.batch_size
     images = torch.randint(0, 256, (bs * 8, 1, 28, 28), dtype=torch.uint8).numpy()
     batches = ResidentBatches(images, batch_size=bs, num_timesteps=cfg.diffusion.num_timesteps, seed=0, device=device)
     for m in range(warmup):
-        opt.step_fn([batches.get(m)], lr=1e-3, step=m)
+        step_fn([batches.get(m)], lr=1e-3, step=m)
     t0 = time.perf_counter()
     for m in range(warmup, warmup + steps):
-        opt.step_fn([batches.get(m)], lr=1e-3, step=m)
+        step_fn([batches.get(m)], lr=1e-3, step=m)
     seconds = time.perf_counter() - t0
     print(json.dumps({"images_per_s": steps * bs / seconds, "threads": torch.get_num_threads()}))
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.preset, args.steps, args.warmup, args.child == "fixed")
         return 0
-    from fastddpm.bench.timing import environment_record
+    from fastddpm.measure import environment_record
 
     runs: dict[str, list[float]] = {"default": [], "fixed": []}
     for r in range(args.repeats):

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fastddpm.bench.store import write_json  # noqa: E402
-from fastddpm.bench.timing import environment_record  # noqa: E402
+from fastddpm.measure import environment_record  # noqa: E402
 
 
 def run(nproc: int | None, args: argparse.Namespace, parallel: str = "ddp") -> float:

@@ -30,8 +30,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fastddpm.bench.store import write_json  # noqa: E402
-from fastddpm.bench.timing import environment_record  # noqa: E402
 from fastddpm.doctor import watch  # noqa: E402
+from fastddpm.measure import environment_record  # noqa: E402
 
 
 def make(width: int, batch: int, device: torch.device):

@@ -127,7 +127,7 @@ limited() {
 $PY - "$COMMIT" "${PARTS[@]}" > "$RES/calls/$STAMP.json" <<'EOF'
 import json, sys
 import torch
-from fastddpm.bench.timing import environment_record
+from fastddpm.measure import environment_record
 env = environment_record("cuda" if torch.cuda.is_available() else "cpu",
                          ["bash", "benchmarks/gpu_session.sh", *sys.argv[2:]])
 env["commit_given"] = sys.argv[1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastddpm.train.runtime import CPU_BF16_FLAGS, cpu_flags
+from fastddpm.device import CPU_BF16_FLAGS, cpu_flags
 
 # The same choices on every machine: `--precision auto` picks bf16 on a CPU with native bf16 (amx_bf16,
 # avx512_bf16) and fp32 elsewhere, so the suite runs as on a CPU without them (this process and the ones its tests

@@ -88,7 +88,7 @@ def test_cli_rejects_bad_flags(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# bf16 rungs follow the compute capability, not torch.cuda.is_bf16_supported() (issue 13, item 1)
+# bf16 rungs follow the compute capability, not torch.cuda.is_bf16_supported()
 
 
 @pytest.mark.parametrize("name, capability, native", [("Tesla T4", (7, 5), False),
@@ -139,7 +139,7 @@ def test_cpu_ladder_adds_bf16_where_the_cpu_has_it(monkeypatch, flags, native):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU busy counts kernels, memcpy and memset only (issue 13, item 5)
+# GPU busy counts kernels, memcpy and memset only
 
 
 def test_gpu_busy_counts_work_not_annotation_ranges():
@@ -163,7 +163,7 @@ def test_gpu_busy_counts_work_not_annotation_ranges():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Results written after every rung, and a re-run that skips what is measured (issue 13, item 4)
+# Results written after every rung, and a re-run that skips what is measured
 
 
 def test_a_killed_ladder_keeps_its_rungs_and_a_rerun_measures_only_the_rest(tmp_path, monkeypatch):

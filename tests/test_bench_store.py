@@ -79,7 +79,7 @@ def test_a_new_optional_config_field_keeps_the_identity():
 
 def test_the_commit_a_caller_gives_is_the_records_commit(monkeypatch):
     """A tree copied to the GPU machine carried a stale .git: FASTDDPM_COMMIT (gpu_session.sh sets it) wins."""
-    from fastddpm.bench.timing import git_state
+    from fastddpm.measure import git_state
 
     monkeypatch.setenv("FASTDDPM_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     assert git_state() == {"git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": None,

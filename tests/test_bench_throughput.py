@@ -13,10 +13,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fastddpm.bench.cli import add_bench_parser, run_bench
-from fastddpm.bench.throughput import QUICK, TABLE_HEADER, ThroughputSettings, run_throughput
-from fastddpm.bench.timing import count_step_flops, environment_record, summarize, time_steps
+from fastddpm.bench.throughput import QUICK, ThroughputSettings, run_throughput
+from fastddpm.bench.throughput_report import TABLE_HEADER
 from fastddpm.config import ConfigError, get_preset
 from fastddpm.diffusion import diffusion_loss, schedule_from_config
+from fastddpm.measure import count_step_flops, environment_record, summarize, time_steps
 from fastddpm.models import UNet
 
 
@@ -117,8 +118,8 @@ def test_quick_run_markdown_has_the_table(quick_run):
 
 
 def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
-    from fastddpm.train import setup
-    from fastddpm.train.step import TrainStep
+    from fastddpm.trainer import build
+    from fastddpm.trainer.step import TrainStep
 
     class OOMAtBatch8(TrainStep):
         def __call__(self, batches, *, lr, step):
@@ -126,7 +127,7 @@ def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkey
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted)")
             return super().__call__(batches, lr=lr, step=step)
 
-    monkeypatch.setattr(setup, "TrainStep", OOMAtBatch8)  # the builder the benchmark shares with the trainer
+    monkeypatch.setattr(build, "TrainStep", OOMAtBatch8)  # the builder the benchmark shares with the trainer
     lines = []
     settings = ThroughputSettings(presets=("tiny",), batch_sizes=(8, 4), warmup_steps=1, steps=1, repeats=1,
                                   device="cpu", num_images=64)
@@ -210,13 +211,13 @@ def test_quick_flags_yield_to_explicit_ones():
     gpu = full.for_device(torch.device("cuda"))
     assert gpu.presets == ("seed-1layer", "seed-2layer") and gpu.batch_sizes == (64, 192, 512, 1024)
     assert gpu.choices == ()
-    cpu = full.for_device(torch.device("cpu"))  # issue 18: every CPU choice side by side, on the quickstart's model
+    cpu = full.for_device(torch.device("cpu"))  # every CPU choice side by side, on the quickstart's model
     assert cpu.presets == ("cpu-demo",) and cpu.batch_sizes == (64,)
     assert cpu.choices == ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
     assert s.choices == ()  # --quick: one variant per preset and batch
     named = throughput_settings(_parser().parse_args(["bench", "throughput", "--presets", "tiny"]))
     assert named.for_device(torch.device("cpu")).choices == ()  # presets named: one variant each
-    # the synthetic images take the presets' shape (issue 20): CIFAR-10's for ddpm-cifar10
+    # the synthetic images take the presets' shape: CIFAR-10's for ddpm-cifar10
     cifar = throughput_settings(_parser().parse_args(["bench", "throughput", "--presets", "ddpm-cifar10", "--quick"]))
     assert cifar.for_device(torch.device("cpu")).image_shape == (3, 32, 32)
     assert gpu.image_shape == (1, 28, 28)
@@ -247,17 +248,17 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
         ThroughputSettings(choices=("bf16-fast",))
     from fastddpm.bench.throughput import parse_choice
 
-    assert parse_choice("bf16-compile-gc")["train.grad_checkpointing"] is True  # memory saved vs time, issue 20
+    assert parse_choice("bf16-compile-gc")["train.grad_checkpointing"] is True  # memory saved vs time
     assert parse_choice("fp32-eager-cl-gc")["train.channels_last"] == "on"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MFU against a peak in the step's own dtype (issue 13, item 2)
+# MFU against a peak in the step's own dtype
 
 
 def _fake_peak(calls: list, tflops: float = 0.5):
     """A measure_matmul_peak that records the dtype it was asked for and returns a fixed peak."""
-    from fastddpm.bench.timing import matmul_dtype_name
+    from fastddpm.measure import matmul_dtype_name
 
     def fake(device, *, dtype=None, **kw):
         calls.append(dtype)
@@ -290,8 +291,8 @@ def test_mfu_divides_by_the_peak_of_the_steps_own_dtype(tmp_path, monkeypatch, p
 def test_fp32_on_cuda_is_measured_and_labelled_as_tf32_when_training_allows_it(monkeypatch):
     """Training turns TF32 on for fp32 matmuls, so an fp32 run's peak on CUDA is an fp32 matmul run as TF32."""
     from fastddpm.bench import throughput
-    from fastddpm.bench.timing import matmul_dtype_name
-    from fastddpm.train.runtime import Precision
+    from fastddpm.device import Precision
+    from fastddpm.measure import matmul_dtype_name
 
     cuda = torch.device("cuda")  # never touched: the peak is faked
     calls = []
@@ -313,7 +314,7 @@ def test_fp32_on_cuda_is_measured_and_labelled_as_tf32_when_training_allows_it(m
 
 
 def test_measure_matmul_peak_measures_in_the_dtype_asked():
-    from fastddpm.bench.timing import measure_matmul_peak
+    from fastddpm.measure import measure_matmul_peak
 
     peak = measure_matmul_peak("cpu", dtype=torch.bfloat16, n=64, trials=1, iters=1)
     assert peak["dtype"] == "bf16" and "bf16 " in peak["label"] and peak["tflops"] > 0
@@ -325,12 +326,12 @@ def test_the_cpu_peak_is_the_faster_of_blas_and_a_onednn_convolution(monkeypatch
     counted as FlopCounterMode counts the model's."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fastddpm.bench import timing
+    from fastddpm import measure
 
-    fn, flops = timing.conv3x3_peak_case(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    fn, flops = measure.conv3x3_peak_case(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         out = fn(0)
-    assert counter.get_total_flops() == flops and out.shape == timing.CONV_PEAK_SHAPE
+    assert counter.get_total_flops() == flops and out.shape == measure.CONV_PEAK_SHAPE
 
     n = 32
     for slow, fast in (("conv3x3 (oneDNN)", f"matmul {n}^3"), (f"matmul {n}^3", "conv3x3 (oneDNN)")):
@@ -339,14 +340,14 @@ def test_the_cpu_peak_is_the_faster_of_blas_and_a_onednn_convolution(monkeypatch
             tflops = 1.0 if (slow == "conv3x3 (oneDNN)") == is_conv else 4.0
             return 1000 * steps * (flops if is_conv else 2 * n**3) / (tflops * 1e12)
 
-        monkeypatch.setattr(timing, "time_steps", fake_time)
-        peak = timing.measure_matmul_peak("cpu", dtype=torch.float32, n=n, trials=2, iters=1)
+        monkeypatch.setattr(measure, "time_steps", fake_time)
+        peak = measure.measure_matmul_peak("cpu", dtype=torch.float32, n=n, trials=2, iters=1)
         assert peak["path"] == fast and f"fp32 {fast} on " in peak["label"] and f"; {slow} 1.000" in peak["label"]
         assert peak["tflops"] == pytest.approx(4.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Results written after every variant, and a re-run that skips what is measured (issue 13, item 4)
+# Results written after every variant, and a re-run that skips what is measured
 
 
 def test_a_killed_run_keeps_its_first_variant_and_a_rerun_measures_only_the_rest(tmp_path, monkeypatch):

@@ -15,10 +15,10 @@ from fastddpm.config import ConfigError, apply_overrides, class_index, get_prese
 from fastddpm.diffusion import make_schedule, sample
 from fastddpm.diffusion.guidance import guided
 from fastddpm.models import UNet
-from fastddpm.train.batches import ResidentBatches, StreamingBatches
-from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from fastddpm.train.loop import train
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.trainer.batches import ResidentBatches, StreamingBatches
+from fastddpm.trainer.loop import train
 
 from conftest import needs_bf16_gpu
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)

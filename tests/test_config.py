@@ -35,6 +35,23 @@ def test_json_config_and_length_flags_replace_each_other(tmp_path):
     assert cfg.train.max_images == 1000 and cfg.train.max_epochs is None and cfg.train.max_steps is None
 
 
+def test_the_api_and_the_command_line_resolve_alike():
+    """One resolver (fastddpm.config.resolve_config): keyword arguments of fastddpm.train layer over a preset as
+    flags do, a run length replacing the preset's (cpu-demo plans max_images), bare field names placed in their
+    section; --set takes bare names too."""
+    from fastddpm.api import _config
+
+    api = _config("cpu-demo", {"max_steps": 3, "lr": 1e-3, "diffusion.schedule": "linear"})
+    args, dests = _args(["--out", "r", "--preset", "cpu-demo", "--max-steps", "3", "--set", "lr=1e-3",
+                         "--set", "diffusion.schedule=linear"])
+    assert api == resolve_train_config(args, dests)
+    assert api.train.max_steps == 3 and api.train.max_images is None and api.train.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"'max_stepz' is in no config section: did you mean max_steps"):
+        _config("cpu-demo", {"max_stepz": 3})
+    with pytest.raises(ConfigError, match=r"give only one of"):  # one layer cannot ask for two lengths
+        _config("cpu-demo", {"max_steps": 3, "max_images": 100})
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"train.lr": -1}, r"train.lr=-1.0 must be > 0"),
     ({"train.batch_sise": 3}, r"unknown config field train.batch_sise \(did you mean 'batch_size'\?\)"),

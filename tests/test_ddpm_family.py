@@ -1,4 +1,4 @@
-"""The DDPM / improved-diffusion U-Net family end to end on 32x32 RGB images (issue 20): a tiny-width model of
+"""The DDPM / improved-diffusion U-Net family end to end on 32x32 RGB images: a tiny-width model of
 the family trains from the command line, resumes, samples and exports, as the seed's U-Net does. (Its fast-path
 equivalences and exact resume run in test_fast_path.py and test_train.py, beside the seed's.)"""
 
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY_DDPM, flags
 from fastddpm.cli import main
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

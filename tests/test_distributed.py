@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastddpm.train.batches import ResidentBatches, StreamingBatches
-from fastddpm.train.checkpoint import load_latest
+from fastddpm.rundir.checkpoint import load_latest
+from fastddpm.trainer.batches import ResidentBatches, StreamingBatches
 
 from conftest import TINY_DDPM, flags, needs_bf16_gpu
 
@@ -93,11 +93,12 @@ def test_too_few_images_per_rank_is_a_clear_error():
 def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int, overrides: dict | None = None) -> dict:
     """One process trains on the concatenation of the ranks' batches: the global batch, by construction."""
     from fastddpm.config import get_preset, apply_overrides
-    from fastddpm.data import prepare
     from fastddpm.config import resolve_model_shape
-    from fastddpm.train.runtime import resolve_fast_path, resolve_precision
-    from fastddpm.train.setup import build_model, build_optimization
-    from fastddpm.train.batches import Batch
+    from fastddpm.data import prepare
+    from fastddpm.device import resolve_precision
+    from fastddpm.trainer.batches import Batch
+    from fastddpm.trainer.build import Optimization, build_model
+    from fastddpm.trainer.fast_path import resolve_fast_path
 
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.batch_size": per_rank_batch * world,
                                                "train.device": "cpu", **(overrides or {})}, source="test")
@@ -107,7 +108,7 @@ def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int, ov
     precision = resolve_precision("auto", device)
     fast = resolve_fast_path(cfg.train, device, precision)
     model, schedule = build_model(cfg, device=device, fast=fast)
-    opt = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast)
+    step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     ranks = [ResidentBatches(data.images, batch_size=per_rank_batch, num_timesteps=cfg.diffusion.num_timesteps,
                              seed=cfg.train.seed, device=device, rank=r, world_size=world) for r in range(world)]
     for step in range(steps):
@@ -117,7 +118,7 @@ def _reference_params(src: Path, steps: int, per_rank_batch: int, world: int, ov
         images_seen = (step + 1) * per_rank_batch * world
         t = cfg.train
         lr = t.lr * min(1.0, images_seen / t.warmup_images) if t.warmup_images else t.lr
-        opt.step_fn([batch], lr=lr, step=step)
+        step_fn([batch], lr=lr, step=step)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -233,7 +234,8 @@ def test_ddp_never_suggests_cudagraph_trees():
     """DDP + compile + CUDA graph trees (--cuda-graphs reduce-overhead) has an open PyTorch bug (pytorch#113809)
     and is unmeasured here: neither the auto reason nor the refusal of capture under DDP may suggest it."""
     from fastddpm.config import ConfigError, TrainConfig
-    from fastddpm.train.runtime import Precision, resolve_fast_path
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
 
     cuda, bf16 = torch.device("cuda", 0), Precision("bf16", torch.bfloat16, False, "test")
     fast = resolve_fast_path(TrainConfig(), cuda, bf16, world_size=2)
@@ -293,8 +295,8 @@ def _dcp(run: Path, step: int) -> Path:
 
 @pytest.mark.slow
 def test_fsdp_two_ranks_match_one_process_on_the_same_global_batch(fsdp_run, fmnist_npz, tmp_path):
-    from fastddpm.train.checkpoint import load_safetensors
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.files import load_safetensors
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
     from fastddpm.sampling import load_for_sampling
 
     out, log = fsdp_run
@@ -324,7 +326,7 @@ def test_fsdp_two_ranks_match_one_process_on_the_same_global_batch(fsdp_run, fmn
 def test_fsdp_shards_the_ddpm_family_block_by_block_and_matches_one_process(fmnist_npz, tmp_path):
     """The DDPM U-Net's forward calls each ResBlock / Attention / Resample itself (its Levels' forward never
     runs): FSDP must shard those, or their parameters are never gathered (it failed so before)."""
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     out = tmp_path / "fsdp-ddpm"
     r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", *flags(TINY_DDPM)))
@@ -343,11 +345,11 @@ def test_fsdp_grids_sample_the_current_ema(fsdp_run, tmp_path):
     from PIL import Image
 
     from fastddpm.config import from_dict
+    from fastddpm.device import resolve_precision
     from fastddpm.diffusion import schedule_from_config
     from fastddpm.models import UNet
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
     from fastddpm.sampling import write_grid
-    from fastddpm.train.runtime import resolve_precision
 
     out, _ = fsdp_run
     state = read_sharded_checkpoint(_dcp(out, 2))
@@ -368,7 +370,7 @@ def test_fsdp_grids_sample_the_current_ema(fsdp_run, tmp_path):
 @pytest.mark.slow
 def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, fmnist_npz, tmp_path, capsys):
     from fastddpm.cli import main
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     full, _ = fsdp_run
     # 2 ranks: 2 steps, then 2 more after a restart equal 4 uninterrupted (bit for bit); a half-written save
@@ -429,7 +431,7 @@ def test_fsdp_outside_torchrun_is_a_clear_error(tmp_path, fmnist_npz, capsys):
 def test_fsdp_on_one_gpu_trains_in_bf16_and_resumes(tmp_path, fmnist_npz):
     """The GPU path of FSDP (NCCL, bf16 MixedPrecisionPolicy) on one device: trains, writes a sharded checkpoint,
     resumes from it."""
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     out = tmp_path / "gpu"
     args = ["--preset", "tiny", "--data", str(fmnist_npz), "--out", str(out), "--device", "cuda", "--no-progress",
@@ -447,7 +449,7 @@ def test_fsdp_on_one_gpu_trains_in_bf16_and_resumes(tmp_path, fmnist_npz):
 def test_a_conditional_model_trains_and_resumes_on_two_ranks(tmp_path, fmnist_npz, parallel):
     """Each rank's shard carries its labels (dropped per rank's own stream); the class embedding is sharded and
     checkpointed like every other weight, and a 2-rank resume goes on from it."""
-    from fastddpm.train.fsdp import read_sharded_checkpoint
+    from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     out = tmp_path / parallel
     extra = ("--conditional", "--parallel", parallel, "--num-sample-images", "10", "--sample-steps", "2")

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from fastddpm.doctor.api import mfu_measurements, run_matmul_dtype
+from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.rules import evaluate, verdict
-from fastddpm.doctor.trace import DATA_MARK, STEP_MARK, analyze, gemm_flops
+from fastddpm.doctor.trace import analyze
+from fastddpm.doctor.trace_flops import gemm_flops
 
 
 # CUPTI callback ids Kineto writes as a runtime call's "cbid"
@@ -492,11 +494,11 @@ def test_the_mfu_peak_dtype_is_the_runs_own():
 def test_a_known_precision_picks_the_peak_when_the_trace_hides_the_dtypes(monkeypatch):
     """fastddpm's own trainer under capture (or without a profile window): the dtypes are unseen in the trace,
     so its configured precision picks the peak instead of the device's usual dtype being assumed."""
-    import fastddpm.bench.timing
+    import fastddpm.measure
     from fastddpm.doctor.api import mfu_measurements
 
     asked = []
-    monkeypatch.setattr(fastddpm.bench.timing, "measure_matmul_peak",
+    monkeypatch.setattr(fastddpm.measure, "measure_matmul_peak",
                         lambda device, *, dtype=None, **kw: asked.append(dtype) or {"tflops": 1.0, "label": "fake"})
     stats = {"median_ms": 10.0}
     known = mfu_measurements(None, stats, "cpu", flops_per_step=1e9, matmul_dtype="bf16")
@@ -510,7 +512,7 @@ def test_a_known_precision_picks_the_peak_when_the_trace_hides_the_dtypes(monkey
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_mfu_is_measured_against_a_peak_in_the_runs_dtype(monkeypatch, precision):
     import fastddpm.doctor
-    import fastddpm.bench.timing
+    import fastddpm.measure
 
     asked = []
 
@@ -519,7 +521,7 @@ def test_mfu_is_measured_against_a_peak_in_the_runs_dtype(monkeypatch, precision
         # the doctor names the peak's dtype itself (this dict's vocabulary has no tf32), so this is never read
         return {"tflops": 0.5, "label": f"fake {dtype} peak", "dtype": "never read"}
 
-    monkeypatch.setattr(fastddpm.bench.timing, "measure_matmul_peak", fake_peak)
+    monkeypatch.setattr(fastddpm.measure, "measure_matmul_peak", fake_peak)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     loader = [torch.randn(32, 64) for _ in range(4)]
@@ -657,7 +659,7 @@ def test_gpu_breakdown_charges_kernels_to_the_op_that_launched_them():
 
 
 def test_cpu_native_bf16_reads_the_flags():
-    from fastddpm.train.runtime import cpu_native_bf16
+    from fastddpm.device import cpu_native_bf16
 
     assert cpu_native_bf16(frozenset({"avx512f", "amx_bf16", "amx_tile"})) == (
         True, "the CPU has amx_bf16: native bf16 matmuls")

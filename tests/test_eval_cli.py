@@ -14,9 +14,9 @@ from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, get_preset
 from fastddpm.eval import during_training
 from fastddpm.eval.classifier import FEATURES_LABEL
-from fastddpm.train.checkpoint import load_checkpoint, list_checkpoints
-from fastddpm.train.loop import train
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.checkpoint import load_checkpoint, list_checkpoints
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.trainer.loop import train
 
 from conftest import needs_bf16_gpu
 
@@ -175,10 +175,10 @@ def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_split
 
 def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
     """The EMA weights after 100 steps against the untrained initial weights: FID drops, precision rises."""
+    from fastddpm.config import resolve_model_shape
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.models import UNet
     from fastddpm.rng import derive_seed
-    from fastddpm.config import resolve_model_shape
     from fastddpm.sampling import load_for_sampling
 
     cfg = tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50)

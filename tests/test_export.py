@@ -19,7 +19,7 @@ from fastddpm.diffusion import schedule_from_config
 from fastddpm.export import example_inputs
 from fastddpm.models import UNet
 from fastddpm.sampling import load_for_sampling
-from fastddpm.train.loop import train
+from fastddpm.trainer.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 

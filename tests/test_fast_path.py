@@ -10,22 +10,22 @@ import pytest
 import torch
 
 from fastddpm.config import apply_overrides, get_preset
+from fastddpm.device import resolve_precision
 from fastddpm.diffusion import make_schedule
 from fastddpm.models import UNet
-from fastddpm.train.batch_finder import Trial, choose_knee, find_batch_size, make_trial_fn
-from fastddpm.train.batches import Batch, ResidentBatches, StreamingBatches
-from fastddpm.train.ema import EMA
-from fastddpm.train.loop import train
-from fastddpm.train.metrics import read_metrics
-from fastddpm.train.runtime import resolve_precision
-from fastddpm.train.step import TrainStep, make_optimizer, train_step
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.trainer.batch_finder import Trial, choose_knee, find_batch_size, make_trial_fn
+from fastddpm.trainer.batches import Batch, ResidentBatches, StreamingBatches
+from fastddpm.trainer.ema import EMA
+from fastddpm.trainer.loop import train
+from fastddpm.trainer.step import TrainStep, make_optimizer, train_step
 
 from conftest import TINY_DDPM, needs_bf16_gpu
 
 CPU = torch.device("cpu")
 
 
-# every equivalence below runs for both U-Net families (issue 20); TINY_DDPM: the ddpm family at a test's size
+# every equivalence below runs for both U-Net families; TINY_DDPM: the ddpm family at a test's size
 FAMILIES = pytest.mark.parametrize("family", ["seed", "ddpm"])
 
 
@@ -257,15 +257,15 @@ def test_cpu_precision_auto_is_bf16_only_where_the_cpu_has_native_bf16(monkeypat
 
 def test_cpu_compile_auto_compiles_only_bf16_runs_long_enough_to_pay_back():
     from fastddpm.config import TrainConfig
-    from fastddpm.train.runtime import (CPU_COMPILE_MEASURED, Precision, cpu_compile_min_images,
-                                        resolve_fast_path)
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import CPU_COMPILE_MEASURED, cpu_compile_min_images, resolve_fast_path
 
     cpu = torch.device("cpu")
     bf16 = Precision("bf16", torch.bfloat16, False, "test")
     fp32 = Precision("fp32", None, False, "test")
     need = cpu_compile_min_images()
     # twice the payback on the CPU where compiling gained least: 44 s / (1/493 - 1/524 s per image) on a Zen 5 with
-    # avx512_bf16 (the amx_bf16 Xeon of issue 18 paid back 3x sooner: 45 s / (1/371 - 1/435))
+    # avx512_bf16 (the 2-core amx_bf16 Xeon paid back 3x sooner: 45 s / (1/371 - 1/435))
     paybacks = sorted(m.payback_images for m in CPU_COMPILE_MEASURED)
     assert 100_000 < paybacks[0] < 130_000 and 330_000 < paybacks[-1] < 400_000 and need == int(2 * paybacks[-1])
     long_run = resolve_fast_path(TrainConfig(), cpu, bf16, planned_images=need)
@@ -363,7 +363,7 @@ def test_fast_step_ema_builds_no_autograd_history(real_images):
 
 def test_optimizer_state_resumes_across_implementations():
     """A checkpoint from the plain path (foreach, float lr) loads into the fast path (fused, tensor lr) and back."""
-    from fastddpm.train.checkpoint import portable_optimizer_state, with_current_optimizer_flags
+    from fastddpm.rundir.state_dicts import portable_optimizer_state, with_current_optimizer_flags
 
     model = tiny_model()
     plain = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=False,

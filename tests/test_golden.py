@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from fastddpm.config import apply_overrides, get_preset
-from fastddpm.train.loop import train
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.trainer.loop import train
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_losses.json"
 

@@ -11,7 +11,7 @@ import pytest
 from eval_fixtures import fmnist_splits  # noqa: F401 (a fixture: a real train/test slice)
 from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, get_preset
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.metrics import read_metrics
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
                                         reason="tensorboard is a test extra (pip install tensorboard)")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fastddpm.config import ConfigError, apply_overrides, get_preset
+from fastddpm.device import resolve_precision
 from fastddpm.diffusion import diffusion_loss, make_schedule, min_snr_weights
 from fastddpm.models import UNet
-from fastddpm.train.ema import EMA
-from fastddpm.train.runtime import resolve_precision
-from fastddpm.train.step import TrainStep, make_optimizer, train_step
+from fastddpm.trainer.ema import EMA
+from fastddpm.trainer.step import TrainStep, make_optimizer, train_step
 
 CPU = torch.device("cpu")
 
@@ -67,7 +67,7 @@ def test_weighted_loss_is_the_weighted_mean_of_per_sample_errors(prediction):
 def test_fast_step_equals_plain_step_with_min_snr():
     from conftest import read_fmnist
 
-    from fastddpm.train.batches import ResidentBatches
+    from fastddpm.trainer.batches import ResidentBatches
 
     cfg = get_preset("tiny").model
     cfg.image_channels, cfg.image_size = 1, 28

@@ -6,13 +6,13 @@ import torch
 
 from fastddpm.cli import main
 from fastddpm.config import get_preset
+from fastddpm.device import resolve_precision
 from fastddpm.diffusion import make_schedule
 from fastddpm.models import UNet
-from fastddpm.train import batches as batches_mod
-from fastddpm.train.batches import Batch, ResidentBatches
-from fastddpm.train.ema import EMA
-from fastddpm.train.runtime import resolve_precision
-from fastddpm.train.step import TrainStep, make_optimizer
+from fastddpm.trainer import batches as batches_mod
+from fastddpm.trainer.batches import Batch, ResidentBatches
+from fastddpm.trainer.ema import EMA
+from fastddpm.trainer.step import TrainStep, make_optimizer
 
 CPU = torch.device("cpu")
 
@@ -73,7 +73,7 @@ def test_run_with_a_nan_stops_naming_the_step(tmp_path, fmnist_npz, monkeypatch,
     assert "NaN/Inf at step 6" in err and "keep their values from step 5" in err and "ckpt_000000004.pt" in err
     # stopped at once on the CPU: before its first logging step, with the step-4 checkpoint intact
     assert not (run / "metrics.jsonl").exists()
-    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
 
     (ckpt,) = list_checkpoints(run / "checkpoints")
     state = load_checkpoint(ckpt)
@@ -90,7 +90,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import errno
     import os
 
-    from fastddpm.train import checkpoint as ckpt_mod
+    from fastddpm.rundir import checkpoint as ckpt_mod
 
     d = tmp_path / "checkpoints"
     first = ckpt_mod.save_checkpoint(d, 1, _state(1), keep=3)
@@ -102,10 +102,10 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         calls.append(fd)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt_mod.os, "fsync", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space left"):
         ckpt_mod.save_checkpoint(d, 2, _state(2), keep=3)
-    monkeypatch.setattr(ckpt_mod.os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "fsync", real_fsync)
     assert calls, "the injected fault never fired"
     assert first.read_bytes() == before
     assert ckpt_mod.load_checkpoint(first)["step"] == 1
@@ -117,7 +117,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_retention_survives_a_failed_delete(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from fastddpm.train import checkpoint as ckpt_mod
+    from fastddpm.rundir import checkpoint as ckpt_mod
 
     d = tmp_path / "checkpoints"
     for s in (1, 2):
@@ -141,7 +141,7 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
     import signal
 
     from conftest import interrupt_training
-    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
 
     run = tmp_path / "run"
     returncode, _, err = interrupt_training(fmnist_npz, run, signal.SIGINT, after_log_lines=2)
@@ -159,13 +159,13 @@ def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_p
     import textwrap
     import time
 
-    from fastddpm.train.checkpoint import list_checkpoints, load_latest
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_latest
 
     d = tmp_path / "checkpoints"
     script = textwrap.dedent(f"""
         import os, sys, time, torch
         from pathlib import Path
-        from fastddpm.train import checkpoint as c
+        from fastddpm.rundir import checkpoint as c, files
         d = Path({str(d)!r})
         c.save_checkpoint(d, 1, {{"model": {{"w": torch.ones(4)}}, "step": 1}}, keep=3)
         real_write = os.write
@@ -184,7 +184,7 @@ def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_p
         def patched_open(path, mode="r", *a, **k):
             f = real_open(path, mode, *a, **k)
             return Slow(f) if "ckpt_000000002.pt.tmp" in str(path) else f
-        c.open = patched_open
+        files.open = patched_open  # the module that writes checkpoint bytes
         c.save_checkpoint(d, 2, {{"model": {{"w": torch.zeros(4)}}, "step": 2}}, keep=3)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -208,7 +208,7 @@ def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_p
 
 def _recording(monkeypatch):
     """Record what every batch draw consumed: (m, indices, t, noise) - whichever loader made it."""
-    from fastddpm.train.batches import StreamingBatches
+    from fastddpm.trainer.batches import StreamingBatches
 
     seen = []
     for cls in (ResidentBatches, StreamingBatches):
@@ -233,7 +233,7 @@ def _same_draws(a, b):
 def test_no_replay_no_skip_across_a_resume(tmp_path, fmnist_npz, monkeypatch, resume_at):
     """256 images at batch 16 = 16 steps per epoch; 20 steps cross the boundary."""
     from fastddpm.config import apply_overrides
-    from fastddpm.train.loop import train
+    from fastddpm.trainer.loop import train
 
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
                                                "train.max_steps": 20, "train.checkpoint_every": resume_at,
@@ -252,8 +252,8 @@ def test_resume_does_not_depend_on_the_loader(tmp_path, fmnist_npz, monkeypatch)
     """Save with the streaming loader (memory-mapped cache), resume with the resident one: the same batches
     and bit-identical weights as a run that never changed loaders."""
     from fastddpm.config import apply_overrides
-    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
-    from fastddpm.train.loop import train
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.trainer.loop import train
 
     base = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 10,
             "train.checkpoint_every": 5, "train.num_sample_images": 1, "train.sample_steps": 1}
@@ -298,7 +298,7 @@ def test_oom_in_training_halves_the_micro_batch_and_keeps_the_global_batch(tmp_p
                                                                            capsys):
     import json
 
-    from fastddpm.train.checkpoint import load_latest
+    from fastddpm.rundir.checkpoint import load_latest
 
     assert main(_tiny_args(fmnist_npz, tmp_path / "plain", "--max-steps", "4")) == 0
     calls = _oom_above(monkeypatch, 8)  # 16 fails, 8 fits: one back-off
@@ -360,9 +360,9 @@ def test_fp16_overflow_skips_the_step_lowers_the_scale_and_survives_a_resume(tmp
     import subprocess
     import sys
 
-    from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
-    from fastddpm.train.loop import TrainHooks, train
-    from fastddpm.train.metrics import read_metrics
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.rundir.metrics import read_metrics
+    from fastddpm.trainer.loop import TrainHooks, train
 
     overflow_third_step = TrainHooks(wrap_batches=lambda b: _Overflowing(b, lambda m: m == 2))
     full = tmp_path / "full"
@@ -400,7 +400,7 @@ def test_fp16_overflow_skips_the_step_lowers_the_scale_and_survives_a_resume(tmp
 def test_fp16_scale_collapse_stops_the_run_naming_the_step(tmp_path, fmnist_npz):
     """Non-finite gradients at every scale (a diverged run) would otherwise be skipped silently forever: the scale
     halves each step from 2**16 and the run stops when it falls below 1, after the 17th skipped step."""
-    from fastddpm.train.loop import TrainHooks, train
+    from fastddpm.trainer.loop import TrainHooks, train
 
     always_from_step_3 = TrainHooks(wrap_batches=lambda b: _Overflowing(b, lambda m: m >= 2))
     with pytest.raises(FloatingPointError, match=r"fp16 loss scale fell to 0\.5 by step 19") as e:

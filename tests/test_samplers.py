@@ -20,7 +20,7 @@ from fastddpm.diffusion import (
     sample,
     sampler_timesteps,
 )
-from fastddpm.train.loop import train
+from fastddpm.trainer.loop import train
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
 

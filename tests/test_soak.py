@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from fastddpm.train.checkpoint import list_checkpoints, load_checkpoint
-from fastddpm.train.metrics import read_metrics
+from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
+from fastddpm.rundir.metrics import read_metrics
 
 STEPS = 300
 

@@ -12,17 +12,12 @@ import torch
 
 from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, get_preset
-from fastddpm.train.checkpoint import (
-    CheckpointError,
-    clean_state_dict,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest,
-    load_safetensors,
-)
-from fastddpm.train.loop import train
-from fastddpm.train.runtime import cuda_native_bf16, resolve_precision
-from fastddpm.train.metrics import read_metrics
+from fastddpm.device import cuda_native_bf16, resolve_precision
+from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint, load_latest
+from fastddpm.rundir.files import CheckpointError, load_safetensors
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.rundir.state_dicts import clean_state_dict
+from fastddpm.trainer.loop import train
 
 
 def tiny_cfg(source, **train_overrides):
@@ -227,7 +222,7 @@ def test_a_module_wrapped_by_torch_compile_has_clean_keys_and_loads_both_ways(tm
     """torch.compile(model) prefixes every key with `_orig_mod.`: a user's compiled U-Net and fastddpm's plain one
     exchange weights in both directions, and the compiled module runs with the loaded weights."""
     from fastddpm.models import UNet
-    from fastddpm.train.checkpoint import CheckpointError, load_model_state, unwrap_model
+    from fastddpm.rundir.state_dicts import CheckpointError, load_model_state, unwrap_model
     from fastddpm.sampling import load_for_sampling
 
     run = tmp_path / "run"

@@ -9,11 +9,7 @@ __all__ = ["train", "load", "evaluate", "Model", "__version__"]
 
 def __getattr__(name: str):
     # imported on first use: `import fastddpm` (and `fastddpm --version`) stays free of torch
-    if name == "train":  # the trainer's package, which is callable: fastddpm.api.train (see train/__init__.py)
-        import fastddpm.train
-
-        return fastddpm.train
-    if name in ("load", "evaluate", "Model"):
+    if name in __all__:
         from fastddpm import api
 
         return getattr(api, name)

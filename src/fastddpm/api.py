@@ -17,44 +17,22 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SECTIONS, ConfigError, RunConfig, apply_overrides,
-                             get_preset, load_config_file)
+from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, ConfigError, RunConfig, apply_overrides,
+                             resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
 
 def _config(config: str | Path | RunConfig | dict, overrides: dict[str, Any]) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
-    "section.field" or a bare field name of exactly one section (max_images -> train.max_images)."""
-    if isinstance(config, RunConfig):
-        cfg = config
-    elif isinstance(config, dict):
-        cfg = apply_overrides(RunConfig(), config, source="config dict")
-    elif isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
-        data = load_config_file(config)
-        base = get_preset(data.pop("preset")) if data.get("preset") else RunConfig()
-        cfg = apply_overrides(base, data, source=str(config))
-    else:
-        cfg = get_preset(str(config))
-    dotted = {}
-    for key, value in overrides.items():
-        if "." not in key:
-            fields = {sec: {f.name for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
-            owners = [sec for sec, names in fields.items() if key in names]
-            if not owners:
-                import difflib
-
-                known = {name: sec for sec, names in fields.items() for name in names}
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"did you mean {close[0]} ({known[close[0]]}.{close[0]})?" if close else \
-                    "docs/config.md lists every field"
-                raise ConfigError(f"fastddpm.train: {key}={value!r} is in no config section: {hint}")
-            if len(owners) > 1:
-                raise ConfigError(f"fastddpm.train: {key} is a field of {' and '.join(owners)}: name it as "
-                                  f"section.field, e.g. {owners[0]}.{key}")
-            key = f"{owners[0]}.{key}"
-        dotted[key] = value
-    return apply_overrides(cfg, dotted, source="fastddpm.train")
+    "section.field" or a bare field name of exactly one section (max_images -> train.max_images), resolved as
+    the command line resolves its flags (fastddpm.config.resolve_config)."""
+    layers = [("fastddpm.train", overrides)]
+    if isinstance(config, dict):
+        return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers)
+    if isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
+        return resolve_config(file=config, layers=layers)
+    return resolve_config(config if isinstance(config, RunConfig) else str(config), layers=layers)
 
 
 def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path, data: str | None = None,
@@ -63,7 +41,7 @@ def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path
     checkpoint, grid). `config`: a preset name (default cpu-demo), a YAML/JSON file, or a RunConfig; `data`:
     any data source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `overrides`:
     config fields, e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style keys)."""
-    from fastddpm.train.loop import train as train_loop
+    from fastddpm.trainer.loop import train as train_loop
 
     if data is not None:
         overrides = {"data.source": data, **overrides}
@@ -117,16 +95,13 @@ class Model:
 def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Model:
     """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file or an ema.safetensors
     export, ready to sample on `device` (auto: CUDA when present)."""
+    from fastddpm.device import resolve_device
+    from fastddpm.rundir.locate import locate
     from fastddpm.sampling import load_for_sampling
-    from fastddpm.train.checkpoint import CheckpointError
-    from fastddpm.train.runtime import resolve_device
 
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"fastddpm.load: {path} does not exist. Pass a run directory, a "
-                              "checkpoints/ckpt_*.pt file, or an ema.safetensors export")
+    ckpt = locate(path, weights=weights)
     dev, _ = resolve_device(device)
-    net, cfg = load_for_sampling(path, device=dev, weights=weights)
+    net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
     return Model(net=net, cfg=cfg, device=dev)
 
 
@@ -147,7 +122,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = DEFAU
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
-    from fastddpm.train.runtime import resolve_precision
+    from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
     batch = min(batch_size or (1000 if model.device.type == "cuda" else 250), num_samples)

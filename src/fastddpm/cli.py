@@ -16,25 +16,12 @@ import typing
 from pathlib import Path
 
 from fastddpm import __version__
-from fastddpm.config import (
-    DEFAULT_SAMPLER,
-    DEFAULT_SAMPLER_STEPS,
-    PRESETS,
-    SAMPLERS,
-    SECTIONS,
-    SPACINGS,
-    default_spacing,
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    flag_name,
-    get_preset,
-    load_config_file,
-    preset_summaries,
-)
+from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, PRESETS, SAMPLERS, SECTIONS, SPACINGS,
+                             ConfigError, RunConfig, TrainConfig, default_spacing, flag_name, load_config_file,
+                             preset_summaries, resolve_config)
 
 TRAIN_EPILOG = """\
-Presets (--preset NAME; later layers override: preset < --config FILE < flags):
+Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
 {presets}
   Default: seed-1layer when CUDA is available, else cpu-demo-cond (a grid of one row per class).
 
@@ -167,8 +154,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                          "default: unconditional")
     sp.add_argument("--guidance", type=float, default=None, metavar="W",
                     help="classifier-free guidance scale with --class (default: the model's train.sample_guidance, "
-                         "3 for new runs, the best FID measured on the CPU demo): 1 = plain conditional, 0 = "
-                         "unconditional, > 1 = more faithful to the class, less varied")
+                         f"{TrainConfig().sample_guidance:g} for new runs, the best FID measured on the CPU demo): 1 = "
+                         "plain conditional, 0 = unconditional, > 1 = more faithful to the class, less varied")
 
     from fastddpm.bench.cli import add_bench_parser
     from fastddpm.data.cli import add_data_parser
@@ -185,54 +172,40 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, dests
 
 
-def resolve_train_config(args, dests: dict, resumed_config: dict | None = None) -> RunConfig:
-    """preset (or the checkpoint's config when resuming) < --config FILE < --set < flags."""
+def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) -> RunConfig:
+    """preset (or the checkpoint's config when resuming) < --config FILE < --set < flags
+    (fastddpm.config.resolve_config, which the Python API shares)."""
     import torch
 
-    file_cfg = load_config_file(args.config) if args.config else {}
-    preset = args.preset or file_cfg.get("preset")
-    if resumed_config is not None and preset is None:
-        from fastddpm.config import from_dict
-
-        cfg = from_dict(resumed_config)
+    preset = args.preset or (load_config_file(args.config).get("preset") if args.config else None)
+    if resumed is not None and preset is None:
+        base = resumed
     else:
         if preset is None:
             preset = "seed-1layer" if torch.cuda.is_available() else "cpu-demo-cond"
             print(f"preset: {preset} (no --preset given; "
                   f"{'CUDA is available' if preset == 'seed-1layer' else 'no CUDA device'})")
-        cfg = get_preset(preset)
-    cfg = apply_overrides(cfg, {k: v for k, v in file_cfg.items() if k != "preset"}, source=str(args.config))
+        base = preset
     sets = {}
     for item in args.overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. --set train.lr=3e-4")
         key, value = item.split("=", 1)
-        if "." not in key:
-            raise ConfigError(f"--set {item!r}: name the section, e.g. train.{key}")
         sets[key] = value
-    cfg = apply_overrides(cfg, sets, source="--set")
-    flags = {}
-    for dest, (section, name) in dests.items():
-        value = getattr(args, dest)
-        if value is not None:
-            flags[f"{section}.{name}"] = value
-    # --max-steps / --max-images / --max-epochs replace each other rather than conflict with the preset's choice.
-    lengths = {"train.max_steps", "train.max_images", "train.max_epochs"}
-    if lengths & flags.keys():
-        for key in lengths - flags.keys():
-            flags[key] = None
-    return apply_overrides(cfg, flags, source="command line")
+    flags = {f"{section}.{name}": getattr(args, dest) for dest, (section, name) in dests.items()
+             if getattr(args, dest) is not None}
+    return resolve_config(base, file=args.config, layers=[("--set", sets), ("command line", flags)])
 
 
 def cmd_train(args, dests) -> int:
     import json
 
-    from fastddpm.train.checkpoint import Checkpointer
-    from fastddpm.train.loop import TrainingInterrupted, train
+    from fastddpm.rundir.locate import find_resume
+    from fastddpm.trainer.loop import TrainingInterrupted, train
 
     run_dir = Path(args.out)
-    resumed = Checkpointer(run_dir).resolve(args.resume) if args.resume else None
-    cfg = resolve_train_config(args, dests, resumed_config=resumed[1]["config"] if resumed else None)
+    resumed = find_resume(run_dir, args.resume)
+    cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -246,17 +219,17 @@ def cmd_train(args, dests) -> int:
 def cmd_sample(args) -> int:
     import torch
 
+    from fastddpm.device import resolve_device
+    from fastddpm.rundir.locate import locate
     from fastddpm.sampling import check_sampler_args, class_labels, load_for_sampling, sample_to_files
-    from fastddpm.train.runtime import resolve_device
 
     device, _ = resolve_device(args.device)
-    model, cfg = load_for_sampling(args.checkpoint, device=device, weights=args.weights)
+    ckpt = locate(args.checkpoint, weights=args.weights)
+    model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
-    ckpt = Path(args.checkpoint)
-    run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
-    out = Path(args.out) if args.out else run_dir / "samples"
+    out = Path(args.out) if args.out else ckpt.run_dir.samples
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
     if args.guidance is not None and args.klass is None:
@@ -283,7 +256,7 @@ def cmd_sample(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from fastddpm.data import DataError
-    from fastddpm.train.checkpoint import CheckpointError
+    from fastddpm.rundir.files import CheckpointError
 
     parser, dests = build_parser()
     args = parser.parse_args(argv)

@@ -153,20 +153,17 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
 
     from fastddpm.config import ConfigError, save_config
     from fastddpm.diffusion import schedule_from_config
-    from fastddpm.sampling import checkpoint_info, load_for_sampling
-    from fastddpm.train.checkpoint import CheckpointError, export_safetensors
-    from fastddpm.train.metrics import read_metrics
+    from fastddpm.rundir.files import save_safetensors
+    from fastddpm.rundir.locate import locate
+    from fastddpm.rundir.metrics import read_metrics
+    from fastddpm.sampling import load_for_sampling
 
     if fmt not in FORMATS:
         raise ConfigError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
-    run = Path(run)
-    if not run.exists():
-        raise CheckpointError(f"export: {run} does not exist; pass a run directory, a checkpoint or an "
-                              "ema.safetensors")
-    model, cfg = load_for_sampling(run, device="cpu")
-    info = checkpoint_info(run)
-    run_dir = run if run.is_dir() else (run.parent.parent if run.parent.name == "checkpoints" else run.parent)
-    out = Path(out) if out is not None else run_dir / f"export-{fmt}"
+    ckpt = locate(run)
+    model, cfg = load_for_sampling(ckpt, device="cpu")
+    info, run_dir = ckpt.info(), ckpt.run_dir
+    out = Path(out) if out is not None else run_dir.path / f"export-{fmt}"
     out.mkdir(parents=True, exist_ok=True)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
@@ -185,7 +182,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         result["max_abs_diff"] = _check_pt2(net, cfg, path)
     else:
         path = out / "model.safetensors"
-        export_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
+        save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
                            {"config": cfg.to_dict(), "step": info.get("step"), "format": "fastddpm-ema-1"})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
@@ -199,8 +196,8 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         "num_classes": cfg.model.num_classes if cfg.model.conditional else 0,
         "class_names": list(cfg.model.class_names) if cfg.model.conditional else []}, indent=1) + "\n")
     save_config(cfg, out / "config.json")
-    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "eval"] \
-        if (run_dir / "metrics.jsonl").is_file() else []
+    evals = [r for r in read_metrics(run_dir.metrics) if r.get("event") == "eval"] \
+        if run_dir.metrics.is_file() else []
     command = command or f"fastddpm.export.export({str(run)!r}, {fmt!r})"
     files = [path.name, "schedule.json", "config.json", "README.md"]
     (out / "README.md").write_text(model_card(cfg, info, evals[-1] if evals else None, fmt, files, command))

@@ -3,34 +3,28 @@
 The diffusion math (DDPM, DDIM, the ODE solvers) is fastddpm.diffusion.samplers; this module is everything around it
 that a user touches: `fastddpm sample`, the trainer's grids and the evaluator's loader all come through here.
 
-    load_for_sampling   a checkpoint (.pt), an FSDP run's .dcp, an ema.safetensors export or a run directory
-                        -> (model in eval mode, RunConfig)
+    load_for_sampling   whatever fastddpm.rundir.locate takes (a run directory, a .pt checkpoint, an FSDP run's .dcp,
+                        an ema.safetensors export) -> (model in eval mode, RunConfig)
     sample_to_files     N images in batches -> a PNG grid and an .npz of uint8 (N, C, H, W)
     write_grid          the trainer's grid: a fixed seed, so grids across a run are comparable
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, class_index, from_dict
+from fastddpm.config import ConfigError, RunConfig, class_index
+from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
 from fastddpm.rng import derive_seed
-from fastddpm.train.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    load_model_state,
-    load_safetensors,
-    newest_checkpoint,
-)
-from fastddpm.train.runtime import Precision, resolve_precision
+from fastddpm.rundir.locate import Checkpoint, locate
+from fastddpm.rundir.state_dicts import load_model_state
 
 
 def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int) -> None:
@@ -56,65 +50,15 @@ def grid_scale(image_size: int) -> int:
     return min(4, max(1, 128 // image_size))
 
 
-def load_for_sampling(path: str | Path, device: torch.device | str = "cpu", weights: str = "ema"):
-    """Load a model from a checkpoint (.pt, or an FSDP run's sharded .dcp directory), an ema.safetensors export,
-    or a run directory. Returns (model in eval mode, RunConfig)."""
-    path = Path(path)
-    if path.is_dir() and path.suffix != ".dcp":  # a run directory
-        found = newest_checkpoint(path / "checkpoints")
-        if found is not None and found[1].get("sharded") and weights == "ema" and (path / "ema.safetensors").is_file():
-            found = None  # an FSDP run: its gathered EMA export is the cheap read
-        if found is None:
-            st = path / "ema.safetensors"
-            if not st.is_file():
-                raise CheckpointError(f"{path} holds no checkpoint and no ema.safetensors")
-            path = st
-        else:
-            path = found[0]
-    if path.is_dir() and path.suffix == ".dcp":  # a sharded checkpoint of an FSDP run, gathered here
-        from fastddpm.train.fsdp import read_sharded_checkpoint
-
-        state = read_sharded_checkpoint(path)
-        cfg = from_dict(state["config"])
-        model = build_unet(cfg.model)
-        load_model_state(model, state["ema" if weights == "ema" else "model"], what=f"{path} ({weights} weights)")
-        return model.to(device).eval(), cfg
-    if path.suffix == ".safetensors":
-        if weights != "ema":
-            raise CheckpointError(f"{path} holds only the EMA weights; use --weights ema or pass a .pt checkpoint")
-        state_dict, meta = load_safetensors(path)
-        if "config" not in meta:
-            raise CheckpointError(f"{path} has no fastddpm config in its metadata; it was not written by fastddpm")
-        cfg = from_dict(json.loads(meta["config"]))
-    else:
-        state = load_checkpoint(path)
-        cfg = from_dict(state["config"])
-        state_dict = state["ema" if weights == "ema" else "model"]
+def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | str = "cpu", weights: str = "ema"):
+    """The U-Net of a run directory, a checkpoint (.pt, or an FSDP run's sharded .dcp directory), an
+    ema.safetensors export (any path `fastddpm.rundir.locate` takes) or an already located Checkpoint, with its
+    EMA or raw `weights`. Returns (model in eval mode on `device`, RunConfig)."""
+    ckpt = source if isinstance(source, Checkpoint) else locate(source, weights=weights)
+    cfg = ckpt.config
     model = build_unet(cfg.model)
-    load_model_state(model, state_dict, what=f"{path} ({weights} weights)")
+    load_model_state(model, ckpt.weights(weights), what=f"{ckpt.path} ({weights} weights)")
     return model.to(device).eval(), cfg
-
-
-def checkpoint_info(path: str | Path) -> dict:
-    """File, step and images seen of what load_for_sampling loads from `path` (a second, cheap read of the
-    metadata), to name the weights a result came from."""
-    path = Path(path)
-    if path.is_dir() and path.suffix != ".dcp":
-        found = newest_checkpoint(path / "checkpoints")
-        if found is not None:
-            return {"file": str(found[0]), "step": found[1]["step"], "images_seen": found[1].get("images_seen")}
-        path = path / "ema.safetensors"
-    if path.suffix == ".safetensors":
-        _, meta = load_safetensors(path)
-        return {"file": str(path), "step": json.loads(meta.get("step", "null")),
-                "images_seen": json.loads(meta.get("images_seen", "null"))}
-    if path.suffix == ".dcp":
-        from fastddpm.train.fsdp import read_meta
-
-        state = read_meta(path)
-    else:
-        state = load_checkpoint(path)
-    return {"file": str(path), "step": state.get("step"), "images_seen": state.get("images_seen")}
 
 
 def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.ndarray | None, int | None]:

@@ -136,16 +136,7 @@ def _csvints(text: str) -> tuple[int, ...]:
 
 
 def _csvpositive_ints(text: str) -> tuple[int, ...]:
-    out = []
-    for item in _csv_list(text):
-        try:
-            value = int(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {item!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected positive integers, got {value}")
-        out.append(value)
-    return tuple(out)
+    return tuple(positive_int(item) for item in _csv_list(text))
 
 
 def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

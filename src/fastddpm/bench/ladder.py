@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from fastddpm.bench import ladder_rungs, store
-from fastddpm.bench.timing import (environment_record, free_device_memory, peak_memory_bytes, reset_peak_memory,
-                                   summarize, time_steps, time_wall_s)
 from fastddpm.config import ConfigError, get_preset, resolve_model_shape
 from fastddpm.data import DataError
-from fastddpm.train.batch_finder import is_oom
-from fastddpm.train.compile_counters import CompileCounters
-from fastddpm.train.runtime import resolve_device
+from fastddpm.device import resolve_device
+from fastddpm.measure import (environment_record, free_device_memory, peak_memory_bytes, reset_peak_memory,
+                              summarize, time_steps, time_wall_s)
+from fastddpm.trainer.batch_finder import is_oom
+from fastddpm.trainer.compile_counters import CompileCounters
 
 SCHEMA = "fastddpm-bench-ladder-2"  # 2: rows carry identity and run; written after every rung
 QUICK = dict(preset="tiny", num_images=96, steps=2, warmup_steps=1, repeats=2, mlp_epochs=1, mlp_train_images=2000,

@@ -1,13 +1,13 @@
 """The rungs of `fastddpm bench ladder` (seed 000's DDPM ladder, then past it). Each rung adds one change.
 
 Rungs 0-6 are "the user's loop": a torch Dataset / DataLoader, `.to(device)`, and fastddpm's plain step
-(fastddpm.train.step.train_step, with torch.amp.GradScaler for fp16), a plain (non-fused, per-tensor) AdamW
+(fastddpm.trainer.step.train_step, with torch.amp.GradScaler for fp16), a plain (non-fused, per-tensor) AdamW
 and a per-tensor EMA loop, as a user writes them. Rungs 7-9 are fastddpm's own machinery (build_model /
-build_optimization: TrainStep, fused AdamW, foreach EMA, CUDA graph capture; find_batch_size).
+Optimization: TrainStep, fused AdamW, foreach EMA, CUDA graph capture; find_batch_size).
 
 A rung's switches are the previous rung's plus its own change. A rung that cannot run here (no CUDA; bf16 on a
 GPU that would emulate it) is skipped and its change is not carried forward; a rung with `branch=True` (bf16)
-is shown but not carried. Every rung's precision goes through fastddpm.train.runtime.resolve_precision, the
+is shown but not carried. Every rung's precision goes through fastddpm.device.resolve_precision, the
 trainer's own owner of that choice.
 Every builder returns a Prepared: a `step(i)` closure (one optimizer step, drawing its batch) plus notes.
 """
@@ -26,10 +26,11 @@ import torch
 from PIL import Image
 
 from fastddpm.config import RunConfig, apply_overrides
-from fastddpm.train.batches import Batch, ResidentBatches
-from fastddpm.train.runtime import FastPath, Precision, cpu_native_bf16, cuda_native_bf16, resolve_precision
-from fastddpm.train.setup import build_model, build_optimization
-from fastddpm.train.step import train_step
+from fastddpm.device import Precision, cpu_native_bf16, cuda_native_bf16, resolve_precision
+from fastddpm.trainer.batches import Batch, ResidentBatches
+from fastddpm.trainer.build import Optimization, build_model
+from fastddpm.trainer.fast_path import FastPath
+from fastddpm.trainer.step import train_step
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
     notes = []
     batch_size, setup_s = sw.batch_size, 0.0
     if sw.auto_batch:
-        from fastddpm.train.batch_finder import find_batch_size, make_trial_fn
+        from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 
         t0 = time.perf_counter()
         probe, schedule = build_model(ctx.cfg, device=device,
@@ -312,7 +313,7 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
     graphs = "capture" if sw.cuda_graphs and cuda else "off"
     fast = FastPath(compile=sw.compile, cuda_graphs=graphs, channels_last=False, cudnn_benchmark=cuda, reasons={})
     model, schedule = build_model(cfg, device=device, fast=fast)
-    step_fn = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).step_fn
+    step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     batches = ResidentBatches(ctx.images_NCHW, batch_size=batch_size, num_timesteps=cfg.diffusion.num_timesteps,
                               seed=ctx.seed, device=device)
     if not cuda and sw.fused:

@@ -140,15 +140,17 @@ def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
 
 
 def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
-    from fastddpm.train.loop import train
-    from fastddpm.train.metrics import read_metrics
+    from fastddpm.rundir.layout import RunDir
+    from fastddpm.rundir.metrics import read_metrics
+    from fastddpm.trainer.loop import train
 
     run_dir = out_dir / name
     t0 = time.perf_counter()
     result = train(cfg, out_dir=run_dir, log=lambda m: log(f"  [{name}] {m}"))
     total_s = time.perf_counter() - t0
-    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("event") == "eval"]
-    losses = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    records = read_metrics(RunDir(run_dir).metrics)
+    evals = [r for r in records if r.get("event") == "eval"]
+    losses = [r for r in records if "loss" in r]
     return {"name": name, "run_dir": str(run_dir), "config": cfg.to_dict(), "evals": evals,
             "final_fid": evals[-1]["fid"] if evals else None, "images_seen": result.images_seen,
             "train_wall_s": losses[-1]["wall_s"] if losses else None, "process_s": total_s,
@@ -169,8 +171,8 @@ def default_out_dir() -> Path:
 
 def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: list[str] | None = None,
                 log: Callable[[str], None] = print) -> dict:
-    from fastddpm.bench.timing import environment_record
-    from fastddpm.train.runtime import resolve_device
+    from fastddpm.device import resolve_device
+    from fastddpm.measure import environment_record
 
     device, _ = resolve_device(s.device)
     out = Path(out_dir) if out_dir is not None else default_out_dir()

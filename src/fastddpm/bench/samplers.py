@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 
 from fastddpm.bench import store
-from fastddpm.bench.timing import environment_record
 from fastddpm.config import SAMPLERS, SPACINGS, ConfigError
+from fastddpm.measure import environment_record
 
 SCHEMA = "fastddpm-bench-samplers-1"
 
@@ -89,13 +89,15 @@ def points(settings: SamplerBenchSettings, num_timesteps: int) -> list[tuple[str
 
 def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = None,
                  log: Callable[[str], None] = print) -> dict:
+    from fastddpm.device import resolve_device, resolve_precision
     from fastddpm.eval.evaluate import Evaluator
-    from fastddpm.sampling import checkpoint_info, compile_for_sampling, load_for_sampling
-    from fastddpm.train.runtime import resolve_device, resolve_precision
+    from fastddpm.rundir.locate import locate
+    from fastddpm.sampling import compile_for_sampling, load_for_sampling
 
     device, _ = resolve_device(settings.device)
-    model, cfg = load_for_sampling(settings.checkpoint, device=device)
-    info = checkpoint_info(settings.checkpoint)
+    ckpt = locate(settings.checkpoint)
+    model, cfg = load_for_sampling(ckpt, device=device)
+    info = ckpt.info()
     T = cfg.diffusion.num_timesteps
     precision = resolve_precision(settings.precision, device)
     compile_on = device.type == "cuda" if settings.compile == "auto" else settings.compile == "on"

@@ -1,7 +1,7 @@
 """`fastddpm bench throughput`: how fast does the trainer's own step run, and how close is it to the GPU's limit?
 
 For each preset x batch size the model, optimizer, EMA, batch source and TrainStep are built exactly as
-fastddpm.train.loop.train builds them (same resolve_* functions, same make_optimizer flags, same TrainStep),
+fastddpm.trainer.loop.train builds them (same resolve_* functions, same make_optimizer flags, same TrainStep),
 on synthetic uint8 images of the data's shape (1x28x28). Each variant then reports:
 
   compile s      wall time of the first `warmup_steps` steps (compile, autotune, CUDA graph capture, cuDNN
@@ -38,33 +38,35 @@ import numpy as np
 import torch
 
 from fastddpm.bench import store
-from fastddpm.bench.timing import (
-    count_step_flops,
-    environment_record,
-    free_device_memory,
-    matmul_dtype_name,
-    measure_matmul_peak,
-    peak_memory_bytes,
-    reset_peak_memory,
-    summarize,
-    time_steps,
-    time_wall_s,
-)
+from fastddpm.bench.throughput_report import progress_line, table_markdown, write_results
 from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset, resolve_model_shape
+from fastddpm.device import Precision, resolve_device, resolve_precision
+from fastddpm.measure import (
+                              count_step_flops,
+                              environment_record,
+                              free_device_memory,
+                              matmul_dtype_name,
+                              measure_matmul_peak,
+                              peak_memory_bytes,
+                              reset_peak_memory,
+                              summarize,
+                              time_steps,
+                              time_wall_s,
+                              )
 from fastddpm.models import count_parameters
 from fastddpm.rng import derive_seed
-from fastddpm.train.batch_finder import is_oom
-from fastddpm.train.batches import make_batches
-from fastddpm.train.compile_counters import CompileCounters
-from fastddpm.train.runtime import Precision, resolve_device, resolve_fast_path, resolve_precision
-from fastddpm.train.setup import build_model, build_optimization
+from fastddpm.trainer.batch_finder import is_oom
+from fastddpm.trainer.batches import make_batches, step_batches
+from fastddpm.trainer.build import Optimization, build_model
+from fastddpm.trainer.compile_counters import CompileCounters
+from fastddpm.trainer.fast_path import resolve_fast_path
 
 SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity and run; written after every variant
 
 # --quick: what CI runs. Well under a minute on a 2-core CPU.
 QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2, choices=())
 
-# A CPU run's default: every precision / compile / layout choice side by side (issue 18), on the CPU quickstart's
+# A CPU run's default: every precision / compile / layout choice side by side, on the CPU quickstart's
 # preset and batch. Each is PRECISION-MODE[-cl][-gc]: PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl
 # for channels_last, -gc for gradient checkpointing (peak memory against step time).
 CPU_CHOICES = ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
@@ -94,9 +96,6 @@ def parse_choice(name: str) -> dict:
                           f"checkpointing), e.g. {','.join(CPU_CHOICES)}")
     return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
             "train.channels_last": "on" if "cl" in flags else "off", "train.grad_checkpointing": "gc" in flags}
-
-TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
-                "peak mem GiB | recompiles | graph breaks | input wait % | status |")
 
 
 @dataclass(kw_only=True)
@@ -251,9 +250,9 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
     free_device_memory(device)
     reset_peak_memory(device)
 
-    # ---- the trainer's own set-up (fastddpm.train.setup), without data loading, logging and checkpoints
+    # ---- the trainer's own set-up (fastddpm.trainer.setup), without data loading, logging and checkpoints
     model, schedule = build_model(cfg, device=device, fast=fast)
-    step_fn = build_optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).step_fn
+    step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
                            num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
                            hflip=cfg.data.hflip)
@@ -264,12 +263,10 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
 
     def one_step(step: int) -> None:
         # As the training loop: draw the micro-batches for this step, then the step (no host sync inside).
-        micro = [batches.get(step * t.accum_steps + k) for k in range(t.accum_steps)]
-        last_loss[:] = [step_fn(micro, lr=t.lr, step=step)]
+        last_loss[:] = [step_fn(step_batches(batches, step, t.accum_steps), lr=t.lr, step=step)]
 
     def input_only(step: int) -> None:
-        for k in range(t.accum_steps):
-            batches.get(step * t.accum_steps + k)
+        step_batches(batches, step, t.accum_steps)
 
     # ---- compile / warm-up: its own number, never part of the steady state
     compile_s = time_wall_s(lambda: [one_step(s) for s in range(settings.warmup_steps)], device)
@@ -499,109 +496,3 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
                       "the faster of a matmul and a 3x3 channels_last convolution (oneDNN, the U-Nets' own "
                       "kernel) in the step's dtype.")
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reporting
-
-
-def _short_error(row: dict, limit: int = 100) -> str:
-    first_line = (row["error"] or "").splitlines()[0] if row["error"] else ""
-    text = first_line if len(first_line) <= limit else first_line[:limit - 3] + "..."
-    return text.replace("|", "\\|")
-
-
-def progress_line(row: dict) -> str:
-    if row["status"] != "ok":
-        return f"FAILED ({_short_error(row, 200)})"
-    s = row["step_ms"]
-    mem = "" if row["peak_memory_gib"] is None else f", peak {row['peak_memory_gib']:.2f} GiB"
-    rec = "" if row["recompiles_after_warmup"] is None else \
-        f", recompiles {row['recompiles_after_warmup']}, graph breaks {row['graph_breaks']}"
-    graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
-        row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
-    return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
-            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak{mem}{rec}, "
-            f"input wait {row['input_wait_pct']:.1f}%{graphs}")
-
-
-def _name(row: dict) -> str:
-    return f"{row['preset']} batch {row['batch_size']}" + (f" {row['choice']}" if row.get("choice") else "")
-
-
-def table_markdown(rows: list[dict]) -> str:
-    """The table; comparing choices, a `choice` column after the batch and `x first` within each preset and batch."""
-    choices = any(r.get("choice") for r in rows)
-    header = TABLE_HEADER.replace("| batch |", "| batch | choice |") if choices else TABLE_HEADER
-    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
-    for r in rows:
-        key = f"| {r['preset']} | {r['batch_size']} |" + (f" {r.get('choice') or '-'} |" if choices else "")
-        if r["status"] != "ok":
-            lines.append(f"{key} failed |" + " - |" * 8 + f" failed: {_short_error(r)} |")
-            continue
-        s = r["step_ms"]
-        lines.append(
-            f"{key} {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
-            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
-            f"({r['mfu_dtype']}) | "
-            f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
-            f"{store.fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
-        )
-    return "\n".join(lines)
-
-
-def report_markdown(result: dict) -> str:
-    env, s, rows = result["environment"], result["settings"], result["results"]
-    commit = str(env["git_commit"])[:12] + (" (uncommitted changes)" if env.get("git_dirty") else "")
-    cuda = "" if env.get("cuda_runtime") is None else f", CUDA runtime {env['cuda_runtime']}"
-    driver = "" if env.get("cuda_driver") is None else f", driver {env['cuda_driver']}"
-    peaks = {}
-    for r in rows:
-        if r["status"] == "ok":
-            peaks.setdefault(r["mfu_dtype"], (r["mfu_peak_tflops"], r["mfu_peak_label"]))
-    lines = ["# fastddpm bench throughput", ""]
-    if not result.get("complete", True):
-        lines += [f"**Incomplete**: {len(rows)} of {result['planned_variants']} variants measured so far (the run "
-                  "was stopped, or is still running); the same command into this folder measures the rest.", ""]
-    lines += [
-        f"- date (UTC): {env['date_utc']}",
-        f"- device: {env['device_name']} ({env['device']}){driver}{cuda}; {env['torch_threads']} torch threads",
-        f"- software: torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {commit}",
-        f"- command: `{env['command_line']}`",
-    ]
-    runs = result.get("runs") or []
-    if len(runs) > 1 or (runs and runs[0]["date_utc"] != env["date_utc"]):
-        lines += ["- rows measured by: " + "; ".join(
-            f"{run['date_utc']} `{run['command_line']}` (commit {str(run['git_commit'])[:12]}"
-            + (", uncommitted changes" if run.get("git_dirty") else "") + ")" for run in runs)]
-    lines += [
-        f"- settings: precision {s['precision_resolved']} ({s['precision_reason']}); compile {s['compile']}, "
-        f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
-        f"then {s['repeats']} x {s['steps']} timed steps",
-    ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})" for dtype, (tflops, label) in peaks.items()]
-    lines += ["", table_markdown(rows), ""]
-    failed = [r for r in rows if r["status"] != "ok"]
-    if failed:
-        lines += ["## Failed variants", ""]
-        lines += [f"- {_name(r)} ({r['error_type']}): {r['error']}" for r in failed]
-        lines.append("")
-    ok = [r for r in rows if r["status"] == "ok"]
-    if ok:
-        lines += ["## Per variant", ""]
-        for r in ok:
-            fp = r["fast_path"]
-            lines.append(f"- {_name(r)}: {r['parameters']:,} parameters, precision {r['precision']}, "
-                         f"{r['gflops_per_image']:.3f} GFLOP per training image, {r['achieved_tflops']:.3f} TFLOP/s; "
-                         f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
-                         + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
-                            and fp["cuda_graphs"].startswith("capture") else "")
-                         + f"; input {r['input_ms_per_step']:.3f} ms/step; "
-                           f"final loss {store.fmt(r['final_loss'], '.4f')}")
-        lines.append("")
-    lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
-    return "\n".join(lines)
-
-
-def write_results(result: dict, out_dir: Path) -> None:
-    store.write_json(out_dir / "throughput.json", result)
-    store.atomic_write_text(out_dir / "throughput.md", report_markdown(result))

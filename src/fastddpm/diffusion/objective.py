@@ -2,7 +2,7 @@
 
 Epsilon prediction, Ho et al. 2020 eq. 14 (L_simple):  || eps - eps_theta(sqrt(a_t) x_0 + sqrt(1 - a_t) eps, t) ||^2
 v prediction, Salimans & Ho 2022 (arXiv:2202.00512, sec. 4):  v = sqrt(a_t) eps - sqrt(1 - a_t) x_0
-where a_t = alpha_bar_t. Both losses are a plain mean over all pixels, as in the seed, unless min-SNR-gamma
+where a_t = alpha_bar_t. Both losses are a plain mean over all pixels (Ho et al.'s L_simple), unless min-SNR-gamma
 weighting is asked for (Hang et al. 2023, arXiv:2303.09556, sec. 3.4): with SNR_t = a_t / (1 - a_t), each sample's
 mean squared error is weighted by min(SNR_t, gamma) / SNR_t for epsilon (the x0-loss weight min(SNR, gamma)
 divided by the SNR that converts it to an epsilon loss) and min(SNR_t, gamma) / (SNR_t + 1) for v.

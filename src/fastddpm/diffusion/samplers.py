@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from fastddpm import amp
 from fastddpm.config import SAMPLERS, SPACINGS, default_spacing
+from fastddpm.device import autocast
 from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
 from fastddpm.diffusion.ode_solvers import (dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2, noise_levels,
-                                           solver_timesteps, unipc_2)
+                                            solver_timesteps, unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
 
 def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
@@ -40,7 +40,7 @@ def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
 
 def _model_out(model, x_t: torch.Tensor, t: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     t_B = torch.full((x_t.shape[0],), t, device=x_t.device, dtype=torch.long)
-    with amp.autocast(x_t.device.type, autocast_dtype):
+    with autocast(x_t.device.type, autocast_dtype):
         return model(x_t, t_B).float()
 
 

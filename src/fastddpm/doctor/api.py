@@ -68,8 +68,8 @@ def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None) 
     fp16 on a pre-Ampere GPU), whether it is native and why, and its matmul rate measured now against fp32's
     (`fp32_peak`: the MFU peak already measured in fp32, reused). A CPU without amx_bf16/avx512_bf16 emulates
     bf16 slower than fp32: the ratio shows it, whatever the flags say."""
-    from fastddpm.bench.timing import measure_matmul_peak
-    from fastddpm.train.runtime import cpu_native_bf16, cuda_native_bf16
+    from fastddpm.device import cpu_native_bf16, cuda_native_bf16
+    from fastddpm.measure import measure_matmul_peak
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -155,7 +155,7 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
     if peak is None:
         if not measure_peak:
             return {**out, "mfu_unavailable": "peak not measured (measure_peak=False)"}
-        from fastddpm.bench.timing import measure_matmul_peak
+        from fastddpm.measure import measure_matmul_peak
 
         peak = measure_matmul_peak(device, dtype=dtype)
     else:
@@ -197,7 +197,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
            "wall_s": session.wall_s or 0.0, "profile_wall_s": session.profile_wall_s,
            "config": dataclasses.asdict(session.config) | {"out_dir": str(session.config.out_dir)}}
     try:
-        from fastddpm.bench.timing import git_state
+        from fastddpm.measure import git_state
 
         env["git"] = git_state(Path(__file__).resolve().parent)
     except Exception:  # noqa: BLE001 - provenance is best effort outside a checkout

@@ -108,7 +108,7 @@ def _half_dtype(device) -> torch.dtype:
     bf16 is emulated, and a planted case must not measure the emulation)."""
     if device.type != "cuda":
         return torch.bfloat16
-    from fastddpm.train.runtime import cuda_native_bf16
+    from fastddpm.device import cuda_native_bf16
 
     return torch.bfloat16 if cuda_native_bf16(device)[0] else torch.float16
 
@@ -118,7 +118,7 @@ def _native_dtype(device) -> torch.dtype | None:
     compute case runs in, so that precision is not a fault it plants by accident."""
     if device.type == "cuda":
         return _half_dtype(device)
-    from fastddpm.train.runtime import cpu_native_bf16
+    from fastddpm.device import cpu_native_bf16
 
     return torch.bfloat16 if cpu_native_bf16()[0] else None
 

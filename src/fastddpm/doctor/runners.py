@@ -177,11 +177,13 @@ def _step_done(session: Session) -> bool:
 
 def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig."""
-    from fastddpm.bench.timing import count_step_flops
     from fastddpm.config import from_dict
+    from fastddpm.device import resolve_device
+    from fastddpm.measure import count_step_flops
     from fastddpm.models import build_unet
-    from fastddpm.train.loop import TrainHooks, train
-    from fastddpm.train.runtime import resolve_device
+    from fastddpm.rundir.layout import RunDir
+    from fastddpm.trainer.loop import train
+    from fastddpm.trainer.setup import TrainHooks
 
     out = Path(config.out_dir) if config.out_dir else None
     if out is None:
@@ -199,10 +201,10 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: _step_done(session),
                        final_outputs=False)
     train(cfg, out_dir=run_dir, hooks=hooks, log=log)
-    resolved = from_dict(json.loads((run_dir / "config.json").read_text()))
+    resolved = from_dict(json.loads(RunDir(run_dir).config.read_text()))
     m = resolved.model
     flops = count_step_flops(build_unet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
-    precision = json.loads((run_dir / "run.json").read_text())["precision"]  # what autocast ran the matmuls in
+    precision = json.loads(RunDir(run_dir).info.read_text())["precision"]  # what autocast ran the matmuls in
     return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
                     seen={"batch_size": resolved.train.batch_size})

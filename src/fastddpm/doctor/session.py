@@ -36,9 +36,9 @@ from typing import Callable
 
 import torch
 
+from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
-from fastddpm.doctor.trace import DATA_MARK, STEP_MARK
 
 
 # The time budget's shares of the windows. The watch gets the most: its steps are the step-time statistics. The

@@ -205,7 +205,7 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
     """The cached feature network for this dataset, training (and caching) it first if needed.
     Returns (model in eval mode on `device`, info (with 'cached': bool), path of the weights file)."""
     from fastddpm.data.cache import build_lock
-    from fastddpm.train.checkpoint import export_safetensors, load_safetensors
+    from fastddpm.rundir.files import load_safetensors, save_safetensors
 
     path = cache_file(train, test, recipe, cache_root)
     with build_lock(path.with_suffix(""), say=log):  # one trainer per dataset across processes
@@ -221,5 +221,5 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
         log(f"feature network: none cached for {train.cache_path.name}; training one (once per dataset)")
         model, info = train_classifier(train, test, recipe=recipe, device=device, log=log)
         path.parent.mkdir(parents=True, exist_ok=True)
-        export_safetensors(model.state_dict(), path, {"info": info, "format": CLASSIFIER_FORMAT})
+        save_safetensors(model.state_dict(), path, {"info": info, "format": CLASSIFIER_FORMAT})
         return model, {**info, "cached": False}, path

@@ -49,7 +49,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                                description=_DESCRIPTION, epilog=_EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--checkpoint", required=True, metavar="PATH",
-                    help="run directory (newest checkpoint), ckpt_*.pt, or ema.safetensors")
+                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
+                         "ema.safetensors")
     ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
@@ -103,24 +104,21 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fastddpm.bench.timing import environment_record
     from fastddpm.config import ConfigError
     from fastddpm.data import DataError
+    from fastddpm.device import resolve_device, resolve_precision
     from fastddpm.diffusion import network_calls
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
-    from fastddpm.train.checkpoint import CheckpointError
-    from fastddpm.sampling import check_sampler_args, checkpoint_info, compile_for_sampling, load_for_sampling
-    from fastddpm.train.runtime import resolve_device, resolve_precision
+    from fastddpm.measure import environment_record
+    from fastddpm.rundir.locate import locate
+    from fastddpm.sampling import check_sampler_args, compile_for_sampling, load_for_sampling
 
     log = print
-    ckpt = Path(args.checkpoint)
-    if not ckpt.exists():
-        raise CheckpointError(f"--checkpoint {ckpt}: no such file or directory. Pass a run directory, a "
-                              "checkpoints/ckpt_*.pt file, or an ema.safetensors export")
+    ckpt = locate(args.checkpoint, weights=args.weights)
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    info = checkpoint_info(ckpt)
+    info = ckpt.info()
     check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
@@ -176,8 +174,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if len(scales) > 1:
             log(summary_line(metrics))
     metrics, images = per_scale[0]
-    run_dir = ckpt if ckpt.is_dir() else (ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent)
-    out = Path(args.out) if args.out else run_dir / "eval"
+    out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
     stem = f"eval_{args.sampler}{steps}{tag}_n{args.num_samples}_seed{args.seed}"

@@ -26,7 +26,8 @@ from fastddpm.config import RunConfig
 from fastddpm.eval.curve import write_curve
 from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
 from fastddpm.rng import derive_seed
-from fastddpm.train.metrics import MetricsLog, read_metrics
+from fastddpm.rundir.layout import RunDir
+from fastddpm.rundir.metrics import MetricsLog, read_metrics
 
 
 class TrainingEvaluator:
@@ -39,8 +40,8 @@ class TrainingEvaluator:
         self.seed = derive_seed(t.seed, "eval")
         # Sampling keeps no activations for backward: twice the training micro-batch fits where training does.
         self.batch_size = min(t.eval_samples, 2 * t.batch_size)
-        self.eval_log = MetricsLog(Path(run_dir) / "eval.jsonl")
-        self.curve_path = Path(run_dir) / "eval_curve.png"
+        self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
+        self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True
         log(f"eval: every {self.every:,} images, {t.eval_samples:,} {t.eval_sampler}-{t.eval_steps} samples from the "
             f"EMA weights, in {self.evaluator.net.label}")

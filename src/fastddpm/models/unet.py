@@ -191,7 +191,7 @@ class UNet(nn.Module):
         self.class_emb = nn.Embedding(cfg.num_classes + 1, d) if cfg.num_classes else None
 
     def fsdp_units(self) -> list[nn.Module]:
-        """The blocks FSDP shards one by one (fastddpm.train.fsdp.shard_unet): each down, mid and up block."""
+        """The blocks FSDP shards one by one (fastddpm.trainer.fsdp.shard_unet): each down, mid and up block."""
         return [*self.downs, *self.mids, *self.ups]
 
     def _run(self, block: nn.Module, *args: torch.Tensor) -> torch.Tensor:

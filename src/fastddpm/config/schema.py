@@ -1,20 +1,12 @@
-"""Typed run configuration: one keyword-only dataclass per component, each field documented and validated.
-
-A run's config is resolved in layers, later layers winning:
-    preset (a plain function below)  <  --config FILE (YAML or JSON)  <  command-line flags
-and, when resuming, the checkpoint's own config takes the place of the preset. The resolved config is written
-into every run directory as config.json, and `fastddpm train --help` is generated from the field docs here.
+"""The run's configuration schema: one typed, keyword-only dataclass per component (model, diffusion, data,
+train), each field documented (its help text generates `fastddpm train --help` and docs/config.md) and validated
+in __post_init__ with a message that names the value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -35,11 +27,11 @@ def _require(ok: bool, message: str) -> None:
 # Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
 SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: SDE-DPM-Solver++(2M) in 20 network calls
-# (benchmarks/RESULTS.md, issue 16). On the CPU demo's checkpoints (2,000 samples) it beats every ODE sampler at
-# any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5 for DDPM
-# over all 1,000 steps; conditional 2.17 at W = 2 (3 seeds) against UniPC-20's best, 2.56 at W = 3. 50 steps gain ~1.4
-# (unconditional) at 2.5x the time: --steps 50. The ODE solvers level off where a stochastic sampler does not: each
-# step's fresh noise washes out the errors of the steps before. (Not yet measured on a GPU-trained model.)
+# (benchmarks/RESULTS.md, "Few-step samplers"). On the CPU demo's checkpoints (2,000 samples) it beats every ODE
+# sampler at any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5
+# for DDPM over all 1,000 steps; conditional 2.17 at W = 2 (3 seeds) against UniPC-20's best, 2.56 at W = 3. 50 steps
+# gain ~1.4 (unconditional) at 2.5x the time: --steps 50. The ODE solvers level off where a stochastic sampler does
+# not: each step's fresh noise washes out the errors of the steps before. (Not yet measured on a GPU-trained model.)
 DEFAULT_SAMPLER = "dpmpp-2m-sde"
 DEFAULT_SAMPLER_STEPS = 20
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
@@ -280,9 +272,11 @@ class TrainConfig:
         default=None, metadata=_doc("Stop after this many training images (edm2-style kimg).")
     )
     max_epochs: float | None = field(default=None, metadata=_doc("Stop after this many passes over the data."))
-    lr: float = field(default=1e-4, metadata=_doc("AdamW learning rate (the seed: Adam 1e-4)."))
+    lr: float = field(default=1e-4,
+                      metadata=_doc("AdamW learning rate (the seed notebook's recipe, seed-1layer: Adam 1e-4)."))
     adam_betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_doc("AdamW betas."))
-    weight_decay: float = field(default=0.0, metadata=_doc("AdamW decoupled weight decay (0 = Adam, as the seed)."))
+    weight_decay: float = field(
+        default=0.0, metadata=_doc("AdamW decoupled weight decay (0 = Adam, as the seed notebook's recipe)."))
     warmup_images: int = field(default=0, metadata=_doc("Linear learning-rate warm-up over this many images."))
     grad_clip: float | None = field(default=1.0, metadata=_doc("Clip the global gradient norm to this (none = off)."))
     ema_decay: float = field(default=0.9999, metadata=_doc("EMA decay of the weights used for sampling."))
@@ -418,8 +412,8 @@ class TrainConfig:
     min_snr_gamma: float | None = field(
         default=None,
         metadata=_doc("Min-SNR-gamma loss weighting (Hang et al. 2023): weight timestep t by min(SNR_t, gamma)/SNR_t "
-                      "(epsilon) or /(SNR_t+1) (v); none = the plain mean (the seed). The paper uses 5; off until "
-                      "measured faster by FID."),
+                      "(epsilon) or /(SNR_t+1) (v); none = the plain mean (Ho et al.'s L_simple). The paper uses 5; "
+                      "off until measured faster by FID."),
     )
     progress: bool = field(default=True, metadata=_doc("Show a progress bar."))
 
@@ -490,381 +484,3 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "train": TrainConfig,
 }
-
-# ----------------------------------------------------------------------------------------------------------------
-# Presets: plain functions returning a RunConfig. Each says what it is for.
-
-
-def preset_tiny() -> RunConfig:
-    """Seconds on a CPU: a 2-level U-Net with ~140k parameters, 20 steps at batch 16 (tests, smoke runs)."""
-    return RunConfig(
-        preset="tiny",
-        model=ModelConfig(down_channels=(16, 32, 32), mid_channels=(32, 32), down_sample=(True, False),
-                          time_emb_dim=32, num_down_layers=1, num_mid_layers=1, num_up_layers=1,
-                          num_heads=2, out_block_channels=16),
-        train=TrainConfig(batch_size=16, max_steps=20, lr=1e-3, log_every=5, checkpoint_every=10,
-                          num_sample_images=16, sample_steps=10, ema_decay=0.99),
-    )
-
-
-def preset_cpu_demo() -> RunConfig:
-    """Five minutes on a 2-core CPU with native bf16: a 0.6M-parameter U-Net without attention, 150k
-    Fashion-MNIST images, samples you can recognise (the README's CPU quickstart).
-
-    A narrower U-Net without attention (attention at 28x28 dominates CPU time), a larger learning rate with a
-    short warm-up, a cosine schedule and a faster EMA, so garments are recognisable after 100,000 images
-    (1.7 epochs) instead of forty epochs. The budget is 150,000 images (2.5 epochs): what bf16 trains on such a
-    CPU in the time fp32 took for 100,000, with a better FID at that equal wall time (issue 18,
-    benchmarks/RESULTS.md); a CPU without native bf16 trains it in fp32, about 1.5x longer.
-    """
-    return RunConfig(
-        preset="cpu-demo",
-        model=ModelConfig(down_channels=(32, 64, 64), mid_channels=(64, 64), down_sample=(True, True),
-                          time_emb_dim=64, num_down_layers=1, num_mid_layers=1, num_up_layers=1,
-                          attention=False, out_block_channels=32),
-        diffusion=DiffusionConfig(schedule="cosine"),
-        train=TrainConfig(batch_size=64, max_images=150_000, lr=2e-3, warmup_images=10_000, ema_decay=0.999,
-                          log_every=20, checkpoint_every=1000, sample_every_images=75_000),
-    )
-
-
-def preset_cpu_demo_cond() -> RunConfig:
-    """The cpu-demo recipe, class-conditional: the same 0.6M-parameter U-Net with a class embedding, trained on
-    the data's labels (10% dropped for classifier-free guidance); grids show one row per class.
-
-    For Fashion-MNIST the final grid is ten rows of garments, each row its class, at guidance W = 2. The CPU's
-    default preset: after 100k images (bf16) its SDE-DPM-Solver++ 20-step samples score FID 4.5 at W = 1 and 2.2 at
-    W = 2 (three seeds: 2.14-2.19), where 93% of them are the class asked for (benchmarks/RESULTS.md, issues 16 and 18).
-    """
-    cfg = preset_cpu_demo()
-    return dataclasses.replace(cfg, preset="cpu-demo-cond", model=dataclasses.replace(cfg.model, conditional=True),
-                               train=dataclasses.replace(cfg.train, num_sample_images=80))
-
-
-def preset_seed_1layer() -> RunConfig:
-    """The seed notebook's U-Net (6.1M params) and recipe: batch 192, Adam 1e-4, 40 epochs (GPU).
-
-    One ResNet + attention per block; 40 epochs of 60,000 images, linear schedule, epsilon prediction."""
-    return RunConfig(
-        preset="seed-1layer",
-        model=ModelConfig(num_down_layers=1, num_mid_layers=1, num_up_layers=1),
-        train=TrainConfig(batch_size=192, max_epochs=40, lr=1e-4, checkpoint_every=2000,
-                          sample_every_images=600_000),
-    )
-
-
-def preset_seed_2layer() -> RunConfig:
-    """The public DDPM-Pytorch default U-Net (10.2M params), the seed's recipe (GPU).
-
-    Two ResNet + attention layers per block."""
-    return RunConfig(
-        preset="seed-2layer",
-        model=ModelConfig(),
-        train=TrainConfig(batch_size=192, max_epochs=40, lr=1e-4, checkpoint_every=2000,
-                          sample_every_images=600_000),
-    )
-
-
-def preset_ddpm_cifar10() -> RunConfig:
-    """Ho et al. 2020's CIFAR-10 model and recipe (35.7M params): batch 128, Adam 2e-4, 800k steps (GPU).
-
-    The paper's appendix B and its released code: base 128 channels, multipliers 1,2,2,2, 2 ResBlocks per level,
-    self-attention at 16x16 (one head), dropout 0.1, random horizontal flips, linear betas 1e-4..0.02 over 1000
-    steps, learning-rate warm-up over 5,000 steps, gradient clipping at 1, EMA 0.9999."""
-    return RunConfig(
-        preset="ddpm-cifar10",
-        model=ModelConfig(family="ddpm", base_channels=128, channel_mult=(1, 2, 2, 2), num_res_blocks=2,
-                          attention_resolutions=(16,), dropout=0.1, num_heads=1, norm_groups=32),
-        data=DataConfig(source="cifar10", hflip=True),
-        train=TrainConfig(batch_size=128, max_steps=800_000, lr=2e-4, warmup_images=5_000 * 128, grad_clip=1.0,
-                          ema_decay=0.9999, checkpoint_every=5000, sample_every_images=1_280_000),
-    )
-
-
-def preset_ddpm_rgb64() -> RunConfig:
-    """A 64x64 RGB U-Net in the improved-diffusion style for a folder of your own images (129.4M params, GPU).
-
-    Nichol & Dhariwal 2021's ImageNet-64 shape: base 128, multipliers 1,2,3,4, 3 ResBlocks per level, attention
-    at 16x16 and 8x8 with 4 heads, scale-shift (FiLM) time conditioning, BigGAN up/down ResBlocks, dropout 0.1;
-    cosine schedule, batch 64, Adam 1e-4, flips. Point --data at a folder or zip (resized to 64x64 when cached)."""
-    return RunConfig(
-        preset="ddpm-rgb64",
-        model=ModelConfig(family="ddpm", base_channels=128, channel_mult=(1, 2, 3, 4), num_res_blocks=3,
-                          attention_resolutions=(16, 8), dropout=0.1, num_heads=4, norm_groups=32,
-                          scale_shift_norm=True, resblock_updown=True),
-        diffusion=DiffusionConfig(schedule="cosine"),
-        data=DataConfig(hflip=True, resize=64),
-        train=TrainConfig(batch_size=64, max_steps=500_000, lr=1e-4, warmup_images=64 * 1000, grad_clip=1.0,
-                          ema_decay=0.9999, checkpoint_every=5000, sample_every_images=640_000),
-    )
-
-
-PRESETS = {
-    "tiny": preset_tiny,
-    "cpu-demo": preset_cpu_demo,
-    "cpu-demo-cond": preset_cpu_demo_cond,
-    "seed-1layer": preset_seed_1layer,
-    "seed-2layer": preset_seed_2layer,
-    "ddpm-cifar10": preset_ddpm_cifar10,
-    "ddpm-rgb64": preset_ddpm_rgb64,
-}
-
-
-def preset_summaries() -> dict[str, str]:
-    """{name: the first paragraph of its function's docstring}: the one source of the presets' help text."""
-    return {name: " ".join(fn.__doc__.strip().split("\n\n")[0].split()) for name, fn in PRESETS.items()}
-
-
-def positive_int(text: str) -> int:
-    """argparse type for counts given on the command line (data, bench, eval): a positive integer or a clear error."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def get_preset(name: str) -> RunConfig:
-    if name not in PRESETS:
-        hint = difflib.get_close_matches(name, PRESETS, n=1)
-        raise ConfigError(
-            f"unknown preset {name!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-            + f"; choose one of: {', '.join(PRESETS)}"
-        )
-    return PRESETS[name]()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading, merging and coercing values from files and the command line.
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Turn a JSON/YAML/CLI value into the field's declared type, or raise a ConfigError naming `where`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
-            return None
-        options = [a for a in args if a is not type(None)]
-        for option in options[:-1]:  # e.g. int | str: an int if it parses, else the string
-            try:
-                return coerce(value, option, where)
-            except ConfigError:
-                pass
-        return coerce(value, options[-1], where)
-    if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{where}={value!r}: expected a comma-separated list")
-        elem = args[0]
-        return tuple(coerce(v.strip() if isinstance(v, str) else v, elem, where) for v in items)
-    try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if tp is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            if isinstance(value, str):
-                value = value.replace("_", "")
-                return int(float(value)) if ("e" in value.lower() and float(value).is_integer()) else int(value)
-            return int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}={value!r} is not a valid {getattr(tp, '__name__', tp)}") from None
-    return value
-
-
-def _unknown_key(section: str, key: str, valid) -> ConfigError:
-    hint = difflib.get_close_matches(key, list(valid), n=1)
-    return ConfigError(
-        f"unknown config field {section}.{key}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-        + f"; valid fields: {', '.join(valid)}"
-    )
-
-
-def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "config") -> RunConfig:
-    """Return a new RunConfig with {section: {field: value}} (or {"section.field": value}) applied and validated."""
-    nested: dict[str, dict[str, Any]] = {}
-    preset = cfg.preset
-    for key, value in overrides.items():
-        if key == "preset":
-            preset = value
-            continue
-        if "." in key:
-            sec, name = key.split(".", 1)
-            nested.setdefault(sec, {})[name] = value
-        elif key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: section {key!r} must be a mapping of field: value")
-            nested.setdefault(key, {}).update(value)
-        else:
-            raise _unknown_key(source, key, ["preset", *SECTIONS])
-    sections = {}
-    for sec, cls in SECTIONS.items():
-        current = dataclasses.asdict(getattr(cfg, sec))
-        types = field_types(cls)
-        for name, value in nested.pop(sec, {}).items():
-            name = name.replace("-", "_")
-            if name not in types:
-                raise _unknown_key(sec, name, types)
-            current[name] = coerce(value, types[name], f"{sec}.{name}")
-        sections[sec] = cls(**current)
-    if nested:
-        raise _unknown_key(source, next(iter(nested)), ["preset", *SECTIONS])
-    return RunConfig(preset=preset, **sections)
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict (sections model/diffusion/data/train, optional preset)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as e:  # the parser's own message says where
-        raise ConfigError(f"could not parse config file {path}: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping (sections model/diffusion/data/train)")
-    return data
-
-
-def from_dict(d: dict[str, Any]) -> RunConfig:
-    """Rebuild a RunConfig from its to_dict() form (e.g. a checkpoint's config)."""
-    return apply_overrides(RunConfig(preset=d.get("preset")),
-                           {k: v for k, v in d.items() if k != "preset"}, source="checkpoint config")
-
-
-def save_config(cfg: RunConfig, path: Path) -> None:
-    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-
-
-def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
-    """Fill model.image_channels / image_size from the data, or check the ones the user set."""
-    _, c, h, w = images_NCHW_shape
-    if h != w:
-        raise ConfigError(f"the data's images are {h}x{w}; the U-Net wants square images: use --resize N")
-    m = cfg.model
-    for name, have in (("image_channels", c), ("image_size", h)):
-        want = getattr(m, name)
-        if want is not None and want != have:
-            raise ConfigError(
-                f"model.{name}={want} but the data has {have}: drop the setting (it comes from the data) "
-                + ("or use --resize" if name == "image_size" else "or use --image-mode L|RGB")
-            )
-    model = dataclasses.replace(m, image_channels=c, image_size=h)
-    model.validate_shape()
-    return dataclasses.replace(cfg, model=model)
-
-
-def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source: str) -> RunConfig:
-    """A conditional model's classes from the data: their number from the labels (or the data's class list, if
-    longer) and their names (the data's, else "0", "1", ...). Data without labels is refused with the fix."""
-    m = cfg.model
-    if not m.conditional:
-        return cfg
-    unlabeled = int((labels < 0).sum()) if len(labels) else 0
-    if not len(labels) or unlabeled:
-        what = "no labels" if not len(labels) or unlabeled == len(labels) else f"{unlabeled} images without a label"
-        raise ConfigError(
-            f"--conditional trains on class labels, and {source} has {what}: use a labelled source (a folder of "
-            f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional")
-    n = max(int(labels.max()) + 1, len(class_names))
-    names = tuple(class_names) + tuple(str(i) for i in range(len(class_names), n))
-    if m.num_classes and m.num_classes != n:
-        raise ConfigError(f"model.num_classes={m.num_classes} but the data has {n} classes: drop the setting (it "
-                          f"comes from the data)")
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
-
-
-def class_index(model_cfg: ModelConfig, name_or_id: str) -> int:
-    """The class id that `--class` names: a class name (case-insensitive) or a number. Refused naming the valid ones."""
-    names = model_cfg.class_names
-    if not model_cfg.conditional:
-        raise ConfigError(f"--class {name_or_id}: this model is unconditional (trained without --conditional); "
-                          f"sample without --class")
-    wanted = name_or_id.strip()
-    for i, name in enumerate(names):
-        if name.lower() == wanted.lower():
-            return i
-    if wanted.lstrip("-").isdigit():
-        i = int(wanted)
-        if 0 <= i < model_cfg.num_classes:
-            return i
-        raise ConfigError(f"--class {i} is out of range: this model has classes 0-{model_cfg.num_classes - 1} "
-                          f"({_list_classes(names)})")
-    raise ConfigError(f"--class {name_or_id!r} is not one of this model's classes: {_list_classes(names)} (a name or "
-                      f"its number, or all)")
-
-
-def _list_classes(names: tuple[str, ...]) -> str:
-    return ", ".join(f"{i} {n!r}" for i, n in enumerate(names))
-
-
-def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
-    """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
-    for section in ("model", "diffusion"):
-        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
-        for key in a:
-            if a[key] != b[key]:
-                raise ConfigError(
-                    f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
-                    f"now; drop the change, or start a new run directory"
-                )
-
-
-def flag_name(f: dataclasses.Field) -> str:
-    """The command-line flag of a config field: `--batch-size`, or its `cli` name (`--eval-every`)."""
-    return "--" + (f.metadata.get("cli") or f.name).replace("_", "-")
-
-
-def reference_markdown() -> str:
-    """The table of every config field in docs/config.md (regenerate with `python -m fastddpm.config`)."""
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from `src/fastddpm/config.py` by `python -m fastddpm.config > docs/config.md`; a test keeps it",
-        "in sync. Every field is a flag of `fastddpm train` (shown), a `--set section.field=value` override, and",
-        "a key of a YAML/JSON `--config` file under its section. Presets change some defaults: see",
-        "`fastddpm train --help`.",
-    ]
-    for section, cls in SECTIONS.items():
-        lines += ["", f"## {section}", "", cls.__doc__.strip().splitlines()[0], "",
-                  "| field | flag | default | meaning |", "| --- | --- | --- | --- |"]
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            default = getattr(defaults, f.name)
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            flag = flag_name(f)
-            text = f.metadata["help"]
-            if f.metadata.get("choices"):
-                text += " One of: " + ", ".join("none" if c is None else c for c in f.metadata["choices"]) + "."
-            lines.append(f"| `{f.name}` | `{flag}` | `{shown}` | {text} |")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(reference_markdown(), end="")

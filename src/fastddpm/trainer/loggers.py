@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from fastddpm.config import ConfigError, RunConfig
+from fastddpm.rundir.layout import RunDir
 
 # metrics.jsonl keys that are not measurements of the step
 _NOT_SCALARS = {"step", "event", "images_seen"}
@@ -117,7 +118,7 @@ class RunLoggers:
         if self.wandb is not None:
             import wandb
 
-            ema = self.run_dir / "ema.safetensors"
+            ema = RunDir(self.run_dir).ema
             if ema.is_file():  # the weights to sample from, versioned with the run
                 artifact = wandb.Artifact(f"{self.run_dir.name}-ema", type="model",
                                           description="EMA weights (safetensors; the config is in its metadata)")

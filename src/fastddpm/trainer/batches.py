@@ -12,7 +12,7 @@ fastddpm.rng), so resuming at any step, or switching placement, reproduces an un
   buffered, so the copy of batch m+1 overlaps the compute of batch m.
 
 Both drop the ragged tail of each epoch, so every batch has one static shape (what torch.compile and CUDA
-graphs need; the seed's drop_last=True). The epoch permutation is drawn on the CPU (both sources need the same
+graphs need; a DataLoader's drop_last=True). The epoch permutation is drawn on the CPU (both sources need the same
 one, and CPU and CUDA generators differ); timesteps, noise and flips are drawn on the device.
 
 Under torchrun, rank r of W holds the shard of images r, r+W, r+2W, ... (the first W * (N // W) images),
@@ -46,8 +46,10 @@ class Batch:
 class _BatchSource(ABC):
     placement = "?"
 
-    def __init__(self, num_images: int, *, batch_size: int, num_timesteps: int, seed: int, device: torch.device,
-                 hflip: bool, rank: int = 0, world_size: int = 1, cond_drop_prob: float = 0.0, num_classes: int = 0):
+    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
+                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
+                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
+        num_images = int(images_NCHW.shape[0])
         shard = num_images // world_size
         if shard < batch_size:
             per = f" ({world_size} ranks: {shard} images each)" if world_size > 1 else ""
@@ -71,6 +73,11 @@ class _BatchSource(ABC):
         self._perm_cpu: torch.Tensor | None = None
         self._cpu_gen = torch.Generator()
         self._dev_gen = torch.Generator(device=self.device)
+        self._hold(images_NCHW, labels)
+
+    @abstractmethod
+    def _hold(self, images_NCHW: np.ndarray, labels: np.ndarray | None) -> None:
+        """Keep this rank's images (and labels) where `get` reads them from."""
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The order of epoch `epoch` (CPU int64): a function of (seed, epoch) only."""
@@ -116,12 +123,8 @@ class _BatchSource(ABC):
 class ResidentBatches(_BatchSource):
     placement = "device"
 
-    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
-                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
-        super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip, rank=rank, world_size=world_size,
-                         cond_drop_prob=cond_drop_prob, num_classes=num_classes)
+    def _hold(self, images_NCHW: np.ndarray, labels: np.ndarray | None) -> None:
+        rank, world_size = self.rank, self.world_size
         # One read of this rank's shard of the memory-mapped cache into RAM (a private, writable copy), then one
         # copy to the device.
         rows = slice(rank, self.shard_size * world_size, world_size) if world_size > 1 else slice(None)
@@ -153,19 +156,15 @@ class ResidentBatches(_BatchSource):
 class StreamingBatches(_BatchSource):
     placement = "stream"
 
-    def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
-                 device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
-                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
-        super().__init__(int(images_NCHW.shape[0]), batch_size=batch_size, num_timesteps=num_timesteps, seed=seed,
-                         device=device, hflip=hflip, rank=rank, world_size=world_size,
-                         cond_drop_prob=cond_drop_prob, num_classes=num_classes)
+    def _hold(self, images_NCHW: np.ndarray, labels: np.ndarray | None) -> None:
+        batch_size = self.batch_size
         self.images = images_NCHW  # the np.memmap: pages are read on demand, never the whole file
         # Labels are 8 bytes an image: all of them stay in RAM, gathered per batch into the pinned buffers below.
         self.labels = np.asarray(labels, dtype=np.int64) if labels is not None else None
         shape = (batch_size, *images_NCHW.shape[1:])
         cuda = self.device.type == "cuda"
-        # Allocated once. Pinned host memory lets the copy engine DMA without a staging copy (the seed's
-        # pin_memory), and lets non_blocking=True return immediately.
+        # Allocated once. Pinned host memory lets the copy engine DMA without a staging copy (a DataLoader's
+        # pin_memory=True), and lets non_blocking=True return immediately.
         self._host = [torch.empty(shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self._dev = [torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(2)] if cuda else None
         with_y = labels is not None
@@ -229,6 +228,22 @@ class StreamingBatches(_BatchSource):
         self._consumed[slot] = ev
         self._prefetch(m + 1)  # overlaps with this step's compute
         return batch
+
+
+def split_batch(b: Batch, parts: int) -> list[Batch]:
+    """A batch cut into `parts` equal micro-batches (views: the same images, timesteps and noise)."""
+    if parts == 1:
+        return [b]
+    ys = b.y.chunk(parts) if b.y is not None else [None] * parts
+    return [Batch(x0=x0, t=t, noise=noise, indices=idx, y=y) for x0, t, noise, idx, y in
+            zip(b.x0.chunk(parts), b.t.chunk(parts), b.noise.chunk(parts), b.indices.chunk(parts), ys)]
+
+
+def step_batches(batches, step: int, accum_steps: int, micro_split: int = 1) -> list[Batch]:
+    """The micro-batches of optimizer step `step`: batches m = step * accum_steps + k of the source (its `get`),
+    each cut into `micro_split` parts after an out-of-memory step (the same data, a smaller activation peak)."""
+    micro = [batches.get(step * accum_steps + k) for k in range(accum_steps)]
+    return [part for b in micro for part in split_batch(b, micro_split)]
 
 
 def choose_placement(images_NCHW: np.ndarray, device: torch.device, requested: str,

@@ -1,4 +1,5 @@
-"""Timing, FLOP counting, peak and environment helpers shared by the `fastddpm bench` benchmarks.
+"""Measuring a step: timing, memory, FLOP counting, the device's measured peak, and the environment record, for
+`fastddpm bench`, the doctor and `fastddpm eval` alike. Ground floor: it imports no other part of fastddpm.
 
 The discipline (airbench / modded-nanogpt): warm up before timing; time the GPU with CUDA events between two
 synchronisations, not with the host clock around asynchronous launches; repeat and report the median and the

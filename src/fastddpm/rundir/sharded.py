@@ -1,18 +1,11 @@
-"""FSDP2 (`fully_shard`) for U-Nets too large for one device, with sharded checkpoints (torch.distributed.checkpoint).
+"""The sharded checkpoint format of `--parallel fsdp` (torch.distributed.checkpoint, DCP).
 
-    torchrun --nproc-per-node 8 -m fastddpm train --parallel fsdp ...
-
-Every parameter, gradient and AdamW moment is split across the ranks (dim 0 of each tensor, a DTensor); each U-Net
-block all-gathers its weights just before its forward and backward and frees them after (ZeRO-3). The EMA copy is
-sharded the same way, so the EMA update stays a rank-local foreach over matching shards. Data parallelism is as
-under DDP: rank r trains on its own shard of the data (fastddpm.train.batches).
-
-Checkpoints are directories `checkpoints/ckpt_<step>.dcp/`: one `__<rank>_0.distcp` file per rank plus DCP's
-`.metadata` (written by DCP's coordinator after every rank's file), and `meta.pt` (step, config, RNG, ...) from rank
-0. The directory is written under a temporary name and renamed when complete, so a killed save never shadows the
-last good one. DCP reshards on load: a checkpoint written by N ranks resumes on M. Across ranks the directory must
-be on a filesystem every rank sees (as for any multi-node checkpoint). `read_sharded_checkpoint` turns one back into
-full tensors in a single process, for sampling or inspection.
+A checkpoint is a directory `checkpoints/ckpt_<step>.dcp/`: one `__<rank>_0.distcp` file per rank plus DCP's
+`.metadata` (written by DCP's coordinator after every rank's file), and `meta.pt` (step, config, RNG, ...) from
+rank 0. The directory is written under a temporary name and renamed when complete, so a killed save never shadows
+the last good one. DCP reshards on load: a checkpoint written by N ranks resumes on M. Across ranks the directory
+must be on a filesystem every rank sees (as for any multi-node checkpoint). `read_sharded_checkpoint` turns one
+back into full tensors in a single process, for sampling or inspection.
 """
 
 from __future__ import annotations
@@ -27,50 +20,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fastddpm.train.checkpoint import CheckpointError, _fsync_dir
+from fastddpm.rundir.files import CheckpointError, fsync_dir
 
 _NAME = re.compile(r"^ckpt_(\d+)\.dcp$")
 META = "meta.pt"
+META_FORMAT = "fastddpm-dcp-1"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by its coordinator
 
 
-def shard_unet(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """fully_shard each block the model's forward calls (`model.fsdp_units()`: one all-gather per block; a module
-    whose own forward never runs would never be gathered), then the root (the stem, the time MLP and the output
-    head). `param_dtype` (bf16) all-gathers and computes in that dtype while the sharded master weights, gradient
-    reduction and AdamW stay fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"mp_policy": mp} if mp is not None else {}
-    for block in model.fsdp_units():
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def is_sharded(module: nn.Module) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def full_tensor(x: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a collective), or `x` itself when it is a plain tensor."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole, unsharded state dict on rank 0, on the CPU ({} on the other ranks). A collective: every rank
-    calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-# ---------------------------------------------------------------------- sharded checkpoints
 def sharded_path(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"ckpt_{step:09d}.dcp"
 
@@ -109,14 +66,14 @@ def save_sharded(ckpt_dir: Path, step: int, *, model: nn.Module, ema_model: nn.M
     dist.barrier()  # every rank's shard file is closed before rank 0 seals the directory
     if is_main:
         with open(tmp / META, "wb") as f:
-            torch.save({"format": "fastddpm-dcp-1", **meta}, f)
+            torch.save({"format": META_FORMAT, **meta}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # the same step written again (a resume at the end): move the old one aside first
             os.replace(final, final.with_name(f".{final.name}.old"))
         os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
+        fsync_dir(ckpt_dir)
         shutil.rmtree(final.with_name(f".{final.name}.old"), ignore_errors=True)
         for old in list_sharded(ckpt_dir)[:-keep]:
             try:  # renamed out of the listing first: a delete cut short never leaves a "complete" partial one
@@ -136,7 +93,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     except Exception as e:
         raise CheckpointError(f"could not load {path / META}: {type(e).__name__}: {e}; resume from an earlier "
                               f"checkpoint in {path.parent}") from None
-    if not isinstance(meta, dict) or meta.get("format") != "fastddpm-dcp-1":
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise CheckpointError(f"{path} is not a fastddpm sharded checkpoint (its meta.pt has no fastddpm-dcp-1 "
                               f"format): pass a ckpt_<step>.dcp directory written by `fastddpm train --parallel fsdp`")
     return {**meta, "sharded": True, "path": str(path)}

@@ -7,7 +7,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from fastddpm.train.checkpoint import load_model_state
+from fastddpm.rundir.state_dicts import load_model_state
 
 
 class EMA:

@@ -22,11 +22,11 @@ from typing import Sequence
 
 import torch
 
+from fastddpm.device import Precision
 from fastddpm.diffusion.objective import diffusion_loss
-from fastddpm.train.batches import Batch
-from fastddpm.train.ema import EMA
-from fastddpm.train.fsdp import is_sharded
-from fastddpm.train.runtime import Precision
+from fastddpm.trainer.batches import Batch
+from fastddpm.trainer.ema import EMA
+from fastddpm.trainer.fsdp import is_sharded
 
 
 def train_step(model, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, schedule,

@@ -1,0 +1,113 @@
+"""`fastddpm bench throughput`'s results as text: the progress line of each variant, the markdown table and
+report, and the files (throughput.json and throughput.md, rewritten after every variant)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastddpm.bench import store
+
+TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
+                "peak mem GiB | recompiles | graph breaks | input wait % | status |")
+
+
+def _short_error(row: dict, limit: int = 100) -> str:
+    first_line = (row["error"] or "").splitlines()[0] if row["error"] else ""
+    text = first_line if len(first_line) <= limit else first_line[:limit - 3] + "..."
+    return text.replace("|", "\\|")
+
+
+def progress_line(row: dict) -> str:
+    if row["status"] != "ok":
+        return f"FAILED ({_short_error(row, 200)})"
+    s = row["step_ms"]
+    mem = "" if row["peak_memory_gib"] is None else f", peak {row['peak_memory_gib']:.2f} GiB"
+    rec = "" if row["recompiles_after_warmup"] is None else \
+        f", recompiles {row['recompiles_after_warmup']}, graph breaks {row['graph_breaks']}"
+    graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
+        row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
+    return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
+            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak{mem}{rec}, "
+            f"input wait {row['input_wait_pct']:.1f}%{graphs}")
+
+
+def _name(row: dict) -> str:
+    return f"{row['preset']} batch {row['batch_size']}" + (f" {row['choice']}" if row.get("choice") else "")
+
+
+def table_markdown(rows: list[dict]) -> str:
+    """The table; comparing choices, a `choice` column after the batch and `x first` within each preset and batch."""
+    choices = any(r.get("choice") for r in rows)
+    header = TABLE_HEADER.replace("| batch |", "| batch | choice |") if choices else TABLE_HEADER
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for r in rows:
+        key = f"| {r['preset']} | {r['batch_size']} |" + (f" {r.get('choice') or '-'} |" if choices else "")
+        if r["status"] != "ok":
+            lines.append(f"{key} failed |" + " - |" * 8 + f" failed: {_short_error(r)} |")
+            continue
+        s = r["step_ms"]
+        lines.append(
+            f"{key} {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
+            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
+            f"({r['mfu_dtype']}) | "
+            f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
+            f"{store.fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
+        )
+    return "\n".join(lines)
+
+
+def report_markdown(result: dict) -> str:
+    env, s, rows = result["environment"], result["settings"], result["results"]
+    commit = str(env["git_commit"])[:12] + (" (uncommitted changes)" if env.get("git_dirty") else "")
+    cuda = "" if env.get("cuda_runtime") is None else f", CUDA runtime {env['cuda_runtime']}"
+    driver = "" if env.get("cuda_driver") is None else f", driver {env['cuda_driver']}"
+    peaks = {}
+    for r in rows:
+        if r["status"] == "ok":
+            peaks.setdefault(r["mfu_dtype"], (r["mfu_peak_tflops"], r["mfu_peak_label"]))
+    lines = ["# fastddpm bench throughput", ""]
+    if not result.get("complete", True):
+        lines += [f"**Incomplete**: {len(rows)} of {result['planned_variants']} variants measured so far (the run "
+                  "was stopped, or is still running); the same command into this folder measures the rest.", ""]
+    lines += [
+        f"- date (UTC): {env['date_utc']}",
+        f"- device: {env['device_name']} ({env['device']}){driver}{cuda}; {env['torch_threads']} torch threads",
+        f"- software: torch {env['torch']}, python {env['python']}, fastddpm {env['fastddpm']}, commit {commit}",
+        f"- command: `{env['command_line']}`",
+    ]
+    runs = result.get("runs") or []
+    if len(runs) > 1 or (runs and runs[0]["date_utc"] != env["date_utc"]):
+        lines += ["- rows measured by: " + "; ".join(
+            f"{run['date_utc']} `{run['command_line']}` (commit {str(run['git_commit'])[:12]}"
+            + (", uncommitted changes" if run.get("git_dirty") else "") + ")" for run in runs)]
+    lines += [
+        f"- settings: precision {s['precision_resolved']} ({s['precision_reason']}); compile {s['compile']}, "
+        f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
+        f"then {s['repeats']} x {s['steps']} timed steps",
+    ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})" for dtype, (tflops, label) in peaks.items()]
+    lines += ["", table_markdown(rows), ""]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["## Failed variants", ""]
+        lines += [f"- {_name(r)} ({r['error_type']}): {r['error']}" for r in failed]
+        lines.append("")
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        lines += ["## Per variant", ""]
+        for r in ok:
+            fp = r["fast_path"]
+            lines.append(f"- {_name(r)}: {r['parameters']:,} parameters, precision {r['precision']}, "
+                         f"{r['gflops_per_image']:.3f} GFLOP per training image, {r['achieved_tflops']:.3f} TFLOP/s; "
+                         f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
+                         + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
+                            and fp["cuda_graphs"].startswith("capture") else "")
+                         + f"; input {r['input_ms_per_step']:.3f} ms/step; "
+                           f"final loss {store.fmt(r['final_loss'], '.4f')}")
+        lines.append("")
+    lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def write_results(result: dict, out_dir: Path) -> None:
+    store.write_json(out_dir / "throughput.json", result)
+    store.atomic_write_text(out_dir / "throughput.md", report_markdown(result))

@@ -1,0 +1,35 @@
+"""Typed run configuration: one keyword-only dataclass per component, each field documented and validated.
+
+A run's config is resolved in layers, later layers winning:
+    preset (a plain function)  <  --config FILE (YAML or JSON)  <  --set section.field=value  <  flags
+and, when resuming without --preset, the checkpoint's own config takes the place of the preset. The Python API
+resolves its keyword arguments the same way (overrides.resolve_config). The resolved config is written into every
+run directory as config.json, and `fastddpm train --help` and docs/config.md are generated from the field docs.
+
+    schema.py      ModelConfig, DiffusionConfig, DataConfig, TrainConfig, RunConfig; sampler names and defaults
+    presets.py     the presets, one function each
+    overrides.py   files, flags and keyword arguments coerced and layered: resolve_config, apply_overrides
+    shape.py       the model's shape and classes from the data; what a resume must keep the same
+    reference.py   flag names and the generated docs/config.md
+
+No module here imports any other part of fastddpm: every package may import the config.
+"""
+
+from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, field_types, from_dict,
+                                       load_config_file, positive_int, qualify, resolve_config, save_config)
+from fastddpm.config.presets import PRESETS, get_preset, preset_summaries
+from fastddpm.config.reference import flag_name, reference_markdown
+from fastddpm.config.schema import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, LOGGERS, SAMPLERS, SECTIONS, SPACINGS,
+                                    ConfigError, DataConfig, DiffusionConfig, ModelConfig, RunConfig, TrainConfig,
+                                    default_spacing)
+from fastddpm.config.shape import check_same_architecture, class_index, resolve_classes, resolve_model_shape
+
+__all__ = [
+    "ConfigError", "RunConfig", "ModelConfig", "DiffusionConfig", "DataConfig", "TrainConfig", "SECTIONS",
+    "SAMPLERS", "SPACINGS", "LOGGERS", "DEFAULT_SAMPLER", "DEFAULT_SAMPLER_STEPS", "default_spacing",
+    "PRESETS", "get_preset", "preset_summaries",
+    "resolve_config", "apply_overrides", "qualify", "RUN_LENGTHS", "coerce", "field_types", "load_config_file",
+    "from_dict", "save_config", "positive_int",
+    "resolve_model_shape", "resolve_classes", "class_index", "check_same_architecture",
+    "flag_name", "reference_markdown",
+]

@@ -1,0 +1,200 @@
+"""A run's config from its layers, one resolver for the command line and the Python API:
+
+    a preset (or a resumed checkpoint's config)  <  a YAML/JSON config file  <  each layer of overrides, in order
+
+Values from files, flags and keyword arguments are coerced to each field's declared type, naming the field on
+error; unknown fields are named with the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+from fastddpm.config.presets import get_preset
+from fastddpm.config.schema import SECTIONS, ConfigError, RunConfig
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts given on the command line (data, bench, eval): a positive integer or a clear error."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Turn a JSON/YAML/CLI value into the field's declared type, or raise a ConfigError naming `where`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options[:-1]:  # e.g. int | str: an int if it parses, else the string
+            try:
+                return coerce(value, option, where)
+            except ConfigError:
+                pass
+        return coerce(value, options[-1], where)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{where}={value!r}: expected a comma-separated list")
+        elem = args[0]
+        return tuple(coerce(v.strip() if isinstance(v, str) else v, elem, where) for v in items)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            if isinstance(value, str):
+                value = value.replace("_", "")
+                return int(float(value)) if ("e" in value.lower() and float(value).is_integer()) else int(value)
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r} is not a valid {getattr(tp, '__name__', tp)}") from None
+    return value
+
+
+def _unknown_key(section: str, key: str, valid) -> ConfigError:
+    hint = difflib.get_close_matches(key, list(valid), n=1)
+    return ConfigError(
+        f"unknown config field {section}.{key}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        + f"; valid fields: {', '.join(valid)}"
+    )
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "config") -> RunConfig:
+    """Return a new RunConfig with {section: {field: value}} (or {"section.field": value}) applied and validated."""
+    nested: dict[str, dict[str, Any]] = {}
+    preset = cfg.preset
+    for key, value in overrides.items():
+        if key == "preset":
+            preset = value
+            continue
+        if "." in key:
+            sec, name = key.split(".", 1)
+            nested.setdefault(sec, {})[name] = value
+        elif key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: section {key!r} must be a mapping of field: value")
+            nested.setdefault(key, {}).update(value)
+        else:
+            raise _unknown_key(source, key, ["preset", *SECTIONS])
+    sections = {}
+    for sec, cls in SECTIONS.items():
+        current = dataclasses.asdict(getattr(cfg, sec))
+        types = field_types(cls)
+        for name, value in nested.pop(sec, {}).items():
+            name = name.replace("-", "_")
+            if name not in types:
+                raise _unknown_key(sec, name, types)
+            current[name] = coerce(value, types[name], f"{sec}.{name}")
+        sections[sec] = cls(**current)
+    if nested:
+        raise _unknown_key(source, next(iter(nested)), ["preset", *SECTIONS])
+    return RunConfig(preset=preset, **sections)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (sections model/diffusion/data/train, optional preset)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # the parser's own message says where
+        raise ConfigError(f"could not parse config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping (sections model/diffusion/data/train)")
+    return data
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from its to_dict() form (e.g. a checkpoint's config)."""
+    return apply_overrides(RunConfig(preset=d.get("preset")),
+                           {k: v for k, v in d.items() if k != "preset"}, source="checkpoint config")
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+# A run has one length: a layer that sets one of these clears the others it does not set (a preset's max_images
+# gives way to --max-steps, or to max_steps= from Python).
+RUN_LENGTHS = ("max_steps", "max_images", "max_epochs")
+
+
+def qualify(key: str, source: str) -> str:
+    """"section.field" for a key given as a bare field name of exactly one section (max_images ->
+    train.max_images); a dotted key is returned as it is. A ConfigError names the closest field otherwise."""
+    if "." in key:
+        return key
+    fields = {sec: {f.name for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
+    owners = [sec for sec, names in fields.items() if key in names]
+    if not owners:
+        known = {name: sec for sec, names in fields.items() for name in names}
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]} ({known[close[0]]}.{close[0]})?" if close else \
+            "docs/config.md lists every field"
+        raise ConfigError(f"{source}: {key!r} is in no config section: {hint}")
+    if len(owners) > 1:
+        raise ConfigError(f"{source}: {key} is a field of {' and '.join(owners)}: name it as section.field, e.g. "
+                          f"{owners[0]}.{key}")
+    return f"{owners[0]}.{key}"
+
+
+def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | None = None,
+                   layers: Iterable[tuple[str, dict[str, Any]]] = ()) -> RunConfig:
+    """A run's config from its layers, later ones winning: `base` (a RunConfig, or a preset's name; None: the
+    config file's own `preset`, else the defaults) < the config `file` (YAML or JSON) < each (source, {key:
+    value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
+    names the layer in errors (e.g. "--set", "command line", "fastddpm.train")."""
+    data = load_config_file(file) if file is not None else {}
+    if base is None and data.get("preset"):
+        base = data["preset"]
+    cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
+    cfg = apply_overrides(cfg, {k: v for k, v in data.items() if k != "preset"}, source=str(file))
+    for source, values in layers:
+        dotted = {qualify(k, source): v for k, v in values.items()}
+        lengths = {f"train.{name}" for name in RUN_LENGTHS}
+        if lengths & dotted.keys():
+            dotted.update({key: None for key in lengths - dotted.keys()})
+        cfg = apply_overrides(cfg, dotted, source=source)
+    return cfg

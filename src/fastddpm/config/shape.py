@@ -1,0 +1,83 @@
+"""What the data and a checkpoint decide about a config: the model's image shape and classes from the data, the
+class `--class` names, and what a resume must keep the same."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fastddpm.config.schema import ConfigError, ModelConfig, RunConfig
+
+def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
+    """Fill model.image_channels / image_size from the data, or check the ones the user set."""
+    _, c, h, w = images_NCHW_shape
+    if h != w:
+        raise ConfigError(f"the data's images are {h}x{w}; the U-Net wants square images: use --resize N")
+    m = cfg.model
+    for name, have in (("image_channels", c), ("image_size", h)):
+        want = getattr(m, name)
+        if want is not None and want != have:
+            raise ConfigError(
+                f"model.{name}={want} but the data has {have}: drop the setting (it comes from the data) "
+                + ("or use --resize" if name == "image_size" else "or use --image-mode L|RGB")
+            )
+    model = dataclasses.replace(m, image_channels=c, image_size=h)
+    model.validate_shape()
+    return dataclasses.replace(cfg, model=model)
+
+
+def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source: str) -> RunConfig:
+    """A conditional model's classes from the data: their number from the labels (or the data's class list, if
+    longer) and their names (the data's, else "0", "1", ...). Data without labels is refused with the fix."""
+    m = cfg.model
+    if not m.conditional:
+        return cfg
+    unlabeled = int((labels < 0).sum()) if len(labels) else 0
+    if not len(labels) or unlabeled:
+        what = "no labels" if not len(labels) or unlabeled == len(labels) else f"{unlabeled} images without a label"
+        raise ConfigError(
+            f"--conditional trains on class labels, and {source} has {what}: use a labelled source (a folder of "
+            f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional")
+    n = max(int(labels.max()) + 1, len(class_names))
+    names = tuple(class_names) + tuple(str(i) for i in range(len(class_names), n))
+    if m.num_classes and m.num_classes != n:
+        raise ConfigError(f"model.num_classes={m.num_classes} but the data has {n} classes: drop the setting (it "
+                          f"comes from the data)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
+
+
+def class_index(model_cfg: ModelConfig, name_or_id: str) -> int:
+    """The class id that `--class` names: a class name (case-insensitive) or a number. Refused naming the valid ones."""
+    names = model_cfg.class_names
+    if not model_cfg.conditional:
+        raise ConfigError(f"--class {name_or_id}: this model is unconditional (trained without --conditional); "
+                          f"sample without --class")
+    wanted = name_or_id.strip()
+    for i, name in enumerate(names):
+        if name.lower() == wanted.lower():
+            return i
+    if wanted.lstrip("-").isdigit():
+        i = int(wanted)
+        if 0 <= i < model_cfg.num_classes:
+            return i
+        raise ConfigError(f"--class {i} is out of range: this model has classes 0-{model_cfg.num_classes - 1} "
+                          f"({_list_classes(names)})")
+    raise ConfigError(f"--class {name_or_id!r} is not one of this model's classes: {_list_classes(names)} (a name or "
+                      f"its number, or all)")
+
+
+def _list_classes(names: tuple[str, ...]) -> str:
+    return ", ".join(f"{i} {n!r}" for i, n in enumerate(names))
+
+
+def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
+    """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
+    for section in ("model", "diffusion"):
+        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
+        for key in a:
+            if a[key] != b[key]:
+                raise ConfigError(
+                    f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
+                    f"now; drop the change, or start a new run directory"
+                )

@@ -1,0 +1,55 @@
+"""What a rule returns: a Finding, and the small helpers the rules share to word and cost one.
+
+A Finding has
+- `cost`: the share of step time the problem is estimated to take (what fixing it could give back); the
+  verdict (fastddpm.doctor.rules) is the triggered finding with the largest cost;
+- `evidence`: the numbers that drove it, as sentences a user can check against the trace;
+- `fixes`: ranked, each both as a fastddpm setting (for `doctor train`) and as a code change (for a user's
+  own loop): the report shows the kind that fits what was diagnosed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from fastddpm.doctor.measurements import StepRecord
+
+
+@dataclass
+class Fix:
+    fastddpm: str | None  # a setting of the built-in trainer
+    code: str  # a change to a user's own loop
+
+
+@dataclass
+class Finding:
+    id: str
+    rules: tuple[int, ...]
+    title: str
+    cost: float
+    evidence: list[str]
+    cause: str
+    fixes: list[Fix] = field(default_factory=list)
+    kind: str = "bottleneck"  # or "opportunity" (never a verdict) / "note"
+    group: str = "pipeline"  # or "compute": the model's own arithmetic is slow (rules 12, 13, 16-20)
+
+    @property
+    def speedup(self) -> float:
+        """The step-rate gain the cost estimate promises: 1 / (1 - cost)."""
+        return 1.0 / max(1e-9, 1.0 - self.cost)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "rules": list(self.rules), "title": self.title, "cost": self.cost,
+                "expected_speedup": self.speedup, "evidence": self.evidence, "cause": self.cause,
+                "kind": self.kind, "group": self.group,
+                "fixes": [{"fastddpm": f.fastddpm, "code": f.code} for f in self.fixes]}
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.1f}%"
+
+
+def watched_time(steps: list[StepRecord]) -> tuple[float, float]:
+    """(the watched steps' total host time, their median), ms."""
+    return sum(s.host_ms for s in steps) or 1e-9, statistics.median(s.host_ms for s in steps)

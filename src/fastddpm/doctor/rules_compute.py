@@ -1,0 +1,279 @@
+"""Rules 12, 13 and 16-20 of docs/DOCTOR.md, the compute rules: the model's own arithmetic is slow, not the
+pipeline around it (Finding.group "compute"). Matmul dtypes (12, 16), MFU (13), materialised attention (17),
+eager elementwise work (18), a per-tensor optimizer (19), a small batch (20)."""
+
+from __future__ import annotations
+
+from fastddpm.doctor.findings import Finding, Fix, pct
+from fastddpm.doctor.measurements import Measurements
+from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_SAVES, COMPILE_SAVES, CPU_LOW_MFU,
+                                        CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES, FP32_GEMM_SHARE,
+                                        FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR, LAYOUT_SHARE,
+                                        LOW_MFU_SHARE, LOW_PRECISION_MAX_SPEEDUP, LOW_PRECISION_MIN_RATIO,
+                                        MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS, OPTIMIZER_SHARE, OVERHEAD_SHARE,
+                                        SMALL_BATCH)
+from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
+
+
+def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 12: > 20% of matmul/conv FLOPs in fp32 while some run in bf16/fp16 (autocast gap); or, on a GPU,
+    none in reduced precision at all (fp32)."""
+    t = m.trace
+    if t is None:
+        return None
+    if t.gemm_unavailable:
+        unavailable["12 (FLOPs by dtype, GEMM share, autocast coverage)"] = t.gemm_unavailable
+        return None
+    flops = t.gemm_flops_per_step
+    total = sum(flops.values())
+    low = flops.get("bf16", 0.0) + flops.get("fp16", 0.0) + flops.get("fp8", 0.0)
+    fp32 = flops.get("fp32", 0.0)
+    fp32_time_share = t.gemm_time_share.get("fp32", 0.0)
+    if total > 0 and low > 0 and fp32 / total > FP32_GEMM_SHARE:
+        return Finding(
+            "autocast-gap", (12,), "AUTOCAST GAP: part of the matmul work still runs in fp32",
+            0.5 * fp32_time_share,
+            [f"{pct(fp32 / total)} of matmul/conv FLOPs run with fp32 inputs while {pct(low / total)} run in "
+             f"bf16/fp16: autocast covers only part of the hot path",
+             f"fp32 matmuls/convs take {pct(fp32_time_share)} of " + ("GPU busy" if t.has_gpu else "step") +
+             " time; the cost is an estimate: bf16 runs about 2x the fp32/TF32 rate on tensor cores (on a CPU "
+             "it depends on AMX/AVX512-BF16)"],
+            "autocast does not cover the hot path: a forward outside the autocast block, explicit .float() "
+            "calls, or a second model (EMA, loss network) called outside it",
+            [Fix("--precision bf16 (fastddpm runs the whole loss under autocast)",
+                 "wrap the full forward and loss in torch.autocast('cuda', dtype=torch.bfloat16); keep the "
+                 "backward outside; look for .float() in the model")], group="compute")
+    if total > 0 and low == 0:
+        return _fp32_matmuls(m, t, total, fp32_time_share)
+    return None
+
+
+def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share: float) -> Finding | None:
+    """Rule 16: every matmul runs in fp32. Prescribe autocast where the device's bf16/fp16 matmuls measured
+    faster than fp32 (a GPU's tensor cores; a CPU with AMX or AVX512-BF16); elsewhere say fp32 is right."""
+    lp = m.low_precision
+    where = "GPU busy" if t.has_gpu else "step"
+    ev = [f"all {total / 1e9:.2f} GFLOP of matmul/conv work per step has fp32 inputs; these take "
+          f"{pct(fp32_time_share)} of {where} time"]
+    if lp is None:
+        if not t.has_gpu:
+            return None  # a CPU's bf16 rate was not measured (measure_peak=False): no claim either way
+        ratio, dtype, native, basis = 2.0, "bf16", True, "assumed: bf16 tensor cores run ~2x the TF32 rate"
+    else:
+        ratio, dtype, native = lp.peak_ratio or 0.0, lp.dtype, lp.native
+        basis = (f"measured now: {dtype} matmuls {lp.peak_tflops * 1e3:.3g} GFLOP/s vs fp32 "
+                 f"{lp.fp32_peak_tflops * 1e3:.3g} GFLOP/s ({ratio:.2f}x); {lp.reason}")
+    ev.append(basis)
+    device = "cuda" if m.cuda else "cpu"
+    if not (native and ratio >= LOW_PRECISION_MIN_RATIO):
+        return Finding(
+            "fp32", (16,), f"FP32 IS RIGHT HERE: {dtype} would not speed up this device's matmuls", 0.0, ev,
+            f"{dtype} autocast pays off only where the hardware computes it natively; here it measured "
+            f"{ratio:.2f}x fp32's matmul rate, so the casts would cost more than they save",
+            [Fix("keep --precision fp32 (auto does)", f"keep fp32: no torch.autocast('{device}', ...) on this "
+                                                      "machine")], kind="note", group="compute")
+    speedup = min(ratio, LOW_PRECISION_MAX_SPEEDUP)
+    cost = fp32_time_share * (1 - 1 / speedup)
+    scaler = dtype == "fp16"
+    code = (f"with torch.autocast('{device}', dtype=torch.{'float16' if scaler else 'bfloat16'}): loss = ... "
+            "around forward and loss (not the backward)" +
+            ("; and a torch.amp.GradScaler('cuda') for the backward and step" if scaler else ""))
+    ev.append(f"estimate: the fp32 matmul time at {speedup:.2g}x the speed saves {pct(cost)} of the step "
+              f"(counted at most {LOW_PRECISION_MAX_SPEEDUP:g}x: casts and non-matmul work do not speed up)")
+    return Finding(
+        "fp32", (16,), f"FP32 MATMULS on hardware with native {dtype}", cost, ev,
+        f"no autocast: the matmuls run at fp32's rate on a device whose {dtype} rate measured {ratio:.2f}x that",
+        [Fix(f"--precision {dtype} (auto picks it)", code)], group="compute")
+
+
+def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 17: attention that materialises its weights (softmax(QK^T)V written out, nn.MultiheadAttention
+    with its default need_weights=True, or SDPA's math fallback) takes > 3% of the step."""
+    t = m.trace
+    if t is None or not t.attention_share_by_impl:
+        return None
+    slow = {k: v for k, v in t.attention_share_by_impl.items() if "materialised" in k}
+    share = sum(slow.values())
+    if share <= ATTENTION_WEIGHTS_SHARE:
+        return None
+    where = "GPU span" if t.has_gpu else "step"
+    ev = [f"attention that builds the full L x L weight matrix takes {pct(share)} of the {where}: " +
+          ", ".join(f"{k} {pct(v)}" for k, v in slow.items())]
+    calls = m.attention_calls
+    if calls is not None and calls.need_weights_per_step > 0:
+        ev.append(f"nn.MultiheadAttention.forward is called {calls.calls_per_step:g} times per step "
+                  f"({calls.modules} module(s)), {calls.need_weights_per_step:g} of them with need_weights=True "
+                  "(the default): it then returns the averaged weights and cannot use the fused kernel")
+    cost = FUSED_ATTENTION_SAVES * share
+    ev.append(f"estimate: a fused kernel (scaled_dot_product_attention) saves at least half of it, "
+              f"{pct(cost)} of the step")
+    mha = calls is not None and calls.need_weights_per_step > 0
+    fixes = ([Fix(None, "attn(x, x, x, need_weights=False): nn.MultiheadAttention then runs "
+                        "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
+             if mha else [])
+    fixes.append(Fix("fastddpm's U-Net already calls F.scaled_dot_product_attention",
+                     "replace softmax(q @ k.transpose(-2, -1) * scale) @ v with "
+                     "F.scaled_dot_product_attention(q, k, v) (flash / memory-efficient kernels, no L x L matrix)"))
+    return Finding("attention-weights", (17,), "MATERIALISED ATTENTION: the L x L weights are built and stored",
+                   cost, ev, "attention computed as separate matmuls and a softmax: the weight matrix is written "
+                   "to memory, read back, and kept for the backward", fixes, group="compute")
+
+
+def eager_elementwise(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 18: uncompiled elementwise and norm ops take > 25% of the step: torch.compile fuses them."""
+    t = m.trace
+    if t is None or not t.breakdown:
+        return None
+    if m.compile is not None and m.compile.compiled_graphs > 0:
+        return None  # already compiled: what is left is not eager fusion's to fix
+    share = t.breakdown.get("elementwise", 0.0) + t.breakdown.get("norm", 0.0)
+    if share <= ELEMENTWISE_SHARE:
+        return None
+    cost = COMPILE_SAVES * share
+    where = "GPU span" if t.has_gpu else "step"
+    return Finding(
+        "eager-elementwise", (18,), "EAGER ELEMENTWISE: activations and norms run one op at a time", cost,
+        [f"elementwise/activation ops take {pct(t.breakdown.get('elementwise', 0.0))} and norms "
+         f"{pct(t.breakdown.get('norm', 0.0))} of the {where}, in eager mode (nothing compiled)",
+         f"estimate: fusing them saves {pct(COMPILE_SAVES)} of that time, {pct(cost)} of the step "
+         "(each eager op reads and writes its whole tensor; a fused kernel does it once)"],
+        "each elementwise op is a separate pass over memory (and a separate dispatch): GroupNorm, SiLU, adds and "
+        "scales between the matmuls",
+        [Fix("--compile on", "model = torch.compile(model) (first steps compile: worth it for runs of minutes "
+                             "or more)")], group="compute")
+
+
+def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 19: the optimizer updates one tensor at a time (torch's default on a CPU), issuing >= 300 ops and
+    taking > 5% of the step: foreach (multi-tensor) or fused kernels update all parameters in a few ops."""
+    t = m.trace
+    if t is None or t.optimizer_kind != "per-tensor" or not t.breakdown:
+        return None
+    if (t.optimizer_ops_per_step or 0) < OPTIMIZER_OPS:
+        return None
+    opt = m.optimizer
+    name = opt.name if opt is not None else "the optimizer"
+    waiting = t.has_gpu and (t.idle_share or 0.0) > GPU_IDLE_SHARE  # a GPU that waits for launches
+    launches = per_tensor_launch_share(t) if waiting else 0.0
+    if launches:
+        # on a GPU the optimizer's kernels are tiny: its cost is the launches, while the GPU waits for them
+        share = t.host_wait_by_cause.get("host", 0.0)
+        cost = share * launches
+        ev = [f"{pct(launches)} of the step's {t.kernels_per_step:.0f} kernels are launched by {name}.step, "
+              f"{t.optimizer_ops_per_step:.0f} ops per step: one op per parameter tensor per update term",
+              f"the GPU waits for the host to launch work {pct(share)} of the span; those launches are "
+              f"{pct(cost)} of it"]
+    else:
+        share = t.breakdown.get("optimizer", 0.0)
+        if share <= OPTIMIZER_SHARE:
+            return None
+        cost = FOREACH_SAVES * share
+        ev = [f"{name}.step takes {pct(share)} of the step, {t.optimizer_ops_per_step:.0f} ops per step: one op "
+              "per parameter tensor per update term"]
+    if opt is not None:
+        ev.append(f"{opt.param_tensors} parameter tensors; foreach={opt.foreach}, fused={opt.fused} "
+                  "(None: torch picks per-tensor on a CPU, foreach on CUDA)")
+    if not launches:
+        ev.append(f"estimate: multi-tensor kernels save at least half of it, {pct(cost)} of the step")
+    cls = opt.name if opt is not None else "AdamW"
+    return Finding(
+        "per-tensor-optimizer", (19,), "PER-TENSOR OPTIMIZER: one small op per parameter per update", cost, ev,
+        "the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
+        "the per-op overhead (on a GPU, a kernel launch each) outweighs the arithmetic",
+        [Fix("fastddpm's AdamW is foreach (fused on CUDA) already",
+             f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True")],
+        group="pipeline" if launches else "compute")  # launches are the pipeline's problem, not the math's
+
+
+def per_tensor_launch_share(t: TraceStats) -> float:
+    """The share of a GPU step's kernels launched by a per-tensor optimizer (0 for foreach / fused ones)."""
+    if t.optimizer_kind != "per-tensor" or (t.optimizer_ops_per_step or 0) < OPTIMIZER_OPS:
+        return 0.0
+    return (t.kernel_share_by_category or {}).get("optimizer", 0.0)
+
+
+def small_batch(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 20: a small batch (<= 32) whose per-step overhead (Python, framework, optimizer) is > 20% of the
+    step, with memory to spare: a larger batch spreads that overhead over more images."""
+    t = m.trace
+    if t is None or not t.breakdown or m.batch_size is None or m.batch_size > SMALL_BATCH:
+        return None
+    if m.memory is not None and m.memory.peak_share >= MEMORY_HEADROOM_SHARE:
+        return None
+    overhead = sum(t.breakdown.get(k, 0.0) for k in ("python", "framework", "optimizer"))
+    if overhead <= OVERHEAD_SHARE:
+        return None
+    cost = BATCH_DOUBLING_SAVES * overhead
+    return Finding(
+        "small-batch", (20,), f"SMALL BATCH: {m.batch_size} images share each step's fixed overhead", cost,
+        [f"batch {m.batch_size}; Python, framework and optimizer time, which do not grow with the batch, take "
+         f"{pct(overhead)} of the step",
+         f"estimate: twice the batch halves that overhead per image, {pct(cost)} of the time per image"],
+        "the per-step costs (op dispatch, autograd bookkeeping, the optimizer over every parameter) are paid "
+        "once per step however many images it holds",
+        [Fix("--batch-size auto (the throughput knee; fastddpm scales the learning rate with it)",
+             "raise batch_size toward the throughput knee (not the out-of-memory edge); scale the learning rate "
+             "with it")], group="compute")
+
+
+def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 13: MFU < 5% on a GPU that is idle < 20% of the time: busy, but with little math."""
+    if m.mfu is None:
+        unavailable["13 (MFU)"] = m.mfu_unavailable or "FLOPs or peak not measured"
+        return None
+    t = m.gpu_trace
+    if t is None and m.trace is not None and m.trace.breakdown and not m.cuda:
+        return _cpu_low_mfu(m)
+    if t is None or not (m.mfu.mfu < LOW_MFU_SHARE and t.idle_share < GPU_IDLE_SHARE):
+        return None
+    mf = m.mfu
+    # the residual: busy time that rules 17 and 18 already explain is costed there, with their own fixes (a
+    # materialised attention fused, eager elementwise ops compiled), and is not counted twice here
+    explained = _explained_by_compute_rules(m, t)
+    residual = max(0.0, (1 - t.idle_share) - explained)
+    ev = [f"MFU {pct(mf.mfu)}: {mf.flops_per_step / 1e9:.1f} GFLOP per step in {mf.step_ms:.2f} ms "
+          f"against a measured {mf.peak_dtype} matmul peak of {mf.peak_tflops:.0f} TFLOP/s, with the GPU "
+          f"idle only {pct(t.idle_share)}"]
+    if explained > 0:
+        ev.append(f"{pct(explained)} of the span is layout conversions, materialised attention or eager "
+                  f"elementwise work, costed by their own findings; this estimate covers the other {pct(residual)}")
+    return Finding(
+        "low-mfu", (13,), "LOW MFU: the GPU is busy but does little math", min(0.5, residual * 0.5), ev,
+        "memory- or elementwise-bound kernels (norms, activations, copies) dominate",
+        [Fix("--compile on (fuses elementwise chains); --precision bf16; a larger --batch-size or model",
+             "torch.compile for fusion, bf16, larger batch or wider layers")], group="compute")
+
+
+def _explained_by_compute_rules(m: Measurements, t: TraceStats) -> float:
+    """The share of the span that rules 11 (layout conversions), 17 (materialised attention) and 18 (eager
+    elementwise) account for."""
+    out = 0.0
+    if t.layout_share is not None and t.layout_share > LAYOUT_SHARE:
+        out += t.layout_share * (1 - t.idle_share)
+    if t.attention_share_by_impl:
+        slow = sum(v for k, v in t.attention_share_by_impl.items() if "materialised" in k)
+        out += slow if slow > ATTENTION_WEIGHTS_SHARE else 0.0
+    if t.breakdown and not (m.compile is not None and m.compile.compiled_graphs > 0):
+        eager = t.breakdown.get("elementwise", 0.0) + t.breakdown.get("norm", 0.0)
+        out += eager if eager > ELEMENTWISE_SHARE else 0.0
+    return out
+
+
+def _cpu_low_mfu(m: Measurements) -> Finding | None:
+    """Rule 13 on a CPU: MFU < 30% with under half the step in matmuls/attention: the step's time goes to the
+    work around the math. (A step that is mostly matmuls runs as fast as its shapes allow: healthy.)"""
+    mf, b = m.mfu, m.trace.breakdown
+    math_share = b.get("matmul", 0.0) + b.get("attention", 0.0)
+    if not (mf.mfu < CPU_LOW_MFU and math_share < CPU_MATMUL_SHARE):
+        return None
+    rest = 1 - math_share
+    top = sorted(((v, BREAKDOWN_LABELS[k]) for k, v in b.items() if k not in ("matmul", "attention")), reverse=True)
+    return Finding(
+        "low-mfu", (13,), "LOW MFU: most of the step is not matmul work", HEALTHY_FLOOR,
+        [f"MFU {pct(mf.mfu)}: {mf.flops_per_step / 1e9:.2f} GFLOP per step in {mf.step_ms:.1f} ms against a "
+         f"measured {mf.peak_dtype} matmul peak of {mf.peak_tflops * 1e3:.3g} GFLOP/s",
+         f"matmuls and attention take {pct(math_share)} of the step; the other {pct(rest)}: " +
+         ", ".join(f"{label} {pct(v)}" for v, label in top[:4])],
+        "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
+        [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops")],
+        group="compute")

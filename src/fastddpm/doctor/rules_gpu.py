@@ -1,0 +1,180 @@
+"""Rules 4-9 and 11 of docs/DOCTOR.md, read from the GPU timeline of a CUDA trace: does the GPU wait for the host
+(4, launch-bound 6) or between kernels already queued (5), does the step make the host wait for the GPU (7), do
+host-to-device copies stall it (8), do layout conversions take its time (11). Rule 9 (launch-queue depth) is
+evidence in 4-6."""
+
+from __future__ import annotations
+
+from fastddpm.doctor.findings import Finding, Fix, pct
+from fastddpm.doctor.measurements import Measurements
+from fastddpm.doctor.rules_compute import per_tensor_launch_share
+from fastddpm.doctor.thresholds import (GPU_IDLE_SHARE, GRAPH_KERNEL_SHARE, H2D_SHARE, LAYOUT_SHARE,
+                                        SHORT_KERNEL_SHARE, SMALL_KERNEL_US)
+from fastddpm.doctor.trace import TraceStats
+
+
+def host_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rules 4 and 6: the GPU idles > 20% of the kernel span, mostly waiting for Python to launch work
+    (host-bound); with tiny eager kernels shorter than their launch call, launch-bound."""
+    t = m.gpu_trace
+    if t is None:
+        # one entry for all the rules that read the GPU timeline, recorded with the first of them
+        unavailable["4-6,8,9,11" if m.cuda else "4-6,8,9,11 (GPU timeline)"] = (
+            "no CUDA device: the GPU timeline needs a CUDA trace" if not m.cuda
+            else "no profile window (profile_steps=0)" if m.trace is None
+            else "the trace holds no GPU activity")
+        return None
+    python_share = t.host_wait_by_cause.get("host", 0.0)  # host-wait with no data wait or sync to blame
+    if not (t.idle_share > GPU_IDLE_SHARE and t.host_wait_share >= t.kernel_wait_share
+            and python_share > 0.5 * t.host_wait_share):
+        return None
+    graph_share = t.graph_kernel_share or 0.0
+    captured = graph_share > 0  # some of the step already replays from CUDA graphs: never prescribe them
+    eager_per_step = t.eager_kernels_per_step or 0.0
+    # rule 6 reads eager kernels only: a graph replay has no per-kernel launch to be bound by
+    tiny = (graph_share < GRAPH_KERNEL_SHARE and t.median_eager_kernel_us is not None
+            and t.median_eager_kernel_us < SMALL_KERNEL_US and t.short_kernel_share > SHORT_KERNEL_SHARE)
+    if tiny:
+        title, rules = "LAUNCH-BOUND: kernels are shorter than the time to launch them", (4, 6)
+        cause = ("many tiny kernels: the CPU spends longer issuing each kernel than the GPU spends running "
+                 "it, so the GPU drains its queue and waits")
+    elif captured:
+        title, rules = "HOST-BOUND: the GPU waits for the host between graph replays", (4,)
+        cause = ("the step already replays from a CUDA graph, yet the host takes longer between replays than "
+                 "the GPU takes to run one: Python outside the graph (data, logging, the replay call)")
+    else:
+        title, rules = "HOST-BOUND: the GPU waits for Python between launches", (4,)
+        cause = "the CPU cannot enqueue work fast enough (Python and framework overhead per op)"
+    if captured:  # what is left outside the graph: its eager kernels, and the host time between replays
+        fixes = ([Fix(None, f"kernels launched outside the graph ({eager_per_step:.0f} per step): move that "
+                            "work inside the captured region, or fuse it with torch.compile")]
+                 if eager_per_step >= 1 else [])
+        fixes += [Fix("--batch-size auto (the throughput knee)",
+                      "a larger batch: each replay does more work for the same host time between replays"),
+                  Fix(None, "take per-step host work off the path between replays: log and read metrics "
+                            "every N steps, prepare the next batch while the graph runs")]
+    else:
+        fixes = [Fix("--cuda-graphs capture (the whole step replayed as one graph: one launch per step)",
+                     "capture the step in a CUDA graph: torch.compile(model, mode='reduce-overhead'), or "
+                     "torch.cuda.graphs with static input buffers"),
+                 Fix("--compile on (fuses elementwise chains into fewer, larger kernels)",
+                     "torch.compile(model) with static shapes (drop_last=True)"),
+                 Fix("--batch-size auto (the throughput knee)",
+                     "a larger batch: the same launches, more work each"),
+                 Fix(None, "fused optimizer and EMA: AdamW(..., fused=True); torch._foreach_lerp_ for the EMA")]
+    idle_ev, kernels_ev = _gpu_evidence(t)
+    evidence = [idle_ev, f"{pct(python_share)} of the span is host-wait with no data wait or sync to blame",
+                kernels_ev]
+    # the launches a per-tensor optimizer issues have their own finding (rule 19) and fix: not counted twice
+    optimizer = per_tensor_launch_share(t)
+    if optimizer:
+        evidence.append(f"{pct(optimizer)} of the kernels are launched by a per-tensor optimizer step: that part "
+                        "of the wait is costed under PER-TENSOR OPTIMIZER")
+    return Finding("launch-bound" if tiny else "host-bound", rules, title, python_share * (1 - optimizer), evidence,
+                   cause, fixes)
+
+
+def kernel_gaps(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 5: the GPU idles > 20% of the kernel span, mostly between kernels already queued."""
+    t = m.gpu_trace
+    if t is None or not (t.idle_share > GPU_IDLE_SHARE and t.kernel_wait_share > t.host_wait_share):
+        return None
+    if t.graph_kernel_share:  # some of the step already replays from CUDA graphs: never prescribe them
+        title = "KERNEL GAPS: the GPU idles between the kernels of a graph replay"
+        cause = ("the work is queued (replayed from a CUDA graph) but the GPU still idles between its "
+                 "kernels: many small dependent kernels, each a node the GPU schedules in turn")
+        fixes = [Fix("--compile on (fuses elementwise chains: fewer, larger nodes in the graph)",
+                     "torch.compile before capturing, to fuse kernels"),
+                 Fix("--batch-size auto (the throughput knee)",
+                     "a larger batch: the same nodes, more work each")]
+    else:
+        title = "KERNEL GAPS: launch latency between back-to-back kernels"
+        cause = "the work is queued but each kernel still pays launch latency; many small dependent kernels"
+        fixes = [Fix("--cuda-graphs capture", "CUDA graphs (torch.compile mode='reduce-overhead')"),
+                 Fix("--compile on", "torch.compile to fuse kernels")]
+    idle_ev, kernels_ev = _gpu_evidence(t)
+    return Finding("kernel-gaps", (5,), title, t.kernel_wait_share,
+                   [idle_ev, f"{t.small_gap_count} gaps under 30 us between queued kernels", kernels_ev], cause, fixes)
+
+
+def _gpu_evidence(t: TraceStats) -> tuple[str, str]:
+    """The evidence rules 4-6 share: where the GPU's idle time goes; the kernels, and the queue (rule 9)."""
+    idle = (f"the GPU is idle {pct(t.idle_share)} of the kernel span (threshold {pct(GPU_IDLE_SHARE)}): "
+            f"{pct(t.host_wait_share)} waiting for the host to launch work, {pct(t.kernel_wait_share)} between "
+            f"queued kernels")
+    kernels = f"{t.kernels_per_step:.0f} kernels per step, median kernel {t.median_kernel_us:.1f} us"
+    if t.graph_kernel_share:
+        kernels += (f"; {pct(t.graph_kernel_share)} of them replay from CUDA graphs "
+                    f"({t.graph_launches_per_step:g} cudaGraphLaunch per step), "
+                    f"{t.eager_kernels_per_step or 0.0:.0f} per step are launched one by one")
+    if t.short_kernel_share is not None:
+        kernels += (f"; of the kernels launched one by one {pct(t.short_kernel_share)} run shorter than "
+                    f"their launch call (median launch {t.median_launch_us:.1f} us)")
+    kernels += f"; queue depth median {t.queue_depth_median:.0f}, max {t.queue_depth_max}"
+    return idle, kernels
+
+
+def sync_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 7: the median step makes at least one blocking host-device sync."""
+    t = m.gpu_trace
+    if t is None or t.syncs_per_step is None:
+        if not m.cuda:
+            unavailable["7 (syncs)"] = ("a CPU device has no host-device syncs; .item() calls are counted "
+                                        "(scalar_reads_per_step) but cost nothing here")
+        return None
+    if not t.syncs_per_step >= 1:
+        return None
+    sync_idle_share = t.host_wait_by_cause.get("sync", 0.0)
+    return Finding(
+        "sync-bound", (7,), "SYNC-BOUND: the step forces the host to wait for the GPU", sync_idle_share,
+        [f"{t.syncs_per_step:g} host-device syncs in the median step (cudaStreamSynchronize / cudaDeviceSynchronize "
+         f"/ blocking copies, e.g. from .item()), in every step rather than on logging steps only",
+         f"after them the GPU sits idle {pct(sync_idle_share)} of the kernel span while Python refills the "
+         f"queue; the host spends {pct(t.sync_share)} of step time blocked in them"],
+        "hidden syncs: .item(), float(tensor), printing or branching on a GPU value every step, or "
+        "GradScaler under bf16",
+        [Fix("--log-every N (fastddpm reads the loss only on logging steps)",
+             "accumulate the loss on the device (loss_sum += loss.detach()) and call .item() every N steps"),
+         Fix(None, "no .item() in EMA or metrics; no GradScaler with bf16; find the sync with "
+                   "torch.cuda.set_sync_debug_mode('warn')")])
+
+
+def transfer_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 8: host-to-device copies take > 5% of GPU busy time, or any copy is from pageable memory."""
+    t = m.gpu_trace
+    if t is None or t.h2d_share is None:
+        return None
+    pageable = t.h2d_pageable or 0
+    if not (t.h2d_share > H2D_SHARE or pageable > 0):
+        return None
+    # a pageable copy blocks the host: the GPU's wait for Python is charged to it too
+    cost = max(t.h2d_exposed_share, t.host_wait_by_cause.get("host", 0.0) if pageable else 0.0)
+    return Finding(
+        "transfer-bound", (8,), "TRANSFER-BOUND: host-to-device copies are not overlapped", cost,
+        [f"HtoD copies take {pct(t.h2d_share)} of GPU busy time ({t.h2d_bytes_per_step / 2**20:.1f} "
+         f"MiB per step); {pct(t.h2d_exposed_share)} of the span they run with no kernel alongside",
+         f"{pageable} copies from pageable memory, {t.h2d_pinned} from pinned (pageable copies "
+         "block the host and cannot overlap)"],
+        "transfers on the critical path: pageable source memory, or copies not issued ahead of use",
+        [Fix("--data-placement device (no per-step copies at all)",
+             "keep the dataset on the GPU, or copy from pinned buffers: DataLoader(pin_memory=True) and "
+             "x.to(device, non_blocking=True)"),
+         Fix("--data-placement stream (pinned double buffers copied on a side stream)",
+             "pinned buffers allocated once, filled by the CPU, copied with non_blocking=True on a side "
+             "stream one batch ahead; avoid calling .pin_memory() per batch")])
+
+
+def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 11: layout-conversion kernels take > 5% of GPU busy time."""
+    t = m.gpu_trace
+    if t is None or t.layout_share is None or not t.layout_share > LAYOUT_SHARE:
+        return None
+    return Finding(
+        "layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
+        t.layout_share * (1 - t.idle_share),
+        [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() copies) take "
+         f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"],
+        "channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode), so every such op "
+        "converts back and forth",
+        [Fix("--channels-last off in eager, or keep --compile on (inductor picks layouts end to end)",
+             "drop .to(memory_format=torch.channels_last) in eager mode, or compile the model")])

@@ -1,0 +1,81 @@
+"""Rules 10, 14 and 15 of docs/DOCTOR.md, the run as a whole rather than one step: graphs compiled after warm-up
+(10), device memory left unused (14), steps that slow down over the watch (15)."""
+
+from __future__ import annotations
+
+from fastddpm.doctor.findings import Finding, Fix, pct, watched_time
+from fastddpm.doctor.measurements import CompileCounts, Measurements
+from fastddpm.doctor.thresholds import DRIFT_SHARE, HEALTHY_FLOOR, MEMORY_HEADROOM_SHARE
+
+
+def recompiles(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 10: graphs compiled, graph breaks or CUDA-graph skips after the warm-up."""
+    c = m.compile or CompileCounts()
+    if not (c.recompiles_after_warmup or c.graph_breaks_after_warmup or c.cudagraph_skips):
+        return None
+    watched_ms, median_ms = watched_time(m.steps)
+    hit = [s for s in m.steps if s.recompiles]
+    excess_ms = sum(max(0.0, s.host_ms - median_ms) for s in hit)
+    ev = [f"{c.recompiles_after_warmup} graph(s) compiled after warm-up, {c.graph_breaks_after_warmup} graph "
+          f"break(s) after warm-up, {c.cudagraph_skips} CUDA-graph skip(s)"]
+    if hit:
+        ev.append("compiling in step(s) " + ", ".join(f"{s.index} ({s.host_ms:.0f} ms vs median {median_ms:.1f})"
+                                                      for s in hit[:4]))
+    return Finding(
+        "recompiles", (10,), "RECOMPILES: torch.compile compiles again after warm-up",
+        max(excess_ms / watched_ms, HEALTHY_FLOOR if c.cudagraph_skips else 0.0), ev,
+        "a guard failed: a new input shape (an uneven last batch), a Python float that changes (learning "
+        "rate), or a graph break; each recompile costs seconds and may fall back to slower code",
+        [Fix("fastddpm drops the ragged tail and keeps the learning rate in a tensor already",
+             "DataLoader(..., drop_last=True) (or pad the last batch); torch.compile(..., dynamic=False)"),
+         Fix(None, "pass the learning rate as a tensor (AdamW(lr=torch.tensor(lr))); run with "
+                   "TORCH_LOGS=recompiles,graph_breaks to see the failing guard"),
+         Fix(None, "with mode='reduce-overhead', call torch.compiler.cudagraph_mark_step_begin() each step")])
+
+
+def memory_headroom(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 14: peak allocated < 50% of device memory: an opportunity, never the verdict."""
+    mem = m.memory
+    if mem is None:
+        unavailable["14 (memory)"] = "no CUDA device" if not m.cuda else "not measured"
+        return None
+    if not mem.peak_share < MEMORY_HEADROOM_SHARE:
+        return None
+    return Finding(
+        "memory-headroom", (14,), "HEADROOM: the batch can grow", 0.0,
+        [f"peak allocated {mem.peak_allocated_bytes / 2**30:.1f} GiB of {mem.total_bytes / 2**30:.0f} GiB "
+         f"({pct(mem.peak_share)})"],
+        "memory is left unused; a larger batch usually raises throughput up to a knee",
+        [Fix("--batch-size auto (searches the throughput knee)", "raise the batch toward the throughput knee "
+                                                                  "(search before compiling)")],
+        kind="opportunity")
+
+
+def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 15: the median step of the last fifth of the watch > 5% slower than the first fifth (a note);
+    the SM clock at both ends tells throttling from state that grows."""
+    ss = m.step_stats
+    if ss is None or not ss.first_fifth_median_ms:
+        return None
+    t0, t1 = m.telemetry_start, m.telemetry_end
+    clocks = t0 is not None and t1 is not None
+    if not clocks:
+        unavailable["15 (clocks)"] = "no CUDA device" if not m.cuda else "NVML and nvidia-smi unavailable"
+    drift_share = ss.last_fifth_median_ms / ss.first_fifth_median_ms - 1
+    if not drift_share > DRIFT_SHARE:
+        return None
+    ev = [f"the median step grew {pct(drift_share)} from the first to the last fifth of the watch "
+          f"({ss.first_fifth_median_ms:.1f} -> {ss.last_fifth_median_ms:.1f} ms)"]
+    if clocks:
+        ev.append(f"SM clock {t0.sm_clock_mhz:.0f} -> {t1.sm_clock_mhz:.0f} MHz, temperature "
+                  f"{t0.temperature_c:.0f} -> {t1.temperature_c:.0f} C ({t1.source})")
+        cause = ("thermal or power throttling, not the code: compare runs only at equal clocks"
+                 if t1.sm_clock_mhz < 0.95 * t0.sm_clock_mhz else
+                 "clocks held steady, so something in the loop grows (tensors kept alive in a list, a "
+                 "growing autograd graph, a cache)")
+    else:
+        cause = "cannot tell throttling from the code: GPU clocks are unavailable (no NVML / nvidia-smi)"
+    return Finding("drift", (15,), "DRIFT: steps get slower over the run", drift_share, ev, cause,
+                   [Fix(None, "check for state that grows per step; for throttling, improve "
+                              "cooling or compare at fixed clocks")],
+                   kind="note")

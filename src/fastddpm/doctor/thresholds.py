@@ -1,0 +1,38 @@
+"""The numbers that fire docs/DOCTOR.md's rules, in one place: each rule's threshold, and the share of a problem's
+cost that its fix is counted to give back. The rules_*.py modules and the verdict (rules.py) read them."""
+
+HEALTHY_FLOOR = 0.05  # a finding that costs less than 5% of step time does not make a verdict
+
+# thresholds (docs/DOCTOR.md), tuned on the planted cases in tests/test_doctor_planted.py
+DATA_WAIT_SHARE = 0.10
+LOADER_MARGIN = 1.5
+IN_PROCESS_CPU_SHARE = 0.4  # share of an in-process data wait spent computing that makes it CPU-bound
+EPOCH_SPIKE_X = 3.0
+GPU_IDLE_SHARE = 0.20
+SMALL_KERNEL_US = 10.0
+SHORT_KERNEL_SHARE = 0.5
+# a step with at least this share of its kernels replayed from CUDA graphs is not launch-bound, whatever its
+# few eager kernels look like: the graph already pays one launch for the rest
+GRAPH_KERNEL_SHARE = 0.5
+H2D_SHARE = 0.05
+LAYOUT_SHARE = 0.05
+FP32_GEMM_SHARE = 0.20
+LOW_MFU_SHARE = 0.05
+MEMORY_HEADROOM_SHARE = 0.50
+DRIFT_SHARE = 0.05
+# the compute rules (16-20). Their costs are deliberately conservative: a fix must give at least what the
+# report promised (benchmarks/RESULTS.md measures the seed-style script before and after its top fix)
+LOW_PRECISION_MIN_RATIO = 1.2  # bf16/fp16 matmuls must measure this much faster than fp32 to be prescribed
+LOW_PRECISION_MAX_SPEEDUP = 2.0  # the matmul speed-up the estimate counts, however fast the peak ratio reads
+ATTENTION_WEIGHTS_SHARE = 0.03  # materialised attention over this share of the step fires rule 17
+FUSED_ATTENTION_SAVES = 0.5  # of the materialised attention's time: the fused kernel's usual gain, halved
+ELEMENTWISE_SHARE = 0.25  # eager elementwise + norm over this share of the step fires rule 18
+COMPILE_SAVES = 0.3  # of that time: fusion removes the memory round trips, not the math (conservative)
+OPTIMIZER_SHARE = 0.05  # a per-tensor optimizer over this share of the step fires rule 19 ...
+OPTIMIZER_OPS = 300  # ... with this many ops per step (~25 tensors for AdamW): a few big tensors are memory-bound
+FOREACH_SAVES = 0.5  # of the optimizer's time: multi-tensor kernels replace one op per tensor per update
+SMALL_BATCH = 32  # rule 20: at or under this batch, the per-step overhead is a large share of each image's cost
+OVERHEAD_SHARE = 0.2  # ... when Python, framework and optimizer time take this share of the step
+BATCH_DOUBLING_SAVES = 0.5  # doubling the batch spreads the per-step overhead over twice the images
+CPU_LOW_MFU = 0.3  # rule 13 on a CPU: MFU under this with less than half the step in the matmuls
+CPU_MATMUL_SHARE = 0.5

@@ -1,0 +1,108 @@
+"""The .pt checkpoint format: `checkpoints/ckpt_<step>.pt` (torch.save of plain dicts and tensors) and a `.sha256`
+beside it.
+
+Writing goes: digest file, then the checkpoint, each atomically (fastddpm.rundir.files), so the final path only
+ever holds a complete file and a crash at any point leaves the previous checkpoint intact. Loading uses
+torch.load(weights_only=True), which refuses pickled code, and checks the digest: a truncated or bit-flipped file
+is detected, and `--resume latest` falls back to the newest checkpoint that verifies. What a checkpoint holds is
+the Checkpointer's business (fastddpm.rundir.checkpointer); this module only stores and verifies it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastddpm.rundir.files import CheckpointError, atomic_write_bytes
+
+CHECKPOINT_FORMAT = 1
+_NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"ckpt_{step:09d}.pt"
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Checkpoint files in `ckpt_dir`, oldest first (by step number in the name)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int) -> Path:
+    """Serialise `state` to ckpt_<step>.pt atomically, then delete all but the newest `keep` checkpoints."""
+    buf = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, **state}, buf)
+    data = buf.getvalue()
+    path = checkpoint_path(ckpt_dir, step)
+    # The digest goes in first: a checkpoint without its digest is never at the final path.
+    atomic_write_bytes(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
+    atomic_write_bytes(path, data)
+    prune_checkpoints(ckpt_dir, keep=keep)
+    return path
+
+
+def prune_checkpoints(ckpt_dir: Path, *, keep: int) -> None:
+    """Keep the newest `keep` checkpoints. A failed delete is a warning, never a stopped run."""
+    for old in list_checkpoints(ckpt_dir)[:-keep]:
+        for p in (old, old.with_suffix(".sha256")):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:
+                warnings.warn(f"could not delete old checkpoint {p}: {e}", stacklevel=2)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load and verify one checkpoint. Raises CheckpointError naming the file on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    data = path.read_bytes()
+    digest_file = path.with_suffix(".sha256")
+    if digest_file.is_file():
+        expected = digest_file.read_text().strip()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); "
+                "resume from an earlier checkpoint in the same folder, or with --resume latest"
+            )
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            "fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
+            "resume from an earlier checkpoint"
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies; broken newer ones are skipped with a warning naming them.
+    Temp files of a save that was killed midway are reported and removed (they never reach a final path)."""
+    if ckpt_dir.is_dir():
+        for leftover in sorted(ckpt_dir.glob(".ckpt_*.tmp.*")):
+            warnings.warn(f"ignoring {leftover}: an incomplete checkpoint from an interrupted save; removing it",
+                          stacklevel=2)
+            leftover.unlink(missing_ok=True)
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except CheckpointError as e:
+            warnings.warn(f"skipping unusable checkpoint: {e}", stacklevel=2)
+    return None
+
+
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's name: ckpt_000000042.pt or ckpt_000000042.dcp -> 42."""
+    return int(path.name.split("_")[1].split(".")[0])

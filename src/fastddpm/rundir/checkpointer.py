@@ -1,0 +1,100 @@
+"""The Checkpointer: the one object that knows what a checkpoint holds.
+
+A checkpoint is the model, its EMA, the optimizer, the loss scaler (fp16), the trainer's own state (step, images
+seen, micro-batch split, RNG, thread count, world size: any object with state_dict() / load_state_dict()) and the
+run's config. `save()` writes all of it, then RUN_DIR/ema.safetensors for sampling anywhere; `load()` puts all of
+it back. The layout on disk (flat keys, as every fastddpm version has written them) is known here and nowhere
+else; the two formats are rundir.checkpoint (.pt) and rundir.sharded (.dcp, under --parallel fsdp). As edm2's
+CheckpointIO and torchtitan's CheckpointManager, it is given the objects once and reads and writes them itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from fastddpm.rundir import checkpoint, sharded
+from fastddpm.rundir.files import save_safetensors
+from fastddpm.rundir.layout import RunDir
+from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
+from fastddpm.rundir.state_dicts import (clean_state_dict, full_state_dict, load_model_state, portable_optimizer_state,
+                                         with_current_optimizer_flags)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class HasWeights(Stateful, Protocol):
+    model: torch.nn.Module  # the EMA: its weights live in a module of the model's architecture
+
+
+class Checkpointer:
+    """A run's checkpoints: where they live (RUN_DIR/checkpoints), which format this run writes (`sharded`: FSDP's
+    .dcp directories; else verified .pt files, written by rank 0 alone), how many are kept, and what each holds.
+
+    `train_state.state_dict()` must hold "step" and "images_seen" (they name the file and go into the EMA
+    export's metadata); its keys are stored at the top level of the checkpoint beside the weights."""
+
+    def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, ema: HasWeights,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, train_state: Stateful,
+                 config: dict[str, Any], sharded: bool = False, keep: int = 3, is_main: bool = True):
+        self.run = RunDir(Path(run_dir))
+        self.model, self.ema, self.optimizer, self.scaler = model, ema, optimizer, scaler
+        self.train_state, self.config = train_state, config
+        self.sharded, self.keep, self.is_main = sharded, keep, is_main
+
+    @property
+    def dir(self) -> Path:
+        return self.run.checkpoints
+
+    def saved(self) -> list[Path]:
+        """Every complete checkpoint, .pt files and .dcp directories, oldest first."""
+        return saved(self.dir)
+
+    def latest(self) -> Checkpoint | None:
+        return newest(self.dir)
+
+    def save(self) -> Path | None:
+        """Write the checkpoint of the train state's step and the EMA export. A .pt run: rank 0 writes, the other
+        ranks return None at once (their state is the same). Sharded: every rank writes its shards and returns the
+        path (a collective; the loop's "was a checkpoint written" then agrees across ranks), and rank 0 also
+        writes the metadata and the gathered EMA."""
+        state = self.train_state.state_dict()
+        meta = {"scaler": self.scaler.state_dict() if self.scaler is not None else None, **state,
+                "config": self.config}
+        export_meta = {"config": self.config, "step": state["step"], "images_seen": state["images_seen"],
+                       "format": EMA_EXPORT_FORMAT}
+        if self.sharded:
+            path = sharded.save_sharded(self.dir, state["step"], model=self.model, ema_model=self.ema.model,
+                                        optimizer=self.optimizer, meta=meta, is_main=self.is_main, keep=self.keep)
+            ema_full = full_state_dict(self.ema.model)  # a collective: the full weights land on rank 0
+            if self.is_main:
+                save_safetensors(ema_full, self.run.ema, export_meta)
+            return path
+        if not self.is_main:
+            return None
+        ema_weights = clean_state_dict(self.ema.state_dict())
+        path = checkpoint.save_checkpoint(self.dir, state["step"], {
+            "model": clean_state_dict(self.model.state_dict()), "ema": ema_weights,
+            "optimizer": portable_optimizer_state(self.optimizer), **meta}, keep=self.keep)
+        save_safetensors(ema_weights, self.run.ema, export_meta)
+        return path
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Put everything `ckpt` holds back into the objects: weights, EMA, optimizer, scaler, then the train
+        state (whose RNG comes last, so that nothing drawn while loading shifts it). Sharded: a collective."""
+        ckpt.check_resumable(sharded_run=self.sharded)
+        if ckpt.kind == "dcp":
+            sharded.load_sharded(ckpt.path, model=self.model, ema_model=self.ema.model, optimizer=self.optimizer)
+        else:
+            load_model_state(self.model, ckpt.weights("model"), what="the checkpoint's model weights")
+            self.ema.load_state_dict(ckpt.weights("ema"))
+            self.optimizer.load_state_dict(with_current_optimizer_flags(ckpt.meta["optimizer"], self.optimizer))
+            if self.scaler is not None and ckpt.meta.get("scaler"):
+                self.scaler.load_state_dict(ckpt.meta["scaler"])
+        self.train_state.load_state_dict(ckpt.meta)

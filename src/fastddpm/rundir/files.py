@@ -1,0 +1,91 @@
+"""Files that survive crashes, and weights that anyone can load safely.
+
+A write goes temp file -> fsync -> os.replace into place -> fsync the directory, so the final path only ever
+holds a complete file: a crash at any point leaves the previous version intact. Weights are written as
+safetensors (tensors and JSON metadata, no code), readable by any framework.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that cannot be used; the message names the file and what to do."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (best effort: some filesystems cannot open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that `path` holds either its old content or all of `data`, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path, metadata: dict[str, Any]) -> Path:
+    """Write weights as safetensors, atomically. Metadata values become JSON strings (strings stay as they are)."""
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+    return path
+
+
+def read_safetensors_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a safetensors file (its header only). CheckpointError naming the file if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - safetensors' Rust errors share no base class below Exception
+        raise _unreadable(path, e) from None
+
+
+def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors on the CPU, metadata) of a safetensors file. CheckpointError naming the file if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    if not Path(path).is_file():
+        return CheckpointError(f"{path} does not exist")
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(
+        f"{path} is not a readable safetensors file ({first}): it is truncated or not safetensors. If it is a run's "
+        f"ema.safetensors, every checkpoint rewrites it: sample from the run directory or from a "
+        f"checkpoints/ckpt_*.pt file instead")

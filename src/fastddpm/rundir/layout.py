@@ -1,0 +1,65 @@
+"""Where each file of a run lives, in one place (README, "Run directory")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory: `fastddpm train --out RUN_DIR` writes it, the other commands read it."""
+
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    @classmethod
+    def of(cls, path: str | Path) -> RunDir:
+        """The run a path belongs to: a run directory itself, the run of a checkpoints/ckpt_* file or .dcp
+        folder, or the folder that holds any other file (an ema.safetensors copied elsewhere)."""
+        path = Path(path)
+        if path.is_dir() and path.suffix != ".dcp":
+            return cls(path)
+        return cls(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+
+    @property
+    def config(self) -> Path:  # the resolved config
+        return self.path / "config.json"
+
+    @property
+    def info(self) -> Path:  # run.json: device, precision and every automatic choice, with its reason
+        return self.path / "run.json"
+
+    @property
+    def metrics(self) -> Path:  # one JSON record per logging step (and per evaluation)
+        return self.path / "metrics.jsonl"
+
+    @property
+    def eval_log(self) -> Path:  # --eval-every: each evaluation in full
+        return self.path / "eval.jsonl"
+
+    @property
+    def loss_chart(self) -> Path:  # the loss against images seen, redrawn with each grid
+        return self.path / "loss.png"
+
+    @property
+    def eval_chart(self) -> Path:  # --eval-every: FID against wall time and images seen
+        return self.path / "eval_curve.png"
+
+    @property
+    def ema(self) -> Path:  # the EMA weights with the config in the metadata, for sampling anywhere
+        return self.path / "ema.safetensors"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def samples(self) -> Path:  # sample grids, and `fastddpm sample`'s default output
+        return self.path / "samples"
+
+    @property
+    def eval_dir(self) -> Path:  # `fastddpm eval`'s default output
+        return self.path / "eval"

@@ -1,0 +1,156 @@
+"""`locate(path)`: whatever a user passes as a checkpoint (a run directory, checkpoints/ckpt_<step>.pt, an FSDP
+run's ckpt_<step>.dcp directory, an ema.safetensors export) turned into one `Checkpoint`, with one clear error
+for each way a path can be wrong. `fastddpm sample`, `eval`, `export`, `--resume` and the Python API all come
+through here, so they accept the same paths and fail the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastddpm.rundir import checkpoint, sharded
+from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata
+from fastddpm.rundir.layout import RunDir
+
+EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
+WHAT_TO_PASS = ("a run directory, a checkpoints/ckpt_*.pt file, an FSDP run's checkpoints/ckpt_*.dcp directory, "
+                "or an ema.safetensors export")
+
+
+@dataclass
+class Checkpoint:
+    """What a path holds. `kind`: "pt" (a verified training checkpoint, loaded whole), "dcp" (an FSDP run's sharded
+    checkpoint: its small metadata read, the shards on demand) or "safetensors" (EMA weights with the config in
+    the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's state."""
+
+    path: Path
+    kind: str
+    meta: dict[str, Any]
+    _weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def step(self) -> int | None:
+        return None if self.meta.get("step") is None else int(self.meta["step"])
+
+    @property
+    def images_seen(self) -> int | None:
+        return None if self.meta.get("images_seen") is None else int(self.meta["images_seen"])
+
+    @property
+    def config(self):
+        """The run's RunConfig, as saved with the weights."""
+        from fastddpm.config import from_dict
+
+        return from_dict(self.meta["config"])
+
+    @property
+    def run_dir(self) -> RunDir:
+        return RunDir.of(self.path)
+
+    def info(self) -> dict[str, Any]:
+        """File, step and images seen: what a result names as the weights it came from."""
+        return {"file": str(self.path), "step": self.step, "images_seen": self.images_seen}
+
+    def weights(self, which: str = "ema") -> dict[str, torch.Tensor]:
+        """The EMA ("ema") or raw ("model") weights as a full state dict on the CPU."""
+        if which not in ("ema", "model"):
+            raise ValueError(f"weights: {which!r} is not ema or model")
+        if self.kind == "safetensors" and which != "ema":
+            raise CheckpointError(f"{self.path} holds only the EMA weights; use --weights ema or pass a "
+                                  f"checkpoints/ckpt_*.pt file")
+        if which not in self._weights:
+            if self.kind == "safetensors":
+                self._weights["ema"] = load_safetensors(self.path)[0]
+            elif self.kind == "dcp":  # both weight sets are gathered in one read
+                full = sharded.read_sharded_checkpoint(self.path)
+                self._weights.update(ema=full["ema"], model=full["model"])
+        return self._weights[which]
+
+    def check_resumable(self, *, sharded_run: bool) -> None:
+        """A run resumes the format it writes: a sharded checkpoint under FSDP, a .pt file otherwise."""
+        if self.kind == "safetensors":
+            raise CheckpointError(f"{self.path} holds only the EMA weights, not the optimizer and the trainer's state: "
+                                  f"resume from a checkpoints/ckpt_*.pt file or the run directory")
+        if sharded_run and self.kind != "dcp":
+            raise CheckpointError(
+                f"{self.path} is a .pt checkpoint of a single-process or DDP run, and --parallel fsdp reads sharded "
+                "checkpoints: resume it with --parallel ddp, or start the FSDP run in a new directory")
+        if not sharded_run and self.kind == "dcp":
+            raise CheckpointError(
+                f"{self.path} is a sharded checkpoint of an FSDP run: resume it under torchrun with --parallel fsdp "
+                "(any number of processes, 1 included), or sample from the run's ema.safetensors")
+
+
+def _pt(path: Path, state: dict[str, Any]) -> Checkpoint:
+    meta = {k: v for k, v in state.items() if k not in ("model", "ema")}
+    return Checkpoint(path, "pt", meta, {"model": state["model"], "ema": state["ema"]})
+
+
+def newest(ckpt_dir: Path) -> Checkpoint | None:
+    """The newest usable checkpoint in `ckpt_dir`: a verified .pt file, or an FSDP run's complete .dcp directory
+    (broken newer ones are skipped with a warning naming them); None when there is none."""
+    found = [f for f in (checkpoint.load_latest(ckpt_dir), sharded.latest_sharded(ckpt_dir)) if f is not None]
+    if not found:
+        return None
+    path, state = max(found, key=lambda f: int(f[1]["step"]))
+    return Checkpoint(path, "dcp", state) if state.get("sharded") else _pt(path, state)
+
+
+def saved(ckpt_dir: Path) -> list[Path]:
+    """Every complete checkpoint in `ckpt_dir`, .pt files and .dcp directories, oldest first."""
+    return sorted(checkpoint.list_checkpoints(ckpt_dir) + sharded.list_sharded(ckpt_dir), key=checkpoint.step_of)
+
+
+def locate(path: str | Path, *, weights: str = "ema") -> Checkpoint:
+    """The Checkpoint at `path`: a run directory (its newest checkpoint; an FSDP run's ema.safetensors when the EMA
+    `weights` are all that is needed, which is the cheap read; a run without checkpoints, its ema.safetensors), a
+    .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist. Pass {WHAT_TO_PASS}")
+    if path.is_dir() and path.suffix != ".dcp":
+        run = RunDir(path.parent if path.name == "checkpoints" else path)
+        found = newest(run.checkpoints)
+        if found is not None and not (found.kind == "dcp" and weights == "ema" and run.ema.is_file()):
+            return found
+        if not run.ema.is_file():
+            raise CheckpointError(f"{path} holds no checkpoint and no ema.safetensors. Pass {WHAT_TO_PASS}")
+        path = run.ema
+    if path.is_dir():
+        return Checkpoint(path, "dcp", sharded.read_meta(path))
+    if path.suffix == ".safetensors":
+        return _safetensors(path)
+    return _pt(path, checkpoint.load_checkpoint(path))
+
+
+def _safetensors(path: Path) -> Checkpoint:
+    raw = read_safetensors_metadata(path)
+    if "config" not in raw:
+        raise CheckpointError(f"{path} has no fastddpm config in its metadata; it was not written by fastddpm. "
+                              f"Pass {WHAT_TO_PASS}")
+    try:
+        meta = {k: json.loads(v) for k, v in raw.items() if k in ("config", "step", "images_seen")}
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: its metadata is not fastddpm's ({e}); pass {WHAT_TO_PASS}") from None
+    return Checkpoint(path, "safetensors", meta)
+
+
+def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None) -> Checkpoint | None:
+    """What `--resume` means for a run in `run_dir`: None (a new run); "latest" (the newest checkpoint that
+    verifies, None if there is none yet); a Checkpoint, as it is; or a path (a run directory: its newest)."""
+    if resume is None or isinstance(resume, Checkpoint):
+        return resume
+    if str(resume) == "latest":
+        return newest(RunDir(Path(run_dir)).checkpoints)
+    path = Path(resume)
+    if path.is_dir() and path.suffix != ".dcp":
+        found = newest(RunDir(path.parent if path.name == "checkpoints" else path).checkpoints)
+        if found is None:
+            raise CheckpointError(f"--resume {path}: no usable checkpoint in {RunDir(path).checkpoints}")
+        return found
+    return locate(path)

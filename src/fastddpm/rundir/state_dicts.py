@@ -1,0 +1,78 @@
+"""State dicts that load anywhere: a model saved plain, compiled or DDP-wrapped loads into any of the three, and
+an optimizer's state saved on one device or code path resumes on another."""
+
+from __future__ import annotations
+
+import torch
+
+from fastddpm.rundir.files import CheckpointError
+
+
+def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Strip wrapper prefixes (torch.compile's `_orig_mod.`, DDP's `module.`) so every model's keys agree."""
+    out = {}
+    for k, v in state_dict.items():
+        while k.startswith(("_orig_mod.", "module.")):
+            k = k.split(".", 1)[1]
+        out[k] = v
+    return out
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside torch.compile's OptimizedModule and DDP's wrapper (in any nesting)."""
+    while True:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod  # torch.compile(module)
+        else:
+            return module
+
+
+def load_model_state(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, what: str = "the state dict"
+                     ) -> None:
+    """Load a state dict saved from a plain, compiled or DDP-wrapped model into a plain, compiled or DDP-wrapped
+    one: the prefixes are stripped on both sides. A key mismatch names the keys (an architecture change)."""
+    target = unwrap_model(module)
+    state_dict = clean_state_dict(state_dict)
+    expected = target.state_dict().keys()
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{what} does not fit this {type(target).__name__}: "
+            + (f"missing {len(missing)} key(s) ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
+               if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {len(unexpected)} key(s) ({', '.join(unexpected[:4])}"
+               f"{', ...' if len(unexpected) > 4 else ''})" if unexpected else "")
+            + ". It was saved from a different architecture: build the model from the config saved with it")
+    target.load_state_dict(state_dict)
+
+
+def portable_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict with tensor learning rates as floats, so any device or path can load it."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # note: sync, at checkpoint time only
+    return state
+
+
+def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A saved optimizer state whose param groups carry this run's implementation flags (fused, foreach,
+    capturable) and lr representation, so a checkpoint from any device or path resumes on this one."""
+    saved = {**saved, "param_groups": [dict(g) for g in saved["param_groups"]]}
+    for group, current in zip(saved["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach", "capturable", "differentiable", "lr"):
+            if key in current:
+                group[key] = current[key]
+    return saved
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded state dict of an FSDP-sharded module on rank 0, on the CPU ({} on the other ranks).
+    A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

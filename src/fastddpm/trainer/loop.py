@@ -1,0 +1,383 @@
+"""The training loop, top to bottom: `prepare_run` (fastddpm.trainer.setup) settles the run, then while {batch,
+lr, step, count, log, sample, evaluate, checkpoint, stop?}.
+
+Progress is counted in steps and images seen (TrainState). Every step's data order, timesteps and noise are
+functions of (seed, step) (fastddpm.rng), and all mutable state is in state_dict() objects that each checkpoint
+saves, so a resumed run reproduces the uninterrupted one exactly. Host syncs are deliberate and labelled: the
+loss is read on logging steps; the health check (NaN/Inf, the fp16 loss scale) reads the device on logging steps
+on a GPU and every step on a CPU, where a read costs nothing; under torchrun the ranks agree on a stop signal
+with one collective at the same points; a foreach (CPU or FSDP) update checks the step's finiteness on the host.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastddpm.config import ConfigError, RunConfig
+from fastddpm.rundir.metrics import MetricsLog, read_metrics
+from fastddpm.sampling import write_grid
+from fastddpm.trainer.batch_finder import is_oom
+from fastddpm.trainer.compile_counters import CompileCounters
+from fastddpm.trainer.distributed import SINGLE, any_rank, barrier, mean_across_ranks, shutdown
+from fastddpm.trainer.loggers import RunLoggers
+from fastddpm.trainer.setup import Run, TrainHooks, prepare_run
+
+EXIT_SIGTERM, EXIT_SIGINT = 143, 130
+
+
+class TrainingInterrupted(Exception):
+    """Raised after a SIGTERM/SIGINT once the checkpoint is written; `exit_code` is 143 or 130."""
+
+    def __init__(self, exit_code: int, checkpoint: Path):
+        super().__init__(f"stopped by signal; checkpoint {checkpoint}")
+        self.exit_code = exit_code
+        self.checkpoint = checkpoint
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    images_seen: int
+    last_loss: float | None
+    checkpoint: Path | None
+    grid: Path | None
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag; the loop finishes the current step, checkpoints and exits (143 / 130).
+    A second SIGINT falls through to Python's default (KeyboardInterrupt) for an impatient user."""
+
+    def __init__(self):
+        self.exit_code: int | None = None
+        self._old = {}
+        self.dist = SINGLE  # set once the process group is up; train() tears it down
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig, code in ((signal.SIGTERM, EXIT_SIGTERM), (signal.SIGINT, EXIT_SIGINT)):
+                self._old[sig] = signal.signal(sig, self._handler(code))
+        return self
+
+    def _handler(self, code):
+        def handle(signum, frame):
+            if self.exit_code is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.exit_code = code
+        return handle
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()  # the handlers close over this flag: drop them, so nothing keeps the run alive
+
+
+def train(cfg: RunConfig, *, out_dir: str | Path, resume=None, log=print, hooks: TrainHooks | None = None
+          ) -> TrainResult:
+    """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or a Checkpoint
+    already located (fastddpm.rundir.locate). SIGTERM/SIGINT at any point, set-up included, end the run after the
+    current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
+    # A run sets torch's process-wide switches for itself (CPU threads: train.cpu_threads; on CUDA TF32 and
+    # cudnn.benchmark): the caller's come back when it ends, so a notebook or test that trains in-process keeps its own.
+    threads = torch.get_num_threads()
+    switches = _backend_switches()
+    hooks = hooks or TrainHooks()
+    with _StopFlag() as stop:
+        try:
+            return _prepare_and_loop(cfg, Path(out_dir), resume, stop, log, hooks)
+        finally:
+            if stop.dist.enabled and sys.exc_info()[2] is not None:
+                # A run that ends in an exception (a SIGTERM's TrainingInterrupted included) leaves its frames in
+                # the traceback, and with them the DDP/FSDP model that holds the process group: clear them, so
+                # the group and its threads end in shutdown() and not during interpreter shutdown.
+                traceback.clear_frames(sys.exc_info()[2])
+            shutdown(stop.dist)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            _set_backend_switches(switches)
+
+
+def _backend_switches() -> tuple[bool, bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+
+
+def _set_backend_switches(switches: tuple[bool, bool, bool]) -> None:
+    if _backend_switches() != switches:  # set only when changed: a torch.backends module has its own __setattr__
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = switches
+
+
+def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, log, hooks: TrainHooks
+                      ) -> TrainResult:
+    # Its own frame: once it returns nothing holds the Run (the model, and under torchrun the process group).
+    run = prepare_run(cfg, out_dir, resume, stop=stop, log=log, hooks=hooks)
+    out = StepLog(run)  # metrics.jsonl (+ --log-to), the progress bar, the loss summed on the device
+    try:
+        return _loop(run, stop, hooks, out)
+    finally:
+        out.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainResult:
+    train_cfg, state = run.cfg.train, run.state
+    while state.step < run.total_steps:
+        # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
+        micro = run.micro_batches()
+        lr = run.lr_at(state.images_seen + run.images_per_step)
+        try:
+            loss = run.opt.step_fn(micro, lr=lr, step=state.step)
+        except Exception as e:  # noqa: BLE001 - only an out-of-memory error is handled; the rest re-raise
+            if not is_oom(e):
+                raise
+            del micro, e  # drop the failed step's activations before trying again
+            resplit_after_oom(run)
+            continue  # the same step again: nothing was updated (the update and EMA come after the backward)
+        state.advance()
+        out.count(loss)
+        if hooks.after_step is not None and hooks.after_step(state.step):
+            break
+
+        logging_step = state.step % train_cfg.log_every == 0 or state.step == run.total_steps
+        stop_code = _agreed_stop(run, stop, logging_step)
+        if logging_step or run.device.type == "cpu":  # on a CPU the check costs nothing: stop at once
+            check_health(run, out)
+        if logging_step:
+            out.write(lr)
+        out.tick()
+        done = state.step == run.total_steps
+        if _crossed(state.images_seen, run.images_per_step, train_cfg.sample_every_images) and not done:
+            out.grid(f"grid_{state.images_seen:09d}.png")
+        if stop_code is None:
+            maybe_evaluate(run, out, done)
+        every = train_cfg.checkpoint_every
+        if done or (every and state.step % every == 0) or stop_code is not None:
+            out.checkpoint = run.checkpointer.save()
+        if stop_code is not None:
+            barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
+            out.close_bar()
+            run.log(f"stopped by signal at step {state.step:,}; checkpoint {out.checkpoint}; resume with "
+                    f"--resume latest")
+            raise TrainingInterrupted(stop_code, out.checkpoint)
+    out.close_bar()
+    return _finish(run, out, stop, hooks)
+
+
+def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
+    """After the last step: a checkpoint if none was written (resumed at or past the end), the final grid, and
+    what the fast path ended up doing."""
+    state = run.state
+    if out.checkpoint is None:
+        out.checkpoint = run.checkpointer.save()
+    stop_code = any_rank(stop.exit_code or 0, run.dist, run.device) or None
+    if stop_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
+        barrier(run.dist)
+        run.log(f"stopped by signal after the last step; checkpoint {out.checkpoint}")
+        raise TrainingInterrupted(stop_code, out.checkpoint)
+    if hooks.final_outputs:
+        out.grid("final.png")
+    if run.fast.compile:
+        run.log(f"compile: {out.compile_counters.report()}")
+    step_fn = run.opt.step_fn
+    if run.fast.cuda_graphs == "capture":
+        run.info.update(cuda_graphs_used=step_fn.graph is not None, cuda_graphs_failure=step_fn.graph_failed)
+        if step_fn.graph_failed:
+            run.log(f"cuda graphs: not used ({step_fn.graph_failed})")
+    run.log(f"done: step {state.step:,}, {state.images_seen:,} images, loss {out.last_loss}; grid {out.last_grid}; "
+            f"weights {run.run_dir.ema}")
+    return TrainResult(run_dir=run.run_dir.path, step=state.step, images_seen=state.images_seen,
+                       last_loss=out.last_loss, checkpoint=out.checkpoint, grid=out.last_grid)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the loop calls
+
+
+class StepLog:
+    """The loop's outputs: the loss summed on the device (no sync per step) and read on logging steps,
+    metrics.jsonl and the --log-to loggers, the progress bar (with the log routed above it), the compile
+    counters, the clocks that images/s and wall_s come from (evaluation time taken out), sample grids, and the
+    last checkpoint and grid written."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.loggers = RunLoggers(run.run_dir.path, run.cfg, enabled=run.dist.is_main)
+        self.loggers.hparams(run.cfg, run.info.record)
+        self.metrics = MetricsLog(run.run_dir.metrics, also=self.loggers.record)
+        self.compile_counters = CompileCounters(enabled=run.fast.compile)
+        self.loss_sum = torch.zeros((), device=run.device)
+        self.loss_count = 0
+        self.last_loss: float | None = None
+        self.checkpoint: Path | None = None
+        self.last_grid: Path | None = None
+        self.t_start = self.t_log = time.perf_counter()
+        self.images_at_log = run.state.images_seen
+        self.bar = None
+        if run.cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=run.total_steps, initial=run.state.step, unit="step", dynamic_ncols=True,
+                            leave=True)
+            run.log.route_through(self.bar)  # log lines go above the bar
+
+    def count(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.loss_count += 1
+        if self.run.state.step == min(self.run.total_steps, 3):
+            self.compile_counters.mark_warm()
+
+    def write(self, lr: float) -> None:
+        """A metrics line: the mean loss over ranks and steps since the last one. Note: a host sync."""
+        run, state = self.run, self.run.state
+        mean_across_ranks(self.loss_sum, run.dist)
+        self.last_loss = self.loss_sum.item() / self.loss_count  # note: host-device sync, on logging steps only
+        now = time.perf_counter()
+        images_per_s = (state.images_seen - self.images_at_log) / max(now - self.t_log, 1e-9)
+        scaler = run.opt.scaler
+        self.metrics.write({"step": state.step, "images_seen": state.images_seen,
+                            "epoch": state.images_seen / run.data.images.shape[0],
+                            "loss": self.last_loss, "images_per_s": images_per_s, "lr": lr,
+                            "wall_s": now - self.t_start, **self.compile_counters.report(),
+                            **({"loss_scale": scaler.get_scale()} if scaler is not None else {})})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{self.last_loss:.4f}", img_s=f"{images_per_s:,.0f}", refresh=False)
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        self.t_log, self.images_at_log = now, state.images_seen
+
+    def grid(self, name: str) -> None:
+        """A sample grid from the EMA weights into RUN_DIR/samples/NAME, and the loss curve redrawn (rank 0
+        writes; under FSDP every rank samples, since each block's forward all-gathers its shards)."""
+        run = self.run
+        if run.dist.is_main or run.fsdp:
+            self.last_grid = write_grid(run.opt.ema.model, run.schedule, run.cfg, run.device, run.precision,
+                                        run.run_dir.samples / name, save=run.dist.is_main)
+            if name != "final.png":
+                run.log(f"step {run.state.step:,}: wrote {self.last_grid}")
+            if run.dist.is_main:
+                self.loggers.grid(run.state.step, self.last_grid)
+        if run.dist.is_main and run.run_dir.metrics.is_file():  # the loss curve, from the log so far
+            from fastddpm import charts
+
+            charts.loss_curve(read_metrics(run.run_dir.metrics), run.run_dir.loss_chart,
+                              title=f"{run.cfg.preset or 'custom'}: training loss, {run.run_dir.path.name}")
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def exclude(self, seconds: float) -> None:
+        """Evaluation is not training: keep its seconds out of wall_s and images_per_s."""
+        self.t_start += seconds
+        self.t_log += seconds
+
+    def close_bar(self) -> None:
+        """The progress bar ends (the log goes straight to its sink again); the loggers stay open for the final
+        grid and checkpoint."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+            self.run.log.route_through(None)
+
+    def close(self) -> None:
+        """The end of the run: the bar and, once, the loggers (W&B uploads ema.safetensors here)."""
+        self.close_bar()
+        if self.loggers is not None:
+            self.loggers.close()
+            self.loggers = None
+
+
+def _agreed_stop(run: Run, stop: _StopFlag, logging_step: bool) -> int | None:
+    """The exit code of a SIGTERM/SIGINT (None: go on). Under torchrun every rank must stop at the same step:
+    the ranks agree with a collective, on a GPU only on logging steps (a signal waits until the next one)."""
+    if not run.dist.enabled:
+        return stop.exit_code
+    if not (logging_step or run.device.type == "cpu"):
+        return None
+    return any_rank(stop.exit_code or 0, run.dist, run.device) or None
+
+
+def check_health(run: Run, out: StepLog) -> None:
+    """Stop a run that can no longer learn, naming the step, the last checkpoint and the fix. Note: both checks
+    read the device (host syncs): the loop calls this on logging steps only (every step on a CPU)."""
+    train_cfg = run.cfg.train
+    bad = run.opt.step_fn.first_bad_step()
+    if bad is not None:
+        out.close_bar()
+        raise FloatingPointError(
+            f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all later ones "
+            f"were skipped, so the weights and EMA keep their values from step {bad:,}. Try a lower --lr (now "
+            f"{train_cfg.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead of fp16; then resume from the "
+            f"last checkpoint with --resume latest ({_last_saved(run)})")
+    # fp16: the GradScaler skips an overflowing step and halves its scale; that is routine. A scale below 1 means
+    # the gradients overflow even unscaled: a diverged run that would otherwise skip every step silently.
+    scaler = run.opt.scaler
+    if scaler is not None and scaler.get_scale() < 1.0:
+        out.close_bar()
+        raise FloatingPointError(
+            f"the fp16 loss scale fell to {scaler.get_scale():.3g} by step {run.state.step:,}: the gradients are "
+            f"NaN/Inf at every scale, so every recent step was skipped (not an fp16 overflow). Try --precision "
+            f"bf16 or fp32, or a lower --lr (now {train_cfg.lr:g}); then resume from the last checkpoint with --resume "
+            f"latest ({_last_saved(run)})")
+
+
+def _last_saved(run: Run) -> Path | str:
+    saved = run.checkpointer.saved()
+    return saved[-1] if saved else "none"
+
+
+def resplit_after_oom(run: Run) -> None:
+    """Out of memory in a step: twice as many micro-batches of half the size (the same images, timesteps and
+    noise: the global batch and the result are unchanged, the step is slower), or a clear stop at the minimum."""
+    train_cfg, split, step = run.cfg.train, run.state.micro_split, run.state.step
+    size = train_cfg.batch_size // split
+    if run.dist.enabled:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} on rank {run.dist.rank} with micro-batches of {size}: under "
+            f"torchrun the ranks cannot re-plan alone; restart with a smaller --batch-size (or --accum-steps "
+            f"{2 * split} with half the batch) and --resume latest")
+    if size == 1:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} even with micro-batches of 1 image: turn on --grad-checkpointing, "
+            f"train a smaller model, lower --precision to bf16, or free device memory")
+    new = split * 2
+    if train_cfg.batch_size % new:
+        raise ConfigError(
+            f"out of memory at step {step + 1:,} with micro-batches of {size} images, which cannot be halved "
+            f"evenly: use a --batch-size divisible by {new}, turn on --grad-checkpointing, or free device memory "
+            f"(a smaller --device-memory-budget keeps less data on the GPU)")
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    run.log(f"out of memory at step {step + 1:,} with micro-batches of {size}: continuing with {new} micro-batches "
+            f"of {train_cfg.batch_size // new} per batch (gradient accumulation; the global batch, the data and the "
+            f"result are unchanged, the step is slower)")
+    run.state.micro_split = new
+    run.opt.build_step(new)
+    run.info.update(micro_split=new)
+
+
+def _crossed(images_seen: int, images_per_step: int, every: int | None) -> bool:
+    """True on the step that crosses a multiple of `every` images (never when `every` is None)."""
+    return bool(every) and images_seen // every > (images_seen - images_per_step) // every
+
+
+def maybe_evaluate(run: Run, out: StepLog, done: bool) -> None:
+    """FID, precision/recall and coverage from the EMA weights (--eval-every, and after the last step), on rank 0;
+    the evaluation's seconds are taken out of the training clocks."""
+    evaluator, state = run.evaluator, run.state
+    if evaluator is None or not (done or evaluator.due(state.images_seen, run.images_per_step)):
+        return
+    out.exclude(evaluator.run(run.opt.ema.model, step=state.step, images_seen=state.images_seen,
+                              epoch=state.images_seen / run.data.images.shape[0], t_start=out.t_start,
+                              metrics=out.metrics))

@@ -1,0 +1,393 @@
+"""Everything settled before the first step, into one `Run`: device and ranks, data, model shape, the checkpoint
+to resume, model and batch size, optimisation, the train state. Each automatic choice is resolved once, with its
+reason, into `Choices`, which both the log and RUN_DIR/run.json print from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import fastddpm
+from fastddpm.config import (ConfigError, RunConfig, check_same_architecture, resolve_classes, resolve_model_shape,
+                             save_config)
+from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
+from fastddpm.diffusion import NoiseSchedule
+from fastddpm.models import UNet, count_parameters
+from fastddpm.rundir.checkpointer import Checkpointer
+from fastddpm.rundir.layout import RunDir
+from fastddpm.rundir.locate import Checkpoint, find_resume
+from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
+from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
+from fastddpm.trainer.build import Optimization, build_model
+from fastddpm.trainer.distributed import DistInfo, any_rank, barrier, init_distributed
+from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
+from fastddpm.trainer.state import TrainState
+
+
+@dataclass
+class TrainHooks:
+    """Instrumentation points for tools that watch the trainer (fastddpm.doctor): they see each step's data
+    source and step boundary without a copy of the loop. Defaults leave training unchanged."""
+
+    wrap_batches: Callable[[object], object] | None = None  # batches -> object with the same .get(m)
+    # called with the finished step number, on the host; returning True ends the run there (the doctor's
+    # windows are bounded in time, so it stops the trainer once it has measured enough)
+    after_step: Callable[[int], bool | None] | None = None
+    final_outputs: bool = True  # False: skip the final grid (a diagnostic run does not need it)
+
+
+class Console:
+    """The run's log: printed on rank 0, silent on the others, and written above the progress bar once one is
+    drawn (the bar is opened by the loop, after set-up has logged)."""
+
+    def __init__(self, sink: Callable[..., None] = print, *, enabled: bool = True):
+        self.sink, self.enabled = sink, enabled
+        self._bar = None
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else self.sink)(message)
+
+    def route_through(self, bar) -> None:
+        """Log lines go through `bar.write` (tqdm), so they land above the bar; None: back to the sink."""
+        self._bar = bar
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Every choice set-up made, each value with the reason it was made (requested, or what `auto` saw)."""
+
+    device: str
+    device_reason: str
+    cpu_threads: int | None  # a CPU run's intra-op threads (train.cpu_threads, or torch's count)
+    precision: Precision
+    batch_size: int
+    batch_size_reason: str
+    batch_fixed: str  # "global" (--global-batch-size) or "per device": which one a resume on a new world keeps
+    placement: str
+    placement_reason: str
+    fast: FastPath
+
+    def lines(self, world: int, images_per_step: int, accum_steps: int, steps_per_epoch: int) -> list[str]:
+        threads = f", {self.cpu_threads} CPU threads" if self.cpu_threads else ""
+        return [f"batch: {self.batch_size} x {accum_steps} accumulation" + (f" x {world} ranks" if world > 1 else "")
+                + f" = {images_per_step} images/step ({self.batch_size_reason}); {steps_per_epoch:,} steps/epoch",
+                f"device: {self.device} ({self.device_reason}){threads}; precision: {self.precision.name} "
+                f"({self.precision.reason})",
+                *self.fast.lines()]
+
+    def record(self) -> dict[str, Any]:
+        """The choices as run.json holds them."""
+        return {"device": self.device, "device_reason": self.device_reason, "cpu_threads": self.cpu_threads,
+                "precision": self.precision.name, "precision_reason": self.precision.reason,
+                "batch_size": self.batch_size, "batch_size_reason": self.batch_size_reason,
+                "batch_fixed": self.batch_fixed, "fast_path": self.fast.reasons}
+
+
+class RunInfo:
+    """RUN_DIR/run.json: what was chosen and why, and the few facts the run learns as it goes (an out-of-memory
+    re-split, whether the CUDA graph was used), each rewriting the file. Rank 0 writes."""
+
+    def __init__(self, path: Path, record: dict[str, Any], *, write: bool):
+        self.path, self.record, self._write = path, record, write
+        self.update()
+
+    def update(self, **facts: Any) -> None:
+        self.record.update(facts)
+        if self._write:
+            self.path.write_text(json.dumps(self.record, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the loop runs with, settled by `prepare_run`. The fields never change once it is built; the objects
+    behind them do, as they train: the model, `opt` (whose step is rebuilt after an out-of-memory re-split) and
+    `state`, which the checkpoints save."""
+
+    cfg: RunConfig  # resolved: model shape from the data, batch size per device
+    run_dir: RunDir
+    dist: DistInfo
+    device: torch.device
+    choices: Choices
+    data: Any  # fastddpm.data.PreparedData
+    model: UNet
+    schedule: NoiseSchedule
+    batches: Any  # ResidentBatches | StreamingBatches (or a hook's wrapper of one)
+    opt: Optimization
+    state: TrainState
+    checkpointer: Checkpointer
+    evaluator: Any  # TrainingEvaluator | None
+    steps_per_epoch: int
+    total_steps: int
+    info: RunInfo
+    log: Console
+
+    @property
+    def precision(self) -> Precision:
+        return self.choices.precision
+
+    @property
+    def fast(self) -> FastPath:
+        return self.choices.fast
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dist.enabled and self.cfg.train.parallel == "fsdp"
+
+    @property
+    def images_per_step(self) -> int:  # the global batch: batch_size x accum_steps x ranks
+        return self.state.global_batch
+
+    def micro_batches(self) -> list[Batch]:
+        """The current step's micro-batches: a function of (seed, step) and the OOM split, like every batch."""
+        return step_batches(self.batches, self.state.step, self.cfg.train.accum_steps, self.state.micro_split)
+
+    def lr_at(self, images_seen: int) -> float:
+        """Linear warm-up over warmup_images, then constant."""
+        train_cfg = self.cfg.train
+        if not train_cfg.warmup_images:
+            return train_cfg.lr
+        return train_cfg.lr * min(1.0, images_seen / train_cfg.warmup_images)
+
+
+def prepare_run(cfg: RunConfig, run_dir: Path, resume, *, stop, log: Callable[..., None],
+                hooks: TrainHooks) -> Run:
+    """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
+    loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
+    flag, told the process group once there is one."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rd = RunDir(run_dir)
+    device, device_reason = resolve_device(cfg.train.device)
+    dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
+    stop.dist = dist
+    console = Console(log, enabled=dist.is_main)  # rank 0 speaks (and writes) for the job
+    cfg, device_reason, resume = _join_ranks(cfg, dist, device, device_reason, resume, console)
+    fsdp = dist.enabled and cfg.train.parallel == "fsdp"
+    cpu_threads = fix_cpu_threads(cfg.train.cpu_threads)[0] if device.type == "cpu" else None
+    precision = resolve_precision(cfg.train.precision, device)
+    if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    data = _load_data(cfg, dist)
+    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape), data.labels, data.class_names, cfg.data.source)
+    resumed = _find_resume(rd, resume, cfg, data.images.shape, dist, device, fsdp, console)
+
+    fast = resolve_fast_path(cfg.train, device, precision, world_size=dist.world_size if dist.enabled else 0,
+                             parallel="fsdp" if fsdp else "ddp",
+                             planned_images=_planned_images(cfg, len(data.images), dist.world_size))
+    model, schedule = build_model(cfg, device=device, fast=fast, keep_on_cpu=fsdp)
+    cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device, console)
+    train_cfg = cfg.train
+    batches, placement, placement_reason = _make_batches(cfg, data, device, dist, hooks)
+    steps_per_epoch = batches.steps_per_epoch // train_cfg.accum_steps
+    if steps_per_epoch < 1:
+        raise ConfigError(f"batch {train_cfg.batch_size} x accum_steps {train_cfg.accum_steps} is more than the "
+                          f"dataset's {batches.num_images} images: lower one of them")
+    images_per_step = train_cfg.batch_size * train_cfg.accum_steps * dist.world_size
+    total_steps = total_steps_for(cfg, steps_per_epoch, images_per_step)
+
+    opt = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
+                       parallel=("fsdp" if fsdp else "ddp") if dist.enabled else None)
+    evaluator = None
+    if train_cfg.eval_every_images and dist.is_main:
+        # Built before the clock starts: training the dataset's feature network (once, then cached) and the real
+        # data's statistics are set-up, not time-to-quality.
+        from fastddpm.eval.during_training import TrainingEvaluator
+
+        evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
+                                      log=console)
+    state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
+                       cpu_threads=cpu_threads)
+    checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
+                                train_state=state, config=cfg.to_dict(), sharded=fsdp,
+                                keep=train_cfg.keep_checkpoints, is_main=dist.is_main)
+    if resumed is not None:
+        checkpointer.load(resumed)  # weights, EMA, optimizer, scaler, counters; the global RNG last
+        console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
+        for note in state.resume_notes(batch_fixed):
+            console(note)
+    opt.build_step(state.micro_split)  # over the final state; an earlier OOM's split is kept
+
+    choices = Choices(device=str(device), device_reason=device_reason, cpu_threads=cpu_threads, precision=precision,
+                      batch_size=train_cfg.batch_size, batch_size_reason=batch_note, batch_fixed=batch_fixed,
+                      placement=placement, placement_reason=placement_reason, fast=fast)
+    if dist.is_main:
+        save_config(cfg, rd.config)
+    info = RunInfo(rd.info, _run_record(cfg, choices, model, data, dist, images_per_step, steps_per_epoch,
+                                        total_steps), write=dist.is_main)
+    run = Run(cfg=cfg, run_dir=rd, dist=dist, device=device, choices=choices, data=data, model=model,
+              schedule=schedule, batches=batches, opt=opt, state=state, checkpointer=checkpointer, evaluator=evaluator,
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps, info=info, log=console)
+    _describe(run)
+    return run
+
+
+def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int | None = None) -> int:
+    train_cfg = cfg.train
+    if train_cfg.max_steps is not None:
+        return train_cfg.max_steps
+    if train_cfg.max_images is not None:
+        return math.ceil(train_cfg.max_images / (images_per_step or train_cfg.batch_size))
+    if train_cfg.max_epochs is not None:
+        return math.ceil(train_cfg.max_epochs * steps_per_epoch)
+    raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a --preset)")
+
+
+def _planned_images(cfg: RunConfig, num_images: int, world: int) -> int | None:
+    """The run's length in images as configured, before the batch size is settled (None: not known yet)."""
+    t = cfg.train
+    if t.max_images is not None:
+        return t.max_images
+    if t.max_steps is not None and isinstance(t.batch_size, int):
+        return t.max_steps * t.batch_size * t.accum_steps * max(1, world)
+    if t.max_epochs is not None:
+        return int(t.max_epochs * num_images)
+    return None
+
+
+def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_reason: str, resume, log
+                ) -> tuple[RunConfig, str, Any]:
+    """Under torchrun, this rank's place in the job: what FSDP rules out, no progress bar off rank 0, and a worker
+    torchrun restarted resumes. Returns (cfg, device reason, resume)."""
+    train_cfg = cfg.train
+    if train_cfg.parallel == "fsdp" and not dist.enabled:
+        raise ConfigError("train.parallel=fsdp shards the model across torchrun's processes: launch with "
+                          "`torchrun --nproc-per-node N -m fastddpm train --parallel fsdp ...` (N=1 works too), or "
+                          "drop --parallel fsdp for a single-process run")
+    fsdp = dist.enabled and train_cfg.parallel == "fsdp"
+    if fsdp and train_cfg.eval_every_images:
+        raise ConfigError("--eval-every is not supported with --parallel fsdp yet (evaluation runs on rank 0 alone "
+                          "and cannot all-gather the sharded EMA): evaluate the run's ema.safetensors afterwards "
+                          "with `fastddpm eval --checkpoint RUN_DIR/ema.safetensors`")
+    if fsdp and train_cfg.batch_size == "auto":
+        raise ConfigError("batch_size=auto measures a full replica of the model, which --parallel fsdp exists to "
+                          "avoid: set --batch-size (per device) or --global-batch-size")
+    if dist.enabled:
+        device_reason += (f"; rank {dist.rank} of {dist.world_size} ({dist.backend}, "
+                          f"{'FSDP2 fully_shard' if fsdp else 'DistributedDataParallel'})")
+        if not dist.is_main:
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(train_cfg, progress=False))
+        if dist.restarted and resume is None:
+            resume = "latest"
+            log("torchrun restarted the workers: resuming from the newest complete checkpoint")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # graph capture, bf16 checks and new streams use the current device
+    return cfg, device_reason, resume
+
+
+def _load_data(cfg: RunConfig, dist: DistInfo):
+    """The dataset's uint8 cache (fastddpm.data.prepare): built once by rank 0, then read by every rank."""
+    from fastddpm.data import prepare
+
+    if not dist.is_main:
+        barrier(dist)  # rank 0 builds the uint8 cache first; the others then read it
+    d = cfg.data
+    data = prepare(d.source, split=d.split, resize=d.resize, resize_mode=d.resize_mode, image_mode=d.image_mode,
+                   skip_bad=d.skip_bad, cache_dir=Path(d.cache_dir) if d.cache_dir else None,
+                   progress=cfg.train.progress)
+    if dist.enabled and dist.is_main:
+        barrier(dist)
+    return data
+
+
+def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, hooks: TrainHooks):
+    """This rank's batch source, resident on the device or streamed (choose_placement says which and why).
+    Returns (batches, placement, reason)."""
+    train_cfg = cfg.train
+    placement, reason = choose_placement(data.images, device, train_cfg.data_placement, train_cfg.device_memory_budget,
+                                         world_size=dist.world_size)
+    conditional = cfg.model.conditional  # the labels travel with the images, dropped to the null class at random
+    batches = make_batches(data.images, placement, batch_size=train_cfg.batch_size,
+                           num_timesteps=cfg.diffusion.num_timesteps, seed=train_cfg.seed, device=device,
+                           hflip=cfg.data.hflip, rank=dist.rank, world_size=dist.world_size,
+                           labels=data.labels if conditional else None,
+                           cond_drop_prob=train_cfg.cond_drop_prob if conditional else 0.0,
+                           num_classes=cfg.model.num_classes)
+    if hooks.wrap_batches is not None:
+        batches = hooks.wrap_batches(batches)
+    return batches, placement, reason
+
+
+def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInfo, device: torch.device,
+                 fsdp: bool, log) -> Checkpoint | None:
+    """The checkpoint to resume (None: a new run). Every rank looks for itself, and all must find the same one
+    (2 tiny collectives); it must be in the format this run writes and of the same architecture."""
+    resumed = find_resume(rd.path, resume)
+    if str(resume) == "latest" and resumed is None:
+        log(f"--resume latest: no checkpoint in {rd.checkpoints} yet, starting a new run")
+    if dist.enabled:
+        found_step = resumed.step if resumed is not None else -1
+        lowest, highest = -any_rank(-found_step, dist, device), any_rank(found_step, dist, device)
+        if lowest != highest:
+            raise ConfigError(
+                f"the ranks found different checkpoints to resume in {rd.path} (steps {lowest} to {highest}; -1 = "
+                f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
+    if resumed is not None:
+        resumed.check_resumable(sharded_run=fsdp)
+        check_same_architecture(resolve_model_shape(resumed.config, images_shape), cfg, resumed.path)
+    return resumed
+
+
+def _settle_batch_size(cfg: RunConfig, model, schedule, precision: Precision, data, dist: DistInfo,
+                       device: torch.device, log) -> tuple[RunConfig, str, str]:
+    """The per-device batch size: as requested, from --global-batch-size, or the measured throughput knee
+    (batch_size=auto). Returns (cfg with it, how it was chosen, which batch stays fixed across world sizes)."""
+    train_cfg, world = cfg.train, dist.world_size
+    if train_cfg.global_batch_size is not None:
+        per_device, rest = divmod(train_cfg.global_batch_size, train_cfg.accum_steps * world)
+        if train_cfg.batch_size == "auto" or rest or per_device < 1:
+            raise ConfigError(
+                f"train.global_batch_size={train_cfg.global_batch_size} must be a multiple of "
+                f"accum_steps={train_cfg.accum_steps} x {world} rank(s) = {train_cfg.accum_steps * world}, and cannot "
+                f"be combined with batch_size=auto: pick a multiple, or fix the per-device --batch-size instead")
+        note = f"global batch {train_cfg.global_batch_size} / ({train_cfg.accum_steps} x {world})"
+        return dataclasses.replace(cfg, train=dataclasses.replace(train_cfg, batch_size=per_device)), note, "global"
+    if train_cfg.batch_size != "auto":
+        return cfg, "requested", "per device"
+    log("batch size: searching for the throughput knee (uncompiled copy of the model, state untouched)")
+    trial = make_trial_fn(model, schedule, cfg.diffusion.prediction, precision,
+                          image_shape=tuple(data.images.shape[1:]), device=device)
+    best, trials = find_batch_size(trial, limit=min(8192, data.images.shape[0] // world), log=log)
+    best = -any_rank(-best, dist, device)  # every rank takes the smallest knee: one static shape for all
+    note = "auto: " + ", ".join(f"{tr.batch_size}: " + (f"{tr.images_per_s:,.0f} img/s" if tr.images_per_s else "OOM")
+                                for tr in trials) + f" -> {best}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the trials' cached blocks would make the data look like it doesn't fit
+    return dataclasses.replace(cfg, train=dataclasses.replace(train_cfg, batch_size=best)), note, "per device"
+
+
+def _run_record(cfg: RunConfig, choices: Choices, model: UNet, data, dist: DistInfo, images_per_step: int,
+                steps_per_epoch: int, total_steps: int) -> dict[str, Any]:
+    """What run.json records: the software, every choice set-up made and why, and the run's size."""
+    train_cfg = cfg.train
+    return {
+        "fastddpm": fastddpm.__version__, "torch": torch.__version__, "python": platform.python_version(),
+        **choices.record(), "parameters": count_parameters(model),
+        "data": {"source": cfg.data.source, "cache": str(data.cache_path), "shape": list(data.images.shape),
+                 "placement": choices.placement, "placement_reason": choices.placement_reason},
+        "accum_steps": train_cfg.accum_steps, "world_size": dist.world_size, "global_batch": images_per_step,
+        "parallel": train_cfg.parallel if dist.enabled else None, "grad_checkpointing": train_cfg.grad_checkpointing,
+        "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
+    }
+
+
+def _describe(run: Run) -> None:
+    """The run's choices, one line each, as run.json records them."""
+    cfg, info, log = run.cfg, run.info.record, run.log
+    classes = f", conditional on {cfg.model.num_classes} classes" if cfg.model.conditional else ""
+    log(f"model: U-Net, {info['parameters']:,} parameters{classes} ({cfg.preset or 'custom'} preset)")
+    log(f"data: {run.data.images.shape[0]:,} images {tuple(run.data.images.shape[1:])} from {cfg.data.source}; "
+        f"placement {run.choices.placement} ({run.choices.placement_reason})")
+    for line in run.choices.lines(run.dist.world_size, run.images_per_step, cfg.train.accum_steps,
+                                  run.steps_per_epoch):
+        log(line)
+    log(f"training to step {run.total_steps:,} ({run.total_steps * run.images_per_step:,} images); run dir "
+        f"{run.run_dir.path}")

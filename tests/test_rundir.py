@@ -1,0 +1,151 @@
+"""fastddpm.rundir: the one owner of what a run leaves on disk. `locate` turns every path a user can pass into a
+Checkpoint or one clear error; the Checkpointer alone writes and reads a checkpoint's keys, in the layout every
+fastddpm version has written (tests/test_legacy_checkpoints.py loads files an older version wrote)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastddpm.config import get_preset, resolve_model_shape
+from fastddpm.models import build_unet
+from fastddpm.rundir.checkpoint import list_checkpoints
+from fastddpm.rundir.checkpointer import Checkpointer
+from fastddpm.rundir.files import CheckpointError, save_safetensors
+from fastddpm.rundir.layout import RunDir
+from fastddpm.rundir.locate import find_resume, locate
+from fastddpm.trainer.ema import EMA
+from fastddpm.trainer.state import TrainState
+
+# The keys of a .pt checkpoint, as every fastddpm version has written them: loaders elsewhere rely on them.
+PT_KEYS = {"format", "model", "ema", "optimizer", "scaler", "step", "images_seen", "config", "world_size",
+           "global_batch", "micro_split", "cpu_threads", "rng"}
+
+
+def _checkpointer(run_dir: Path, *, seed: int = 0, scaler: bool = False):
+    torch.manual_seed(seed)
+    cfg = resolve_model_shape(get_preset("tiny"), (16, 1, 28, 28))
+    model = build_unet(cfg.model)
+    ema = EMA(model, 0.9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
+    state = TrainState(device=torch.device("cpu"), world_size=1, global_batch=16, cpu_threads=2)
+    return Checkpointer(run_dir, model=model, ema=ema, optimizer=optimizer, scaler=grad_scaler, train_state=state,
+                        config=cfg.to_dict(), keep=2), model, optimizer, state
+
+
+def _train_once(model, optimizer):
+    loss = model(torch.randn(2, 1, 28, 28), torch.tensor([3, 700])).square().mean()
+    loss.backward()
+    optimizer.step()
+
+
+def test_save_then_load_restores_every_object_and_keeps_the_key_layout(tmp_path):
+    saver, model, optimizer, state = _checkpointer(tmp_path / "run")
+    _train_once(model, optimizer)
+    state.step, state.images_seen, state.micro_split = 7, 112, 2
+    rng_at_save = torch.get_rng_state()
+    path = saver.save()
+    assert path == tmp_path / "run" / "checkpoints" / "ckpt_000000007.pt"
+    assert set(torch.load(path, weights_only=True)) == PT_KEYS
+    assert (tmp_path / "run" / "ema.safetensors").is_file()
+
+    loader, model2, optimizer2, state2 = _checkpointer(tmp_path / "run", seed=1)
+    assert not torch.equal(next(model2.parameters()), next(model.parameters()))
+    torch.manual_seed(123)  # the loaded RNG must replace whatever the process drew since
+    loader.load(loader.latest())
+    assert (state2.step, state2.images_seen, state2.micro_split) == (7, 112, 2)
+    assert state2.saved_by == {"world_size": 1, "global_batch": 16, "cpu_threads": 2}
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+
+
+def test_retention_keeps_the_newest_and_saved_lists_them_oldest_first(tmp_path):
+    saver, _, _, state = _checkpointer(tmp_path / "run")
+    for step in (1, 2, 3):
+        state.step = step
+        saver.save()
+    assert [p.name for p in saver.saved()] == ["ckpt_000000002.pt", "ckpt_000000003.pt"]
+    assert saver.latest().step == 3
+
+
+def test_resume_notes_name_what_cannot_stay_bit_exact():
+    state = TrainState(device=torch.device("cpu"), world_size=2, global_batch=32, cpu_threads=4)
+    state.saved_by = {"world_size": 1, "global_batch": 16, "cpu_threads": 2}
+    notes = state.resume_notes("global")
+    assert len(notes) == 2
+    assert "2 CPU thread(s), this run has 4" in notes[0] and "--cpu-threads 2" in notes[0]
+    assert "written by 1 rank, this run has 2" in notes[1] and "kept, --global-batch-size is fixed" in notes[1]
+    state.saved_by = {"world_size": 2, "global_batch": 32, "cpu_threads": 4}
+    assert state.resume_notes("per device") == []
+
+
+def test_run_dir_of_any_path_a_run_leaves(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "ckpt_000000002.dcp").mkdir(parents=True)
+    (run / "checkpoints" / "ckpt_000000001.pt").write_bytes(b"x")
+    (run / "ema.safetensors").write_bytes(b"x")
+    for path in (run, run / "checkpoints" / "ckpt_000000001.pt", run / "checkpoints" / "ckpt_000000002.dcp",
+                 run / "ema.safetensors"):
+        assert RunDir.of(path).path == run, path
+    assert RunDir.of(tmp_path / "elsewhere" / "weights.safetensors").path == tmp_path / "elsewhere"
+
+
+def test_locate_names_each_bad_path_and_the_fix(tmp_path):
+    with pytest.raises(CheckpointError, match=r"does not exist\. Pass a run directory"):
+        locate(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint and no ema.safetensors"):
+        locate(tmp_path / "empty")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00\x01")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file.*truncated"):
+        locate(junk)
+    foreign = tmp_path / "foreign.safetensors"
+    save_safetensors({"w": torch.ones(2)}, foreign, {"note": "not ours"})
+    with pytest.raises(CheckpointError, match="no fastddpm config in its metadata"):
+        locate(foreign)
+    image = tmp_path / "picture.png"
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 32)
+    with pytest.raises(CheckpointError, match="could not load checkpoint .*picture.png"):
+        locate(image)
+    dcp = tmp_path / "ckpt_000000001.dcp"
+    dcp.mkdir()
+    with pytest.raises(CheckpointError, match="could not load .*meta.pt"):
+        locate(dcp)
+
+
+def test_a_bit_flip_is_caught_and_latest_falls_back(tmp_path):
+    saver, _, _, state = _checkpointer(tmp_path / "run")
+    for step in (1, 2):
+        state.step = step
+        saver.save()
+    newest = list_checkpoints(saver.dir)[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted.*SHA-256"):
+        locate(newest)
+    with pytest.warns(UserWarning, match="skipping unusable checkpoint"):
+        assert locate(tmp_path / "run").step == 1
+
+
+def test_find_resume_reads_latest_a_run_and_refuses_weights_only(tmp_path):
+    assert find_resume(tmp_path / "new", None) is None
+    assert find_resume(tmp_path / "new", "latest") is None  # a new run: nothing to resume yet
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        find_resume(tmp_path / "x", tmp_path / "bare")
+    saver, _, _, state = _checkpointer(tmp_path / "run")
+    state.step = 5
+    saver.save()
+    assert find_resume(tmp_path / "run", "latest").step == 5
+    assert find_resume(tmp_path / "other", tmp_path / "run").step == 5
+    export = locate(tmp_path / "run" / "ema.safetensors")
+    with pytest.raises(CheckpointError, match="holds only the EMA weights"):
+        export.check_resumable(sharded_run=False)
+    with pytest.raises(CheckpointError, match="--parallel fsdp reads sharded"):
+        find_resume(tmp_path / "run", "latest").check_resumable(sharded_run=True)
