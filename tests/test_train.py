@@ -110,6 +110,18 @@ def test_a_resume_on_another_cpu_thread_count_says_it_is_not_bit_exact(tmp_path,
     assert not [x for x in lines if "written with" in x], lines
 
 
+def test_every_log_line_reaches_the_callers_log_while_the_progress_bar_is_drawn(tmp_path, fmnist_npz, capsys):
+    """With the bar on, the lines of set-up, of the loop (a grid written mid-run) and of the end all go to the
+    `log` a caller passes; none is printed past it."""
+    lines = []
+    cfg = tiny_cfg(fmnist_npz, max_steps=4, progress=True, sample_every_images=32, num_sample_images=4,
+                   sample_steps=2, checkpoint_every=None)
+    train(cfg, out_dir=tmp_path / "run", log=lines.append)
+    assert lines[0].startswith("model: U-Net") and lines[-1].startswith("done: step 4")
+    assert any(line.startswith("step 2: wrote") for line in lines)
+    assert "step 2: wrote" not in capsys.readouterr().out
+
+
 def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
     run = tmp_path / "run"
     code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "12",

@@ -105,9 +105,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file, applied over the preset")
     run.add_argument("--resume", metavar="latest|PATH",
                      help="continue from the newest verified checkpoint in RUN_DIR ('latest'; starts fresh if there "
-                          "is none), a checkpoint file, or another run directory")
+                          "is none), a checkpoint file (.pt, or an FSDP run's .dcp directory), or another run directory")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                     help="set any config field, e.g. --set train.lr=3e-4 (repeatable)")
+                     help="set any config field, e.g. --set train.lr=3e-4 (repeatable; a field of one section may be "
+                          "named alone, lr=3e-4; a run length replaces the preset's)")
     run.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     dests = _add_config_flags(tr)
 
@@ -224,7 +225,7 @@ def cmd_sample(args) -> int:
     from fastddpm.sampling import check_sampler_args, class_labels, load_for_sampling, sample_to_files
 
     device, _ = resolve_device(args.device)
-    ckpt = locate(args.checkpoint, weights=args.weights)
+    ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
     if args.num_images < 1 or args.batch_size < 1:

@@ -154,16 +154,16 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     from fastddpm.config import ConfigError, save_config
     from fastddpm.diffusion import schedule_from_config
     from fastddpm.rundir.files import save_safetensors
-    from fastddpm.rundir.locate import locate
+    from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, locate
     from fastddpm.rundir.metrics import read_metrics
     from fastddpm.sampling import load_for_sampling
 
     if fmt not in FORMATS:
         raise ConfigError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
-    ckpt = locate(run)
+    ckpt = locate(run, what="export:")
     model, cfg = load_for_sampling(ckpt, device="cpu")
     info, run_dir = ckpt.info(), ckpt.run_dir
-    out = Path(out) if out is not None else run_dir.path / f"export-{fmt}"
+    out = Path(out) if out is not None else run_dir.export(fmt)
     out.mkdir(parents=True, exist_ok=True)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
@@ -183,7 +183,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     else:
         path = out / "model.safetensors"
         save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
-                           {"config": cfg.to_dict(), "step": info.get("step"), "format": "fastddpm-ema-1"})
+                         {"config": cfg.to_dict(), "step": info.get("step"), "format": EMA_EXPORT_FORMAT})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
         raise RuntimeError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "

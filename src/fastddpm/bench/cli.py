@@ -136,7 +136,10 @@ def _csvints(text: str) -> tuple[int, ...]:
 
 
 def _csvpositive_ints(text: str) -> tuple[int, ...]:
-    return tuple(positive_int(item) for item in _csv_list(text))
+    try:
+        return tuple(positive_int(item) for item in _csv_list(text))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers: {e}") from None
 
 
 def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -312,7 +315,8 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
     sp = commands.add_parser("samplers", help="FID against network calls per image for every sampler",
                              description=_SAMPLERS_DESCRIPTION, epilog=_SAMPLERS_EPILOG,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    sp.add_argument("checkpoint", metavar="CHECKPOINT", help="run directory, ckpt_*.pt or ema.safetensors")
+    sp.add_argument("checkpoint", metavar="CHECKPOINT",
+                    help="run directory, ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or ema.safetensors")
     sp.add_argument("--samplers", type=_csv_list, default=None, metavar="A,B",
                     help="default ddim,dpmpp-2m,dpmpp-2m-sde,unipc,heun")
     sp.add_argument("--steps", type=_csvpositive_ints, default=None, metavar="K,..", help="default 5,10,20,50,100")

@@ -95,7 +95,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     from fastddpm.sampling import compile_for_sampling, load_for_sampling
 
     device, _ = resolve_device(settings.device)
-    ckpt = locate(settings.checkpoint)
+    ckpt = locate(settings.checkpoint, what="bench samplers:")
     model, cfg = load_for_sampling(ckpt, device=device)
     info = ckpt.info()
     T = cfg.diffusion.num_timesteps

@@ -33,9 +33,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-
-
-
 def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -115,7 +115,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.sampling import check_sampler_args, compile_for_sampling, load_for_sampling
 
     log = print
-    ckpt = locate(args.checkpoint, weights=args.weights)
+    ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()

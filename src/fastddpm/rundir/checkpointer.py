@@ -3,8 +3,9 @@
 A checkpoint is the model, its EMA, the optimizer, the loss scaler (fp16), the trainer's own state (step, images
 seen, micro-batch split, RNG, thread count, world size: any object with state_dict() / load_state_dict()) and the
 run's config. `save()` writes all of it, then RUN_DIR/ema.safetensors for sampling anywhere; `load()` puts all of
-it back. The layout on disk (flat keys, as every fastddpm version has written them) is known here and nowhere
-else; the two formats are rundir.checkpoint (.pt) and rundir.sharded (.dcp, under --parallel fsdp). As edm2's
+it back. The layout on disk (flat keys, as every fastddpm version has written them) is known here and in the
+readers beside it (rundir.locate), nowhere else; the two formats are rundir.checkpoint (.pt) and rundir.sharded
+(.dcp, under --parallel fsdp). As edm2's
 CheckpointIO and torchtitan's CheckpointManager, it is given the objects once and reads and writes them itself.
 """
 

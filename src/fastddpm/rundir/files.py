@@ -83,7 +83,7 @@ def load_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 def _unreadable(path: Path, e: Exception) -> CheckpointError:
     if not Path(path).is_file():
-        return CheckpointError(f"{path} does not exist")
+        return CheckpointError(f"{path} does not exist: pass the path of a .safetensors file")
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     return CheckpointError(
         f"{path} is not a readable safetensors file ({first}): it is truncated or not safetensors. If it is a run's "

@@ -17,11 +17,12 @@ class RunDir:
 
     @classmethod
     def of(cls, path: str | Path) -> RunDir:
-        """The run a path belongs to: a run directory itself, the run of a checkpoints/ckpt_* file or .dcp
-        folder, or the folder that holds any other file (an ema.safetensors copied elsewhere)."""
+        """The run a path belongs to: a run directory itself, the run of its checkpoints/ folder or of a
+        checkpoints/ckpt_* file or .dcp folder, or the folder that holds any other file (an ema.safetensors copied
+        elsewhere)."""
         path = Path(path)
         if path.is_dir() and path.suffix != ".dcp":
-            return cls(path)
+            return cls(path.parent if path.name == "checkpoints" else path)
         return cls(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
 
     @property
@@ -55,6 +56,17 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:  # --log-to tensorboard: the event files
+        return self.path / "tensorboard"
+
+    @property
+    def wandb_run_id(self) -> Path:  # --log-to wandb: the W&B run a resumed run continues (its files: wandb/)
+        return self.path / "wandb_run_id"
+
+    def export(self, fmt: str) -> Path:  # `fastddpm export --format FMT`'s default output
+        return self.path / f"export-{fmt}"
 
     @property
     def samples(self) -> Path:  # sample grids, and `fastddpm sample`'s default output

@@ -20,13 +20,16 @@ from fastddpm.rundir.layout import RunDir
 EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
 WHAT_TO_PASS = ("a run directory, a checkpoints/ckpt_*.pt file, an FSDP run's checkpoints/ckpt_*.dcp directory, "
                 "or an ema.safetensors export")
+WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a checkpoints/ckpt_*.pt file, or an FSDP "
+                  "run's checkpoints/ckpt_*.dcp directory")
 
 
 @dataclass
 class Checkpoint:
     """What a path holds. `kind`: "pt" (a verified training checkpoint, loaded whole), "dcp" (an FSDP run's sharded
     checkpoint: its small metadata read, the shards on demand) or "safetensors" (EMA weights with the config in
-    the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's state."""
+    the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's state; for
+    "pt" also the optimizer's and the loss scaler's (the weights are `weights()`)."""
 
     path: Path
     kind: str
@@ -106,20 +109,22 @@ def saved(ckpt_dir: Path) -> list[Path]:
     return sorted(checkpoint.list_checkpoints(ckpt_dir) + sharded.list_sharded(ckpt_dir), key=checkpoint.step_of)
 
 
-def locate(path: str | Path, *, weights: str = "ema") -> Checkpoint:
+def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -> Checkpoint:
     """The Checkpoint at `path`: a run directory (its newest checkpoint; an FSDP run's ema.safetensors when the EMA
     `weights` are all that is needed, which is the cheap read; a run without checkpoints, its ema.safetensors), a
-    .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise."""
+    .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise;
+    `what` names where the path came from in that message (e.g. "--checkpoint", "fastddpm.load")."""
     path = Path(path)
+    named = f"{what} {path}" if what else str(path)
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist. Pass {WHAT_TO_PASS}")
+        raise CheckpointError(f"{named} does not exist. Pass {WHAT_TO_PASS}")
     if path.is_dir() and path.suffix != ".dcp":
-        run = RunDir(path.parent if path.name == "checkpoints" else path)
+        run = RunDir.of(path)
         found = newest(run.checkpoints)
         if found is not None and not (found.kind == "dcp" and weights == "ema" and run.ema.is_file()):
             return found
         if not run.ema.is_file():
-            raise CheckpointError(f"{path} holds no checkpoint and no ema.safetensors. Pass {WHAT_TO_PASS}")
+            raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors. Pass {WHAT_TO_PASS}")
         path = run.ema
     if path.is_dir():
         return Checkpoint(path, "dcp", sharded.read_meta(path))
@@ -148,9 +153,13 @@ def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None) -> 
     if str(resume) == "latest":
         return newest(RunDir(Path(run_dir)).checkpoints)
     path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"--resume {path} does not exist. Pass {WHAT_TO_RESUME}")
     if path.is_dir() and path.suffix != ".dcp":
-        found = newest(RunDir(path.parent if path.name == "checkpoints" else path).checkpoints)
+        searched = RunDir.of(path).checkpoints
+        found = newest(searched)
         if found is None:
-            raise CheckpointError(f"--resume {path}: no usable checkpoint in {RunDir(path).checkpoints}")
+            raise CheckpointError(f"--resume {path}: no usable checkpoint in {searched}: start without --resume, or "
+                                  f"pass a checkpoints/ckpt_*.pt file of another run")
         return found
-    return locate(path)
+    return locate(path, what="--resume")

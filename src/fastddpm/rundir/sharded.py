@@ -96,7 +96,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise CheckpointError(f"{path} is not a fastddpm sharded checkpoint (its meta.pt has no fastddpm-dcp-1 "
                               f"format): pass a ckpt_<step>.dcp directory written by `fastddpm train --parallel fsdp`")
-    return {**meta, "sharded": True, "path": str(path)}
+    return {**meta, "sharded": True}
 
 
 def latest_sharded(ckpt_dir: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -36,17 +36,18 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
     return model, schedule_from_config(cfg.diffusion).to(device)
 
 
-def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """DistributedDataParallel around the U-Net: gradients all-reduced in buckets, overlapping the backward."""
+def wrap_ddp(model: torch.nn.Module, cfg: RunConfig, device: torch.device, *, micro_batches: int
+             ) -> torch.nn.Module:
+    """DistributedDataParallel around the U-Net: gradients all-reduced in buckets, overlapping the backward.
+    `micro_batches`: backward passes per step (accumulation, times an out-of-memory split)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    train_cfg = cfg.train
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                # the graph is the same every step; DDP then skips its per-step unused-parameter search. It cannot
                # be combined with no_sync (accumulation), which needs the dynamic bookkeeping.
-               static_graph=train_cfg.accum_steps == 1,
+               static_graph=micro_batches == 1,
                gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
-               bucket_cap_mb=train_cfg.ddp_bucket_cap_mb)
+               bucket_cap_mb=cfg.train.ddp_bucket_cap_mb)
 
 
 class Optimization:
@@ -94,9 +95,10 @@ class Optimization:
         parts (more than 1 after an out-of-memory step: the same data and result, smaller activations). Build it
         once the state is final, and again (it is cheap) when the split changes."""
         train_cfg = self.cfg.train
-        if self._forward_model is None:
-            self._forward_model = (wrap_ddp(self.model, self.cfg, self.device) if self.parallel == "ddp" else
-                                   self.model)
+        if self._forward_model is None:  # DDP's wrapper is made once (a resumed split is known by then)
+            self._forward_model = (wrap_ddp(self.model, self.cfg, self.device,
+                                            micro_batches=train_cfg.accum_steps * micro_split)
+                                   if self.parallel == "ddp" else self.model)
         self.step_fn = TrainStep(model=self.model, forward_model=self._forward_model, optimizer=self.optimizer,
                                  scaler=self.scaler, ema=self.ema, schedule=self.schedule,
                                  prediction=self.cfg.diffusion.prediction, precision=self.precision,

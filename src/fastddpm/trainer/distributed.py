@@ -6,7 +6,7 @@ into a process group and a device, and holds the few collectives the loop needs.
 
 One process per device. NCCL on CUDA, gloo on CPU (tests run 2 CPU processes on gloo). Rank 0 writes
 checkpoints, grids and logs; every rank computes. Nothing here is home-made communication: DDP
-(fastddpm.trainer.setup.wrap_ddp) or FSDP2 (fastddpm.trainer.fsdp, `--parallel fsdp`) does the gradient work.
+(fastddpm.trainer.build.wrap_ddp) or FSDP2 (fastddpm.trainer.fsdp, `--parallel fsdp`) does the gradient work.
 """
 
 from __future__ import annotations

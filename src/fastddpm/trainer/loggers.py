@@ -53,7 +53,7 @@ class RunLoggers:
                 raise ConfigError("--log-to tensorboard needs the tensorboard package: pip install tensorboard "
                                   "(or pip install 'fastddpm[tensorboard]'), or drop tensorboard from "
                                   "--log-to") from None
-            self.tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
             self.tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```", global_step=0)
 
     def hparams(self, cfg: RunConfig, info: dict) -> None:
@@ -142,7 +142,7 @@ def _open_wandb(run_dir: Path, cfg: RunConfig):
     except ImportError:
         raise ConfigError("--log-to wandb needs the wandb package: pip install wandb (or pip install "
                           "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account") from None
-    id_file = run_dir / "wandb_run_id"
+    id_file = RunDir(run_dir).wandb_run_id
     run_id = id_file.read_text().strip() if id_file.is_file() else "".join(
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
     run_dir.mkdir(parents=True, exist_ok=True)

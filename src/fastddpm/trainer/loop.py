@@ -18,10 +18,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from fastddpm.config import ConfigError, RunConfig
+from fastddpm.rundir.locate import Checkpoint
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import write_grid
 from fastddpm.trainer.batch_finder import is_oom
@@ -80,8 +82,8 @@ class _StopFlag:
         self._old.clear()  # the handlers close over this flag: drop them, so nothing keeps the run alive
 
 
-def train(cfg: RunConfig, *, out_dir: str | Path, resume=None, log=print, hooks: TrainHooks | None = None
-          ) -> TrainResult:
+def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | Path | Checkpoint | None = None,
+          log: Callable[[str], None] = print, hooks: TrainHooks | None = None) -> TrainResult:
     """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or a Checkpoint
     already located (fastddpm.rundir.locate). SIGTERM/SIGINT at any point, set-up included, end the run after the
     current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
@@ -229,7 +231,7 @@ class StepLog:
 
             self.bar = tqdm(total=run.total_steps, initial=run.state.step, unit="step", dynamic_ncols=True,
                             leave=True)
-            run.log.route_through(self.bar)  # log lines go above the bar
+            run.log.around(self.bar)
 
     def count(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss
@@ -288,7 +290,7 @@ class StepLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-            self.run.log.route_through(None)
+            self.run.log.around(None)
 
     def close(self) -> None:
         """The end of the run: the bar and, once, the loggers (W&B uploads ema.safetensors here)."""

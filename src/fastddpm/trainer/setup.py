@@ -46,19 +46,25 @@ class TrainHooks:
 
 
 class Console:
-    """The run's log: printed on rank 0, silent on the others, and written above the progress bar once one is
-    drawn (the bar is opened by the loop, after set-up has logged)."""
+    """The run's log: every line goes to the sink (print, or the caller's `log`) on rank 0, nothing on the other
+    ranks. While the loop's progress bar is drawn, tqdm clears it around each line and redraws it below, so the
+    lines and the bar do not run into each other."""
 
     def __init__(self, sink: Callable[..., None] = print, *, enabled: bool = True):
         self.sink, self.enabled = sink, enabled
         self._bar = None
 
     def __call__(self, message: str) -> None:
-        if self.enabled:
-            (self._bar.write if self._bar is not None else self.sink)(message)
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self.sink(message)
+        else:
+            with self._bar.external_write_mode(file=self._bar.fp):
+                self.sink(message)
 
-    def route_through(self, bar) -> None:
-        """Log lines go through `bar.write` (tqdm), so they land above the bar; None: back to the sink."""
+    def around(self, bar) -> None:
+        """Write around tqdm `bar` from now on (None: it is closed)."""
         self._bar = bar
 
 
@@ -159,8 +165,8 @@ class Run:
         return train_cfg.lr * min(1.0, images_seen / train_cfg.warmup_images)
 
 
-def prepare_run(cfg: RunConfig, run_dir: Path, resume, *, stop, log: Callable[..., None],
-                hooks: TrainHooks) -> Run:
+def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, *, stop,
+                log: Callable[..., None], hooks: TrainHooks) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
