@@ -3,6 +3,7 @@ files, and the HTML rendered by a real browser (headless Chromium; skipped where
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import subprocess
@@ -96,15 +97,16 @@ def test_doctor_cli_json_and_files(tmp_path, capsys):
     script.write_text(SLOW_SCRIPT)
     out = tmp_path / "rep"
     code = main(["doctor", "run", "--warmup", "2", "--steps", "10", "--profile-steps", "2", "--loader-probe-s",
-                 "0.3", "--report-dir", str(out), "--json", str(script), "--sleep", "0.0005"])
+                 "0.3", "--report-dir", str(out), "--json", "--save-trace", str(script), "--sleep", "0.0005"])
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["verdict"]["id"] == "data-bound"
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["verdict"] == printed["verdict"]
-    traces = list(out.glob("*.pt.trace.json"))
-    assert len(traces) == 1
-    trace = json.loads(traces[0].read_text())
+    traces = list(out.glob("*.pt.trace.json.gz"))  # --save-trace: kept, gzipped
+    assert len(traces) == 1 and on_disk["measurements"]["trace_file"] == str(traces[0])
+    with gzip.open(traces[0], "rt") as f:
+        trace = json.load(f)
     assert any(e.get("name") == "fastddpm::step" for e in trace["traceEvents"])  # loadable, and ours
     text = (out / "report.txt").read_text()
     assert text.count("\n") < 40 and "verdict: DATA-BOUND" in text

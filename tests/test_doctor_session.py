@@ -58,9 +58,11 @@ def test_slow_steps_get_the_fewest_steps_per_window_and_a_note_says_why(tmp_path
     median_s = float(re.search(r"its median step took ([\d.]+) s", watched).group(1))
     assert STEP_S <= median_s < 10 * STEP_S
     assert any(n.startswith("profiled 1 of 10 planned steps") for n in notes), notes
-    # the notes reach the report, and a trace of the one profiled step was written
+    # the notes reach the report, and the trace of the one profiled step was read into it (then deleted: not
+    # asked to keep it)
     assert dr.report.measurements["notes"] == s.notes
-    assert dr.report.measurements["profiled_steps"] == 1 and s.trace_path.is_file()
+    assert dr.report.measurements["profiled_steps"] == 1 and dr.report.measurements["trace"]["steps_measured"] == 1
+    assert s.trace_path is None and not list((tmp_path / "rep").glob("*trace*"))
 
 
 def test_a_window_cut_by_time_ends_at_the_first_boundary_past_its_share(tmp_path):
@@ -185,7 +187,7 @@ def test_a_profiled_run_prints_no_profiler_log_but_the_loops_own_lines(tmp_path,
                 os.write(2, f"loop's own line {i}\n".encode())
             torch.ones(8, 8).sum()
             dr.step()
-    assert dr.session.windows["profile"]["taken"] == 2 and dr.session.trace_path.is_file()
+    assert dr.session.windows["profile"]["taken"] == 2 and dr.report.measurements["profiled_steps"] == 2
     err = _lines(capfd.readouterr().err)
     assert err == ["loop's own line 4", "loop's own line 5"], err
 
@@ -220,7 +222,7 @@ def test_max_seconds_reaches_the_config(tmp_path, monkeypatch, argv, expected):
         def print(self):
             pass
 
-    def fake_run_script(script, args, config, *, device=None):
+    def fake_run_script(script, args, config, *, device=None, **trials):
         seen["config"] = config
         return _Report()
 

@@ -6,7 +6,7 @@
         for x, y in dr.batches():      # the loader, epoch after epoch, until the bounded run is over
             loss = train_step(x, y)
             dr.step()                  # one call per optimizer step
-    dr.report.print()                  # verdict, evidence, ranked fixes; also report.html/json + the trace
+    dr.report.print()                  # verdict, evidence, ranked fixes; also report.txt/html/json in out
 
 `diagnose(session)` turns a finished fastddpm.doctor.session.Session into a Report; `doctor run` and
 `doctor train` (fastddpm.doctor.runners) drive the same session without the user editing anything.
@@ -39,19 +39,21 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     s = session
     stats = s.step_stats()
     compiled = _compile_counts(s)
-    trace = analyze(load_trace(s.trace_path)) if s.trace_path is not None else None
+    events = load_trace(s.trace_path) if s.trace_path is not None else None
+    trace = analyze(events) if events is not None else None
     mfu = mfu_measurements(trace, stats.to_dict() if stats is not None else {}, s.device,
                            flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
                            matmul_dtype=matmul_dtype)
     mf = mfu.get("mfu") or {}
-    low = (low_precision(s.device, fp32_peak={"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None)
+    low = (low_precision(s.device, fp32_peak={"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None,
+                         events=events)
            if measure_peak and peak is None and _fp32_matmuls_only(trace) else None)
     return Measurements(
         low_precision=low, windows=dict(getattr(s, "windows", {}) or {}),
         device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
         telemetry_start=s.telemetry_start, telemetry_end=s.telemetry_end,
         profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
-        trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None else None,
+        trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
         flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,
         mfu_unavailable=mfu.get("mfu_unavailable"))
 
@@ -63,11 +65,15 @@ def _fp32_matmuls_only(trace: TraceStats | None) -> bool:
         flops.get(k, 0.0) for k in ("bf16", "fp16", "fp8"))
 
 
-def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None) -> LowPrecision:
+def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,
+                  events: list[dict] | None = None) -> LowPrecision:
     """Rule 16's measurement: the reduced-precision dtype this device would train in (bf16 where it is native,
     fp16 on a pre-Ampere GPU), whether it is native and why, and its matmul rate measured now against fp32's
     (`fp32_peak`: the MFU peak already measured in fp32, reused). A CPU without amx_bf16/avx512_bf16 emulates
-    bf16 slower than fp32: the ratio shows it, whatever the flags say."""
+    bf16 slower than fp32: the ratio shows it, whatever the flags say. With the trace's `events`, the model's own
+    matmuls and convolutions are replayed in both dtypes too (fastddpm.doctor.replay): small ones gain far less
+    than the peak's square matmul, or lose."""
+    from fastddpm.doctor.replay import replay
     from fastddpm.device import cpu_native_bf16, cuda_native_bf16
     from fastddpm.measure import measure_matmul_peak
 
@@ -82,8 +88,11 @@ def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None) 
         dtype, (native, reason) = "bf16", cpu_native_bf16()
     fp32 = fp32_peak or measure_matmul_peak(device, dtype=torch.float32)
     low = measure_matmul_peak(device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+    own = replay(events, torch.bfloat16 if dtype == "bf16" else torch.float16, device) if events else None
     return LowPrecision(dtype=dtype, native=native, reason=reason, peak_ratio=low["tflops"] / fp32["tflops"],
-                        peak_tflops=low["tflops"], fp32_peak_tflops=fp32["tflops"])
+                        peak_tflops=low["tflops"], fp32_peak_tflops=fp32["tflops"],
+                        model_ratio=own.ratio if own is not None else None,
+                        model_basis=own.basis(dtype) if own is not None else None)
 
 
 def _compile_counts(s: Session) -> CompileCounts | None:
@@ -181,6 +190,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
         probe = session.probe_loader(compute_ms)
     m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
                      matmul_dtype=matmul_dtype)
+    session.discard_trace()  # read into `m`; kept only with save_trace
     m.loader_probe = probe
     m.loader_workers = getattr(session.loader, "num_workers", None) if session.loader is not None else None
     for key, value in (seen or {}).items():
@@ -217,12 +227,13 @@ class Watch:
     def __init__(self, loader, *, warmup_steps: int = 5, steps: int = 40, profile_steps: int = 10,
                  out: str | Path | None = None, device: torch.device | str | None = None,
                  loader_probe_s: float = 2.0, print_report: bool = True, flops_per_step: float | None = None,
-                 time_budget_s: float | None = 60.0):
+                 time_budget_s: float | None = 60.0, save_trace: bool = False):
         """time_budget_s: the warm-up, watch and profile windows together end in about this many seconds
-        (DoctorConfig.time_budget_s); None: bounded by steps only."""
+        (DoctorConfig.time_budget_s); None: bounded by steps only. save_trace: keep the profiler trace in `out`."""
         self.loader = loader
         self.config = DoctorConfig(warmup_steps=warmup_steps, steps=steps, profile_steps=profile_steps,
-                                   out_dir=out, loader_probe_s=loader_probe_s, time_budget_s=time_budget_s)
+                                   out_dir=out, loader_probe_s=loader_probe_s, time_budget_s=time_budget_s,
+                                   save_trace=save_trace)
         self.session = Session(self.config, device=device)
         self.session.loader = loader if hasattr(loader, "__iter__") else None
         self.print_report = print_report

@@ -21,8 +21,8 @@ In your own code, without the CLI:
       for batch in dr.batches():
           ...; dr.step()
 
-Writes OUT/report.txt, report.json, report.html (open in a browser) and the raw trace
-(<host>_<pid>.doctor.pt.trace.json: chrome://tracing, https://ui.perfetto.dev, or TensorBoard's profiler
+Writes OUT/report.txt, report.json and report.html (open in a browser); with --save-trace also the raw trace
+(<host>_<pid>.doctor.pt.trace.json.gz: https://ui.perfetto.dev, chrome://tracing, or TensorBoard's profiler
 plugin pointed at OUT).
 """
 
@@ -40,6 +40,9 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
                    help="time the DataLoader alone for up to S seconds afterwards (default 2; 0 = skip)")
     g.add_argument("--report-dir", dest="report_dir", default="doctor_report", metavar="DIR",
                    help="where the reports and trace go (default ./doctor_report)")
+    g.add_argument("--save-trace", action="store_true",
+                   help="keep the profiler trace in the report folder, gzipped (Perfetto, chrome://tracing or "
+                        "TensorBoard's profiler plugin read it); by default it is read into the report and deleted")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the text one")
 
 
@@ -64,8 +67,30 @@ def add_doctor_parser(sub, add_train_flags) -> None:
                                      "each optimizer.step() taken as a step boundary; stop after the bounded run.")
     _add_window_flags(dr)
     dr.add_argument("--device", default=None, help="the device the script trains on (default: cuda if present)")
+    dr.add_argument("--try", dest="try_fixes", type=int, default=0, metavar="N",
+                    help="then try the top N fixes that can be applied from outside the script (autocast, compile, "
+                         "a fused optimizer, loader workers, channels_last), each in fresh runs alternating with "
+                         "runs without it, and report the measured speedup beside the predicted one")
     dr.add_argument("script", help="the training script (.py)")
     dr.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+# Options no training script is expected to take: after the script's name they are a misplaced doctor option.
+# (--steps, --warmup, --device and --json are common script options too: those go to the script as written.)
+DOCTOR_ONLY_OPTIONS = ("--report-dir", "--profile-steps", "--max-seconds", "--loader-probe-s", "--save-trace", "--try")
+
+
+def script_arguments(script: str, given: list[str]) -> list[str]:
+    """The script's own arguments: everything after its name. A doctor-only option there is refused, saying where
+    it goes, instead of being passed to a script that would then fail on it."""
+    from fastddpm.doctor.session import DoctorError
+
+    misplaced = [a.split("=", 1)[0] for a in given if a.split("=", 1)[0] in DOCTOR_ONLY_OPTIONS]
+    if misplaced:
+        raise DoctorError(
+            f"doctor run: {', '.join(misplaced)} comes after the script name, so it would be passed to {script}: "
+            f"put doctor options before the script, e.g. fastddpm doctor run {misplaced[0]} ... {script} ARGS")
+    return list(given)
 
 
 def run_doctor(args, resolve_train_config) -> int:
@@ -89,7 +114,8 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
     try:
         cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
                            loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir),
-                           time_budget_s=args.max_seconds if args.max_seconds != 0 else None)
+                           time_budget_s=args.max_seconds if args.max_seconds != 0 else None,
+                           save_trace=args.save_trace)
     except ValueError as e:
         from fastddpm.config import ConfigError
 
@@ -103,7 +129,8 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
     else:
         from fastddpm.doctor.runners import run_script
 
-        report = run_script(args.script, list(args.script_args), cfg, device=args.device)
+        report = run_script(args.script, script_arguments(args.script, args.script_args), cfg, device=args.device,
+                            try_fixes=args.try_fixes)
     if args.json:
         import json
 

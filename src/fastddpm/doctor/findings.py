@@ -19,7 +19,11 @@ from fastddpm.doctor.measurements import StepRecord
 @dataclass
 class Fix:
     fastddpm: str | None  # a setting of the built-in trainer
-    code: str  # a change to a user's own loop
+    code: str  # a change to a user's own loop (rewritten in the script's own terms where the doctor saw them)
+    # how `doctor run --try` applies it from outside the script (fastddpm.doctor.trials): "autocast-bf16",
+    # "compile", "fused-optimizer", "loader-workers:N", ...; None: it cannot be applied from outside
+    trial: str | None = None
+    args: tuple[str, ...] | None = None  # a fix that is one of the script's own flags: its arguments with it
 
 
 @dataclass
@@ -43,7 +47,8 @@ class Finding:
         return {"id": self.id, "rules": list(self.rules), "title": self.title, "cost": self.cost,
                 "expected_speedup": self.speedup, "evidence": self.evidence, "cause": self.cause,
                 "kind": self.kind, "group": self.group,
-                "fixes": [{"fastddpm": f.fastddpm, "code": f.code} for f in self.fixes]}
+                "fixes": [{"fastddpm": f.fastddpm, "code": f.code, **({"trial": f.trial} if f.trial else {}),
+                           **({"args": list(f.args)} if f.args else {})} for f in self.fixes]}
 
 
 def pct(x: float) -> str:

@@ -142,6 +142,10 @@ class LowPrecision:
     peak_ratio: float | None = None  # measured matmul rate in `dtype` / in fp32 (TF32 where on)
     peak_tflops: float | None = None
     fp32_peak_tflops: float | None = None
+    # the same ratio for this model's own matmuls and convolutions, replayed from the trace's shapes
+    # (fastddpm.doctor.replay): what autocast gives it; None where the trace hides the ops (CUDA graphs)
+    model_ratio: float | None = None
+    model_basis: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -162,6 +166,7 @@ class OptimizerInfo:
     param_tensors: int
     foreach: bool | None
     fused: bool | None
+    conv_weights: int = 0  # 4-D parameters (2-D convolutions): channels_last is a candidate
 
 
 @dataclass(kw_only=True)
@@ -197,6 +202,26 @@ class Measurements:
     def gpu_trace(self) -> TraceStats | None:
         """The trace when it holds a GPU timeline (rules 4-9, 11)."""
         return self.trace if self.trace is not None and self.trace.has_gpu else None
+
+    def unprofiled_share(self, category: str, part: float | None = None) -> float:
+        """The share of a watched (unprofiled) step that a breakdown `category` takes (or `part` of it: a share of
+        the profiled step inside that category, e.g. its fp32 matmuls). The profiler slows the host by about a
+        fixed cost for every op it records, the profiled step's excess over the watched median spread over its
+        ops: on a CPU trace each category's time is taken less that cost for its own ops, and the shares are of
+        what remains, so a category of many small ops (a per-tensor optimizer) shrinks and one of few large ops
+        (the convolutions) grows. A GPU trace's shares are kernel time over the kernel span, which the profiler
+        does not stretch: kept as they are."""
+        t = self.trace
+        share = t.breakdown.get(category, 0.0) if t is not None else 0.0
+        part = share if part is None else part
+        if (t is None or t.has_gpu or not share or not t.profiled_step_ms or not t.ops_per_step
+                or self.step_stats is None or not self.step_stats.median_ms):
+            return part
+        profiled = t.profiled_step_ms
+        per_op_ms = max(0.0, profiled - self.step_stats.median_ms) / t.ops_per_step
+        ops = t.breakdown_ops_per_step or {}
+        left = {c: max(0.0, s * profiled - ops.get(c, 0.0) * per_op_ms) for c, s in t.breakdown.items()}
+        return part / share * left[category] / (sum(left.values()) or 1.0)
 
     def to_dict(self) -> dict:
         """The JSON report's `measurements`: the keys, their order and their presence as users read them."""

@@ -21,6 +21,8 @@ class Report:
     environment: dict
     context: str = "user"  # "fastddpm": fixes as trainer settings first; "user": code changes first
     files: dict[str, str] = field(default_factory=dict)
+    trials: list[dict] = field(default_factory=list)  # --try: fixes measured (fastddpm.doctor.trials.Trial)
+    script: dict | None = None  # doctor run: what the script drives (fastddpm.doctor.script_context)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -39,7 +41,8 @@ class Report:
         return {"format": "fastddpm-doctor-1", "verdict": self.verdict,
                 "findings": [f.to_dict() for f in self.findings], "measurements": self.measurements,
                 "unavailable": self.unavailable, "environment": self.environment, "context": self.context,
-                "files": self.files}
+                "files": self.files, **({"trials": self.trials} if self.trials else {}),
+                **({"script": self.script} if self.script else {})}
 
     # ------------------------------------------------------------------ terminal
     def _fix_lines(self, f: Finding) -> list[str]:
@@ -105,6 +108,10 @@ class Report:
         split = breakdown_text(tr)
         if split:
             lines.append(f"where the step goes ({tr.get('breakdown_basis')}): {split}")
+        for line in (self.script or {}).get("frameworks") or []:
+            lines.append(f"the script drives: {line}")
+        for t in self.trials:
+            lines.append(f"tried: {trial_line(t)}")
         for note in m.get("notes") or []:
             lines.append(f"note: {note}")
         for rule, why in self.unavailable.items():
@@ -215,16 +222,17 @@ def _steps_svg(steps: list[dict], width: int = 1040, height: int = 180) -> str:
     return "".join(out)
 
 
-def _timeline_svg(tl: dict, width: int = 1040) -> str:
-    """The profiled steps on one time axis: host steps, data waits, syncs, and GPU busy/idle."""
+def _timeline_svg(tl: dict, width: int = 1040, *, gpu: bool = True) -> str:
+    """The profiled steps on one time axis: host steps, data waits, and on a GPU the syncs and GPU busy/idle."""
     steps = tl.get("steps") or []
     if not steps:
         return "<p class=muted>no profiled steps</p>"
     t_end = steps[-1][1] or 1.0
     pad_l = 70
     sx = (width - pad_l - 8) / t_end
-    lanes = [("host step", 10), ("data wait", 34), ("syncs", 58), ("GPU", 82)]
-    out = [f'<svg id="timeline" width="{width}" height="124" role="img" aria-label="profiled timeline">']
+    lanes = [("host step", 10), ("data wait", 34)] + ([("syncs", 58), ("GPU", 82)] if gpu else [])
+    height = 124 if gpu else 76
+    out = [f'<svg id="timeline" width="{width}" height="{height}" role="img" aria-label="profiled timeline">']
     for name, y in lanes:
         out.append(f'<text x="4" y="{y + 13}">{name}</text>')
     for i, (a, b) in enumerate(steps):
@@ -234,20 +242,28 @@ def _timeline_svg(tl: dict, width: int = 1040) -> str:
     for a, b in tl.get("data_wait") or []:
         out.append(f'<rect class="tl-data" x="{pad_l + a * sx:.2f}" y="34" width="{max((b - a) * sx, 0.5):.2f}" '
                    f'height="18" fill="{COLORS["data"]}"><title>data wait {(b - a) / 1000:.2f} ms</title></rect>')
-    for t in tl.get("syncs") or []:
-        out.append(f'<line class="tl-sync" x1="{pad_l + t * sx:.2f}" x2="{pad_l + t * sx:.2f}" y1="58" y2="76" '
-                   f'stroke="{COLORS["sync"]}" stroke-width="2"><title>host sync</title></line>')
-    busy = tl.get("gpu_busy") or []
-    if busy:
+    if gpu:
+        for t in tl.get("syncs") or []:
+            out.append(f'<line class="tl-sync" x1="{pad_l + t * sx:.2f}" x2="{pad_l + t * sx:.2f}" y1="58" y2="76" '
+                       f'stroke="{COLORS["sync"]}" stroke-width="2"><title>host sync</title></line>')
         out.append(f'<rect x="{pad_l}" y="82" width="{t_end * sx:.2f}" height="18" fill="{COLORS["idle"]}"/>')
-        for a, b in busy:
+        for a, b in tl.get("gpu_busy") or []:
             out.append(f'<rect class="tl-gpu" x="{pad_l + a * sx:.2f}" y="82" width="{max((b - a) * sx, 0.3):.2f}" '
                        f'height="18" fill="{COLORS["gpu"]}"/>')
-    else:
-        out.append('<text x="80" y="95" class="muted">no GPU activity recorded (CPU device)</text>')
-    out.append(f'<text x="{pad_l}" y="118">0</text><text x="{width - 70}" y="118">{t_end / 1000:.1f} ms</text>')
+    out.append(f'<text x="{pad_l}" y="{height - 6}">0</text><text x="{width - 70}" y="{height - 6}">'
+               f'{t_end / 1000:.1f} ms</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def trial_line(t: dict) -> str:
+    """A tried fix, measured against the script without it (a Trial's dict form)."""
+    if t["failed"] or not t["applied"]:
+        return f"{t['fix']}: not measured ({t['failed'] or 'the fix found nothing to change in this script'})"
+    pred = f"; predicted {t['predicted']:.2f}x" if t["predicted"] else ""
+    lo, hi = t["spread"]
+    return (f"{t['fix']} ({t['what']}): measured {t['measured']:.2f}x [{lo:.2f}-{hi:.2f}] over {t['rounds']} "
+            f"alternating rounds{pred}; {'; '.join(t['applied'])}")
 
 
 def render_html(r: Report) -> str:
@@ -278,6 +294,9 @@ def render_html(r: Report) -> str:
             for fx in top.fixes:
                 parts.append("<li>" + _fix_html(r, fx) + "</li>")
         parts.append("</ol>")
+    if r.trials:
+        parts.append("<h2>Fixes tried (measured against the script without them)</h2><ul>"
+                     + "".join(f"<li>{e(trial_line(t))}</li>" for t in r.trials) + "</ul>")
     split = (m.get("trace") or {}).get("breakdown") or {}
     if split:
         parts.append("<h2>Where the step goes</h2>" + _breakdown_svg(m.get("trace") or {}))
@@ -290,11 +309,17 @@ def render_html(r: Report) -> str:
                  "<b style='margin-left:12px'>C</b> compile</div>")
     parts.append(_steps_svg(m.get("steps") or []))
     tl = (m.get("trace_timeline") or {})
-    parts.append("<h2>Profiled steps: host and GPU</h2><div class=legend>"
-                 f"<span style='background:{COLORS['gpu']}'></span>GPU busy"
-                 f"<span style='background:{COLORS['idle']}'></span>GPU idle"
-                 f"<span style='background:{COLORS['sync']}'></span>host sync</div>")
-    parts.append(_timeline_svg(tl))
+    gpu = bool((m.get("trace") or {}).get("has_gpu"))
+    if gpu:
+        parts.append("<h2>Profiled steps: host and GPU</h2><div class=legend>"
+                     f"<span style='background:{COLORS['gpu']}'></span>GPU busy"
+                     f"<span style='background:{COLORS['idle']}'></span>GPU idle"
+                     f"<span style='background:{COLORS['sync']}'></span>host sync</div>")
+    else:  # a CPU run: the host's steps and data waits; no GPU lanes to draw
+        parts.append("<h2>Profiled steps</h2><div class=legend>"
+                     f"<span style='background:{COLORS['compute']}'></span>step"
+                     f"<span style='background:{COLORS['data']}'></span>data wait</div>")
+    parts.append(_timeline_svg(tl, gpu=gpu))
     parts.append("<h2>All findings</h2><table><tr><th>finding</th><th>rules</th><th>cost</th><th>evidence</th></tr>")
     for f in r.findings:
         cost = f.kind if f.kind != "bottleneck" else f"{100 * f.cost:.0f}%"
@@ -314,14 +339,14 @@ def render_html(r: Report) -> str:
 
 
 def _fix_html(r: Report, fx) -> str:
-    """A fix as the diagnosed loop applies it: fastddpm's setting first for `doctor train`, the code change
-    first (and the setting only as an aside) for a user's own script."""
+    """A fix as the diagnosed loop applies it, as the text report words it: fastddpm's setting for `doctor train`
+    (the code change beside it), the code change alone for a user's own script (fastddpm's settings are not
+    theirs to set)."""
     e = html.escape
     code = f"<b>your code:</b> {e(fx.code)}"
-    if not fx.fastddpm:
+    if not fx.fastddpm or r.context != "fastddpm":
         return code
-    setting = f"<b>fastddpm:</b> <code>{e(fx.fastddpm)}</code>"
-    return f"{setting}<br>{code}" if r.context == "fastddpm" else f"{code}<br><span class=muted>{setting}</span>"
+    return f"<b>fastddpm:</b> <code>{e(fx.fastddpm)}</code><br>{code}"
 
 
 BREAKDOWN_COLORS = {"matmul": "#4a7fc1", "attention": "#8a5cc2", "norm": "#2f9e55", "elementwise": "#7cc47f",
@@ -370,7 +395,7 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
                                  f"({cpu['workers_seen']} processes) of {cpu['cpu_count']}"))
     tr = m.get("trace") or {}
     for key, label in (("ops_per_step", "host ops per step"), ("syncs_per_step", "host syncs per step"),
-                       ("scalar_reads_per_step", ".item() calls per step"),
+                       ("scalar_reads_per_step", ".item() calls per step (the loop's own)"),
                        ("idle_share", "GPU idle share of span"), ("host_wait_share", "host-wait share"),
                        ("kernel_wait_share", "kernel-wait share"), ("kernels_per_step", "kernels per step"),
                        ("median_kernel_us", "median kernel (us)"),

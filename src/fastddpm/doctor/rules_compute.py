@@ -28,7 +28,7 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     total = sum(flops.values())
     low = flops.get("bf16", 0.0) + flops.get("fp16", 0.0) + flops.get("fp8", 0.0)
     fp32 = flops.get("fp32", 0.0)
-    fp32_time_share = t.gemm_time_share.get("fp32", 0.0)
+    fp32_time_share = fp32_matmul_share(m, t)
     if total > 0 and low > 0 and fp32 / total > FP32_GEMM_SHARE:
         return Finding(
             "autocast-gap", (12,), "AUTOCAST GAP: part of the matmul work still runs in fp32",
@@ -42,10 +42,20 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             "calls, or a second model (EMA, loss network) called outside it",
             [Fix("--precision bf16 (fastddpm runs the whole loss under autocast)",
                  "wrap the full forward and loss in torch.autocast('cuda', dtype=torch.bfloat16); keep the "
-                 "backward outside; look for .float() in the model")], group="compute")
+                 "backward outside; look for .float() in the model", trial="autocast-bf16")], group="compute")
     if total > 0 and low == 0:
         return _fp32_matmuls(m, t, total, fp32_time_share)
     return None
+
+
+def fp32_matmul_share(m: Measurements, t: TraceStats) -> float:
+    """The share of the step in fp32 matmuls and convolutions: what autocast speeds up at the matmul rate ratio.
+    Attention kernels are left out (a CPU's flash attention barely speeds up in bf16), and so is the profiler's
+    per-op cost (Measurements.unprofiled_share). Without a breakdown (CUDA graphs hide the ops): the fp32 GEMM
+    time, attention included."""
+    if t.breakdown:
+        return m.unprofiled_share("matmul", t.matmul_share_by_dtype.get("fp32", 0.0))
+    return t.gemm_time_share.get("fp32", 0.0)
 
 
 def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share: float) -> Finding | None:
@@ -53,8 +63,10 @@ def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share:
     faster than fp32 (a GPU's tensor cores; a CPU with AMX or AVX512-BF16); elsewhere say fp32 is right."""
     lp = m.low_precision
     where = "GPU busy" if t.has_gpu else "step"
-    ev = [f"all {total / 1e9:.2f} GFLOP of matmul/conv work per step has fp32 inputs; these take "
-          f"{pct(fp32_time_share)} of {where} time"]
+    ev = [f"all {total / 1e9:.2f} GFLOP of matmul/conv work per step has fp32 inputs; the matmuls and "
+          f"convolutions take {pct(fp32_time_share)} of {where} time"
+          + (f" (attention, {pct(t.breakdown['attention'])}, is not counted: it is not matmul-rate bound)"
+             if t.breakdown.get("attention", 0.0) >= 0.01 else "")]
     if lp is None:
         if not t.has_gpu:
             return None  # a CPU's bf16 rate was not measured (measure_peak=False): no claim either way
@@ -63,27 +75,37 @@ def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share:
         ratio, dtype, native = lp.peak_ratio or 0.0, lp.dtype, lp.native
         basis = (f"measured now: {dtype} matmuls {lp.peak_tflops * 1e3:.3g} GFLOP/s vs fp32 "
                  f"{lp.fp32_peak_tflops * 1e3:.3g} GFLOP/s ({ratio:.2f}x); {lp.reason}")
+        if lp.model_ratio is not None and native:  # the model's own shapes, replayed: what the estimate uses
+            ratio = lp.model_ratio
+            ev.append(basis.replace("measured now:", "the device's peak:", 1))
+            basis = lp.model_basis
     ev.append(basis)
     device = "cuda" if m.cuda else "cpu"
     if not (native and ratio >= LOW_PRECISION_MIN_RATIO):
+        own = lp is not None and lp.model_ratio is not None and native
         return Finding(
-            "fp32", (16,), f"FP32 IS RIGHT HERE: {dtype} would not speed up this device's matmuls", 0.0, ev,
-            f"{dtype} autocast pays off only where the hardware computes it natively; here it measured "
-            f"{ratio:.2f}x fp32's matmul rate, so the casts would cost more than they save",
-            [Fix("keep --precision fp32 (auto does)", f"keep fp32: no torch.autocast('{device}', ...) on this "
-                                                      "machine")], kind="note", group="compute")
-    speedup = min(ratio, LOW_PRECISION_MAX_SPEEDUP)
+            "fp32", (16,), f"FP32 IS RIGHT HERE: {dtype} would not speed up "
+                           f"{'this model' if own else 'this device'}'s matmuls", 0.0, ev,
+            (f"this model's matmuls and convolutions are too small to gain from {dtype}: replayed, they ran "
+             f"{ratio:.2f}x fp32's speed with their input casts" if own else
+             f"{dtype} autocast pays off only where the hardware computes it natively; here it measured "
+             f"{ratio:.2f}x fp32's matmul rate, so the casts would cost more than they save"),
+            [Fix("keep --precision fp32 (auto does)", f"keep fp32: no torch.autocast('{device}', ...) for this "
+                                                      f"{'model' if own else 'machine'}")], kind="note", group="compute")
+    # the model's own ratio is counted as measured; the device's peak ratio, at most LOW_PRECISION_MAX_SPEEDUP
+    speedup = ratio if lp is not None and lp.model_ratio is not None and native else min(ratio,
+                                                                                       LOW_PRECISION_MAX_SPEEDUP)
     cost = fp32_time_share * (1 - 1 / speedup)
     scaler = dtype == "fp16"
     code = (f"with torch.autocast('{device}', dtype=torch.{'float16' if scaler else 'bfloat16'}): loss = ... "
             "around forward and loss (not the backward)" +
             ("; and a torch.amp.GradScaler('cuda') for the backward and step" if scaler else ""))
-    ev.append(f"estimate: the fp32 matmul time at {speedup:.2g}x the speed saves {pct(cost)} of the step "
-              f"(counted at most {LOW_PRECISION_MAX_SPEEDUP:g}x: casts and non-matmul work do not speed up)")
+    ev.append(f"estimate: the fp32 matmul time at {speedup:.2f}x the speed saves {pct(cost)} of the step (the other "
+              f"work does not speed up)")
     return Finding(
         "fp32", (16,), f"FP32 MATMULS on hardware with native {dtype}", cost, ev,
         f"no autocast: the matmuls run at fp32's rate on a device whose {dtype} rate measured {ratio:.2f}x that",
-        [Fix(f"--precision {dtype} (auto picks it)", code)], group="compute")
+        [Fix(f"--precision {dtype} (auto picks it)", code, trial=f"autocast-{dtype}")], group="compute")
 
 
 def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -126,21 +148,22 @@ def eager_elementwise(m: Measurements, unavailable: dict[str, str]) -> Finding |
         return None
     if m.compile is not None and m.compile.compiled_graphs > 0:
         return None  # already compiled: what is left is not eager fusion's to fix
-    share = t.breakdown.get("elementwise", 0.0) + t.breakdown.get("norm", 0.0)
+    elementwise, norm = m.unprofiled_share("elementwise"), m.unprofiled_share("norm")
+    share = elementwise + norm
     if share <= ELEMENTWISE_SHARE:
         return None
     cost = COMPILE_SAVES * share
     where = "GPU span" if t.has_gpu else "step"
     return Finding(
         "eager-elementwise", (18,), "EAGER ELEMENTWISE: activations and norms run one op at a time", cost,
-        [f"elementwise/activation ops take {pct(t.breakdown.get('elementwise', 0.0))} and norms "
-         f"{pct(t.breakdown.get('norm', 0.0))} of the {where}, in eager mode (nothing compiled)",
+        [f"elementwise/activation ops take {pct(elementwise)} and norms {pct(norm)} of the {where}, in eager mode "
+         f"(nothing compiled)",
          f"estimate: fusing them saves {pct(COMPILE_SAVES)} of that time, {pct(cost)} of the step "
          "(each eager op reads and writes its whole tensor; a fused kernel does it once)"],
         "each elementwise op is a separate pass over memory (and a separate dispatch): GroupNorm, SiLU, adds and "
         "scales between the matmuls",
-        [Fix("--compile on", "model = torch.compile(model) (first steps compile: worth it for runs of minutes "
-                             "or more)")], group="compute")
+        [Fix("--compile on", "model = torch.compile(model) (first steps compile: worth it for runs of minutes or "
+                             "more)", trial="compile")], group="compute")
 
 
 def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -164,7 +187,7 @@ def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Findin
               f"the GPU waits for the host to launch work {pct(share)} of the span; those launches are "
               f"{pct(cost)} of it"]
     else:
-        share = t.breakdown.get("optimizer", 0.0)
+        share = m.unprofiled_share("optimizer")
         if share <= OPTIMIZER_SHARE:
             return None
         cost = FOREACH_SAVES * share
@@ -181,7 +204,8 @@ def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Findin
         "the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
         "the per-op overhead (on a GPU, a kernel launch each) outweighs the arithmetic",
         [Fix("fastddpm's AdamW is foreach (fused on CUDA) already",
-             f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True")],
+             f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True",
+             trial="fused-optimizer")],
         group="pipeline" if launches else "compute")  # launches are the pipeline's problem, not the math's
 
 
@@ -200,7 +224,7 @@ def small_batch(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         return None
     if m.memory is not None and m.memory.peak_share >= MEMORY_HEADROOM_SHARE:
         return None
-    overhead = sum(t.breakdown.get(k, 0.0) for k in ("python", "framework", "optimizer"))
+    overhead = sum(m.unprofiled_share(k) for k in ("python", "framework", "optimizer"))
     if overhead <= OVERHEAD_SHARE:
         return None
     cost = BATCH_DOUBLING_SAVES * overhead
@@ -275,5 +299,6 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
          f"matmuls and attention take {pct(math_share)} of the step; the other {pct(rest)}: " +
          ", ".join(f"{label} {pct(v)}" for v, label in top[:4])],
         "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
-        [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops")],
+        [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops",
+             trial="compile")],
         group="compute")

@@ -3,6 +3,7 @@ does the first step of each epoch stall. Each rule: the measurements in, its Fin
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from fastddpm.doctor.findings import Finding, Fix, pct, watched_time
@@ -43,7 +44,8 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             Fix(None, "move per-sample work out of __getitem__: precompute deterministic transforms; do "
                       "random flips/crops batched on the GPU"),
             Fix(None, "more loader processes: DataLoader(..., num_workers=<cores - 1>, persistent_workers=True, "
-                      "prefetch_factor=4, pin_memory=True)"),
+                      "prefetch_factor=4, pin_memory=True)",
+                trial=f"loader-workers:{max(1, (os.cpu_count() or 2) - 1)}"),
         ]
     else:
         cause = ("data-starved: the loader delivers batches slower than the step consumes them, and the CPU is "
@@ -53,7 +55,7 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             Fix("--data-placement device (whole dataset on the GPU as uint8: no loader at all)",
                 "preload the dataset into RAM (or onto the GPU) once, instead of reading per sample"),
             Fix(None, "overlap the waits: DataLoader(..., num_workers=8, persistent_workers=True, "
-                      "prefetch_factor=4, pin_memory=True)"),
+                      "prefetch_factor=4, pin_memory=True)", trial="loader-workers:8"),
             Fix("fastddpm data prepare SOURCE (a uint8 memory-mapped cache)",
                 "read from a memory-mapped uint8 array (np.load(..., mmap_mode='r')) instead of files"),
         ]

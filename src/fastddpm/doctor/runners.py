@@ -21,6 +21,7 @@ import torch
 
 from fastddpm.doctor.api import diagnose
 from fastddpm.doctor.report import Report
+from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
 from fastddpm.doctor.watchers import AttentionWatch, batch_size, optimizer_info
 
@@ -107,6 +108,11 @@ class ScriptHooks:
         self.attention.__exit__()
         return False
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose steps were the step boundaries (None once it is gone)."""
+        return self._optimizer() if self._optimizer is not None else None
+
     def seen(self) -> dict:
         """What the hooks saw, as Measurements fields (diagnose's `seen`)."""
         return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
@@ -120,26 +126,43 @@ class _NoBatchSize:
 
 
 def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
-               device: torch.device | str | None = None) -> Report:
-    """Run `script` with `args` under the doctor; returns the Report (and writes it under config.out_dir)."""
+               device: torch.device | str | None = None, try_fixes: int = 0, try_rounds: int = 3,
+               log=print) -> Report:
+    """Run `script` with `args` under the doctor; returns the Report (and writes it under config.out_dir).
+    `try_fixes`: then measure the top N fixes that can be applied from outside, each in `try_rounds` rounds
+    alternating with the script unchanged (fastddpm.doctor.trials)."""
     path = Path(script)
     if not path.is_file():
         raise DoctorError(f"doctor run: no script at {path}; give the path of the .py file that trains")
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as e:
+        raise DoctorError(f"doctor run: {path} does not start: {_where(e)}; fix it, then run the doctor again") \
+            from None
     session = Session(config, device=device)
     old_argv, old_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     hooks = ScriptHooks(session)
+    script = ScriptContext(path)  # what the script drives, to word the fixes in its own terms
     ended = "the script returned"
     try:
-        with hooks:
+        with hooks, script:
             runpy.run_path(str(path), run_name="__main__")
     except DoctorDone:
         ended = None
+    except (ImportError, SyntaxError) as e:
+        if session.step_index:
+            raise
+        raise DoctorError(f"doctor run: {path} does not start: {_where(e, path)}; install or fix what it imports, "
+                          f"then run the doctor again") from None
     except SystemExit as e:
         if e.code not in (None, 0):
-            raise DoctorError(f"doctor run: {path} exited with status {e.code} after {session.step_index} steps; "
-                              f"run it without the doctor first to see why") from e
+            shared = [a for a in args if a.split("=", 1)[0] in ("--warmup", "--steps", "--json", "--device")]
+            hint = (f" (if {shared[0]} was meant for the doctor, put it before the script name)"
+                    if shared and e.code == 2 and not session.step_index else "")
+            raise DoctorError(f"doctor run: {path} exited with status {e.code} after {session.step_index} steps"
+                              f"{hint}; run it without the doctor first to see why") from e
         ended = f"the script exited with status {e.code or 0}"
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
@@ -149,8 +172,62 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
             f"step boundaries. Mark them yourself with fastddpm.doctor.watch(loader) and dr.step() in the script")
     if ended is not None:
         session.finish_early(ended)
-    return diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
-                    seen=hooks.seen())
+    report = diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
+                      seen=hooks.seen())
+    in_script_terms(report, script, optimizer=hooks.optimizer, loader=session.loader)
+    if try_fixes:
+        try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, log=log)
+    elif report.files.get("json"):
+        report.save(Path(report.files["json"]).parent)
+    return report
+
+
+def in_script_terms(report: Report, script: ScriptContext, *, optimizer=None, loader=None) -> None:
+    """Each fix that the script's own flags, its framework's arguments or the library call it makes can apply,
+    worded so: a flag to pass, an argument at a file:line (the raw torch change stays beside it where the library
+    decides). The frameworks it drives go into the report."""
+    for f in report.findings:
+        for fix in f.fixes:
+            name, _, n = (fix.trial or "").partition(":")
+            found = (script.precision_fix(name.split("-")[1]) if name.startswith("autocast-") else
+                     script.optimizer_fix(optimizer) if name == "fused-optimizer" else
+                     script.dataloader_fix(int(n), loader=loader) if name == "loader-workers" else
+                     script.compile_fix() if name == "compile" else None)
+            if found is None:
+                continue
+            fix.code = found.text if found.kind != "code" else f"{found.text}; else: {fix.code}"
+            fix.args = found.args
+    report.script = script.to_dict()
+
+
+def try_top_fixes(report: Report, path: Path, args: list[str], n: int, *, rounds: int = 3, log=print) -> None:
+    """`--try N`: the top N fixes tried on the script, measured against its runs without them (report.trials)."""
+    from fastddpm.doctor.trials import plan, run_trials
+
+    convs = bool((report.measurements.get("optimizer") or {}).get("conv_weights"))
+    trials = plan(report.findings, n, convs=convs)
+    if not trials:
+        log("doctor --try: no finding has a fix the doctor can apply from outside the script")
+    log(f"doctor --try: {len(trials)} fix(es), each against the script without it, alternating: "
+        + ", ".join(t.fix for t in trials))
+    run_trials(path, args, trials, rounds=rounds, log=log)
+    report.trials = [t.to_dict() for t in trials]
+    if report.files.get("json"):
+        report.save(Path(report.files["json"]).parent)
+
+
+def _where(e: BaseException, script: Path | None = None) -> str:
+    """`SyntaxError at train.py:12: invalid syntax`, or `ModuleNotFoundError: No module named 'x' (train.py:3)`:
+    the error and the innermost line of the script (or of the file a SyntaxError is in) that raised it."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError at {e.filename}:{e.lineno}: {e.msg}"
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        if script is not None and Path(tb.tb_frame.f_code.co_filename).resolve() == script.resolve():
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"{type(e).__name__}: {e}" + (f" ({script}:{line})" if line is not None else "")
 
 
 class _TimedBatches:

@@ -108,7 +108,10 @@ class DoctorConfig:
     # the three windows together, seconds (warm-up 25%, watch 45%, profile 30%): a window whose share is spent
     # ends early, at a step boundary, once it has its fewest steps (2, 3, 1). None: bounded by steps only
     time_budget_s: float | None = 60.0
-    out_dir: str | Path | None = None  # report.txt / report.json / report.html / trace.json; None: nothing written
+    out_dir: str | Path | None = None  # report.txt / report.json / report.html; None: nothing written
+    # keep the profiler trace in out_dir, gzipped (<host>_<pid>.doctor.pt.trace.json.gz: Perfetto and TensorBoard's
+    # profiler plugin read it). Off: the trace is read into the report and deleted (tens of MB unzipped)
+    save_trace: bool = False
 
     def __post_init__(self):
         for name in ("warmup_steps", "profile_steps"):
@@ -363,15 +366,25 @@ class Session:
             self._step_range = None
         if self.cuda:
             torch.cuda.synchronize(self.device)  # note: sync, after the measured steps, to flush the trace
-        out = Path(self.config.out_dir) if self.config.out_dir else Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
+        keep = self.config.save_trace and self.config.out_dir
+        out = Path(self.config.out_dir) if keep else Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
         out.mkdir(parents=True, exist_ok=True)
-        # TensorBoard's profiler plugin looks for <worker>.<n>.pt.trace.json under a run folder
-        self.trace_path = out / f"{socket.gethostname()}_{os.getpid()}.doctor.pt.trace.json"
+        # TensorBoard's profiler plugin looks for <worker>.<n>.pt.trace.json(.gz) under a run folder
+        self.trace_path = out / f"{socket.gethostname()}_{os.getpid()}.doctor.pt.trace.json{'.gz' if keep else ''}"
         with profiler_logs_muted():
             self.profiler.__exit__(None, None, None)
             self.profiler.export_chrome_trace(str(self.trace_path))
         self.profiler = None
         self.profile_wall_s = time.perf_counter() - self._profile_t0
+
+    def discard_trace(self) -> None:
+        """Delete the trace once it has been read, unless the config keeps it (save_trace)."""
+        if self.trace_path is None or (self.config.save_trace and self.config.out_dir):
+            return
+        self.trace_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.trace_path.parent.rmdir()  # its own temporary folder
+        self.trace_path = None
 
     def _finish(self) -> None:
         if self.done:

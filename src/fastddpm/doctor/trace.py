@@ -75,8 +75,9 @@ class TraceStats:
     has_gpu: bool
     # host ops (any device)
     ops_per_step: float = 0.0
-    # `.item()` and friends; on a CPU device they read memory and cost nothing, so only a CUDA trace's
-    # blocking runtime calls count as syncs (syncs_per_step stays None on a CPU trace)
+    # `.item()` and friends in the loop's own code (not the optimizer's internal ones, e.g. a per-tensor Adam's
+    # step counters); on a CPU device they read memory and cost nothing, so only a CUDA trace's blocking runtime
+    # calls count as syncs (syncs_per_step stays None on a CPU trace)
     scalar_reads_per_step: float = 0.0
     syncs_per_step: float | None = None
     sync_share: float | None = None  # host time blocked in syncs / step time
@@ -90,6 +91,10 @@ class TraceStats:
     # by the op that launched it, plus "idle"). Empty when CUDA graphs hide the ops.
     breakdown: dict[str, float] = field(default_factory=dict)
     breakdown_basis: str | None = None
+    # a CPU trace: the ops per step of each breakdown category (nested ones too: the profiler pays for every op
+    # it records), and the profiled steps' median; Measurements.unprofiled_share takes the profiler's cost out
+    breakdown_ops_per_step: dict[str, float] = field(default_factory=dict)
+    profiled_step_ms: float | None = None
     matmul_share_by_dtype: dict[str, float] = field(default_factory=dict)  # the "matmul" category split by dtype
     attention_share_by_impl: dict[str, float] = field(default_factory=dict)  # "attention" by implementation
     # a GPU trace: the share of the kernels each category's ops launch (a launch-bound step's launches, by owner)
@@ -134,7 +139,15 @@ class TraceStats:
 
 
 def load_trace(path: str | Path) -> list[dict]:
-    data = json.loads(Path(path).read_text())
+    """The events of a Chrome/Perfetto JSON trace, plain or gzipped (.gz)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+    else:
+        data = json.loads(path.read_text())
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
@@ -165,7 +178,9 @@ def analyze(events: list[dict]) -> TraceStats:
 
     # ---- host: op counts, matmul dtypes and FLOPs, syncs
     op_events = [e for e in xs if e.get("cat") == "cpu_op"]
-    host = _host_ops(op_events, step_of)
+    in_optimizer = Ranges([e for e in xs if e.get("cat") == "user_annotation"],
+                          lambda name: name.startswith("Optimizer.step#"))
+    host = _host_ops(op_events, step_of, in_optimizer)
     runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     sync_calls = [e for e in runtime if e.get("name") in SYNC_RUNTIME]
     for e in sync_calls:
@@ -241,12 +256,15 @@ BREAKDOWN_LABELS = {
 def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> None:
     """A CPU trace: the main thread's step time by category (own time of each op), the rest Python."""
     own: dict[str, float] = {}
+    ops: dict[str, int] = {}
     by_dtype: dict[str, float] = {}
     by_impl: dict[str, float] = {}
     for n in tree.walk(tree.main_tid):
         self_us = max(0.0, (n.end - n.ts) - sum(c.end - c.ts for c in n.children))
         cat = n.cat or ("framework" if n.e.get("cat") == "cpu_op" else "python")
         own[cat] = own.get(cat, 0.0) + self_us
+        if n.e.get("cat") == "cpu_op":
+            ops[cat] = ops.get(cat, 0) + 1
         if n.cat == "matmul":
             d = op_dtype(n.owner.e)
             by_dtype[d] = by_dtype.get(d, 0.0) + self_us
@@ -256,6 +274,8 @@ def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> No
     own["python"] = own.get("python", 0.0) + max(0.0, total_step_us - covered_us)
     stats.breakdown = {k: own.get(k, 0.0) / total_step_us for k in BREAKDOWN if k != "idle"}
     stats.breakdown_basis = "share of the profiled steps' host time (the training thread)"
+    stats.breakdown_ops_per_step = {k: v / len(stats.steps) for k, v in ops.items()}
+    stats.profiled_step_ms = statistics.median(s.dur_us for s in stats.steps) / 1e3
     stats.matmul_share_by_dtype = {k: v / total_step_us for k, v in by_dtype.items()}
     stats.attention_share_by_impl = {k: v / total_step_us for k, v in by_impl.items()}
 
@@ -297,8 +317,9 @@ class _HostOps:
     norm_us: float = 0.0  # host time in GroupNorm ops
 
 
-def _host_ops(op_events: list[dict], step_of) -> _HostOps:
-    """The host ops inside the measured steps: counts, `.item()` calls, matmul FLOPs and time by input dtype."""
+def _host_ops(op_events: list[dict], step_of, in_optimizer: Ranges) -> _HostOps:
+    """The host ops inside the measured steps: counts, the loop's own `.item()` calls (those inside an optimizer
+    step are the optimizer's), matmul FLOPs and time by input dtype."""
     out = _HostOps()
     item_ranges = Ranges(op_events, "aten::item")
     nested = nested_ops(op_events, GEMM_OPS)
@@ -310,7 +331,7 @@ def _host_ops(op_events: list[dict], step_of) -> _HostOps:
         dur_us = float(e.get("dur", 0))
         if name == "aten::item" or (name == "aten::_local_scalar_dense"
                                     and not item_ranges.contains(e.get("tid"), float(e["ts"]))):
-            out.scalar_reads += 1
+            out.scalar_reads += not in_optimizer.contains(e.get("tid"), float(e["ts"]))
         elif name in GEMM_OPS and id(e) not in nested:
             args = e.get("args", {})
             types = args.get("Input type") or []

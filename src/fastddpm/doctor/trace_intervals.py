@@ -43,12 +43,14 @@ def coarsen(merged: list[tuple[float, float]], limit: int) -> list[tuple[float, 
 
 
 class Ranges:
-    """Merged time ranges of one host op per thread, for 'was this moment inside op X on thread T?'."""
+    """Merged time ranges of one host op per thread, for 'was this moment inside op X on thread T?'. `name`: the
+    op's name, or a test of the name (a family of ranges, e.g. every Optimizer.step#...)."""
 
-    def __init__(self, op_events: list[dict], name: str):
+    def __init__(self, op_events: list[dict], name):
+        match = name if callable(name) else name.__eq__
         by_tid: dict = {}
         for o in op_events:
-            if o.get("name") == name:
+            if match(o.get("name", "")):
                 by_tid.setdefault(o.get("tid"), []).append((float(o["ts"]), float(o["ts"]) + float(o.get("dur", 0))))
         self.ranges = {tid: merge(v) for tid, v in by_tid.items()}
         self.starts = {tid: [s for s, _ in v] for tid, v in self.ranges.items()}

@@ -12,14 +12,40 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::co
               "aten::convolution_backward", "aten::_convolution", "aten::mkldnn_convolution",
               "aten::cudnn_convolution", "aten::addbmm", "aten::cudnn_convolution_transpose", "aten::_scaled_mm"}
 SOFTMAX_OPS = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data", "aten::_safe_softmax"}
-BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}  # with a softmax beside them: attention written out by hand
+# with a softmax over attention weights beside them: attention written out by hand
+BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}
+
+
+def weights_softmax(e: dict) -> bool:
+    """A softmax over attention weights: its input ends in a square (.., L, L), the QK^T of L tokens. A softmax
+    over one axis of a (.., d, L) tensor (linear attention's, which never builds an L x L matrix) or over
+    classes is not one. Without recorded shapes every softmax counts, as it may be."""
+    dims = (e.get("args") or {}).get("Input Dims") or []
+    first = dims[0] if dims and isinstance(dims[0], list) else None
+    return first is None or (len(first) >= 2 and first[-1] == first[-2] and first[-1] > 1)
+
+
+def weights_bmm(e: dict) -> bool:
+    """A batched matmul of attention written out: an L x L square of L tokens, longer than the head's d, as its
+    output (Q K^T: (.., L, d) x (.., d, L)) or as either factor (the weights times V, in either operand order;
+    the gradients have the same shapes). Linear attention's K V^T, (.., d, L) x (.., L, d) -> (.., d, d), has
+    only a small d x d square: not one. Without recorded shapes every batched matmul beside a weights softmax
+    counts."""
+    dims = [d for d in (e.get("args") or {}).get("Input Dims") or [] if isinstance(d, list) and len(d) == 3]
+    if len(dims) < 2:
+        return True
+    (_, m, k), (_, _, n) = dims[-2], dims[-1]  # baddbmm's first input is the bias: the factors are the last two
+    return (m == n and m > k) or (m == k and k > n) or (k == n and k > m)
 NORM_BREAKDOWN_OPS = {"aten::group_norm", "aten::native_group_norm", "aten::native_group_norm_backward",
                       "aten::layer_norm", "aten::native_layer_norm", "aten::native_layer_norm_backward",
                       "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm",
                       "aten::native_batch_norm_backward", "aten::_native_batch_norm_legit",
                       "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
                       "aten::cudnn_batch_norm_backward", "aten::instance_norm", "aten::rms_norm",
-                      "aten::_fused_rms_norm", "aten::_fused_rms_norm_backward"}
+                      "aten::_fused_rms_norm", "aten::_fused_rms_norm_backward",
+                      # F.normalize's reduction (RMSNorm written as F.normalize(x) * g * sqrt(d)): its division
+                      # and scaling stay elementwise, ops of their own
+                      "aten::linalg_vector_norm", "aten::norm"}
 COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::clone", "aten::cat",
             "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::_copy_from",
             "aten::_copy_from_and_resize", "aten::to_dense", "aten::masked_select", "aten::repeat"}
@@ -76,7 +102,7 @@ class OpTree:
                               and e.get("cat") in HOST_MARK_CATS), None)
         events = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") != STEP_MARK
                   and step_of(float(e["ts"])) is not None]
-        self.softmax = any(e.get("name") in SOFTMAX_OPS for e in events)
+        self.softmax = any(e.get("name") in SOFTMAX_OPS and weights_softmax(e) for e in events)
         self.roots: dict = {}  # tid -> top-level nodes, in time order
         self._starts: dict = {}  # id(a list of sibling nodes) -> their start times, for innermost_at
         by_tid: dict = {}
@@ -94,14 +120,16 @@ class OpTree:
                 self._categorise(r, None, None)
             self.roots[tid] = roots
 
-    def _own_category(self, name: str, cat: str | None) -> str | None:
+    def _own_category(self, name: str, cat: str | None, e: dict | None = None) -> str | None:
         if name == DATA_MARK:
             return "data"
         if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
             return "optimizer"
         if _attention_impl(name) is not None:
             return "attention"
-        if name in SOFTMAX_OPS or (name in BATCHED_MATMUL_OPS and self.softmax):
+        if name in SOFTMAX_OPS and weights_softmax(e or {}):
+            return "attention"
+        if name in BATCHED_MATMUL_OPS and self.softmax and weights_bmm(e or {}):
             return "attention"
         if name in MATMUL_OPS:
             return "matmul"
@@ -116,7 +144,7 @@ class OpTree:
     def _categorise(self, node: "OpTree.Node", inherited: str | None, owner) -> None:
         """Outermost category wins; an unknown aten op is elementwise unless it wraps categorised work."""
         name = node.e.get("name", "")
-        own = self._own_category(name, node.e.get("cat"))
+        own = self._own_category(name, node.e.get("cat"), node.e)
         if inherited is not None:
             node.cat, node.owner = inherited, owner
         elif own == "elementwise?":
@@ -130,7 +158,7 @@ class OpTree:
 
     def _wraps_work(self, node: "OpTree.Node") -> bool:
         for c in node.children:
-            own = self._own_category(c.e.get("name", ""), c.e.get("cat"))
+            own = self._own_category(c.e.get("name", ""), c.e.get("cat"), c.e)
             if own not in (None, "elementwise?") or self._wraps_work(c):
                 return True
         return False

@@ -59,9 +59,10 @@ class AttentionWatch:
 
 def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo:
     d = optimizer.defaults
-    return OptimizerInfo(name=type(optimizer).__name__,
-                         param_tensors=sum(len(g["params"]) for g in optimizer.param_groups),
-                         foreach=d.get("foreach"), fused=d.get("fused"))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return OptimizerInfo(name=type(optimizer).__name__, param_tensors=len(params),
+                         foreach=d.get("foreach"), fused=d.get("fused"),
+                         conv_weights=sum(p.dim() == 4 for p in params))
 
 
 def batch_size(batch) -> int | None:

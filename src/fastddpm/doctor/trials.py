@@ -1,0 +1,295 @@
+"""`fastddpm doctor run --try N`: the top fixes measured, not only predicted.
+
+Each fix that can be applied from outside the script is tried on the unmodified script, in separate processes,
+alternating with runs without it (base, fix A, fix B, base, fix A, fix B, ...), so that a machine that drifts
+(thermals, a neighbour on a shared CPU) moves both sides alike. A run trains `warmup` steps (compilation,
+allocator and loader start-up), then times `steps` steps without the profiler, and ends the script. The
+report gives each fix's measured speedup (the median over rounds of base / fix step time, with the spread)
+beside the finding's prediction.
+
+Which fixes: the findings' own (each Fix names its `trial`), largest expected gain first. Each is applied by
+hooks in the trial process and reports what it changed (a fix that found nothing to change says so, and is not
+counted as measured):
+    autocast-bf16 / autocast-fp16   the model's forward runs under torch.autocast (the loss's top module: the
+                                    first module the step calls with trainable parameters)
+    compile                         that module compiled (nn.Module.compile), its first steps in the warm-up
+    fused-optimizer                 Adam, AdamW and SGD built with fused=True
+    loader-workers:N                DataLoaders with N worker processes (persistent, pinned on CUDA)
+    channels-last                   the module's weights and its 4-D inputs in channels_last (a candidate for a
+                                    model with 2-D convolutions, which no rule costs)
+A fix that is one of the script's own flags (fastddpm.doctor.script_context) runs the script with that flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fastddpm.doctor.findings import Finding
+
+WHAT = {
+    "autocast-bf16": "torch.autocast(dtype=torch.bfloat16) around the model's forward",
+    "autocast-fp16": "torch.autocast(dtype=torch.float16) around the model's forward",
+    "compile": "torch.compile of the model",
+    "fused-optimizer": "the optimizer with fused=True",
+    "loader-workers": "DataLoader worker processes (persistent; pinned memory on CUDA)",
+    "channels-last": "channels_last weights and inputs",
+}
+
+
+def _what(fix: str) -> str:
+    name, _, n = fix.partition(":")
+    return WHAT[name] + (f": {n} workers" if n else "")
+
+
+@dataclass
+class Trial:
+    """One fix tried: its runs' step times (ms) beside the base runs', round by round."""
+
+    fix: str
+    what: str
+    finding: str | None  # the finding it answers (None: a candidate the rules do not cost, e.g. channels-last)
+    predicted: float | None  # the finding's promised speedup
+    base_ms: list[float] = field(default_factory=list)
+    fix_ms: list[float] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)  # what the fix changed, said by the trial process
+    failed: str | None = None
+    args: list[str] | None = None  # a flag fix: the script's arguments it ran with
+
+    @property
+    def speedups(self) -> list[float]:
+        return [b / f for b, f in zip(self.base_ms, self.fix_ms) if f > 0]
+
+    @property
+    def measured(self) -> float | None:
+        return statistics.median(self.speedups) if self.speedups and self.applied and not self.failed else None
+
+    def to_dict(self) -> dict:
+        s = self.speedups
+        return {"fix": self.fix, "what": self.what, "finding": self.finding, "predicted": self.predicted,
+                "measured": self.measured, "spread": [min(s), max(s)] if s else None, "rounds": len(s),
+                "base_ms": self.base_ms, "fix_ms": self.fix_ms, "applied": self.applied, "failed": self.failed,
+                "args": self.args}
+
+
+def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]:
+    """The top `n` fixes to try: each costed finding's first fix that can be applied from outside (its `trial`;
+    run as the script's own flag where the fix is one), largest expected gain first; then channels-last for a
+    model with 2-D convolutions."""
+    trials: list[Trial] = []
+    for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
+        fix = next((x for x in f.fixes if x.trial), None)
+        if fix is None or any(t.fix == fix.trial for t in trials):
+            continue
+        if fix.args is not None:
+            trials.append(Trial("flag", f"the script's own flag: {fix.code}", f.id, f.speedup, args=list(fix.args)))
+        else:
+            trials.append(Trial(fix.trial, _what(fix.trial), f.id, f.speedup))
+    if convs and all(t.fix != "channels-last" for t in trials):
+        trials.append(Trial("channels-last", WHAT["channels-last"], None, None))
+    return trials[:n]
+
+
+def run_trials(script: Path, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
+               steps: int = 20, timeout_s: float = 300.0, log=print) -> list[Trial]:
+    """Alternate base and fix runs `rounds` times (each a fresh process), filling each Trial in place."""
+    if not trials:
+        return trials
+    with tempfile.TemporaryDirectory(prefix="fastddpm-doctor-try-") as tmp:
+        for r in range(rounds):
+            base = _run(script, args, None, warmup, steps, Path(tmp) / f"base{r}.json", timeout_s)
+            for t in trials:
+                if t.failed:
+                    continue
+                if base.get("error"):
+                    t.failed = f"the script without the fix: {base['error']}"
+                    continue
+                got = _run(script, t.args or args, None if t.fix == "flag" else t.fix, warmup, steps,
+                           Path(tmp) / f"{t.fix}{r}.json", timeout_s)
+                if got.get("error"):
+                    t.failed = got["error"]
+                    continue
+                t.base_ms.append(base["step_ms"])
+                t.fix_ms.append(got["step_ms"])
+                t.applied = got["applied"] if t.fix != "flag" else [f"ran with {' '.join(t.args)}"]
+            log(f"doctor --try: round {r + 1} of {rounds}: base {base.get('step_ms', float('nan')):.1f} ms/step; "
+                + ", ".join(f"{t.fix} {t.fix_ms[-1]:.1f}" for t in trials if t.fix_ms and len(t.fix_ms) == r + 1))
+    return trials
+
+
+def _run(script: Path, args: list[str], fix: str | None, warmup: int, steps: int, out: Path,
+         timeout_s: float) -> dict:
+    spec = {"script": str(script), "args": args, "fix": fix, "warmup": warmup, "steps": steps, "out": str(out)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fastddpm.doctor.trials", json.dumps(spec)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no {warmup + steps} steps within {timeout_s:.0f} s"}
+    if out.is_file():
+        return json.loads(out.read_text())
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+    return {"error": f"the trial process ended before {warmup + steps} steps: {tail[0]}"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trial process: the script under one fix, timed between optimizer steps
+
+
+class _Done(BaseException):
+    """Ends the script once the timed steps are over (a BaseException: the script's `except Exception` lets it
+    through)."""
+
+
+class _Fix:
+    """The hooks of one fix, installed for the whole trial process; `applied` says what they changed."""
+
+    def __init__(self, fix: str | None):
+        self.name, _, self.param = (fix or "").partition(":")
+        self.applied, self._undo = [], []
+        self._top: torch.nn.Module | None = None
+
+    def __enter__(self):
+        if not self.name:
+            return self
+        if self.name.startswith("autocast-") or self.name in ("compile", "channels-last"):
+            self._find_top_module()
+        elif self.name == "fused-optimizer":
+            self._fused_optimizers()
+        elif self.name == "loader-workers":
+            self._loader_workers(int(self.param or max(1, (os.cpu_count() or 2) - 1)))
+        else:
+            raise ValueError(f"unknown fix {self.name!r}; one of {', '.join(WHAT)}")
+        return self
+
+    def __exit__(self, *exc):
+        for undo in reversed(self._undo):
+            undo()
+
+    # -- the model's top module: the first module called with trainable parameters, outside any other module
+    def _find_top_module(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        depth = [0]
+
+        def pre(module, args):
+            if depth[0] == 0 and self._top is None and torch.is_grad_enabled() and any(
+                    p.requires_grad for p in module.parameters()):
+                self._top = module
+                self._change(module)
+            depth[0] += 1
+
+        def post(module, args, output):
+            depth[0] -= 1
+
+        handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        self._undo.append(lambda: [h.remove() for h in handles])
+
+    def _change(self, module: torch.nn.Module) -> None:
+        """The fix, on the top module: from its next call on (this call has begun)."""
+        name = type(module).__name__
+        if self.name == "compile":
+            module.compile()
+            self.applied.append(f"compiled {name}")
+            return
+        if self.name == "channels-last":
+            module.to(memory_format=torch.channels_last)
+        forward = module.forward
+        dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(self.name)
+
+        def fixed_forward(*args, **kwargs):
+            if self.name == "channels-last":
+                args = tuple(a.contiguous(memory_format=torch.channels_last) if torch.is_tensor(a) and a.dim() == 4
+                             else a for a in args)
+                return forward(*args, **kwargs)
+            device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+            with torch.autocast(device, dtype=dtype):
+                return forward(*args, **kwargs)
+
+        module.forward = fixed_forward
+        self.applied.append(f"{WHAT[self.name]}: {name}.forward")
+
+    # -- optimizers built fused
+    def _fused_optimizers(self):
+        for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+            init = cls.__init__
+
+            def fused_init(opt, params, *args, _orig_init=init, **kwargs):
+                if kwargs.get("fused") is None and not kwargs.get("foreach"):
+                    kwargs["fused"] = True
+                    self.applied.append(f"{type(opt).__name__}(fused=True)")
+                _orig_init(opt, params, *args, **kwargs)
+
+            cls.__init__ = fused_init
+            self._undo.append(lambda cls=cls, init=init: setattr(cls, "__init__", init))
+
+    # -- loaders with workers
+    def _loader_workers(self, workers: int):
+        from torch.utils.data import DataLoader
+
+        init = DataLoader.__init__
+
+        def with_workers(loader, dataset, *args, **kwargs):
+            # num_workers is DataLoader's fifth parameter after the dataset: respect it when given positionally
+            if len(args) < 5 and not kwargs.get("num_workers"):
+                kwargs.update(num_workers=workers, persistent_workers=True,
+                              pin_memory=kwargs.get("pin_memory") or torch.cuda.is_available())
+                self.applied.append(f"DataLoader(num_workers={workers}, persistent_workers=True)")
+            init(loader, dataset, *args, **kwargs)
+
+        DataLoader.__init__ = with_workers
+        self._undo.append(lambda: setattr(DataLoader, "__init__", init))
+
+
+def trial_process(spec: dict) -> None:
+    """Run the script under the fix; write {"step_ms", "applied"} (or {"error"}) to spec["out"]."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    script, warmup, steps = Path(spec["script"]), int(spec["warmup"]), int(spec["steps"])
+    seen = [0]  # step boundaries so far: the first optimizer's steps
+    ends: list[float] = []  # the timed window's two ends
+    first: list = []
+
+    def boundary(optimizer, args, kwargs):
+        if not first:
+            first.append(optimizer)
+        if optimizer is not first[0]:
+            return
+        seen[0] += 1
+        if seen[0] in (warmup, warmup + steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # note: sync, so the timed window holds the GPU's work
+            ends.append(time.perf_counter())
+            if len(ends) == 2:
+                raise _Done
+
+    sys.argv = [str(script), *spec["args"]]
+    sys.path.insert(0, str(script.resolve().parent))
+    handle = register_optimizer_step_post_hook(boundary)
+    result: dict = {}
+    try:
+        with _Fix(spec["fix"]) as fix:
+            runpy.run_path(str(script), run_name="__main__")
+        result = {"error": f"the script ended after {seen[0]} steps, before the {warmup + steps} a trial needs"}
+    except _Done:
+        result = {"step_ms": 1000 * (ends[1] - ends[0]) / steps, "applied": fix.applied}
+    except SystemExit as e:
+        result = {"error": f"the script exited with status {e.code} after {seen[0]} steps"}
+    finally:
+        handle.remove()
+    Path(spec["out"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    trial_process(json.loads(sys.argv[1]))

@@ -1,0 +1,289 @@
+"""The doctor on loops written as other people write them: a linear-attention U-Net block (softmax over the
+feature axis, no L x L matrix) is not materialised attention, while the same block with softmax(QK^T) is;
+RMSNorm written with F.normalize counts as a norm; the loop's own .item() is counted, not a per-tensor
+optimizer's internal ones; a CPU report draws no GPU lanes and a foreign script's report no fastddpm settings;
+doctor options after the script name, and scripts that do not start, end in one clear line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastddpm.doctor
+from fastddpm.cli import main
+
+
+class RMSNorm(nn.Module):
+    """As lucidrains' denoising-diffusion-pytorch writes it: F.normalize over channels, then a gain."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(1, dim, 1, 1))
+        self.scale = dim ** 0.5
+
+    def forward(self, x):
+        return F.normalize(x, dim=1) * self.g * self.scale
+
+
+class Attention2d(nn.Module):
+    """Multi-head attention over the H x W tokens. linear=True: softmax over the head's features (q) and over
+    the tokens (k), K V^T first (a d x d context, never L x L), as in lucidrains' LinearAttention."""
+
+    def __init__(self, dim: int, *, linear: bool, heads: int = 4, dim_head: int = 16):
+        super().__init__()
+        self.linear, self.heads, self.scale = linear, heads, dim_head ** -0.5
+        hidden = heads * dim_head
+        self.norm = RMSNorm(dim)
+        self.to_qkv = nn.Conv2d(dim, 3 * hidden, 1, bias=False)
+        self.to_out = nn.Conv2d(hidden, dim, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = (t.reshape(b, self.heads, -1, h * w) for t in self.to_qkv(self.norm(x)).chunk(3, dim=1))
+        if self.linear:
+            q, k = q.softmax(dim=-2) * self.scale, k.softmax(dim=-1)
+            context = torch.einsum("bhdn,bhen->bhde", k, v)
+            out = torch.einsum("bhde,bhdn->bhen", context, q)
+        else:
+            attn = torch.einsum("bhdi,bhdj->bhij", q * self.scale, k).softmax(dim=-1)  # (b, heads, L, L)
+            out = torch.einsum("bhij,bhdj->bhdi", attn, v)
+        return x + self.to_out(out.reshape(b, -1, h, w))
+
+
+def _diagnose(tmp_path, model: nn.Module, *, item: bool = False, **window) -> fastddpm.doctor.Report:
+    torch.manual_seed(0)
+    data = [torch.randn(8, 32, 16, 16) for _ in range(4)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    kw = dict(warmup_steps=1, steps=4, profile_steps=2, loader_probe_s=0, device="cpu", print_report=False,
+              out=tmp_path / "rep", time_budget_s=None)
+    with fastddpm.doctor.watch(data, **{**kw, **window}) as dr:
+        for x in dr.batches():
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if item:
+                loss.item()
+            dr.step()
+    return dr.report
+
+
+def _block(linear: bool) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), Attention2d(32, linear=linear))
+
+
+def test_linear_attention_is_not_materialised_attention(tmp_path):
+    report = _diagnose(tmp_path, _block(linear=True))
+    trace = report.measurements["trace"]
+    assert report.finding("attention-weights") is None, report.text()
+    assert trace["breakdown"]["attention"] == 0.0 and not trace["attention_share_by_impl"]
+    assert trace["breakdown"]["matmul"] > 0.0  # its einsums are plain matmuls
+    assert trace["breakdown"]["norm"] > 0.0  # RMSNorm's F.normalize reduction is a norm
+
+
+def test_written_out_attention_is_still_materialised(tmp_path):
+    trace = _diagnose(tmp_path, _block(linear=False)).measurements["trace"]
+    impl = trace["attention_share_by_impl"]
+    assert set(impl) == {"softmax(QK^T)V (materialised)"} and impl["softmax(QK^T)V (materialised)"] > 0.0
+
+
+def test_item_counts_the_loops_own_calls_not_the_optimizers(tmp_path):
+    """A per-tensor AdamW reads each tensor's step counter with .item() inside its step (dozens of calls); the
+    loop's own loss.item() is the one a user wrote."""
+    report = _diagnose(tmp_path, _block(linear=True), item=True)
+    assert report.measurements["trace"]["scalar_reads_per_step"] == pytest.approx(1.0)
+    assert report.measurements["trace"]["optimizer_kind"] == "per-tensor"
+
+
+def test_a_cpu_report_draws_no_gpu_lanes_and_a_users_report_no_fastddpm_settings(tmp_path):
+    report = _diagnose(tmp_path, _block(linear=False))
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert 'id="timeline"' in page and "GPU busy" not in page and "GPU idle" not in page
+    assert "fastddpm:</b>" not in page and "--precision" not in page
+    assert "fastddpm's U-Net" not in page and "fastddpm's AdamW" not in page
+
+
+def test_doctor_options_after_the_script_name_are_refused_with_where_they_go(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    code = main(["doctor", "run", str(script), "--epochs", "1", "--report-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--report-dir comes after the script name" in err
+    assert f"fastddpm doctor run --report-dir ... {script} ARGS" in err
+
+
+@pytest.mark.parametrize("source, where", [
+    ("import torch\nx = (1,\n", "SyntaxError at {script}:2"),
+    ("import torch\nimport no_such_module_here\n", "ModuleNotFoundError: No module named 'no_such_module_here' "
+                                                    "({script}:2)"),
+])
+def test_a_script_that_does_not_start_gets_one_line(tmp_path, capsys, source, where):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    code = main(["doctor", "run", "--report-dir", str(tmp_path / "r"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{script} does not start: " + where.format(script=script) in err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixes in the script's own terms, and fixes tried (--try)
+
+LOADER_SCRIPT = textwrap.dedent("""
+    import time
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Slow(Dataset):  # file-read latency, not CPU work
+        def __len__(self):
+            return 4096
+        def __getitem__(self, i):
+            time.sleep(0.002)
+            return torch.randn(64)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for epoch in range(100):
+        for x in DataLoader(Slow(), batch_size=16):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+""")
+
+
+def test_try_measures_the_loader_fix_on_the_unchanged_script(tmp_path):
+    """A loader that sleeps per item: the fix is the script's own DataLoader call, at its line, with the workers
+    the finding prescribes; --try runs it against the unchanged script and measures the gain (eight workers
+    overlapping 2 ms sleeps: far more than 2x on any machine)."""
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(LOADER_SCRIPT)
+    line = 1 + next(i for i, s in enumerate(LOADER_SCRIPT.splitlines()) if "DataLoader(Slow()" in s)
+    cfg = DoctorConfig(warmup_steps=2, steps=6, profile_steps=1, loader_probe_s=0.3, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    report = run_script(script, [], cfg, try_fixes=1, try_rounds=2, log=lambda *a: None)
+    assert report.bottleneck == "data-bound"
+    fix = next(f for f in report.finding("data-bound").fixes if f.trial)
+    assert fix.trial == "loader-workers:8" and fix.code == f"DataLoader(..., num_workers=8) at train.py:{line} " \
+                                                           "(now num_workers=0)"
+    (trial,) = report.trials
+    assert trial["fix"] == "loader-workers:8" and trial["rounds"] == 2 and trial["failed"] is None
+    assert trial["applied"] == ["DataLoader(num_workers=8, persistent_workers=True)"]
+    assert trial["measured"] > 2.0 and trial["predicted"] > 1.0
+    saved = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert saved["trials"] == report.trials and "tried: loader-workers:8" in (tmp_path / "rep" / "report.txt").read_text()
+
+
+MODEL_SCRIPT = textwrap.dedent("""
+    import torch
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(8, 4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=FOREACH)
+    x = torch.randn(4, 4, 8, 8)
+    for step in range(1000):
+        out = model(x)
+        if step == 2:  # what the step computed in, and the layout it saw, one line per process
+            with open(LOG, "a") as f:
+                f.write(f"{out.dtype} {model[0].weight.is_contiguous(memory_format=torch.channels_last)} "
+                        f"{opt.defaults.get('fused')}\\n")
+        loss = out.float().square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+""")
+
+
+@pytest.mark.parametrize("fix, applied, seen", [
+    ("autocast-bf16", "torch.autocast(dtype=torch.bfloat16) around the model's forward: Sequential.forward",
+     "torch.bfloat16 False None"),
+    ("fused-optimizer", "AdamW(fused=True)", "torch.float32 False True"),
+    ("channels-last", "channels_last weights and inputs: Sequential.forward", "torch.float32 True None"),
+])
+def test_each_outside_fix_applies_itself_and_says_so(tmp_path, fix, applied, seen):
+    """The hooks of a trial change what they say they change, in the fix's runs only: the script logs the dtype
+    its model computed in, its weights' layout and its optimizer's fused flag, and the trial reports each change;
+    a fix that finds nothing to change says so and is not measured."""
+    from fastddpm.doctor.trials import WHAT, Trial, run_trials
+
+    script, log = tmp_path / "train.py", tmp_path / "seen.txt"
+    script.write_text(MODEL_SCRIPT.replace("FOREACH", "False").replace("LOG", repr(str(log))))
+    (trial,) = run_trials(script, [], [Trial(fix, WHAT[fix], None, None)], rounds=1, warmup=4, steps=3,
+                          log=lambda *a: None)
+    assert trial.failed is None and applied in trial.applied[0]
+    assert trial.measured is not None and trial.measured > 0
+    base_line, fix_line = log.read_text().splitlines()  # the base run, then the fix's
+    assert (base_line, fix_line) == ("torch.float32 False None", seen)
+    # where nothing matches, nothing is claimed: a foreach optimizer is left alone
+    script.write_text(MODEL_SCRIPT.replace("FOREACH", "True").replace("LOG", repr(str(tmp_path / "other.txt"))))
+    (none,) = run_trials(script, [], [Trial("fused-optimizer", "", None, None)], rounds=1, warmup=4, steps=3,
+                         log=lambda *a: None)
+    assert none.applied == [] and none.measured is None
+
+
+ACCELERATE_SCRIPT = textwrap.dedent("""
+    import argparse
+    import torch
+    from accelerate import Accelerator
+    p = argparse.ArgumentParser()
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")
+    args = p.parse_args()
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=True)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.Conv2d(8, 4, 1))
+    computed_in = []  # the first convolution's output dtype (accelerate hands the model's output back in fp32)
+    model[0].register_forward_hook(lambda module, args, out: computed_in.append(out.dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    x = torch.randn(4, 4, 8, 8)
+    for step in range(1000):
+        out = model(x)
+        assert computed_in[-1] == (torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32)
+        opt.zero_grad()
+        accelerator.backward(out.float().square().mean())
+        opt.step()
+""")
+
+
+def test_an_accelerate_scripts_own_flag_is_the_precision_fix_and_what_try_runs(tmp_path, monkeypatch):
+    """For an accelerate script with a --mixed_precision flag, autocast is that flag (not a raw torch.autocast the
+    user would have to write into accelerate's loop), and --try runs the script with it."""
+    pytest.importorskip("accelerate", reason="accelerate is a test extra: pip install 'fastddpm[test]'")
+    from accelerate.state import AcceleratorState
+
+    from fastddpm.doctor.findings import Finding, Fix
+    from fastddpm.doctor.report import Report
+    from fastddpm.doctor.runners import in_script_terms
+    from fastddpm.doctor.script_context import ScriptContext
+    from fastddpm.doctor.trials import plan, run_trials
+    import runpy
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT.replace("range(1000)", "range(2)"))
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    ctx = ScriptContext(script)
+    with ctx:
+        runpy.run_path(str(script), run_name="__main__")
+    AcceleratorState._reset_state(True)  # one Accelerator state per process: the next test builds its own
+    raw = "with torch.autocast('cpu', dtype=torch.bfloat16): loss = ..."
+    finding = Finding("fp32", (16,), "FP32 MATMULS", 0.3, ["..."], "...",
+                      [Fix("--precision bf16", raw, trial="autocast-bf16")], group="compute")
+    report = Report(verdict={"id": "fp32", "healthy": False}, findings=[finding], measurements={}, unavailable={},
+                    environment={})
+    in_script_terms(report, ctx)
+    fix = finding.fixes[0]
+    assert fix.code == "pass --mixed_precision bf16 (train.py's own flag; this run had 'no')"
+    assert fix.args == ("--mixed_precision", "bf16")
+    assert report.script["frameworks"][0].startswith("accelerate ")
+
+    script.write_text(ACCELERATE_SCRIPT)
+    (trial,) = run_trials(script, [], plan([finding], 1), rounds=1, warmup=2, steps=3, log=lambda *a: None)
+    assert trial.fix == "flag" and trial.failed is None  # the script's own assert saw bf16 outputs
+    assert trial.applied == ["ran with --mixed_precision bf16"] and trial.measured is not None
