@@ -12,6 +12,7 @@
 #   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
 #   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
+#   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
@@ -63,7 +64,7 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor ddp quality-reference eval samplers
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try ddp quality-reference eval samplers
      samplers-sde quality-fast
      quality-options quality-options-2 summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
@@ -173,6 +174,11 @@ for part in "${PARTS[@]}"; do
       overhead=$?
       (( planted != 0 )) && exit "$planted"  # this case runs in the pipeline's subshell: exit ends only the part
       exit "$overhead" ;;
+    doctor-try)  # the prediction of each top fix against its measured gain, on the unchanged seed-style script
+      png=${TMPDIR:-/tmp}/fastddpm-doctor-try-png
+      limited 60 $PY -m fastddpm data export-images "$DATA" "$png" --limit 6000 &&
+        limited 400 $PY -m fastddpm doctor run --try 3 --max-seconds 60 --report-dir "$RES/doctor-try" \
+          examples/seed_ddpm/train.py --data "$png" --epochs 100 ;;
     ddp)
       mkdir -p "$RES/ddp"
       limited 360 $PY benchmarks/ddp_overhead.py --data "$DATA" --repeats 2 --parallel ddp,fsdp \

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/summarize_gpu.py benchmarks/gpu/<date> [--out FILE]
 
 Reads what each part writes: throughput-*/throughput.json, ladder/ladder.json, doctor/planted.txt and
-doctor/overhead.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json,
+doctor/overhead.json, doctor-try/report.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json,
 tests/junit.xml, and the call records (calls/<time>.json: device, driver, torch, commit given;
 calls/parts.jsonl: which call ran which part). Every table is headed by the device, date, torch version, commit
 and command that produced it. A part with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md
@@ -168,6 +168,29 @@ def section_ladder(folder: Path, calls: Calls) -> list[str]:
     return lines
 
 
+def section_doctor_try(folder: Path, calls: Calls) -> list[str]:
+    """`doctor run --try 3` on the seed-style script: each top fix's predicted and measured gain."""
+    title = "### The doctor's fixes tried on a GPU (`doctor run --try`, issue #31)"
+    report = folder / "doctor-try" / "report.json"
+    if not report.is_file():
+        return [title, "", "Not measured yet (part `doctor-try`).", ""]
+    r = json.loads(report.read_text())
+    env = calls.env_of_part("doctor-try")
+    lines = [title, ""] + (provenance(env, [], calls) if env else [])
+    lines += ["", f"Verdict: {r['verdict']['id']}.", "",
+              "| fix | finding | predicted | measured (median) | spread | rounds | what it changed |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for t in r.get("trials") or []:
+        pred = f"{t['predicted']:.2f}x" if t.get("predicted") else "n/a"
+        meas = f"{t['measured']:.2f}x" if t.get("measured") else f"not measured ({t.get('failed') or 'nothing changed'})"
+        spread = f"{t['spread'][0]:.2f}-{t['spread'][1]:.2f}x" if t.get("spread") else ""
+        lines.append(f"| {t['fix']} | {t.get('finding') or ''} | {pred} | {meas} | {spread} | {t['rounds']} | "
+                     f"{'; '.join(t.get('applied') or [])} |")
+    if not r.get("trials"):
+        lines.append("| (no fix tried: see logs/doctor-try.log) | | | | | | |")
+    return lines + [""]
+
+
 PLANTED_LINE = re.compile(r"^(?P<case>\S+)\s+expected (?P<expected>\S+)\s+got (?P<got>\S+)\s+cost\s+(?P<cost>[\d.]+)%"
                           r"\s+(?P<wall>[\d.]+) s\s+(?P<ok>ok|WRONG)")
 
@@ -312,7 +335,7 @@ def section_samplers(folder: Path, calls: Calls) -> list[str]:
 
 
 SECTIONS = (section_tests, section_throughput, section_ladder, section_eval, section_samplers, section_quality,
-            section_doctor, section_ddp)
+            section_doctor, section_doctor_try, section_ddp)
 
 
 def summarize(folder: Path) -> str:

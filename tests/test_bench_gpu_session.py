@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
-PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor", "ddp",
+PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
+         "doctor-try", "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "summarize"]
 
@@ -81,6 +82,11 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
                         "quality": bench_cli.quality_settings,
                         "samplers": bench_cli.samplers_settings}[args.bench_command]
                 make(args)
+            if args.command == "doctor":  # doctor run: its own options before the script, the script's after
+                from fastddpm.doctor.cli import script_arguments
+
+                script_arguments(args.script, args.script_args)
+                assert args.try_fixes == 3 and Path(ROOT / args.script).is_file()
             seen.add(f"{args.command} {getattr(args, 'bench_command', '')}".strip())
         elif cmd[1:3] == ["-m", "fastddpm.doctor.planted"]:
             args = _parse_with_main(planted.main, cmd[3:], monkeypatch)
@@ -95,7 +101,7 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             assert args.out
             seen.add(name)
     assert seen == {"bench throughput", "bench ladder", "bench quality", "bench samplers", "eval", "planted", "pytest",
-                    "doctor_overhead", "ddp_overhead"}
+                    "doctor_overhead", "ddp_overhead", "data", "doctor"}
     ladder = [c for c in commands if c[3:5] == ["bench", "ladder"]]
     assert len(ladder) == 2 and len({c[c.index("--out") + 1] for c in ladder}) == 1  # one folder: resumed, merged
     res = tmp_path / "res"
@@ -145,9 +151,16 @@ def _fabricate(folder: Path) -> None:
         (folder / rel).write_text(obj if isinstance(obj, str) else json.dumps(obj))
 
     write("calls/20261201T100000Z.json", {**_env("2026-12-01T10:00:00+00:00", "bash benchmarks/gpu_session.sh tests "
-                                                 "throughput doctor"), "commit_given": COMMIT})
+                                                 "throughput doctor doctor-try"), "commit_given": COMMIT})
     write("calls/parts.jsonl", "\n".join(json.dumps({"call": "20261201T100000Z", "part": p, "rc": 0, "wall_s": 60,
-                                                     "commit": COMMIT}) for p in ("tests", "throughput", "doctor")))
+                                                     "commit": COMMIT})
+                                          for p in ("tests", "throughput", "doctor", "doctor-try")))
+    write("doctor-try/report.json", {  # the parts of a doctor run --try report the summary reads
+        "verdict": {"id": "attention-weights"},
+        "trials": [{"fix": "autocast-bf16", "finding": "fp32", "predicted": 1.5, "measured": 1.62, "spread": [1.55, 1.7],
+                    "rounds": 3, "applied": ["torch.autocast(dtype=torch.bfloat16) ...: UNet.forward"], "failed": None},
+                   {"fix": "compile", "finding": "eager-elementwise", "predicted": 1.2, "measured": None,
+                    "spread": None, "rounds": 0, "applied": [], "failed": "no 25 steps within 300 s"}]})
     write("tests/junit.xml", '<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="1" '
           'skipped="1" tests="9" time="201.5"><testcase classname="tests.test_fast_path" name="test_cuda_step_has_no'
           '_host_syncs"><failure message="AssertionError: 2 syncs">x</failure></testcase></testsuite></testsuites>')
@@ -232,7 +245,8 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert summarize_gpu.main([str(folder)]) == 0
     md = (folder / "SUMMARY.md").read_text()
     sections = md.split("\n### ")[1:]
-    assert len(sections) == 8  # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, ddp
+    # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, doctor --try, ddp
+    assert len(sections) == 9
     for section in sections:
         assert "Not measured yet" not in section and "Not run yet" not in section, section
         # every table names device, torch, date, commit (the call's, as the results say unknown) and command
@@ -246,6 +260,8 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert "| slow-loader | data-bound | data-bound | 87.0% | 2.9 | ok |" in md
     assert "+2.10% [+1.00%, +3.00%]" in md and "48.2 s end to end" in md and "verdict healthy" in md
     assert "| ddp | 1 | 28,500 | 28,500 | 95.0% |" in md
+    assert "| autocast-bf16 | fp32 | 1.50x | 1.62x | 1.55-1.70x | 3 |" in md
+    assert "| compile | eager-elementwise | 1.20x | not measured (no 25 steps within 300 s) |" in md
     assert "| reference | seed-1layer as is | 2,400,000 | 95.0 | 3.210 (target) |" in md
     assert "| fast | train.batch_size=512 | 1,200,000 | 30.0 | 2.900 | 21.5 | 720,000 |" in md
     assert "| option min-snr-5 |" in md and "4.42x" in md
@@ -256,4 +272,4 @@ def test_summary_of_a_fabricated_session(tmp_path):
 def test_summary_of_an_empty_session_says_what_is_missing(tmp_path):
     summarize_gpu = _load("summarize_gpu")
     text = summarize_gpu.summarize(tmp_path)
-    assert text.count("Not measured yet") == 7 and "Not run yet (part `tests`)" in text
+    assert text.count("Not measured yet") == 8 and "Not run yet (part `tests`)" in text

@@ -193,7 +193,7 @@ MODEL_SCRIPT = textwrap.dedent("""
         if step == 2:  # what the step computed in, and the layout it saw, one line per process
             with open(LOG, "a") as f:
                 f.write(f"{out.dtype} {model[0].weight.is_contiguous(memory_format=torch.channels_last)} "
-                        f"{opt.defaults.get('fused')}\\n")
+                        f"{opt.defaults.get('fused')} {model._compiled_call_impl is not None}\\n")
         loss = out.float().square().mean()
         opt.zero_grad()
         loss.backward()
@@ -203,9 +203,10 @@ MODEL_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("fix, applied, seen", [
     ("autocast-bf16", "torch.autocast(dtype=torch.bfloat16) around the model's forward: Sequential.forward",
-     "torch.bfloat16 False None"),
-    ("fused-optimizer", "AdamW(fused=True)", "torch.float32 False True"),
-    ("channels-last", "channels_last weights and inputs: Sequential.forward", "torch.float32 True None"),
+     "torch.bfloat16 False None False"),
+    ("fused-optimizer", "AdamW(fused=True)", "torch.float32 False True False"),
+    ("channels-last", "channels_last weights and inputs: Sequential.forward", "torch.float32 True None False"),
+    ("compile", "compiled Sequential", "torch.float32 False None True"),
 ])
 def test_each_outside_fix_applies_itself_and_says_so(tmp_path, fix, applied, seen):
     """The hooks of a trial change what they say they change, in the fix's runs only: the script logs the dtype
@@ -220,7 +221,7 @@ def test_each_outside_fix_applies_itself_and_says_so(tmp_path, fix, applied, see
     assert trial.failed is None and applied in trial.applied[0]
     assert trial.measured is not None and trial.measured > 0
     base_line, fix_line = log.read_text().splitlines()  # the base run, then the fix's
-    assert (base_line, fix_line) == ("torch.float32 False None", seen)
+    assert (base_line, fix_line) == ("torch.float32 False None False", seen)
     # where nothing matches, nothing is claimed: a foreach optimizer is left alone
     script.write_text(MODEL_SCRIPT.replace("FOREACH", "True").replace("LOG", repr(str(tmp_path / "other.txt"))))
     (none,) = run_trials(script, [], [Trial("fused-optimizer", "", None, None)], rounds=1, warmup=4, steps=3,

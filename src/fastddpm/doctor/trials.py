@@ -121,10 +121,16 @@ def run_trials(script: Path, args: list[str], trials: list[Trial], *, rounds: in
                     continue
                 t.base_ms.append(base["step_ms"])
                 t.fix_ms.append(got["step_ms"])
-                t.applied = got["applied"] if t.fix != "flag" else [f"ran with {' '.join(t.args)}"]
+                t.applied = got["applied"] if t.fix != "flag" else [f"ran with {' '.join(_flag(t.args))}"]
             log(f"doctor --try: round {r + 1} of {rounds}: base {base.get('step_ms', float('nan')):.1f} ms/step; "
                 + ", ".join(f"{t.fix} {t.fix_ms[-1]:.1f}" for t in trials if t.fix_ms and len(t.fix_ms) == r + 1))
     return trials
+
+
+def _flag(args: list[str]) -> list[str]:
+    """The flag a flag fix appended to the script's arguments (its last option, with its value)."""
+    last = max((i for i, a in enumerate(args) if a.startswith("-")), default=0)
+    return args[last:]
 
 
 def _run(script: Path, args: list[str], fix: str | None, warmup: int, steps: int, out: Path,
