@@ -173,3 +173,38 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
     # the verdict box is drawn in its red tint, and the step bars in their blue
     assert ((abs(img[..., 0] - 0xFD) < 4) & (abs(img[..., 1] - 0xE8) < 4) & (abs(img[..., 2] - 0xE6) < 4)).sum() > 1000
     assert ((abs(img[..., 0] - 0x4A) < 4) & (abs(img[..., 1] - 0x7F) < 4) & (abs(img[..., 2] - 0xC1) < 4)).sum() > 200
+
+
+# ---------------------------------------------------------------------- doctor train --try
+def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
+    from fastddpm.doctor.findings import Finding, Fix
+    from fastddpm.doctor.trials import plan_trainer, settings_of
+
+    assert settings_of("--precision bf16 (auto picks it)") == {"train.precision": "bf16"}
+    assert settings_of("--compile on (fuses elementwise chains); --precision bf16") == {"train.compile": "on"}
+    assert settings_of("--cuda-graphs capture") == {"train.cuda_graphs": "capture"}
+    assert settings_of("--log-every N (fastddpm reads the loss only on logging steps)") is None  # a placeholder
+    assert settings_of("keep --precision fp32 (auto does)") is None and settings_of("--no-such-flag on") is None
+    findings = [Finding("eager-elementwise", (18,), "", 0.3, [], "", [Fix("--compile on", "torch.compile(model)")]),
+                Finding("fp32", (16,), "", 0.4, [], "", [Fix("--precision bf16 (auto picks it)", "autocast")]),
+                Finding("drift", (15,), "", 0.0, [], "", [Fix("--compile on", "x")], kind="note")]
+    trials = plan_trainer(findings, 3)
+    assert [(t.fix, t.finding, t.settings) for t in trials] == [
+        ("--precision bf16", "fp32", {"train.precision": "bf16"}), ("--compile on", "eager-elementwise",
+                                                                    {"train.compile": "on"})]
+
+
+def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnist_npz):
+    """A trainer trial is `fastddpm train` on the diagnosed config with the setting, alternating with it as it
+    was, timed from metrics.jsonl; a setting that changes the batch is compared per image (the base's batch)."""
+    from fastddpm.config import apply_overrides, get_preset
+    from fastddpm.doctor.trials import Trial, run_trials
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.device": "cpu"})
+    (trial,) = run_trials(cfg.to_dict(), [], [Trial("--batch-size 8", "x", None, None,
+                                                    settings={"train.batch_size": "8"})],
+                          rounds=1, warmup=2, steps=4, log=lambda *a: None)
+    assert trial.failed is None and trial.applied == ["fastddpm train --set train.batch_size=8"]
+    assert len(trial.base_ms) == len(trial.fix_ms) == 1 and trial.measured > 0
+    # per image, in the base run's batch of 16: batch 8 at about the same images/s reads about the same step time
+    assert 0.3 < trial.measured < 3.0

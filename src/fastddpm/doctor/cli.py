@@ -57,6 +57,10 @@ def add_doctor_parser(sub, add_train_flags) -> None:
                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     _add_window_flags(dt)
     run = dt.add_argument_group("run")
+    run.add_argument("--try", dest="try_fixes", type=int, default=0, metavar="N",
+                     help="then try the top N fixes that are fastddpm settings (--precision, --compile, ...), each "
+                          "in `fastddpm train` runs alternating with runs without it, and report the measured speedup "
+                          "beside the predicted one")
     run.add_argument("--preset", help="starting configuration (as for train)")
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -125,7 +129,8 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
 
         args.resume = None
         train_cfg = resolve_train_config(args, args.train_dests)
-        report = run_trainer(train_cfg, cfg, log=lambda *a: None)
+        report = run_trainer(train_cfg, cfg, log=print if args.try_fixes else (lambda *a: None),
+                             try_fixes=args.try_fixes)
     else:
         from fastddpm.doctor.runners import run_script
 

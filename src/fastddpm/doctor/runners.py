@@ -252,8 +252,9 @@ def _step_done(session: Session) -> bool:
     return session.done
 
 
-def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
-    """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig."""
+def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try_rounds: int = 3) -> Report:
+    """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig. `try_fixes`: then
+    measure the top N fixes that are fastddpm settings, `fastddpm train` with and without each, alternating."""
     from fastddpm.config import from_dict
     from fastddpm.device import resolve_device
     from fastddpm.measure import count_step_flops
@@ -283,5 +284,15 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print) -> Report:
     flops = count_step_flops(build_unet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
     precision = json.loads(RunDir(run_dir).info.read_text())["precision"]  # what autocast ran the matmuls in
-    return diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
-                    seen={"batch_size": resolved.train.batch_size})
+    report = diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
+                      seen={"batch_size": resolved.train.batch_size})
+    if try_fixes:
+        from fastddpm.doctor.trials import plan_trainer, run_trials
+
+        trials = plan_trainer(report.findings, try_fixes)
+        log(f"doctor --try: {len(trials)} setting(s), each against the config without it, alternating: "
+            + ", ".join(t.fix for t in trials))
+        report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=try_rounds, log=log)]
+        if report.files.get("json"):
+            report.save(Path(report.files["json"]).parent)
+    return report

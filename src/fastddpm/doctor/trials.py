@@ -18,10 +18,15 @@ counted as measured):
     channels-last                   the module's weights and its 4-D inputs in channels_last (a candidate for a
                                     model with 2-D convolutions, which no rule costs)
 A fix that is one of the script's own flags (fastddpm.doctor.script_context) runs the script with that flag.
+
+`doctor train --try N` tries fastddpm's own settings the same way: each fix's `--flag value` (Fix.fastddpm) set
+on the diagnosed config, `fastddpm train` runs alternating with the config as it was, timed from metrics.jsonl
+(images per second between the warm-up's end and the last step, so a fix that changes the batch compares too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import runpy
@@ -65,6 +70,7 @@ class Trial:
     applied: list[str] = field(default_factory=list)  # what the fix changed, said by the trial process
     failed: str | None = None
     args: list[str] | None = None  # a flag fix: the script's arguments it ran with
+    settings: dict[str, str] | None = None  # a trainer fix: the config fields it sets ({"train.precision": "bf16"})
 
     @property
     def speedups(self) -> list[float]:
@@ -100,31 +106,94 @@ def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]
     return trials[:n]
 
 
-def run_trials(script: Path, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
+def plan_trainer(findings: list[Finding], n: int) -> list[Trial]:
+    """`doctor train --try`: the top `n` costed findings' first fix that is a fastddpm setting with a value."""
+    trials: list[Trial] = []
+    for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
+        found = next(((x.fastddpm, s) for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
+        if found is not None and all(t.settings != found[1] for t in trials):
+            flags = found[0].split(" (")[0].split(";")[0]
+            trials.append(Trial(flags, f"fastddpm's own setting: {flags}", f.id, f.speedup, settings=found[1]))
+    return trials[:n]
+
+
+def settings_of(flags: str) -> dict[str, str] | None:
+    """The config fields a fix's `--flag value` text sets ("--precision bf16 (auto picks it)" ->
+    {"train.precision": "bf16"}); None where it is not only train flags with values (a placeholder N, advice)."""
+    from fastddpm.config import SECTIONS, flag_name
+
+    by_flag = {flag_name(f): f"{section}.{f.name}" for section, cls in SECTIONS.items()
+               for f in dataclasses.fields(cls)}
+    words = flags.split(" (")[0].split(";")[0].split(",")[0].split()
+    if not words or len(words) % 2:
+        return None
+    pairs = list(zip(words[::2], words[1::2]))
+    if any(flag not in by_flag or value.startswith("-") or value.isupper() for flag, value in pairs):
+        return None
+    return {by_flag[flag]: value for flag, value in pairs}
+
+
+def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
                steps: int = 20, timeout_s: float = 300.0, log=print) -> list[Trial]:
-    """Alternate base and fix runs `rounds` times (each a fresh process), filling each Trial in place."""
+    """Alternate base and fix runs `rounds` times (each a fresh process), filling each Trial in place. `script`: a
+    script (with its `args`), or a fastddpm config (its dict form) for `doctor train`."""
     if not trials:
         return trials
     with tempfile.TemporaryDirectory(prefix="fastddpm-doctor-try-") as tmp:
+        def run(t: Trial | None, r: int) -> dict:
+            out = Path(tmp) / f"{'base' if t is None else t.fix.replace(' ', '_')}{r}"
+            if isinstance(script, dict):
+                return _run_trainer(script, None if t is None else t.settings, warmup, steps, out, timeout_s)
+            fix = None if t is None or t.fix == "flag" else t.fix
+            return _run(script, (t.args if t is not None else None) or args, fix, warmup, steps,
+                        out.with_suffix(".json"), timeout_s)
+
         for r in range(rounds):
-            base = _run(script, args, None, warmup, steps, Path(tmp) / f"base{r}.json", timeout_s)
+            base = run(None, r)
             for t in trials:
                 if t.failed:
                     continue
                 if base.get("error"):
-                    t.failed = f"the script without the fix: {base['error']}"
+                    t.failed = f"without the fix: {base['error']}"
                     continue
-                got = _run(script, t.args or args, None if t.fix == "flag" else t.fix, warmup, steps,
-                           Path(tmp) / f"{t.fix}{r}.json", timeout_s)
+                got = run(t, r)
                 if got.get("error"):
                     t.failed = got["error"]
                     continue
                 t.base_ms.append(base["step_ms"])
-                t.fix_ms.append(got["step_ms"])
-                t.applied = got["applied"] if t.fix != "flag" else [f"ran with {' '.join(_flag(t.args))}"]
+                # per step of the base run's images (a trainer fix may change the batch)
+                t.fix_ms.append(got["step_ms"] * base.get("per_step", 1.0) / got.get("per_step", 1.0))
+                t.applied = (got["applied"] if t.fix != "flag" else [f"ran with {' '.join(_flag(t.args))}"])
             log(f"doctor --try: round {r + 1} of {rounds}: base {base.get('step_ms', float('nan')):.1f} ms/step; "
                 + ", ".join(f"{t.fix} {t.fix_ms[-1]:.1f}" for t in trials if t.fix_ms and len(t.fix_ms) == r + 1))
     return trials
+
+
+def _run_trainer(cfg: dict, settings: dict[str, str] | None, warmup: int, steps: int, out: Path,
+                 timeout_s: float) -> dict:
+    """`fastddpm train` on `cfg` with `settings`, `warmup` + `steps` steps, logged at the warm-up's end and
+    every `warmup` steps after: its ms per step and images per step (a fix may change the batch), from
+    metrics.jsonl."""
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    n = warmup * max(1, -(-steps // warmup))  # timed steps: a multiple of the logging interval
+    sets = [a for k, v in (settings or {}).items() for a in ("--set", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "fastddpm", "train", "--config", str(out / "config.json"), "--out", str(out / "run"),
+           "--max-steps", str(warmup + n), "--log-every", str(warmup), "--checkpoint-every", "none",
+           "--sample-every-images", "none", "--eval-every", "none", "--no-progress", *sets]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no {warmup + n} steps within {timeout_s:.0f} s"}
+    logged = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in x] if (out / "run" / "metrics.jsonl").is_file() else []
+    if proc.returncode != 0 or len(logged) < 2:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return {"error": f"fastddpm train ended before {warmup + n} steps: {tail[0]}"}
+    first, last = logged[0], logged[-1]
+    per_step = (last["images_seen"] - first["images_seen"]) / (last["step"] - first["step"])
+    return {"step_ms": 1000 * (last["wall_s"] - first["wall_s"]) / (last["step"] - first["step"]),
+            "per_step": per_step, "applied": [f"fastddpm train {' '.join(sets)}"] if sets else []}
 
 
 def _flag(args: list[str]) -> list[str]:
