@@ -180,9 +180,10 @@ def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
     from fastddpm.doctor.findings import Finding, Fix
     from fastddpm.doctor.trials import plan_trainer, settings_of
 
-    assert settings_of("--precision bf16 (auto picks it)") == {"train.precision": "bf16"}
-    assert settings_of("--compile on (fuses elementwise chains); --precision bf16") == {"train.compile": "on"}
-    assert settings_of("--cuda-graphs capture") == {"train.cuda_graphs": "capture"}
+    assert settings_of("--precision bf16 (auto picks it)") == ("--precision bf16", {"train.precision": "bf16"})
+    assert settings_of("--compile on (fuses elementwise chains); --precision bf16") == ("--compile on",
+                                                                                         {"train.compile": "on"})
+    assert settings_of("--cuda-graphs capture") == ("--cuda-graphs capture", {"train.cuda_graphs": "capture"})
     assert settings_of("--log-every N (fastddpm reads the loss only on logging steps)") is None  # a placeholder
     assert settings_of("keep --precision fp32 (auto does)") is None and settings_of("--no-such-flag on") is None
     findings = [Finding("eager-elementwise", (18,), "", 0.3, [], "", [Fix("--compile on", "torch.compile(model)")]),

@@ -286,5 +286,121 @@ def test_an_accelerate_scripts_own_flag_is_the_precision_fix_and_what_try_runs(t
 
     script.write_text(ACCELERATE_SCRIPT)
     (trial,) = run_trials(script, [], plan([finding], 1), rounds=1, warmup=2, steps=3, log=lambda *a: None)
-    assert trial.fix == "flag" and trial.failed is None  # the script's own assert saw bf16 outputs
+    assert trial.fix == "flag --mixed_precision bf16" and trial.failed is None  # the script's assert saw bf16
     assert trial.applied == ["ran with --mixed_precision bf16"] and trial.measured is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pieces, on hand-made inputs
+
+
+def _op(name, dims, concrete=None):
+    return {"name": name, "cat": "cpu_op", "args": {"Input Dims": dims, **({"Concrete Inputs": concrete}
+                                                                            if concrete else {})}}
+
+
+@pytest.mark.parametrize("tokens, head", [(256, 16), (16, 32), (64, 64)])
+def test_attention_is_told_from_linear_attention_by_the_weights_square(tokens, head):
+    """Materialised attention has a softmax over an (L, L) square and batched matmuls that make or use one of
+    that size, whether L is longer than the head's d or not; linear attention's softmax is over a (d, L) tensor
+    and its only square is K V^T's d x d."""
+    from fastddpm.doctor.trace_optree import weights_bmm, weights_side
+
+    bh, L, d = 8, tokens, head
+    assert weights_side(_op("aten::_softmax", [[bh, L, L], [], []])) == L
+    sides = {L}
+    assert weights_bmm(_op("aten::bmm", [[bh, L, d], [bh, d, L]]), sides)  # Q K^T
+    assert weights_bmm(_op("aten::bmm", [[bh, L, L], [bh, L, d]]), sides)  # the weights times V
+    assert weights_bmm(_op("aten::bmm", [[bh, d, L], [bh, L, L]]), sides)  # the same, operands swapped
+    if L != d:  # linear attention: no (L, L) softmax, so no side to match; its K V^T and its output
+        assert weights_side(_op("aten::_softmax", [[bh, d, L], [], []])) is None
+        assert not weights_bmm(_op("aten::bmm", [[bh, d, L], [bh, L, d]]), {17})
+        assert not weights_bmm(_op("aten::bmm", [[bh, d, d], [bh, d, L]]), {17})
+    assert weights_side(_op("aten::_softmax", [])) == 0 and weights_bmm(_op("aten::bmm", []), {0})  # no shapes
+
+
+def test_a_norm_that_keeps_its_dim_is_a_norm_and_gradient_clippings_is_not():
+    from fastddpm.doctor.trace_optree import _keepdim
+
+    assert _keepdim(_op("aten::linalg_vector_norm", [[2, 8, 4, 4]], ["", "2.", "[1]", "True", ""]))  # F.normalize
+    assert not _keepdim(_op("aten::linalg_vector_norm", [[2, 8, 4, 4]], ["", "2", "", "False", ""]))  # clipping
+
+
+def test_a_trial_compares_per_image_when_a_setting_changes_the_batch(monkeypatch):
+    """Base: 100 ms for 16 images a step; the fix: 50 ms for 8. Per image they are equal: 1.00x exactly."""
+    from fastddpm.doctor import trials
+
+    def fake(cfg, settings, warmup, steps, out, timeout_s):
+        return ({"step_ms": 50.0, "per_step": 8.0, "applied": ["x"]} if settings else
+                {"step_ms": 100.0, "per_step": 16.0, "applied": []})
+
+    monkeypatch.setattr(trials, "_run_trainer", fake)
+    (t,) = trials.run_trials({"preset": "tiny"}, [], [trials.Trial("--batch-size 8", "", None, None,
+                                                                   settings={"train.batch_size": "8"})],
+                             rounds=2, log=lambda *a: None)
+    assert t.base_ms == [100.0, 100.0] and t.fix_ms == [100.0, 100.0] and t.measured == 1.0
+
+
+def test_two_flag_fixes_are_two_trials_and_the_same_flag_one():
+    from fastddpm.doctor.findings import Finding, Fix
+    from fastddpm.doctor.trials import plan
+
+    def finding(id_, cost, args):
+        return Finding(id_, (18,), "", cost, [], "", [Fix(None, "pass ...", trial="compile", args=args)])
+
+    same = plan([finding("eager-elementwise", 0.3, ("--torch_compile",)), finding("low-mfu", 0.1, ("--torch_compile",))],
+                3)
+    assert [t.fix for t in same] == ["flag --torch_compile"]
+    two = plan([finding("fp32", 0.3, ("--mixed_precision", "bf16")), finding("low-mfu", 0.1, ("--torch_compile",))],
+               3)
+    assert [t.fix for t in two] == ["flag --mixed_precision bf16", "flag --torch_compile"]
+
+
+def test_the_models_own_convolutions_are_replayed_from_a_cpu_trace(tmp_path):
+    """The trace's convolutions, forward and backward, rebuilt from their recorded shapes and timed in fp32 and
+    bf16; a GPU trace (whose host durations are launches) is not replayed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastddpm.doctor.replay import replay
+    from fastddpm.doctor.trace import load_trace
+
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 8, 1))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(torch.randn(4, 8, 16, 16)).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = load_trace(tmp_path / "t.json")
+    got = replay(events, torch.bfloat16, "cpu")
+    # the heaviest shapes until 90% of the fp32 convolution time is covered (which ones: as this machine timed them)
+    assert got is not None and got.ops >= 1 and 0.9 <= got.covered <= 1.0 and got.ratio > 0
+    assert "heaviest matmul/convolution shapes" in got.basis("bf16")
+    assert replay(events + [{"cat": "kernel", "name": "k"}], torch.bfloat16, "cpu") is None
+
+
+def test_a_default_run_leaves_no_trace_behind(tmp_path):
+    import tempfile
+    from pathlib import Path
+
+    before = set(Path(tempfile.gettempdir()).glob("fastddpm-doctor-*"))
+    _diagnose(tmp_path, _block(linear=True))
+    assert not list((tmp_path / "rep").glob("*trace*"))
+    assert set(Path(tempfile.gettempdir()).glob("fastddpm-doctor-*")) == before
+    with pytest.raises(ValueError, match="save_trace=True keeps the trace in out_dir"):
+        fastddpm.doctor.watch([], save_trace=True)
+
+
+def test_a_script_rejecting_a_doctor_option_is_told_where_it_goes(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
+    code = main(["doctor", "run", "--report-dir", str(tmp_path / "r"), str(script), "--steps", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "exited with status 2 after 0 steps (if --steps was meant for the doctor, put it before " \
+                          "the script name)" in err
+
+
+def test_an_import_failing_inside_a_module_the_script_imports_names_the_scripts_line(tmp_path, capsys):
+    (tmp_path / "helpers.py").write_text("import torch\nimport missing_dependency_here\n")
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n\nimport helpers\n")
+    code = main(["doctor", "run", "--report-dir", str(tmp_path / "r"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"No module named 'missing_dependency_here' ({script}:3)" in err

@@ -68,9 +68,12 @@ def test_drift_with_falling_clocks_is_called_throttling():
     t1 = {"sm_clock_mhz": 1500.0, "temperature_c": 87.0, "power_w": 600.0, "source": "nvml"}
     _, found, _ = run(steps(), device="cuda:0", step_stats=ss, telemetry_start=t0, telemetry_end=t1)
     assert "throttling" in found["drift"].cause and found["drift"].kind == "note"
-    _, found, unavailable = run(steps(), step_stats=ss)
+    _, found, unavailable = run(steps(), step_stats=ss)  # a CPU: no clocks to read, and the report says so
+    assert found["drift"].cause.startswith("no clocks are read on a CPU") and "GPU" not in found["drift"].cause
+    assert "15 (GPU clocks: throttling or growth)" in unavailable
+    _, found, unavailable = run(steps(), device="cuda:0", step_stats=ss)  # a GPU whose clocks could not be read
     assert "cannot tell throttling" in found["drift"].cause
-    assert "15 (clocks)" in unavailable
+    assert unavailable["15 (GPU clocks: throttling or growth)"] == "NVML and nvidia-smi unavailable"
 
 
 def test_recompiles_after_warmup_name_the_step():
@@ -251,6 +254,40 @@ def test_rule_fp32_matmuls_prescribes_autocast_only_where_low_precision_measured
     assert check(rules.precision, record(trace=cpu_trace())) == (None, {})
 
 
+def test_rule_fp32_matmuls_counts_the_models_own_replayed_ratio():
+    """Where the model's own matmul/conv shapes were replayed, their ratio is the estimate (no 2x cap); a ratio
+    under 1.2x is the note that bf16 would not speed up THIS model, even on a device whose peak reads 2x."""
+    own = dataclasses.replace(lowp(2.0), model_ratio=1.5, model_basis="replayed: 1.50x")
+    f, _ = check(rules.precision, record(trace=cpu_trace(), low_precision=own))
+    assert f.kind == "bottleneck" and f.cost == pytest.approx(0.6 * (1 - 1 / 1.5))
+    assert "the device's peak: bf16 matmuls" in f.evidence[1] and f.evidence[2] == "replayed: 1.50x"
+    big = dataclasses.replace(lowp(2.0), model_ratio=3.0, model_basis="replayed: 3.00x")  # measured, so not capped
+    assert check(rules.precision, record(trace=cpu_trace(), low_precision=big))[0].cost == pytest.approx(0.4)
+    small = dataclasses.replace(lowp(2.0), model_ratio=0.9, model_basis="replayed: 0.90x")
+    f, _ = check(rules.precision, record(trace=cpu_trace(), low_precision=small))
+    assert f.kind == "note" and "would not speed up this model's matmuls" in f.title and "0.90x" in f.cause
+    # attention is not counted in what autocast speeds up: 40% attention, 20% fp32 matmuls
+    t = cpu_trace(split={"matmul": 0.2, "attention": 0.4}, matmul_share_by_dtype={"fp32": 0.2})
+    f, _ = check(rules.precision, record(trace=t, low_precision=own))
+    assert f.cost == pytest.approx(0.2 * (1 - 1 / 1.5)) and "(attention, 40%, is not counted" in f.evidence[0]
+
+
+def test_unprofiled_share_takes_the_profilers_per_op_cost_out():
+    """Profiled steps of 20 ms, watched ones of 10 ms: the 10 ms spread over the 1,000 ops of the training
+    thread is 0.01 ms an op. The matmuls (10 ops, 10 ms profiled) keep 9.9 ms; the per-tensor optimizer (990
+    ops, 10 ms profiled) keeps 0.1 ms: of the 10 ms left, 99% and 1%."""
+    t = cpu_trace(split={"matmul": 0.5, "optimizer": 0.5, "attention": 0.0, "norm": 0.0, "elementwise": 0.0,
+                         "copy": 0.0, "framework": 0.0, "python": 0.0},
+                  breakdown_ops_per_step={"matmul": 10, "optimizer": 990}, profiled_step_ms=20.0)
+    m = record(trace=t, step_stats=StepStats(steps=20, median_ms=10.0))
+    assert m.unprofiled_share("matmul") == pytest.approx(0.99) and m.unprofiled_share("optimizer") == pytest.approx(0.01)
+    assert m.unprofiled_share("matmul", part=0.25) == pytest.approx(0.495)  # half of the matmuls: half the share
+    # a GPU trace (kernel time over the span) and a trace without op counts are kept as they are
+    assert record(trace=dataclasses.replace(t, has_gpu=True), step_stats=StepStats(median_ms=10.0)) \
+        .unprofiled_share("optimizer") == 0.5
+    assert record(trace=t).unprofiled_share("optimizer") == 0.5  # no watched steps to compare with
+
+
 def test_rule_attention_weights():
     t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.4, "SDPA flash (CPU)": 0.1})
     calls = AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6)
@@ -396,7 +433,8 @@ def test_rule_drift():
     assert f.kind == "note" and f.cost == pytest.approx(0.2) and "clocks held steady" in f.cause
     assert unavailable == {}
     flat = StepStats(first_fifth_median_ms=10.0, last_fifth_median_ms=10.4)
-    assert check(rules.drift, record(step_stats=flat)) == (None, {"15 (clocks)": "no CUDA device"})
+    assert check(rules.drift, record(step_stats=flat)) == (None, {"15 (GPU clocks: throttling or growth)":
+                                                                  "no CUDA device"})
 
 
 def test_every_rule_function_is_checked_in_order():

@@ -188,9 +188,11 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
     if session.loader is not None and session.records:
         compute_ms = statistics.median(r.host_ms - r.data_wait_ms for r in session.records)
         probe = session.probe_loader(compute_ms)
-    m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
-                     matmul_dtype=matmul_dtype)
-    session.discard_trace()  # read into `m`; kept only with save_trace
+    try:
+        m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
+                         matmul_dtype=matmul_dtype)
+    finally:
+        session.discard_trace()  # read into `m`; kept only with save_trace
     m.loader_probe = probe
     m.loader_workers = getattr(session.loader, "num_workers", None) if session.loader is not None else None
     for key, value in (seen or {}).items():

@@ -39,7 +39,7 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loader-probe-s", type=float, default=2.0, metavar="S",
                    help="time the DataLoader alone for up to S seconds afterwards (default 2; 0 = skip)")
     g.add_argument("--report-dir", dest="report_dir", default="doctor_report", metavar="DIR",
-                   help="where the reports and trace go (default ./doctor_report)")
+                   help="where the reports (and a trace kept with --save-trace) go (default ./doctor_report)")
     g.add_argument("--save-trace", action="store_true",
                    help="keep the profiler trace in the report folder, gzipped (Perfetto, chrome://tracing or "
                         "TensorBoard's profiler plugin read it); by default it is read into the report and deleted")
@@ -97,6 +97,13 @@ def script_arguments(script: str, given: list[str]) -> list[str]:
     return list(given)
 
 
+def _stderr(line: str) -> None:
+    """Progress lines (--try) go to stderr: stdout holds the report, JSON with --json."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_doctor(args, resolve_train_config) -> int:
     import sys
 
@@ -115,6 +122,8 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
     if args.doctor_command is None:
         raise DoctorError("say what to diagnose: `fastddpm doctor train [train options]` or "
                           "`fastddpm doctor run SCRIPT [ARGS]` (see fastddpm doctor --help)")
+    if args.try_fixes < 0:
+        raise DoctorError(f"--try {args.try_fixes}: the number of fixes to try, 0 (none) or more")
     try:
         cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
                            loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir),
@@ -129,13 +138,12 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
 
         args.resume = None
         train_cfg = resolve_train_config(args, args.train_dests)
-        report = run_trainer(train_cfg, cfg, log=print if args.try_fixes else (lambda *a: None),
-                             try_fixes=args.try_fixes)
+        report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes, try_log=_stderr)
     else:
         from fastddpm.doctor.runners import run_script
 
         report = run_script(args.script, script_arguments(args.script, args.script_args), cfg, device=args.device,
-                            try_fixes=args.try_fixes)
+                            try_fixes=args.try_fixes, log=_stderr)
     if args.json:
         import json
 

@@ -209,17 +209,17 @@ class Measurements:
         fixed cost for every op it records, the profiled step's excess over the watched median spread over its
         ops: on a CPU trace each category's time is taken less that cost for its own ops, and the shares are of
         what remains, so a category of many small ops (a per-tensor optimizer) shrinks and one of few large ops
-        (the convolutions) grows. A GPU trace's shares are kernel time over the kernel span, which the profiler
-        does not stretch: kept as they are."""
+        (the convolutions) grows. A GPU trace's shares are kernel time over the kernel span: kept as they are
+        (the kernels' own times are not stretched, though a host-bound step's idle time may be)."""
         t = self.trace
         share = t.breakdown.get(category, 0.0) if t is not None else 0.0
         part = share if part is None else part
-        if (t is None or t.has_gpu or not share or not t.profiled_step_ms or not t.ops_per_step
+        ops = (t.breakdown_ops_per_step or {}) if t is not None else {}
+        if (t is None or t.has_gpu or not share or not t.profiled_step_ms or not sum(ops.values())
                 or self.step_stats is None or not self.step_stats.median_ms):
             return part
         profiled = t.profiled_step_ms
-        per_op_ms = max(0.0, profiled - self.step_stats.median_ms) / t.ops_per_step
-        ops = t.breakdown_ops_per_step or {}
+        per_op_ms = max(0.0, profiled - self.step_stats.median_ms) / sum(ops.values())  # the training thread's
         left = {c: max(0.0, s * profiled - ops.get(c, 0.0) * per_op_ms) for c, s in t.breakdown.items()}
         return part / share * left[category] / (sum(left.values()) or 1.0)
 

@@ -4,9 +4,10 @@ model, not a large square matmul's.
 A device's peak ratio (bf16 matmul rate / fp32's, about 2x on a CPU with AVX512-BF16) overstates what small
 convolutions gain: at 8 channels a bf16 convolution, with the cast of its input, can be slower than fp32's. The
 profiled trace records every op's shapes and arguments, so the ops that take most of the fp32 matmul time are
-rebuilt from them (random data, the same shapes, strides and convolution parameters) and timed both ways, as
-autocast would run them: a forward casts its fp32 input each call (the weights' casts are cached); a backward
-runs on low-precision gradients. The ratio is their time-weighted mean, and it is what rule 16 promises.
+rebuilt from them (random contiguous data of the same shapes, the same convolution parameters) and timed both
+ways, as autocast would run them: a forward casts its fp32 input each call (the weights' casts are cached); a
+backward runs on low-precision gradients. The ratio is their time-weighted mean, and it is what rule 16
+promises. A CPU trace only: a GPU trace's host durations are launches, not kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from fastddpm.doctor.trace_flops import nested_ops
 
 FORWARD = {"aten::convolution", "aten::mm", "aten::addmm", "aten::bmm"}
 BACKWARD = {"aten::convolution_backward"}
@@ -40,12 +43,17 @@ class Replay:
 
 def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -> Replay | None:
     """The speed-up of the trace's fp32 matmuls and convolutions in `dtype`, measured by replaying them; None
-    when the trace records no such op with its shapes."""
+    when the trace records no such op with its shapes, or is a GPU trace: there an op's host duration is its
+    launch, not its kernel, and says nothing of which shapes take the time (the device's peak ratio is used)."""
     device = torch.device(device)
+    if device.type != "cpu" or any(e.get("cat") == "kernel" for e in events):
+        return None
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("name") in FORWARD | BACKWARD]
+    inside = nested_ops(ops, FORWARD | BACKWARD)  # an mm inside a convolution's own call counts once
     groups: dict[str, list] = {}  # key -> [total us, calls, event]
-    for e in events:
+    for e in ops:
         name, args = e.get("name"), e.get("args") or {}
-        if e.get("cat") != "cpu_op" or name not in FORWARD | BACKWARD or "Input Dims" not in args:
+        if id(e) in inside or "Input Dims" not in args:
             continue
         if any(t not in ("float", "") for t in (args.get("Input type") or [])[:3]):
             continue  # not an fp32 op: autocast is not its question
@@ -61,10 +69,13 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -
     for us, calls, e in sorted(groups.values(), key=lambda g: -g[0]):
         if covered / total >= COVER or ops >= MAX_OPS:
             break
-        pair = _rebuild(e, dtype, device)
-        if pair is None:
+        try:
+            pair = _rebuild(e, dtype, device)
+            if pair is None:
+                continue
+            t32, tlow = (_time(fn, device) for fn in pair)
+        except Exception:  # noqa: BLE001 - an op this build cannot run in `dtype` (or out of memory): not counted
             continue
-        t32, tlow = (_time(fn, device) for fn in pair)
         fp32_s, low_s = fp32_s + us * 1e-6, low_s + us * 1e-6 * tlow / t32  # each op's traced time, scaled
         covered += us
         ops += 1

@@ -129,7 +129,7 @@ class Report:
 
     # ------------------------------------------------------------------ files
     def save(self, out_dir: str | Path) -> dict[str, str]:
-        """report.txt, report.json, report.html in `out_dir` (the trace is already there)."""
+        """report.txt, report.json, report.html in `out_dir` (a trace kept with save_trace is already there)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.files.update({"text": str(out / "report.txt"), "json": str(out / "report.json"),
@@ -295,7 +295,8 @@ def render_html(r: Report) -> str:
                 parts.append("<li>" + _fix_html(r, fx) + "</li>")
         parts.append("</ol>")
     if r.trials:
-        parts.append("<h2>Fixes tried (measured against the script without them)</h2><ul>"
+        against = "the config" if r.context == "fastddpm" else "the script"
+        parts.append(f"<h2>Fixes tried (measured against {against} without them)</h2><ul>"
                      + "".join(f"<li>{e(trial_line(t))}</li>" for t in r.trials) + "</ul>")
     split = (m.get("trace") or {}).get("breakdown") or {}
     if split:

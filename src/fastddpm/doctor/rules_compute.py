@@ -35,8 +35,8 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             0.5 * fp32_time_share,
             [f"{pct(fp32 / total)} of matmul/conv FLOPs run with fp32 inputs while {pct(low / total)} run in "
              f"bf16/fp16: autocast covers only part of the hot path",
-             f"fp32 matmuls/convs take {pct(fp32_time_share)} of " + ("GPU busy" if t.has_gpu else "step") +
-             " time; the cost is an estimate: bf16 runs about 2x the fp32/TF32 rate on tensor cores (on a CPU "
+             f"fp32 matmuls/convs take {pct(fp32_time_share)} of " + _matmul_basis(t) +
+             "; the cost is an estimate: bf16 runs about 2x the fp32/TF32 rate on tensor cores (on a CPU "
              "it depends on AMX/AVX512-BF16)"],
             "autocast does not cover the hot path: a forward outside the autocast block, explicit .float() "
             "calls, or a second model (EMA, loss network) called outside it",
@@ -58,15 +58,22 @@ def fp32_matmul_share(m: Measurements, t: TraceStats) -> float:
     return t.gemm_time_share.get("fp32", 0.0)
 
 
+def _matmul_basis(t: TraceStats) -> str:
+    """What fp32_matmul_share is a share of."""
+    if not t.has_gpu:
+        return "the step"
+    return "the GPU's kernel span" if t.breakdown else "GPU busy time"
+
+
 def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share: float) -> Finding | None:
     """Rule 16: every matmul runs in fp32. Prescribe autocast where the device's bf16/fp16 matmuls measured
     faster than fp32 (a GPU's tensor cores; a CPU with AMX or AVX512-BF16); elsewhere say fp32 is right."""
     lp = m.low_precision
-    where = "GPU busy" if t.has_gpu else "step"
     ev = [f"all {total / 1e9:.2f} GFLOP of matmul/conv work per step has fp32 inputs; the matmuls and "
-          f"convolutions take {pct(fp32_time_share)} of {where} time"
+          f"convolutions take {pct(fp32_time_share)} of {_matmul_basis(t)}"
           + (f" (attention, {pct(t.breakdown['attention'])}, is not counted: it is not matmul-rate bound)"
              if t.breakdown.get("attention", 0.0) >= 0.01 else "")]
+    own = False  # the ratio is this model's own (replayed), not the device's peak's
     if lp is None:
         if not t.has_gpu:
             return None  # a CPU's bf16 rate was not measured (measure_peak=False): no claim either way
@@ -75,14 +82,14 @@ def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share:
         ratio, dtype, native = lp.peak_ratio or 0.0, lp.dtype, lp.native
         basis = (f"measured now: {dtype} matmuls {lp.peak_tflops * 1e3:.3g} GFLOP/s vs fp32 "
                  f"{lp.fp32_peak_tflops * 1e3:.3g} GFLOP/s ({ratio:.2f}x); {lp.reason}")
-        if lp.model_ratio is not None and native:  # the model's own shapes, replayed: what the estimate uses
+        own = lp.model_ratio is not None and native
+        if own:  # the model's own shapes, replayed: what the estimate uses
             ratio = lp.model_ratio
             ev.append(basis.replace("measured now:", "the device's peak:", 1))
             basis = lp.model_basis
     ev.append(basis)
     device = "cuda" if m.cuda else "cpu"
     if not (native and ratio >= LOW_PRECISION_MIN_RATIO):
-        own = lp is not None and lp.model_ratio is not None and native
         return Finding(
             "fp32", (16,), f"FP32 IS RIGHT HERE: {dtype} would not speed up "
                            f"{'this model' if own else 'this device'}'s matmuls", 0.0, ev,
@@ -91,10 +98,10 @@ def _fp32_matmuls(m: Measurements, t: TraceStats, total: float, fp32_time_share:
              f"{dtype} autocast pays off only where the hardware computes it natively; here it measured "
              f"{ratio:.2f}x fp32's matmul rate, so the casts would cost more than they save"),
             [Fix("keep --precision fp32 (auto does)", f"keep fp32: no torch.autocast('{device}', ...) for this "
-                                                      f"{'model' if own else 'machine'}")], kind="note", group="compute")
+                                                      f"{'model' if own else 'machine'}")],
+            kind="note", group="compute")
     # the model's own ratio is counted as measured; the device's peak ratio, at most LOW_PRECISION_MAX_SPEEDUP
-    speedup = ratio if lp is not None and lp.model_ratio is not None and native else min(ratio,
-                                                                                       LOW_PRECISION_MAX_SPEEDUP)
+    speedup = ratio if own else min(ratio, LOW_PRECISION_MAX_SPEEDUP)
     cost = fp32_time_share * (1 - 1 / speedup)
     scaler = dtype == "fp16"
     code = (f"with torch.autocast('{device}', dtype=torch.{'float16' if scaler else 'bfloat16'}): loss = ... "
@@ -114,7 +121,7 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
     t = m.trace
     if t is None or not t.attention_share_by_impl:
         return None
-    slow = {k: v for k, v in t.attention_share_by_impl.items() if "materialised" in k}
+    slow = {k: m.unprofiled_share("attention", v) for k, v in t.attention_share_by_impl.items() if "materialised" in k}
     share = sum(slow.values())
     if share <= ATTENTION_WEIGHTS_SHARE:
         return None
@@ -286,7 +293,8 @@ def _explained_by_compute_rules(m: Measurements, t: TraceStats) -> float:
 def _cpu_low_mfu(m: Measurements) -> Finding | None:
     """Rule 13 on a CPU: MFU < 30% with under half the step in matmuls/attention: the step's time goes to the
     work around the math. (A step that is mostly matmuls runs as fast as its shapes allow: healthy.)"""
-    mf, b = m.mfu, m.trace.breakdown
+    mf = m.mfu
+    b = {k: m.unprofiled_share(k) for k in m.trace.breakdown}
     math_share = b.get("matmul", 0.0) + b.get("attention", 0.0)
     if not (mf.mfu < CPU_LOW_MFU and math_share < CPU_MATMUL_SHARE):
         return None

@@ -59,8 +59,9 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         return None
     t0, t1 = m.telemetry_start, m.telemetry_end
     clocks = t0 is not None and t1 is not None
-    if not clocks:
-        unavailable["15 (clocks)"] = "no CUDA device" if not m.cuda else "NVML and nvidia-smi unavailable"
+    if not clocks:  # the drift is still measured; what tells its cause is not
+        unavailable["15 (GPU clocks: throttling or growth)"] = ("no CUDA device" if not m.cuda else
+                                                                "NVML and nvidia-smi unavailable")
     drift_share = ss.last_fifth_median_ms / ss.first_fifth_median_ms - 1
     if not drift_share > DRIFT_SHARE:
         return None
@@ -73,8 +74,11 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
                  if t1.sm_clock_mhz < 0.95 * t0.sm_clock_mhz else
                  "clocks held steady, so something in the loop grows (tensors kept alive in a list, a "
                  "growing autograd graph, a cache)")
-    else:
+    elif m.cuda:
         cause = "cannot tell throttling from the code: GPU clocks are unavailable (no NVML / nvidia-smi)"
+    else:
+        cause = ("no clocks are read on a CPU: a busy or throttled machine slows the steps as state that grows "
+                 "does; run it again to tell them apart")
     return Finding("drift", (15,), "DRIFT: steps get slower over the run", drift_share, ev, cause,
                    [Fix(None, "check for state that grows per step; for throttling, improve "
                               "cooling or compare at fixed clocks")],

@@ -144,10 +144,10 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     hooks = ScriptHooks(session)
-    script = ScriptContext(path)  # what the script drives, to word the fixes in its own terms
+    context = ScriptContext(path)  # what the script drives, to word the fixes in its own terms
     ended = "the script returned"
     try:
-        with hooks, script:
+        with hooks, context:
             runpy.run_path(str(path), run_name="__main__")
     except DoctorDone:
         ended = None
@@ -174,7 +174,7 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
         session.finish_early(ended)
     report = diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
                       seen=hooks.seen())
-    in_script_terms(report, script, optimizer=hooks.optimizer, loader=session.loader)
+    in_script_terms(report, context, optimizer=hooks.optimizer, loader=session.loader)
     if try_fixes:
         try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, log=log)
     elif report.files.get("json"):
@@ -206,10 +206,8 @@ def try_top_fixes(report: Report, path: Path, args: list[str], n: int, *, rounds
 
     convs = bool((report.measurements.get("optimizer") or {}).get("conv_weights"))
     trials = plan(report.findings, n, convs=convs)
-    if not trials:
-        log("doctor --try: no finding has a fix the doctor can apply from outside the script")
     log(f"doctor --try: {len(trials)} fix(es), each against the script without it, alternating: "
-        + ", ".join(t.fix for t in trials))
+        + (", ".join(t.fix for t in trials) or "no finding has a fix the doctor can apply from outside the script"))
     run_trials(path, args, trials, rounds=rounds, log=log)
     report.trials = [t.to_dict() for t in trials]
     if report.files.get("json"):
@@ -252,9 +250,11 @@ def _step_done(session: Session) -> bool:
     return session.done
 
 
-def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try_rounds: int = 3) -> Report:
-    """fastddpm's trainer for config.total_steps steps under the doctor. `cfg` is a RunConfig. `try_fixes`: then
-    measure the top N fixes that are fastddpm settings, `fastddpm train` with and without each, alternating."""
+def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try_rounds: int = 3,
+                try_log=print) -> Report:
+    """fastddpm's trainer for config.total_steps steps under the doctor (its lines to `log`). `cfg` is a
+    RunConfig. `try_fixes`: then measure the top N fixes that are fastddpm settings, `fastddpm train` with and
+    without each, alternating (their progress to `try_log`)."""
     from fastddpm.config import from_dict
     from fastddpm.device import resolve_device
     from fastddpm.measure import count_step_flops
@@ -290,9 +290,10 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
         from fastddpm.doctor.trials import plan_trainer, run_trials
 
         trials = plan_trainer(report.findings, try_fixes)
-        log(f"doctor --try: {len(trials)} setting(s), each against the config without it, alternating: "
-            + ", ".join(t.fix for t in trials))
-        report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=try_rounds, log=log)]
+        try_log(f"doctor --try: {len(trials)} setting(s), each against the config without it, alternating: "
+                + (", ".join(t.fix for t in trials) or "no finding has a fastddpm setting to try"))
+        report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=try_rounds,
+                                                         log=try_log)]
         if report.files.get("json"):
             report.save(Path(report.files["json"]).parent)
     return report

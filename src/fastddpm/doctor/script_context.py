@@ -387,7 +387,7 @@ class ScriptContext:
         the one the loop iterates (default: the first built)."""
         f = next((f for f in self.flags if f.switch is None and _topic(f.dest) == "workers"), None)
         if f is not None:
-            return self._flag_fix(f, num_workers)
+            return self._flag_fix(f, num_workers) if f.value != num_workers else None
         b = self._find("DataLoader", loader)
         if b is not None and b.via is not None:
             # a framework re-wraps the user's loader (accelerate's prepare() builds a new DataLoader over the same
@@ -399,6 +399,8 @@ class ScriptContext:
         if b.via is not None:
             return self._hf_fix(b, "dataloader_num_workers", num_workers, "DataLoader") or self._via_fix(
                 b, "workers", lambda k, v: num_workers, "the DataLoader", f"DataLoader(..., num_workers={num_workers})")
+        if b.effective.get("num_workers") == num_workers:
+            return None
         return ScriptFix(f"DataLoader(..., num_workers={num_workers}) at {b.place} "
                          f"(now num_workers={b.effective['num_workers']})", b.place, "argument")
 

@@ -122,6 +122,8 @@ class DoctorConfig:
                              f"use 20 or more")
         if self.loader_probe_s < 0:
             raise ValueError(f"loader_probe_s={self.loader_probe_s} must be >= 0")
+        if self.save_trace and self.out_dir is None:
+            raise ValueError("save_trace=True keeps the trace in out_dir: give an out_dir (--report-dir)")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0 seconds (--max-seconds S), or None to "
                              f"bound the run by steps only (--max-seconds 0)")
@@ -366,7 +368,7 @@ class Session:
             self._step_range = None
         if self.cuda:
             torch.cuda.synchronize(self.device)  # note: sync, after the measured steps, to flush the trace
-        keep = self.config.save_trace and self.config.out_dir
+        keep = self.config.save_trace
         out = Path(self.config.out_dir) if keep else Path(tempfile.mkdtemp(prefix="fastddpm-doctor-"))
         out.mkdir(parents=True, exist_ok=True)
         # TensorBoard's profiler plugin looks for <worker>.<n>.pt.trace.json(.gz) under a run folder
@@ -379,7 +381,7 @@ class Session:
 
     def discard_trace(self) -> None:
         """Delete the trace once it has been read, unless the config keeps it (save_trace)."""
-        if self.trace_path is None or (self.config.save_trace and self.config.out_dir):
+        if self.trace_path is None or self.config.save_trace:
             return
         self.trace_path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):

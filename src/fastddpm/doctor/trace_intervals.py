@@ -4,6 +4,7 @@ thinning them for drawing, and asking whether a moment fell inside a host op on 
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -46,7 +47,7 @@ class Ranges:
     """Merged time ranges of one host op per thread, for 'was this moment inside op X on thread T?'. `name`: the
     op's name, or a test of the name (a family of ranges, e.g. every Optimizer.step#...)."""
 
-    def __init__(self, op_events: list[dict], name):
+    def __init__(self, op_events: list[dict], name: str | Callable[[str], bool]):
         match = name if callable(name) else name.__eq__
         by_tid: dict = {}
         for o in op_events:

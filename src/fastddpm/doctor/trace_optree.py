@@ -16,26 +16,34 @@ SOFTMAX_OPS = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data"
 BATCHED_MATMUL_OPS = {"aten::bmm", "aten::baddbmm"}
 
 
-def weights_softmax(e: dict) -> bool:
-    """A softmax over attention weights: its input ends in a square (.., L, L), the QK^T of L tokens. A softmax
-    over one axis of a (.., d, L) tensor (linear attention's, which never builds an L x L matrix) or over
-    classes is not one. Without recorded shapes every softmax counts, as it may be."""
-    dims = (e.get("args") or {}).get("Input Dims") or []
-    first = dims[0] if dims and isinstance(dims[0], list) else None
-    return first is None or (len(first) >= 2 and first[-1] == first[-2] and first[-1] > 1)
+def _dims(e: dict) -> list:
+    return [d for d in (e.get("args") or {}).get("Input Dims") or [] if isinstance(d, list)]
 
 
-def weights_bmm(e: dict) -> bool:
-    """A batched matmul of attention written out: an L x L square of L tokens, longer than the head's d, as its
-    output (Q K^T: (.., L, d) x (.., d, L)) or as either factor (the weights times V, in either operand order;
-    the gradients have the same shapes). Linear attention's K V^T, (.., d, L) x (.., L, d) -> (.., d, d), has
-    only a small d x d square: not one. Without recorded shapes every batched matmul beside a weights softmax
-    counts."""
-    dims = [d for d in (e.get("args") or {}).get("Input Dims") or [] if isinstance(d, list) and len(d) == 3]
-    if len(dims) < 2:
+def weights_side(e: dict) -> int | None:
+    """L, when a softmax's input ends in an (L, L) square: attention weights over L tokens (Q K^T). A softmax over
+    one axis of a (.., d, L) tensor (linear attention's) or over classes is not one: None. 0 when the trace
+    recorded no shapes (then every softmax may be one)."""
+    dims = _dims(e)
+    if not dims:
+        return 0
+    first = dims[0]
+    return first[-1] if len(first) >= 2 and first[-1] == first[-2] and first[-1] > 1 else None
+
+
+def weights_bmm(e: dict, sides: set[int]) -> bool:
+    """A batched matmul of attention written out: an (L, L) square of one of the weights softmaxes' sizes `sides`
+    as its output (Q K^T) or as either factor (the weights times V, in either operand order; the gradients have
+    the same shapes). Linear attention's K V^T, (.., d, L) x (.., L, d) -> (.., d, d), beside no such softmax,
+    is not one. Without recorded shapes (0 in `sides`, or none here) every batched matmul beside a weights
+    softmax counts."""
+    dims = [d for d in _dims(e) if len(d) == 3]
+    if 0 in sides or len(dims) < 2:
         return True
     (_, m, k), (_, _, n) = dims[-2], dims[-1]  # baddbmm's first input is the bias: the factors are the last two
-    return (m == n and m > k) or (m == k and k > n) or (k == n and k > m)
+    return (m == n and m in sides) or (m == k and m in sides) or (k == n and k in sides)
+
+
 NORM_BREAKDOWN_OPS = {"aten::group_norm", "aten::native_group_norm", "aten::native_group_norm_backward",
                       "aten::layer_norm", "aten::native_layer_norm", "aten::native_layer_norm_backward",
                       "aten::batch_norm", "aten::_batch_norm_impl_index", "aten::native_batch_norm",
@@ -43,9 +51,17 @@ NORM_BREAKDOWN_OPS = {"aten::group_norm", "aten::native_group_norm", "aten::nati
                       "aten::_native_batch_norm_legit_functional", "aten::cudnn_batch_norm",
                       "aten::cudnn_batch_norm_backward", "aten::instance_norm", "aten::rms_norm",
                       "aten::_fused_rms_norm", "aten::_fused_rms_norm_backward",
-                      # F.normalize's reduction (RMSNorm written as F.normalize(x) * g * sqrt(d)): its division
-                      # and scaling stay elementwise, ops of their own
+                      # F.normalize's reduction (RMSNorm written as F.normalize(x) * g * sqrt(d)), which keeps
+                      # its dim (gradient clipping's norms do not): its division and scaling stay elementwise
                       "aten::linalg_vector_norm", "aten::norm"}
+VECTOR_NORMS = {"aten::linalg_vector_norm": 3, "aten::norm": 3}  # -> the keepdim argument's position
+
+
+def _keepdim(e: dict) -> bool:
+    """Whether a vector norm kept its reduced dim (F.normalize does); True where the trace has no arguments."""
+    concrete = (e.get("args") or {}).get("Concrete Inputs") or []
+    i = VECTOR_NORMS.get(e.get("name"), 3)
+    return len(concrete) <= i or concrete[i] in ("True", "")
 COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::clone", "aten::cat",
             "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::_copy_from",
             "aten::_copy_from_and_resize", "aten::to_dense", "aten::masked_select", "aten::repeat"}
@@ -102,7 +118,9 @@ class OpTree:
                               and e.get("cat") in HOST_MARK_CATS), None)
         events = [e for e in xs if e.get("cat") in ("cpu_op", "user_annotation") and e.get("name") != STEP_MARK
                   and step_of(float(e["ts"])) is not None]
-        self.softmax = any(e.get("name") in SOFTMAX_OPS and weights_softmax(e) for e in events)
+        # the token counts of the softmaxes over attention weights (L of an (L, L) input)
+        self.weight_sides = {side for e in events if e.get("name") in SOFTMAX_OPS
+                             and (side := weights_side(e)) is not None}
         self.roots: dict = {}  # tid -> top-level nodes, in time order
         self._starts: dict = {}  # id(a list of sibling nodes) -> their start times, for innermost_at
         by_tid: dict = {}
@@ -127,13 +145,13 @@ class OpTree:
             return "optimizer"
         if _attention_impl(name) is not None:
             return "attention"
-        if name in SOFTMAX_OPS and weights_softmax(e or {}):
+        if name in SOFTMAX_OPS and weights_side(e or {}) is not None:
             return "attention"
-        if name in BATCHED_MATMUL_OPS and self.softmax and weights_bmm(e or {}):
+        if name in BATCHED_MATMUL_OPS and self.weight_sides and weights_bmm(e or {}, self.weight_sides):
             return "attention"
         if name in MATMUL_OPS:
             return "matmul"
-        if name in NORM_BREAKDOWN_OPS:
+        if name in NORM_BREAKDOWN_OPS and not (name in VECTOR_NORMS and not _keepdim(e or {})):
             return "norm"
         if name in COPY_OPS:
             return "copy"

@@ -85,7 +85,7 @@ class Trial:
         return {"fix": self.fix, "what": self.what, "finding": self.finding, "predicted": self.predicted,
                 "measured": self.measured, "spread": [min(s), max(s)] if s else None, "rounds": len(s),
                 "base_ms": self.base_ms, "fix_ms": self.fix_ms, "applied": self.applied, "failed": self.failed,
-                "args": self.args}
+                "args": self.args, "settings": self.settings}
 
 
 def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]:
@@ -95,12 +95,13 @@ def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]
     trials: list[Trial] = []
     for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
         fix = next((x for x in f.fixes if x.trial), None)
-        if fix is None or any(t.fix == fix.trial for t in trials):
+        if fix is None:
             continue
-        if fix.args is not None:
-            trials.append(Trial("flag", f"the script's own flag: {fix.code}", f.id, f.speedup, args=list(fix.args)))
-        else:
-            trials.append(Trial(fix.trial, _what(fix.trial), f.id, f.speedup))
+        trial = (Trial(f"flag {' '.join(_flag(list(fix.args)))}", f"the script's own flag: {fix.code}", f.id,
+                       f.speedup, args=list(fix.args)) if fix.args is not None else
+                 Trial(fix.trial, _what(fix.trial), f.id, f.speedup))
+        if all((t.fix, t.args) != (trial.fix, trial.args) for t in trials):
+            trials.append(trial)
     if convs and all(t.fix != "channels-last" for t in trials):
         trials.append(Trial("channels-last", WHAT["channels-last"], None, None))
     return trials[:n]
@@ -110,27 +111,28 @@ def plan_trainer(findings: list[Finding], n: int) -> list[Trial]:
     """`doctor train --try`: the top `n` costed findings' first fix that is a fastddpm setting with a value."""
     trials: list[Trial] = []
     for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
-        found = next(((x.fastddpm, s) for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
+        found = next((s for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
         if found is not None and all(t.settings != found[1] for t in trials):
-            flags = found[0].split(" (")[0].split(";")[0]
-            trials.append(Trial(flags, f"fastddpm's own setting: {flags}", f.id, f.speedup, settings=found[1]))
+            trials.append(Trial(found[0], f"fastddpm's own setting: {found[0]}", f.id, f.speedup,
+                                settings=found[1]))
     return trials[:n]
 
 
-def settings_of(flags: str) -> dict[str, str] | None:
-    """The config fields a fix's `--flag value` text sets ("--precision bf16 (auto picks it)" ->
-    {"train.precision": "bf16"}); None where it is not only train flags with values (a placeholder N, advice)."""
+def settings_of(text: str) -> tuple[str, dict[str, str]] | None:
+    """The flags a fix's `--flag value` text begins with, and the config fields they set ("--precision bf16 (auto
+    picks it)" -> ("--precision bf16", {"train.precision": "bf16"})); None where the text is not train flags with
+    values up to its first remark (a placeholder N, advice)."""
     from fastddpm.config import SECTIONS, flag_name
 
     by_flag = {flag_name(f): f"{section}.{f.name}" for section, cls in SECTIONS.items()
                for f in dataclasses.fields(cls)}
-    words = flags.split(" (")[0].split(";")[0].split(",")[0].split()
+    words = text.split(" (")[0].split(";")[0].split(",")[0].split()
     if not words or len(words) % 2:
         return None
     pairs = list(zip(words[::2], words[1::2]))
     if any(flag not in by_flag or value.startswith("-") or value.isupper() for flag, value in pairs):
         return None
-    return {by_flag[flag]: value for flag, value in pairs}
+    return " ".join(words), {by_flag[flag]: value for flag, value in pairs}
 
 
 def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
@@ -141,16 +143,19 @@ def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rou
         return trials
     with tempfile.TemporaryDirectory(prefix="fastddpm-doctor-try-") as tmp:
         def run(t: Trial | None, r: int) -> dict:
-            out = Path(tmp) / f"{'base' if t is None else t.fix.replace(' ', '_')}{r}"
+            out = Path(tmp) / f"{'base' if t is None else trials.index(t)}-{r}"  # one file per run
             if isinstance(script, dict):
                 return _run_trainer(script, None if t is None else t.settings, warmup, steps, out, timeout_s)
-            fix = None if t is None or t.fix == "flag" else t.fix
+            fix = None if t is None or t.args is not None else t.fix
             return _run(script, (t.args if t is not None else None) or args, fix, warmup, steps,
                         out.with_suffix(".json"), timeout_s)
 
         for r in range(rounds):
+            if all(t.failed for t in trials):
+                break
             base = run(None, r)
-            for t in trials:
+            # each round in another order: no fix always runs right after the base (a warm page cache, a cool CPU)
+            for t in trials[r % len(trials):] + trials[:r % len(trials)]:
                 if t.failed:
                     continue
                 if base.get("error"):
@@ -163,7 +168,7 @@ def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rou
                 t.base_ms.append(base["step_ms"])
                 # per step of the base run's images (a trainer fix may change the batch)
                 t.fix_ms.append(got["step_ms"] * base.get("per_step", 1.0) / got.get("per_step", 1.0))
-                t.applied = (got["applied"] if t.fix != "flag" else [f"ran with {' '.join(_flag(t.args))}"])
+                t.applied = got["applied"] if t.args is None else [f"ran with {' '.join(_flag(t.args))}"]
             log(f"doctor --try: round {r + 1} of {rounds}: base {base.get('step_ms', float('nan')):.1f} ms/step; "
                 + ", ".join(f"{t.fix} {t.fix_ms[-1]:.1f}" for t in trials if t.fix_ms and len(t.fix_ms) == r + 1))
     return trials
@@ -263,12 +268,16 @@ class _Fix:
                     p.requires_grad for p in module.parameters()):
                 self._top = module
                 self._change(module)
+                for h in self._handles:  # found: no hook on any module call from here (the base runs have none)
+                    h.remove()
+                return
             depth[0] += 1
 
         def post(module, args, output):
             depth[0] -= 1
 
         handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        self._handles = handles
         self._undo.append(lambda: [h.remove() for h in handles])
 
     def _change(self, module: torch.nn.Module) -> None:
@@ -288,7 +297,7 @@ class _Fix:
                 args = tuple(a.contiguous(memory_format=torch.channels_last) if torch.is_tensor(a) and a.dim() == 4
                              else a for a in args)
                 return forward(*args, **kwargs)
-            device = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+            device = next((a.device.type for a in (*args, *kwargs.values()) if torch.is_tensor(a)), "cpu")
             with torch.autocast(device, dtype=dtype):
                 return forward(*args, **kwargs)
 
@@ -361,6 +370,8 @@ def trial_process(spec: dict) -> None:
         result = {"step_ms": 1000 * (ends[1] - ends[0]) / steps, "applied": fix.applied}
     except SystemExit as e:
         result = {"error": f"the script exited with status {e.code} after {seen[0]} steps"}
+    except Exception as e:  # noqa: BLE001 - the trial's result says how the script failed under the fix
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} after {seen[0]} steps"}
     finally:
         handle.remove()
     Path(spec["out"]).write_text(json.dumps(result))
