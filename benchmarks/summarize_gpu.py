@@ -143,7 +143,7 @@ def section_throughput(folder: Path, calls: Calls) -> list[str]:
 
 
 def section_ladder(folder: Path, calls: Calls) -> list[str]:
-    from fastddpm.bench.ladder import mlp_table_markdown, table_markdown
+    from fastddpm.bench.ladder_report import mlp_table_markdown, table_markdown
 
     path = folder / "ladder" / "ladder.json"
     title = "### The optimisation ladder (`fastddpm bench ladder`, issue #4)"

@@ -41,7 +41,7 @@ def test_outputs_exist_and_parse(quick_run):
     assert [r["rung"] for r in rows] == RUNG_KEYS
     assert len(list(csv.DictReader(open(out / "mlp.csv")))) == 4
     md = (out / "ladder.md").read_text()
-    assert "## DDPM ladder" in md and "## MLP ladder" in md
+    assert "## DDPM ladder" in md and "## MLP ladder" in md and "% of roofline (binds)" in md
     assert (out / "ladder.png").stat().st_size > 1000  # matplotlib is a dependency: every install draws it
 
 
@@ -62,6 +62,9 @@ def test_rows_are_sane(quick_run):
         assert math.isfinite(r["warmup_s"]) and r["warmup_s"] >= 0 and r["gpu_busy"] is None
         lo, hi = r["images_per_s_range"]
         assert lo <= r["images_per_s"] <= hi
+        # MFU and the roofline beside the throughput: the rung's own model, batch and dtype
+        assert r["mfu_dtype"] == "fp32" and 0 < r["mfu_pct"] < 100 and 0 < r["roofline_pct"] <= 100
+        assert r["roofline_binds"] in ("compute", "memory") and r["mb_per_image"] > 0
         assert r["epoch_s"] == pytest.approx(result["data"]["num_images"] / r["images_per_s"])
         assert r["speedup_vs_baseline"] == pytest.approx(r["images_per_s"] / base)
         if prev is not None:

@@ -17,6 +17,7 @@ from fastddpm.bench.throughput import QUICK, ThroughputSettings, run_throughput
 from fastddpm.bench.throughput_report import TABLE_HEADER
 from fastddpm.config import ConfigError, get_preset
 from fastddpm.diffusion import diffusion_loss, schedule_from_config
+from fastddpm import measure
 from fastddpm.measure import count_step_flops, environment_record, summarize, time_steps
 from fastddpm.models import UNet
 
@@ -68,6 +69,23 @@ def test_quick_run_json_holds_one_sane_row_per_variant(quick_run):
         assert r["precision"] == "fp32" and r["data_placement"] == "device"
     assert rows[0]["ratio_to_first"] == 1.0
     assert rows[1]["ratio_to_first"] == pytest.approx(rows[1]["images_per_s"] / rows[0]["images_per_s"])
+
+
+def test_quick_run_reports_each_variant_against_its_roofline(quick_run):
+    """Beside MFU, the roofline: the bytes an image's step moves at least (activations saved and read back, the
+    update's passes over the parameters), the bandwidth measured in the run, and images/s as a share of the
+    bound max(FLOPs / peak, bytes / bandwidth)."""
+    out, result = quick_run
+    for r in result["results"]:
+        flops_s = r["flops_per_step"] / r["batch_size"] / (r["mfu_peak_tflops"] * 1e12)
+        bytes_s = r["mb_per_image"] * 1e6 / (r["bandwidth_gbps"] * 1e9)
+        assert r["activation_bytes_per_image"] > 0 and r["bandwidth_gbps"] > 0
+        assert r["bound_us_per_image"] == pytest.approx(1e6 * max(flops_s, bytes_s))
+        assert r["roofline_binds"] == ("compute" if flops_s >= bytes_s else "memory")
+        assert r["roofline_pct"] == pytest.approx(r["images_per_s"] * r["bound_us_per_image"] / 1e4)
+        assert 0 < r["roofline_pct"] <= 100
+    md = (out / "throughput.md").read_text()
+    assert "% of roofline (binds)" in md and "memory bandwidth for the roofline" in md
 
 
 def test_quick_run_records_environment_and_settings(quick_run):
@@ -273,7 +291,7 @@ def test_mfu_divides_by_the_peak_of_the_steps_own_dtype(tmp_path, monkeypatch, p
     from fastddpm.bench import throughput
 
     calls = []
-    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak(calls, tflops=0.5))
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak(calls, tflops=0.5))
     settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4, 8), warmup_steps=1, steps=1, repeats=1,
                                   precision=precision, device="cpu", num_images=64)
     result = run_throughput(settings, tmp_path, log=lambda line: None)
@@ -296,14 +314,16 @@ def test_fp32_on_cuda_is_measured_and_labelled_as_tf32_when_training_allows_it(m
 
     cuda = torch.device("cuda")  # never touched: the peak is faked
     calls = []
-    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak(calls))
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak(calls))
     before = torch.backends.cuda.matmul.allow_tf32  # a module with its own __setattr__: set and restore by hand
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
-        peaks = throughput.PeakCache(cuda, log=lambda line: None)
-        assert peaks.get(Precision("fp32", None, False, "test"))["dtype"] == "tf32"
-        assert peaks.get(Precision("fp16", torch.float16, True, "test"))["dtype"] == "fp16"
-        assert peaks.get(Precision("fp32", None, False, "test"))["dtype"] == "tf32"  # cached, not measured again
+        peaks = measure.Peaks(cuda, log=lambda line: None)
+        fp32, fp16 = (throughput.peak_dtype(Precision(n, d, s, "test")) for n, d, s in (("fp32", None, False),
+                                                                                        ("fp16", torch.float16, True)))
+        assert peaks.matmul(fp32)["dtype"] == "tf32"
+        assert peaks.matmul(fp16)["dtype"] == "fp16"
+        assert peaks.matmul(fp32)["dtype"] == "tf32"  # cached, not measured again
         assert calls == [torch.float32, torch.float16]
         torch.backends.cuda.matmul.allow_tf32 = False
         assert matmul_dtype_name(torch.float32, cuda) == "fp32"
@@ -353,7 +373,7 @@ def test_the_cpu_peak_is_the_faster_of_blas_and_a_onednn_convolution(monkeypatch
 def test_a_killed_run_keeps_its_first_variant_and_a_rerun_measures_only_the_rest(tmp_path, monkeypatch):
     from fastddpm.bench import throughput
 
-    monkeypatch.setattr(throughput, "measure_matmul_peak", _fake_peak([]))
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak([]))
     real = throughput.measure_variant
     measured = []
 

@@ -9,6 +9,7 @@ step computes in; and write the code version, library versions and device next t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as _dt
 import os
@@ -189,6 +190,127 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
         "device": str(device), "dtype": name, "n": n, "iters": iters, "trials": trials,
         "per_trial_tflops": rates[best], "path": best,
     }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The roofline: the least time a step needs, on the compute side or the memory side
+
+
+# What the update moves per fp32 parameter, in parameter-sized tensors: the forward and the backward read the
+# weights (2), the backward writes the gradient (1), AdamW reads weight, gradient and both moments and writes
+# weight and moments (7), the EMA reads its copy and the weight and writes its copy (3).
+UPDATE_TENSORS = 2 + 1 + 7 + 3
+
+
+def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, images_per_step: int,
+                     device: torch.device | str, autocast_dtype: torch.dtype | None) -> dict:
+    """The bytes one training step must move through memory at the least, per image.
+
+    Activations: what autograd saves for the backward in the run's dtype (the saved-tensor hooks see each one),
+    written by the forward and read by the backward: twice its size. Counted on the device from two probe
+    forwards of 1 and 2 images under the run's autocast; their difference is one image's, so that the weights
+    (and autocast's cached casts of them), saved whatever the batch, are not counted as activations. Eager
+    autograd's saved set: torch.compile may save less (it recomputes cheap ops), never more by much.
+    Update: UPDATE_TENSORS fp32 passes over the parameters (weights, gradients, AdamW moments, the EMA), once a
+    step: per image, divided by `images_per_step`.
+    Returns {"activation_bytes_per_image", "update_bytes_per_step", "bytes_per_image"}."""
+    device = torch.device(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = []
+    for probe in (1, 2):
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # a storage once, if reused
+            return t
+
+        gen = torch.Generator(device=device).manual_seed(0)  # the global RNG (dropout's) is left alone
+        x_BCHW = torch.randn(probe, *image_shape, device=device, generator=gen)
+        t_B = torch.zeros(probe, dtype=torch.long, device=device)
+        ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            loss = model(x_BCHW, t_B).float().square().mean()
+        del loss  # the graph and what it saved go with it
+        saved.append(sum(storages.values()))
+    activation = max(0, saved[1] - saved[0])
+    update = UPDATE_TENSORS * sum(p.numel() for p in params) * 4
+    return {"activation_bytes_per_image": activation, "update_bytes_per_step": update,
+            "bytes_per_image": 2 * activation + update / images_per_step}
+
+
+def measure_memory_bandwidth(device: torch.device | str, *, nbytes: int | None = None, trials: int = 5) -> dict:
+    """The device's memory bandwidth, measured now: one large device-to-device copy (read and written: twice its
+    size moved), best of `trials`. 1 GiB on a GPU; 256 MiB on a CPU, well past its caches.
+    Returns {"gbps", "label", "nbytes"}."""
+    device = torch.device(device)
+    n = nbytes or (2**30 if device.type == "cuda" else 2**28)
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    iters = 5 if device.type == "cuda" else 2
+    for _ in range(2):  # warm-up: pages touched, clocks up
+        dst.copy_(src)
+    rates = [2 * n * iters / (time_steps(lambda i: dst.copy_(src), iters, device) / 1000) / 1e9 for _ in range(trials)]
+    del src, dst
+    free_device_memory(device)
+    return {"gbps": max(rates), "nbytes": n,
+            "label": f"measured {n / 2**20:,.0f} MiB copy on {device_name(device)}, best of {trials}"}
+
+
+def roofline(*, flops_per_image: float, bytes_per_image: float, peak_tflops: float, bandwidth_gbps: float,
+             images_per_s: float | None = None) -> dict:
+    """The least time an image's step needs: max(FLOPs / peak FLOP/s, bytes / bandwidth), the side that binds,
+    and images/s as a share of what that bound allows ("% of roofline")."""
+    compute_s = flops_per_image / (peak_tflops * 1e12)
+    memory_s = bytes_per_image / (bandwidth_gbps * 1e9)
+    bound_s = max(compute_s, memory_s)
+    return {"bound_us_per_image": 1e6 * bound_s, "compute_us_per_image": 1e6 * compute_s,
+            "memory_us_per_image": 1e6 * memory_s, "binds": "compute" if compute_s >= memory_s else "memory",
+            "roofline_pct": 100 * images_per_s * bound_s if images_per_s else None}
+
+
+class Peaks:
+    """A run's denominators, each measured the first time it is needed and then shared: the matmul peak per dtype
+    (MFU's), and the memory bandwidth (the roofline's memory side). A run that reuses every result measures none."""
+
+    def __init__(self, device: torch.device, log: Callable[[str], None] = print):
+        self.device, self.log = torch.device(device), log
+        self.measured: dict[str, dict] = {}  # dtype name (bf16, fp16, tf32, fp32) -> measure_matmul_peak's dict
+        self._bandwidth: dict | None = None
+
+    def matmul(self, dtype: torch.dtype) -> dict:
+        name = matmul_dtype_name(dtype, self.device)
+        if name not in self.measured:
+            self.measured[name] = measure_matmul_peak(self.device, dtype=dtype)
+            peak = self.measured[name]
+            self.log(f"peak for MFU ({name}): {peak['tflops']:,.3f} TFLOP/s ({peak['label']})")
+        return self.measured[name]
+
+    def bandwidth(self) -> dict:
+        if self._bandwidth is None:
+            self._bandwidth = measure_memory_bandwidth(self.device)
+            self.log(f"memory bandwidth for the roofline: {self._bandwidth['gbps']:,.1f} GB/s "
+                     f"({self._bandwidth['label']})")
+        return self._bandwidth
+
+
+def model_roofline(model: torch.nn.Module, image_shape: tuple[int, ...], *, images_per_step: int,
+                   device: torch.device | str, autocast_dtype: torch.dtype | None, images_per_s: float,
+                   peaks: Peaks) -> dict:
+    """MFU and the roofline of a U-Net's training step measured at `images_per_s`: FLOPs and bytes counted on the
+    model (count_step_flops, count_step_bytes), against the peak in the step's own dtype and the bandwidth."""
+    peak = peaks.matmul(autocast_dtype or torch.float32)
+    bandwidth = peaks.bandwidth()
+    flops = count_step_flops(model, (images_per_step, *image_shape)) / images_per_step
+    moved = count_step_bytes(model, image_shape, images_per_step=images_per_step, device=device,
+                             autocast_dtype=autocast_dtype)
+    roof = roofline(flops_per_image=flops, bytes_per_image=moved["bytes_per_image"], peak_tflops=peak["tflops"],
+                    bandwidth_gbps=bandwidth["gbps"], images_per_s=images_per_s)
+    return {"gflops_per_image": flops / 1e9, "mfu_pct": 100 * flops * images_per_s / (peak["tflops"] * 1e12),
+            "mfu_dtype": peak["dtype"], "activation_bytes_per_image": moved["activation_bytes_per_image"],
+            "mb_per_image": moved["bytes_per_image"] / 1e6, "bandwidth_gbps": bandwidth["gbps"],
+            "bound_us_per_image": roof["bound_us_per_image"], "roofline_pct": roof["roofline_pct"],
+            "roofline_binds": roof["binds"]}
 
 
 CONV_PEAK_SHAPE = (16, 128, 28, 28)  # (B, C, H, W), C -> C channels: a U-Net level's convolution at MNIST's size

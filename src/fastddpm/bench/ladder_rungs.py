@@ -27,6 +27,7 @@ from PIL import Image
 
 from fastddpm.config import RunConfig, apply_overrides
 from fastddpm.device import Precision, cpu_native_bf16, cuda_native_bf16, resolve_precision
+from fastddpm.measure import Peaks
 from fastddpm.trainer.batches import Batch, ResidentBatches
 from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.trainer.fast_path import FastPath
@@ -195,6 +196,7 @@ class Context:
     auto_batch_limit: int = 8192
     batch_divisor: int = 1  # --quick: every rung's batch / this (64 -> 16, 192 -> 48), ratios kept
     log: Callable[[str], None] = print
+    peaks: Peaks | None = None  # MFU's peaks and the roofline's bandwidth, measured once for all rungs
 
 
 @dataclass
@@ -206,6 +208,8 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
     compiled: bool = False
     graph_failed: Callable[[], str | None] = lambda: None
+    model: torch.nn.Module | None = None  # the U-Net it trains (uncompiled): its FLOPs and bytes, for the roofline
+    autocast_dtype: torch.dtype | None = None
 
 
 def precision_of(name: str, device: torch.device) -> Precision:
@@ -281,7 +285,7 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
         return loss
 
     return Prepared(step=step, batch_size=sw.batch_size, precision=sw.precision, setup_s=setup_s, notes=notes,
-                    compiled=sw.compile)
+                    compiled=sw.compile, model=model, autocast_dtype=precision.autocast_dtype)
 
 
 def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
@@ -323,4 +327,5 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
         return step_fn([batches.get(i)], lr=cfg.train.lr, step=i)
 
     return Prepared(step=step, batch_size=batch_size, precision=sw.precision, setup_s=setup_s, notes=notes,
-                    compiled=sw.compile, graph_failed=lambda: step_fn.graph_failed if graphs == "capture" else None)
+                    compiled=sw.compile, graph_failed=lambda: step_fn.graph_failed if graphs == "capture" else None,
+                    model=model, autocast_dtype=precision.autocast_dtype)

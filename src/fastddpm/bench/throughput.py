@@ -41,18 +41,8 @@ from fastddpm.bench import store
 from fastddpm.bench.throughput_report import progress_line, table_markdown, write_results
 from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset, resolve_model_shape
 from fastddpm.device import Precision, resolve_device, resolve_precision
-from fastddpm.measure import (
-                              count_step_flops,
-                              environment_record,
-                              free_device_memory,
-                              matmul_dtype_name,
-                              measure_matmul_peak,
-                              peak_memory_bytes,
-                              reset_peak_memory,
-                              summarize,
-                              time_steps,
-                              time_wall_s,
-                              )
+from fastddpm.measure import (Peaks, count_step_bytes, count_step_flops, environment_record, free_device_memory,
+                              peak_memory_bytes, reset_peak_memory, roofline, summarize, time_steps, time_wall_s)
 from fastddpm.models import count_parameters
 from fastddpm.rng import derive_seed
 from fastddpm.trainer.batch_finder import is_oom
@@ -229,6 +219,8 @@ def _empty_row(v: Variant) -> dict:
         "cuda_graphs_failed": None, "compile_s": None, "step_ms": None, "images_per_s": None,
         "images_per_s_range": None, "ratio_to_first": None, "flops_per_step": None, "gflops_per_image": None,
         "achieved_tflops": None, "mfu_pct": None, "mfu_dtype": None, "mfu_peak_tflops": None, "mfu_peak_label": None,
+        "activation_bytes_per_image": None, "mb_per_image": None, "bandwidth_gbps": None, "bandwidth_label": None,
+        "bound_us_per_image": None, "roofline_pct": None, "roofline_binds": None,
         "peak_memory_bytes": None, "peak_memory_gib": None,
         "compiled_graphs": None, "graph_breaks": None, "recompiles_after_warmup": None,
         "input_ms_per_step": None, "input_wait_pct": None, "final_loss": None, "config": v.cfg.to_dict(),
@@ -236,7 +228,7 @@ def _empty_row(v: Variant) -> dict:
 
 
 def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, settings: ThroughputSettings,
-                    peak: dict) -> dict:
+                    peak: dict, bandwidth: dict) -> dict:
     """Build the trainer's step for one variant, warm it up, time it. Raises whatever the step raises."""
     cfg, t, precision = v.cfg, v.cfg.train, v.precision
     row = _empty_row(v)
@@ -257,6 +249,8 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
                            num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
                            hflip=cfg.data.hflip)
     flops_per_step = count_step_flops(model, (t.batch_size, *settings.image_shape), accum_steps=t.accum_steps)
+    moved = count_step_bytes(model, settings.image_shape, images_per_step=t.batch_size * t.accum_steps, device=device,
+                             autocast_dtype=precision.autocast_dtype)
     counters = CompileCounters(enabled=fast.compile)
     images_per_step = t.batch_size * t.accum_steps
     last_loss: list[torch.Tensor] = []
@@ -290,6 +284,9 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
     achieved_flops = flops_per_step / median_s
     peak_bytes = peak_memory_bytes(device)
     final_loss = float(last_loss[0])  # note: sync, once, after all timing
+    roof = roofline(flops_per_image=flops_per_step / images_per_step, bytes_per_image=moved["bytes_per_image"],
+                    peak_tflops=peak["tflops"], bandwidth_gbps=bandwidth["gbps"],
+                    images_per_s=images_per_step / median_s)
     row.update({
         "status": "ok",
         "parameters": count_parameters(model),
@@ -308,6 +305,10 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
         "mfu_dtype": peak["dtype"],
         "mfu_peak_tflops": peak["tflops"],
         "mfu_peak_label": peak["label"],
+        "activation_bytes_per_image": moved["activation_bytes_per_image"],
+        "mb_per_image": moved["bytes_per_image"] / 1e6, "bandwidth_gbps": bandwidth["gbps"],
+        "bandwidth_label": bandwidth["label"], "bound_us_per_image": roof["bound_us_per_image"],
+        "roofline_pct": roof["roofline_pct"], "roofline_binds": roof["binds"],
         "peak_memory_bytes": peak_bytes,
         "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30,
         "compiled_graphs": compile_report.get("compiled_graphs"),
@@ -348,24 +349,6 @@ def peak_dtype(precision: Precision) -> torch.dtype:
     """The dtype the step's matmuls and convolutions run in: autocast's, else fp32 (TF32 on CUDA, see
     matmul_dtype_name)."""
     return precision.autocast_dtype or torch.float32
-
-
-class PeakCache:
-    """One matmul peak per dtype, measured the first time a variant needs it: a run that reuses every variant
-    measures none, and variants that share a dtype share one measurement."""
-
-    def __init__(self, device: torch.device, log: Callable[[str], None]):
-        self.device, self.log = device, log
-        self.measured: dict[str, dict] = {}  # dtype name (bf16, fp16, tf32, fp32) -> measure_matmul_peak's dict
-
-    def get(self, precision: Precision) -> dict:
-        dtype = peak_dtype(precision)
-        name = matmul_dtype_name(dtype, self.device)
-        if name not in self.measured:
-            self.measured[name] = measure_matmul_peak(self.device, dtype=dtype)
-            peak = self.measured[name]
-            self.log(f"peak for MFU ({name}): {peak['tflops']:,.3f} TFLOP/s ({peak['label']})")
-        return self.measured[name]
 
 
 def variant_identity(v: Variant, settings: ThroughputSettings, env: dict) -> dict:
@@ -412,7 +395,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
     identities = [variant_identity(v, settings, env) for v in variants]
     reused = [previous.take(identity) for identity in identities]
     previous.finish_matching()
-    peaks = PeakCache(device, log)
+    peaks = Peaks(device, log)
 
     def result(rows: list[dict], complete: bool) -> dict:
         # x first: against the first row that ran; comparing choices, the first choice of the same preset and batch
@@ -449,10 +432,10 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
                 before = previous.failed_before(identities[i])
                 if before is not None:
                     log(f"{tag}: failed in the earlier run ({before['error_type']}): measuring it again")
-                peak = peaks.get(v.precision)
+                peak = peaks.matmul(peak_dtype(v.precision))
                 log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
                     f"{settings.repeats} x {settings.steps} timed steps")
-                row = run_variant(v, source, device=device, settings=settings, peak=peak)
+                row = run_variant(v, source, device=device, settings=settings, peak=peak, bandwidth=peaks.bandwidth())
                 row.update(identity=identities[i], run=store.run_record(env))
                 log(f"{tag}: {progress_line(row)}")
             rows.append(row)

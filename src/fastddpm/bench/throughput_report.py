@@ -8,7 +8,7 @@ from pathlib import Path
 from fastddpm.bench import store
 
 TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
-                "peak mem GiB | recompiles | graph breaks | input wait % | status |")
+                "% of roofline (binds) | peak mem GiB | recompiles | graph breaks | input wait % | status |")
 
 
 def _short_error(row: dict, limit: int = 100) -> str:
@@ -27,8 +27,16 @@ def progress_line(row: dict) -> str:
     graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
         row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
     return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
-            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak{mem}{rec}, "
+            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak, "
+            f"{_roofline(row)} of the roofline{mem}{rec}, "
             f"input wait {row['input_wait_pct']:.1f}%{graphs}")
+
+
+def _roofline(row: dict) -> str:
+    """`12.3% (memory)`: images/s as a share of what the roofline allows, and the side that binds."""
+    if row.get("roofline_pct") is None:
+        return "n/a"
+    return f"{row['roofline_pct']:.1f}% ({row['roofline_binds']})"
 
 
 def _name(row: dict) -> str:
@@ -43,13 +51,13 @@ def table_markdown(rows: list[dict]) -> str:
     for r in rows:
         key = f"| {r['preset']} | {r['batch_size']} |" + (f" {r.get('choice') or '-'} |" if choices else "")
         if r["status"] != "ok":
-            lines.append(f"{key} failed |" + " - |" * 8 + f" failed: {_short_error(r)} |")
+            lines.append(f"{key} failed |" + " - |" * 9 + f" failed: {_short_error(r)} |")
             continue
         s = r["step_ms"]
         lines.append(
             f"{key} {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
             f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
-            f"({r['mfu_dtype']}) | "
+            f"({r['mfu_dtype']}) | {_roofline(r)} | "
             f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
             f"{store.fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"
         )
@@ -85,6 +93,11 @@ def report_markdown(result: dict) -> str:
         f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
         f"then {s['repeats']} x {s['steps']} timed steps",
     ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})" for dtype, (tflops, label) in peaks.items()]
+    bandwidth = next(((r["bandwidth_gbps"], r["bandwidth_label"]) for r in rows if r.get("bandwidth_gbps")), None)
+    if bandwidth:
+        lines += [f"- memory bandwidth for the roofline: {bandwidth[0]:,.1f} GB/s ({bandwidth[1]}); the roofline is "
+                  "max(FLOPs / peak, bytes / bandwidth) an image, the bytes being the activations autograd saves "
+                  "(written and read) and the update's passes over the parameters (fastddpm.measure.roofline)"]
     lines += ["", table_markdown(rows), ""]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
@@ -98,6 +111,10 @@ def report_markdown(result: dict) -> str:
             fp = r["fast_path"]
             lines.append(f"- {_name(r)}: {r['parameters']:,} parameters, precision {r['precision']}, "
                          f"{r['gflops_per_image']:.3f} GFLOP per training image, {r['achieved_tflops']:.3f} TFLOP/s; "
+                         + (f"{r['mb_per_image']:.2f} MB moved per image at least (activations "
+                            f"{r['activation_bytes_per_image'] / 1e6:.2f} MB, saved once and read once), a bound of "
+                            f"{r['bound_us_per_image']:,.1f} us per image ({r['roofline_binds']}); "
+                            if r.get("mb_per_image") is not None else "") +
                          f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
                             and fp["cuda_graphs"].startswith("capture") else "")

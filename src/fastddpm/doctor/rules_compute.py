@@ -51,8 +51,8 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
 def fp32_matmul_share(m: Measurements, t: TraceStats) -> float:
     """The share of the step in fp32 matmuls and convolutions: what autocast speeds up at the matmul rate ratio.
     Attention kernels are left out (a CPU's flash attention barely speeds up in bf16), and so is the profiler's
-    per-op cost (Measurements.unprofiled_share). Without a breakdown (CUDA graphs hide the ops): the fp32 GEMM
-    time, attention included."""
+    per-op cost (Measurements.unprofiled_share). Without a breakdown (a trace whose kernels no op launched): the
+    fp32 GEMM time, attention included."""
     if t.breakdown:
         return m.unprofiled_share("matmul", t.matmul_share_by_dtype.get("fp32", 0.0))
     return t.gemm_time_share.get("fp32", 0.0)
