@@ -13,6 +13,10 @@
 #   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
 #   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
+#   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
+#                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
+#   candidates        5-8 min (r)  bench throughput, compiled, with and without channels_last: seed-1layer at 1024,
+#                                  ddpm-cifar10 at 128 and 256 (the changes the fast path's doctor points at)
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
@@ -64,7 +68,8 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try ddp quality-reference eval samplers
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try doctor-fast candidates ddp
+     quality-reference eval samplers
      samplers-sde quality-fast
      quality-options quality-options-2 summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
@@ -179,6 +184,16 @@ for part in "${PARTS[@]}"; do
       limited 60 $PY -m fastddpm data export-images "$DATA" "$png" --limit 6000 &&
         limited 400 $PY -m fastddpm doctor run --try 3 --max-seconds 60 --report-dir "$RES/doctor-try" \
           examples/seed_ddpm/train.py --data "$png" --epochs 100 ;;
+    doctor-fast)  # the fast path profiled by its own doctor; CIFAR-10's shape from Fashion-MNIST (no download here)
+      limited 200 $PY -m fastddpm doctor train --preset seed-1layer --batch-size 1024 --data "$DATA" \
+        --max-seconds 60 --report-dir "$RES/doctor-fast/seed-1layer-1024" &&
+        limited 240 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
+          --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
+    candidates)
+      limited 90 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-seed-1layer" &&
+        limited 90 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128,256 \
+          --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" ;;
     ddp)
       mkdir -p "$RES/ddp"
       limited 360 $PY benchmarks/ddp_overhead.py --data "$DATA" --repeats 2 --parallel ddp,fsdp \

@@ -3,10 +3,10 @@
     PYTHONPATH=src python benchmarks/summarize_gpu.py benchmarks/gpu/<date> [--out FILE]
 
 Reads what each part writes: throughput-*/throughput.json, ladder/ladder.json, doctor/planted.txt and
-doctor/overhead.json, doctor-try/report.json, ddp/ddp_overhead.json, quality-*/quality.json, eval/eval_*.json, samplers/samplers.json,
-tests/junit.xml, and the call records (calls/<time>.json: device, driver, torch, commit given;
-calls/parts.jsonl: which call ran which part). Every table is headed by the device, date, torch version, commit
-and command that produced it. A part with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md
+doctor/overhead.json, doctor-try/report.json, doctor-fast/*/report.json, ddp/ddp_overhead.json,
+quality-*/quality.json, eval/eval_*.json, samplers/samplers.json, tests/junit.xml, and the call records
+(calls/<time>.json: device, driver, torch, commit given; calls/parts.jsonl: which call ran which part). Every
+table is headed by the device, date, torch version, commit and command that produced it. A part with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md
 (or --out) and prints it.
 """
 
@@ -191,6 +191,32 @@ def section_doctor_try(folder: Path, calls: Calls) -> list[str]:
     return lines + [""]
 
 
+def section_doctor_fast(folder: Path, calls: Calls) -> list[str]:
+    """`doctor train` on the fast path, one report a model: verdict, MFU, the roofline and the top kernels."""
+    title = "### The fast path profiled by its own doctor (`doctor train`, issue #32)"
+    reports = sorted(folder.glob("doctor-fast/*/report.json"))
+    if not reports:
+        return [title, "", "Not measured yet (part `doctor-fast`).", ""]
+    env = calls.env_of_part("doctor-fast")
+    lines = [title, ""] + (provenance(env, [], calls) if env else [])
+    lines += ["", "| run | verdict | step ms | MFU | % of roofline (binds) | compute / memory ms | top kernels |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for path in reports:
+        r = json.loads(path.read_text())
+        m = r["measurements"]
+        ss, mf, roof = m.get("step_stats") or {}, m.get("mfu") or {}, m.get("roofline") or {}
+        step = ss.get("gpu_median_ms") or ss.get("median_ms")
+        top = "; ".join(f"{o['name']} {100 * o['share']:.0f}% ({o['category']})"
+                        for o in ((m.get("trace") or {}).get("top_ops") or [])[:3])
+        cells = [path.parent.name, r["verdict"]["id"], f"{step:.3f}" if step else "n/a",
+                 f"{100 * mf['mfu']:.1f}% ({mf['peak_dtype']})" if mf else "n/a",
+                 f"{100 * roof['share']:.0f}% ({roof['binds']})" if roof else
+                 f"n/a ({m.get('roofline_unavailable')})",
+                 f"{roof['compute_ms']:.3f} / {roof['memory_ms']:.3f}" if roof else "", top or "n/a"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 PLANTED_LINE = re.compile(r"^(?P<case>\S+)\s+expected (?P<expected>\S+)\s+got (?P<got>\S+)\s+cost\s+(?P<cost>[\d.]+)%"
                           r"\s+(?P<wall>[\d.]+) s\s+(?P<ok>ok|WRONG)")
 
@@ -335,7 +361,7 @@ def section_samplers(folder: Path, calls: Calls) -> list[str]:
 
 
 SECTIONS = (section_tests, section_throughput, section_ladder, section_eval, section_samplers, section_quality,
-            section_doctor, section_doctor_try, section_ddp)
+            section_doctor, section_doctor_try, section_doctor_fast, section_ddp)
 
 
 def summarize(folder: Path) -> str:

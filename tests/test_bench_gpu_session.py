@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
-         "doctor-try", "ddp",
+         "doctor-try", "doctor-fast", "candidates", "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "summarize"]
 
@@ -82,12 +82,21 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
                         "quality": bench_cli.quality_settings,
                         "samplers": bench_cli.samplers_settings}[args.bench_command]
                 make(args)
-            if args.command == "doctor":  # doctor run: its own options before the script, the script's after
+            if args.command == "doctor" and args.doctor_command == "run":  # its options before the script
                 from fastddpm.doctor.cli import script_arguments
 
                 script_arguments(args.script, args.script_args)
                 assert args.try_fixes == 3 and Path(ROOT / args.script).is_file()
-            seen.add(f"{args.command} {getattr(args, 'bench_command', '')}".strip())
+            elif args.command == "doctor":  # doctor train: the config it resolves (ConfigError on a bad value)
+                from fastddpm.cli import resolve_train_config
+
+                args.resume = None
+                cfg = resolve_train_config(args, args.train_dests)
+                assert cfg.train.batch_size in (1024, 128) and args.max_seconds == 60
+                if cfg.model.family == "ddpm":  # CIFAR-10's shape, from the carried Fashion-MNIST
+                    assert cfg.data.resize == 32 and cfg.data.image_mode == "RGB"
+            seen.add(f"{args.command} {getattr(args, 'doctor_command', '') or getattr(args, 'bench_command', '')}"
+                     .strip())
         elif cmd[1:3] == ["-m", "fastddpm.doctor.planted"]:
             args = _parse_with_main(planted.main, cmd[3:], monkeypatch)
             assert args.device == "cuda" and args.out
@@ -101,7 +110,7 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             assert args.out
             seen.add(name)
     assert seen == {"bench throughput", "bench ladder", "bench quality", "bench samplers", "eval", "planted", "pytest",
-                    "doctor_overhead", "ddp_overhead", "data", "doctor"}
+                    "doctor_overhead", "ddp_overhead", "data", "doctor run", "doctor train"}
     ladder = [c for c in commands if c[3:5] == ["bench", "ladder"]]
     assert len(ladder) == 2 and len({c[c.index("--out") + 1] for c in ladder}) == 1  # one folder: resumed, merged
     res = tmp_path / "res"
@@ -151,10 +160,20 @@ def _fabricate(folder: Path) -> None:
         (folder / rel).write_text(obj if isinstance(obj, str) else json.dumps(obj))
 
     write("calls/20261201T100000Z.json", {**_env("2026-12-01T10:00:00+00:00", "bash benchmarks/gpu_session.sh tests "
-                                                 "throughput doctor doctor-try"), "commit_given": COMMIT})
+                                                 "throughput doctor doctor-try doctor-fast"), "commit_given": COMMIT})
     write("calls/parts.jsonl", "\n".join(json.dumps({"call": "20261201T100000Z", "part": p, "rc": 0, "wall_s": 60,
                                                      "commit": COMMIT})
-                                          for p in ("tests", "throughput", "doctor", "doctor-try")))
+                                          for p in ("tests", "throughput", "doctor", "doctor-try", "doctor-fast")))
+    write("doctor-fast/seed-1layer-1024/report.json", {  # the parts of a doctor train report the summary reads
+        "verdict": {"id": "low-mfu"},
+        "measurements": {
+            "step_stats": {"median_ms": 45.9, "gpu_median_ms": 45.6},
+            "mfu": {"mfu": 0.091, "peak_dtype": "bf16"},
+            "roofline": {"share": 0.42, "binds": "memory", "compute_ms": 12.1, "memory_ms": 19.2},
+            "trace": {"top_ops": [{"name": "triton_red_fused_native_group_norm_0", "share": 0.21,
+                                   "calls_per_step": 12, "category": "cuda graph"},
+                                  {"name": "sm90_xmma_fprop_implicit_gemm_bf16", "share": 0.18, "calls_per_step": 20,
+                                   "category": "cuda graph"}]}}})
     write("doctor-try/report.json", {  # the parts of a doctor run --try report the summary reads
         "verdict": {"id": "attention-weights"},
         "trials": [{"fix": "autocast-bf16", "finding": "fp32", "predicted": 1.5, "measured": 1.62, "spread": [1.55, 1.7],
@@ -245,8 +264,9 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert summarize_gpu.main([str(folder)]) == 0
     md = (folder / "SUMMARY.md").read_text()
     sections = md.split("\n### ")[1:]
-    # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, doctor --try, ddp
-    assert len(sections) == 9
+    # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, doctor --try, doctor on the
+    # fast path, ddp
+    assert len(sections) == 10
     for section in sections:
         assert "Not measured yet" not in section and "Not run yet" not in section, section
         # every table names device, torch, date, commit (the call's, as the results say unknown) and command
@@ -261,6 +281,9 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert "+2.10% [+1.00%, +3.00%]" in md and "48.2 s end to end" in md and "verdict healthy" in md
     assert "| ddp | 1 | 28,500 | 28,500 | 95.0% |" in md
     assert "| autocast-bf16 | fp32 | 1.50x | 1.62x | 1.55-1.70x | 3 |" in md
+    assert ("| seed-1layer-1024 | low-mfu | 45.600 | 9.1% (bf16) | 42% (memory) | 12.100 / 19.200 | "
+            "triton_red_fused_native_group_norm_0 21% (cuda graph); sm90_xmma_fprop_implicit_gemm_bf16 18% "
+            "(cuda graph) |") in md
     assert "| compile | eager-elementwise | 1.20x | not measured (no 25 steps within 300 s) |" in md
     assert "| reference | seed-1layer as is | 2,400,000 | 95.0 | 3.210 (target) |" in md
     assert "| fast | train.batch_size=512 | 1,200,000 | 30.0 | 2.900 | 21.5 | 720,000 |" in md
@@ -272,4 +295,4 @@ def test_summary_of_a_fabricated_session(tmp_path):
 def test_summary_of_an_empty_session_says_what_is_missing(tmp_path):
     summarize_gpu = _load("summarize_gpu")
     text = summarize_gpu.summarize(tmp_path)
-    assert text.count("Not measured yet") == 8 and "Not run yet (part `tests`)" in text
+    assert text.count("Not measured yet") == 9 and "Not run yet (part `tests`)" in text

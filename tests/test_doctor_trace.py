@@ -656,6 +656,34 @@ def test_gpu_breakdown_charges_kernels_to_the_op_that_launched_them():
     assert b["matmul"] / b["norm"] == pytest.approx(3.0) and b["attention"] / b["elementwise"] == pytest.approx(3.0)
     assert t.matmul_share_by_dtype == {"bf16": pytest.approx(b["matmul"])}
     assert t.attention_share_by_impl == {"SDPA flash": pytest.approx(b["attention"])}
+    # the top kernels by name, largest first, each with its launching op's category and its share of the span
+    top = [(o["name"], o["category"], o["calls_per_step"]) for o in t.top_ops]
+    assert top == [("gemm", "matmul", 1), ("flash_fwd", "attention", 1), ("gn", "norm", 1),
+                   ("silu", "elementwise", 1)]
+    assert t.top_ops[0]["share"] == pytest.approx(b["matmul"])
+
+
+def test_top_kernels_of_a_captured_step_are_named_and_marked_as_replayed():
+    t = analyze(captured_step_trace(20.0, graph_ids=True).events)
+    by_name = {o["name"]: o for o in t.top_ops}
+    # the replay's 300 kernels are 7 fused Triton kernels by name, ahead of the eager copy into the graph's input
+    replayed = [o for o in t.top_ops if o["category"] == "cuda graph"]
+    assert set(by_name) - {o["name"] for o in replayed} == {
+        "at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_copy>"}
+    assert t.top_ops[-1]["category"] == "copy" and t.top_ops[-1]["calls_per_step"] == 1
+    assert {o["name"] for o in replayed} == {f"triton_poi_fused_{i}" for i in range(7)}
+    assert sum(o["calls_per_step"] for o in replayed) == 300
+    assert sum(o["share"] for o in replayed) == pytest.approx(900 * len(t.steps) / t.span_us)
+
+
+def test_kernel_names_are_cut_to_read():
+    from fastddpm.doctor.trace import kernel_name
+
+    assert kernel_name("void cutlass::Kernel2<gemm_bf16_128x2_tn>(gemm_bf16_128x2_tn::Params)") == \
+        "cutlass::Kernel2<gemm_bf16_128x2_tn>"
+    assert kernel_name("void at::native::f<(int)4>(at::native::g<(int)4>, float)") == "at::native::f<(int)4>"
+    assert kernel_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
+    assert kernel_name("x" * 200, width=20) == "x" * 17 + "..."
 
 
 def test_cpu_native_bf16_reads_the_flags():

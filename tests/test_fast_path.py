@@ -12,7 +12,6 @@ import torch
 from fastddpm.config import apply_overrides, get_preset
 from fastddpm.device import resolve_precision
 from fastddpm.diffusion import make_schedule
-from fastddpm.models import UNet
 from fastddpm.rundir.metrics import read_metrics
 from fastddpm.trainer.batch_finder import Trial, choose_knee, find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, ResidentBatches, StreamingBatches
@@ -387,3 +386,30 @@ def test_schedule_tensors_are_never_replaced_in_place():
     s = make_schedule("linear", 1000)
     before = s.sqrt_alpha_bar
     assert s.to("cpu") is s and s.sqrt_alpha_bar is before
+
+
+def test_a_failed_cuda_graph_capture_stops_with_the_setting_to_change(real_images, monkeypatch):
+    """A capture that fails raises an error naming --cuda-graphs off, with the state as it was: the run does not
+    go on eager in a process a failed capture may have broken (a segmentation fault on an H100)."""
+    from fastddpm.trainer.step import CudaGraphCaptureError
+
+    model = tiny_model()
+    schedule = make_schedule("linear", 1000)
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                         capturable=False)
+    step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=schedule,
+                     prediction="epsilon", precision=resolve_precision("fp32", CPU), grad_clip=1.0, device=CPU,
+                     cuda_graphs="capture")
+    step.device = torch.device("cuda")  # past the device check: the capture itself is what fails here
+
+    def no_stream(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    before = [p.detach().clone() for p in model.parameters()]
+    batches = ResidentBatches(real_images, batch_size=8, num_timesteps=1000, seed=0, device=CPU)
+    with pytest.raises(CudaGraphCaptureError, match="--cuda-graphs off") as err:
+        step([batches.get(0)], lr=1e-3, step=0)
+    assert "operation not permitted when stream is capturing" in str(err.value)
+    assert step.graph is None and step.graph_failed.startswith("RuntimeError")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -50,3 +50,112 @@ def test_the_bound_is_the_slower_side_and_the_share_is_of_it():
 def test_the_bandwidth_is_measured_on_the_device():
     bw = measure_memory_bandwidth("cpu", nbytes=2**24, trials=2)
     assert bw["gbps"] > 0.1 and bw["nbytes"] == 2**24 and "16 MiB copy" in bw["label"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The doctor's roofline: counted in the first profiled step of any loop
+
+
+class TwoLinear(nn.Module):
+    """x -> relu(x W1) W2: autograd saves x (W1's gradient), relu's output (relu's backward and W2's gradient:
+    one storage), the loss's square input, and the two weights (parameters, not activations)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.l1 = nn.Linear(width, width, bias=False)
+        self.l2 = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+def test_saved_tensors_leave_out_parameters_seen_as_leaves_or_given():
+    from fastddpm.measure import SavedTensors
+
+    model, x = TwoLinear(16), torch.randn(8, 16)
+    with SavedTensors() as eager:
+        model(x).square().mean()
+    assert eager.activation_bytes() == (8 * 16 + 8 * 16 + 8 * 1) * 4
+    # the second weight, saved as weight.t() (the first is not saved: the batch needs no gradient)
+    assert list(eager.leaf_numel.values()) == [16]
+    # a compiled graph's autograd.Function saves its weight inputs detached: no leaf that requires grad, so only
+    # `params` (or an optimizer's step) leaves them out
+
+    class Detached(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x.detach(), w.detach())
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, g.t() @ x
+
+    w = model.l1.weight
+    with SavedTensors() as compiled:
+        Detached.apply(x, w).square().mean()
+    assert compiled.leaf_numel == {}
+    assert compiled.activation_bytes() == (8 * 16 + 16 * 16 + 8 * 16) * 4
+    assert compiled.activation_bytes([w]) == (8 * 16 + 8 * 16) * 4
+    # outside the block nothing is counted
+    model(x).square().mean()
+    assert eager.activation_bytes() == (8 * 16 + 8 * 16 + 8 * 1) * 4 and not eager.active
+
+
+def test_the_doctor_reports_a_loops_roofline_and_its_top_ops(tmp_path):
+    import fastddpm.doctor
+    from fastddpm.measure import ADAMW_UPDATE_TENSORS
+
+    torch.manual_seed(0)
+    width, batch = 64, 32
+    model = TwoLinear(width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = [torch.randn(batch, width) for _ in range(4)]
+    with fastddpm.doctor.watch(loader, warmup_steps=1, steps=3, profile_steps=2, out=tmp_path, device="cpu",
+                               print_report=False, loader_probe_s=0.1) as dr:
+        for x in dr.batches():
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dr.step()
+    m = dr.report.measurements
+    r = m["roofline"]
+    # saved: the batch, relu's output, the square's input; the weights were leaves and are left out
+    assert r["activation_mb_per_step"] * 1e6 == (batch * width + batch * width + batch) * 4
+    assert r["update_mb_per_step"] * 1e6 == ADAMW_UPDATE_TENSORS * 4 * (width * width + width)
+    assert "the optimizer's: 0.00416 M" in r["bytes_basis"]  # AdamW stepped them: the first weight, never saved
+
+    moved = 2 * r["activation_mb_per_step"] + r["update_mb_per_step"]
+    assert r["memory_ms"] == pytest.approx(moved * 1e6 / (r["bandwidth_gbps"] * 1e9) * 1e3)
+    assert r["compute_ms"] == pytest.approx(m["mfu"]["flops_per_step"] / (m["mfu"]["peak_tflops"] * 1e12) * 1e3)
+    assert r["bound_ms"] == max(r["compute_ms"], r["memory_ms"])
+    assert r["binds"] == ("compute" if r["compute_ms"] >= r["memory_ms"] else "memory")
+    assert r["share"] == pytest.approx(r["bound_ms"] / m["mfu"]["step_ms"])
+    text = dr.report.text()
+    assert f"roofline: {100 * r['share']:.0f}% of the bound ({r['binds']} binds)" in text
+    # the top ops of a CPU step: the matmuls' own time leads, named as the trace names them
+    top = m["trace"]["top_ops"]
+    assert top and "top ops: " in text and {o["category"] for o in top} >= {"matmul"}
+    assert top == sorted(top, key=lambda o: -o["share"]) and sum(o["share"] for o in top) <= 1.0
+
+
+def test_the_roofline_says_why_when_it_cannot_count_the_bytes():
+    from types import SimpleNamespace
+
+    from fastddpm.doctor.api import roofline_measurements
+    from fastddpm.measure import SavedTensors
+
+    mfu = {"flops_per_step": 1e9, "peak_tflops": 1.0, "step_ms": 10.0}
+    bw = {"gbps": 10.0, "label": "given"}
+    assert "no profiled step" in roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw)[1]
+    # a step replayed from a CUDA graph runs no autograd on the host: nothing is saved
+    why = roofline_measurements(SimpleNamespace(saved=SavedTensors()), mfu, None, bandwidth=bw)[1]
+    assert "CUDA graph" in why
+    assert "MFU" in roofline_measurements(SimpleNamespace(saved=None), {}, "no FLOPs counted", bandwidth=bw)[1]
+    # bytes the caller counted (fastddpm's trainer) are used as given: 2 x activations + update
+    roof, why = roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw, step_bytes={
+        "activation_bytes": 1e7, "update_bytes": 2e7, "basis": "counted on the model"})
+    assert why is None and roof.memory_ms == pytest.approx(4e7 / 1e10 * 1e3) and roof.compute_ms == 1.0
+    assert roof.binds == "memory" and roof.share == pytest.approx(0.4)

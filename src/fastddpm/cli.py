@@ -203,6 +203,7 @@ def cmd_train(args, dests) -> int:
 
     from fastddpm.rundir.locate import find_resume
     from fastddpm.trainer.loop import TrainingInterrupted, train
+    from fastddpm.trainer.step import CudaGraphCaptureError
 
     run_dir = Path(args.out)
     resumed = find_resume(run_dir, args.resume)
@@ -214,6 +215,9 @@ def cmd_train(args, dests) -> int:
         train(cfg, out_dir=run_dir, resume=resumed if resumed is not None else args.resume)
     except TrainingInterrupted as e:
         return e.exit_code
+    except CudaGraphCaptureError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -198,19 +198,77 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
 
 # What the update moves per fp32 parameter, in parameter-sized tensors: the forward and the backward read the
 # weights (2), the backward writes the gradient (1), AdamW reads weight, gradient and both moments and writes
-# weight and moments (7), the EMA reads its copy and the weight and writes its copy (3).
-UPDATE_TENSORS = 2 + 1 + 7 + 3
+# weight and moments (7); fastddpm's EMA reads its copy and the weight and writes its copy (3).
+ADAMW_UPDATE_TENSORS = 2 + 1 + 7
+UPDATE_TENSORS = ADAMW_UPDATE_TENSORS + 3
+
+
+class SavedTensors:
+    """While active (a context manager, on this thread): the storages autograd saves for the backward, each once
+    by its data pointer (a tensor saved by several ops, or views of one storage, move through memory once), and
+    the parameters that any torch.optim optimizer steps.
+    Parameters are saved too (a convolution keeps its weight); they are no activation: `activation_bytes(params)`
+    leaves out the storages of `params`, of the parameters an optimizer stepped, and of leaf tensors that
+    require grad or views of them (an eager step's weights; a compiled graph's weights are neither)."""
+
+    def __init__(self):
+        self.nbytes: dict[int, int] = {}  # storage data pointer -> bytes
+        self.leaf_numel: dict[int, int] = {}  # of those, leaf tensors that require grad -> elements
+        self.stepped_numel: dict[int, int] = {}  # parameters an optimizer stepped: storage data pointer -> elements
+        self._hooks = None
+        self._optimizer_hook = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without one storage (sparse, nested, a subclass)
+            return t
+        self.nbytes[storage.data_ptr()] = storage.nbytes()
+        base = t._base if t._base is not None else t  # a linear layer saves its weight as weight.t(), a view
+        if base.is_leaf and base.requires_grad:
+            self.leaf_numel[storage.data_ptr()] = base.numel()
+        return t
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    self.stepped_numel[p.untyped_storage().data_ptr()] = p.numel()
+
+    def __enter__(self) -> "SavedTensors":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        # a pre-hook: the doctor ends its steps in a post-hook, and this one is removed then (a hook removed from
+        # the dict being iterated would break the optimizer's loop over it)
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._optimizer_hook = register_optimizer_step_pre_hook(self._stepped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._optimizer_hook.remove()
+            self._hooks = self._optimizer_hook = None
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def activation_bytes(self, params: list[torch.Tensor] | tuple = ()) -> int:
+        skip = set(self.leaf_numel) | set(self.stepped_numel) | {p.untyped_storage().data_ptr() for p in params}
+        return sum(n for ptr, n in self.nbytes.items() if ptr not in skip)
 
 
 def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, images_per_step: int,
                      device: torch.device | str, autocast_dtype: torch.dtype | None) -> dict:
     """The bytes one training step must move through memory at the least, per image.
 
-    Activations: what autograd saves for the backward in the run's dtype (the saved-tensor hooks see each one),
-    written by the forward and read by the backward: twice its size. Counted on the device from two probe
-    forwards of 1 and 2 images under the run's autocast; their difference is one image's, so that the weights
-    (and autocast's cached casts of them), saved whatever the batch, are not counted as activations. Eager
-    autograd's saved set: torch.compile may save less (it recomputes cheap ops), never more by much.
+    Activations: what autograd saves for the backward in the run's dtype (SavedTensors), written by the forward
+    and read by the backward: twice its size. Counted on the device from two probe forwards of 1 and 2 images
+    under the run's autocast; their difference is one image's, so that the weights (and autocast's cached casts
+    of them), saved whatever the batch, are not counted as activations. Eager autograd's saved set:
+    torch.compile may save less (it recomputes cheap ops), never more by much.
     Update: UPDATE_TENSORS fp32 passes over the parameters (weights, gradients, AdamW moments, the EMA), once a
     step: per image, divided by `images_per_step`.
     Returns {"activation_bytes_per_image", "update_bytes_per_step", "bytes_per_image"}."""
@@ -218,21 +276,15 @@ def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, im
     params = [p for p in model.parameters() if p.requires_grad]
     saved = []
     for probe in (1, 2):
-        storages: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # a storage once, if reused
-            return t
-
         gen = torch.Generator(device=device).manual_seed(0)  # the global RNG (dropout's) is left alone
         x_BCHW = torch.randn(probe, *image_shape, device=device, generator=gen)
         t_B = torch.zeros(probe, dtype=torch.long, device=device)
         ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        with SavedTensors() as counted, ctx:
             loss = model(x_BCHW, t_B).float().square().mean()
         del loss  # the graph and what it saved go with it
-        saved.append(sum(storages.values()))
+        saved.append(sum(counted.nbytes.values()))
     activation = max(0, saved[1] - saved[0])
     update = UPDATE_TENSORS * sum(p.numel() for p in params) * 4
     return {"activation_bytes_per_image": activation, "update_bytes_per_step": update,

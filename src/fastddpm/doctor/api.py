@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fastddpm.doctor.measurements import CompileCounts, LowPrecision, Measurements, Mfu
+from fastddpm.doctor.measurements import CompileCounts, LowPrecision, Measurements, Mfu, Roofline
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
@@ -34,8 +34,10 @@ _PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 def measurements(session: Session, *, flops_per_step: float | None = None, peak: dict | None = None,
-                 measure_peak: bool = True, matmul_dtype: str | None = None) -> Measurements:
-    """Everything measured in the run (its `to_dict()` is the JSON report's `measurements`)."""
+                 measure_peak: bool = True, matmul_dtype: str | None = None, step_bytes: dict | None = None,
+                 params: list[torch.Tensor] | None = None, bandwidth: dict | None = None) -> Measurements:
+    """Everything measured in the run (its `to_dict()` is the JSON report's `measurements`). `step_bytes`,
+    `params`, `bandwidth`: the roofline's, when the caller knows them (see roofline_measurements)."""
     s = session
     stats = s.step_stats()
     compiled = _compile_counts(s)
@@ -45,6 +47,9 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
                            flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
                            matmul_dtype=matmul_dtype)
     mf = mfu.get("mfu") or {}
+    roof, roof_why = roofline_measurements(session, mf, mfu.get("mfu_unavailable"), step_bytes=step_bytes,
+                                           params=params, bandwidth=bandwidth,
+                                           measure=measure_peak and peak is None)
     low = (low_precision(s.device, fp32_peak={"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None,
                          events=events)
            if measure_peak and peak is None and _fp32_matmuls_only(trace) else None)
@@ -55,7 +60,53 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
         profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
         trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
         flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,
-        mfu_unavailable=mfu.get("mfu_unavailable"))
+        mfu_unavailable=mfu.get("mfu_unavailable"), roofline=roof, roofline_unavailable=roof_why)
+
+
+def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | None, *,
+                          step_bytes: dict | None = None, params: list[torch.Tensor] | None = None,
+                          bandwidth: dict | None = None, measure: bool = True) -> tuple[Roofline | None, str | None]:
+    """The step against its roofline (measure.roofline): MFU's FLOPs and peak on the compute side; on the memory
+    side the bytes a step must move, at the device's bandwidth (`bandwidth`: measure_memory_bandwidth's dict,
+    measured here when None and `measure`).
+    The bytes: `step_bytes` ({"activation_bytes", "update_bytes", "basis"} per step) when the caller counted
+    them (fastddpm's trainer, on its model); else what autograd saved in the first profiled step (twice: written,
+    then read), less the parameters (`params`, the optimizer's, when known), and AdamW's update over the
+    parameters. (Roofline, None), or (None, why)."""
+    from fastddpm.measure import ADAMW_UPDATE_TENSORS, measure_memory_bandwidth, roofline
+
+    if not mfu:
+        return None, f"the roofline's compute side is MFU's FLOPs and peak: {mfu_unavailable or 'not measured'}"
+    if step_bytes is None:
+        saved = session.saved
+        if saved is None:
+            return None, "no profiled step: the bytes are counted in the first one"
+        if not saved.nbytes:
+            return None, ("autograd saved nothing in the profiled step (a step replayed from a CUDA graph, or run "
+                          "without grad): no bytes to count")
+        if params or saved.stepped_numel:
+            numel = sum(p.numel() for p in params) if params else sum(saved.stepped_numel.values())
+            whose = "the optimizer's"
+        else:  # no torch.optim step seen: the weights that autograd saved are all that is known
+            numel, whose = sum(saved.leaf_numel.values()), "the weights autograd saved, no optimizer step seen"
+        step_bytes = {"activation_bytes": saved.activation_bytes(params or ()),
+                      "update_bytes": ADAMW_UPDATE_TENSORS * 4 * numel,
+                      "basis": f"what autograd saved in the first profiled step, each storage once, less the "
+                               f"parameters ({whose}: {numel / 1e6:.3g} M), written and read once; AdamW's update "
+                               f"over those parameters in fp32"}
+    if bandwidth is None:
+        if not measure:
+            return None, "the memory bandwidth was not measured (measure_peak=False, or the caller's peak)"
+        bandwidth = measure_memory_bandwidth(session.device)
+    moved = 2 * step_bytes["activation_bytes"] + step_bytes["update_bytes"]
+    roof = roofline(flops_per_image=mfu["flops_per_step"], bytes_per_image=moved, peak_tflops=mfu["peak_tflops"],
+                    bandwidth_gbps=bandwidth["gbps"])
+    bound_ms = roof["bound_us_per_image"] / 1e3
+    return Roofline(step_ms=mfu["step_ms"], bound_ms=bound_ms, compute_ms=roof["compute_us_per_image"] / 1e3,
+                    memory_ms=roof["memory_us_per_image"] / 1e3, binds=roof["binds"],
+                    share=bound_ms / mfu["step_ms"], activation_mb_per_step=step_bytes["activation_bytes"] / 1e6,
+                    update_mb_per_step=step_bytes["update_bytes"] / 1e6, bandwidth_gbps=bandwidth["gbps"],
+                    bandwidth_label=bandwidth["label"], bytes_basis=step_bytes["basis"]), None
 
 
 def _fp32_matmuls_only(trace: TraceStats | None) -> bool:
@@ -178,7 +229,8 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
 
 def diagnose(session: Session, *, context: str = "user", command: list[str] | None = None,
              flops_per_step: float | None = None, peak: dict | None = None, measure_peak: bool = True,
-             matmul_dtype: str | None = None, seen: dict | None = None) -> Report:
+             matmul_dtype: str | None = None, seen: dict | None = None, step_bytes: dict | None = None,
+             params: list[torch.Tensor] | None = None) -> Report:
     """Measurements -> rules -> verdict -> Report (saved under the session's out_dir when it has one).
     `seen`: what the caller watched from outside the steps, as Measurements fields (attention_calls,
     optimizer, batch_size: fastddpm.doctor.watchers)."""
@@ -190,7 +242,7 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
         probe = session.probe_loader(compute_ms)
     try:
         m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
-                         matmul_dtype=matmul_dtype)
+                         matmul_dtype=matmul_dtype, step_bytes=step_bytes, params=params)
     finally:
         session.discard_trace()  # read into `m`; kept only with save_trace
     m.loader_probe = probe

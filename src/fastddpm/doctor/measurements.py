@@ -10,6 +10,7 @@
       compile          CompileCounts      torch._dynamo's counters (only when something was compiled)
       trace            TraceStats         the profile window's trace (trace.py)
       mfu              Mfu                FLOPs per step against the measured matmul peak (api.py)
+      roofline         Roofline           the step against max(FLOPs / peak, bytes / bandwidth) (api.py)
       loader_probe     LoaderProbe        the DataLoader alone, after the run
       low_precision    LowPrecision       what bf16/fp16 would give this device's matmuls (measured; api.py)
       attention_calls  AttentionCalls     nn.MultiheadAttention.forward calls seen (doctor run, watch())
@@ -117,6 +118,24 @@ class Mfu:
 
 
 @dataclass(kw_only=True)
+class Roofline:
+    """The least time the step needs: its FLOPs at the matmul peak (MFU's) or its bytes at the measured memory
+    bandwidth, whichever is longer (the side that binds), against the step time measured."""
+
+    step_ms: float
+    bound_ms: float  # max(compute_ms, memory_ms)
+    compute_ms: float
+    memory_ms: float
+    binds: str  # "compute" or "memory"
+    share: float  # bound_ms / step_ms: the share of the roofline the step reaches
+    activation_mb_per_step: float  # saved for the backward: written once, read once (twice this moved)
+    update_mb_per_step: float  # weights, gradients, optimizer state (and EMA) read and written
+    bandwidth_gbps: float
+    bandwidth_label: str
+    bytes_basis: str  # how the bytes were counted
+
+
+@dataclass(kw_only=True)
 class LoaderProbe:
     """Rule 1: the DataLoader alone after the run (Session.probe_loader); None fields are left out of the dict."""
 
@@ -186,6 +205,8 @@ class Measurements:
     flops_source: str | None = None  # where mfu's FLOPs came from
     mfu: Mfu | None = None
     mfu_unavailable: str | None = None  # why mfu is None
+    roofline: Roofline | None = None
+    roofline_unavailable: str | None = None  # why roofline is None
     loader_probe: LoaderProbe | None = None
     loader_workers: int | None = None  # the DataLoader's own num_workers, when the doctor saw the loader
     batch_size: int | None = None  # the leading dimension of the first batch seen, or the trainer's setting
@@ -243,6 +264,10 @@ class Measurements:
             d["mfu"] = dataclasses.asdict(self.mfu)
         if self.mfu_unavailable is not None:
             d["mfu_unavailable"] = self.mfu_unavailable
+        if self.roofline is not None:
+            d["roofline"] = dataclasses.asdict(self.roofline)
+        if self.roofline_unavailable is not None:
+            d["roofline_unavailable"] = self.roofline_unavailable
         d["loader_probe"] = self.loader_probe.to_dict() if self.loader_probe is not None else None
         d["loader_workers"] = self.loader_workers
         d["batch_size"] = self.batch_size
@@ -269,7 +294,8 @@ class Measurements:
                    profiled_steps=d.get("profiled_steps", 0), notes=list(d.get("notes", [])),
                    compile=_typed(CompileCounts, d.get("compile")), trace=trace, trace_file=d.get("trace_file"),
                    flops_source=d.get("flops_source"), mfu=_typed(Mfu, d.get("mfu")),
-                   mfu_unavailable=d.get("mfu_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),
+                   mfu_unavailable=d.get("mfu_unavailable"), roofline=_typed(Roofline, d.get("roofline")),
+                   roofline_unavailable=d.get("roofline_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),
                    loader_workers=d.get("loader_workers"), batch_size=d.get("batch_size"),
                    low_precision=_typed(LowPrecision, d.get("low_precision")),
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),

@@ -105,9 +105,15 @@ class Report:
         if m.get("mfu"):
             parts.append(_mfu_text(m["mfu"]))
         lines.append("measured: " + "; ".join(parts))
+        if m.get("roofline"):
+            lines.append(f"roofline: {roofline_text(m['roofline'])}")
+        elif m.get("roofline_unavailable"):
+            lines.append(f"roofline: unavailable: {m['roofline_unavailable']}")
         split = breakdown_text(tr)
         if split:
             lines.append(f"where the step goes ({tr.get('breakdown_basis')}): {split}")
+        if tr.get("top_ops"):
+            lines.append(f"top {'kernels' if tr.get('has_gpu') else 'ops'}: {top_ops_text(tr['top_ops'])}")
         for line in (self.script or {}).get("frameworks") or []:
             lines.append(f"the script drives: {line}")
         for t in self.trials:
@@ -158,6 +164,20 @@ def breakdown_text(trace: dict) -> str:
             detail = f" [{trace['optimizer_kind']}]"
         parts.append(f"{BREAKDOWN_LABELS[k]} {100 * b[k]:.0f}%{detail}")
     return ", ".join(parts)
+
+
+def roofline_text(r: dict) -> str:
+    """The step against its roofline in one line: the share reached, the side that binds and both sides."""
+    moved_mb = 2 * r["activation_mb_per_step"] + r["update_mb_per_step"]
+    return (f"{100 * r['share']:.0f}% of the bound ({r['binds']} binds): step {r['step_ms']:.3g} ms, bound "
+            f"{r['bound_ms']:.3g} ms = max(compute {r['compute_ms']:.3g} ms at the matmul peak, memory "
+            f"{r['memory_ms']:.3g} ms: {moved_mb:,.1f} MB at {r['bandwidth_gbps']:,.0f} GB/s)")
+
+
+def top_ops_text(top: list[dict], n: int = 5) -> str:
+    """The kernels (GPU) or ops (CPU) that take most of the step, with their share and calls per step."""
+    return "; ".join(f"{o['name']} {100 * o['share']:.0f}% ({o['calls_per_step']:g}/step, {o['category']})"
+                     for o in top[:n])
 
 
 def _mfu_text(mf: dict) -> str:
@@ -415,6 +435,13 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
         mf = m["mfu"]
         rows.append(("MFU", f"{_mfu_text(mf)}: {mf['flops_per_step'] / 1e9:.2f} GFLOP/step; {mf['peak_dtype']} is "
                             f"{mf['peak_dtype_basis']}; peak {mf['peak_label']}"))
+    if m.get("roofline"):
+        r = m["roofline"]
+        rows.append(("roofline", f"{roofline_text(r)}; bytes: {r['bytes_basis']}; bandwidth "
+                                 f"{r['bandwidth_label']}"))
+    for o in tr.get("top_ops") or []:
+        rows.append((f"top {'kernel' if tr.get('has_gpu') else 'op'}: {o['category']}",
+                     f"{100 * o['share']:.1f}%, {o['calls_per_step']:g} a step: {o['name']}"))
     comp = m.get("compile") or {}
     if comp:
         rows.append(("torch.compile", ", ".join(f"{k} {v}" for k, v in comp.items())))

@@ -268,11 +268,24 @@ def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     if explained > 0:
         ev.append(f"{pct(explained)} of the span is layout conversions, materialised attention or eager "
                   f"elementwise work, costed by their own findings; this estimate covers the other {pct(residual)}")
+    ev.extend(_roofline_evidence(m))
+    memory_bound = m.roofline is not None and m.roofline.binds == "memory"
     return Finding(
         "low-mfu", (13,), "LOW MFU: the GPU is busy but does little math", min(0.5, residual * 0.5), ev,
-        "memory- or elementwise-bound kernels (norms, activations, copies) dominate",
+        ("the step must move more bytes than it does math: its roofline is on the memory side, so fewer bytes "
+         "(bf16 activations, ops fused under compile) is the way down" if memory_bound else
+         "memory- or elementwise-bound kernels (norms, activations, copies) dominate"),
         [Fix("--compile on (fuses elementwise chains); --precision bf16; a larger --batch-size or model",
              "torch.compile for fusion, bf16, larger batch or wider layers")], group="compute")
+
+
+def _roofline_evidence(m: Measurements) -> list[str]:
+    """The roofline's word on a low MFU: which side binds, and how near the step is to that bound."""
+    r = m.roofline
+    if r is None:
+        return []
+    return [f"roofline: the {r.binds} side binds (compute {r.compute_ms:.3g} ms, memory {r.memory_ms:.3g} ms a "
+            f"step); the step takes {r.step_ms:.3g} ms: it runs at {pct(r.share)} of its roofline"]
 
 
 def _explained_by_compute_rules(m: Measurements, t: TraceStats) -> float:
@@ -305,7 +318,7 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
         [f"MFU {pct(mf.mfu)}: {mf.flops_per_step / 1e9:.2f} GFLOP per step in {mf.step_ms:.1f} ms against a "
          f"measured {mf.peak_dtype} matmul peak of {mf.peak_tflops * 1e3:.3g} GFLOP/s",
          f"matmuls and attention take {pct(math_share)} of the step; the other {pct(rest)}: " +
-         ", ".join(f"{label} {pct(v)}" for v, label in top[:4])],
+         ", ".join(f"{label} {pct(v)}" for v, label in top[:4]), *_roofline_evidence(m)],
         "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
         [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops",
              trial="compile")],

@@ -172,8 +172,10 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
             f"step boundaries. Mark them yourself with fastddpm.doctor.watch(loader) and dr.step() in the script")
     if ended is not None:
         session.finish_early(ended)
+    opt = hooks.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]] if opt is not None else None
     report = diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
-                      seen=hooks.seen())
+                      seen=hooks.seen(), params=params)
     in_script_terms(report, context, optimizer=hooks.optimizer, loader=session.loader)
     if try_fixes:
         try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, log=log)
@@ -257,7 +259,7 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     without each, alternating (their progress to `try_log`)."""
     from fastddpm.config import from_dict
     from fastddpm.device import resolve_device
-    from fastddpm.measure import count_step_flops
+    from fastddpm.measure import count_step_bytes, count_step_flops
     from fastddpm.models import build_unet
     from fastddpm.rundir.layout import RunDir
     from fastddpm.trainer.loop import train
@@ -280,12 +282,24 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
                        final_outputs=False)
     train(cfg, out_dir=run_dir, hooks=hooks, log=log)
     resolved = from_dict(json.loads(RunDir(run_dir).config.read_text()))
-    m = resolved.model
-    flops = count_step_flops(build_unet(m), (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
+    m, images = resolved.model, resolved.train.batch_size * resolved.train.accum_steps
+    model = build_unet(m)
+    flops = count_step_flops(model, (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
     precision = json.loads(RunDir(run_dir).info.read_text())["precision"]  # what autocast ran the matmuls in
+    # the roofline's bytes counted on the model, as bench throughput and the ladder count them (eager autograd's
+    # saved set: a compiled step replayed from a CUDA graph shows the profiler no saves of its own)
+    moved = count_step_bytes(model.to(device), (m.image_channels, m.image_size, m.image_size),
+                             images_per_step=images, device=device,
+                             autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
+    step_bytes = {"activation_bytes": moved["activation_bytes_per_image"] * images,
+                  "update_bytes": moved["update_bytes_per_step"],
+                  "basis": f"counted on the model: eager autograd's saved tensors in {precision}, "
+                           f"{moved['activation_bytes_per_image'] / 1e6:.3g} MB an image, written and read once; "
+                           f"AdamW's update and the EMA over the parameters in fp32"}
+    del model
     report = diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
-                      seen={"batch_size": resolved.train.batch_size})
+                      seen={"batch_size": resolved.train.batch_size}, step_bytes=step_bytes)
     if try_fixes:
         from fastddpm.doctor.trials import plan_trainer, run_trials
 

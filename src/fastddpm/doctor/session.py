@@ -13,7 +13,8 @@ diagnosed in about a minute, not after 55 steps.
   benchmarks/doctor_overhead.py measures it). Step-time statistics come from this window only.
 - profile: torch.profiler with CPU and CUDA activities and input shapes, the steps bracketed by
   `fastddpm::step` ranges and data waits by `fastddpm::data_wait`, exported as a Chrome/Perfetto trace that
-  fastddpm.doctor.trace reads. The profiler slows the host, so no step time is taken from this window.
+  fastddpm.doctor.trace reads. The profiler slows the host, so no step time is taken from this window. Its
+  first step also counts what autograd saves for the backward (measure.SavedTensors: the roofline's bytes).
 
 Whoever drives the loop calls `wait_for_data(fn)` around each fetch (or `new_iterator(fn)` for a fresh
 epoch) and `step()` at each step boundary. `watch()` (fastddpm.doctor.api), `doctor run` and `doctor train`
@@ -39,6 +40,7 @@ import torch
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
+from fastddpm.measure import SavedTensors
 
 
 # The time budget's shares of the windows. The watch gets the most: its steps are the step-time statistics. The
@@ -217,6 +219,8 @@ class Session:
         self.wall_s: float | None = None
         self.notes: list[str] = []
         self.loader = None  # the training DataLoader when known: timed alone at the end
+        # what autograd saved for the backward in the first profiled step (the roofline's bytes); None before
+        self.saved: SavedTensors | None = None
         c = config
         # window -> (planned steps, fewest steps when cut by time, share of the time budget)
         self._plan = {"warmup": (c.warmup_steps, min(MIN_WARMUP_STEPS, c.warmup_steps), WARMUP_SHARE),
@@ -320,6 +324,8 @@ class Session:
         self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
         self._epoch_start = False
+        if self.saved is not None and self.saved.active:  # one step counted is enough
+            self.saved.__exit__(None, None, None)
         if self._window_over(now):
             self._close_window(now)
             self._phase = self._next_window(phase)
@@ -357,10 +363,13 @@ class Session:
             self.profiler = profile(activities=activities, record_shapes=True)
             with profiler_logs_muted():
                 self.profiler.__enter__()
+            self.saved = SavedTensors().__enter__()
         if old == "profile":
             self._stop_profiler()
 
     def _stop_profiler(self) -> None:
+        if self.saved is not None and self.saved.active:
+            self.saved.__exit__(None, None, None)
         if self.profiler is None:
             return
         if self._step_range is not None:

@@ -129,6 +129,9 @@ class TraceStats:
     layout_kernels_per_step: float | None = None
     graph_launches_per_step: float | None = None
     graph_kernel_share: float | None = None  # kernels replayed from CUDA graphs / all kernels
+    # the kernels (GPU) or ops (CPU, own time) that take most of the step: [{"name", "share", "calls_per_step",
+    # "category"}], largest first; share of the kernel span (GPU) or of the training thread's step (CPU)
+    top_ops: list[dict] = field(default_factory=list)
     # for the HTML timeline, microseconds from the first step's start: [start, end] pairs and sync moments
     timeline: dict = field(default_factory=dict)
 
@@ -235,6 +238,7 @@ def analyze(events: list[dict]) -> TraceStats:
     _copies(stats, gpu, kernels)
     _layout(stats, kernels, launches, op_events)
     _gpu_matmul_shares(stats, kernels, launches, op_events)
+    _top_kernels(stats, kernels, launches, tree)
     if not stats.gemm_unavailable:
         _gpu_breakdown(stats, kernels, launches, tree)
     return stats
@@ -259,12 +263,14 @@ def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> No
     ops: dict[str, int] = {}
     by_dtype: dict[str, float] = {}
     by_impl: dict[str, float] = {}
+    by_name: dict[str, list] = {}
     for n in tree.walk(tree.main_tid):
         self_us = max(0.0, (n.end - n.ts) - sum(c.end - c.ts for c in n.children))
         cat = n.cat or ("framework" if n.e.get("cat") == "cpu_op" else "python")
         own[cat] = own.get(cat, 0.0) + self_us
         if n.e.get("cat") == "cpu_op":
             ops[cat] = ops.get(cat, 0) + 1
+            _add(by_name, n.e.get("name", "?"), self_us, cat)
         if n.cat == "matmul":
             d = op_dtype(n.owner.e)
             by_dtype[d] = by_dtype.get(d, 0.0) + self_us
@@ -272,12 +278,59 @@ def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> No
             by_impl[n.owner.impl] = by_impl.get(n.owner.impl, 0.0) + self_us
     covered_us = sum(n.end - n.ts for n in tree.roots.get(tree.main_tid, []))
     own["python"] = own.get("python", 0.0) + max(0.0, total_step_us - covered_us)
+    stats.top_ops = _top(by_name, total_step_us, len(stats.steps))
     stats.breakdown = {k: own.get(k, 0.0) / total_step_us for k in BREAKDOWN if k != "idle"}
     stats.breakdown_basis = "share of the profiled steps' host time (the training thread)"
     stats.breakdown_ops_per_step = {k: v / len(stats.steps) for k, v in ops.items()}
     stats.profiled_step_ms = statistics.median(s.dur_us for s in stats.steps) / 1e3
     stats.matmul_share_by_dtype = {k: v / total_step_us for k, v in by_dtype.items()}
     stats.attention_share_by_impl = {k: v / total_step_us for k, v in by_impl.items()}
+
+
+TOP_OPS = 8
+
+
+def _add(by_name: dict[str, list], name: str, us: float, category: str) -> None:
+    entry = by_name.setdefault(name, [0.0, 0, {}])  # time, calls, time by category
+    entry[0] += us
+    entry[1] += 1
+    entry[2][category] = entry[2].get(category, 0.0) + us
+
+
+def _top(by_name: dict[str, list], total_us: float, steps: int) -> list[dict]:
+    """The TOP_OPS names with the most time; an op that runs in several categories (a copy in the optimizer and
+    in a cast) is shown in the one where it spends most."""
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
+    return [{"name": name, "share": us / (total_us or 1e-9), "calls_per_step": round(calls / max(steps, 1), 2),
+             "category": max(cats, key=cats.get)} for name, (us, calls, cats) in ranked]
+
+
+def kernel_name(name: str, width: int = 90) -> str:
+    """A kernel's name short enough to read: no `void ` and no argument list; templates cut at `width`."""
+    name = name.removeprefix("void ")
+    if name.endswith(")") and "(" in name:
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):  # the argument list's own opening bracket, past nested ones
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def _top_kernels(stats: TraceStats, kernels: list[dict], launches: dict, tree: OpTree) -> None:
+    """The kernels that take most of the kernel span, each with the category of the op that launched it
+    ("cuda graph" for a replay, whose kernels have no op of their own)."""
+    by_name: dict[str, list] = {}
+    for k in kernels:
+        launch = launches[k["args"]["correlation"]]
+        if "Graph" in launch.get("name", ""):
+            cat = "cuda graph"
+        else:
+            node = tree.innermost_at(launch.get("tid"), float(launch["ts"]))
+            cat = node.cat if node is not None and node.cat is not None else "framework"
+        _add(by_name, kernel_name(k.get("name", "?")), float(k.get("dur", 0)), cat)
+    stats.top_ops = _top(by_name, stats.span_us or 0.0, len(stats.steps))
 
 
 def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree: OpTree) -> None:

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Sequence
 
 import torch
@@ -65,6 +64,10 @@ def make_optimizer(model: torch.nn.Module, *, lr: float, betas, weight_decay: fl
         kwargs["capturable"] = True
     lr_value = torch.tensor(lr, dtype=torch.float32, device=device) if tensor_lr else lr
     return torch.optim.AdamW(model.parameters(), lr=lr_value, **kwargs)
+
+
+class CudaGraphCaptureError(RuntimeError):
+    """The step could not be captured in a CUDA graph; the message names the setting that runs without one."""
 
 
 class TrainStep:
@@ -218,13 +221,16 @@ class TrainStep:
 
     def _capture(self, batches: Sequence[Batch]) -> None:
         """Warm up on a side stream, capture one step, then put every state tensor back as it was, so the
-        warm-up steps leave no trace and resume stays exact. On any failure: warn and run without graphs."""
+        warm-up steps leave no trace and resume stays exact. A failure raises CudaGraphCaptureError (the state
+        put back first): going on eager in the same process is not safe (a failed capture can leave the CUDA
+        context so that a later eager kernel crashes the process, as seen on an H100)."""
         if self.scaler is not None or self.device.type != "cuda":
             self.graph_failed = "CUDA graphs need a CUDA device and no GradScaler (use bf16 or fp32)"
             return
         before = {id(t): t.detach().clone() for t in self._state_tensors()}
-        side = torch.cuda.Stream(self.device)
+        side = None
         try:
+            side = torch.cuda.Stream(self.device)
             self._static = [Batch(x0=b.x0.clone(), t=b.t.clone(), noise=b.noise.clone(), indices=b.indices,
                                   y=b.y.clone() if b.y is not None else None) for b in batches]
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -243,13 +249,18 @@ class TrainStep:
             with torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 self._static_loss = self._body(self._static, True)
             self.graph = graph
-        except Exception as e:  # a capture failure must not kill the run: fall back to the same step, eager
+        except Exception as e:
             self.graph = None
             self.graph_failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"CUDA graph capture failed, running without graphs: {self.graph_failed}", stacklevel=2)
+            raise CudaGraphCaptureError(
+                f"capturing the training step in a CUDA graph failed ({self.graph_failed}). The run stops here: "
+                f"after a failed capture the process cannot safely go on without graphs. Nothing was trained "
+                f"with the graph and no checkpoint was touched. Run again with --cuda-graphs off (or "
+                f"--compile on --cuda-graphs reduce-overhead; in Python, cuda_graphs=\"off\")") from e
         finally:
             # Side-stream warm-up kernels may still run (after an exception): let them finish before restoring.
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            if side is not None:
+                torch.cuda.current_stream(self.device).wait_stream(side)
             self._capturing = False
             with torch.no_grad():
                 for t in self._state_tensors():
