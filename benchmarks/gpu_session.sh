@@ -15,8 +15,9 @@
 #   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
 #   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
 #                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
-#   candidates        5-8 min (r)  bench throughput, compiled, with and without channels_last: seed-1layer at 1024,
-#                                  ddpm-cifar10 at 128 and 256 (the changes the fast path's doctor points at)
+#   candidates        6-10 min (r) bench throughput, compiled, with and without channels_last: seed-1layer at 1024
+#                                  (and Inductor's max-autotune), ddpm-cifar10 at 128 and 256 (the changes the fast
+#                                  path's doctor points at)
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
@@ -191,7 +192,7 @@ for part in "${PARTS[@]}"; do
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
     candidates)
       limited 90 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-seed-1layer" &&
+        --choices auto-compile,auto-compile-cl,auto-compile-ma --out "$RES/throughput-candidates-seed-1layer" &&
         limited 90 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128,256 \
           --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" ;;
     ddp)

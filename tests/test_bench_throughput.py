@@ -268,6 +268,10 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
 
     assert parse_choice("bf16-compile-gc")["train.grad_checkpointing"] is True  # memory saved vs time
     assert parse_choice("fp32-eager-cl-gc")["train.channels_last"] == "on"
+    assert parse_choice("auto-compile-cl-ma")["train.compile_mode"] == "max-autotune"
+    assert parse_choice("auto-compile")["train.compile_mode"] == "default"
+    with pytest.raises(ConfigError, match="not with eager"):
+        parse_choice("bf16-eager-ma")  # max-autotune is a mode of the compiler
 
 
 # ---------------------------------------------------------------------------------------------------------------

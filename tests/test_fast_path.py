@@ -279,6 +279,38 @@ def test_cpu_compile_auto_compiles_only_bf16_runs_long_enough_to_pay_back():
     assert resolve_fast_path(TrainConfig(compile="on"), cpu, fp32, planned_images=1).compile  # asked for: kept
 
 
+def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_capture(monkeypatch):
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
+    from fastddpm.trainer.step import inductor_mode
+
+    # fastddpm's own capture holds the step: Inductor must not record graphs of its own inside it
+    assert inductor_mode("max-autotune", "capture") == "max-autotune-no-cudagraphs"
+    assert inductor_mode("max-autotune", "off") == "max-autotune-no-cudagraphs"
+    assert inductor_mode("max-autotune", "reduce-overhead") == "max-autotune"
+    assert inductor_mode("default", "reduce-overhead") == "reduce-overhead"
+    assert inductor_mode("default", "capture") is None
+    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
+    on = resolve_fast_path(TrainConfig(compile="on", compile_mode="max-autotune"), cpu, bf16, planned_images=1)
+    assert on.compile_mode == "max-autotune" and "mode max-autotune" in on.reasons["compile"]
+    unused = resolve_fast_path(TrainConfig(compile_mode="max-autotune"), cpu, bf16, planned_images=1)
+    assert not unused.compile and unused.compile_mode == "default" and "unused" in unused.reasons["compile"]
+    with pytest.raises(ConfigError, match="--compile on"):
+        resolve_fast_path(TrainConfig(compile="off", compile_mode="max-autotune"), cpu, bf16, planned_images=1)
+    with pytest.raises(ConfigError, match="compile_mode"):
+        TrainConfig(compile_mode="fast")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    model = tiny_model()
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                         capturable=False)
+    TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=make_schedule("linear", 1000),
+              prediction="epsilon", precision=bf16, grad_clip=None, device=CPU, compile=True,
+              compile_mode="max-autotune")
+    assert seen == [{"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
+
+
 def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
                                                "train.max_steps": 1, "train.accum_steps": 2})

@@ -53,7 +53,7 @@ def test_the_bandwidth_is_measured_on_the_device():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The doctor's roofline: counted in the first profiled step of any loop
+# The doctor's roofline: counted in the second warm-up step of any loop
 
 
 class TwoLinear(nn.Module):
@@ -112,15 +112,22 @@ def test_the_doctor_reports_a_loops_roofline_and_its_top_ops(tmp_path):
     model = TwoLinear(width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = [torch.randn(batch, width) for _ in range(4)]
-    with fastddpm.doctor.watch(loader, warmup_steps=1, steps=3, profile_steps=2, out=tmp_path, device="cpu",
-                               print_report=False, loader_probe_s=0.1) as dr:
-        for x in dr.batches():
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            dr.step()
-    m = dr.report.measurements
+
+    def run(warmup_steps: int):
+        with fastddpm.doctor.watch(loader, warmup_steps=warmup_steps, steps=3, profile_steps=2, out=tmp_path,
+                                   device="cpu", print_report=False, loader_probe_s=0.1) as dr:
+            for x in dr.batches():
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                dr.step()
+        return dr.report
+
+    # counted in the second warm-up step, where nothing is timed or profiled: one warm-up step is too few
+    assert "warmup_steps >= 2" in run(1).measurements["roofline_unavailable"]
+    report = run(2)
+    m = report.measurements
     r = m["roofline"]
     # saved: the batch, relu's output, the square's input; the weights were leaves and are left out
     assert r["activation_mb_per_step"] * 1e6 == (batch * width + batch * width + batch) * 4
@@ -133,7 +140,7 @@ def test_the_doctor_reports_a_loops_roofline_and_its_top_ops(tmp_path):
     assert r["bound_ms"] == max(r["compute_ms"], r["memory_ms"])
     assert r["binds"] == ("compute" if r["compute_ms"] >= r["memory_ms"] else "memory")
     assert r["share"] == pytest.approx(r["bound_ms"] / m["mfu"]["step_ms"])
-    text = dr.report.text()
+    text = report.text()
     assert f"roofline: {100 * r['share']:.0f}% of the bound ({r['binds']} binds)" in text
     # the top ops of a CPU step: the matmuls' own time leads, named as the trace names them
     top = m["trace"]["top_ops"]
@@ -149,7 +156,7 @@ def test_the_roofline_says_why_when_it_cannot_count_the_bytes():
 
     mfu = {"flops_per_step": 1e9, "peak_tflops": 1.0, "step_ms": 10.0}
     bw = {"gbps": 10.0, "label": "given"}
-    assert "no profiled step" in roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw)[1]
+    assert "warm-up step" in roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw)[1]
     # a step replayed from a CUDA graph runs no autograd on the host: nothing is saved
     why = roofline_measurements(SimpleNamespace(saved=SavedTensors()), mfu, None, bandwidth=bw)[1]
     assert "CUDA graph" in why

@@ -298,6 +298,13 @@ class TrainConfig:
                       "images) for ~45 s of compiling to pay back twice (the run's log gives the numbers).",
                       choices=("auto", "on", "off")),
     )
+    compile_mode: str = field(
+        default="default",
+        metadata=_doc("Inductor's mode when compiling: max-autotune times Triton templates against cuBLAS/cuDNN for "
+                      "each matmul and convolution shape (minutes more compile; a candidate for the small "
+                      "convolutions of a U-Net at 28x28, pending a GPU measurement). Its CUDA graphs are "
+                      "fastddpm's own (train.cuda_graphs).", choices=("default", "max-autotune")),
+    )
     cuda_graphs: str = field(
         default="auto",
         metadata=_doc("CUDA graphs for the step: capture = the whole step in one graph; reduce-overhead = "
@@ -435,7 +442,8 @@ class TrainConfig:
                  f"train.global_batch_size={self.global_batch_size} must be a positive integer (or none)")
         _require(self.ddp_bucket_cap_mb >= 1, f"train.ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1")
         _require(self.dist_timeout_s > 0, f"train.dist_timeout_s={self.dist_timeout_s} must be > 0")
-        for name in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement", "parallel"):
+        for name in ("compile", "compile_mode", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement",
+                     "parallel"):
             _check_choice("train", self, name)
         for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images",
                      "eval_every_images"):

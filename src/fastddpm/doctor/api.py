@@ -70,7 +70,7 @@ def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | No
     side the bytes a step must move, at the device's bandwidth (`bandwidth`: measure_memory_bandwidth's dict,
     measured here when None and `measure`).
     The bytes: `step_bytes` ({"activation_bytes", "update_bytes", "basis"} per step) when the caller counted
-    them (fastddpm's trainer, on its model); else what autograd saved in the first profiled step (twice: written,
+    them (fastddpm's trainer, on its model); else what autograd saved in the second warm-up step (twice: written,
     then read), less the parameters (`params`, the optimizer's, when known), and AdamW's update over the
     parameters. (Roofline, None), or (None, why)."""
     from fastddpm.measure import ADAMW_UPDATE_TENSORS, measure_memory_bandwidth, roofline
@@ -80,9 +80,9 @@ def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | No
     if step_bytes is None:
         saved = session.saved
         if saved is None:
-            return None, "no profiled step: the bytes are counted in the first one"
+            return None, "the bytes are counted in the second warm-up step: run with warmup_steps >= 2"
         if not saved.nbytes:
-            return None, ("autograd saved nothing in the profiled step (a step replayed from a CUDA graph, or run "
+            return None, ("autograd saved nothing in the counted step (a step replayed from a CUDA graph, or run "
                           "without grad): no bytes to count")
         if params or saved.stepped_numel:
             numel = sum(p.numel() for p in params) if params else sum(saved.stepped_numel.values())
@@ -91,7 +91,7 @@ def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | No
             numel, whose = sum(saved.leaf_numel.values()), "the weights autograd saved, no optimizer step seen"
         step_bytes = {"activation_bytes": saved.activation_bytes(params or ()),
                       "update_bytes": ADAMW_UPDATE_TENSORS * 4 * numel,
-                      "basis": f"what autograd saved in the first profiled step, each storage once, less the "
+                      "basis": f"what autograd saved in the second warm-up step, each storage once, less the "
                                f"parameters ({whose}: {numel / 1e6:.3g} M), written and read once; AdamW's update "
                                f"over those parameters in fp32"}
     if bandwidth is None:

@@ -13,8 +13,9 @@ diagnosed in about a minute, not after 55 steps.
   benchmarks/doctor_overhead.py measures it). Step-time statistics come from this window only.
 - profile: torch.profiler with CPU and CUDA activities and input shapes, the steps bracketed by
   `fastddpm::step` ranges and data waits by `fastddpm::data_wait`, exported as a Chrome/Perfetto trace that
-  fastddpm.doctor.trace reads. The profiler slows the host, so no step time is taken from this window. Its
-  first step also counts what autograd saves for the backward (measure.SavedTensors: the roofline's bytes).
+  fastddpm.doctor.trace reads. The profiler slows the host, so no step time is taken from this window.
+- the second warm-up step also counts what autograd saves for the backward (measure.SavedTensors: the
+  roofline's bytes); its Python hooks would slow a watched or profiled step.
 
 Whoever drives the loop calls `wait_for_data(fn)` around each fetch (or `new_iterator(fn)` for a fresh
 epoch) and `step()` at each step boundary. `watch()` (fastddpm.doctor.api), `doctor run` and `doctor train`
@@ -219,7 +220,7 @@ class Session:
         self.wall_s: float | None = None
         self.notes: list[str] = []
         self.loader = None  # the training DataLoader when known: timed alone at the end
-        # what autograd saved for the backward in the first profiled step (the roofline's bytes); None before
+        # what autograd saved for the backward in the second warm-up step (the roofline's bytes); None before
         self.saved: SavedTensors | None = None
         c = config
         # window -> (planned steps, fewest steps when cut by time, share of the time budget)
@@ -336,6 +337,10 @@ class Session:
         if self.phase == "profile":
             self._step_range = torch.autograd.profiler.record_function(STEP_MARK)
             self._step_range.__enter__()
+        if self.phase == "warmup" and self.step_index == 1:
+            # the second warm-up step (the first compiles and builds state): counted there, where nothing is
+            # timed, because its Python hooks slow a step of many small ops
+            self.saved = SavedTensors().__enter__()
         self._t_boundary = time.perf_counter()
         if self.phase == "done":
             self._finish()
@@ -363,12 +368,11 @@ class Session:
             self.profiler = profile(activities=activities, record_shapes=True)
             with profiler_logs_muted():
                 self.profiler.__enter__()
-            self.saved = SavedTensors().__enter__()
         if old == "profile":
             self._stop_profiler()
 
     def _stop_profiler(self) -> None:
-        if self.saved is not None and self.saved.active:
+        if self.saved is not None and self.saved.active:  # the loop ended inside the counted step
             self.saved.__exit__(None, None, None)
         if self.profiler is None:
             return

@@ -103,7 +103,8 @@ class Optimization:
                                  scaler=self.scaler, ema=self.ema, schedule=self.schedule,
                                  prediction=self.cfg.diffusion.prediction, precision=self.precision,
                                  grad_clip=train_cfg.grad_clip, accum_steps=train_cfg.accum_steps * micro_split,
-                                 compile=self.fast.compile, cuda_graphs=self.fast.cuda_graphs,
+                                 compile=self.fast.compile, compile_mode=self.fast.compile_mode,
+                                 cuda_graphs=self.fast.cuda_graphs,
                                  ema_every=train_cfg.ema_every, device=self.device,
                                  min_snr_gamma=train_cfg.min_snr_gamma)
         return self.step_fn

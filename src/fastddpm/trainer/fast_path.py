@@ -20,6 +20,7 @@ class FastPath:
     channels_last: bool
     cudnn_benchmark: bool
     reasons: dict[str, str]
+    compile_mode: str = "default"  # "default" | "max-autotune" (Inductor's)
 
     def lines(self) -> list[str]:
         return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
@@ -93,6 +94,11 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         compile_on, why = True, "auto: CUDA"
     else:
         compile_on, why = _cpu_compile_auto(precision, planned_images)
+    if train_cfg.compile_mode != "default":
+        if c == "off":
+            raise ConfigError(f"train.compile_mode={train_cfg.compile_mode} is a mode of torch.compile: turn "
+                              f"--compile on (or auto), or leave --compile-mode default")
+        why += f"; mode {train_cfg.compile_mode}" if compile_on else f"; mode {train_cfg.compile_mode} unused"
     reasons["compile"] = f"{'on' if compile_on else 'off'} ({why})"
     g = train_cfg.cuda_graphs
     if g == "auto":
@@ -146,4 +152,4 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         "requested" if cb != "auto" else "auto: static shapes, so one search per shape pays off" if cuda
         else "auto: CPU") + ")"
     return FastPath(compile=compile_on, cuda_graphs=graphs, channels_last=channels_last, cudnn_benchmark=bench,
-                    reasons=reasons)
+                    reasons=reasons, compile_mode=train_cfg.compile_mode if compile_on else "default")

@@ -66,6 +66,15 @@ def make_optimizer(model: torch.nn.Module, *, lr: float, betas, weight_decay: fl
     return torch.optim.AdamW(model.parameters(), lr=lr_value, **kwargs)
 
 
+def inductor_mode(compile_mode: str, cuda_graphs: str) -> str | None:
+    """torch.compile's mode for the loss: Inductor's CUDA graph trees only with cuda_graphs=reduce-overhead (a
+    step captured by fastddpm must not hold graphs of its own inside), max-autotune's kernel search on request."""
+    trees = cuda_graphs == "reduce-overhead"
+    if compile_mode == "max-autotune":
+        return "max-autotune" if trees else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if trees else None
+
+
 class CudaGraphCaptureError(RuntimeError):
     """The step could not be captured in a CUDA graph; the message names the setting that runs without one."""
 
@@ -73,7 +82,8 @@ class CudaGraphCaptureError(RuntimeError):
 class TrainStep:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
-                 grad_clip: float | None, accum_steps: int = 1, compile: bool = False, cuda_graphs: str = "off",
+                 grad_clip: float | None, accum_steps: int = 1, compile: bool = False,
+                 compile_mode: str = "default", cuda_graphs: str = "off",
                  ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None,
                  forward_model: torch.nn.Module | None = None):
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
@@ -109,8 +119,7 @@ class TrainStep:
 
         loss_fn = self._loss
         if compile:
-            mode = "reduce-overhead" if cuda_graphs == "reduce-overhead" else None
-            loss_fn = torch.compile(self._loss, dynamic=False, mode=mode)
+            loss_fn = torch.compile(self._loss, dynamic=False, mode=inductor_mode(compile_mode, cuda_graphs))
         self._loss_fn = loss_fn
 
     # -- the pieces ------------------------------------------------------------------------------------------
