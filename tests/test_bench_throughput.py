@@ -292,8 +292,6 @@ def _fake_peak(calls: list, tflops: float = 0.5):
 
 @pytest.mark.parametrize("precision, dtype, name", [("bf16", torch.bfloat16, "bf16"), ("fp32", torch.float32, "fp32")])
 def test_mfu_divides_by_the_peak_of_the_steps_own_dtype(tmp_path, monkeypatch, precision, dtype, name):
-    from fastddpm.bench import throughput
-
     calls = []
     monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak(calls, tflops=0.5))
     settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4, 8), warmup_steps=1, steps=1, repeats=1,
