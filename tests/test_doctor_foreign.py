@@ -78,9 +78,10 @@ def _block(linear: bool) -> nn.Module:
 
 
 def test_linear_attention_is_not_materialised_attention(tmp_path):
-    report = _diagnose(tmp_path, _block(linear=True))
+    report = _diagnose(tmp_path, _block(linear=True), warmup_steps=2)
     trace = report.measurements["trace"]
     assert report.finding("attention-weights") is None, report.text()
+    assert "attention_sites" not in report.measurements  # its softmaxes are over (d, L) and (L, d), not (L, L)
     assert trace["breakdown"]["attention"] == 0.0 and not trace["attention_share_by_impl"]
     assert trace["breakdown"]["matmul"] > 0.0  # its einsums are plain matmuls
     assert trace["breakdown"]["norm"] > 0.0  # RMSNorm's F.normalize reduction is a norm
@@ -90,6 +91,30 @@ def test_written_out_attention_is_still_materialised(tmp_path):
     trace = _diagnose(tmp_path, _block(linear=False)).measurements["trace"]
     impl = trace["attention_share_by_impl"]
     assert set(impl) == {"softmax(QK^T)V (materialised)"} and impl["softmax(QK^T)V (materialised)"] > 0.0
+
+
+def test_materialised_attention_is_named_by_its_module_and_the_place_to_change(tmp_path):
+    """The finding names the module that built the weights (its name in the model, its class, where the class
+    and its forward are written) and the fix points at that forward."""
+    import inspect
+
+    report = _diagnose(tmp_path, _block(linear=False), warmup_steps=2)
+    cls_line = inspect.getsourcelines(Attention2d)[1]
+    forward_line = inspect.getsourcelines(Attention2d.forward)[1]
+    here = "tests/test_doctor_foreign.py"
+    assert report.measurements["attention_sites"] == [
+        {"module": "Sequential.1", "cls": "Attention2d", "defined_at": f"{here}:{cls_line}",
+         "forward_at": f"{here}:{forward_line}", "tokens": 16 * 16}]
+    finding = report.finding("attention-weights")
+    assert finding is not None, report.text()
+    assert f"built by Sequential.1 (class Attention2d, defined at {here}:{cls_line}): 256 x 256 weights" \
+        in finding.evidence
+    assert finding.fixes[-1].code.startswith(f"in Attention2d.forward ({here}:{forward_line}): replace softmax(")
+    assert f"Attention2d.forward ({here}:{forward_line})" in report.text()
+    # the hooks are gone with the counted step
+    from torch.nn.modules import module as module_mod
+
+    assert not module_mod._global_forward_pre_hooks and not module_mod._global_forward_hooks
 
 
 def test_item_counts_the_loops_own_calls_not_the_optimizers(tmp_path):

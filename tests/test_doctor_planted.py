@@ -69,7 +69,13 @@ def test_mha_case_counts_the_calls_that_asked_for_weights(cpu_case):
     assert calls == {"calls_per_step": 1.0, "need_weights_per_step": 1.0, "modules": 1}
     impl = report.measurements["trace"]["attention_share_by_impl"]
     assert list(impl) == ["softmax(QK^T)V (materialised)"]
-    assert "need_weights=False" in report.finding("attention-weights").fixes[0].code
+    finding = report.finding("attention-weights")
+    assert "need_weights=False" in finding.fixes[0].code
+    # the module that built the weights is the nn.MultiheadAttention itself: its fix is need_weights, and there is
+    # no hand-written softmax to replace
+    sites = report.measurements["attention_sites"]
+    assert [s["cls"] for s in sites] == ["MultiheadAttention"] and sites[0]["tokens"] > 1
+    assert len(finding.fixes) == 1
     import torch.nn as nn
 
     assert not hasattr(nn.MultiheadAttention.forward, "__wrapped__")  # the watch put the method back

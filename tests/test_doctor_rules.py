@@ -7,7 +7,9 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
+import fastddpm.doctor
 from fastddpm.doctor import rules
 from fastddpm.doctor.measurements import (AttentionCalls, CompileCounts, CpuLoad, DeviceMemory, LoaderProbe,
                                           LowPrecision, Measurements, Mfu, OptimizerInfo, StepRecord, StepStats,
@@ -288,6 +290,48 @@ def test_unprofiled_share_takes_the_profilers_per_op_cost_out():
     assert record(trace=t).unprofiled_share("optimizer") == 0.5  # no watched steps to compare with
 
 
+def test_a_timed_optimizer_step_is_its_share_and_the_rest_share_what_it_leaves():
+    """Watched steps of 10 ms with 6 ms inside optimizer.step(): the optimizer's share is 60%, whatever the
+    profiler made of its thousands of small ops (the spread-out estimate above would say 1%); the matmuls and the
+    framework split the other 40% as the per-op correction has them."""
+    t = cpu_trace(split={"matmul": 0.25, "framework": 0.25, "optimizer": 0.5, "attention": 0.0, "norm": 0.0,
+                         "elementwise": 0.0, "copy": 0.0, "python": 0.0},
+                  breakdown_ops_per_step={"matmul": 10, "framework": 10, "optimizer": 980}, profiled_step_ms=20.0)
+    steps = [StepRecord(i, 10.0, 0.0, 0.0, False, optimizer_ms=6.0) for i in range(20)]
+    m = Measurements(device="cpu", steps=steps, trace=t, step_stats=StepStats(steps=20, median_ms=10.0))
+    assert m.optimizer_share() == pytest.approx(0.6)
+    assert m.unprofiled_share("optimizer") == pytest.approx(0.6)
+    assert m.unprofiled_share("matmul") == pytest.approx(0.2) and m.unprofiled_share("framework") == pytest.approx(0.2)
+    f, _ = check(rules.per_tensor_optimizer, dataclasses.replace(
+        m, trace=dataclasses.replace(t, optimizer_kind="per-tensor", optimizer_ops_per_step=980)))
+    assert f.cost == pytest.approx(0.3) and "takes 60% of the step" in f.evidence[0]
+    # steps watched without the timing (a report saved before it existed, a GPU trace) keep the trace's shares
+    untimed = dataclasses.replace(m, steps=[dataclasses.replace(s, optimizer_ms=None) for s in steps])
+    assert untimed.optimizer_share() is None and untimed.unprofiled_share("optimizer") == pytest.approx(0.02)
+    gpu = dataclasses.replace(m, trace=dataclasses.replace(t, has_gpu=True))
+    assert gpu.unprofiled_share("optimizer") == 0.5
+
+
+def test_the_doctor_times_the_optimizers_step_in_the_watched_steps():
+    """doctor's watch(): each watched step records the time spent inside optimizer.step(), and the process-wide
+    hooks are gone after the run."""
+    import torch.optim.optimizer as optim_mod
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    data = [torch.randn(4, 8) for _ in range(6)]
+    with fastddpm.doctor.watch(data, warmup_steps=1, steps=4, profile_steps=0, loader_probe_s=0, device="cpu",
+                               print_report=False, out=None, time_budget_s=None) as dr:
+        for x in dr.batches():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            dr.step()
+    steps = dr.report.measurements["steps"]
+    assert steps and all(0 < s["optimizer_ms"] < s["host_ms"] for s in steps)
+    assert not optim_mod._global_optimizer_pre_hooks and not optim_mod._global_optimizer_post_hooks
+
+
 def test_rule_attention_weights():
     t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.4, "SDPA flash (CPU)": 0.1})
     calls = AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6)
@@ -452,7 +496,8 @@ def test_every_rule_function_is_checked_in_order():
 def full_record() -> Measurements:
     trace = gpu_trace(timeline={"steps": [[0.0, 5.0]], "data_wait": [], "syncs": [], "gpu_busy": [[0.0, 4.0]]})
     return Measurements(
-        device="cuda:0", steps=[StepRecord(5, 10.0, 1.0, 0.5, True, data_queued_ms=0.1, gpu_ms=9.0, recompiles=1)],
+        device="cuda:0", steps=[StepRecord(5, 10.0, 1.0, 0.5, True, data_queued_ms=0.1, gpu_ms=9.0, recompiles=1,
+                                           optimizer_ms=2.0)],
         step_stats=StepStats(steps=1, median_ms=10.0, mean_ms=10.0, p10_ms=10.0, p90_ms=10.0, max_ms=10.0,
                              data_wait_ms_total=1.0, host_ms_total=10.0, epoch_starts=1,
                              first_fifth_median_ms=10.0, last_fifth_median_ms=10.0, gpu_median_ms=9.0),
@@ -468,6 +513,8 @@ def full_record() -> Measurements:
         low_precision=LowPrecision(dtype="bf16", native=True, reason="r", peak_ratio=4.0, peak_tflops=2.0,
                                    fp32_peak_tflops=0.5),
         attention_calls=AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6),
+        attention_sites=[{"module": "UNet.mid.attn", "cls": "Attn", "defined_at": "m.py:3", "forward_at": "m.py:9",
+                          "tokens": 64}],
         optimizer=OptimizerInfo(name="AdamW", param_tensors=300, foreach=None, fused=None),
         windows={"watch": {"planned": 40, "taken": 3, "seconds": 27.0, "cut_by_time": True}})
 
@@ -477,9 +524,10 @@ def test_measurements_dict_keeps_the_report_keys():
     assert list(d) == ["device", "steps", "step_stats", "cpu_load", "memory", "telemetry_start", "telemetry_end",
                        "profiled_steps", "notes", "compile", "trace", "trace_timeline", "trace_file", "flops_source",
                        "mfu", "loader_probe", "loader_workers", "batch_size", "low_precision", "attention_calls",
-                       "optimizer", "windows"]
+                       "optimizer", "attention_sites", "windows"]
     assert d["steps"] == [{"index": 5, "host_ms": 10.0, "data_wait_ms": 1.0, "data_cpu_ms": 0.5, "epoch_start": True,
-                           "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1}]
+                           "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1, "optimizer_ms": 2.0}]
+    assert d["attention_sites"][0]["forward_at"] == "m.py:9"
     assert list(d["step_stats"])[-1] == "gpu_median_ms" and d["step_stats"]["p90_ms"] == 10.0
     assert d["telemetry_start"] == {"sm_clock_mhz": 1980.0, "temperature_c": 60.0, "power_w": None, "source": "nvml"}
     assert d["compile"] == {"compiled_graphs": 1, "recompiles_after_warmup": 0, "graph_breaks": 0,

@@ -683,7 +683,17 @@ def test_kernel_names_are_cut_to_read():
         "cutlass::Kernel2<gemm_bf16_128x2_tn>"
     assert kernel_name("void at::native::f<(int)4>(at::native::g<(int)4>, float)") == "at::native::f<(int)4>"
     assert kernel_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
-    assert kernel_name("x" * 200, width=20) == "x" * 17 + "..."
+    assert kernel_name("(unnamed)") == "(unnamed)"
+    # two kernels alike in their first 90 characters stay two entries, each shown cut
+    tr = CudaTrace()
+    for _ in range(2):
+        tr.begin_step()
+        for dtype, us in (("float", 30.0), ("c10::BFloat16", 10.0)):
+            tr.launch(name=f"void at::native::elementwise_kernel<{'x' * 100}, {dtype}>(int)", kernel_us=us)
+        tr.end_step()
+    top = analyze(tr.events).top_ops
+    assert len(top) == 2 and all(len(o["name"]) == 90 and o["name"].endswith("...") for o in top)
+    assert top[0]["share"] == pytest.approx(3 * top[1]["share"]) and top[0]["calls_per_step"] == 1
 
 
 def test_cpu_native_bf16_reads_the_flags():

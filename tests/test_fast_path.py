@@ -2,6 +2,7 @@
 the streaming loader yields exactly the resident loader's batches; the batch finder never touches training
 state. GPU-only behaviour (CUDA graphs, pinned streams, no host syncs) is tested where CUDA exists."""
 
+import contextlib
 import copy
 import json
 
@@ -432,12 +433,23 @@ def test_a_failed_cuda_graph_capture_stops_with_the_setting_to_change(real_image
     step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=schedule,
                      prediction="epsilon", precision=resolve_precision("fp32", CPU), grad_clip=1.0, device=CPU,
                      cuda_graphs="capture")
-    step.device = torch.device("cuda")  # past the device check: the capture itself is what fails here
+    monkeypatch.setattr(step, "_capture_unsupported", lambda: None)  # the capture itself is what fails here
 
-    def no_stream(*args, **kwargs):
+    class Stream:  # the warm-up runs for real, on the CPU, on this stand-in side stream
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    def no_capture(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", no_capture)  # after three warm-up steps that moved the weights
     before = [p.detach().clone() for p in model.parameters()]
     batches = ResidentBatches(real_images, batch_size=8, num_timesteps=1000, seed=0, device=CPU)
     with pytest.raises(CudaGraphCaptureError, match="--cuda-graphs off") as err:

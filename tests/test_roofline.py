@@ -130,9 +130,10 @@ def test_the_doctor_reports_a_loops_roofline_and_its_top_ops(tmp_path):
     m = report.measurements
     r = m["roofline"]
     # saved: the batch, relu's output, the square's input; the weights were leaves and are left out
-    assert r["activation_mb_per_step"] * 1e6 == (batch * width + batch * width + batch) * 4
-    assert r["update_mb_per_step"] * 1e6 == ADAMW_UPDATE_TENSORS * 4 * (width * width + width)
-    assert "the optimizer's: 0.00416 M" in r["bytes_basis"]  # AdamW stepped them: the first weight, never saved
+    assert r["activation_mb_per_step"] * 1e6 == pytest.approx((batch * width + batch * width + batch) * 4)
+    assert r["update_mb_per_step"] * 1e6 == pytest.approx(ADAMW_UPDATE_TENSORS * 4 * (width * width + width))
+    # AdamW stepped them all, the first weight too (never saved: the batch needs no gradient)
+    assert "the parameters AdamW stepped: 0.00416 M" in r["bytes_basis"]
 
     moved = 2 * r["activation_mb_per_step"] + r["update_mb_per_step"]
     assert r["memory_ms"] == pytest.approx(moved * 1e6 / (r["bandwidth_gbps"] * 1e9) * 1e3)
@@ -156,13 +157,36 @@ def test_the_roofline_says_why_when_it_cannot_count_the_bytes():
 
     mfu = {"flops_per_step": 1e9, "peak_tflops": 1.0, "step_ms": 10.0}
     bw = {"gbps": 10.0, "label": "given"}
-    assert "warm-up step" in roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw)[1]
+    assert "warm-up step" in roofline_measurements(SimpleNamespace(saved=None, saved_unavailable=None), mfu, None, bandwidth=bw)[1]
     # a step replayed from a CUDA graph runs no autograd on the host: nothing is saved
-    why = roofline_measurements(SimpleNamespace(saved=SavedTensors()), mfu, None, bandwidth=bw)[1]
+    why = roofline_measurements(SimpleNamespace(saved=SavedTensors(), saved_unavailable=None), mfu, None, bandwidth=bw)[1]
     assert "CUDA graph" in why
-    assert "MFU" in roofline_measurements(SimpleNamespace(saved=None), {}, "no FLOPs counted", bandwidth=bw)[1]
+    assert "MFU" in roofline_measurements(SimpleNamespace(saved=None, saved_unavailable=None), {}, "no FLOPs counted", bandwidth=bw)[1]
     # bytes the caller counted (fastddpm's trainer) are used as given: 2 x activations + update
-    roof, why = roofline_measurements(SimpleNamespace(saved=None), mfu, None, bandwidth=bw, step_bytes={
+    roof, why = roofline_measurements(SimpleNamespace(saved=None, saved_unavailable=None), mfu, None, bandwidth=bw, step_bytes={
         "activation_bytes": 1e7, "update_bytes": 2e7, "basis": "counted on the model"})
     assert why is None and roof.memory_ms == pytest.approx(4e7 / 1e10 * 1e3) and roof.compute_ms == 1.0
     assert roof.binds == "memory" and roof.share == pytest.approx(0.4)
+
+
+def test_micro_batches_are_counted_each_though_the_allocator_reuses_their_addresses():
+    from fastddpm.measure import SavedTensors
+
+    model, x = TwoLinear(16), torch.randn(8, 16)
+    with SavedTensors() as one:
+        model(x).square().mean().backward()
+    with SavedTensors() as four:
+        for _ in range(4):  # each backward frees its saves before the next forward allocates (often the same)
+            model(x).square().mean().backward()
+    assert one.activation_bytes() == (8 * 16 + 8 * 16 + 8) * 4
+    assert four.activation_bytes() == 4 * one.activation_bytes() - 3 * 8 * 16 * 4  # the batch x: one storage
+
+
+def test_the_update_is_counted_for_the_optimizer_that_steps():
+    from fastddpm.measure import optimizer_passes
+
+    params = [nn.Parameter(torch.zeros(3))]
+    assert optimizer_passes(torch.optim.AdamW(params)) == (7, "AdamW")
+    assert optimizer_passes(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == (5, "SGD with momentum")
+    assert optimizer_passes(torch.optim.SGD(params, lr=0.1)) == (3, "SGD")
+    assert optimizer_passes(torch.optim.Adagrad(params))[1] == "Adagrad (taken as Adam's 7 passes)"

@@ -231,7 +231,8 @@ def cmd_sample(args) -> int:
     device, _ = resolve_device(args.device)
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
+    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
+                       cfg.diffusion.objective)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     out = Path(args.out) if args.out else ckpt.run_dir.samples

@@ -58,7 +58,10 @@ def example_inputs(cfg, batch: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     m = cfg.model
     x = torch.randn(batch, m.image_channels, m.image_size, m.image_size, generator=g)
-    t = torch.randint(0, cfg.diffusion.num_timesteps, (batch,), generator=g)
+    if cfg.diffusion.objective == "ddpm":
+        t = torch.randint(0, cfg.diffusion.num_timesteps, (batch,), generator=g)
+    else:  # EDM's and flow's noise input is a float on the timestep embedding's 0..1000 scale
+        t = torch.rand(batch, generator=g) * 1000
     if not m.conditional:
         return (x, t)
     return (x, t, torch.randint(0, m.num_classes + 1, (batch,), generator=g))
@@ -129,8 +132,9 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images)"
              + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
              f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: EMA",
-             f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts {d.prediction} "
-             "(schedule.json holds the betas)"]
+             (f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts {d.prediction} "
+              "(schedule.json holds the betas)" if d.objective == "ddpm" else
+              f"- diffusion: {d.objective} (schedule.json holds its parameters and the network's inputs)")]
     if fid:
         lines.append(f"- FID {fid['fid']:.2f} at {fid.get('images_seen', 0):,} images "
                      f"({fid.get('features_label', 'features unknown')})")
@@ -188,10 +192,19 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
         raise RuntimeError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "
                            f"{TOLERANCE:g}) on the same inputs; the file is kept for inspection")
-    schedule = schedule_from_config(cfg.diffusion)
+    d = cfg.diffusion
+    if d.objective == "ddpm":
+        process = {"objective": "ddpm", "betas": [float(b) for b in schedule_from_config(d).betas.double()],
+                   "num_timesteps": d.num_timesteps, "schedule": d.schedule, "prediction": d.prediction}
+    elif d.objective == "edm":  # Karras et al. 2022, Table 1: x0_hat = c_skip x + c_out F(c_in x, c_noise)
+        process = {"objective": "edm", "sigma_data": d.sigma_data, "p_mean": d.edm_p_mean, "p_std": d.edm_p_std,
+                   "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
+                   "network_input": "F(x / sqrt(sigma^2 + sigma_data^2), 250 ln(sigma))"}
+    else:  # x_t = (1 - t) x0 + t eps; the network predicts v = eps - x0
+        process = {"objective": "flow", "shift": d.flow_shift, "network_input": "v(x_t, 1000 t)",
+                   "prediction": "velocity"}
     (out / "schedule.json").write_text(json.dumps({
-        "betas": [float(b) for b in schedule.betas.double()], "num_timesteps": cfg.diffusion.num_timesteps,
-        "schedule": cfg.diffusion.schedule, "prediction": cfg.diffusion.prediction,
+        **process,
         "image_shape": [cfg.model.image_channels, cfg.model.image_size, cfg.model.image_size],
         "num_classes": cfg.model.num_classes if cfg.model.conditional else 0,
         "class_names": list(cfg.model.class_names) if cfg.model.conditional else []}, indent=1) + "\n")

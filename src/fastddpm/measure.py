@@ -18,6 +18,7 @@ import shlex
 import subprocess
 import sys
 import uuid
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -203,37 +204,78 @@ ADAMW_UPDATE_TENSORS = 2 + 1 + 7
 UPDATE_TENSORS = ADAMW_UPDATE_TENSORS + 3
 
 
+def _storage_of(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of a tensor's storage (a DTensor's: its local shard's), or None for a tensor without
+    one readable storage (sparse, nested, a wrapper subclass such as float8)."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def optimizer_passes(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+    """Parameter-sized tensors an optimizer step reads and writes, and its name: Adam's family reads weight,
+    gradient and two moments and writes weight and moments (7); SGD with momentum reads weight, gradient and
+    buffer and writes weight and buffer (5), without it 3. Others are taken as Adam's, and said to be."""
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        return 7, name
+    if name == "SGD":
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return (5, "SGD with momentum") if momentum else (3, "SGD")
+    return 7, f"{name} (taken as Adam's 7 passes)"
+
+
 class SavedTensors:
-    """While active (a context manager, on this thread): the storages autograd saves for the backward, each once
-    by its data pointer (a tensor saved by several ops, or views of one storage, move through memory once), and
-    the parameters that any torch.optim optimizer steps.
+    """While active (a context manager, entered and left on the training thread): the storages autograd saves for
+    the backward, each once (a tensor saved by several ops, or views of one storage, move through memory once;
+    an address reused after the earlier storage was freed, as between micro-batches, is a new storage), and the
+    parameters that any torch.optim optimizer steps (a process-wide pre-hook while active).
     Parameters are saved too (a convolution keeps its weight); they are no activation: `activation_bytes(params)`
     leaves out the storages of `params`, of the parameters an optimizer stepped, and of leaf tensors that
-    require grad or views of them (an eager step's weights; a compiled graph's weights are neither)."""
+    require grad or views of them (an eager step's weights; a compiled graph's weights are neither).
+    Activation checkpointing installs hooks of its own, under which these see nothing: what it recomputes is
+    not counted. `on_pack`, when given, sees each saved tensor too (the only saved-tensor hooks in effect are the
+    innermost ones, so a second observer rides on these)."""
 
-    def __init__(self):
-        self.nbytes: dict[int, int] = {}  # storage data pointer -> bytes
+    def __init__(self, on_pack: Callable[[torch.Tensor], None] | None = None):
+        self.on_pack = on_pack
+        self.saved: list[tuple[int, int]] = []  # (data pointer, bytes), one a storage
+        self._alive: dict[int, weakref.ref] = {}  # data pointer -> a tensor saved on it, while it lives
         self.leaf_numel: dict[int, int] = {}  # of those, leaf tensors that require grad -> elements
-        self.stepped_numel: dict[int, int] = {}  # parameters an optimizer stepped: storage data pointer -> elements
+        self.stepped: dict[int, tuple[int, int, int]] = {}  # stepped parameters: pointer -> (numel, bytes/elt, passes)
+        self.optimizers: set[str] = set()
         self._hooks = None
         self._optimizer_hook = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without one storage (sparse, nested, a subclass)
+        if self.on_pack is not None:
+            self.on_pack(t)
+        key = _storage_of(t)
+        if key is None:
             return t
-        self.nbytes[storage.data_ptr()] = storage.nbytes()
+        ptr, nbytes = key
+        seen = self._alive.get(ptr)
+        if seen is None or seen() is None:
+            self.saved.append((ptr, nbytes))
+            self._alive[ptr] = weakref.ref(t)
         base = t._base if t._base is not None else t  # a linear layer saves its weight as weight.t(), a view
         if base.is_leaf and base.requires_grad:
-            self.leaf_numel[storage.data_ptr()] = base.numel()
+            self.leaf_numel[ptr] = base.numel()
         return t
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        passes, name = optimizer_passes(optimizer)
+        self.optimizers.add(name)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                with contextlib.suppress(RuntimeError, NotImplementedError):
-                    self.stepped_numel[p.untyped_storage().data_ptr()] = p.numel()
+                key = _storage_of(p)
+                if key is not None:
+                    self.stepped[key[0]] = (p.numel(), p.element_size(), passes)
 
     def __enter__(self) -> "SavedTensors":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -247,17 +289,21 @@ class SavedTensors:
 
     def __exit__(self, *exc) -> None:
         if self._hooks is not None:
-            self._hooks.__exit__(*exc)
             self._optimizer_hook.remove()
-            self._hooks = self._optimizer_hook = None
+            hooks, self._hooks, self._optimizer_hook = self._hooks, None, None
+            hooks.__exit__(*exc)
 
     @property
     def active(self) -> bool:
         return self._hooks is not None
 
+    def total_bytes(self) -> int:
+        return sum(n for _, n in self.saved)
+
     def activation_bytes(self, params: list[torch.Tensor] | tuple = ()) -> int:
-        skip = set(self.leaf_numel) | set(self.stepped_numel) | {p.untyped_storage().data_ptr() for p in params}
-        return sum(n for ptr, n in self.nbytes.items() if ptr not in skip)
+        given = {key[0] for key in map(_storage_of, params) if key is not None}
+        skip = set(self.leaf_numel) | set(self.stepped) | given
+        return sum(n for ptr, n in self.saved if ptr not in skip)
 
 
 def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, images_per_step: int,
@@ -276,15 +322,17 @@ def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, im
     params = [p for p in model.parameters() if p.requires_grad]
     saved = []
     for probe in (1, 2):
-        gen = torch.Generator(device=device).manual_seed(0)  # the global RNG (dropout's) is left alone
+        gen = torch.Generator(device=device).manual_seed(0)
         x_BCHW = torch.randn(probe, *image_shape, device=device, generator=gen)
         t_B = torch.zeros(probe, dtype=torch.long, device=device)
         ctx = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        with SavedTensors() as counted, ctx:
+        # dropout draws from the global RNG: forked, so that the run being measured draws what it would have
+        rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with rng, SavedTensors() as counted, ctx:
             loss = model(x_BCHW, t_B).float().square().mean()
         del loss  # the graph and what it saved go with it
-        saved.append(sum(counted.nbytes.values()))
+        saved.append(counted.total_bytes())
     activation = max(0, saved[1] - saved[0])
     update = UPDATE_TENSORS * sum(p.numel() for p in params) * 4
     return {"activation_bytes_per_image": activation, "update_bytes_per_step": update,

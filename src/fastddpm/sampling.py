@@ -20,6 +20,7 @@ import torch
 from fastddpm.config import ConfigError, RunConfig, class_index
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
+from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
 from fastddpm.rng import derive_seed
@@ -27,9 +28,15 @@ from fastddpm.rundir.locate import Checkpoint, locate
 from fastddpm.rundir.state_dicts import load_model_state
 
 
-def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int) -> None:
+def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int, objective: str = "ddpm") -> None:
     """`sample`'s and `eval`'s sampler flags against the model: a ConfigError naming the flag and the fix."""
-    if sampler != "ddpm" and not 1 <= steps <= num_timesteps:
+    if objective != "ddpm":
+        if sampler not in CONTINUOUS_SAMPLERS:
+            raise ConfigError(f"--sampler {sampler} walks DDPM's discrete timesteps; this {objective} model samples "
+                              f"with {', '.join(CONTINUOUS_SAMPLERS)} (ancestral sampling: ddim with --eta 1)")
+        if steps < 1:
+            raise ConfigError(f"--steps {steps} must be >= 1")
+    elif sampler != "ddpm" and not 1 <= steps <= num_timesteps:
         raise ConfigError(f"--steps {steps} must be between 1 and {num_timesteps}")
     if eta != 0.0 and sampler != "ddim":
         kind = "stochastic by construction (the reverse SDE)" if sampler == "dpmpp-2m-sde" else "deterministic"

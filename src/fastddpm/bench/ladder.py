@@ -172,15 +172,21 @@ def run_rung(rung, sw, ctx, settings) -> dict:
         row.update(batch_size=prepared.batch_size, precision=prepared.precision, setup_s=prepared.setup_s,
                    notes=list(prepared.notes))
         row.update(measure_rung(prepared, settings, device))
-        if prepared.model is not None and ctx.peaks is not None:
-            row.update(model_roofline(prepared.model, tuple(ctx.images_NCHW.shape[1:]),
-                                      images_per_step=prepared.batch_size, device=device,
-                                      autocast_dtype=prepared.autocast_dtype, images_per_s=row["images_per_s"],
-                                      peaks=ctx.peaks))
         row["status"] = "ok"
         if row["peak_memory_bytes"] is not None:
             row["peak_memory_gib"] = row["peak_memory_bytes"] / 2**30
-        del prepared
+        model, autocast_dtype = prepared.model, prepared.autocast_dtype
+        del prepared  # the rung's step, optimizer and graphs go before the roofline's probes and peaks
+        gc.collect()
+        free_device_memory(device)
+        if model is not None and ctx.peaks is not None:
+            try:  # a failure here leaves the rung's measurement standing
+                row.update(model_roofline(model, tuple(ctx.images_NCHW.shape[1:]),
+                                          images_per_step=row["batch_size"], device=device,
+                                          autocast_dtype=autocast_dtype, images_per_s=row["images_per_s"],
+                                          peaks=ctx.peaks))
+            except Exception as e:  # noqa: BLE001 - OOM or anything: the rung was measured
+                row["notes"].append(f"MFU and roofline not measured: {type(e).__name__}: {e}".strip())
     except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the ladder goes on
         oom = is_oom(e)
         row.update(status="failed", reason=("out of memory: " if oom else "") + f"{type(e).__name__}: {e}".strip())

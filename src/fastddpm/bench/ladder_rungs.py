@@ -250,6 +250,7 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
     setup_s = 0.0
     if sw.resident:
         batches = ResidentBatches(ctx.images_NCHW, batch_size=sw.batch_size, num_timesteps=T, seed=ctx.seed,
+                                  continuous=cfg.diffusion.objective != "ddpm",
                                   device=device)
 
         def next_batch(i: int) -> Batch:
@@ -319,6 +320,7 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
     model, schedule = build_model(cfg, device=device, fast=fast)
     step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     batches = ResidentBatches(ctx.images_NCHW, batch_size=batch_size, num_timesteps=cfg.diffusion.num_timesteps,
+                              continuous=cfg.diffusion.objective != "ddpm",
                               seed=ctx.seed, device=device)
     if not cuda and sw.fused:
         notes.append("CPU: AdamW fused (tensor lr) only with compile on, else foreach")

@@ -251,6 +251,7 @@ def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device
     step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
                            num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
+                           continuous=cfg.diffusion.objective != "ddpm",
                            hflip=cfg.data.hflip)
     flops_per_step = count_step_flops(model, (t.batch_size, *settings.image_shape), accum_steps=t.accum_steps)
     moved = count_step_bytes(model, settings.image_shape, images_per_step=t.batch_size * t.accum_steps, device=device,

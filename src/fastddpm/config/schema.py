@@ -25,7 +25,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 # Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
-SAMPLERS = ("ddpm", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
+SAMPLERS = ("ddpm", "ddim", "euler", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
 # The default of `sample`, `eval`, the training grids and --eval-every: SDE-DPM-Solver++(2M) in 20 network calls
 # (benchmarks/RESULTS.md, "Few-step samplers"). On the CPU demo's checkpoints (2,000 samples) it beats every ODE
 # sampler at any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5
@@ -209,10 +209,31 @@ class DiffusionConfig:
     prediction: str = field(
         default="epsilon", metadata=_doc("What the network predicts: the noise, or v.", choices=("epsilon", "v"))
     )
+    objective: str = field(
+        default="ddpm",
+        metadata=_doc("The formulation: DDPM's T discrete timesteps (with schedule and prediction above); EDM's "
+                      "preconditioned continuous sigma (Karras et al. 2022); flow matching's straight path, "
+                      "predicting velocity (Lipman et al. 2022).", choices=("ddpm", "edm", "flow")),
+    )
+    sigma_data: float = field(default=0.5, metadata=_doc("EDM: the data's standard deviation in c_skip/c_out/c_in."))
+    edm_p_mean: float = field(default=-1.2, metadata=_doc("EDM: mean of ln(sigma) when training."))
+    edm_p_std: float = field(default=1.2, metadata=_doc("EDM: standard deviation of ln(sigma) when training."))
+    flow_shift: float = field(
+        default=1.0, metadata=_doc("Flow: the sampling levels' shift t' = s t / (1 + (s - 1) t) (1 = none; SD3 "
+                                   "uses 3 at 1024 px).")
+    )
 
     def __post_init__(self) -> None:
         _check_choice("diffusion", self, "schedule")
         _check_choice("diffusion", self, "prediction")
+        _check_choice("diffusion", self, "objective")
+        _require(self.objective == "ddpm" or self.prediction == "epsilon",
+                 f"diffusion.prediction={self.prediction} is DDPM's choice: an {self.objective} network predicts "
+                 + ("EDM's F of its preconditioning" if self.objective == "edm" else "the velocity eps - x_0")
+                 + "; leave --prediction out, or use --objective ddpm")
+        _require(self.sigma_data > 0 and self.edm_p_std > 0,
+                 f"diffusion.sigma_data={self.sigma_data} and edm_p_std={self.edm_p_std} must be > 0")
+        _require(self.flow_shift > 0, f"diffusion.flow_shift={self.flow_shift} must be > 0")
         _require(self.num_timesteps >= 2, f"diffusion.num_timesteps={self.num_timesteps} must be >= 2")
         _require(0 < self.beta_start < self.beta_end < 1,
                  f"diffusion betas must satisfy 0 < beta_start ({self.beta_start}) < beta_end ({self.beta_end}) < 1")
@@ -481,6 +502,17 @@ class RunConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        objective = self.diffusion.objective
+        if objective != "ddpm":
+            _require(self.train.min_snr_gamma is None,
+                     f"train.min_snr_gamma is a DDPM loss weighting; --objective {objective} weights its loss its "
+                     "own way: leave --min-snr-gamma out")
+            for name in ("sampler", "eval_sampler"):
+                _require(getattr(self.train, name) != "ddpm",
+                         f"train.{name}=ddpm walks DDPM's discrete timesteps; a {objective} model samples with "
+                         "euler, ddim, dpmpp-2m, dpmpp-2m-sde, unipc or heun")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastddpm.diffusion.continuous import ContinuousProcess, continuous_loss
 from fastddpm.diffusion.schedule import NoiseSchedule
 
 
@@ -54,7 +55,10 @@ def diffusion_loss(model, schedule: NoiseSchedule, prediction: str, x0: torch.Te
                    noise: torch.Tensor, min_snr_gamma: float | None = None,
                    y_B: torch.Tensor | None = None) -> torch.Tensor:
     """Mean-squared error between the model output at (x_t, t) and the target, in float32; with min_snr_gamma,
-    each sample's error is weighted first (see the module docstring). y_B: class ids of a conditional model."""
+    each sample's error is weighted first (see the module docstring). y_B: class ids of a conditional model.
+    A continuous objective (EDM, flow: `schedule` is its process) takes t_B as its standard normal draws."""
+    if isinstance(schedule, ContinuousProcess):
+        return continuous_loss(model, schedule, x0, t_B, noise, y_B)
     x_t = q_sample(schedule, x0, t_B, noise)
     out = model(x_t, t_B) if y_B is None else model(x_t, t_B, y_B)
     target = training_target(schedule, prediction, x0, t_B, noise)

@@ -214,3 +214,27 @@ def heun_2(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float]) -> 
         d_next = (x_euler - alpha[i + 1] * denoise(x_euler, i + 1)) * (1.0 / sigma[i + 1])
         x = x_euler + (0.5 * (sigma[i + 1] - alpha[i + 1] * sigma[i] / alpha[i])) * (d_next - d)
     return x
+
+
+def ddim_levels(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float], eta: float = 0.0,
+                noise=None) -> torch.Tensor:
+    """DDIM (Song et al. 2021, eq. 12) over any levels x = alpha x_0 + sigma eps, not only variance-preserving ones:
+        x_{i+1} = alpha_{i+1} x0_hat + sqrt(sigma_{i+1}^2 - s_i^2) eps_hat + s_i z,
+        s_i^2 = eta^2 (sigma_i^2 - (alpha_i / alpha_{i+1})^2 sigma_{i+1}^2) sigma_{i+1}^2 / sigma_i^2
+    (the posterior variance of the step from level i to i+1, times eta^2; eta = 0 is deterministic). With eta = 0
+    it is Euler's method on the probability-flow ODE written in the objective's own variables: for EDM Euler in
+    sigma, for flow matching Euler in t (x_{i+1} = x_i + (t_{i+1} - t_i) v). noise() -> a standard normal like x."""
+    steps = len(alpha) - 1
+    for i in range(steps):
+        x0 = denoise(x, i)
+        if i == steps - 1:
+            return x0
+        eps = (x - alpha[i] * x0) * (1.0 / sigma[i])
+        s2 = 0.0
+        if eta > 0:
+            s2 = eta * eta * max(0.0, sigma[i] ** 2 - (alpha[i] / alpha[i + 1]) ** 2 * sigma[i + 1] ** 2) \
+                * sigma[i + 1] ** 2 / sigma[i] ** 2
+        x = alpha[i + 1] * x0 + math.sqrt(max(0.0, sigma[i + 1] ** 2 - s2)) * eps
+        if s2 > 0:
+            x = x + math.sqrt(s2) * noise()
+    return x

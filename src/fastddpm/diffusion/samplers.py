@@ -15,14 +15,17 @@ eta = 0 is deterministic DDIM; eta = 1 matches DDPM's variance on the sub-sequen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fastddpm.config import SAMPLERS, SPACINGS, default_spacing
 from fastddpm.device import autocast
+from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS, ContinuousProcess
 from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
-from fastddpm.diffusion.ode_solvers import (dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2, noise_levels,
-                                            solver_timesteps, unipc_2)
+from fastddpm.diffusion.ode_solvers import (ddim_levels, dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2,
+                                            noise_levels, solver_timesteps, unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
 
 def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
@@ -143,7 +146,7 @@ def sampler_timesteps(schedule: NoiseSchedule, sampler: str, steps: int, spacing
     spacing = spacing or default_spacing(sampler)
     if sampler == "ddpm":
         return list(range(schedule.num_timesteps - 1, -1, -1))
-    if sampler == "ddim":
+    if sampler in ("ddim", "euler"):
         return solver_timesteps(schedule, steps, spacing)
     return solver_timesteps(schedule, steps, spacing, first=first_timestep(schedule))
 
@@ -160,7 +163,11 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own (config.default_spacing)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
-    spacing = spacing or default_spacing(sampler)
+    continuous = isinstance(schedule, ContinuousProcess)
+    if continuous and sampler not in CONTINUOUS_SAMPLERS:
+        raise ValueError(f"--sampler {sampler} walks the discrete timesteps of --objective ddpm; this "
+                         f"{schedule.name} model samples with {', '.join(CONTINUOUS_SAMPLERS)} (ancestral: ddim with --eta 1)")
+    spacing = spacing or (schedule.default_spacing if continuous and sampler != "heun" else default_spacing(sampler))
     if spacing not in SPACINGS:
         raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")
     if labels is not None:
@@ -170,11 +177,53 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     generator = torch.Generator(device=device).manual_seed(seed)
     common = dict(prediction=prediction, generator=generator, device=device, clip=clip,
                   autocast_dtype=autocast_dtype, progress=progress)
+    if continuous:
+        return continuous_sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, spacing=spacing,
+                                 **common)
     if sampler == "ddpm":
         return ddpm_sample(model, schedule, shape, **common)
+    if sampler == "euler":  # DDIM with eta = 0 is Euler's method on the probability-flow ODE
+        return ddim_sample(model, schedule, shape, steps=steps, eta=0.0, spacing=spacing, **common)
     if sampler == "ddim":
         return ddim_sample(model, schedule, shape, steps=steps, eta=eta, spacing=spacing, **common)
     return ode_sample(model, schedule, shape, solver=sampler, steps=steps, spacing=spacing, **common)
+
+
+@torch.no_grad()
+def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...], *, sampler: str, steps: int,
+                      eta: float = 0.0, spacing: str, prediction: str = "epsilon", generator: torch.Generator,
+                      device: torch.device | str, clip: bool = True, autocast_dtype: torch.dtype | None = None,
+                      progress=None) -> torch.Tensor:
+    """Any of CONTINUOUS_SAMPLERS on an EDM or flow-matching model (fastddpm.diffusion.continuous), over `steps`
+    levels of the process, noisiest first, then to sigma = 0. Starts from sigma_0 times the seed's noise (the
+    x_0 part, alpha_0 x_0, is left out, as EDM's sampler does). `prediction` is the objective's own."""
+    lambda_based = sampler in ("dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
+    levels = process.sampling_levels(steps, spacing, finite_lambda=lambda_based)
+    pairs = [process.alpha_sigma(float(v)) for v in levels]
+    alpha, sigma = [float(a) for a, _ in pairs] + [1.0], [float(s) for _, s in pairs] + [0.0]
+    lam = [math.log(a / s) for a, s in zip(alpha[:-1], sigma[:-1])] + [math.inf] if lambda_based else None
+    x = sigma[0] * torch.randn(shape, generator=generator, device=device)
+    draw = lambda: torch.randn(shape, generator=generator, device=device)  # noqa: E731
+
+    def denoise(x_t: torch.Tensor, i: int) -> torch.Tensor:
+        level_B = torch.full((x_t.shape[0],), levels[i], device=x_t.device, dtype=torch.float32)
+        x_in, c_noise_B = process.net_input(x_t, level_B)
+        with autocast(x_t.device.type, autocast_dtype):
+            out = model(x_in, c_noise_B).float()
+        x0 = process.x0(out, x_t, level_B)
+        if progress is not None:
+            progress.update(1)
+        return x0.clamp(-1.0, 1.0) if clip else x0
+
+    if sampler in ("euler", "ddim"):
+        return ddim_levels(denoise, x, alpha, sigma, eta=0.0 if sampler == "euler" else eta, noise=draw)
+    if sampler == "dpmpp-2m":
+        return dpmpp_2m(denoise, x, alpha, sigma, lam)
+    if sampler == "dpmpp-2m-sde":
+        return dpmpp_2m_sde(denoise, x, alpha, sigma, lam, noise=draw)
+    if sampler == "unipc":
+        return unipc_2(denoise, x, alpha, sigma, lam)
+    return heun_2(denoise, x, alpha, sigma)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:

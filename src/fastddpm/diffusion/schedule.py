@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from fastddpm.diffusion.continuous import ContinuousProcess, make_process
+
 
 def linear_betas(num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """Ho et al. 2020, sec. 4: betas increasing linearly from 1e-4 to 0.02 over T = 1000 steps."""
@@ -87,6 +89,18 @@ def make_schedule(kind: str, num_timesteps: int, beta_start: float = 1e-4, beta_
     raise ValueError(f"unknown schedule {kind!r}: choose 'linear' or 'cosine'")
 
 
-def schedule_from_config(cfg) -> NoiseSchedule:
-    """From a DiffusionConfig."""
+def schedule_from_config(cfg) -> NoiseSchedule | ContinuousProcess:
+    """From a DiffusionConfig: DDPM's schedule, or the continuous process of --objective edm / flow."""
+    process = make_process(cfg)
+    if process is not None:
+        return process
     return make_schedule(cfg.schedule, cfg.num_timesteps, cfg.beta_start, cfg.beta_end)
+
+
+def draw_t(schedule: NoiseSchedule | ContinuousProcess, batch_size: int, *, generator: torch.Generator | None,
+           device) -> torch.Tensor:
+    """Training's per-image noise draw: DDPM's integer timesteps, uniform over 0..T-1; a continuous objective's
+    standard normal z, which it maps to its level (continuous.ContinuousProcess.level)."""
+    if isinstance(schedule, ContinuousProcess):
+        return torch.randn((batch_size,), generator=generator, device=device)
+    return torch.randint(0, schedule.num_timesteps, (batch_size,), generator=generator, device=device)

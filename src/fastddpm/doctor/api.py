@@ -60,7 +60,8 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
         profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
         trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
         flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,
-        mfu_unavailable=mfu.get("mfu_unavailable"), roofline=roof, roofline_unavailable=roof_why)
+        mfu_unavailable=mfu.get("mfu_unavailable"), roofline=roof, roofline_unavailable=roof_why,
+        attention_sites=s.attention_sites.found() if getattr(s, "attention_sites", None) is not None else [])
 
 
 def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | None, *,
@@ -80,20 +81,27 @@ def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | No
     if step_bytes is None:
         saved = session.saved
         if saved is None:
-            return None, "the bytes are counted in the second warm-up step: run with warmup_steps >= 2"
-        if not saved.nbytes:
+            return None, session.saved_unavailable or ("the bytes are counted in the second warm-up step: run with "
+                                                        "warmup_steps >= 2")
+        if not saved.saved:
             return None, ("autograd saved nothing in the counted step (a step replayed from a CUDA graph, or run "
                           "without grad): no bytes to count")
-        if params or saved.stepped_numel:
-            numel = sum(p.numel() for p in params) if params else sum(saved.stepped_numel.values())
-            whose = "the optimizer's"
+        if saved.stepped:
+            entries = list(saved.stepped.values())
+            whose = f"the parameters {', '.join(sorted(saved.optimizers))} stepped"
+        elif params:
+            entries = [(p.numel(), p.element_size(), ADAMW_UPDATE_TENSORS - 3) for p in params]
+            whose = "the optimizer's (its step unseen: Adam's 7 passes taken)"
         else:  # no torch.optim step seen: the weights that autograd saved are all that is known
-            numel, whose = sum(saved.leaf_numel.values()), "the weights autograd saved, no optimizer step seen"
+            entries = [(n, 4, ADAMW_UPDATE_TENSORS - 3) for n in saved.leaf_numel.values()]
+            whose = "the weights autograd saved, no optimizer step seen: fp32 and Adam's 7 passes taken"
+        numel = sum(n for n, _, _ in entries)
         step_bytes = {"activation_bytes": saved.activation_bytes(params or ()),
-                      "update_bytes": ADAMW_UPDATE_TENSORS * 4 * numel,
+                      # forward and backward read each weight, the backward writes its gradient, then the optimizer
+                      "update_bytes": sum((3 + passes) * n * size for n, size, passes in entries),
                       "basis": f"what autograd saved in the second warm-up step, each storage once, less the "
-                               f"parameters ({whose}: {numel / 1e6:.3g} M), written and read once; AdamW's update "
-                               f"over those parameters in fp32"}
+                               f"parameters ({whose}: {numel / 1e6:.3g} M), written and read once; the update: "
+                               f"weights read twice, gradients written, the optimizer's reads and writes"}
     if bandwidth is None:
         if not measure:
             return None, "the memory bandwidth was not measured (measure_peak=False, or the caller's peak)"
@@ -330,6 +338,7 @@ class Watch:
         self.attention.__exit__()
         if exc_type is not None and not issubclass(exc_type, (StopIteration, GeneratorExit)):
             self.session._stop_profiler()
+            self.session.release_hooks()
             self.session.cpu.stop()
             return False
         if not self.session.done:

@@ -14,6 +14,7 @@
       loader_probe     LoaderProbe        the DataLoader alone, after the run
       low_precision    LowPrecision       what bf16/fp16 would give this device's matmuls (measured; api.py)
       attention_calls  AttentionCalls     nn.MultiheadAttention.forward calls seen (doctor run, watch())
+      attention_sites  list[dict]         the modules that built L x L attention weights (the counted step)
       optimizer        OptimizerInfo      the optimizer whose steps are the boundaries (doctor run)
 
 A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
@@ -24,6 +25,7 @@ take their defaults.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass, field
 
 from fastddpm.doctor.trace import TraceStats
@@ -39,6 +41,7 @@ class StepRecord:
     data_queued_ms: float = 0.0  # of the wait: this thread runnable but waiting for a core (crowded CPU)
     gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
     recompiles: int = 0  # graphs compiled during this step
+    optimizer_ms: float | None = None  # of the step: inside torch.optim step() calls, host clock (watched steps)
 
 
 @dataclass(kw_only=True)
@@ -212,6 +215,9 @@ class Measurements:
     batch_size: int | None = None  # the leading dimension of the first batch seen, or the trainer's setting
     low_precision: LowPrecision | None = None
     attention_calls: AttentionCalls | None = None
+    # modules that built L x L attention weights in the counted step: module (its name under the model), cls,
+    # defined_at and forward_at (file:line of the class and of its forward), tokens (L)
+    attention_sites: list[dict] = field(default_factory=list)
     optimizer: OptimizerInfo | None = None
     windows: dict = field(default_factory=dict)  # per window: planned and taken steps, seconds, cut by time
 
@@ -231,18 +237,38 @@ class Measurements:
         ops: on a CPU trace each category's time is taken less that cost for its own ops, and the shares are of
         what remains, so a category of many small ops (a per-tensor optimizer) shrinks and one of few large ops
         (the convolutions) grows. A GPU trace's shares are kernel time over the kernel span: kept as they are
-        (the kernels' own times are not stretched, though a host-bound step's idle time may be)."""
+        (the kernels' own times are not stretched, though a host-bound step's idle time may be).
+        On a CPU the optimizer's share is not taken from the trace where the watched steps timed its step()
+        calls: the profiler's cost is not the same for every op (an autograd node's evaluation costs it far more
+        than an optimizer's small op), and a per-tensor optimizer's thousands of ops made the spread-out estimate
+        of its share several times too small. The other categories then share what the optimizer leaves."""
         t = self.trace
         share = t.breakdown.get(category, 0.0) if t is not None else 0.0
         part = share if part is None else part
+        measured = self.optimizer_share() if t is not None and not t.has_gpu else None
+        if measured is not None and category == "optimizer":
+            return measured if not share else part / share * measured
         ops = (t.breakdown_ops_per_step or {}) if t is not None else {}
         if (t is None or t.has_gpu or not share or not t.profiled_step_ms or not sum(ops.values())
                 or self.step_stats is None or not self.step_stats.median_ms):
-            return part
+            return part if measured is None else part * (1 - measured) / (1 - t.breakdown.get("optimizer", 0.0)
+                                                                             or 1.0)
         profiled = t.profiled_step_ms
         per_op_ms = max(0.0, profiled - self.step_stats.median_ms) / sum(ops.values())  # the training thread's
         left = {c: max(0.0, s * profiled - ops.get(c, 0.0) * per_op_ms) for c, s in t.breakdown.items()}
+        if measured is not None:
+            left.pop("optimizer", None)
+            return part / share * left[category] / (sum(left.values()) or 1.0) * (1 - measured)
         return part / share * left[category] / (sum(left.values()) or 1.0)
+
+    def optimizer_share(self) -> float | None:
+        """The median watched step's share inside torch.optim step() calls, or None where they were not timed."""
+        timed = [s.optimizer_ms for s in self.steps if s.optimizer_ms is not None]
+        if not timed or len(timed) < len(self.steps) or self.step_stats is None or not self.step_stats.median_ms:
+            return None
+        median = statistics.median(timed)
+        # none timed: no torch.optim step ran where hooks fire (a compiled or graph-replayed step): the trace says
+        return min(1.0, median / self.step_stats.median_ms) if median > 0 else None
 
     def to_dict(self) -> dict:
         """The JSON report's `measurements`: the keys, their order and their presence as users read them."""
@@ -274,6 +300,8 @@ class Measurements:
         for key in ("low_precision", "attention_calls", "optimizer"):
             if getattr(self, key) is not None:
                 d[key] = dataclasses.asdict(getattr(self, key))
+        if self.attention_sites:
+            d["attention_sites"] = [dict(site) for site in self.attention_sites]
         if self.windows:
             d["windows"] = self.windows
         return d
@@ -299,6 +327,7 @@ class Measurements:
                    loader_workers=d.get("loader_workers"), batch_size=d.get("batch_size"),
                    low_precision=_typed(LowPrecision, d.get("low_precision")),
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
+                   attention_sites=[dict(site) for site in d.get("attention_sites") or []],
                    optimizer=_typed(OptimizerInfo, d.get("optimizer")), windows=dict(d.get("windows") or {}))
 
 

@@ -81,7 +81,7 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -
         ops += 1
     if not ops or not low_s:
         return None
-    return Replay(ratio=fp32_s / low_s, ops=ops, covered=covered / total)
+    return Replay(ratio=fp32_s / low_s, ops=ops, covered=min(1.0, covered / total))  # a sum of the parts may round past 1
 
 
 def _concrete(args: dict, i: int):

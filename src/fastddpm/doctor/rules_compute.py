@@ -133,6 +133,11 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
         ev.append(f"nn.MultiheadAttention.forward is called {calls.calls_per_step:g} times per step "
                   f"({calls.modules} module(s)), {calls.need_weights_per_step:g} of them with need_weights=True "
                   "(the default): it then returns the averaged weights and cannot use the fused kernel")
+    sites = [s for s in m.attention_sites if s.get("cls") != "MultiheadAttention"]
+    for site in m.attention_sites:
+        ev.append(f"built by {site['module']} (class {site['cls']}"
+                  + (f", defined at {site['defined_at']}" if site.get("defined_at") else "")
+                  + f"): {site['tokens']} x {site['tokens']} weights")
     cost = FUSED_ATTENTION_SAVES * share
     ev.append(f"estimate: a fused kernel (scaled_dot_product_attention) saves at least half of it, "
               f"{pct(cost)} of the step")
@@ -140,9 +145,13 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
     fixes = ([Fix(None, "attn(x, x, x, need_weights=False): nn.MultiheadAttention then runs "
                         "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
              if mha else [])
-    fixes.append(Fix("fastddpm's U-Net already calls F.scaled_dot_product_attention",
-                     "replace softmax(q @ k.transpose(-2, -1) * scale) @ v with "
-                     "F.scaled_dot_product_attention(q, k, v) (flash / memory-efficient kernels, no L x L matrix)"))
+    if sites or not mha:
+        where = ("in " + ", ".join(f"{s['cls']}.forward ({s.get('forward_at') or s['module']})" for s in sites)
+                 + ": " if sites else "")
+        fixes.append(Fix("fastddpm's U-Net already calls F.scaled_dot_product_attention",
+                         f"{where}replace softmax(q @ k.transpose(-2, -1) * scale) @ v with "
+                         "F.scaled_dot_product_attention(q, k, v) (flash / memory-efficient kernels, no L x L "
+                         "matrix)"))
     return Finding("attention-weights", (17,), "MATERIALISED ATTENTION: the L x L weights are built and stored",
                    cost, ev, "attention computed as separate matmuls and a softmax: the weight matrix is written "
                    "to memory, read back, and kept for the backward", fixes, group="compute")

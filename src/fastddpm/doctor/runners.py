@@ -140,6 +140,7 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
         raise DoctorError(f"doctor run: {path} does not start: {_where(e)}; fix it, then run the doctor again") \
             from None
     session = Session(config, device=device)
+    session.steps_end_in_optimizer_hook = True  # its boundary is an optimizer post-hook
     old_argv, old_path = sys.argv[:], sys.path[:]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
@@ -166,6 +167,7 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
         ended = f"the script exited with status {e.code or 0}"
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
+        session.release_hooks()
     if hooks.optimizer_steps == 0:
         raise DoctorError(
             f"doctor run: {path} never called optimizer.step() on a torch.optim optimizer, so the doctor found no "
@@ -280,7 +282,10 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     run_dir = out / "run"
     hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: _step_done(session),
                        final_outputs=False)
-    train(cfg, out_dir=run_dir, hooks=hooks, log=log)
+    try:
+        train(cfg, out_dir=run_dir, hooks=hooks, log=log)
+    finally:
+        session.release_hooks()
     resolved = from_dict(json.loads(RunDir(run_dir).config.read_text()))
     m, images = resolved.model, resolved.train.batch_size * resolved.train.accum_steps
     model = build_unet(m)

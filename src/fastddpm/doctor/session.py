@@ -41,6 +41,7 @@ import torch
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
+from fastddpm.doctor.watchers import AttentionSites
 from fastddpm.measure import SavedTensors
 
 
@@ -222,6 +223,12 @@ class Session:
         self.loader = None  # the training DataLoader when known: timed alone at the end
         # what autograd saved for the backward in the second warm-up step (the roofline's bytes); None before
         self.saved: SavedTensors | None = None
+        self.saved_unavailable: str | None = None  # why nothing was counted, when the session knows
+        self._opt_hooks = None  # torch.optim step() timing during the watched steps: (pre, post) hook handles
+        self.steps_end_in_optimizer_hook = False  # the runner calls step() from an optimizer post-hook
+        self._opt_s, self._opt_t0 = 0.0, None
+        # the modules that built attention weights in that step (not looked for in a compiled loop)
+        self.attention_sites: AttentionSites | None = None
         c = config
         # window -> (planned steps, fewest steps when cut by time, share of the time budget)
         self._plan = {"warmup": (c.warmup_steps, min(MIN_WARMUP_STEPS, c.warmup_steps), WARMUP_SHARE),
@@ -312,9 +319,14 @@ class Session:
         phase = self._phase
         if phase == "watch":
             graphs = _dynamo_graphs()
+            if self._opt_t0 is not None:  # the boundary is the optimizer's own post-hook, called before ours
+                self._opt_s += now - self._opt_t0
+                self._opt_t0 = None
             rec = StepRecord(self.step_index, (now - self._t_boundary) * 1e3, self._wait_s * 1e3,
                              self._wait_cpu_s * 1e3, self._epoch_start, data_queued_ms=self._wait_queued_s * 1e3,
-                             recompiles=graphs[0] - self._graphs_prev[0])
+                             recompiles=graphs[0] - self._graphs_prev[0],
+                             optimizer_ms=self._opt_s * 1e3 if self._opt_hooks is not None else None)
+            self._opt_s = 0.0
             self._graphs_prev = graphs
             self.records.append(rec)
             if self.cuda:
@@ -325,8 +337,7 @@ class Session:
         self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
         self._epoch_start = False
-        if self.saved is not None and self.saved.active:  # one step counted is enough
-            self.saved.__exit__(None, None, None)
+        self.stop_counting()  # one step counted is enough
         if self._window_over(now):
             self._close_window(now)
             self._phase = self._next_window(phase)
@@ -340,7 +351,15 @@ class Session:
         if self.phase == "warmup" and self.step_index == 1:
             # the second warm-up step (the first compiles and builds state): counted there, where nothing is
             # timed, because its Python hooks slow a step of many small ops
-            self.saved = SavedTensors().__enter__()
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                # hooks of the loop's own (save_on_cpu around the loop): ours on top would hide them for a step
+                self.saved_unavailable = ("the loop runs under saved-tensor hooks of its own (e.g. "
+                                          "torch.autograd.graph.save_on_cpu): not counted, not to hide them")
+            else:
+                if _dynamo_graphs()[0] == self.compile_start[0]:  # global module hooks would make dynamo recompile
+                    self.attention_sites = AttentionSites().__enter__()
+                sites = self.attention_sites
+                self.saved = SavedTensors(on_pack=sites.saw if sites is not None else None).__enter__()
         self._t_boundary = time.perf_counter()
         if self.phase == "done":
             self._finish()
@@ -348,6 +367,7 @@ class Session:
     # ---------------------------------------------------------------- transitions
     def _enter(self, old: str, new: str) -> None:
         if new == "watch":
+            self._time_optimizer(True)
             self.compile_warm = _dynamo_graphs()
             self._graphs_prev = self.compile_warm
             if self.cuda:
@@ -356,6 +376,7 @@ class Session:
                 self.telemetry_start = gpu_telemetry(self.device)
             self.cpu.start()
         if old == "watch":
+            self._time_optimizer(False)
             self.compile_end = _dynamo_graphs()
             self.cpu_load = self.cpu.stop()
             if self.cuda:
@@ -371,9 +392,43 @@ class Session:
         if old == "profile":
             self._stop_profiler()
 
-    def _stop_profiler(self) -> None:
-        if self.saved is not None and self.saved.active:  # the loop ended inside the counted step
+    def _time_optimizer(self, on: bool) -> None:
+        """Time torch.optim step() calls (any optimizer, process-wide hooks) while the watched steps run. Where
+        the steps end in an optimizer post-hook (doctor run, doctor train), that boundary ends the timing: a
+        post-hook of ours could not be added or removed there (torch iterates over the post-hooks then)."""
+        if on and self._opt_hooks is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+            def pre(optimizer, args, kwargs):
+                self._opt_t0 = time.perf_counter()
+
+            def post(optimizer, args, kwargs):
+                if self._opt_t0 is not None:
+                    self._opt_s += time.perf_counter() - self._opt_t0
+                    self._opt_t0 = None
+
+            self._opt_s, self._opt_t0 = 0.0, None
+            self._opt_hooks = (register_optimizer_step_pre_hook(pre),) + (
+                () if self.steps_end_in_optimizer_hook else (register_optimizer_step_post_hook(post),))
+        elif not on and self._opt_hooks is not None:
+            for h in self._opt_hooks:
+                h.remove()
+            self._opt_hooks, self._opt_t0 = None, None
+
+    def release_hooks(self) -> None:
+        """Remove every process-wide hook the session holds (the loop ended, or raised, mid-window)."""
+        self.stop_counting()
+        self._time_optimizer(False)
+
+    def stop_counting(self) -> None:
+        """Leave the saved-tensor count if a step is being counted (the loop ended, or raised, inside it)."""
+        if self.saved is not None and self.saved.active:
             self.saved.__exit__(None, None, None)
+            if self.attention_sites is not None:
+                self.attention_sites.__exit__(None, None, None)
+
+    def _stop_profiler(self) -> None:
+        self.stop_counting()
         if self.profiler is None:
             return
         if self._step_range is not None:
@@ -407,6 +462,7 @@ class Session:
         self.done = True
         if self._phase != "done":  # ended early, by the loop
             self._close_window(time.perf_counter(), ended_by_loop=True)
+        self._time_optimizer(False)
         if self._phase != "done" and self.records and self.cpu_load is None:  # ended early, inside the watch
             self.compile_end = _dynamo_graphs()
             self.cpu_load = self.cpu.stop()

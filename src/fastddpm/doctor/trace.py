@@ -288,6 +288,7 @@ def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> No
 
 
 TOP_OPS = 8
+KERNEL_NAME_WIDTH = 90  # a kernel's name is shown cut here: templated names run to hundreds of characters
 
 
 def _add(by_name: dict[str, list], name: str, us: float, category: str) -> None:
@@ -297,25 +298,27 @@ def _add(by_name: dict[str, list], name: str, us: float, category: str) -> None:
     entry[2][category] = entry[2].get(category, 0.0) + us
 
 
-def _top(by_name: dict[str, list], total_us: float, steps: int) -> list[dict]:
+def _top(by_name: dict[str, list], total_us: float, steps: int, width: int | None = None) -> list[dict]:
     """The TOP_OPS names with the most time; an op that runs in several categories (a copy in the optimizer and
-    in a cast) is shown in the one where it spends most."""
+    in a cast) is shown in the one where it spends most. Grouped by the whole name, shown cut at `width`."""
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
-    return [{"name": name, "share": us / (total_us or 1e-9), "calls_per_step": round(calls / max(steps, 1), 2),
+    return [{"name": name if width is None or len(name) <= width else name[:width - 3] + "...",
+             "share": us / (total_us or 1e-9), "calls_per_step": round(calls / max(steps, 1), 2),
              "category": max(cats, key=cats.get)} for name, (us, calls, cats) in ranked]
 
 
-def kernel_name(name: str, width: int = 90) -> str:
-    """A kernel's name short enough to read: no `void ` and no argument list; templates cut at `width`."""
-    name = name.removeprefix("void ")
-    if name.endswith(")") and "(" in name:
+def kernel_name(name: str) -> str:
+    """A kernel's name without `void ` and its argument list (the template arguments stay: they tell an fp32
+    kernel from a bf16 one)."""
+    short = name.removeprefix("void ")
+    if short.endswith(")") and "(" in short:
         depth = 0
-        for i in range(len(name) - 1, -1, -1):  # the argument list's own opening bracket, past nested ones
-            depth += {")": 1, "(": -1}.get(name[i], 0)
+        for i in range(len(short) - 1, -1, -1):  # the argument list's own opening bracket, past nested ones
+            depth += {")": 1, "(": -1}.get(short[i], 0)
             if depth == 0:
-                name = name[:i]
+                short = short[:i]
                 break
-    return name if len(name) <= width else name[:width - 3] + "..."
+    return short or name  # "(unnamed)" is all argument list
 
 
 def _top_kernels(stats: TraceStats, kernels: list[dict], launches: dict, tree: OpTree) -> None:
@@ -330,7 +333,7 @@ def _top_kernels(stats: TraceStats, kernels: list[dict], launches: dict, tree: O
             node = tree.innermost_at(launch.get("tid"), float(launch["ts"]))
             cat = node.cat if node is not None and node.cat is not None else "framework"
         _add(by_name, kernel_name(k.get("name", "?")), float(k.get("dur", 0)), cat)
-    stats.top_ops = _top(by_name, stats.span_us or 0.0, len(stats.steps))
+    stats.top_ops = _top(by_name, stats.span_us or 0.0, len(stats.steps), width=KERNEL_NAME_WIDTH)
 
 
 def _gpu_breakdown(stats: TraceStats, kernels: list[dict], launches: dict, tree: OpTree) -> None:

@@ -1,5 +1,6 @@
 """What the doctor sees of a loop from the outside, besides its steps and data waits: calls into
-nn.MultiheadAttention (rule 17), the optimizer that steps (rule 19) and the batch size (rule 20).
+nn.MultiheadAttention and the modules that build attention weights (rule 17), the optimizer that steps (rule 19)
+and the batch size (rule 20).
 
 `doctor run` and `watch()` install an `AttentionWatch` for the length of the run; it wraps
 nn.MultiheadAttention.forward on the class (the way `doctor run` times DataLoader.__iter__), counts the calls
@@ -7,6 +8,9 @@ made during the watched steps and how many asked for the attention weights, and 
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import torch
 from torch import nn
@@ -55,6 +59,78 @@ class AttentionWatch:
             return None
         return AttentionCalls(calls_per_step=self.calls / steps, need_weights_per_step=self.need_weights / steps,
                               modules=len(self.modules))
+
+
+# Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
+MIN_ATTENTION_TOKENS = 16
+
+
+class AttentionSites:
+    """The modules that build attention weights, found in one step: while active, global forward hooks keep the
+    stack of modules being run, and `saw(t)` (a saved-tensor observer, see measure.SavedTensors' on_pack) takes a
+    softmax's output of shape (..., L, L) that autograd keeps for the backward, the materialised weights, as built
+    by the innermost module running. Linear attention's softmax over a (.., d, L) or (.., L, d) tensor is not
+    square and is not taken. A compiled step is not hooked: dynamo would recompile for the hooks."""
+
+    def __init__(self):
+        self.sites: dict[int, dict] = {}  # id(module) -> module, cls, defined_at, forward_at, tokens
+        self._stack: list[nn.Module] = []
+        self._names: dict[int, dict[int, str]] = {}  # id(root) -> id(module) -> its name under root
+        self._handles = []
+
+    def __enter__(self) -> AttentionSites:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module, args):
+            self._stack.append(module)
+
+        def post(module, args, output):
+            if self._stack and self._stack[-1] is module:
+                self._stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._stack = [], []
+        return False
+
+    def saw(self, t: torch.Tensor) -> None:
+        if not self._stack or t.dim() < 3 or t.shape[-1] != t.shape[-2] or t.shape[-1] < MIN_ATTENTION_TOKENS:
+            return
+        if t.grad_fn is None or not type(t.grad_fn).__name__.startswith("Softmax"):
+            return
+        module = self._stack[-1]
+        if id(module) not in self.sites:
+            self.sites[id(module)] = {"module": self._name(module), "cls": type(module).__qualname__,
+                                      "defined_at": defined_at(type(module)),
+                                      "forward_at": defined_at(type(module).forward), "tokens": int(t.shape[-1])}
+
+    def _name(self, module: nn.Module) -> str:
+        root = self._stack[0]
+        names = self._names.get(id(root))
+        if names is None:
+            names = self._names[id(root)] = {id(m): n for n, m in root.named_modules()}
+        name = names.get(id(module))
+        return type(root).__name__ + (f".{name}" if name else "")
+
+    def found(self) -> list[dict]:
+        return list(self.sites.values())
+
+
+def defined_at(obj) -> str | None:
+    """file:line of a class's or function's definition (relative to the working directory when under it), or
+    None where there is no Python source (a built-in, a class made at run time)."""
+    try:
+        path, line = inspect.getsourcefile(obj), inspect.getsourcelines(obj)[1]
+    except (OSError, TypeError):
+        return None
+    if path is None:
+        return None
+    rel = os.path.relpath(path)
+    return f"{path if rel.startswith('..') else rel}:{line}"
 
 
 def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo:

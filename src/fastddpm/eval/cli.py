@@ -119,7 +119,8 @@ def run_eval(args: argparse.Namespace) -> int:
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
-    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps)
+    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
+                       cfg.diffusion.objective)
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from fastddpm.diffusion.objective import diffusion_loss
+from fastddpm.diffusion.schedule import draw_t
 
 
 @dataclass
@@ -78,7 +79,7 @@ def make_trial_fn(model: torch.nn.Module, schedule, prediction: str, precision, 
         trial_model = copy.deepcopy(model).train()
         opt = torch.optim.AdamW(trial_model.parameters(), lr=1e-4)
         x0 = torch.rand(batch_size, *image_shape, device=device) * 2 - 1
-        t = torch.randint(0, schedule.num_timesteps, (batch_size,), device=device)
+        t = draw_t(schedule, batch_size, generator=None, device=device)
         noise = torch.randn_like(x0)
 
         def step():

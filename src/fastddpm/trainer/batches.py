@@ -48,7 +48,8 @@ class _BatchSource(ABC):
 
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
                  device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
-                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0):
+                 labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0,
+                 continuous: bool = False):
         num_images = int(images_NCHW.shape[0])
         shard = num_images // world_size
         if shard < batch_size:
@@ -64,6 +65,7 @@ class _BatchSource(ABC):
         self.steps_per_epoch = shard // batch_size  # drop_last: static shapes
         self._step_purpose = "step" if rank == 0 else f"step/rank{rank}"
         self.num_timesteps = num_timesteps
+        self.continuous = continuous  # EDM / flow: t is a standard normal draw per image, mapped to a noise level
         self.seed = seed
         self.device = torch.device(device)
         self.hflip = hflip
@@ -105,7 +107,10 @@ class _BatchSource(ABC):
         (seed, m) generator, in that order (an unconditional run draws exactly what it drew before labels)."""
         x0 = x0_u8.to(torch.float32).div_(127.5).sub_(1.0)  # uint8 -> [-1, 1]
         g = generator_for(self.device, self.seed, self._step_purpose, m, self._dev_gen)  # host-side seeding: no sync
-        t = torch.randint(0, self.num_timesteps, (self.batch_size,), generator=g, device=self.device)
+        if self.continuous:
+            t = torch.randn((self.batch_size,), generator=g, device=self.device)
+        else:
+            t = torch.randint(0, self.num_timesteps, (self.batch_size,), generator=g, device=self.device)
         noise = torch.randn(x0.shape, generator=g, device=self.device)
         if self.hflip:
             flip = torch.rand(self.batch_size, generator=g, device=self.device) < 0.5

@@ -313,6 +313,7 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
     conditional = cfg.model.conditional  # the labels travel with the images, dropped to the null class at random
     batches = make_batches(data.images, placement, batch_size=train_cfg.batch_size,
                            num_timesteps=cfg.diffusion.num_timesteps, seed=train_cfg.seed, device=device,
+                           continuous=cfg.diffusion.objective != "ddpm",
                            hflip=cfg.data.hflip, rank=dist.rank, world_size=dist.world_size,
                            labels=data.labels if conditional else None,
                            cond_drop_prob=train_cfg.cond_drop_prob if conditional else 0.0,

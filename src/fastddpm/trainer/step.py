@@ -228,13 +228,18 @@ class TrainStep:
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return tensors
 
+    def _capture_unsupported(self) -> str | None:
+        if self.scaler is not None or self.device.type != "cuda":
+            return "CUDA graphs need a CUDA device and no GradScaler (use bf16 or fp32)"
+        return None
+
     def _capture(self, batches: Sequence[Batch]) -> None:
         """Warm up on a side stream, capture one step, then put every state tensor back as it was, so the
         warm-up steps leave no trace and resume stays exact. A failure raises CudaGraphCaptureError (the state
         put back first): going on eager in the same process is not safe (a failed capture can leave the CUDA
         context so that a later eager kernel crashes the process, as seen on an H100)."""
-        if self.scaler is not None or self.device.type != "cuda":
-            self.graph_failed = "CUDA graphs need a CUDA device and no GradScaler (use bf16 or fp32)"
+        self.graph_failed = self._capture_unsupported()
+        if self.graph_failed is not None:
             return
         before = {id(t): t.detach().clone() for t in self._state_tensors()}
         side = None

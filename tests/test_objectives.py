@@ -1,0 +1,183 @@
+"""EDM and flow matching (--objective edm / flow) beside DDPM: the samplers against references given the same
+network (EDM's own Heun, their Algorithm 2 without churn; diffusers' FlowMatchEulerDiscreteScheduler with its
+shift), the preconditioning pinned by hand, and the objectives trained, resumed exactly, sampled and exported on
+real Fashion-MNIST images; bad combinations refused with the ones that work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.config import ConfigError, apply_overrides, get_preset
+from fastddpm.diffusion import sample
+from fastddpm.diffusion.continuous import EDM, NOISE_INPUT_SCALE, Flow, continuous_loss
+from fastddpm.trainer.loop import train
+
+
+def toy_net(x_BCHW: torch.Tensor, c_noise_B: torch.Tensor) -> torch.Tensor:
+    """A fixed smooth function of the image and the noise input, standing in for a trained U-Net."""
+    return torch.tanh(0.7 * x_BCHW + 0.3 * x_BCHW.roll(1, dims=-1)) * (1 + 1e-4 * c_noise_B[:, None, None, None])
+
+
+def test_edm_preconditioning_by_hand():
+    """Karras et al. 2022, Table 1, at sigma = 0.5 = sigma_data: c_skip = 1/2, c_out = 0.5 / sqrt(2),
+    c_in = 1 / sqrt(0.5), c_noise = ln(0.5) / 4 (times the embedding's scale); the loss is
+    || F - (x0 - c_skip x) / c_out ||^2, their loss weight 1 / c_out^2 folded in."""
+    edm = EDM()
+    sigma = torch.tensor([0.5])
+    x = torch.full((1, 1, 2, 2), 2.0)
+    x_in, c_noise = edm.net_input(x, sigma)
+    assert x_in.flatten().tolist() == pytest.approx([2.0 / math.sqrt(0.5)] * 4)
+    assert c_noise.item() == pytest.approx(math.log(0.5) / 4 * NOISE_INPUT_SCALE)
+    out = torch.full_like(x, 1.0)
+    assert edm.x0(out, x, sigma).flatten().tolist() == pytest.approx([0.5 * 2.0 + 0.5 / math.sqrt(2)] * 4)
+    x0, noise = torch.zeros_like(x), torch.ones_like(x)
+    assert edm.target(x0, noise, x, sigma).flatten().tolist() == pytest.approx([(0 - 1.0) / (0.5 / math.sqrt(2))] * 4)
+    # training draws: ln sigma = P_mean + P_std z; flow's t = sigmoid(z) (logit-normal)
+    z = torch.tensor([0.0, 1.0])
+    assert edm.level(z).tolist() == pytest.approx([math.exp(-1.2), math.exp(0.0)])
+    assert Flow().level(z).tolist() == pytest.approx([0.5, 1 / (1 + math.exp(-1))])
+
+
+def test_flow_loss_is_the_velocity_regression():
+    """x_t = (1 - t) x0 + t eps, target eps - x0: a network that returns eps - x0 exactly has zero loss."""
+    torch.manual_seed(0)
+    x0, eps = torch.randn(4, 1, 4, 4), torch.randn(4, 1, 4, 4)
+    flow = Flow()
+
+    def oracle(x_t, c_noise_B):
+        t = (c_noise_B / NOISE_INPUT_SCALE)[:, None, None, None]
+        assert torch.allclose(x_t, (1 - t) * x0 + t * eps, atol=1e-6)
+        return eps - x0
+
+    assert continuous_loss(oracle, flow, x0, torch.randn(4), eps).item() == pytest.approx(0.0, abs=1e-10)
+
+
+def edm_algorithm_2(net, shape, *, steps, seed, sigma_min=0.002, sigma_max=80.0, rho=7.0, sigma_data=0.5):
+    """EDM's deterministic sampler (Karras et al. 2022, Algorithm 2 with S_churn = 0, as their generate.py):
+    Heun steps between the levels of eq. 5, Euler on the last, written from the paper."""
+    i = torch.arange(steps, dtype=torch.float64)
+    t_steps = (sigma_max ** (1 / rho) + i / (steps - 1) * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
+    t_steps = torch.cat([t_steps, torch.zeros(1, dtype=torch.float64)])
+
+    def denoise(x, sigma):
+        c_skip = sigma_data ** 2 / (sigma ** 2 + sigma_data ** 2)
+        c_out = sigma * sigma_data / math.sqrt(sigma ** 2 + sigma_data ** 2)
+        c_in = 1 / math.sqrt(sigma ** 2 + sigma_data ** 2)
+        c_noise = torch.full((x.shape[0],), math.log(sigma) / 4 * NOISE_INPUT_SCALE)
+        return c_skip * x + c_out * net((c_in * x).float(), c_noise).double()
+
+    gen = torch.Generator().manual_seed(seed)
+    x_next = torch.randn(shape, generator=gen).double() * float(t_steps[0])
+    for k in range(steps):
+        t_cur, t_next = float(t_steps[k]), float(t_steps[k + 1])
+        x_cur = x_next
+        d_cur = (x_cur - denoise(x_cur, t_cur)) / t_cur
+        x_next = x_cur + (t_next - t_cur) * d_cur
+        if k < steps - 1:
+            d_prime = (x_next - denoise(x_next, t_next)) / t_next
+            x_next = x_cur + (t_next - t_cur) * (0.5 * d_cur + 0.5 * d_prime)
+    return x_next
+
+
+@pytest.mark.parametrize("steps", [2, 5, 18])
+def test_edm_heun_is_edms_own_sampler(steps):
+    ours = sample(toy_net, EDM(), (2, 1, 6, 6), sampler="heun", steps=steps, seed=3, clip=False)
+    ref = edm_algorithm_2(toy_net, (2, 1, 6, 6), steps=steps, seed=3)
+    # float32 against the reference's float64: equal to 2e-5 of the images' scale (sigma_max = 80 at the start)
+    assert (ours.double() - ref).abs().max() <= 2e-5 * ref.abs().max(), (ours.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_flow_euler_is_diffusers_flow_match_euler(shift):
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    sched.set_timesteps(10)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((2, 1, 6, 6), generator=gen)  # t = 1: pure noise, sigma 1
+    for t in sched.timesteps:
+        v = toy_net(x, torch.full((2,), float(t)))
+        x = sched.step(v, t, x).prev_sample
+    ours = sample(toy_net, Flow(shift=shift), (2, 1, 6, 6), sampler="euler", steps=10, seed=5, clip=False)
+    assert torch.allclose(ours, x, atol=1e-5), (ours - x).abs().max()
+
+
+def test_every_continuous_sampler_lands_on_the_data_of_a_perfect_denoiser():
+    """Data that is one fixed image: the exact denoiser returns it at every level, and every sampler must end on
+    it (each solver's last step lands on x0_hat) for both objectives, guidance included through the model."""
+    target = torch.linspace(-0.8, 0.8, 36).reshape(1, 1, 6, 6)
+    for process in (EDM(), Flow()):
+        def perfect(x_in, c_noise_B, process=process):
+            level = (c_noise_B / (NOISE_INPUT_SCALE / 4)).exp() if process.name == "edm" else c_noise_B / 1000
+            # invert the preconditioning: the network output whose x0_hat is the target
+            lvl = level[:, None, None, None]
+            if process.name == "edm":
+                x = x_in * (lvl ** 2 + 0.25).sqrt()
+                c_skip, c_out = 0.25 / (lvl ** 2 + 0.25), lvl * 0.5 / (lvl ** 2 + 0.25).sqrt()
+                return (target - c_skip * x) / c_out
+            return (x_in - target) / lvl
+
+        for sampler in ("euler", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"):
+            out = sample(perfect, process, (2, 1, 6, 6), sampler=sampler, steps=6, seed=0, clip=False)
+            assert torch.allclose(out, target.expand(2, -1, -1, -1), atol=1e-4), (process.name, sampler)
+
+
+def test_ddpm_sampler_is_refused_on_continuous_objectives_by_name():
+    with pytest.raises(ValueError, match="samples with euler, ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun"):
+        sample(toy_net, Flow(), (1, 1, 4, 4), sampler="ddpm")
+
+
+def test_bad_combinations_are_refused_with_the_fix():
+    base = get_preset("tiny")
+    with pytest.raises(ConfigError, match="prediction=v is DDPM's choice"):
+        apply_overrides(base, {"diffusion.objective": "flow", "diffusion.prediction": "v"})
+    with pytest.raises(ConfigError, match="min_snr_gamma is a DDPM loss weighting"):
+        apply_overrides(base, {"diffusion.objective": "edm", "train.min_snr_gamma": 5.0})
+    with pytest.raises(ConfigError, match="train.sampler=ddpm walks DDPM's discrete timesteps"):
+        apply_overrides(base, {"diffusion.objective": "edm", "train.sampler": "ddpm"})
+
+
+def _cfg(src, objective, **train):
+    over = {"data.source": str(src), "train.progress": False, "diffusion.objective": objective,
+            "train.checkpoint_every": None}
+    over.update({f"train.{k}": v for k, v in train.items()})
+    return apply_overrides(get_preset("tiny"), over)
+
+
+def _weights(run):
+    from fastddpm.rundir.files import load_safetensors
+
+    return load_safetensors(run / "ema.safetensors")[0]
+
+
+@pytest.mark.parametrize("objective", ["edm", "flow"])
+def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_npz, objective):
+    quiet = lambda *a, **k: None  # noqa: E731
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(_cfg(fmnist_npz, objective, max_steps=4, log_every=1), out_dir=straight, log=quiet)
+    train(_cfg(fmnist_npz, objective, max_steps=2, log_every=1, checkpoint_every=2), out_dir=split, log=quiet)
+    train(_cfg(fmnist_npz, objective, max_steps=4, log_every=1), out_dir=split, resume="latest", log=quiet)
+    a, b = _weights(straight), _weights(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = [json.loads(line)["loss"] for line in (straight / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+
+    import fastddpm
+
+    model = fastddpm.load(straight)
+    for sampler in ("euler", "dpmpp-2m-sde", "heun"):
+        images = model.sample(3, sampler=sampler, steps=4, seed=1)
+        assert images.shape == (3, 1, 28, 28) and images.dtype == np.uint8
+    with pytest.raises(Exception, match="samples with euler"):
+        model.sample(2, sampler="ddpm")
+
+    from fastddpm.export import export
+
+    result = export(straight, "safetensors", tmp_path / "export", log=quiet)
+    schedule = json.loads((tmp_path / "export" / "schedule.json").read_text())
+    assert schedule["objective"] == objective and result["files"][0] == "model.safetensors"
