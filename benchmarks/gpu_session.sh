@@ -26,6 +26,7 @@
 #   quality-fast      3-4 min      the fast recipe's wall time to the target (needs quality-reference's file)
 #   quality-options   3-5 min      min-snr-5, v-prediction, cosine on the fast recipe (needs quality-fast's file)
 #   quality-options-2 3-5 min      no-ema-warmup, no-lr-warmup, lr-x2, likewise
+#   quality-objectives 2-4 min     EDM and flow matching on the fast recipe, likewise (DDPM is the fast run itself)
 #   summarize         seconds      benchmarks/summarize_gpu.py RESULTS: the RESULTS.md tables (also runs here)
 # How these are estimated, and the call sequence: benchmarks/RESULTS.md, "GPU session: how to run it".
 #
@@ -72,7 +73,7 @@ AGAIN=()
 ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try doctor-fast candidates ddp
      quality-reference eval samplers
      samplers-sde quality-fast
-     quality-options quality-options-2 summarize"
+     quality-options quality-options-2 quality-objectives summarize"
 if [ ${#PARTS[@]} -eq 0 ]; then
   echo "usage: bash benchmarks/gpu_session.sh PART [PART ...]; parts:" $ALL; exit 2
 fi
@@ -230,8 +231,12 @@ for part in "${PARTS[@]}"; do
       else target=(--reference-from "$RES/quality-reference/quality.json"); fi
       limited 240 $PY -m fastddpm bench quality "${target[@]}" --data "$DATA" --out "$QUALITY_DIR/quality-fast" &&
         copy_quality quality-fast ;;
-    quality-options|quality-options-2)
-      if [ "$part" = quality-options ]; then options=min-snr-5,v-prediction,cosine; else options=no-ema-warmup,no-lr-warmup,lr-x2; fi
+    quality-options|quality-options-2|quality-objectives)
+      case $part in
+        quality-options) options=min-snr-5,v-prediction,cosine ;;
+        quality-options-2) options=no-ema-warmup,no-lr-warmup,lr-x2 ;;
+        *) options=edm,flow ;;
+      esac
       limited 240 $PY -m fastddpm bench quality --fast-from "$RES/quality-fast/quality.json" --options "$options" \
         --data "$DATA" --out "$QUALITY_DIR/$part" && copy_quality "$part" ;;
     summarize)

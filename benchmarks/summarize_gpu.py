@@ -286,7 +286,7 @@ def section_quality(folder: Path, calls: Calls) -> list[str]:
     files = {p.parent.name: json.loads(p.read_text()) for p in sorted(folder.glob("quality-*/quality.json"))}
     if not files:
         return [title, "", "Not measured yet (parts `quality-reference`, `quality-fast`, `quality-options`, "
-                "`quality-options-2`).", ""]
+                "`quality-options-2`, `quality-objectives`).", ""]
     lines = [title, ""]
     for name, r in files.items():
         lines += [f"`{name}`: " + " ".join(provenance(r["environment"], [], calls))]
@@ -308,7 +308,7 @@ def section_quality(folder: Path, calls: Calls) -> list[str]:
         lines.append(f"| fast | {', '.join(fast_file['settings']['fast_overrides'])} | {_f(f['images_seen'], ',')} | "
                      f"{_f(f['train_wall_s'], '.1f')} | {_f(f['final_fid'], '.3f')} | "
                      f"{_f(hit and hit['wall_s'], '.1f')} | {_f(hit and hit['images_seen'], ',')} |")
-    for name in ("quality-options", "quality-options-2"):
+    for name in ("quality-options", "quality-options-2", "quality-objectives"):
         for o in (files.get(name) or {}).get("options", []):
             lines.append(f"| option {o['name'].removeprefix('option-')} | fast + {', '.join(o['overrides'])} | "
                          f"{_f(o['images_seen'], ',')} | {_f(o['train_wall_s'], '.1f')} | {_f(o['final_fid'], '.3f')} "

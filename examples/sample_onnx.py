@@ -2,8 +2,9 @@
 
     python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class ID] [--out grid.png]
 
-DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas; a conditional model
-draws class `--class` (default: its null class, i.e. unconditional). The grid is written as a PNG by the few lines
+DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or
+flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat); a
+conditional model draws class `--class` (default: its null class, i.e. unconditional). The grid is written as a PNG by the few lines
 of zlib below.
 """
 
@@ -45,6 +46,45 @@ def ddim(session: ort.InferenceSession, schedule: dict, num: int, steps: int, se
     return x
 
 
+def continuous_levels(schedule: dict, steps: int) -> list[float]:
+    """The noise levels of an EDM export (sigma, Karras et al. 2022 eq. 5) or a flow export (t, evenly from 1 then
+    shifted, as diffusers' FlowMatchEulerDiscreteScheduler), noisiest first; sampling ends at level 0."""
+    frac = np.linspace(0.0, 1.0, steps) if steps > 1 else np.zeros(1)
+    if schedule["objective"] == "edm":
+        hi, lo, rho = schedule["sigma_max"] ** (1 / schedule["rho"]), schedule["sigma_min"] ** (1 / schedule["rho"]), schedule["rho"]
+        return list((hi + frac * (lo - hi)) ** rho)
+    s = schedule["shift"]
+    shift = lambda t: s * t / (1 + (s - 1) * t)  # noqa: E731
+    return [shift(t) for t in 1.0 + frac * (shift(schedule["t_min"]) - 1.0)]
+
+
+def euler(session: ort.InferenceSession, schedule: dict, num: int, steps: int, seed: int,
+          label: int | None) -> np.ndarray:
+    """EDM (x = x0 + sigma eps, x0_hat = c_skip x + c_out F(c_in x, 250 ln sigma)) or flow matching
+    (x = (1 - t) x0 + t eps, x0_hat = x - t v(x, 1000 t)): `num` images as float32 (N, C, H, W) in [-1, 1]."""
+    levels = continuous_levels(schedule, steps)
+    edm = schedule["objective"] == "edm"
+    alpha = [1.0 if edm else 1.0 - v for v in levels] + [1.0]
+    sigma = list(levels) + [0.0]
+    rng = np.random.default_rng(seed)
+    x = (sigma[0] * rng.standard_normal((num, *schedule["image_shape"]))).astype(np.float64)
+    names = [i.name for i in session.get_inputs()]
+    for i, level in enumerate(levels):
+        if edm:
+            sd = schedule["sigma_data"]
+            c_skip, c_out, c_in = sd**2 / (level**2 + sd**2), level * sd / np.sqrt(level**2 + sd**2), 1 / np.sqrt(level**2 + sd**2)
+            feed = {"x": (c_in * x).astype(np.float32), "t": np.full(num, 250 * np.log(level), dtype=np.float32)}
+        else:
+            feed = {"x": x.astype(np.float32), "t": np.full(num, 1000 * level, dtype=np.float32)}
+        if "y" in names:
+            feed["y"] = np.full(num, schedule["num_classes"] if label is None else label, dtype=np.int64)
+        out = session.run(None, feed)[0].astype(np.float64)
+        x0 = np.clip(c_skip * x + c_out * out if edm else x - level * out, -1.0, 1.0)
+        eps = (x - alpha[i] * x0) / sigma[i]
+        x = alpha[i + 1] * x0 + sigma[i + 1] * eps
+    return x.astype(np.float32)
+
+
 def grid_uint8(images: np.ndarray, nrow: int, pad: int = 2) -> np.ndarray:
     """(N, C, H, W) in [-1, 1] -> one (rows, cols, C) uint8 image, `nrow` per row."""
     n, c, h, w = images.shape
@@ -79,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     schedule = json.loads((args.export_dir / "schedule.json").read_text())
     session = ort.InferenceSession(str(args.export_dir / "model.onnx"), providers=["CPUExecutionProvider"])
-    images = ddim(session, schedule, args.num, args.steps, args.seed, args.label)
+    sampler = ddim if schedule.get("objective", "ddpm") == "ddpm" else euler
+    images = sampler(session, schedule, args.num, args.steps, args.seed, args.label)
     write_png(args.out, grid_uint8(images, nrow=int(np.ceil(np.sqrt(args.num)))))
-    print(f"wrote {args.out}: {args.num} samples, DDIM {args.steps} steps, onnxruntime {ort.__version__}")
+    print(f"wrote {args.out}: {args.num} samples, {sampler.__name__.upper()} {args.steps} steps, "
+          f"onnxruntime {ort.__version__}")
     return 0
 
 

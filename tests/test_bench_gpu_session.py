@@ -19,7 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
          "doctor-try", "doctor-fast", "candidates", "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
-         "quality-options-2", "summarize"]
+         "quality-options-2", "quality-objectives", "summarize"]
 
 
 def _load(name: str):

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
+from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, get_preset
 from fastddpm.diffusion import sample
 from fastddpm.diffusion.continuous import EDM, NOISE_INPUT_SCALE, Flow, continuous_loss
@@ -106,6 +108,24 @@ def test_flow_euler_is_diffusers_flow_match_euler(shift):
     assert torch.allclose(ours, x, atol=1e-5), (ours - x).abs().max()
 
 
+@pytest.mark.parametrize("sampler, scheduler", [("euler", "EDMEulerScheduler"),
+                                                ("dpmpp-2m", "EDMDPMSolverMultistepScheduler")])
+@pytest.mark.parametrize("steps", [4, 12])
+def test_edm_samplers_are_diffusers_edm_schedulers(sampler, scheduler, steps):
+    """diffusers' EDM schedulers (Karras levels, Table 1's preconditioning, c_noise = ln(sigma) / 4 as their
+    timesteps) driven by the same network from the same sigma_max * noise."""
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
+    sched = getattr(diffusers, scheduler)()
+    sched.set_timesteps(steps)
+    x = torch.randn((2, 1, 6, 6), generator=torch.Generator().manual_seed(7)) * 80.0
+    for t in sched.timesteps:
+        x_in = sched.scale_model_input(x, t)
+        out = toy_net(x_in, torch.full((2,), float(t) * NOISE_INPUT_SCALE))
+        x = sched.step(out, t, x).prev_sample
+    ours = sample(toy_net, EDM(), (2, 1, 6, 6), sampler=sampler, steps=steps, seed=7, clip=False)
+    assert (ours - x).abs().max() <= 2e-5 * x.abs().max(), (ours - x).abs().max()
+
+
 def test_every_continuous_sampler_lands_on_the_data_of_a_perfect_denoiser():
     """Data that is one fixed image: the exact denoiser returns it at every level, and every sampler must end on
     it (each solver's last step lands on x0_hat) for both objectives, guidance included through the model."""
@@ -124,6 +144,28 @@ def test_every_continuous_sampler_lands_on_the_data_of_a_perfect_denoiser():
         for sampler in ("euler", "ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"):
             out = sample(perfect, process, (2, 1, 6, 6), sampler=sampler, steps=6, seed=0, clip=False)
             assert torch.allclose(out, target.expand(2, -1, -1, -1), atol=1e-4), (process.name, sampler)
+
+
+@pytest.mark.parametrize("guidance", [0.0, 1.0, 2.0])
+def test_guidance_extrapolates_the_denoised_image_on_both_objectives(guidance):
+    """A conditional network whose x0_hat is the class's image, and the null class's is 0: the output is affine in
+    x0_hat at a fixed x (EDM's F and flow's v both), so guided sampling must land on W times the class's image."""
+    images = torch.stack([torch.full((1, 4, 4), 0.2), torch.linspace(-0.4, 0.4, 16).reshape(1, 4, 4)])
+    labels = torch.tensor([0, 1, 1])
+    for process in (EDM(), Flow()):
+        def net(x_in, c_noise_B, y_B, process=process):
+            lvl = ((c_noise_B / (NOISE_INPUT_SCALE / 4)).exp() if process.name == "edm"
+                   else c_noise_B / NOISE_INPUT_SCALE)[:, None, None, None]
+            target = torch.where((y_B < 2)[:, None, None, None], images[y_B.clamp(max=1)], torch.zeros(1))
+            if process.name == "edm":
+                x = x_in * (lvl ** 2 + 0.25).sqrt()
+                return (target - 0.25 / (lvl ** 2 + 0.25) * x) / (lvl * 0.5 / (lvl ** 2 + 0.25).sqrt())
+            return (x_in - target) / lvl
+
+        for sampler in ("euler", "dpmpp-2m-sde", "heun"):
+            out = sample(net, process, (3, 1, 4, 4), sampler=sampler, steps=5, seed=0, clip=False, labels=labels,
+                         guidance=guidance, num_classes=2)
+            assert torch.allclose(out, guidance * images[labels], atol=1e-4), (process.name, sampler)
 
 
 def test_ddpm_sampler_is_refused_on_continuous_objectives_by_name():
@@ -181,3 +223,54 @@ def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_n
     result = export(straight, "safetensors", tmp_path / "export", log=quiet)
     schedule = json.loads((tmp_path / "export" / "schedule.json").read_text())
     assert schedule["objective"] == objective and result["files"][0] == "model.safetensors"
+
+
+def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp_path, fmnist_splits, capsys):
+    """fastddpm sample / eval / bench samplers / export on a flow-matching run: the samplers that apply run, DDPM's
+    is refused by name with the ones that work, and the ONNX model takes a float noise level."""
+    run = tmp_path / "run"
+    train(_cfg(fmnist_splits, "flow", max_steps=2, num_sample_images=2, sample_steps=2, sampler="euler"),
+          out_dir=run, log=lambda *a, **k: None)
+    assert main(["sample", "--checkpoint", str(run), "--sampler", "euler", "--steps", "3", "--num-images", "4",
+                 "--no-progress"]) == 0
+    assert np.load(run / "samples" / "euler3_n4_seed0.npz")["images"].shape == (4, 1, 28, 28)
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(run), "--sampler", "ddpm", "--num-images", "2"]) == 2
+    assert "this flow model samples with euler, ddim, dpmpp-2m" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-samples", "20",
+                 "--no-progress"]) == 0
+    s = json.loads((run / "eval" / "eval_heun3_n20_seed0.json").read_text())["sampling"]
+    assert s["nfe"] == 5 and s["sampler"] == "heun"
+    out = tmp_path / "bench"
+    assert main(["bench", "samplers", str(run), "--quick", "--samplers", "euler,unipc", "--spread-points", "none",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "samplers.json").read_text())["rows"]
+    assert [(r["sampler"], r["steps"]) for r in rows] == [("euler", 2), ("euler", 4), ("unipc", 2), ("unipc", 4)]
+    assert all(r["status"] == "ok" and r["fid"] > 0 for r in rows)  # and no DDPM point: flow has no timesteps
+    capsys.readouterr()
+    assert main(["bench", "samplers", str(run), "--quick", "--samplers", "ddpm,euler", "--out", str(out)]) == 2
+    assert "ddpm cannot sample this flow model" in capsys.readouterr().err
+    pytest.importorskip("onnxruntime", reason="onnxruntime is a test extra: pip install -e '.[test]'")
+    assert main(["export", str(run), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
+    schedule = json.loads((tmp_path / "onnx" / "schedule.json").read_text())
+    assert schedule["objective"] == "flow" and schedule["network_input"] == "v(x_t, 1000 t)"
+    # the onnxruntime example samples it with numpy alone, at the levels fastddpm's Euler uses
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "sample_onnx.py"
+    spec = importlib.util.spec_from_file_location("sample_onnx", example)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.continuous_levels(schedule, 5) == pytest.approx(Flow().sampling_levels(5, "trailing",
+                                                                                       finite_lambda=False))
+    edm_schedule = {"objective": "edm", "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0}
+    assert mod.continuous_levels(edm_schedule, 5) == pytest.approx(EDM().sampling_levels(5, "karras",
+                                                                                         finite_lambda=False))
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, str(example), str(tmp_path / "onnx"), "--num", "4", "--steps",
+                        "3", "--out", str(tmp_path / "grid.png")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "EULER 3 steps" in r.stdout, r.stderr

@@ -201,7 +201,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
                    "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
                    "network_input": "F(x / sqrt(sigma^2 + sigma_data^2), 250 ln(sigma))"}
     else:  # x_t = (1 - t) x0 + t eps; the network predicts v = eps - x0
-        process = {"objective": "flow", "shift": d.flow_shift, "network_input": "v(x_t, 1000 t)",
+        process = {"objective": "flow", "shift": d.flow_shift, "t_min": 0.001, "network_input": "v(x_t, 1000 t)",
                    "prediction": "velocity"}
     (out / "schedule.json").write_text(json.dumps({
         **process,

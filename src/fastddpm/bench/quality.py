@@ -40,6 +40,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "no-ema-warmup": ("train.ema_warmup=false",),
     "no-lr-warmup": ("train.warmup_images=0",),
     "lr-x2": ("train.lr=8e-4",),
+    # the objectives (fastddpm.diffusion.continuous) on the same recipe and U-Net
+    "edm": ("diffusion.objective=edm",),
+    "flow": ("diffusion.objective=flow",),
 }
 # --quick: the CPU check that the pipeline works (tiny U-Net, 256 images); its numbers mean nothing.
 QUICK = dict(preset="tiny", num_images=256, eval_samples=32, eval_steps=4, reference_epochs=1.0,

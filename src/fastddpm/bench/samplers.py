@@ -76,10 +76,21 @@ QUICK = dict(samplers=("ddim", "dpmpp-2m", "unipc", "heun"), steps=(2, 4), ddpm=
              spread_points=("ddim-4",), spread_seeds=(1,))
 
 
-def points(settings: SamplerBenchSettings, num_timesteps: int) -> list[tuple[str, int, int]]:
-    """(sampler, steps, seed) in the order they are drawn: the grid, DDPM, then the spread seeds."""
-    out = [(s, k, settings.seed) for s in settings.samplers for k in settings.steps if k <= num_timesteps]
-    if settings.ddpm:
+def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = "ddpm") -> list[tuple[str, int, int]]:
+    """(sampler, steps, seed) in the order they are drawn: the grid, DDPM (a DDPM model's), then the spread seeds.
+    An EDM or flow model has no discrete timesteps: no DDPM point and no cap on the steps."""
+    continuous = objective != "ddpm"
+    if continuous:
+        from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
+
+        wrong = [s for s in (*settings.samplers, *(p.rpartition("-")[0] for p in settings.spread_points))
+                 if s not in CONTINUOUS_SAMPLERS]
+        if wrong:
+            raise ConfigError(f"bench samplers: {', '.join(dict.fromkeys(wrong))} cannot sample this {objective} "
+                              f"model; choose from {', '.join(CONTINUOUS_SAMPLERS)}")
+    out = [(s, k, settings.seed) for s in settings.samplers for k in settings.steps
+           if continuous or k <= num_timesteps]
+    if settings.ddpm and not continuous:
         out.append(("ddpm", num_timesteps, settings.seed))
     for p in settings.spread_points:
         name, _, k = p.rpartition("-")
@@ -112,7 +123,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     env = environment_record(device)
     evaluator = Evaluator.for_config(cfg, device=device, log=log)
     sampling_model = compile_for_sampling(model, device) if compile_on else model
-    todo = points(settings, T)
+    todo = points(settings, T, cfg.diffusion.objective)
     common = {"checkpoint": {k: info[k] for k in ("file", "step", "images_seen")}, "num_samples": settings.num_samples,
               "spacing": settings.spacing, "guidance": guidance, "batch_size": batch_size,
               "precision": precision.name, "compile": compile_on, "features": evaluator.net.name,
