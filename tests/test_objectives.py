@@ -168,6 +168,22 @@ def test_guidance_extrapolates_the_denoised_image_on_both_objectives(guidance):
             assert torch.allclose(out, guidance * images[labels], atol=1e-4), (process.name, sampler)
 
 
+def test_the_sampling_levels_are_pinned():
+    """EDM's eq. 5 at 3 levels is sigma_max, the rho-th power of the mean of the ends' rho-th roots, sigma_min;
+    flow's evenly spaced t between 1 and the shifted 1/1000, shifted (diffusers' FlowMatchEulerDiscreteScheduler)."""
+    mid = ((80 ** (1 / 7) + 0.002 ** (1 / 7)) / 2) ** 7
+    assert EDM().sampling_levels(3, "karras", finite_lambda=True) == pytest.approx([80.0, mid, 0.002])
+    assert mid == pytest.approx(2.5152, abs=1e-4)
+    assert EDM().sampling_levels(3, "logsnr", finite_lambda=True) == pytest.approx([80.0, 0.4, 0.002])
+    shift3 = lambda t: 3 * t / (1 + 2 * t)  # noqa: E731
+    lo = shift3(0.001)
+    assert Flow(shift=3).sampling_levels(3, "trailing", finite_lambda=False) == pytest.approx(
+        [1.0, shift3((1 + lo) / 2), shift3(lo)])
+    assert Flow().sampling_levels(2, "trailing", finite_lambda=False) == pytest.approx([1.0, 0.001])
+    # the lambda-based solvers start where log(alpha / sigma) = -5.1: t = 1 / (1 + e^-5.1) = 0.99394
+    assert Flow().sampling_levels(2, "trailing", finite_lambda=True)[0] == pytest.approx(0.993940, abs=1e-6)
+
+
 def test_ddpm_sampler_is_refused_on_continuous_objectives_by_name():
     with pytest.raises(ValueError, match="samples with euler, ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun"):
         sample(toy_net, Flow(), (1, 1, 4, 4), sampler="ddpm")
@@ -229,8 +245,11 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     """fastddpm sample / eval / bench samplers / export on a flow-matching run: the samplers that apply run, DDPM's
     is refused by name with the ones that work, and the ONNX model takes a float noise level."""
     run = tmp_path / "run"
-    train(_cfg(fmnist_splits, "flow", max_steps=2, num_sample_images=2, sample_steps=2, sampler="euler"),
+    train(_cfg(fmnist_splits, "flow", max_steps=4, num_sample_images=2, sample_steps=2, sampler="euler",
+               eval_every_images=64, eval_samples=16, eval_steps=3, eval_sampler="heun"),
           out_dir=run, log=lambda *a, **k: None)
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals and all(e["fid"] > 0 for e in evals)  # --eval-every: Heun on the flow model during training
     assert main(["sample", "--checkpoint", str(run), "--sampler", "euler", "--steps", "3", "--num-images", "4",
                  "--no-progress"]) == 0
     assert np.load(run / "samples" / "euler3_n4_seed0.npz")["images"].shape == (4, 1, 28, 28)
