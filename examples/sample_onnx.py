@@ -4,8 +4,8 @@
 
 DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or
 flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat); a
-conditional model draws class `--class` (default: its null class, i.e. unconditional). The grid is written as a PNG by the few lines
-of zlib below.
+conditional model draws class `--class` (default: its null class, i.e. unconditional). The grid is written as a
+PNG by the few lines of zlib below.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def continuous_levels(schedule: dict, steps: int) -> list[float]:
     shifted, as diffusers' FlowMatchEulerDiscreteScheduler), noisiest first; sampling ends at level 0."""
     frac = np.linspace(0.0, 1.0, steps) if steps > 1 else np.zeros(1)
     if schedule["objective"] == "edm":
-        hi, lo, rho = schedule["sigma_max"] ** (1 / schedule["rho"]), schedule["sigma_min"] ** (1 / schedule["rho"]), schedule["rho"]
+        rho = schedule["rho"]
+        hi, lo = schedule["sigma_max"] ** (1 / rho), schedule["sigma_min"] ** (1 / rho)
         return list((hi + frac * (lo - hi)) ** rho)
     s = schedule["shift"]
     shift = lambda t: s * t / (1 + (s - 1) * t)  # noqa: E731
@@ -72,7 +73,8 @@ def euler(session: ort.InferenceSession, schedule: dict, num: int, steps: int, s
     for i, level in enumerate(levels):
         if edm:
             sd = schedule["sigma_data"]
-            c_skip, c_out, c_in = sd**2 / (level**2 + sd**2), level * sd / np.sqrt(level**2 + sd**2), 1 / np.sqrt(level**2 + sd**2)
+            norm = np.sqrt(level**2 + sd**2)
+            c_skip, c_out, c_in = sd**2 / norm**2, level * sd / norm, 1 / norm
             feed = {"x": (c_in * x).astype(np.float32), "t": np.full(num, 250 * np.log(level), dtype=np.float32)}
         else:
             feed = {"x": x.astype(np.float32), "t": np.full(num, 1000 * level, dtype=np.float32)}

@@ -148,3 +148,18 @@ def test_preset_help_states_the_real_parameter_counts():
         in_readme = re.search(r"~?([\d.]+)(k|M) params", row)
         value = float(in_readme.group(1)) * (1e3 if in_readme.group(2) == "k" else 1e6)
         assert abs(value - n) <= 0.05 * n, f"README says {in_readme.group(0)} for {name}, the model has {n:,}"
+
+
+def test_help_answers_without_importing_torch():
+    """`fastddpm --help` and every command's --help build their parsers only: torch (~2 s to import) stays out."""
+    import subprocess
+    import sys
+
+    commands = [[], ["train"], ["sample"], ["eval"], ["export"], ["data"], ["bench"], ["bench", "throughput"],
+                ["doctor"], ["doctor", "run"]]
+    code = ("import sys\nfrom fastddpm.cli import main\nfor argv in eval(sys.argv[1]):\n"
+            "    try:\n        main([*argv, '--help'])\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code, repr(commands)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("usage: fastddpm") == len(commands)

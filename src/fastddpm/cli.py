@@ -261,14 +261,14 @@ def cmd_sample(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastddpm.data import DataError
-    from fastddpm.rundir.files import CheckpointError
-
     parser, dests = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # --help answers here, before anything imports torch
     if args.command is None:
         parser.print_help()
         return 2
+    from fastddpm.data import DataError
+    from fastddpm.rundir.files import CheckpointError
+
     try:
         if args.command == "train":
             return cmd_train(args, dests)

@@ -21,6 +21,7 @@ from fastddpm.config import ConfigError, RunConfig, class_index
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
+from fastddpm.progress import progress_bar
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
 from fastddpm.rng import derive_seed
@@ -96,11 +97,9 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
         num_images = len(labels)
     chunks = []
     bar = None
-    if progress:
-        from tqdm import tqdm
-
+    if progress:  # a bar on a terminal or in a notebook, plain lines in a log file
         per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
-        bar = tqdm(total=math.ceil(num_images / batch_size) * per_batch, unit="model-call", dynamic_ncols=True)
+        bar = progress_bar(math.ceil(num_images / batch_size) * per_batch, unit="model-call")
     for i, start in enumerate(range(0, num_images, batch_size)):
         n = min(batch_size, num_images - start)
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)

@@ -166,7 +166,8 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     continuous = isinstance(schedule, ContinuousProcess)
     if continuous and sampler not in CONTINUOUS_SAMPLERS:
         raise ValueError(f"--sampler {sampler} walks the discrete timesteps of --objective ddpm; this "
-                         f"{schedule.name} model samples with {', '.join(CONTINUOUS_SAMPLERS)} (ancestral: ddim with --eta 1)")
+                         f"{schedule.name} model samples with {', '.join(CONTINUOUS_SAMPLERS)} "
+                         "(ancestral: ddim with --eta 1)")
     spacing = spacing or (schedule.default_spacing if continuous and sampler != "heun" else default_spacing(sampler))
     if spacing not in SPACINGS:
         raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")

@@ -15,8 +15,17 @@ Where things are:
 - runners.py       `doctor run script.py` (hooks DataLoader iteration and optimizer steps) and `doctor train`
 """
 
-from fastddpm.doctor.api import Watch, diagnose, watch
-from fastddpm.doctor.report import Report
-from fastddpm.doctor.session import DoctorConfig, Session
 
-__all__ = ["watch", "Watch", "diagnose", "Report", "DoctorConfig", "Session"]
+# Imported on first use (PEP 562), so that `fastddpm doctor --help`, which builds its parser from doctor/cli.py,
+# answers without importing torch.
+_EXPORTS = {"watch": "api", "Watch": "api", "diagnose": "api", "Report": "report", "DoctorConfig": "session",
+            "Session": "session"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fastddpm.doctor' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"fastddpm.doctor.{_EXPORTS[name]}"), name)

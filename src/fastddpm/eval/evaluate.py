@@ -59,10 +59,10 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     num_batches = math.ceil(num_samples / batch_size)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from fastddpm.progress import progress_bar
 
         per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
-        bar = tqdm(total=num_batches * per_batch, unit="model-call", desc="sampling", dynamic_ncols=True)
+        bar = progress_bar(num_batches * per_batch, unit="model-call", desc="sampling")
     labels = balanced_labels(num_batches * batch_size, m.num_classes) if m.conditional else None
     chunks = []
     _sync(device)

@@ -180,9 +180,9 @@ def reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | N
     order = torch.randperm(n, generator=g).numpy()[:min(n, PR_REFERENCE_IMAGES)]
     bar = None
     if progress:
-        from tqdm import tqdm
+        from fastddpm.progress import progress_bar
 
-        bar = tqdm(total=n, unit="img", desc="reference features", dynamic_ncols=True)
+        bar = progress_bar(n, unit="img", desc="reference features")
     ex = extract(net, data.images, batch_size=batch_size, keep=np.sort(order), progress=bar)
     if bar is not None:
         bar.close()

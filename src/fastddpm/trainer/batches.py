@@ -37,7 +37,8 @@ from fastddpm.rng import generator_for
 @dataclass
 class Batch:
     x0: torch.Tensor      # (B, C, H, W) float32 in [-1, 1]
-    t: torch.Tensor       # (B,) int64 timesteps in [0, T)
+    # (B,) int64 timesteps in [0, T) (DDPM), or float32 N(0, 1) draws that EDM / flow map to their levels
+    t: torch.Tensor
     noise: torch.Tensor   # (B, C, H, W) float32 standard normal
     indices: torch.Tensor  # (B,) int64 dataset indices (for tests and provenance)
     y: torch.Tensor | None = None  # (B,) int64 class ids of a conditional run; num_classes = dropped (null class)

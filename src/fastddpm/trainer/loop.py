@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from fastddpm.config import ConfigError, RunConfig
+from fastddpm.progress import progress_bar
 from fastddpm.rundir.locate import Checkpoint
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import write_grid
@@ -226,11 +227,8 @@ class StepLog:
         self.t_start = self.t_log = time.perf_counter()
         self.images_at_log = run.state.images_seen
         self.bar = None
-        if run.cfg.train.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=run.total_steps, initial=run.state.step, unit="step", dynamic_ncols=True,
-                            leave=True)
+        if run.cfg.train.progress:  # a bar on a terminal or in a notebook, plain lines in a log file
+            self.bar = progress_bar(run.total_steps, initial=run.state.step, unit="step")
             run.log.around(self.bar)
 
     def count(self, loss: torch.Tensor) -> None:

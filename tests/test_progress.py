@@ -1,0 +1,78 @@
+"""Progress where there is no terminal: whole lines every few seconds (no carriage returns), the notebook bar
+in Jupyter, tqdm's bar on a terminal; `fastddpm train` under a log file writes such lines."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from fastddpm.progress import PlainProgress, progress_bar
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_plain_lines_every_interval_with_rate_and_eta():
+    out, clock = io.StringIO(), Clock()
+    bar = PlainProgress(100, unit="step", every_s=30.0, file=out, clock=clock)
+    for _ in range(10):  # 10 steps in 20 s: no line before 30 s
+        clock.t += 2.0
+        bar.update()
+    assert out.getvalue() == ""
+    bar.set_postfix(loss="0.0829", img_s="460")
+    for _ in range(5):
+        clock.t += 2.0
+        bar.update()
+    # 15 steps in 30 s: 0.5 steps/s, 85 steps left: 170 s = 2:50
+    assert out.getvalue() == "step 15/100 (15%) | loss=0.0829, img_s=460 | 0:30 elapsed, ETA 2:50\n"
+    clock.t += 1.0
+    bar.update(85)
+    bar.close()
+    bar.close()  # once
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == "step 100/100 (100%) | loss=0.0829, img_s=460 | 0:31 elapsed, ETA 0:00" and len(lines) == 2
+    assert "\r" not in out.getvalue()
+
+
+def test_the_display_follows_where_it_is_written(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert isinstance(progress_bar(10, file=io.StringIO()), PlainProgress)
+    from tqdm import tqdm
+
+    bar = progress_bar(10, file=Terminal())
+    assert isinstance(bar, tqdm) and not isinstance(bar, PlainProgress)
+    bar.close()
+    # a Jupyter kernel: the notebook bar (where ipywidgets is there to draw it), else plain lines
+    import fastddpm.progress as progress
+
+    monkeypatch.setattr(progress, "in_notebook", lambda: True)
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        assert isinstance(progress_bar(10, file=io.StringIO()), PlainProgress)
+    else:
+        from tqdm.notebook import tqdm as notebook_tqdm
+
+        assert isinstance(progress_bar(10, file=io.StringIO()), notebook_tqdm)
+
+
+def test_train_into_a_log_file_writes_whole_lines(tmp_path, fmnist_npz):
+    """`fastddpm train ... 2> log`: stderr is a file, so the progress is plain lines, one at the end at least."""
+    log = tmp_path / "train.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "fastddpm", "train", "--preset", "tiny", "--data", str(fmnist_npz),
+                            "--out", str(tmp_path / "run"), "--max-steps", "3", "--checkpoint-every", "3"],
+                           stdout=f, stderr=subprocess.STDOUT, timeout=600)
+    text = log.read_text()
+    assert r.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    assert any(line.startswith("step 3/3 (100%) | loss=") for line in text.splitlines()), text[-3000:]
