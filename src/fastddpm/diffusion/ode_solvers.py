@@ -1,7 +1,8 @@
 """Few-step samplers: solvers of the diffusion probability-flow ODE (and one of the reverse SDE), in 10-50 network
 calls instead of 1000.
 
-All four work on the same discrete-time model fastddpm trains (epsilon or v prediction, linear or cosine betas).
+All four work on the discrete-time model of --objective ddpm (epsilon or v prediction, linear or cosine betas), and
+on the levels of EDM and flow matching (fastddpm.diffusion.continuous), which hand them their (alpha, sigma).
 At timestep t the noisy image is x_t = alpha_t x_0 + sigma_t eps with alpha_t = sqrt(alpha_bar_t), sigma_t =
 sqrt(1 - alpha_bar_t); the half log-SNR is lambda_t = log(alpha_t / sigma_t). Every solver asks the network for the
 data prediction x0_hat(x_t, t) (clipped to [-1, 1] when `clip`), and the last step lands on sigma = 0, where the

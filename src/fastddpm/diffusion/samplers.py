@@ -1,5 +1,7 @@
 """Reverse-process samplers: DDPM ancestral sampling and DDIM here; DPM-Solver++(2M), its SDE variant, UniPC and
 Heun in fastddpm.diffusion.ode_solvers; `sample` runs any of them, with classifier-free guidance for conditional models.
+On an EDM or flow-matching model (its `schedule` is a fastddpm.diffusion.continuous process) `continuous_sample`
+runs every one but DDPM's over the process's own levels; `euler` is DDIM without noise on any objective.
 
 DDPM (Ho et al. 2020, arXiv:2006.11239): x_{t-1} ~ q(x_{t-1} | x_t, x0_hat), the Gaussian posterior of eq. 6-7,
     mean = c0_t x0_hat + ct_t x_t,  c0_t = sqrt(a_{t-1}) beta_t / (1 - a_t),

