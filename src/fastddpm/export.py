@@ -1,6 +1,6 @@
 """`fastddpm export`: a trained denoiser in a format other tools load, with what it takes to sample from it.
 
-    fastddpm export RUN_DIR --format onnx|torch-export|safetensors [--out DIR]
+    fastddpm export RUN_DIR --format onnx|torch-export|safetensors|diffusers [--out DIR]
 
 The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights), schedule.json (the betas
 and what the network predicts: everything a sampler needs), config.json (the resolved config) and README.md (a model
@@ -8,6 +8,10 @@ card: data, images seen, FID where the run measured one, the command that made i
 eps_theta(x (B, C, H, W) float32 in [-1, 1], t (B,) int64) -> (B, C, H, W), plus y (B,) int64 for a conditional
 model (its last id is the null class); the batch axis is dynamic. ONNX and torch.export outputs are checked here
 against PyTorch on the same inputs, and the largest difference is written to export.json.
+
+--format diffusers (ddpm family, --objective ddpm only) writes a folder diffusers loads with no fastddpm installed,
+`DDPMPipeline.from_pretrained(DIR)`: unet/ (UNet2DModel), scheduler/ (DDPMScheduler), model_index.json and
+README.md; see fastddpm.diffusers_io.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import shlex
 from pathlib import Path
 
-FORMATS = ("onnx", "torch-export", "safetensors")
+FORMATS = ("onnx", "torch-export", "safetensors", "diffusers")
 # ONNX Runtime and torch.export against eager PyTorch in fp32: kernels differ, so not bit-exact; measured on the
 # quickstart's U-Net here at ~1e-6 of an output of unit scale
 TOLERANCE = 1e-3
@@ -25,10 +29,12 @@ TOLERANCE = 1e-3
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ep = subparsers.add_parser(
-        "export", help="the EMA denoiser as ONNX, torch.export (.pt2) or safetensors, with its schedule and a card",
+        "export", help="the EMA denoiser as ONNX, torch.export (.pt2), safetensors or a diffusers folder, with its "
+                       "schedule and a card",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Examples:\n  fastddpm export runs/fmnist --format onnx\n"
                "  fastddpm export runs/fmnist --format torch-export --out exports/fmnist-pt2\n"
+               "  fastddpm export runs/cifar --format diffusers --out exports/cifar-diffusers   # DDPMPipeline\n"
                "  python examples/sample_onnx.py exports/fmnist-onnx --out grid.png   # onnxruntime + numpy only")
     ep.add_argument("run", metavar="RUN", help="a run directory, a checkpoint (.pt) or an ema.safetensors")
     ep.add_argument("--format", choices=FORMATS, required=True)
@@ -165,10 +171,17 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     if fmt not in FORMATS:
         raise ConfigError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
     ckpt = locate(run, what="export:")
+    if fmt == "diffusers":
+        from fastddpm.diffusers_io import check_exportable
+
+        check_exportable(ckpt.config)  # before loading the weights or writing anything
     model, cfg = load_for_sampling(ckpt, device="cpu")
     info, run_dir = ckpt.info(), ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "diffusers":
+        return _export_diffusers(model.float(), cfg, info, out, command or f"fastddpm.export.export({str(run)!r}, "
+                                 f"{fmt!r})", log)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
     if fmt == "onnx":
@@ -218,6 +231,28 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
     log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md")
+    return result
+
+
+def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> dict:
+    import torch
+
+    from fastddpm import diffusers_io
+
+    files = diffusers_io.write_folder(model, cfg, out)
+    (out / "README.md").write_text(diffusers_io.model_card(cfg, info, command))
+    files.append("README.md")
+    result = {"format": "diffusers", "checkpoint": info, "exporter": "fastddpm.diffusers_io (UNet2DModel, "
+              "DDPMScheduler, DDPMPipeline)", "max_abs_diff": diffusers_io.check_folder(model, cfg, out),
+              "tolerance": diffusers_io.TOLERANCE, "out": str(out), "files": files, "torch": torch.__version__}
+    if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= diffusers_io.TOLERANCE:
+        raise RuntimeError(f"export: diffusers' UNet2DModel from {out / 'unet'} differs from fastddpm's model by "
+                           f"{result['max_abs_diff']:.3g} (more than {diffusers_io.TOLERANCE:g}) on the same inputs; "
+                           "the folder is kept for inspection")
+    (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    diff = ("; diffusers is not installed here, so the folder was not loaded back" if result["max_abs_diff"] is None
+            else f"; max |difference| of diffusers' UNet2DModel vs fastddpm {result['max_abs_diff']:.2e}")
+    log(f"exported {out} for diffusers (DDPMPipeline.from_pretrained){diff}")
     return result
 
 

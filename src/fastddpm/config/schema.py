@@ -431,6 +431,12 @@ class TrainConfig:
     eval_sampler: str = field(default=DEFAULT_SAMPLER,
                               metadata=_doc("Sampler for the evaluation samples.", choices=SAMPLERS))
     eval_steps: int = field(default=DEFAULT_SAMPLER_STEPS, metadata=_doc("Sampler steps for the evaluation samples."))
+    init_from: str | None = field(
+        default=None,
+        metadata=_doc("A diffusers UNet2DModel folder (a DDPMPipeline's, or its unet/) whose weights start a new "
+                      "run of the ddpm family; its config must match the model options (a mismatch is named). "
+                      "Not used when resuming."),
+    )
     eval_inception: str | None = field(
         default=None,
         metadata=_doc("Local Inception weights for standard FID during training (pytorch-fid's "

@@ -190,6 +190,10 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                              parallel="fsdp" if fsdp else "ddp",
                              planned_images=_planned_images(cfg, len(data.images), dist.world_size))
     model, schedule = build_model(cfg, device=device, fast=fast, keep_on_cpu=fsdp)
+    if cfg.train.init_from and resumed is None:  # before the EMA copies the weights
+        from fastddpm.diffusers_io import load_init
+
+        console(load_init(model, cfg, cfg.train.init_from))
     cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device, console)
     train_cfg = cfg.train
     batches, placement, placement_reason = _make_batches(cfg, data, device, dist, hooks)

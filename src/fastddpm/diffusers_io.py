@@ -1,0 +1,381 @@
+"""fastddpm's ddpm-family U-Net as a diffusers folder: `fastddpm export RUN --format diffusers --out DIR`.
+
+    DIR/model_index.json                           DDPMPipeline: unet + scheduler
+    DIR/unet/config.json                           UNet2DModel's switches, set so it computes fastddpm's function
+    DIR/unet/diffusion_pytorch_model.safetensors   the EMA weights under UNet2DModel's names
+    DIR/scheduler/scheduler_config.json            DDPMScheduler: the run's betas and what the network predicts
+    DIR/README.md                                  a model card
+
+diffusers loads it with no fastddpm installed: `DDPMPipeline.from_pretrained(DIR)`. Writing it needs only torch and
+safetensors; where diffusers is importable the folder is loaded back and compared with fastddpm's model.
+
+The ddpm family (models/ddpm_unet.py) is Ho et al. 2020's U-Net (arXiv:2006.11239, appendix B), the network of
+diffusers' UNet2DModel (diffusers/models/unets/unet_2d.py) in google/ddpm-cifar10-32's configuration. The switches
+that make the two compute the same function, each read from diffusers' source:
+  * time embedding: fastddpm's is [sin(t w_i), cos(t w_i)], w_i = 10000^(-i / (d/2)) (models/unet.py);
+    diffusers' get_timestep_embedding (diffusers/models/embeddings.py) divides by (d/2 - freq_shift) and puts cos
+    first when flip_sin_to_cos: so freq_shift 0, flip_sin_to_cos false. (google/ddpm-cifar10-32 has freq_shift 1,
+    the authors' TensorFlow code's d/2 - 1.)
+  * ResnetBlock2D (diffusers/models/resnet.py): GN -> SiLU -> conv -> + Linear(SiLU(emb)) -> GN -> SiLU -> dropout
+    -> conv, a 1x1 conv_shortcut only when the channels change; time_embedding_norm "scale_shift" is GN(h) * (1 +
+    scale) + shift with the scale first, as fastddpm's scale_shift_norm (Nichol & Dhariwal 2021, arXiv:2102.09672).
+  * attention (diffusers/models/attention_processor.py, _from_deprecated_attn_block): GroupNorm, separate q, k, v
+    Linear layers (fastddpm's qkv 1x1 conv, split in three), heads of attention_head_dim channels, a residual.
+    UNetMidBlock2D drops its attention GroupNorm under "scale_shift" unless attn_norm_num_groups is set: it is.
+  * Downsample2D: a stride-2 3x3 conv with downsample_padding 1; Upsample2D: nearest x2, then a 3x3 conv.
+  * GroupNorm eps 1e-5 everywhere (torch's default, fastddpm's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastddpm.config import ConfigError
+
+# diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
+# the tiny test models at ~1e-6 of an output of unit scale
+TOLERANCE = 1e-4
+# written into the configs when diffusers is not importable at export time: the release this module was checked
+# against (diffusers reads the field for its warnings only)
+DIFFUSERS_VERSION = "0.42.1"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def _refuse(what: str, why: str) -> None:
+    raise ConfigError(f"export --format diffusers: {what}: {why}")
+
+
+def check_exportable(cfg) -> None:
+    """ConfigError naming the first setting of `cfg` (a RunConfig) that diffusers' UNet2DModel / DDPMScheduler
+    has no equivalent for; None when the run exports."""
+    m, d = cfg.model, cfg.diffusion
+    if m.family != "ddpm":
+        _refuse(f"model.family={m.family}", "the seed family's U-Net has no diffusers class; only model.family=ddpm "
+                "(Ho et al.'s U-Net, diffusers' UNet2DModel) exports as diffusers (use --format safetensors, onnx or "
+                "torch-export)")
+    if d.objective != "ddpm":
+        _refuse(f"diffusion.objective={d.objective}", "diffusers' DDPMPipeline / DDPMScheduler cannot sample it "
+                "(they take DDPM's discrete timesteps and betas, not "
+                + ("EDM's preconditioned sigma" if d.objective == "edm" else "flow matching's velocity") + "); "
+                "nothing was written: use --format onnx, torch-export or safetensors")
+    if m.resblock_updown:
+        _refuse("model.resblock_updown=true", "diffusers' DownBlock2D and UpBlock2D resample only with a plain "
+                "convolution (their downsample_type/upsample_type 'resnet' exists on the attention blocks only)")
+    channels = _attention_channels(m)
+    if m.num_heads > 1 and len(set(channels)) > 1:
+        _refuse(f"model.num_heads={m.num_heads}", f"attention runs at {sorted(set(channels))} channels, so its head "
+                "width differs between levels, and UNet2DModel takes one attention_head_dim for all of them (use "
+                "num_heads=1, or attention only where the channels equal the last level's)")
+
+
+def _level_resolutions(m) -> list[int]:
+    return [m.image_size // 2 ** i for i in range(len(m.channel_mult))]
+
+
+def _attention_channels(m) -> list[int]:
+    """The channel count of every attention layer: the levels at attention_resolutions, and the middle's."""
+    levels = [m.base_channels * mult for mult, res in zip(m.channel_mult, _level_resolutions(m))
+              if res in m.attention_resolutions]
+    return [*levels, m.base_channels * m.channel_mult[-1]]
+
+
+def unet_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
+    """UNet2DModel's config.json for `cfg` (checked by check_exportable)."""
+    m = cfg.model
+    attn = [res in m.attention_resolutions for res in _level_resolutions(m)]
+    return {
+        "_class_name": "UNet2DModel",
+        "_diffusers_version": version,
+        "sample_size": m.image_size,
+        "in_channels": m.image_channels,
+        "out_channels": m.image_channels,
+        "center_input_sample": False,
+        "time_embedding_type": "positional",
+        "time_embedding_dim": None,  # 4 x block_out_channels[0], fastddpm's width too
+        "freq_shift": 0,
+        "flip_sin_to_cos": False,
+        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn],
+        "mid_block_type": "UNetMidBlock2D",
+        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)],
+        "block_out_channels": [m.base_channels * mult for mult in m.channel_mult],
+        "layers_per_block": m.num_res_blocks,
+        "mid_block_scale_factor": 1,
+        "downsample_padding": 1,
+        "downsample_type": "conv",
+        "upsample_type": "conv",
+        "dropout": m.dropout,
+        "act_fn": "silu",
+        # None: one head as wide as each block (UNet2DModel passes the block's channels); else the one head width
+        "attention_head_dim": None if m.num_heads == 1 else _attention_channels(m)[0] // m.num_heads,
+        "norm_num_groups": m.norm_groups,
+        "attn_norm_num_groups": m.norm_groups,
+        "norm_eps": 1e-5,
+        "resnet_time_scale_shift": "scale_shift" if m.scale_shift_norm else "default",
+        "add_attention": True,
+        "class_embed_type": None,
+        # fastddpm's embedding has num_classes + 1 rows: the last, id num_classes, is classifier-free guidance's null
+        "num_class_embeds": m.num_classes + 1 if m.conditional else None,
+        "num_train_timesteps": None,
+    }
+
+
+def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
+    """DDPMScheduler's scheduler_config.json for the run's schedule (diffusers/schedulers/scheduling_ddpm.py)."""
+    d = cfg.diffusion
+    return {
+        "_class_name": "DDPMScheduler",
+        "_diffusers_version": version,
+        "num_train_timesteps": d.num_timesteps,
+        # linear: torch.linspace(beta_start, beta_end, T), fastddpm's linear_betas. squaredcos_cap_v2:
+        # betas_for_alpha_bar's cos((t + 0.008) / 1.008 * pi / 2)^2 capped at 0.999, fastddpm's cosine_betas
+        # (Nichol & Dhariwal 2021, eq. 17)
+        "beta_schedule": "linear" if d.schedule == "linear" else "squaredcos_cap_v2",
+        "beta_start": d.beta_start,
+        "beta_end": d.beta_end,
+        "trained_betas": None,
+        "variance_type": "fixed_small",  # beta_tilde_t, Ho et al. 2020 eq. 7
+        "clip_sample": True,  # x0_hat clamped to the data's [-1, 1], as fastddpm's samplers do by default
+        "clip_sample_range": 1.0,
+        "prediction_type": "epsilon" if d.prediction == "epsilon" else "v_prediction",
+        "thresholding": False,
+        "timestep_spacing": "leading",
+        "steps_offset": 0,
+        "rescale_betas_zero_snr": False,
+    }
+
+
+def _layer_names(model) -> list[tuple[object, str]]:
+    """(fastddpm layer, UNet2DModel module prefix) for every block of a DDPMUNet, in diffusers' order."""
+    from fastddpm.models.ddpm_unet import Attention, ResBlock
+
+    out = []
+    for group, name in ((model.downs, "down_blocks"), (model.mids, "mid_block"), (model.ups, "up_blocks")):
+        for i, level in enumerate(group):
+            prefix = f"{name}.{i}" if name != "mid_block" else name
+            counts = {"resnets": 0, "attentions": 0}
+            for layer in level.layers:
+                if isinstance(layer, ResBlock):
+                    kind = "resnets"
+                elif isinstance(layer, Attention):
+                    kind = "attentions"
+                else:  # Resample: Downsample2D / Upsample2D, named conv inside
+                    out.append((layer, f"{prefix}.{'upsamplers' if layer.up else 'downsamplers'}.0"))
+                    continue
+                out.append((layer, f"{prefix}.{kind}.{counts[kind]}"))
+                counts[kind] += 1
+    return out
+
+
+def to_diffusers_state_dict(model) -> dict:
+    """A DDPMUNet's weights under UNet2DModel's parameter names (float32, contiguous)."""
+    ours = model.state_dict()
+    sd = {}
+    for name, (key, chunk) in _name_table(model).items():
+        t = ours[key].detach().float()
+        if chunk is not None:  # the qkv conv's (3C, C, 1, 1) rows: q, k, v, heads contiguous in each
+            t = t.chunk(3, dim=0)[chunk]
+        if t.ndim == 4 and ".attentions." in name:  # a 1x1 conv as diffusers' Linear
+            t = t.flatten(1)
+        sd[name] = t.contiguous().clone()
+    return sd
+
+
+def from_diffusers_state_dict(model, sd: dict) -> dict:
+    """The inverse of to_diffusers_state_dict, for loading a UNet2DModel's weights (diffusion_pytorch_model.safetensors)
+    into `model`, a DDPMUNet: its state_dict; ConfigError naming the first weight that is missing, left over or of
+    another shape. (The config switches are not compared here: unet_config(cfg) is what they must equal.)"""
+    import torch
+
+    ours = model.state_dict()
+    table = _name_table(model)
+    missing = [n for n in table if n not in sd]
+    if missing:
+        _refuse_mismatch(f"it has no weight {missing[0]} ({len(missing)} missing)")
+    extra = sorted(set(sd) - set(table))
+    if extra:
+        _refuse_mismatch(f"weight {extra[0]} has no place in this run's model ({len(extra)} such)")
+    parts: dict = {}
+    for name, (key, chunk) in table.items():
+        parts.setdefault(key, {})[chunk] = sd[name]
+    state = {}
+    for key, got in parts.items():
+        t = torch.cat([got[j] for j in range(3)]) if None not in got else got[None]
+        want = ours[key].shape
+        if t.numel() != want.numel():
+            name = next(n for n, (k, _) in table.items() if k == key)
+            _refuse_mismatch(f"{name} has shape {tuple(sd[name].shape)}, where this run's model has {key} of shape "
+                             f"{tuple(want)}")
+        state[key] = t.reshape(want).to(ours[key].dtype)
+    return state
+
+
+def _refuse_mismatch(detail: str) -> None:
+    raise ConfigError(f"the diffusers UNet2DModel's weights do not match this fastddpm model: {detail}")
+
+
+def _name_table(model) -> dict:
+    """UNet2DModel parameter name -> (DDPMUNet state_dict key, which third of the qkv rows or None)."""
+    from fastddpm.models.ddpm_unet import Attention, ResBlock
+
+    table: dict = {}
+    ours = model.state_dict()
+
+    def module(src_prefix, dst_prefix):
+        for k in ours:
+            if k.startswith(src_prefix + "."):
+                table[f"{dst_prefix}.{k[len(src_prefix) + 1:]}"] = (k, None)
+
+    names = {id(mod): n for n, mod in model.named_modules()}
+    module("t_proj.0", "time_embedding.linear_1")
+    module("t_proj.2", "time_embedding.linear_2")
+    module("conv_in", "conv_in")
+    module("class_emb", "class_embedding")
+    for layer, p in _layer_names(model):
+        n = names[id(layer)]
+        if isinstance(layer, ResBlock):  # skip: a 1x1 conv only when the channels change, as conv_shortcut
+            for src, dst in (("norm1", "norm1"), ("conv1", "conv1"), ("emb", "time_emb_proj"), ("norm2", "norm2"),
+                             ("conv2", "conv2"), ("skip", "conv_shortcut")):
+                module(f"{n}.{src}", f"{p}.{dst}")
+        elif isinstance(layer, Attention):
+            module(f"{n}.norm", f"{p}.group_norm")
+            for j, name in enumerate(("to_q", "to_k", "to_v")):
+                for kind in ("weight", "bias"):
+                    table[f"{p}.{name}.{kind}"] = (f"{n}.qkv.{kind}", j)
+            module(f"{n}.proj", f"{p}.to_out.0")
+        else:
+            module(f"{n}.conv", f"{p}.conv")
+    module("norm_out", "conv_norm_out")
+    module("conv_out", "conv_out")
+    return table
+
+
+def _version() -> str:
+    try:
+        import diffusers
+        return diffusers.__version__
+    except ImportError:
+        return DIFFUSERS_VERSION
+
+
+def write_folder(model, cfg, out: Path) -> list[str]:
+    """The diffusers folder for `model` (a DDPMUNet) and `cfg` in `out`, the card aside; the files written."""
+    from safetensors.torch import save_file
+
+    check_exportable(cfg)
+    version = _version()
+    (out / "unet").mkdir(parents=True, exist_ok=True)
+    (out / "scheduler").mkdir(parents=True, exist_ok=True)
+    save_file(to_diffusers_state_dict(model), str(out / "unet" / WEIGHTS), metadata={"format": "pt"})
+    files = {"unet/config.json": unet_config(cfg, version),
+             "scheduler/scheduler_config.json": scheduler_config(cfg, version),
+             "model_index.json": {"_class_name": "DDPMPipeline", "_diffusers_version": version,
+                                  "scheduler": ["diffusers", "DDPMScheduler"], "unet": ["diffusers", "UNet2DModel"]}}
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    return [f"unet/{WEIGHTS}", *files]
+
+
+def example_inputs(cfg, batch: int, seed: int = 0):
+    """(x, t, y or None): random images, integer timesteps over 0..T-1, and a conditional model's labels (the
+    null class included)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.model
+    x = torch.randn(batch, m.image_channels, m.image_size, m.image_size, generator=g)
+    t = torch.randint(0, cfg.diffusion.num_timesteps, (batch,), generator=g)
+    y = torch.randint(0, m.num_classes + 1, (batch,), generator=g) if m.conditional else None
+    return x, t, y
+
+
+def check_folder(model, cfg, out: Path) -> float | None:
+    """The largest |difference| between diffusers' UNet2DModel loaded from out/unet and `model` on the same
+    inputs (batch 1 and 3); None where diffusers is not importable."""
+    try:
+        from diffusers import UNet2DModel
+    except ImportError:
+        return None
+    import torch
+
+    loaded = UNet2DModel.from_pretrained(str(out / "unet")).eval()
+    model = model.float().eval()
+    worst = 0.0
+    for batch in (1, 3):
+        x, t, y = example_inputs(cfg, batch, seed=batch)
+        with torch.no_grad():
+            want = model(x, t, y) if y is not None else model(x, t)
+            got = loaded(x, t, class_labels=y).sample
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
+def model_card(cfg, info: dict, command: str) -> str:
+    m, d = cfg.model, cfg.diffusion
+    lines = [f"# fastddpm denoiser for diffusers ({cfg.preset or 'custom'} preset)", "",
+             "Ho et al. 2020's U-Net (fastddpm's ddpm family) as diffusers' `UNet2DModel`, with a `DDPMScheduler` "
+             "for the schedule it was trained on. Loading it needs diffusers and torch only, not fastddpm.", "",
+             f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images in "
+             "[-1, 1])" + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
+             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: EMA",
+             f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts "
+             f"{'the noise (epsilon)' if d.prediction == 'epsilon' else 'v (v_prediction)'}",
+             f"- made by: `{command}`", "", "```python", "from diffusers import DDPMPipeline"]
+    if not m.conditional:
+        lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")',
+                  "images = pipe(batch_size=4, num_inference_steps=1000).images  # PIL images", "```"]
+    else:
+        lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # unet + scheduler; see below', "```",
+                  "", f"The model is class-conditional (`num_class_embeds` = {m.num_classes + 1}): class ids 0.."
+                  f"{m.num_classes - 1} in the order above, and id {m.num_classes}, the null class that fastddpm "
+                  "trained for classifier-free guidance (no class). `DDPMPipeline.__call__` passes no class labels, "
+                  "which UNet2DModel refuses, and does no guidance; sample with the scheduler directly:", "",
+                  "```python", "import torch", "unet, scheduler = pipe.unet, pipe.scheduler",
+                  f"x = torch.randn(4, {m.image_channels}, {m.image_size}, {m.image_size})",
+                  f"labels = torch.arange(4) % {m.num_classes}  # {m.num_classes} for no class",
+                  "scheduler.set_timesteps(1000)",
+                  "for t in scheduler.timesteps:",
+                  "    with torch.no_grad():",
+                  "        out = unet(x, t, class_labels=labels).sample",
+                  "    x = scheduler.step(out, t, x).prev_sample",
+                  "images = (x / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]", "```"]
+    return "\n".join(lines) + "\n"
+
+
+# the config.json entries that decide the function a UNet2DModel computes; the others (versions, sample_size,
+# defaults that are null) do not have to match for its weights to start a run
+_FUNCTION_KEYS = ("in_channels", "out_channels", "time_embedding_type", "freq_shift", "flip_sin_to_cos",
+                  "down_block_types", "up_block_types", "block_out_channels", "layers_per_block",
+                  "downsample_padding", "act_fn", "attention_head_dim", "norm_num_groups", "norm_eps",
+                  "resnet_time_scale_shift", "num_class_embeds", "center_input_sample", "mid_block_scale_factor")
+
+
+def load_init(model, cfg, folder: str | Path) -> str:
+    """Put a diffusers UNet2DModel folder's weights (FOLDER/unet/ or FOLDER itself: config.json and
+    diffusion_pytorch_model.safetensors) into `model`, a fresh run's DDPMUNet built from `cfg`. A ConfigError names
+    the first detail that differs (a config switch, or a weight). Returns a line for the log."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder).expanduser()
+    unet = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
+    config_path, weights_path = unet / "config.json", unet / WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ConfigError(f"--init-from {folder}: no diffusers UNet2DModel there (need {unet}/config.json and "
+                          f"{unet}/{WEIGHTS}; a DDPMPipeline folder has them under unet/)")
+    check_exportable(cfg)  # the families and switches that have a UNet2DModel equivalent
+    theirs = json.loads(config_path.read_text())
+    if theirs.get("_class_name", "UNet2DModel") != "UNet2DModel":
+        raise ConfigError(f"--init-from {config_path}: a {theirs.get('_class_name')}, not a UNet2DModel")
+    ours = unet_config(cfg)
+    for key in _FUNCTION_KEYS:
+        a, b = theirs.get(key), ours.get(key)
+        if isinstance(a, list) or isinstance(b, list):
+            a, b = list(a or []), list(b or [])
+        if a != b:
+            raise ConfigError(f"--init-from {config_path}: {key} is {a!r} there and {b!r} in this run's model; the "
+                              "two would not compute the same function (set this run's model options to match, "
+                              "e.g. --base-channels, --channel-mult, --num-res-blocks, --attention-resolutions, "
+                              "--num-heads, --norm-groups, --scale-shift-norm; fastddpm has no switch for freq_shift "
+                              "or norm_eps)")
+    model.load_state_dict(from_diffusers_state_dict(model, load_file(str(weights_path))))
+    return f"init: weights of the diffusers UNet2DModel in {unet}"
