@@ -26,6 +26,7 @@ draw for both, a function of (seed, step) as every other draw.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -47,30 +48,37 @@ def _col(v_B: torch.Tensor, ndim: int) -> torch.Tensor:
     return v_B.reshape(-1, *([1] * (ndim - 1)))
 
 
-class ContinuousProcess:
+class ContinuousProcess(ABC):
     """What an objective needs to train and sample: its level from a standard normal draw, (alpha, sigma) at a
     level, the network's input at a level, x0_hat from the network's output, and the training target."""
 
     name: str
     default_spacing: str
 
+    @abstractmethod
     def level(self, z_B: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Training's noise level for each standard normal draw z."""
 
+    @abstractmethod
     def alpha_sigma(self, level: torch.Tensor | float):
-        raise NotImplementedError
+        """(alpha, sigma) at `level`: x = alpha x_0 + sigma eps."""
 
+    @abstractmethod
     def net_input(self, x: torch.Tensor, level_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """(the image the network sees, its noise input) at x and level."""
 
+    @abstractmethod
     def x0(self, out: torch.Tensor, x: torch.Tensor, level_B: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x0_hat from the network's output at x and level."""
 
+    @abstractmethod
     def target(self, x0: torch.Tensor, noise: torch.Tensor, x: torch.Tensor, level_B: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """What the network's output regresses in training."""
 
+    @abstractmethod
     def sampling_levels(self, steps: int, spacing: str, *, finite_lambda: bool) -> list[float]:
-        raise NotImplementedError
+        """`steps` levels, noisiest first (sampling then ends at level 0); finite_lambda: start where
+        log(alpha / sigma) >= LAMBDA_MIN, as the lambda-based solvers need."""
 
     def to(self, device) -> "ContinuousProcess":
         return self  # host floats only: nothing to move

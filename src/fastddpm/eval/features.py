@@ -87,8 +87,8 @@ def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, 
     is a local file; else the dataset's cached (or new) classifier (trained with `recipe`, default
     ClassifierRecipe())."""
     if inception:
-        from fastddpm.eval.inception import load_inception
-        from fastddpm.eval.inception_weights import FIND, load_found_inception
+        from fastddpm.eval.inception import load_found_inception, load_inception
+        from fastddpm.eval.inception_weights import FIND
 
         if inception == FIND:
             module, info = load_found_inception(device, log=log)

