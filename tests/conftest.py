@@ -55,6 +55,16 @@ def _set_by_the_tools(name: str) -> bool:
         "_TORCHINDUCTOR")
 
 
+def restore_env_after(monkeypatch, *names: str) -> None:
+    """Have monkeypatch put these environment variables back as they are now (set or absent) after the test: for
+    a third-party import that sets them (opencv, Lightning), which _leaves_the_process_as_it_found_it would flag."""
+    for name in names:
+        was = os.environ.get(name)
+        monkeypatch.setenv(name, was or "")  # records the value, or its absence
+        if was is None:
+            monkeypatch.delenv(name)
+
+
 def _process_state() -> dict:
     """What one test can change for every later test in this process (they share it): torch's global switches,
     the environment, the working directory and the signal handlers."""

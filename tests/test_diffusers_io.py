@@ -190,3 +190,149 @@ def test_init_from_a_diffusers_folder_starts_a_run_from_its_weights(tmp_path, rg
                  *flags({**TINY_DDPM, "model.base_channels": 32}), "--max-steps", "1", "--no-progress",
                  "--init-from", str(tmp_path / "theirs")]) == 2
     assert "block_out_channels is [16, 32] there and [32, 64] in this run's model" in capsys.readouterr().err
+
+
+# google/ddpm-cifar10-32's unet/config.json as the Hub has it (written by diffusers 0.0.4: the keys it leaves out take
+# UNet2DModel's defaults), with the channels cut from 128, 256, 256, 256 so that the test stays small
+GOOGLE_DDPM_CIFAR10_32 = {
+    "_class_name": "UNet2DModel", "_diffusers_version": "0.0.4", "act_fn": "silu", "attention_head_dim": None,
+    "block_out_channels": [32, 64, 64, 64], "center_input_sample": False,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"],
+    "downsample_padding": 0, "flip_sin_to_cos": False, "freq_shift": 1, "in_channels": 3, "layers_per_block": 2,
+    "mid_block_scale_factor": 1, "norm_eps": 1e-06, "norm_num_groups": 32, "out_channels": 3, "sample_size": 32,
+    "time_embedding_type": "positional",
+    "up_block_types": ["UpBlock2D", "UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+}
+
+
+@pytest.fixture(scope="module")
+def google_style_folder(tmp_path_factory):
+    """A UNet2DModel in google/ddpm-cifar10-32's configuration, built and saved by diffusers with random weights
+    (every one, so that a wrong mapping shows), its config.json then trimmed to the Hub's keys."""
+    folder = tmp_path_factory.mktemp("google-style")
+    torch.manual_seed(3)
+    unet = diffusers.UNet2DModel(**{k: v for k, v in GOOGLE_DDPM_CIFAR10_32.items() if not k.startswith("_")})
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    unet.save_pretrained(str(folder))
+    (folder / "config.json").write_text(json.dumps(GOOGLE_DDPM_CIFAR10_32, indent=2))
+    return folder, unet.eval()
+
+
+def test_a_google_ddpm_unet_gives_its_architecture_and_weights_to_a_run(google_style_folder, rgb_npz):
+    """Ho et al.'s TensorFlow details (freq_shift 1, GroupNorm eps 1e-6, SAME padding before the stride-2 conv) are
+    read from the folder with the widths; the fastddpm model then computes diffusers' function. Without the three
+    switches it would not: each is needed."""
+    import dataclasses
+
+    from fastddpm.config import resolve_config
+    from fastddpm.diffusers_io import load_init
+
+    folder, unet = google_style_folder
+    cfg = resolve_config("tiny", layers=[("test", {"train.init_from": str(folder), "data.source": str(rgb_npz)})])
+    m = cfg.model
+    assert (m.family, m.base_channels, m.channel_mult, m.num_res_blocks, m.attention_resolutions, m.num_heads,
+            m.norm_groups) == ("ddpm", 32, (1, 2, 2, 2), 2, (16,), 1, 32)
+    assert (m.time_freq_shift, m.norm_eps, m.downsample_padding, m.scale_shift_norm) == (1, 1e-6, "tf-same", False)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, image_channels=3, image_size=32))
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(3, 3, 32, 32, generator=g), torch.tensor([0, 517, 999])
+    with torch.no_grad():
+        want = unet(x, t).sample
+
+    def max_relative_error(model_cfg) -> float:
+        model = build_unet(model_cfg.model).eval()
+        if model_cfg is cfg:
+            load_init(model, model_cfg, folder)
+        else:  # load_init would refuse the differing switch: the weights alone
+            model.load_state_dict(from_diffusers_state_dict(model, diffusers_weights(folder)))
+        with torch.no_grad():
+            return float((model(x, t) - want).abs().max() / want.abs().max())
+
+    assert want.abs().max() > 0.1
+    assert max_relative_error(cfg) < 1e-5
+    for switch in ({"time_freq_shift": 0}, {"norm_eps": 1e-5}, {"downsample_padding": "symmetric"}):
+        other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **switch))
+        assert max_relative_error(other) > 1e-4, switch
+
+
+def diffusers_weights(folder):
+    from safetensors.torch import load_file
+    return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_switches(google_style_folder, rgb_npz,
+                                                                                     tmp_path, capsys):
+    """`fastddpm train --init-from DIR` with no model options on the command line: a DDPMPipeline folder (unet/ and
+    scheduler/) fine-tunes a few steps, and exports back as a UNet2DModel with the folder's switches that computes
+    fastddpm's function; an explicit option that contradicts the folder is refused by name."""
+    folder, _ = google_style_folder
+    pipeline = tmp_path / "pipeline"
+    (pipeline / "unet").mkdir(parents=True)
+    (pipeline / "scheduler").mkdir()
+    for f in folder.iterdir():
+        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
+    # not the defaults (google's is linear epsilon), so that reading it shows
+    (pipeline / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+        "_class_name": "DDPMScheduler", "beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 1000,
+        "prediction_type": "v_prediction", "clip_sample": True, "variance_type": "fixed_small"}))
+    run, out = tmp_path / "run", tmp_path / "export"
+    assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--init-from",
+                 str(pipeline), "--max-steps", "2", "--batch-size", "4", "--no-progress"]) == 0
+    assert "init: weights of the diffusers UNet2DModel" in capsys.readouterr().out
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+    config = json.loads((out / "unet" / "config.json").read_text())
+    assert {k: config[k] for k in ("freq_shift", "norm_eps", "downsample_padding", "block_out_channels")} == \
+        {"freq_shift": 1, "norm_eps": 1e-6, "downsample_padding": 0, "block_out_channels": [32, 64, 64, 64]}
+    sched = json.loads((out / "scheduler" / "scheduler_config.json").read_text())
+    assert (sched["beta_schedule"], sched["prediction_type"]) == ("squaredcos_cap_v2", "v_prediction")
+    assert json.loads((out / "export.json").read_text())["max_abs_diff"] <= 1e-4
+    import shutil
+
+    shutil.rmtree(pipeline / "unet")  # a resume reads the run's own config and weights, not the folder
+    assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--max-steps", "3", "--resume", "latest",
+                 "--no-progress"]) == 0
+    (pipeline / "unet").mkdir()
+    for f in folder.iterdir():
+        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
+    capsys.readouterr()
+    assert main(["train", "--data", str(rgb_npz), "--out", str(tmp_path / "eps"), "--preset", "tiny",
+                 "--init-from", str(pipeline), "--norm-eps", "1e-5", "--max-steps", "1", "--no-progress"]) == 2
+    assert "norm_eps is 1e-06 there and 1e-05 in this run's model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"flip_sin_to_cos": True}, "flip_sin_to_cos=True"),
+    ({"up_block_types": ["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"]}, "must mirror"),
+    ({"block_out_channels": [32, 48, 64, 64]}, "multiples of the first"),
+    ({"resnet_time_scale_shift": "ada_group"}, "resnet_time_scale_shift='ada_group'"),
+    ({"attention_head_dim": 8, "block_out_channels": [32, 32, 64, 64]}, "one number of heads"),
+])
+def test_a_unet2d_config_fastddpm_cannot_compute_is_refused_by_name(change, named):
+    from fastddpm.config.diffusers_unet import UNET2D_DEFAULTS, model_fields
+
+    with pytest.raises(ConfigError, match=named):
+        model_fields({**UNET2D_DEFAULTS, **GOOGLE_DDPM_CIFAR10_32, **change}, "x/config.json")
+
+
+def test_a_scheduler_fastddpm_cannot_train_is_refused_by_name():
+    from fastddpm.config.diffusers_unet import scheduler_fields
+
+    assert scheduler_fields({"beta_schedule": "linear", "beta_start": 1e-4, "beta_end": 0.02}, "s.json") == {
+        "diffusion.objective": "ddpm", "diffusion.num_timesteps": 1000, "diffusion.schedule": "linear",
+        "diffusion.beta_start": 1e-4, "diffusion.beta_end": 0.02, "diffusion.prediction": "epsilon"}
+    for bad, named in (({"beta_schedule": "scaled_linear"}, "beta_schedule='scaled_linear'"),
+                       ({"prediction_type": "sample"}, "prediction_type='sample'"),
+                       ({"trained_betas": [0.1, 0.2]}, "trained_betas")):
+        with pytest.raises(ConfigError, match=named):
+            scheduler_fields(bad, "s.json")
+
+
+def test_the_tensorflow_switches_are_validated():
+    with pytest.raises(ConfigError, match="time_freq_shift=2 must be 0"):
+        ModelConfig(family="ddpm", time_freq_shift=2)
+    with pytest.raises(ConfigError, match="downsample_padding='same' is not one of 'symmetric', 'tf-same'"):
+        ModelConfig(family="ddpm", downsample_padding="same")
+    with pytest.raises(ConfigError, match="norm_eps=0.0"):
+        ModelConfig(family="ddpm", norm_eps=0.0)

@@ -17,6 +17,7 @@ import torch
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
+from conftest import restore_env_after  # noqa: E402
 from fastddpm.doctor.script_context import ScriptContext, _Loader  # noqa: E402
 
 # a tiny model and a few steps, shared by the scripts below
@@ -358,3 +359,43 @@ def test_every_patch_is_gone_after_exit_even_when_the_script_fails(tmp_path):
              torch.optim.Optimizer.__init__, DataLoader.__init__, accelerate.Accelerator.__init__, list(sys.meta_path))
     assert all(a is b for a, b in zip(before[:5], after[:5]))
     assert len(before[5]) == len(after[5]) and all(a is b for a, b in zip(before[5], after[5]))
+
+
+def test_the_real_lightning_trainer_precision_is_the_fix(tmp_path, monkeypatch):
+    """Lightning itself (a test extra): a LightningModule fitted three steps on the CPU by `L.Trainer(...)`; the hook
+    on lightning.pytorch.trainer.trainer sees the Trainer built at the user's line, reads the precision it runs
+    ('32-true') and words the fix as its argument there."""
+    restore_env_after(monkeypatch, "PYTORCH_NVML_BASED_CUDA_CHECK")  # importing Lightning sets it
+    lightning = pytest.importorskip("lightning", reason="Lightning is a test extra: pip install -e '.[test]'")
+    script = write(tmp_path / "proj" / "train.py", """
+        import lightning as L
+        import torch
+
+
+        class Regressor(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+        ds = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+        loader = torch.utils.data.DataLoader(ds, batch_size=4)
+        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Regressor(), loader)
+    """)
+    ctx, script_globals = run(script)
+    assert script_globals["trainer"].global_step == 3  # the script ran to its end inside the context
+    place = f"train.py:{line_of(script, 'L.Trainer(')}"
+    fix = ctx.precision_fix("bf16")
+    assert (fix.kind, fix.place, fix.text) == ("argument", place, f"Trainer(precision='bf16-mixed') at {place} "
+                                                                   "(now precision='32-true', not passed)")
+    assert ctx.frameworks()[0].startswith(f"lightning {lightning.__version__}: Trainer(") and place in \
+        ctx.frameworks()[0]

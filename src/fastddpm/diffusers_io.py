@@ -12,18 +12,20 @@ safetensors; where diffusers is importable the folder is loaded back and compare
 The ddpm family (models/ddpm_unet.py) is Ho et al. 2020's U-Net (arXiv:2006.11239, appendix B), the network of
 diffusers' UNet2DModel (diffusers/models/unets/unet_2d.py) in google/ddpm-cifar10-32's configuration. The switches
 that make the two compute the same function, each read from diffusers' source:
-  * time embedding: fastddpm's is [sin(t w_i), cos(t w_i)], w_i = 10000^(-i / (d/2)) (models/unet.py);
-    diffusers' get_timestep_embedding (diffusers/models/embeddings.py) divides by (d/2 - freq_shift) and puts cos
-    first when flip_sin_to_cos: so freq_shift 0, flip_sin_to_cos false. (google/ddpm-cifar10-32 has freq_shift 1,
-    the authors' TensorFlow code's d/2 - 1.)
+  * time embedding: fastddpm's is [sin(t w_i), cos(t w_i)], w_i = 10000^(-i / (d/2 - time_freq_shift))
+    (models/unet.py); diffusers' get_timestep_embedding (diffusers/models/embeddings.py) divides by (d/2 -
+    freq_shift) and puts cos first when flip_sin_to_cos: so freq_shift = time_freq_shift, flip_sin_to_cos false.
+    (google/ddpm-cifar10-32 has freq_shift 1, the authors' TensorFlow code's d/2 - 1.)
   * ResnetBlock2D (diffusers/models/resnet.py): GN -> SiLU -> conv -> + Linear(SiLU(emb)) -> GN -> SiLU -> dropout
     -> conv, a 1x1 conv_shortcut only when the channels change; time_embedding_norm "scale_shift" is GN(h) * (1 +
     scale) + shift with the scale first, as fastddpm's scale_shift_norm (Nichol & Dhariwal 2021, arXiv:2102.09672).
   * attention (diffusers/models/attention_processor.py, _from_deprecated_attn_block): GroupNorm, separate q, k, v
     Linear layers (fastddpm's qkv 1x1 conv, split in three), heads of attention_head_dim channels, a residual.
     UNetMidBlock2D drops its attention GroupNorm under "scale_shift" unless attn_norm_num_groups is set: it is.
-  * Downsample2D: a stride-2 3x3 conv with downsample_padding 1; Upsample2D: nearest x2, then a 3x3 conv.
-  * GroupNorm eps 1e-5 everywhere (torch's default, fastddpm's).
+  * Downsample2D: a stride-2 3x3 conv with downsample_padding 1 (symmetric), or 0: one row and column of zeros
+    after, TensorFlow's SAME (model.downsample_padding tf-same); Upsample2D: nearest x2, then a 3x3 conv.
+  * GroupNorm eps: model.norm_eps everywhere (1e-5, torch's default; Ho et al.'s 1e-6).
+The config half of this (the switches, both ways) is fastddpm.config.diffusers_unet; here are the weights.
 """
 
 from __future__ import annotations
@@ -32,94 +34,15 @@ import json
 from pathlib import Path
 
 from fastddpm.config import ConfigError
+from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
+                                            read_unet_config, unet_config)
 
 # diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
 # the tiny test models at ~1e-6 of an output of unit scale
 TOLERANCE = 1e-4
-# written into the configs when diffusers is not importable at export time: the release this module was checked
-# against (diffusers reads the field for its warnings only)
-DIFFUSERS_VERSION = "0.42.1"
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
-
-def _refuse(what: str, why: str) -> None:
-    raise ConfigError(f"export --format diffusers: {what}: {why}")
-
-
-def check_exportable(cfg) -> None:
-    """ConfigError naming the first setting of `cfg` (a RunConfig) that diffusers' UNet2DModel / DDPMScheduler
-    has no equivalent for; None when the run exports."""
-    m, d = cfg.model, cfg.diffusion
-    if m.family != "ddpm":
-        _refuse(f"model.family={m.family}", "the seed family's U-Net has no diffusers class; only model.family=ddpm "
-                "(Ho et al.'s U-Net, diffusers' UNet2DModel) exports as diffusers (use --format safetensors, onnx or "
-                "torch-export)")
-    if d.objective != "ddpm":
-        _refuse(f"diffusion.objective={d.objective}", "diffusers' DDPMPipeline / DDPMScheduler cannot sample it "
-                "(they take DDPM's discrete timesteps and betas, not "
-                + ("EDM's preconditioned sigma" if d.objective == "edm" else "flow matching's velocity") + "); "
-                "nothing was written: use --format onnx, torch-export or safetensors")
-    if m.resblock_updown:
-        _refuse("model.resblock_updown=true", "diffusers' DownBlock2D and UpBlock2D resample only with a plain "
-                "convolution (their downsample_type/upsample_type 'resnet' exists on the attention blocks only)")
-    channels = _attention_channels(m)
-    if m.num_heads > 1 and len(set(channels)) > 1:
-        _refuse(f"model.num_heads={m.num_heads}", f"attention runs at {sorted(set(channels))} channels, so its head "
-                "width differs between levels, and UNet2DModel takes one attention_head_dim for all of them (use "
-                "num_heads=1, or attention only where the channels equal the last level's)")
-
-
-def _level_resolutions(m) -> list[int]:
-    return [m.image_size // 2 ** i for i in range(len(m.channel_mult))]
-
-
-def _attention_channels(m) -> list[int]:
-    """The channel count of every attention layer: the levels at attention_resolutions, and the middle's."""
-    levels = [m.base_channels * mult for mult, res in zip(m.channel_mult, _level_resolutions(m))
-              if res in m.attention_resolutions]
-    return [*levels, m.base_channels * m.channel_mult[-1]]
-
-
-def unet_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
-    """UNet2DModel's config.json for `cfg` (checked by check_exportable)."""
-    m = cfg.model
-    attn = [res in m.attention_resolutions for res in _level_resolutions(m)]
-    return {
-        "_class_name": "UNet2DModel",
-        "_diffusers_version": version,
-        "sample_size": m.image_size,
-        "in_channels": m.image_channels,
-        "out_channels": m.image_channels,
-        "center_input_sample": False,
-        "time_embedding_type": "positional",
-        "time_embedding_dim": None,  # 4 x block_out_channels[0], fastddpm's width too
-        "freq_shift": 0,
-        "flip_sin_to_cos": False,
-        "down_block_types": ["AttnDownBlock2D" if a else "DownBlock2D" for a in attn],
-        "mid_block_type": "UNetMidBlock2D",
-        "up_block_types": ["AttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)],
-        "block_out_channels": [m.base_channels * mult for mult in m.channel_mult],
-        "layers_per_block": m.num_res_blocks,
-        "mid_block_scale_factor": 1,
-        "downsample_padding": 1,
-        "downsample_type": "conv",
-        "upsample_type": "conv",
-        "dropout": m.dropout,
-        "act_fn": "silu",
-        # None: one head as wide as each block (UNet2DModel passes the block's channels); else the one head width
-        "attention_head_dim": None if m.num_heads == 1 else _attention_channels(m)[0] // m.num_heads,
-        "norm_num_groups": m.norm_groups,
-        "attn_norm_num_groups": m.norm_groups,
-        "norm_eps": 1e-5,
-        "resnet_time_scale_shift": "scale_shift" if m.scale_shift_norm else "default",
-        "add_attention": True,
-        "class_embed_type": None,
-        # fastddpm's embedding has num_classes + 1 rows: the last, id num_classes, is classifier-free guidance's null
-        "num_class_embeds": m.num_classes + 1 if m.conditional else None,
-        "num_train_timesteps": None,
-    }
-
-
+__all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "write_folder", "check_folder",
+           "model_card", "load_init", "to_diffusers_state_dict", "from_diffusers_state_dict", "example_inputs"]
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
     """DDPMScheduler's scheduler_config.json for the run's schedule (diffusers/schedulers/scheduling_ddpm.py)."""
     d = cfg.diffusion
@@ -342,40 +265,21 @@ def model_card(cfg, info: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# the config.json entries that decide the function a UNet2DModel computes; the others (versions, sample_size,
-# defaults that are null) do not have to match for its weights to start a run
-_FUNCTION_KEYS = ("in_channels", "out_channels", "time_embedding_type", "freq_shift", "flip_sin_to_cos",
-                  "down_block_types", "up_block_types", "block_out_channels", "layers_per_block",
-                  "downsample_padding", "act_fn", "attention_head_dim", "norm_num_groups", "norm_eps",
-                  "resnet_time_scale_shift", "num_class_embeds", "center_input_sample", "mid_block_scale_factor")
-
-
 def load_init(model, cfg, folder: str | Path) -> str:
     """Put a diffusers UNet2DModel folder's weights (FOLDER/unet/ or FOLDER itself: config.json and
-    diffusion_pytorch_model.safetensors) into `model`, a fresh run's DDPMUNet built from `cfg`. A ConfigError names
-    the first detail that differs (a config switch, or a weight). Returns a line for the log."""
+    diffusion_pytorch_model.safetensors) into `model`, a fresh run's DDPMUNet built from `cfg` (whose model options
+    resolve_config took from the folder, unless the command line set them). A ConfigError names the first detail
+    that differs (a config switch, or a weight). Returns a line for the log."""
     from safetensors.torch import load_file
 
-    folder = Path(folder).expanduser()
-    unet = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
-    config_path, weights_path = unet / "config.json", unet / WEIGHTS
-    if not config_path.is_file() or not weights_path.is_file():
-        raise ConfigError(f"--init-from {folder}: no diffusers UNet2DModel there (need {unet}/config.json and "
-                          f"{unet}/{WEIGHTS}; a DDPMPipeline folder has them under unet/)")
+    unet, theirs = read_unet_config(folder)
     check_exportable(cfg)  # the families and switches that have a UNet2DModel equivalent
-    theirs = json.loads(config_path.read_text())
-    if theirs.get("_class_name", "UNet2DModel") != "UNet2DModel":
-        raise ConfigError(f"--init-from {config_path}: a {theirs.get('_class_name')}, not a UNet2DModel")
-    ours = unet_config(cfg)
-    for key in _FUNCTION_KEYS:
-        a, b = theirs.get(key), ours.get(key)
-        if isinstance(a, list) or isinstance(b, list):
-            a, b = list(a or []), list(b or [])
-        if a != b:
-            raise ConfigError(f"--init-from {config_path}: {key} is {a!r} there and {b!r} in this run's model; the "
-                              "two would not compute the same function (set this run's model options to match, "
-                              "e.g. --base-channels, --channel-mult, --num-res-blocks, --attention-resolutions, "
-                              "--num-heads, --norm-groups, --scale-shift-norm; fastddpm has no switch for freq_shift "
-                              "or norm_eps)")
-    model.load_state_dict(from_diffusers_state_dict(model, load_file(str(weights_path))))
+    differs = mismatch(theirs, cfg)
+    if differs:
+        hint = (" (the data's image side places the attention layers: the folder's sample_size is "
+                f"{theirs.get('sample_size')}, this run's {cfg.model.image_size})" if "block_types" in differs else "")
+        raise ConfigError(f"--init-from {unet / 'config.json'}: {differs}{hint}; the two would not compute the same "
+                          "function (leave the model options out of the command line: they are read from the "
+                          "folder, or set them to match)")
+    model.load_state_dict(from_diffusers_state_dict(model, load_file(str(unet / WEIGHTS))))
     return f"init: weights of the diffusers UNet2DModel in {unet}"

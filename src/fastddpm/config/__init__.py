@@ -11,6 +11,7 @@ run directory as config.json, and `fastddpm train --help` and docs/config.md are
     overrides.py   files, flags and keyword arguments coerced and layered: resolve_config, apply_overrides
     shape.py       the model's shape and classes from the data; what a resume must keep the same
     reference.py   flag names and the generated docs/config.md
+    diffusers_unet.py  the ddpm family's options and diffusers' UNet2DModel config.json, both ways
 
 No module here imports any other part of fastddpm: every package may import the config.
 """

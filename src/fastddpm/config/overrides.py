@@ -182,12 +182,28 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     """A run's config from its layers, later ones winning: `base` (a RunConfig, or a preset's name; None: the
     config file's own `preset`, else the defaults) < the config `file` (YAML or JSON) < each (source, {key:
     value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
-    names the layer in errors (e.g. "--set", "command line", "fastddpm.train")."""
+    names the layer in errors (e.g. "--set", "command line", "fastddpm.train"). When a file or a layer sets
+    train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the folder's architecture and schedule are
+    a layer between the file and `layers` (config.diffusers_unet.folder_fields)."""
     data = load_config_file(file) if file is not None else {}
     if base is None and data.get("preset"):
         base = data["preset"]
-    cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
-    cfg = apply_overrides(cfg, {k: v for k, v in data.items() if k != "preset"}, source=str(file))
+    start = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
+    layers = list(layers)
+    cfg = _layered(apply_overrides(start, {k: v for k, v in data.items() if k != "preset"}, source=str(file)),
+                   layers)
+    if cfg.train.init_from and cfg.train.init_from != start.train.init_from:
+        # a diffusers folder to start from (not a resumed run's record of one): its architecture and schedule are
+        # a layer of their own, over the preset and the file, under what the command line or the caller set explicitly
+        from fastddpm.config.diffusers_unet import folder_fields
+
+        folder = (f"--init-from {cfg.train.init_from}", folder_fields(cfg.train.init_from))
+        cfg = _layered(apply_overrides(start, {k: v for k, v in data.items() if k != "preset"}, source=str(file)),
+                       [folder, *layers])
+    return cfg
+
+
+def _layered(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> RunConfig:
     for source, values in layers:
         dotted = {qualify(k, source): v for k, v in values.items()}
         lengths = {f"train.{name}" for name in RUN_LENGTHS}

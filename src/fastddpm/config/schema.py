@@ -85,6 +85,24 @@ class ModelConfig:
     resblock_updown: bool = field(
         default=False, metadata=_doc("ddpm family: resample inside ResBlocks (BigGAN style) instead of plain convs.")
     )
+    # Three details in which Ho et al.'s TensorFlow code (and the google/ddpm-* models diffusers converted from it)
+    # differs from improved-diffusion's PyTorch, whose choices are the defaults: the two compute other functions, so
+    # weights trained under one setting need the same setting to load (train --init-from reads them from the folder).
+    time_freq_shift: int = field(
+        default=0, metadata=_doc("ddpm family: the sinusoidal time embedding's frequencies are 10000^(-i / (d/2 - "
+                                 "shift)), i < d/2: 0 as improved-diffusion, 1 as Ho et al.'s TensorFlow code "
+                                 "(diffusers' freq_shift).")
+    )
+    norm_eps: float = field(
+        default=1e-5, metadata=_doc("ddpm family: GroupNorm epsilon (torch's default; Ho et al.'s TensorFlow code: "
+                                    "1e-6).")
+    )
+    downsample_padding: str = field(
+        default="symmetric",
+        metadata=_doc("ddpm family: padding of the stride-2 downsampling conv: symmetric (one pixel each side) or "
+                      "tf-same (TensorFlow's SAME: one row and column after, none before, as Ho et al.'s code; "
+                      "diffusers' downsample_padding=0).", choices=("symmetric", "tf-same")),
+    )
     down_channels: tuple[int, ...] = field(
         default=(32, 64, 128, 256), metadata=_doc("Channels at each U-Net level, comma-separated.")
     )
@@ -161,6 +179,12 @@ class ModelConfig:
 
     def _check_ddpm(self) -> None:
         mult = self.channel_mult
+        _check_choice("model", self, "downsample_padding")
+        _require(self.time_freq_shift in (0, 1), f"model.time_freq_shift={self.time_freq_shift} must be 0 "
+                                                 "(improved-diffusion) or 1 (Ho et al.'s TensorFlow code)")
+        _require(self.base_channels // 2 > self.time_freq_shift, f"model.time_freq_shift={self.time_freq_shift} "
+                 f"needs base_channels >= 4 (it is {self.base_channels})")
+        _require(0 < self.norm_eps < 1, f"model.norm_eps={self.norm_eps} must be a small positive number, e.g. 1e-5")
         _require(len(mult) >= 1 and all(m >= 1 for m in mult),
                  f"model.channel_mult={mult} must be positive multipliers, e.g. 1,2,2,2")
         _require(self.num_res_blocks >= 1, f"model.num_res_blocks={self.num_res_blocks} must be >= 1")
@@ -433,9 +457,10 @@ class TrainConfig:
     eval_steps: int = field(default=DEFAULT_SAMPLER_STEPS, metadata=_doc("Sampler steps for the evaluation samples."))
     init_from: str | None = field(
         default=None,
-        metadata=_doc("A diffusers UNet2DModel folder (a DDPMPipeline's, or its unet/) whose weights start a new "
-                      "run of the ddpm family; its config must match the model options (a mismatch is named). "
-                      "Not used when resuming."),
+        metadata=_doc("A diffusers UNet2DModel folder (a DDPMPipeline's, or its unet/; e.g. a local copy of "
+                      "google/ddpm-cifar10-32) whose weights start a new run of the ddpm family. The model options "
+                      "(and a pipeline's schedule) are read from its config files; options given explicitly win, "
+                      "and one that changes the network's function is refused by name. Not used when resuming."),
     )
     eval_inception: str | None = field(
         default=None,

@@ -16,6 +16,9 @@ Ho et al. 2020 (arXiv:2006.11239, appendix B; the authors' diffusion/models/unet
     Time:      sinusoidal(base_channels) -> Linear -> SiLU -> Linear, width 4 x base_channels; a conditional
                model adds a class embedding (num_classes + 1 entries: the last is the null class).
 
+The defaults follow improved-diffusion's PyTorch; time_freq_shift=1, norm_eps=1e-6 and downsample_padding=tf-same
+are the TensorFlow code of Ho et al. (the weights of the google/ddpm-* models diffusers converted).
+
 ddpm-cifar10 (base 128, mult 1,2,2,2, 2 blocks, attention at 16x16, one head, dropout 0.1) has the paper's
 35.7M parameters. The output layer starts at zero (as in both papers): the first steps predict eps = 0.
 """
@@ -38,16 +41,19 @@ def _zero(module: nn.Module) -> nn.Module:
 
 
 class Resample(nn.Module):
-    """x2 down (stride-2 conv3x3) or up (nearest, then conv3x3)."""
+    """x2 down (stride-2 conv3x3) or up (nearest, then conv3x3). Down with tf_same pads one row and column after
+    the image and none before, as TensorFlow's SAME padding does for a stride-2 3x3 conv on an even side."""
 
-    def __init__(self, channels: int, up: bool):
+    def __init__(self, channels: int, up: bool, tf_same: bool = False):
         super().__init__()
-        self.up = up
-        self.conv = nn.Conv2d(channels, channels, 3, stride=1 if up else 2, padding=1)
+        self.up, self.tf_same = up, tf_same and not up
+        self.conv = nn.Conv2d(channels, channels, 3, stride=1 if up else 2, padding=0 if self.tf_same else 1)
 
     def forward(self, x_BCHW: torch.Tensor, t_emb_BD: torch.Tensor | None = None) -> torch.Tensor:
         if self.up:
             x_BCHW = F.interpolate(x_BCHW, scale_factor=2.0, mode="nearest")
+        elif self.tf_same:
+            x_BCHW = F.pad(x_BCHW, (0, 1, 0, 1))
         return self.conv(x_BCHW)
 
 
@@ -55,12 +61,12 @@ class ResBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, in_channels: int, out_channels: int, emb_dim: int,
                  resample: str | None = None):
         super().__init__()
-        g = cfg.norm_groups
+        g, eps = cfg.norm_groups, cfg.norm_eps
         self.scale_shift = cfg.scale_shift_norm
         self.resample = resample  # None, "up" or "down": resampled inside the block (BigGAN style)
-        self.norm1, self.conv1 = nn.GroupNorm(g, in_channels), nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.norm1, self.conv1 = nn.GroupNorm(g, in_channels, eps), nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.emb = nn.Linear(emb_dim, out_channels * (2 if self.scale_shift else 1))
-        self.norm2 = nn.GroupNorm(g, out_channels)
+        self.norm2 = nn.GroupNorm(g, out_channels, eps)
         self.dropout = nn.Dropout(cfg.dropout)
         self.conv2 = _zero(nn.Conv2d(out_channels, out_channels, 3, padding=1))  # the block starts as identity
         self.skip = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
@@ -90,7 +96,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, channels: int):
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.norm = nn.GroupNorm(cfg.norm_groups, channels)
+        self.norm = nn.GroupNorm(cfg.norm_groups, channels, cfg.norm_eps)
         self.qkv = nn.Conv2d(channels, 3 * channels, 1)
         self.proj = _zero(nn.Conv2d(channels, channels, 1))
 
@@ -139,7 +145,8 @@ class DDPMUNet(nn.Module):
                     layers.append(Attention(cfg, c))
                 skip_channels.append(c)
             if i != len(mult) - 1:
-                layers.append(ResBlock(cfg, c, c, emb, resample="down") if cfg.resblock_updown else Resample(c, False))
+                layers.append(ResBlock(cfg, c, c, emb, resample="down") if cfg.resblock_updown
+                              else Resample(c, False, tf_same=cfg.downsample_padding == "tf-same"))
                 skip_channels.append(c)
                 res //= 2
             self.downs.append(Level(layers))
@@ -156,7 +163,7 @@ class DDPMUNet(nn.Module):
                 layers.append(ResBlock(cfg, c, c, emb, resample="up") if cfg.resblock_updown else Resample(c, True))
                 res *= 2
             self.ups.append(Level(layers))
-        self.norm_out = nn.GroupNorm(cfg.norm_groups, c)
+        self.norm_out = nn.GroupNorm(cfg.norm_groups, c, cfg.norm_eps)
         self.conv_out = _zero(nn.Conv2d(c, cfg.image_channels, 3, padding=1))
         self.grad_checkpointing = False
         self.num_classes = cfg.num_classes
@@ -174,7 +181,7 @@ class DDPMUNet(nn.Module):
         return layer(h, t_emb)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
-        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.base_channels)), self.class_emb,
+        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.base_channels, self.cfg.time_freq_shift)), self.class_emb,
                            y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = [h]

@@ -31,10 +31,11 @@ from torch.utils.checkpoint import checkpoint
 from fastddpm.config import ModelConfig
 
 
-def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int) -> torch.Tensor:
-    """Timesteps (B,) -> (B, dim) embedding [sin(t * w_i), cos(t * w_i)], w_i = 10000^(-i / (dim/2))."""
+def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int, freq_shift: int = 0) -> torch.Tensor:
+    """Timesteps (B,) -> (B, dim) embedding [sin(t * w_i), cos(t * w_i)], w_i = 10000^(-i / (dim/2 - freq_shift)).
+    freq_shift 1 is Ho et al.'s TensorFlow code (its highest frequency is then exactly 1/10000)."""
     half = dim // 2
-    exponent = torch.arange(half, dtype=torch.float32, device=t_B.device) / half
+    exponent = torch.arange(half, dtype=torch.float32, device=t_B.device) / (half - freq_shift)
     freqs = torch.exp(-math.log(10000.0) * exponent)  # (half,)
     angles = t_B.to(torch.float32)[:, None] * freqs[None, :]  # (B, half)
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
