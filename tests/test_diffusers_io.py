@@ -161,6 +161,9 @@ def test_what_diffusers_cannot_express_is_refused_by_name(tmp_path, rgb_npz, cap
         cfg = RunConfig(model=_run_config().model, diffusion=DiffusionConfig(objective=objective))
         with pytest.raises(ConfigError, match=f"diffusion.objective={objective}.*DDPMPipeline / DDPMScheduler"):
             check_exportable(cfg)
+        check_exportable(cfg, "--init-from x")  # a DDPM network's weights may start an EDM or flow run
+    with pytest.raises(ConfigError, match=r"^--init-from x: model.family=seed: .*drop --family"):
+        check_exportable(RunConfig(), "--init-from x")
 
 
 def test_init_from_a_diffusers_folder_starts_a_run_from_its_weights(tmp_path, rgb_npz, capsys):
@@ -293,6 +296,9 @@ def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_swit
     shutil.rmtree(pipeline / "unet")  # a resume reads the run's own config and weights, not the folder
     assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--max-steps", "3", "--resume", "latest",
                  "--no-progress"]) == 0
+    # the README's command again, with --resume: the same, though it names the preset and the folder
+    assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--init-from",
+                 str(pipeline), "--max-steps", "4", "--batch-size", "4", "--resume", "latest", "--no-progress"]) == 0
     (pipeline / "unet").mkdir()
     for f in folder.iterdir():
         (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
@@ -302,8 +308,47 @@ def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_swit
     assert "norm_eps is 1e-06 there and 1e-05 in this run's model" in capsys.readouterr().err
 
 
+def test_the_folder_is_a_layer_under_what_is_given_explicitly(google_style_folder, tmp_path):
+    """The folder's architecture sits above the preset and below a config file and the flags: a RunConfig or a dict
+    that carries init_from reads it too, restating the folder's own value is no conflict, and a file's explicit
+    value wins (load_init then names the switch that differs)."""
+    import yaml
+
+    from fastddpm.config import RunConfig, TrainConfig, resolve_config
+
+    folder, _ = google_style_folder
+    given = resolve_config(RunConfig(train=TrainConfig(init_from=str(folder))))
+    assert (given.model.family, given.model.norm_eps, given.model.base_channels) == ("ddpm", 1e-6, 32)
+    restated = resolve_config("ddpm-cifar10", layers=[("command line", {"train.init_from": str(folder),
+                                                                        "model.norm_groups": 32})])
+    assert (restated.model.base_channels, restated.model.norm_groups) == (32, 32)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"norm_eps": 1e-5}, "train": {"init_from": str(folder)}}))
+    filed = resolve_config("tiny", file=config)
+    assert (filed.model.norm_eps, filed.model.time_freq_shift) == (1e-5, 1)
+
+
+def test_a_head_width_equal_to_the_channels_is_one_head():
+    """attention_head_dim equal to every attention layer's channels means one head, as None does."""
+    import dataclasses
+
+    from fastddpm.config.diffusers_unet import UNET2D_DEFAULTS, mismatch, model_fields
+
+    theirs = {**UNET2D_DEFAULTS, **GOOGLE_DDPM_CIFAR10_32, "attention_head_dim": 64}
+    fields = {k.split(".", 1)[1]: v for k, v in model_fields(theirs, "x/config.json").items()}
+    cfg = _run_config(**fields)
+    assert cfg.model.num_heads == 1 and mismatch(theirs, cfg) is None
+    two = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_heads=2))
+    assert mismatch(theirs, two) == "attention_head_dim is None there and 32 in this run's model"
+
+
 @pytest.mark.parametrize("change, named", [
     ({"flip_sin_to_cos": True}, "flip_sin_to_cos=True"),
+    ({"resnet_time_scale_shift": "scale_shift"}, "attn_norm_num_groups=None"),
+    ({"freq_shift": 2}, "freq_shift=2"),
+    ({"downsample_padding": 2}, "downsample_padding=2"),
+    ({"time_embedding_dim": 100}, "time_embedding_dim=100"),
+    ({"mid_block_type": None}, "mid_block_type=None"),
     ({"up_block_types": ["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"]}, "must mirror"),
     ({"block_out_channels": [32, 48, 64, 64]}, "multiples of the first"),
     ({"resnet_time_scale_shift": "ada_group"}, "resnet_time_scale_shift='ada_group'"),
@@ -324,7 +369,8 @@ def test_a_scheduler_fastddpm_cannot_train_is_refused_by_name():
         "diffusion.beta_start": 1e-4, "diffusion.beta_end": 0.02, "diffusion.prediction": "epsilon"}
     for bad, named in (({"beta_schedule": "scaled_linear"}, "beta_schedule='scaled_linear'"),
                        ({"prediction_type": "sample"}, "prediction_type='sample'"),
-                       ({"trained_betas": [0.1, 0.2]}, "trained_betas")):
+                       ({"trained_betas": [0.1, 0.2]}, "trained_betas"),
+                       ({"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr=True")):
         with pytest.raises(ConfigError, match=named):
             scheduler_fields(bad, "s.json")
 

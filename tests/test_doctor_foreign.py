@@ -126,7 +126,7 @@ def test_item_counts_the_loops_own_calls_not_the_optimizers(tmp_path):
 
 
 def test_a_cpu_report_draws_no_gpu_lanes_and_a_users_report_no_fastddpm_settings(tmp_path):
-    report = _diagnose(tmp_path, _block(linear=False))
+    _diagnose(tmp_path, _block(linear=False))
     page = (tmp_path / "rep" / "report.html").read_text()
     assert 'id="timeline"' in page and "GPU busy" not in page and "GPU idle" not in page
     assert "fastddpm:</b>" not in page and "--precision" not in page
@@ -155,6 +155,94 @@ def test_a_script_that_does_not_start_gets_one_line(tmp_path, capsys, source, wh
     assert code == 2 and err.count("\n") == 1, err
     assert f"{script} does not start: " + where.format(script=script) in err
     assert "Traceback" not in err
+
+
+def test_a_script_that_raises_before_its_first_step_gets_one_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nx = torch.zeros(3)\nraise ValueError('the data folder is empty')\n")
+    code = main(["doctor", "run", "--report-dir", str(tmp_path / "r"), str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{script} raised ValueError: the data folder is empty ({script}:3) after 0 optimizer steps" in err
+    assert "Traceback" not in err
+
+
+def test_a_script_that_raises_after_measured_steps_is_diagnosed_on_them(tmp_path):
+    """An error after the doctor measured steps (an evaluation that crashes, a bad batch late in the data): the
+    report is made from the steps measured, and says how the loop ended."""
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(32, 32)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(100):
+            if step == 6:
+                raise RuntimeError('evaluation crashed')
+            model(torch.randn(16, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    cfg = DoctorConfig(warmup_steps=2, steps=10, profile_steps=0, loader_probe_s=0, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    notes = report.measurements["notes"]
+    ended = [n for n in notes if "the loop ended after" in n]
+    assert ended and f"the script raised RuntimeError: evaluation crashed ({script}:7)" in ended[0], notes
+    assert report.bottleneck and "the script raised RuntimeError" in report.text()
+
+
+LIGHTNING_SCRIPT = textwrap.dedent("""
+    import lightning as L
+    import torch
+
+
+    class Denoiser(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.SiLU(),
+                                           torch.nn.Conv2d(32, 3, 3, padding=1))
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            noise = torch.randn_like(x)
+            return torch.nn.functional.mse_loss(self.net(x + noise), noise)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32)), batch_size=16)
+    trainer = L.Trainer(max_steps=40, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Denoiser(), loader)
+""")
+
+
+def test_doctor_run_on_a_real_lightning_script(tmp_path, monkeypatch):
+    """Lightning itself (a test extra) drives the loop: its optimizer steps are the step boundaries, the Trainer is
+    found at the user's line, and a precision fix is worded as that Trainer's argument."""
+    from conftest import restore_env_after
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+
+    restore_env_after(monkeypatch, "PYTORCH_NVML_BASED_CUDA_CHECK")  # importing Lightning sets it
+    pytest.importorskip("lightning", reason="Lightning is a test extra: pip install -e '.[test]'")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    place = f"train.py:{1 + next(i for i, s in enumerate(LIGHTNING_SCRIPT.splitlines()) if 'L.Trainer(' in s)}"
+    cfg = DoctorConfig(warmup_steps=3, steps=8, profile_steps=1, loader_probe_s=0.2, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    assert report.bottleneck, report.text()
+    built = [b for b in report.script["built"] if b["kind"] == "Trainer"]
+    assert len(built) == 1 and built[0]["framework"] == "lightning" and built[0]["place"] == place
+    assert built[0]["effective"]["precision"] == "32-true"
+    autocast = [fix for f in report.findings for fix in f.fixes if (fix.trial or "").startswith("autocast-")]
+    for fix in autocast:  # only where this CPU (or GPU) would gain from autocast
+        assert fix.code.startswith("Trainer(precision=") and place in fix.code, fix.code
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -247,10 +247,9 @@ def test_script_switches_are_the_fixes(tmp_path):
     assert (fix.kind, fix.text) == ("flag", "pass --dataloader_num_workers 4 (train.py's own flag; this run had 0)")
 
 
-def test_framework_imported_inside_a_library_is_hooked(tmp_path, monkeypatch):
-    """A stand-in transformers (training_args and trainer modules) imported only by a library, after entering:
-    the import hook patches TrainingArguments when its module finishes importing, and gives the module back its
-    own loader."""
+@pytest.fixture
+def stand_in_transformers(tmp_path, monkeypatch) -> Path:
+    """A stand-in transformers (training_args and trainer modules) on sys.path: the folder holding it."""
     if "transformers" in sys.modules:
         pytest.skip("the real transformers is imported in this process")
     lib = tmp_path / "site"
@@ -286,9 +285,16 @@ def test_framework_imported_inside_a_library_is_hooked(tmp_path, monkeypatch):
                     torch.nn.functional.mse_loss(self.model(x), y).backward()
                     opt.step()
     """)
+    monkeypatch.syspath_prepend(str(lib))
+    return lib
+
+
+def test_framework_imported_inside_a_library_is_hooked(tmp_path, stand_in_transformers):
+    """The stand-in transformers imported only by a library, after entering: the import hook patches
+    TrainingArguments when its module finishes importing, and gives the module back its own loader."""
+    lib = stand_in_transformers
     write(lib / "mylib" / "__init__.py", "from transformers.training_args import TrainingArguments\n"
                                          "from transformers.trainer import Trainer\n")
-    monkeypatch.syspath_prepend(str(lib))
     script = write(tmp_path / "proj" / "train.py", """
         import torch
         import mylib
@@ -312,6 +318,25 @@ def test_framework_imported_inside_a_library_is_hooked(tmp_path, monkeypatch):
     module = sys.modules["transformers.training_args"]
     assert not isinstance(module.__loader__, _Loader) and not isinstance(module.__spec__.loader, _Loader)
     assert "__wrapped__" not in vars(module.TrainingArguments.__post_init__)
+
+
+def test_training_arguments_given_are_the_fields_off_their_defaults(tmp_path, stand_in_transformers):
+    """TrainingArguments is a dataclass, patched at __post_init__ (which every subclass calls, with no arguments):
+    what the script passed is read as the fields whose values differ from their defaults, and the fix is worded
+    from them (fp16 passed on: the bf16 fix turns it off)."""
+    script = write(tmp_path / "proj" / "train.py", """
+        from transformers.training_args import TrainingArguments
+
+        args = TrainingArguments(output_dir="out", fp16=True, dataloader_num_workers=3, bf16=False)
+    """)
+    ctx, _ = run(script)
+    place = f"train.py:{line_of(script, 'TrainingArguments(')}"
+    ta = next(b for b in ctx.built if b.kind == "TrainingArguments")
+    assert ta.given == {"fp16": True, "dataloader_num_workers": 3}  # bf16=False equals its default: as not passed
+    assert ctx.frameworks() == [f"transformers 0.0-stand-in: TrainingArguments(fp16=True, dataloader_num_workers=3) "
+                                f"runs bf16=False at {place}"]
+    assert ctx.precision_fix("bf16").text == (f"TrainingArguments(bf16=True, fp16=False) at {place} (now bf16=False, "
+                                              "not passed)")
 
 
 def test_lightning_trainer_precision_is_the_fix(tmp_path, monkeypatch):

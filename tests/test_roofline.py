@@ -103,6 +103,21 @@ def test_saved_tensors_leave_out_parameters_seen_as_leaves_or_given():
     assert eager.activation_bytes() == (8 * 16 + 8 * 16 + 8 * 1) * 4 and not eager.active
 
 
+def test_autocasts_copies_of_the_weights_are_no_activations():
+    """Under bf16 autocast the second layer's gradient input is a bf16 copy of its weight: saved, not a leaf, and a
+    cost of the weights (the same at any batch), so it is counted apart from the activations."""
+    from fastddpm.measure import SavedTensors
+
+    model, x = TwoLinear(16), torch.randn(8, 16)
+    with SavedTensors() as cast, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().mean()
+    assert cast.leaf_numel == {}  # the weight itself is not saved: its bf16 copy is
+    assert cast.cast_bytes() == 16 * 2
+    # x and relu's output in bf16, the loss's fp32 square input; not the weight's copy
+    assert cast.activation_bytes() == (8 * 16 * 2 + 8 * 16 * 2 + 8 * 4)
+    assert cast.total_bytes() == cast.activation_bytes() + cast.cast_bytes()
+
+
 def test_the_doctor_reports_a_loops_roofline_and_its_top_ops(tmp_path):
     import fastddpm.doctor
     from fastddpm.measure import ADAMW_UPDATE_TENSORS

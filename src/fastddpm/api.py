@@ -23,16 +23,20 @@ from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, ConfigError
 __all__ = ["train", "load", "evaluate", "Model"]
 
 
-def _config(config: str | Path | RunConfig | dict, overrides: dict[str, Any]) -> RunConfig:
+def _config(config: str | Path | RunConfig | dict, overrides: dict[str, Any], *,
+            resumed: RunConfig | None = None) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
     "section.field" or a bare field name of exactly one section (max_images -> train.max_images), resolved as
-    the command line resolves its flags (fastddpm.config.resolve_config)."""
+    the command line resolves its flags (fastddpm.config.resolve_config); `resumed`, the config of a checkpoint
+    being resumed (a run started from a diffusers folder keeps the model it read then)."""
     layers = [("fastddpm.train", overrides)]
     if isinstance(config, dict):
-        return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers)
+        return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers,
+                              resumed=resumed)
     if isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
-        return resolve_config(file=config, layers=layers)
-    return resolve_config(config if isinstance(config, RunConfig) else str(config), layers=layers)
+        return resolve_config(file=config, layers=layers, resumed=resumed)
+    return resolve_config(config if isinstance(config, RunConfig) else str(config), layers=layers,
+                          resumed=resumed)
 
 
 def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path, data: str | None = None,
@@ -45,7 +49,10 @@ def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path
 
     if data is not None:
         overrides = {"data.source": data, **overrides}
-    cfg = _config(config, overrides)
+    from fastddpm.rundir.locate import find_resume
+
+    resumed = find_resume(out, resume)
+    cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None)
     return train_loop(cfg, out_dir=Path(out), resume=resume, log=log)
 
 

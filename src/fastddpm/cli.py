@@ -195,7 +195,8 @@ def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) ->
         sets[key] = value
     flags = {f"{section}.{name}": getattr(args, dest) for dest, (section, name) in dests.items()
              if getattr(args, dest) is not None}
-    return resolve_config(base, file=args.config, layers=[("--set", sets), ("command line", flags)])
+    return resolve_config(base, file=args.config, layers=[("--set", sets), ("command line", flags)],
+                          resumed=resumed)
 
 
 def cmd_train(args, dests) -> int:

@@ -43,6 +43,8 @@ TOLERANCE = 1e-4
 
 __all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "write_folder", "check_folder",
            "model_card", "load_init", "to_diffusers_state_dict", "from_diffusers_state_dict", "example_inputs"]
+
+
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
     """DDPMScheduler's scheduler_config.json for the run's schedule (diffusers/schedulers/scheduling_ddpm.py)."""
     d = cfg.diffusion
@@ -273,7 +275,7 @@ def load_init(model, cfg, folder: str | Path) -> str:
     from safetensors.torch import load_file
 
     unet, theirs = read_unet_config(folder)
-    check_exportable(cfg)  # the families and switches that have a UNet2DModel equivalent
+    check_exportable(cfg, f"--init-from {unet}")  # the families and switches that have a UNet2DModel equivalent
     differs = mismatch(theirs, cfg)
     if differs:
         hint = (" (the data's image side places the attention layers: the folder's sample_size is "

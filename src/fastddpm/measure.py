@@ -236,8 +236,9 @@ class SavedTensors:
     an address reused after the earlier storage was freed, as between micro-batches, is a new storage), and the
     parameters that any torch.optim optimizer steps (a process-wide pre-hook while active).
     Parameters are saved too (a convolution keeps its weight); they are no activation: `activation_bytes(params)`
-    leaves out the storages of `params`, of the parameters an optimizer stepped, and of leaf tensors that
-    require grad or views of them (an eager step's weights; a compiled graph's weights are neither).
+    leaves out the storages of `params`, of the parameters an optimizer stepped, of leaf tensors that require
+    grad or views of them (an eager step's weights; a compiled graph's weights are neither), and of casts of
+    such leaves (autocast's low-precision weight copies: `cast_bytes()`).
     Activation checkpointing installs hooks of its own, under which these see nothing: what it recomputes is
     not counted. `on_pack`, when given, sees each saved tensor too (the only saved-tensor hooks in effect are the
     innermost ones, so a second observer rides on these)."""
@@ -247,6 +248,7 @@ class SavedTensors:
         self.saved: list[tuple[int, int]] = []  # (data pointer, bytes), one a storage
         self._alive: dict[int, weakref.ref] = {}  # data pointer -> a tensor saved on it, while it lives
         self.leaf_numel: dict[int, int] = {}  # of those, leaf tensors that require grad -> elements
+        self.casts: dict[int, int] = {}  # of those, dtype casts of such leaves (autocast's weight copies) -> bytes
         self.stepped: dict[int, tuple[int, int, int]] = {}  # stepped parameters: pointer -> (numel, bytes/elt, passes)
         self.optimizers: set[str] = set()
         self._hooks = None
@@ -266,6 +268,8 @@ class SavedTensors:
         base = t._base if t._base is not None else t  # a linear layer saves its weight as weight.t(), a view
         if base.is_leaf and base.requires_grad:
             self.leaf_numel[ptr] = base.numel()
+        elif _is_cast_of_leaf(base):
+            self.casts[ptr] = nbytes
         return t
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -302,8 +306,23 @@ class SavedTensors:
 
     def activation_bytes(self, params: list[torch.Tensor] | tuple = ()) -> int:
         given = {key[0] for key in map(_storage_of, params) if key is not None}
-        skip = set(self.leaf_numel) | set(self.stepped) | given
+        skip = set(self.leaf_numel) | set(self.stepped) | set(self.casts) | given
         return sum(n for ptr, n in self.saved if ptr not in skip)
+
+    def cast_bytes(self) -> int:
+        """The saved casts of the weights (autocast's bf16/fp16 copies): a cost of the weights, whatever the batch,
+        written by the forward and read by the backward, once a step."""
+        return sum(self.casts.values())
+
+
+def _is_cast_of_leaf(t: torch.Tensor) -> bool:
+    """Whether `t` is a dtype/device copy of a leaf that requires grad (autocast's cast of a weight): its grad_fn is
+    a ToCopyBackward whose input is that leaf's AccumulateGrad."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and hasattr(source, "variable")  # AccumulateGrad holds the leaf as .variable
 
 
 def count_step_bytes(model: torch.nn.Module, image_shape: tuple[int, ...], *, images_per_step: int,

@@ -49,31 +49,36 @@ FUNCTION_KEYS = ("in_channels", "out_channels", "block_out_channels", "layers_pe
                  "mid_block_scale_factor")  # the widths first: a mismatch there explains the ones after
 
 
-def _refuse(what: str, why: str) -> None:
-    raise ConfigError(f"export --format diffusers: {what}: {why}")
+EXPORT = "export --format diffusers"
 
 
-def check_exportable(cfg) -> None:
+def check_exportable(cfg, what: str = EXPORT) -> None:
     """ConfigError naming the first setting of `cfg` (a RunConfig) that diffusers' UNet2DModel / DDPMScheduler
-    has no equivalent for; None when the run exports."""
+    has no equivalent for; None when the run exports. `what` begins the message: the export, or --init-from
+    FOLDER, for which only the network matters (its weights may start an EDM or flow run)."""
+    def refuse(setting: str, why: str) -> None:
+        raise ConfigError(f"{what}: {setting}: {why}")
+
     m, d = cfg.model, cfg.diffusion
+    export = what == EXPORT
     if m.family != "ddpm":
-        _refuse(f"model.family={m.family}", "the seed family's U-Net has no diffusers class; only model.family=ddpm "
-                "(Ho et al.'s U-Net, diffusers' UNet2DModel) exports as diffusers (use --format safetensors, onnx or "
-                "torch-export)")
-    if d.objective != "ddpm":
-        _refuse(f"diffusion.objective={d.objective}", "diffusers' DDPMPipeline / DDPMScheduler cannot sample it "
-                "(they take DDPM's discrete timesteps and betas, not "
-                + ("EDM's preconditioned sigma" if d.objective == "edm" else "flow matching's velocity") + "); "
-                "nothing was written: use --format onnx, torch-export or safetensors")
+        refuse(f"model.family={m.family}", "the seed family's U-Net has no diffusers class; only model.family=ddpm "
+               "(Ho et al.'s U-Net, diffusers' UNet2DModel) " + ("exports as diffusers (use --format safetensors, "
+                                                                 "onnx or torch-export)" if export else
+                                                                 "takes a UNet2DModel's weights (drop --family)"))
+    if export and d.objective != "ddpm":
+        refuse(f"diffusion.objective={d.objective}", "diffusers' DDPMPipeline / DDPMScheduler cannot sample it "
+               "(they take DDPM's discrete timesteps and betas, not "
+               + ("EDM's preconditioned sigma" if d.objective == "edm" else "flow matching's velocity") + "); "
+               "nothing was written: use --format onnx, torch-export or safetensors")
     if m.resblock_updown:
-        _refuse("model.resblock_updown=true", "diffusers' DownBlock2D and UpBlock2D resample only with a plain "
-                "convolution (their downsample_type/upsample_type 'resnet' exists on the attention blocks only)")
+        refuse("model.resblock_updown=true", "diffusers' DownBlock2D and UpBlock2D resample only with a plain "
+               "convolution (their downsample_type/upsample_type 'resnet' exists on the attention blocks only)")
     channels = _attention_channels(m)
     if m.num_heads > 1 and len(set(channels)) > 1:
-        _refuse(f"model.num_heads={m.num_heads}", f"attention runs at {sorted(set(channels))} channels, so its head "
-                "width differs between levels, and UNet2DModel takes one attention_head_dim for all of them (use "
-                "num_heads=1, or attention only where the channels equal the last level's)")
+        refuse(f"model.num_heads={m.num_heads}", f"attention runs at {sorted(set(channels))} channels, so its head "
+               "width differs between levels, and UNet2DModel takes one attention_head_dim for all of them (use "
+               "num_heads=1, or attention only where the channels equal the last level's)")
 
 
 def _level_resolutions(m) -> list[int]:
@@ -233,6 +238,8 @@ def scheduler_fields(sched: dict, where: str) -> dict:
 
     if sched.get("trained_betas") is not None:
         refuse("trained_betas", "fastddpm's schedules are linear and cosine, not a list of betas")
+    if sched.get("rescale_betas_zero_snr"):
+        refuse("rescale_betas_zero_snr", "fastddpm's betas are not rescaled to zero terminal SNR (Lin et al. 2023)")
     kind = sched.get("beta_schedule", "linear")
     if kind not in ("linear", "squaredcos_cap_v2"):
         refuse("beta_schedule", "fastddpm has linear and squaredcos_cap_v2 (cosine)")
@@ -263,10 +270,15 @@ def folder_fields(folder: str | Path) -> dict:
 
 def _same_function_form(c: dict) -> dict:
     """`c` with the entries that mean the same thing written one way: time_embedding_dim None is 4 x the first
-    block's channels, and attn_norm_num_groups None under the "default" time shift is norm_num_groups."""
+    block's channels, an attention_head_dim equal to every attention layer's channels is None (one head), and
+    attn_norm_num_groups None under the "default" time shift is norm_num_groups."""
     c = dict(c)
-    if c.get("time_embedding_dim") is None and c.get("block_out_channels"):
-        c["time_embedding_dim"] = 4 * list(c["block_out_channels"])[0]
+    boc = list(c.get("block_out_channels") or [])
+    if c.get("time_embedding_dim") is None and boc:
+        c["time_embedding_dim"] = 4 * boc[0]
+    attention = [c for c, t in zip(boc, c.get("down_block_types") or []) if t == "AttnDownBlock2D"] + boc[-1:]
+    if c.get("attention_head_dim") is not None and all(ch == c["attention_head_dim"] for ch in attention):
+        c["attention_head_dim"] = None  # one head as wide as every attention layer: what None means
     if c.get("attn_norm_num_groups") is None and c.get("resnet_time_scale_shift") == "default":
         c["attn_norm_num_groups"] = c.get("norm_num_groups")
     return c

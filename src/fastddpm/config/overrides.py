@@ -178,29 +178,46 @@ def qualify(key: str, source: str) -> str:
 
 
 def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | None = None,
-                   layers: Iterable[tuple[str, dict[str, Any]]] = ()) -> RunConfig:
+                   layers: Iterable[tuple[str, dict[str, Any]]] = (), resumed: RunConfig | None = None
+                   ) -> RunConfig:
     """A run's config from its layers, later ones winning: `base` (a RunConfig, or a preset's name; None: the
     config file's own `preset`, else the defaults) < the config `file` (YAML or JSON) < each (source, {key:
     value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
-    names the layer in errors (e.g. "--set", "command line", "fastddpm.train"). When a file or a layer sets
-    train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the folder's architecture and schedule are
-    a layer between the file and `layers` (config.diffusers_unet.folder_fields)."""
+    names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
+
+    When the file, a layer or `base` sets train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the
+    folder's architecture and schedule (config.diffusers_unet.folder_fields) are a layer right above `base`:
+    what the file and the layers set explicitly wins, and a value that changes the network's function is refused
+    when the weights load. `resumed`: the config of the checkpoint being resumed, whose model and diffusion take
+    the folder's place (they were read from it when the run started; the folder may be gone)."""
     data = load_config_file(file) if file is not None else {}
     if base is None and data.get("preset"):
         base = data["preset"]
-    start = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
-    layers = list(layers)
-    cfg = _layered(apply_overrides(start, {k: v for k, v in data.items() if k != "preset"}, source=str(file)),
-                   layers)
-    if cfg.train.init_from and cfg.train.init_from != start.train.init_from:
-        # a diffusers folder to start from (not a resumed run's record of one): its architecture and schedule are
-        # a layer of their own, over the preset and the file, under what the command line or the caller set explicitly
+    cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
+    layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
+    file_values = {k: v for k, v in data.items() if k != "preset"}
+    folder = _init_from(cfg, file_values, layers)
+    if folder and resumed is not None:
+        cfg = _layered(cfg, [(f"the resumed run (started from {folder})",
+                              {f"{sec}.{k}": v for sec in ("model", "diffusion")
+                               for k, v in dataclasses.asdict(getattr(resumed, sec)).items()})])
+    elif folder:
         from fastddpm.config.diffusers_unet import folder_fields
 
-        folder = (f"--init-from {cfg.train.init_from}", folder_fields(cfg.train.init_from))
-        cfg = _layered(apply_overrides(start, {k: v for k, v in data.items() if k != "preset"}, source=str(file)),
-                       [folder, *layers])
-    return cfg
+        cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
+    cfg = apply_overrides(cfg, file_values, source=str(file))
+    return _layered(cfg, layers)
+
+
+def _init_from(cfg: RunConfig, file_values: dict, layers: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """train.init_from as the layers leave it: the last layer's, else the file's, else `cfg`'s."""
+    value = cfg.train.init_from
+    section = file_values.get("train")
+    for given in ([section] if isinstance(section, dict) else []) + [file_values] + [v for _, v in layers]:
+        for key in ("init_from", "train.init_from"):
+            if key in given:
+                value = coerce(given[key], str | None, "train.init_from")
+    return value or None
 
 
 def _layered(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> RunConfig:

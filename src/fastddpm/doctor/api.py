@@ -96,12 +96,16 @@ def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | No
             entries = [(n, 4, ADAMW_UPDATE_TENSORS - 3) for n in saved.leaf_numel.values()]
             whose = "the weights autograd saved, no optimizer step seen: fp32 and Adam's 7 passes taken"
         numel = sum(n for n, _, _ in entries)
+        casts = saved.cast_bytes()
         step_bytes = {"activation_bytes": saved.activation_bytes(params or ()),
-                      # forward and backward read each weight, the backward writes its gradient, then the optimizer
-                      "update_bytes": sum((3 + passes) * n * size for n, size, passes in entries),
+                      # forward and backward read each weight, the backward writes its gradient, then the optimizer;
+                      # autocast's saved casts of the weights are written by the forward and read by the backward
+                      "update_bytes": sum((3 + passes) * n * size for n, size, passes in entries) + 2 * casts,
                       "basis": f"what autograd saved in the second warm-up step, each storage once, less the "
-                               f"parameters ({whose}: {numel / 1e6:.3g} M), written and read once; the update: "
-                               f"weights read twice, gradients written, the optimizer's reads and writes"}
+                               f"parameters ({whose}: {numel / 1e6:.3g} M)"
+                               + (f" and autocast's casts of them ({casts / 1e6:.3g} MB)" if casts else "")
+                               + ", written and read once; the update: weights read twice, gradients written, the "
+                                 "optimizer's reads and writes" + (", the casts written and read" if casts else "")}
     if bandwidth is None:
         if not measure:
             return None, "the memory bandwidth was not measured (measure_peak=False, or the caller's peak)"

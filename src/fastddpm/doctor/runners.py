@@ -165,6 +165,12 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
             raise DoctorError(f"doctor run: {path} exited with status {e.code} after {session.step_index} steps"
                               f"{hint}; run it without the doctor first to see why") from e
         ended = f"the script exited with status {e.code or 0}"
+    except Exception as e:  # the script's own error: named at its line, without the doctor's frames
+        if not session.records:
+            raise DoctorError(f"doctor run: {path} raised {_where(e, path)} after {hooks.optimizer_steps} optimizer "
+                              "steps, before the doctor measured one, so there is nothing to diagnose; run it "
+                              "without the doctor to see the whole traceback") from None
+        ended = f"the script raised {_where(e, path)}"
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
         session.release_hooks()

@@ -14,6 +14,7 @@ nothing). Each wrapper calls the original with the same arguments and returns it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import inspect
 import json
@@ -139,9 +140,15 @@ def _settings(kind: str, obj, orig, args, kwargs) -> tuple[dict, dict]:
         return ({k: obj.defaults[k] for k in ("foreach", "fused") if k in obj.defaults},
                 {"param_tensors": sum(len(g["params"]) for g in obj.param_groups),
                  "fused_supported": "fused" in inspect.signature(type(obj).__init__).parameters})
+    effective = {k: getattr(obj, k, None) for k in _SETTINGS[kind]}
+    if dataclasses.is_dataclass(obj) and not (args or kwargs):
+        # a dataclass patched at __post_init__ (TrainingArguments: every subclass calls it, with no arguments):
+        # a setting was given when it differs from its field's default. One passed equal to its default reads as
+        # not passed, which words a fix the same way.
+        defaults = {f.name: f.default for f in dataclasses.fields(obj) if f.default is not dataclasses.MISSING}
+        return {k: v for k, v in effective.items() if k in defaults and v != defaults[k]}, effective
     passed = inspect.signature(orig).bind_partial(obj, *args, **kwargs).arguments
-    return ({k: passed[k] for k in _SETTINGS[kind] if k in passed},
-            {k: getattr(obj, k, None) for k in _SETTINGS[kind]})
+    return {k: passed[k] for k in _SETTINGS[kind] if k in passed}, effective
 
 
 class _Loader:

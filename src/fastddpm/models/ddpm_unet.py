@@ -181,8 +181,8 @@ class DDPMUNet(nn.Module):
         return layer(h, t_emb)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
-        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.base_channels, self.cfg.time_freq_shift)), self.class_emb,
-                           y_B, t_B, self.num_classes)
+        embedded = sinusoidal_time_embedding(t_B, self.cfg.base_channels, self.cfg.time_freq_shift)
+        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = [h]
         for level in self.downs:

@@ -33,7 +33,7 @@ from fastddpm.config import ModelConfig
 
 def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int, freq_shift: int = 0) -> torch.Tensor:
     """Timesteps (B,) -> (B, dim) embedding [sin(t * w_i), cos(t * w_i)], w_i = 10000^(-i / (dim/2 - freq_shift)).
-    freq_shift 1 is Ho et al.'s TensorFlow code (its highest frequency is then exactly 1/10000)."""
+    freq_shift 1 is Ho et al.'s TensorFlow code (its lowest frequency is then exactly 1/10000)."""
     half = dim // 2
     exponent = torch.arange(half, dtype=torch.float32, device=t_B.device) / (half - freq_shift)
     freqs = torch.exp(-math.log(10000.0) * exponent)  # (half,)
