@@ -274,6 +274,90 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
         parse_choice("bf16-eager-ma")  # max-autotune is a mode of the compiler
 
 
+def test_choices_are_timed_alternating_with_the_order_rotated_each_round(tmp_path, monkeypatch):
+    """Each choice is warmed up once, then the repeats go round the choices, each round starting one further on:
+    slow drift (clocks, a noisy neighbour) lands on every choice alike."""
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak([]))  # the peaks are not the point here
+    from fastddpm.bench import variant_timer
+
+    events = []
+    real_init, real_repeat = variant_timer.VariantTimer.__init__, variant_timer.VariantTimer.time_repeat
+
+    def init(self, v, *a, **kw):
+        events.append(("warm", v.choice))
+        real_init(self, v, *a, **kw)
+
+    def repeat(self):
+        events.append(("time", self.v.choice))
+        real_repeat(self)
+
+    monkeypatch.setattr(variant_timer.VariantTimer, "__init__", init)
+    monkeypatch.setattr(variant_timer.VariantTimer, "time_repeat", repeat)
+    choices = ("fp32-eager", "fp32-eager-cl", "bf16-eager")
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4,), choices=choices, warmup_steps=1, steps=1,
+                                  repeats=3, device="cpu", num_images=64)
+    rows = run_throughput(settings, tmp_path, log=lambda *a: None)["results"]
+    a, b, c = choices
+    assert events == [("warm", a), ("warm", b), ("warm", c),
+                      ("time", a), ("time", b), ("time", c),
+                      ("time", b), ("time", c), ("time", a),
+                      ("time", c), ("time", a), ("time", b)]
+    assert [r["choice"] for r in rows] == list(choices) and all(r["status"] == "ok" for r in rows)
+    assert all(r["timing"] == "alternating" and len(r["step_ms"]["per_repeat"]) == 3 for r in rows)
+    assert rows[0]["alternated_with"] == [b, c]
+    assert rows[0]["peak_memory_bytes"] is None  # a CPU run has no device-memory counter
+    saved = json.loads((tmp_path / "throughput.json").read_text())
+    assert any("timed alternating" in n for n in saved["notes"])
+
+
+def test_a_choice_that_fails_or_does_not_fit_leaves_the_others_alternating(tmp_path, monkeypatch):
+    """A choice that fails while warming up is a failed row; one that does not fit beside the others (GPU memory)
+    is timed alone after them; the rest still alternate."""
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak([]))  # the peaks are not the point here
+    from fastddpm.bench import variant_timer
+    from fastddpm.trainer import build
+    from fastddpm.trainer.step import TrainStep
+
+    class OOMInBf16(TrainStep):
+        def __call__(self, batches, *, lr, step):
+            if self.precision.name == "bf16":
+                raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+            return super().__call__(batches, lr=lr, step=step)
+
+    monkeypatch.setattr(build, "TrainStep", OOMInBf16)
+    prepared = []
+    monkeypatch.setattr(variant_timer, "_room_for_another", lambda timers, device: (prepared.append(len(timers))
+                                                                                    or len(timers) < 2))
+    choices = ("fp32-eager", "bf16-eager", "fp32-eager-cl", "auto-eager-cl")
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4,), choices=choices, warmup_steps=1, steps=1,
+                                  repeats=2, device="cpu", precision="fp32", num_images=64)
+    lines = []
+    rows = run_throughput(settings, tmp_path, log=lines.append)["results"]
+    assert [r["choice"] for r in rows] == list(choices)
+    assert rows[1]["status"] == "failed" and rows[1]["error_type"] == "out of memory"
+    assert rows[0]["timing"] == rows[2]["timing"] == "alternating"
+    assert rows[0]["alternated_with"] == ["fp32-eager-cl"]
+    assert rows[3]["status"] == "ok" and rows[3]["timing"] == "sequential"  # did not fit: timed alone
+    assert any("auto-eager-cl: timed one by one after the others" in line for line in lines)
+
+
+def test_room_for_another_compares_the_largest_footprint_with_what_cuda_has_free(monkeypatch):
+    from fastddpm.bench.variant_timer import _room_for_another
+
+    class Prepared:
+        def __init__(self, peak_bytes):
+            self.peak_bytes = peak_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    cuda = torch.device("cuda", 0)
+    assert _room_for_another([Prepared(5 * gib), Prepared(9 * gib)], cuda)  # 12 GiB free or cached > 1.2 x 9
+    assert not _room_for_another([Prepared(11 * gib)], cuda)  # 13.2 GiB needed
+    assert _room_for_another([], cuda) and _room_for_another([Prepared(99 * gib)], torch.device("cpu"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # MFU against a peak in the step's own dtype
 

@@ -110,6 +110,21 @@ def test_cli_config_error_exit_code(capsys, tmp_path):
     assert "train.ema_decay=1.5 must be in [0, 1)" in capsys.readouterr().err
 
 
+def test_flags_are_spelt_whole_not_abbreviated(capsys, tmp_path):
+    """With 80 config flags a prefix silently picks a neighbour (`doctor train --out X` once became
+    --out-block-channels=X): every parser, subcommands included, refuses an abbreviation."""
+    parser, _ = build_parser()
+    for argv in (["train", "--out", str(tmp_path), "--out-b", "32"], ["train", "--out", str(tmp_path), "--sched",
+                                                                       "cosine"],
+                 ["doctor", "train", "--report", str(tmp_path)], ["bench", "throughput", "--quic"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert "unrecognized arguments" in capsys.readouterr().err
+    args = parser.parse_args(["doctor", "train", "--out", str(tmp_path / "d"), "--preset", "tiny"])
+    assert args.report_dir == str(tmp_path / "d")  # --out names the report folder, as for train and eval
+    assert parser.parse_args(["train", "--out", str(tmp_path), "--out-block-channels", "32"]).out == str(tmp_path)
+
+
 def test_docs_config_reference_is_current():
     from pathlib import Path
 

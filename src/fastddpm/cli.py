@@ -85,8 +85,17 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
     return dests
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: with 80 config flags an abbreviation silently picks a neighbour (`--out`
+    read as `--out-block-channels`); a flag must be spelt whole. Subcommand parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fastddpm",
         description="Train DDPM diffusion models at the speed of the GPU, and sample from them.",
     )

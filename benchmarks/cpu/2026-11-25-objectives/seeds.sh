@@ -1,23 +1,29 @@
 #!/bin/bash
-# Issue 33, the training-seed spread: run.sh's five unconditional cpu-demo trainings (150k images, bf16 auto) for
-# training seeds 1 and 2, then FID (fastddpm features, 2,000 samples, sampling in bf16 via --precision auto, eager,
-# sampling seed 0) at the points that decided seed 0's table: SDE-DPM-Solver++(2M) 10 and 20, UniPC 10, Heun 10.
-# First, a reproduction check: seed 0's flow run is trained again and scored at UniPC-10, which must give seed 0's
-# FID (5.7039) if training and the (retrained, cached) feature network are deterministic on this machine, so that
-# seed 0's numbers in raw/ can stand beside the new seeds'.
+# Issue 33, the training-seed spread of the unconditional cpu-demo objectives table (150k images, the quickstart's
+# budget), scored by FID (fastddpm features, 2,000 samples, eager, sampling seed 0) at the points that decided
+# seed 0's table: SDE-DPM-Solver++(2M) 10 and 20, UniPC 10, Heun 10. Two arms, by what the CPU has:
+#  - bf16 (a CPU with avx512_bf16, where seed 0 ran): seeds 1 and 2 of all five objectives in bf16 (precision auto),
+#    after a reproduction check: seed 0's flow run is trained again and scored at UniPC-10, which must give seed 0's
+#    FID (5.7039) if training and the (retrained, cached) feature network are deterministic on this machine, so that
+#    seed 0's numbers in raw/ can stand beside the new seeds'.
+#  - fp32 (any other CPU): everything in fp32, scored with this arm's own feature network. FIDs from different
+#    feature networks are not comparable, so the arm keeps its classifier in raw-fp32/features/ and loads it into
+#    the cache before scoring; the comparison is paired (objectives at the same seed, same precision, same feature
+#    network). Order: flow, the best DDPM of seed 0 (ddpm-eps-linear) and the default (ddpm-eps-cosine) at seeds 1
+#    and 2, then v-cosine and EDM, then seed 0. Each finished training's log, config and eval JSONs are copied to
+#    raw-fp32/seedN/NAME/ as they land, so an interrupted run (or a later session on any CPU) continues from them.
 # Usage: COMMIT=<sha> bash seeds.sh OUTDIR
 set -u
 cd /work/main
-# seed 0 trained in bf16 on a CPU with avx512_bf16 (precision auto): seeds 1 and 2 must train the same way to stand
-# beside it. Without native bf16, auto trains in fp32 (and an AVX2-only EPYC ran the demo at ~110 images/s, 23
-# minutes a run instead of 6): refuse there.
-grep -qw avx512_bf16 /proc/cpuinfo || { echo "seeds.sh: this CPU has no avx512_bf16: run it where seed 0 ran" >&2; exit 2; }
+HERE=benchmarks/cpu/2026-11-25-objectives
+if grep -qw avx512_bf16 /proc/cpuinfo; then ARM=bf16; PRECISION=auto; else ARM=fp32; PRECISION=fp32; fi
 SNAP=/tmp/objsnap-${COMMIT:?set COMMIT}
 [ -d "$SNAP/src" ] || { mkdir -p "$SNAP" && git archive "$COMMIT" src | tar -x -C "$SNAP"; }
 export PYTHONPATH=$SNAP/src FASTDDPM_COMMIT=$COMMIT
 F=.venv/bin/fastddpm
-OUT=${1:-/tmp/objseeds}
+OUT=${1:-/tmp/objseeds}/$ARM
 mkdir -p "$OUT"
+KEEP=$HERE/raw-fp32
 declare -A OPTS=(
   [ddpm-eps-cosine]=""
   [ddpm-eps-linear]="--schedule linear"
@@ -28,31 +34,65 @@ declare -A OPTS=(
 train() {  # train NAME SEED
   local dir="$OUT/seed$2/$1"
   [ -f "$dir/ema.safetensors" ] && return
+  [ "$ARM" = fp32 ] && [ -f "$KEEP/seed$2/$1/train.log" ] && return  # trained in an earlier session: kept
   echo "== $(date -u +%FT%TZ) train $1 seed $2"
   mkdir -p "$OUT/seed$2"
-  /usr/bin/time -f "wall %e s" $F train --data fashion-mnist --preset cpu-demo ${OPTS[$1]} --seed "$2" \
+  /usr/bin/time -f "wall %e s" $F train --data fashion-mnist --preset cpu-demo ${OPTS[$1]} --seed "$2" --precision $PRECISION \
     --no-progress --sample-every-images 1000000 --out "$dir" > "$OUT/seed$2/$1.train.log" 2>&1
   tail -2 "$OUT/seed$2/$1.train.log"
+  keep "$1" "$2"
+}
+keep() {  # keep NAME SEED: the fp32 arm's record in the repository (logs, config, eval JSONs; not the weights)
+  [ "$ARM" = fp32 ] || return 0
+  local dir="$OUT/seed$2/$1" to="$KEEP/seed$2/$1"
+  grep -q "^done:" "$OUT/seed$2/$1.train.log" 2>/dev/null || return 0
+  mkdir -p "$to"
+  cp "$OUT/seed$2/$1.train.log" "$to/train.log"
+  cp "$dir/config.json" "$dir/run.json" "$dir/metrics.jsonl" "$to/" 2>/dev/null
+  cp "$dir"/eval-*/eval_*.json "$to/" 2>/dev/null
+  return 0
 }
 evaluate() {  # evaluate NAME SEED SAMPLER STEPS
   local dir="$OUT/seed$2/$1"
   grep -q "^done:" "$OUT/seed$2/$1.train.log" 2>/dev/null || return
   ls "$dir/eval-$3-$4"/eval_*.json >/dev/null 2>&1 && return
+  [ "$ARM" = fp32 ] && ls "$KEEP/seed$2/$1/eval_$3$4_"*.json >/dev/null 2>&1 && return
   echo "== $(date -u +%FT%TZ) eval $1 seed $2 $3 $4"
   $F eval --checkpoint "$dir" --num-samples 2000 --compile off --no-progress \
-    --sampler "$3" --steps "$4" --out "$dir/eval-$3-$4" 2>&1 | tail -1
+    --sampler "$3" --steps "$4" --precision $PRECISION --out "$dir/eval-$3-$4" 2>&1 | tail -1
+  keep "$1" "$2"
 }
 # one training at a time on the 2 cores: wait for one of this folder's that is still running (a restarted script)
 while pgrep -f "fastddpm train .*--out $OUT/" >/dev/null; do sleep 10; done
-train flow 0
-evaluate flow 0 unipc 10
-# the two that led seed 0 and today's default first, both seeds; then v-cosine and EDM, which trailed
-for name in flow ddpm-eps-linear ddpm-eps-cosine ddpm-v-cosine edm; do
-  for seed in 1 2; do
-    train "$name" "$seed"
-    for point in unipc:10 dpmpp-2m-sde:10 dpmpp-2m-sde:20 heun:10; do
-      evaluate "$name" "$seed" "${point%%:*}" "${point##*:}"
+POINTS="unipc:10 dpmpp-2m-sde:10 dpmpp-2m-sde:20 heun:10"
+if [ "$ARM" = bf16 ]; then
+  train flow 0
+  evaluate flow 0 unipc 10
+  # the two that led seed 0 and today's default first, both seeds; then v-cosine and EDM, which trailed
+  for name in flow ddpm-eps-linear ddpm-eps-cosine ddpm-v-cosine edm; do
+    for seed in 1 2; do
+      train "$name" "$seed"
+      for point in $POINTS; do evaluate "$name" "$seed" "${point%%:*}" "${point##*:}"; done
     done
   done
-done
+else
+  # one feature network for the whole arm: the kept classifier goes into the cache before any scoring, and the
+  # first one trained here is kept
+  CACHE=${FASTDDPM_CACHE:-$HOME/.cache/fastddpm}
+  mkdir -p "$KEEP/features" "$CACHE/features"
+  cp -n "$KEEP"/features/*.safetensors "$KEEP"/features/*.json "$CACHE/features/" 2>/dev/null
+  for seed in 1 2 0; do
+    names="flow ddpm-eps-linear ddpm-eps-cosine"
+    [ "$seed" = 0 ] && names="flow ddpm-eps-linear ddpm-eps-cosine ddpm-v-cosine edm"
+    for name in $names; do
+      train "$name" "$seed"
+      for point in $POINTS; do evaluate "$name" "$seed" "${point%%:*}" "${point##*:}"; done
+      ls "$KEEP"/features/*.safetensors >/dev/null 2>&1 || cp "$CACHE"/features/fashion-mnist-train-* "$KEEP/features/" 2>/dev/null
+    done
+    [ "$seed" = 2 ] && for name in ddpm-v-cosine edm; do for s in 1 2; do
+      train "$name" "$s"
+      for point in $POINTS; do evaluate "$name" "$s" "${point%%:*}" "${point##*:}"; done
+    done; done
+  done
+fi
 echo "== done $(date -u +%FT%TZ)"

@@ -8,7 +8,8 @@ on synthetic uint8 images of the data's shape (1x28x28). Each variant then repor
                  search), synchronised on both sides; never mixed into the steady state
   step ms        `repeats` x `steps` steady-state steps, each repeat timed with CUDA events (perf_counter on
                  the CPU): the median over repeats and the [min-max] spread
-  images/s       images per step / median step time; and its ratio to the first variant of the run
+  images/s       images per step / median step time; and its ratio to the first variant of the run (comparing
+                 choices: to the first choice of the same preset and batch, the choices timed alternating)
   MFU %          FlopCounterMode FLOPs of one step / median step time / the matmul peak measured in this run in
                  the step's own dtype (bf16 or fp16 under autocast; fp32 runs: TF32 on CUDA, as training runs it,
                  fp32 on the CPU; there the faster of a matmul and a 3x3 convolution), one peak per dtype,
@@ -30,7 +31,7 @@ import dataclasses
 import datetime as _dt
 import gc
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -39,16 +40,11 @@ import torch
 
 from fastddpm.bench import store
 from fastddpm.bench.throughput_report import progress_line, table_markdown, write_results
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, get_preset, resolve_model_shape
-from fastddpm.device import Precision, resolve_device, resolve_precision
-from fastddpm.measure import (Peaks, count_step_bytes, count_step_flops, environment_record, free_device_memory,
-                              peak_memory_bytes, reset_peak_memory, roofline, summarize, time_steps, time_wall_s)
-from fastddpm.models import count_parameters
+from fastddpm.bench.variant_timer import Variant, VariantTimer, failed_row, measure_alternating, peak_dtype
+from fastddpm.config import ConfigError, apply_overrides, get_preset, resolve_model_shape
+from fastddpm.device import resolve_device, resolve_precision
+from fastddpm.measure import Peaks, environment_record, free_device_memory
 from fastddpm.rng import derive_seed
-from fastddpm.trainer.batch_finder import is_oom
-from fastddpm.trainer.batches import make_batches, step_batches
-from fastddpm.trainer.build import Optimization, build_model
-from fastddpm.trainer.compile_counters import CompileCounters
 from fastddpm.trainer.fast_path import resolve_fast_path
 
 SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity and run; written after every variant
@@ -166,16 +162,6 @@ class ThroughputSettings:
             choices=self.choices if self.choices is not None else default_choices)
 
 
-@dataclass
-class Variant:
-    preset: str
-    batch_size: int
-    cfg: RunConfig  # the preset with the benchmark's overrides, model shape resolved
-    choice: str | None = None  # PRECISION-MODE[-cl], when the run compares choices
-    precision: Precision | None = None  # resolved on the device, per variant
-    fast_reasons: dict[str, str] = field(default_factory=dict)
-
-
 def plan_variants(settings: ThroughputSettings) -> list[Variant]:
     """One resolved RunConfig per preset x batch size (x choice): the preset, with the benchmark's flags layered
     on top as `fastddpm train` would layer them. Config errors surface here, before anything is timed. Call with
@@ -192,6 +178,19 @@ def plan_variants(settings: ThroughputSettings) -> list[Variant]:
                 cfg = resolve_model_shape(cfg, (settings.num_images, *settings.image_shape))
                 variants.append(Variant(preset=preset, batch_size=batch_size, cfg=cfg, choice=choice))
     return variants
+
+
+def plan_groups(variants: list[Variant]) -> list[list[int]]:
+    """Indices of `variants` in runs of one preset and batch size: the choices that are timed side by side."""
+    groups: list[list[int]] = []
+    for i, v in enumerate(variants):
+        same = groups and (variants[groups[-1][0]].preset, variants[groups[-1][0]].batch_size) == (v.preset,
+                                                                                                  v.batch_size)
+        if same and v.choice is not None:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def synthetic_images(num_images: int, image_shape: tuple[int, int, int], seed: int) -> np.ndarray:
@@ -214,116 +213,20 @@ def as_memmap(images_NCHW: np.ndarray, folder: Path) -> np.ndarray:
 # One variant
 
 
-def _empty_row(v: Variant) -> dict:
-    t = v.cfg.train
-    return {
-        "preset": v.preset, "batch_size": v.batch_size, "choice": v.choice, "accum_steps": t.accum_steps,
-        "images_per_step": t.batch_size * t.accum_steps, "status": None, "error": None, "error_type": None,
-        "parameters": None, "precision": None, "fast_path": v.fast_reasons, "data_placement": t.data_placement,
-        "cuda_graphs_failed": None, "compile_s": None, "step_ms": None, "images_per_s": None,
-        "images_per_s_range": None, "ratio_to_first": None, "flops_per_step": None, "gflops_per_image": None,
-        "achieved_tflops": None, "mfu_pct": None, "mfu_dtype": None, "mfu_peak_tflops": None, "mfu_peak_label": None,
-        "activation_bytes_per_image": None, "mb_per_image": None, "bandwidth_gbps": None, "bandwidth_label": None,
-        "bound_us_per_image": None, "roofline_pct": None, "roofline_binds": None,
-        "peak_memory_bytes": None, "peak_memory_gib": None,
-        "compiled_graphs": None, "graph_breaks": None, "recompiles_after_warmup": None,
-        "input_ms_per_step": None, "input_wait_pct": None, "final_loss": None, "config": v.cfg.to_dict(),
-    }
-
-
 def measure_variant(v: Variant, images_NCHW: np.ndarray, *, device: torch.device, settings: ThroughputSettings,
                     peak: dict, bandwidth: dict) -> dict:
     """Build the trainer's step for one variant, warm it up, time it. Raises whatever the step raises."""
-    cfg, t, precision = v.cfg, v.cfg.train, v.precision
-    row = _empty_row(v)
-    fast = resolve_fast_path(t, device, precision)
-    if fast.compile:
+    if resolve_fast_path(v.cfg.train, device, v.precision).compile:
         import torch._dynamo as dynamo
 
         # A fresh compile per variant: honest compile time, and no variant falls back to eager because the
         # earlier ones filled the recompile limit of TrainStep._loss's code object.
         dynamo.reset()
     free_device_memory(device)
-    reset_peak_memory(device)
-
-    # ---- the trainer's own set-up (fastddpm.trainer.setup), without data loading, logging and checkpoints
-    model, schedule = build_model(cfg, device=device, fast=fast)
-    step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
-    batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
-                           num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
-                           continuous=cfg.diffusion.objective != "ddpm",
-                           hflip=cfg.data.hflip)
-    flops_per_step = count_step_flops(model, (t.batch_size, *settings.image_shape), accum_steps=t.accum_steps)
-    moved = count_step_bytes(model, settings.image_shape, images_per_step=t.batch_size * t.accum_steps, device=device,
-                             autocast_dtype=precision.autocast_dtype)
-    counters = CompileCounters(enabled=fast.compile)
-    images_per_step = t.batch_size * t.accum_steps
-    last_loss: list[torch.Tensor] = []
-
-    def one_step(step: int) -> None:
-        # As the training loop: draw the micro-batches for this step, then the step (no host sync inside).
-        last_loss[:] = [step_fn(step_batches(batches, step, t.accum_steps), lr=t.lr, step=step)]
-
-    def input_only(step: int) -> None:
-        step_batches(batches, step, t.accum_steps)
-
-    # ---- compile / warm-up: its own number, never part of the steady state
-    compile_s = time_wall_s(lambda: [one_step(s) for s in range(settings.warmup_steps)], device)
-    counters.mark_warm()
-
-    # ---- steady state: the step counter runs on, so epochs turn over as in training
-    step_ms_per_repeat = []
-    for r in range(settings.repeats):
-        first = settings.warmup_steps + r * settings.steps
-        elapsed_ms = time_steps(lambda i: one_step(first + i), settings.steps, device)
-        step_ms_per_repeat.append(elapsed_ms / settings.steps)
-    compile_report = counters.report()
-
-    # ---- the batch source alone, on the steps that follow
-    first = settings.warmup_steps + settings.repeats * settings.steps
-    input_ms = time_steps(lambda i: input_only(first + i), settings.steps, device) / settings.steps
-
-    step_ms = summarize(step_ms_per_repeat)
-    step_ms["per_repeat"] = step_ms_per_repeat
-    median_s = step_ms["median"] / 1000
-    achieved_flops = flops_per_step / median_s
-    peak_bytes = peak_memory_bytes(device)
-    final_loss = float(last_loss[0])  # note: sync, once, after all timing
-    roof = roofline(flops_per_image=flops_per_step / images_per_step, bytes_per_image=moved["bytes_per_image"],
-                    peak_tflops=peak["tflops"], bandwidth_gbps=bandwidth["gbps"],
-                    images_per_s=images_per_step / median_s)
-    row.update({
-        "status": "ok",
-        "parameters": count_parameters(model),
-        "precision": precision.name,
-        "fast_path": fast.reasons,
-        "data_placement": batches.placement,
-        "cuda_graphs_failed": step_fn.graph_failed,
-        "compile_s": compile_s,
-        "step_ms": step_ms,
-        "images_per_s": images_per_step / median_s,
-        "images_per_s_range": [images_per_step / (step_ms["max"] / 1000), images_per_step / (step_ms["min"] / 1000)],
-        "flops_per_step": flops_per_step,
-        "gflops_per_image": flops_per_step / images_per_step / 1e9,
-        "achieved_tflops": achieved_flops / 1e12,
-        "mfu_pct": 100 * achieved_flops / (peak["tflops"] * 1e12),
-        "mfu_dtype": peak["dtype"],
-        "mfu_peak_tflops": peak["tflops"],
-        "mfu_peak_label": peak["label"],
-        "activation_bytes_per_image": moved["activation_bytes_per_image"],
-        "mb_per_image": moved["bytes_per_image"] / 1e6, "bandwidth_gbps": bandwidth["gbps"],
-        "bandwidth_label": bandwidth["label"], "bound_us_per_image": roof["bound_us_per_image"],
-        "roofline_pct": roof["roofline_pct"], "roofline_binds": roof["binds"],
-        "peak_memory_bytes": peak_bytes,
-        "peak_memory_gib": None if peak_bytes is None else peak_bytes / 2**30,
-        "compiled_graphs": compile_report.get("compiled_graphs"),
-        "graph_breaks": compile_report.get("graph_breaks"),
-        "recompiles_after_warmup": compile_report.get("recompiles_after_warmup"),
-        "input_ms_per_step": input_ms,
-        "input_wait_pct": 100 * input_ms / step_ms["median"],
-        "final_loss": final_loss,
-    })
-    return row
+    timer = VariantTimer(v, images_NCHW, device=device, settings=settings, peak=peak, bandwidth=bandwidth)
+    for _ in range(settings.repeats):
+        timer.time_repeat()
+    return timer.finish()
 
 
 def run_variant(v: Variant, images_NCHW: np.ndarray, **kwargs) -> dict:
@@ -331,11 +234,7 @@ def run_variant(v: Variant, images_NCHW: np.ndarray, **kwargs) -> dict:
     try:
         return measure_variant(v, images_NCHW, **kwargs)
     except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the other variants must still run
-        row = _empty_row(v)
-        oom = is_oom(e)
-        row.update({"status": "failed", "error_type": "out of memory" if oom else type(e).__name__,
-                    "error": f"{type(e).__name__}: {e}".strip()})
-        return row
+        return failed_row(v, e)
     finally:
         gc.collect()  # the failed variant's model, optimizer state and activations, before the next one
         free_device_memory(kwargs["device"])
@@ -348,12 +247,6 @@ def run_variant(v: Variant, images_NCHW: np.ndarray, **kwargs) -> dict:
 def default_out_dir(now: _dt.datetime | None = None) -> Path:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     return Path("runs") / f"bench-throughput-{now.strftime('%Y%m%dT%H%M%SZ')}"
-
-
-def peak_dtype(precision: Precision) -> torch.dtype:
-    """The dtype the step's matmuls and convolutions run in: autocast's, else fp32 (TF32 on CUDA, see
-    matmul_dtype_name)."""
-    return precision.autocast_dtype or torch.float32
 
 
 def variant_identity(v: Variant, settings: ThroughputSettings, env: dict) -> dict:
@@ -423,28 +316,55 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
         }
 
     images = synthetic_images(settings.num_images, settings.image_shape, settings.seed)
-    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="fastddpm-bench-") as tmp:
         source = as_memmap(images, Path(tmp)) if settings.data_placement == "stream" else images
-        for i, v in enumerate(variants):
-            tag = f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}" + (f" {v.choice}" if v.choice else "")
-            if reused[i] is not None:
-                row = reused[i]
-                run = row["run"]
-                log(f"{tag}: already measured in {json_path} ({run['date_utc']}, commit {str(run['git_commit'])[:12]}):"
-                    f" skipped (--remeasure measures it again): {progress_line(row)}")
-            else:
+        done: dict[int, dict] = {}
+
+        def record(i: int, row: dict, fresh: bool = True) -> None:
+            if fresh:
+                row.update(identity=identities[i], run=store.run_record(env))
+                log(f"{tag(i)}: {progress_line(row)}")
+            done[i] = row
+            write_results(result([done[k] for k in sorted(done)], complete=False), out_dir)  # a killed run keeps
+            #                                                                                   every variant so far
+
+        def tag(i: int) -> str:
+            v = variants[i]
+            return f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}" + (f" {v.choice}" if v.choice else "")
+
+        for group in plan_groups(variants):
+            todo = []
+            for i in group:
+                if reused[i] is not None:
+                    run = reused[i]["run"]
+                    log(f"{tag(i)}: already measured in {json_path} ({run['date_utc']}, commit "
+                        f"{str(run['git_commit'])[:12]}): skipped (--remeasure measures it again): "
+                        f"{progress_line(reused[i])}")
+                    record(i, reused[i], fresh=False)
+                    continue
                 before = previous.failed_before(identities[i])
                 if before is not None:
-                    log(f"{tag}: failed in the earlier run ({before['error_type']}): measuring it again")
-                peak = peaks.matmul(peak_dtype(v.precision))
-                log(f"{tag}: warming up ({settings.warmup_steps} steps: compile / capture), then "
+                    log(f"{tag(i)}: failed in the earlier run ({before['error_type']}): measuring it again")
+                todo.append(i)
+            if len(todo) > 1 and settings.cuda_graphs != "reduce-overhead":  # Inductor's graph trees: one at a time
+                log(f"{tag(todo[0])} ... {variants[todo[-1]].choice}: {len(todo)} choices, each warmed up "
+                    f"({settings.warmup_steps} steps: compile / capture), then {settings.repeats} rounds of "
+                    f"{settings.steps} timed steps each, alternating")
+                got, left = measure_alternating([variants[i] for i in todo], source, device=device,
+                                                settings=settings, peaks=peaks)
+                for k, row in got.items():
+                    record(todo[k], row)
+                if left:
+                    log(f"{', '.join(variants[todo[k]].choice for k in left)}: timed one by one after the others "
+                        f"(not resident beside them: GPU memory, or dynamo's recompile limit)")
+                todo = [todo[k] for k in left]
+            for i in todo:
+                v = variants[i]
+                log(f"{tag(i)}: warming up ({settings.warmup_steps} steps: compile / capture), then "
                     f"{settings.repeats} x {settings.steps} timed steps")
-                row = run_variant(v, source, device=device, settings=settings, peak=peak, bandwidth=peaks.bandwidth())
-                row.update(identity=identities[i], run=store.run_record(env))
-                log(f"{tag}: {progress_line(row)}")
-            rows.append(row)
-            write_results(result(rows, complete=False), out_dir)  # a killed run keeps every variant so far
+                record(i, run_variant(v, source, device=device, settings=settings,
+                                      peak=peaks.matmul(peak_dtype(v.precision)), bandwidth=peaks.bandwidth()))
+        rows = [done[k] for k in sorted(done)]
         del source
 
     final = result(rows, complete=True)
@@ -463,8 +383,9 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
         f"step ms: median over {s.repeats} repeats of {s.steps} steps each ({clock}, from a drained queue to the "
         "last kernel); [min-max] across repeats. Each step draws its batch (batches.get), as the training loop does.",
         f"compile s: wall time of the first {s.warmup_steps} steps (compile, autotune, CUDA graph capture, cuDNN "
-        "search), synchronised; it is not part of the steady state. Each variant compiles afresh in process "
-        "(torch._dynamo.reset), but Inductor's on-disk caches persist: a first run on a fresh machine is slower.",
+        "search), synchronised; it is not part of the steady state. Each variant (each group of choices) compiles "
+        "afresh in process (torch._dynamo.reset), but Inductor's on-disk caches persist: a first run on a fresh "
+        "machine is slower.",
         "MFU: FLOPs of one training step (FlopCounterMode over one uncompiled forward+backward of the U-Net, "
         "attention via SDPA's math backend = model FLOPs, no recompute) / median step time / the matmul peak "
         "measured in the step's own dtype (named next to each MFU: bf16 or fp16 under autocast; tf32 for fp32 on "
@@ -479,6 +400,11 @@ def notes(device: torch.device, s: ThroughputSettings) -> list[str]:
         f"placement {s.data_placement}" + (" (streamed from a temporary .npy memmap)"
                                            if s.data_placement == "stream" else " (resident)") + ".",
     ]
+    if s.choices and len(s.choices) > 1:
+        out.insert(1, "choices: the choices of one preset and batch are all built and warmed up, then timed "
+                      "alternating, one repeat of each in turn with the order rotated every round, so that drift "
+                      "falls on all of them alike and `x first` compares like with like (each row's `timing`; a "
+                      "choice that did not fit in GPU memory beside the others is timed alone afterwards).")
     if device.type != "cuda":
         out.insert(0, "CPU run: timings describe this CPU (perf_counter) and are not GPU claims; the MFU peak is "
                       "the faster of a matmul and a 3x3 channels_last convolution (oneDNN, the U-Nets' own "

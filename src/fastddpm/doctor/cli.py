@@ -13,7 +13,7 @@ ranked fixes.
 
 Examples:
   fastddpm doctor train --data fashion-mnist --preset seed-1layer      # the built-in trainer, any config
-  fastddpm doctor train --data ./my.zip --batch-size 64 --compile off --out doctor/eager
+  fastddpm doctor train --data ./my.zip --batch-size 64 --compile off --report-dir doctor/eager
   fastddpm doctor run train_mine.py --epochs 1 --lr 3e-4               # your script, unchanged
 
 In your own code, without the CLI:
@@ -21,9 +21,9 @@ In your own code, without the CLI:
       for batch in dr.batches():
           ...; dr.step()
 
-Writes OUT/report.txt, report.json and report.html (open in a browser); with --save-trace also the raw trace
+Writes DIR/report.txt, report.json and report.html (open in a browser); with --save-trace also the raw trace
 (<host>_<pid>.doctor.pt.trace.json.gz: https://ui.perfetto.dev, chrome://tracing, or TensorBoard's profiler
-plugin pointed at OUT).
+plugin pointed at DIR).
 """
 
 
@@ -38,7 +38,7 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
                         "ending early with at least 2, 3, 1 steps (default 60; 0 = bounded by steps only)")
     g.add_argument("--loader-probe-s", type=float, default=2.0, metavar="S",
                    help="time the DataLoader alone for up to S seconds afterwards (default 2; 0 = skip)")
-    g.add_argument("--report-dir", dest="report_dir", default="doctor_report", metavar="DIR",
+    g.add_argument("--report-dir", "--out", dest="report_dir", default="doctor_report", metavar="DIR",
                    help="where the reports (and a trace kept with --save-trace) go (default ./doctor_report)")
     g.add_argument("--save-trace", action="store_true",
                    help="keep the profiler trace in the report folder, gzipped (Perfetto, chrome://tracing or "
