@@ -326,6 +326,11 @@ def test_the_folder_is_a_layer_under_what_is_given_explicitly(google_style_folde
     config.write_text(yaml.safe_dump({"model": {"norm_eps": 1e-5}, "train": {"init_from": str(folder)}}))
     filed = resolve_config("tiny", file=config)
     assert (filed.model.norm_eps, filed.model.time_freq_shift) == (1e-5, 1)
+    # a family that cannot take the folder's weights is named as the problem, not a field it happens to break
+    from fastddpm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.family='seed' cannot take its weights: drop --family seed"):
+        resolve_config("tiny", layers=[("command line", {"train.init_from": str(folder), "model.family": "seed"})])
 
 
 def test_a_head_width_equal_to_the_channels_is_one_head():

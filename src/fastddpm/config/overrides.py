@@ -204,19 +204,35 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     elif folder:
         from fastddpm.config.diffusers_unet import folder_fields
 
+        family = _last_given(file_values, layers, "model", "family")
+        if family not in (None, "ddpm"):
+            raise ConfigError(f"--init-from {folder}: a diffusers UNet2DModel is fastddpm's ddpm family (Ho et al.'s "
+                              f"U-Net), so model.family={family!r} cannot take its weights: drop --family {family} "
+                              f"(the folder sets the architecture)")
         cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
     cfg = apply_overrides(cfg, file_values, source=str(file))
     return _layered(cfg, layers)
 
 
+_NOT_GIVEN = object()
+
+
+def _last_given(file_values: dict, layers: list[tuple[str, dict[str, Any]]], section: str, name: str,
+                default: Any = None) -> Any:
+    """The value the config file and the layers leave for section.name (the last one given), `default` if none."""
+    value = default
+    nested = file_values.get(section)
+    for given in ([nested] if isinstance(nested, dict) else []) + [file_values] + [v for _, v in layers]:
+        for key in (name, f"{section}.{name}"):
+            if key in given:
+                value = given[key]
+    return value
+
+
 def _init_from(cfg: RunConfig, file_values: dict, layers: list[tuple[str, dict[str, Any]]]) -> str | None:
     """train.init_from as the layers leave it: the last layer's, else the file's, else `cfg`'s."""
-    value = cfg.train.init_from
-    section = file_values.get("train")
-    for given in ([section] if isinstance(section, dict) else []) + [file_values] + [v for _, v in layers]:
-        for key in ("init_from", "train.init_from"):
-            if key in given:
-                value = coerce(given[key], str | None, "train.init_from")
+    given = _last_given(file_values, layers, "train", "init_from", default=_NOT_GIVEN)
+    value = cfg.train.init_from if given is _NOT_GIVEN else coerce(given, str | None, "train.init_from")
     return value or None
 
 
