@@ -195,17 +195,29 @@ def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
                                                                     {"train.compile": "on"})]
 
 
-def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnist_npz):
+def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnist_npz, monkeypatch):
     """A trainer trial is `fastddpm train` on the diagnosed config with the setting, alternating with it as it
     was, timed from metrics.jsonl; a setting that changes the batch is compared per image (the base's batch)."""
     from fastddpm.config import apply_overrides, get_preset
+    from fastddpm.doctor import trials as trials_mod
     from fastddpm.doctor.trials import Trial, run_trials
 
+    runs = []
+    real = trials_mod._run_trainer
+
+    def recorded(cfg, settings, *a, **kw):
+        runs.append(real(cfg, settings, *a, **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(trials_mod, "_run_trainer", recorded)
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.device": "cpu"})
     (trial,) = run_trials(cfg.to_dict(), [], [Trial("--batch-size 8", "x", None, None,
                                                     settings={"train.batch_size": "8"})],
                           rounds=1, warmup=2, steps=4, log=lambda *a: None)
     assert trial.failed is None and trial.applied == ["fastddpm train --set train.batch_size=8"]
     assert len(trial.base_ms) == len(trial.fix_ms) == 1 and trial.measured > 0
-    # per image, in the base run's batch of 16: batch 8 at about the same images/s reads about the same step time
-    assert 0.3 < trial.measured < 3.0
+    base, fix = runs  # each read from its own run's metrics.jsonl
+    assert (base["per_step"], fix["per_step"]) == (16, 8)
+    # per image, in the base run's batch of 16: the batch-8 run's step time counts twice
+    assert trial.base_ms == [base["step_ms"]] and trial.fix_ms == [pytest.approx(2 * fix["step_ms"])]
+    assert trial.measured == pytest.approx(base["step_ms"] / (2 * fix["step_ms"]))
