@@ -19,8 +19,9 @@ on synthetic uint8 images of the data's shape (1x28x28). Each variant then repor
   input wait %   batches.get(...) alone, timed the same way for `steps` steps, as a share of the step time
 
 A variant that fails (out of memory, a compile error) is recorded with its reason and the run goes on.
-throughput.json / .md are rewritten after every variant, and a re-run into the same folder skips the variants
-already measured there with the same settings, device and torch (bench/store.py; --remeasure measures again).
+throughput.json / .md are rewritten after every variant (choices timed alternating: after their group), and a
+re-run into the same folder skips the variants already measured there with the same settings, device and torch
+(bench/store.py; --remeasure measures again).
 The data is random uniform uint8: the step has no data-dependent control flow, so its speed does not depend
 on what the images show.
 """
