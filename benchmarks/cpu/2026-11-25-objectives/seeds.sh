@@ -24,6 +24,7 @@ F=.venv/bin/fastddpm
 OUT=${1:-/tmp/objseeds}/$ARM
 mkdir -p "$OUT"
 KEEP=$HERE/raw-fp32
+POINTS="unipc:10 dpmpp-2m-sde:10 dpmpp-2m-sde:20 heun:10"
 declare -A OPTS=(
   [ddpm-eps-cosine]=""
   [ddpm-eps-linear]="--schedule linear"
@@ -34,13 +35,25 @@ declare -A OPTS=(
 train() {  # train NAME SEED
   local dir="$OUT/seed$2/$1"
   [ -f "$dir/ema.safetensors" ] && return
-  [ "$ARM" = fp32 ] && [ -f "$KEEP/seed$2/$1/train.log" ] && return  # trained in an earlier session: kept
+  if [ "$ARM" = fp32 ] && [ -f "$KEEP/seed$2/$1/train.log" ]; then
+    kept_all "$1" "$2" && return  # trained and scored in an earlier session
+    # kept but not scored at every point, and its weights are gone: its scores came from weights this run cannot
+    # reproduce bit for bit on another CPU, so train and score it again, whole
+    echo "== $1 seed $2: kept without every score; training it again"
+    rm -rf "${KEEP:?}/seed$2/$1"
+  fi
   echo "== $(date -u +%FT%TZ) train $1 seed $2"
   mkdir -p "$OUT/seed$2"
   /usr/bin/time -f "wall %e s" $F train --data fashion-mnist --preset cpu-demo ${OPTS[$1]} --seed "$2" --precision $PRECISION \
     --no-progress --sample-every-images 1000000 --out "$dir" > "$OUT/seed$2/$1.train.log" 2>&1
   tail -2 "$OUT/seed$2/$1.train.log"
   keep "$1" "$2"
+}
+kept_all() {  # kept_all NAME SEED: the kept record has an eval JSON for every point
+  local point
+  for point in $POINTS; do
+    ls "$KEEP/seed$2/$1/eval_${point%%:*}${point##*:}_"*.json >/dev/null 2>&1 || return 1
+  done
 }
 keep() {  # keep NAME SEED: the fp32 arm's record in the repository (logs, config, eval JSONs; not the weights)
   [ "$ARM" = fp32 ] || return 0
@@ -64,7 +77,6 @@ evaluate() {  # evaluate NAME SEED SAMPLER STEPS
 }
 # one training at a time on the 2 cores: wait for one of this folder's that is still running (a restarted script)
 while pgrep -f "fastddpm train .*--out $OUT/" >/dev/null; do sleep 10; done
-POINTS="unipc:10 dpmpp-2m-sde:10 dpmpp-2m-sde:20 heun:10"
 if [ "$ARM" = bf16 ]; then
   train flow 0
   evaluate flow 0 unipc 10
