@@ -17,7 +17,7 @@ def quiet(*args, **kwargs):
     pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def api_run(tmp_path_factory, fmnist_npz):
     out = tmp_path_factory.mktemp("api") / "run"
     result = fastddpm.train("tiny", out=out, data=str(fmnist_npz), max_steps=6, log_every=3, progress=False,

@@ -16,7 +16,7 @@ RUNG_KEYS = ["0", "1", "2", "3", "3b", "4", "5", "6", "7", "8", "9"]
 PLANTED = "2"  # this rung's builder raises; rungs after it must still run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ladder")
     real = ladder_rungs.prepare_rung

@@ -33,7 +33,7 @@ def _model(preset: str) -> UNet:
     return UNet(dataclasses.replace(cfg.model, image_channels=1, image_size=28))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quick_run(tmp_path_factory):
     """One `fastddpm bench throughput --quick --device cpu` through the parser and run_bench."""
     out = tmp_path_factory.mktemp("bench") / "quick"
@@ -450,6 +450,33 @@ def test_the_cpu_peak_is_the_faster_of_blas_and_a_onednn_convolution(monkeypatch
         peak = measure.measure_matmul_peak("cpu", dtype=torch.float32, n=n, trials=2, iters=1)
         assert peak["path"] == fast and f"fp32 {fast} on " in peak["label"] and f"; {slow} 1.000" in peak["label"]
         assert peak["tflops"] == pytest.approx(4.0)
+
+
+def test_an_emulated_cpu_dtype_is_measured_small_and_the_doctor_says_which_is(monkeypatch):
+    """bf16 on a CPU without avx512_bf16/amx_bf16 runs its matmuls at 1-2 GFLOP/s: at n = 1024 its peak took 25 s of
+    every doctor run on an fp32 loop. A dtype the caller calls emulated (and fp16) is measured at n = 256 with a
+    2-image convolution; the doctor's low-precision check calls bf16 emulated exactly where the flags lack it."""
+    from fastddpm import measure
+    from fastddpm.device import cpu_native_bf16
+    from fastddpm.doctor import api
+
+    batches, real_conv = [], measure.conv3x3_peak_case
+    monkeypatch.setattr(measure, "conv3x3_peak_case",
+                        lambda *a, batch=None: batches.append(batch) or real_conv(*a, batch=batch))
+    monkeypatch.setattr(measure, "time_steps", lambda fn, steps, device: 1.0)  # the warm-ups run, timing is faked
+    sizes = [measure.measure_matmul_peak("cpu", dtype=dt, trials=1, iters=1, emulated=emulated)["n"]
+             for dt, emulated in ((torch.float32, True), (torch.float32, False), (torch.float16, False))]
+    assert sizes == [256, 1024, 256] and batches == [2, None, 2]
+    small, small_flops = real_conv(torch.float32, torch.device("cpu"), torch.Generator(), batch=2)
+    _, full_flops = real_conv(torch.float32, torch.device("cpu"), torch.Generator())
+    assert small(0).shape[0] == 2 and small_flops * 8 == full_flops
+
+    asked = []
+    monkeypatch.setattr(measure, "measure_matmul_peak",
+                        lambda device, dtype, emulated=False: asked.append((dtype, emulated)) or {"tflops": 1.0})
+    native, _ = cpu_native_bf16()
+    low = api.low_precision("cpu", fp32_peak={"tflops": 2.0})
+    assert asked == [(torch.bfloat16, not native)] and low.native == native and low.peak_ratio == 0.5
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -208,7 +208,7 @@ GOOGLE_DDPM_CIFAR10_32 = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def google_style_folder(tmp_path_factory):
     """A UNet2DModel in google/ddpm-cifar10-32's configuration, built and saved by diffusers with random weights
     (every one, so that a wrong mapping shows), its config.json then trimmed to the Hub's keys."""

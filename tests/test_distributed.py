@@ -279,7 +279,7 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, fmnist_np
 
 
 # ---------------------------------------------------------------------- FSDP2 on gloo
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory, fmnist_npz):
     """2 ranks, --parallel fsdp, 4 steps uninterrupted (checkpoints at 2 and 4, grids after steps 1, 2 and 3)."""
     out = tmp_path_factory.mktemp("fsdp") / "full"

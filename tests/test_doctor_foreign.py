@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 
 import pytest
 import torch
@@ -487,6 +488,24 @@ def test_the_models_own_convolutions_are_replayed_from_a_cpu_trace(tmp_path):
     assert got is not None and got.ops >= 1 and 0.9 <= got.covered <= 1.0 and got.ratio > 0
     assert "heaviest matmul/convolution shapes" in got.basis("bf16")
     assert replay(events + [{"cat": "kernel", "name": "k"}], torch.bfloat16, "cpu") is None
+
+
+def test_a_replayed_op_past_the_budget_is_timed_twice_and_a_quick_one_in_repeats():
+    from fastddpm.doctor.replay import _time
+
+    calls = []
+
+    def op(seconds):
+        def run():
+            calls.append(seconds)
+            time.sleep(seconds)
+        return run
+
+    slow = _time(op(0.06), torch.device("cpu"), budget_s=0.05)
+    assert len(calls) == 3 and slow >= 0.06  # a warm-up and two timed calls
+    calls.clear()
+    quick = _time(op(0.001), torch.device("cpu"), budget_s=0.05)
+    assert len(calls) >= 7 and 0.001 <= quick < 0.06  # a warm-up, one to size the batches, five batches
 
 
 def test_a_default_run_leaves_no_trace_behind(tmp_path):

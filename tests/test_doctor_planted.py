@@ -14,7 +14,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 CPU_CASES = [n for n in planted.CASES if n not in planted.GPU_ONLY]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cpu_case(tmp_path_factory):
     """Each CPU case run once per module with its default window (the tests below read the same report)."""
     cache = {}

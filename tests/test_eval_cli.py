@@ -32,7 +32,7 @@ def tiny_cfg(source, **train):
     return apply_overrides(get_preset("tiny"), over)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def evaluated_run(fmnist_splits, tmp_path_factory):
     """A tiny CLI run evaluated every 160 images (10 steps), 40 steps in all."""
     run = tmp_path_factory.mktemp("eval-run") / "run"

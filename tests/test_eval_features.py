@@ -25,13 +25,13 @@ def quiet(*args):
     pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def net(fmnist_splits):
     return build_feature_net(DataConfig(source=str(fmnist_splits)), device=CPU, inception=None, cache_root=None,
                              log=quiet)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def splits(fmnist_splits):
     train = prepare(str(fmnist_splits), split="train", progress=False)
     test = prepare(str(fmnist_splits), split="test", progress=False)

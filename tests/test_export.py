@@ -28,7 +28,7 @@ def quiet(*args, **kwargs):
     pass
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, fmnist_npz):
     out = {}
     for name, conditional in (("uncond", False), ("cond", True)):

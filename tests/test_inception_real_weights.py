@@ -24,7 +24,7 @@ PINNED_FID = 211.89698
 PINNED_FIRST_FEATURES = [0.09870341, 0.0150123, 0.18308406, 0.11764521]  # image 0 of the training split
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def nvlabs_features(tmp_path_factory):
     """(features of the 16 training images, of the 16 test images, the images): fastddpm's feature module for
     `--features inception`, the weights found in the installed package (an empty cache, no download)."""

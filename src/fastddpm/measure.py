@@ -17,6 +17,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -54,8 +55,6 @@ def time_steps(fn: Callable[[int], object], steps: int, device: torch.device | s
         end.record()
         end.synchronize()  # note: sync, the window ends when the last step's kernels have run
         return float(start.elapsed_time(end))
-    import time
-
     t0 = time.perf_counter()
     for i in range(steps):
         fn(i)
@@ -65,8 +64,6 @@ def time_steps(fn: Callable[[int], object], steps: int, device: torch.device | s
 def time_wall_s(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of wall time for one call of `fn`, synchronised on both sides (for compile / warm-up time,
     which is mostly host work: tracing, Inductor codegen, autotuning, graph capture)."""
-    import time
-
     synchronize(device)
     t0 = time.perf_counter()
     fn()
@@ -143,7 +140,7 @@ def matmul_dtype_name(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dtype: torch.dtype | None = None,
-                        trials: int = 5, iters: int | None = None) -> dict:
+                        trials: int = 5, iters: int | None = None, emulated: bool = False) -> dict:
     """The achievable dense-matmul rate on `device` in `dtype`, measured now: an MFU denominator.
 
     CUDA: an n x n x n matmul (n = 8192: 1.1 TFLOP each), warmed, timed with CUDA events, best of `trials`
@@ -151,18 +148,23 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
     reached by any real kernel). An fp32 matmul runs as TF32 when torch.backends.cuda.matmul.allow_tf32 is on
     (as in training), and is then labelled tf32. Default dtype: bf16 on CUDA, fp32 on the CPU.
 
-    CPU: on all of torch's threads, the faster of two kernels: an n x n x n torch.matmul (n = 1024; 256 for fp16,
-    which most CPUs emulate at well under 1 GFLOP/s) and a 3x3 convolution in channels_last (CONV_PEAK_SHAPE),
-    the oneDNN kernel the U-Nets' own convolutions use. They differ: torch.matmul is MKL's sgemm in fp32, which on
-    an AMD CPU runs AVX2 code: 0.21 TFLOP/s on a 2-core Zen 5 whose oneDNN convolutions reach 0.50 (AVX-512), while
-    bf16 goes to oneDNN either way (1.0). A peak read off MKL alone put the fp32 U-Net at "114% MFU" and bf16 at
-    4.2x fp32's rate; the hardware's ratio (avx512_bf16's dot products against fp32 FMAs) is 2x.
+    CPU: on all of torch's threads, the faster of two kernels: an n x n x n torch.matmul (n = 1024) and a 3x3
+    convolution in channels_last (CONV_PEAK_SHAPE), the oneDNN kernel the U-Nets' own convolutions use. A dtype
+    the CPU emulates runs its matmuls 50-100x below fp32 (1.4 GFLOP/s for bf16 and fp16 on a 2-core AMD EPYC with
+    AVX2 only, against 65-90 for fp32): at n = 1024 the measurement alone took 25 s there. fp16 (which most CPUs
+    emulate), and a dtype the caller says is `emulated` (bf16 where device.cpu_native_bf16 finds no flag for it),
+    are measured at n = 256 and a convolution of 2 images, where the rate is about the same.
+    The two kernels differ: torch.matmul is MKL's sgemm in fp32, which on an AMD CPU runs AVX2 code: 0.21 TFLOP/s
+    on a 2-core Zen 5 whose oneDNN convolutions reach 0.50 (AVX-512), while bf16 goes to oneDNN either way (1.0).
+    A peak read off MKL alone put the fp32 U-Net at "114% MFU" and bf16 at 4.2x fp32's rate; the hardware's ratio
+    (avx512_bf16's dot products against fp32 FMAs) is 2x.
     Returns {"tflops", "label", "device", "dtype", "n", "iters", "trials", "per_trial_tflops", "path"}.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    n = n or (8192 if cuda else 256 if dtype == torch.float16 else 1024)
+    small = not cuda and (emulated or dtype == torch.float16)
+    n = n or (8192 if cuda else 256 if small else 1024)
     iters = iters or (10 if cuda else 3)
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
@@ -170,7 +172,7 @@ def measure_matmul_peak(device: torch.device | str, *, n: int | None = None, dty
     c = torch.empty(n, n, device=device, dtype=dtype)
     paths = {f"matmul {n}^3": (lambda i: torch.matmul(a, b, out=c), 2 * n**3)}
     if not cuda:
-        paths["conv3x3 (oneDNN)"] = conv3x3_peak_case(dtype, device, gen)
+        paths["conv3x3 (oneDNN)"] = conv3x3_peak_case(dtype, device, gen, batch=2 if small else None)
     rates: dict[str, list[float]] = {}
     for path, (fn, flops) in paths.items():
         for _ in range(3):  # warm-up: cuBLAS heuristics and workspace, clocks up, CPU threads spun up, primitives
@@ -435,12 +437,13 @@ def model_roofline(model: torch.nn.Module, image_shape: tuple[int, ...], *, imag
 CONV_PEAK_SHAPE = (16, 128, 28, 28)  # (B, C, H, W), C -> C channels: a U-Net level's convolution at MNIST's size
 
 
-def conv3x3_peak_case(dtype: torch.dtype, device: torch.device,
-                      gen: torch.Generator) -> tuple[Callable[[int], torch.Tensor], int]:
-    """(a callable running one 3x3 convolution of CONV_PEAK_SHAPE in channels_last, its FLOPs: 2 per
-    multiply-add, as FlopCounterMode counts them)."""
+def conv3x3_peak_case(dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+                      batch: int | None = None) -> tuple[Callable[[int], torch.Tensor], int]:
+    """(a callable running one 3x3 convolution of CONV_PEAK_SHAPE (`batch` images in place of its 16) in
+    channels_last, its FLOPs: 2 per multiply-add, as FlopCounterMode counts them)."""
     b, ch, h, w = CONV_PEAK_SHAPE
-    x = torch.randn(CONV_PEAK_SHAPE, device=device, generator=gen).to(dtype)
+    b = batch or b
+    x = torch.randn((b, ch, h, w), device=device, generator=gen).to(dtype)
     weight = torch.randn(ch, ch, 3, 3, device=device, generator=gen).to(dtype)
     x, weight = (t.contiguous(memory_format=torch.channels_last) for t in (x, weight))
     return (lambda i: torch.nn.functional.conv2d(x, weight, padding=1)), 2 * b * h * w * ch * ch * 9

@@ -150,7 +150,8 @@ def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,
     else:
         dtype, (native, reason) = "bf16", cpu_native_bf16()
     fp32 = fp32_peak or measure_matmul_peak(device, dtype=torch.float32)
-    low = measure_matmul_peak(device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+    low = measure_matmul_peak(device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16,
+                              emulated=device.type == "cpu" and not native)  # emulated: measured small, seconds not 25
     own = replay(events, torch.bfloat16 if dtype == "bf16" else torch.float16, device) if events else None
     return LowPrecision(dtype=dtype, native=native, reason=reason, peak_ratio=low["tflops"] / fp32["tflops"],
                         peak_tflops=low["tflops"], fp32_peak_tflops=fp32["tflops"],
