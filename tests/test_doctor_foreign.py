@@ -343,6 +343,22 @@ def test_each_outside_fix_applies_itself_and_says_so(tmp_path, fix, applied, see
     assert none.applied == [] and none.measured is None
 
 
+def test_the_fp32_fix_turns_the_scripts_own_autocast_off_inside_the_model(tmp_path):
+    """A loop under bf16 autocast on a CPU that emulates bf16: the trial runs the model's forward with autocast off,
+    whatever the script's own `with torch.autocast(...)` says."""
+    from fastddpm.doctor.trials import WHAT, Trial, run_trials
+
+    script, log = tmp_path / "train.py", tmp_path / "seen.txt"
+    under_autocast = MODEL_SCRIPT.replace("    out = model(x)\n", "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+                                                               "        out = model(x)\n")
+    assert under_autocast != MODEL_SCRIPT
+    script.write_text(under_autocast.replace("FOREACH", "False").replace("LOG", repr(str(log))))
+    (trial,) = run_trials(script, [], [Trial("autocast-fp32", WHAT["autocast-fp32"], None, None)], rounds=1,
+                          warmup=4, steps=3, log=lambda *a: None)
+    assert trial.failed is None and "autocast turned off" in trial.applied[0] and trial.measured > 0
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["torch.bfloat16", "torch.float32"]
+
+
 ACCELERATE_SCRIPT = textwrap.dedent("""
     import argparse
     import torch
@@ -488,6 +504,15 @@ def test_the_models_own_convolutions_are_replayed_from_a_cpu_trace(tmp_path):
     assert got is not None and got.ops >= 1 and 0.9 <= got.covered <= 1.0 and got.ratio > 0
     assert "heaviest matmul/convolution shapes" in got.basis("bf16")
     assert replay(events + [{"cat": "kernel", "name": "k"}], torch.bfloat16, "cpu") is None
+    # a loop under bf16 autocast: its bf16 ops are the ones replayed (what turning autocast off would give)
+    assert replay(events, torch.bfloat16, "cpu", of="bf16") is None  # this trace has none
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(4, 8, 16, 16))
+        out.float().sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "bf16.json"))
+    got = replay(load_trace(tmp_path / "bf16.json"), torch.bfloat16, "cpu", of="bf16")
+    assert got is not None and got.of == "bf16" and got.ratio > 0 and "of its bf16 matmul time" in got.basis("bf16")
 
 
 def test_a_replayed_op_past_the_budget_is_timed_twice_and_a_quick_one_in_repeats():

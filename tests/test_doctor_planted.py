@@ -42,8 +42,8 @@ def test_planted_fault_is_diagnosed_on_cpu(name, cpu_case):
         # the planted compute fault is the first of the ranked compute fixes, in the text report too
         assert report.verdict["ranked"][0] == want
         assert f"1. [{want}:" in report.text()
-    assert top_is_compute == (want in ("fp32", "autocast-gap", "attention-weights", "eager-elementwise",
-                                       "per-tensor-optimizer"))
+    assert top_is_compute == (want in ("fp32", "autocast-gap", "emulated-bf16", "attention-weights",
+                                       "eager-elementwise", "per-tensor-optimizer"))
 
 
 def test_fp32_case_says_why_fp32_stays_where_bf16_is_not_native(cpu_case):

@@ -274,6 +274,36 @@ def test_rule_fp32_matmuls_counts_the_models_own_replayed_ratio():
     assert f.cost == pytest.approx(0.2 * (1 - 1 / 1.5)) and "(attention, 40%, is not counted" in f.evidence[0]
 
 
+def test_bf16_on_a_cpu_that_emulates_it_prescribes_fp32_not_more_autocast():
+    """A CPU loop under bf16 autocast, on a CPU without bf16 flags where bf16 measured slower: the finding is to turn
+    autocast off, at the model's replayed ratio; an autocast gap there is no fault (more bf16 would be slower)."""
+    bf16 = cpu_trace(gemm_flops_per_step={"bf16": 1e9}, gemm_time_share={"bf16": 0.6},
+                     matmul_share_by_dtype={"bf16": 0.6})
+    slow = dataclasses.replace(lowp(0.1, native=False), model_ratio=0.25,
+                               model_basis="replayed: its 3 heaviest shapes ran in bf16 at 0.25x fp32's speed")
+    f, _ = check(rules.precision, record(trace=bf16, low_precision=slow))
+    assert f.id == "emulated-bf16" and f.rules == (12,) and f.kind == "bottleneck" and f.group == "compute"
+    assert f.cost == pytest.approx(0.6 * (1 - 0.25)) and f.fixes[0].trial == "autocast-fp32"
+    assert f.fixes[0].fastddpm.startswith("--precision fp32") and "enabled=False" in f.fixes[0].code
+    assert "no bf16 flags" in f.evidence[1] and "0.10x" in f.evidence[1]
+    assert f.evidence[2] == slow.model_basis and "(4.0x bf16's) saves 45%" in f.evidence[3]
+    # the device's peak ratio where no shape was replayed
+    f, _ = check(rules.precision, record(trace=bf16, low_precision=lowp(0.1, native=False)))
+    assert f.cost == pytest.approx(0.6 * 0.9) and len(f.evidence) == 3
+    # a third of the FLOPs left in fp32: still this finding, not "autocast-gap" (which would ask for more bf16)
+    gap = cpu_trace(gemm_flops_per_step={"bf16": 1e9, "fp32": 1e9}, gemm_time_share={"bf16": 0.4, "fp32": 0.2},
+                    matmul_share_by_dtype={"bf16": 0.4, "fp32": 0.2})
+    f, _ = check(rules.precision, record(trace=gap, low_precision=slow))
+    assert f.id == "emulated-bf16" and f.cost == pytest.approx(0.4 * 0.75)
+    # unmeasured, or on a CPU with native bf16: the autocast gap, as before
+    assert check(rules.precision, record(trace=gap))[0].id == "autocast-gap"
+    native = dataclasses.replace(lowp(2.0), model_ratio=1.6)
+    assert check(rules.precision, record(trace=gap, low_precision=native))[0].id == "autocast-gap"
+    # no flags, but measured no slower than fp32: no finding of its own, whatever the flags say
+    fine = dataclasses.replace(lowp(1.1, native=False), model_ratio=1.05)
+    assert check(rules.precision, record(trace=bf16, low_precision=fine))[0] is None
+
+
 def test_unprofiled_share_takes_the_profilers_per_op_cost_out():
     """Profiled steps of 20 ms, watched ones of 10 ms: the 10 ms spread over the 1,000 ops of the training
     thread is 0.01 ms an op. The matmuls (10 ops, 10 ms profiled) keep 9.9 ms; the per-tensor optimizer (990

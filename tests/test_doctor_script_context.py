@@ -201,6 +201,59 @@ def test_library_trainer_is_the_place_and_its_parameters_the_fix(tmp_path, monke
                                 f"inside mylib's Trainer(...) at {place}"]
 
 
+def test_autocast_off_is_worded_in_the_scripts_terms_too(tmp_path, monkeypatch):
+    """On a CPU that emulates bf16 the fix is fp32: the script's flag set to its no-autocast choice, the
+    Accelerator's argument, the launcher's for an Accelerator given none, a library's parameters switched off."""
+    script = write(tmp_path / "train.py", ACCELERATE_FLAG)
+    ctx, _ = run(script, "--mixed_precision", "bf16", "--steps", "1")
+    fix = ctx.precision_fix("fp32")
+    assert fix.text == "pass --mixed_precision no (train.py's own flag; this run had 'bf16')"
+    assert fix.args == ("--steps", "1", "--mixed_precision", "no")
+
+    AcceleratorState._reset_state(True)
+    given = write(tmp_path / "given.py", ACCELERATE_FLAG.replace(
+        'p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")', "").replace(
+        "mixed_precision=args.mixed_precision", 'mixed_precision="bf16"'))
+    ctx, _ = run(given, "--steps", "1")
+    place = f"given.py:{line_of(given, 'Accelerator(mixed_precision')}"
+    assert ctx.precision_fix("fp32").text == f"Accelerator(mixed_precision='no') at {place} (now mixed_precision='bf16')"
+
+    AcceleratorState._reset_state(True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    unset = write(tmp_path / "unset.py", ACCELERATE_FLAG.replace(
+        'p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="no")', "").replace(
+        "mixed_precision=args.mixed_precision, ", ""))
+    ctx, _ = run(unset, "--steps", "1")
+    assert ctx.precision_fix("fp32").text.endswith(
+        "launch it as `accelerate launch --mixed_precision no unset.py --steps 1` (or set "
+        "ACCELERATE_MIXED_PRECISION=no): the Accelerator at unset.py:"
+        f"{line_of(unset, 'Accelerator(cpu')} is given no mixed_precision, so it takes the launcher's (this run: "
+        "'bf16')")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+
+    AcceleratorState._reset_state(True)
+    lib = tmp_path / "site"
+    write(lib / "mylib" / "__init__.py", "from mylib.trainer import Trainer\n")
+    write(lib / "mylib" / "trainer.py", LIBRARY)
+    monkeypatch.syspath_prepend(str(lib))
+    user = write(tmp_path / "proj" / "train.py", """
+        import torch
+        from mylib import Trainer
+
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        trainer = Trainer(model, amp=True, mixed_precision_type="bf16")
+        trainer.train(2)
+    """)
+    ctx, _ = run(user)
+    place = f"train.py:{line_of(user, 'Trainer(model')}"
+    assert ctx.precision_fix("fp32").text == (
+        f"Trainer(..., amp=False, mixed_precision_type='no') at {place} (now amp=True, mixed_precision_type='bf16'): "
+        f"Trainer builds the Accelerator inside mylib")
+    # a raw torch script with no autocast: nothing to turn off
+    ctx, _ = run(write(tmp_path / "raw.py", RAW))
+    assert ctx.precision_fix("fp32") is None
+
+
 def test_raw_torch_script(tmp_path):
     script = write(tmp_path / "train.py", RAW)
     ctx, _ = run(script)

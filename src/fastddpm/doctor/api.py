@@ -50,9 +50,13 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     roof, roof_why = roofline_measurements(session, mf, mfu.get("mfu_unavailable"), step_bytes=step_bytes,
                                            params=params, bandwidth=bandwidth,
                                            measure=measure_peak and peak is None)
-    low = (low_precision(s.device, fp32_peak={"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None,
-                         events=events)
-           if measure_peak and peak is None and _fp32_matmuls_only(trace) else None)
+    low = None
+    if measure_peak and peak is None and _fp32_matmuls_only(trace):
+        fp32_peak = {"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None
+        low = low_precision(s.device, fp32_peak=fp32_peak, events=events)
+    elif measure_peak and peak is None and torch.device(s.device).type == "cpu" and _reduced_matmuls(trace) == "bf16":
+        # a CPU loop under bf16 autocast: whether this CPU computes bf16 natively, and what fp32 would give it
+        low = low_precision(s.device, events=events, of="bf16")
     return Measurements(
         low_precision=low, windows=dict(getattr(s, "windows", {}) or {}),
         device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
@@ -128,14 +132,22 @@ def _fp32_matmuls_only(trace: TraceStats | None) -> bool:
         flops.get(k, 0.0) for k in ("bf16", "fp16", "fp8"))
 
 
+def _reduced_matmuls(trace) -> str | None:
+    """"bf16" or "fp16": the reduced-precision dtype with the most matmul/conv FLOPs in the trace, if any."""
+    flops = {k: v for k, v in (trace.gemm_flops_per_step if trace is not None else {}).items()
+             if k in ("bf16", "fp16") and v > 0}
+    return max(flops, key=flops.get) if flops else None
+
+
 def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,
-                  events: list[dict] | None = None) -> LowPrecision:
+                  events: list[dict] | None = None, of: str = "fp32") -> LowPrecision:
     """Rule 16's measurement: the reduced-precision dtype this device would train in (bf16 where it is native,
     fp16 on a pre-Ampere GPU), whether it is native and why, and its matmul rate measured now against fp32's
     (`fp32_peak`: the MFU peak already measured in fp32, reused). A CPU without amx_bf16/avx512_bf16 emulates
     bf16 slower than fp32: the ratio shows it, whatever the flags say. With the trace's `events`, the model's own
     matmuls and convolutions are replayed in both dtypes too (fastddpm.doctor.replay): small ones gain far less
-    than the peak's square matmul, or lose."""
+    than the peak's square matmul, or lose. `of`: which of the trace's ops are replayed, by input dtype: the fp32
+    ones (what autocast would give), or a loop's bf16/fp16 ones (what dropping autocast would give)."""
     from fastddpm.doctor.replay import replay
     from fastddpm.device import cpu_native_bf16, cuda_native_bf16
     from fastddpm.measure import measure_matmul_peak
@@ -152,7 +164,7 @@ def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,
     fp32 = fp32_peak or measure_matmul_peak(device, dtype=torch.float32)
     low = measure_matmul_peak(device, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16,
                               emulated=device.type == "cpu" and not native)  # emulated: measured small, seconds not 25
-    own = replay(events, torch.bfloat16 if dtype == "bf16" else torch.float16, device) if events else None
+    own = replay(events, torch.bfloat16 if dtype == "bf16" else torch.float16, device, of=of) if events else None
     return LowPrecision(dtype=dtype, native=native, reason=reason, peak_ratio=low["tflops"] / fp32["tflops"],
                         peak_tflops=low["tflops"], fp32_peak_tflops=fp32["tflops"],
                         model_ratio=own.ratio if own is not None else None,
@@ -228,9 +240,11 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
     if peak is None:
         if not measure_peak:
             return {**out, "mfu_unavailable": "peak not measured (measure_peak=False)"}
+        from fastddpm.device import cpu_native_bf16
         from fastddpm.measure import measure_matmul_peak
 
-        peak = measure_matmul_peak(device, dtype=dtype)
+        emulated = torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not cpu_native_bf16()[0]
+        peak = measure_matmul_peak(device, dtype=dtype, emulated=emulated)
     else:
         dtype_name, basis = peak.get("dtype", "?"), "the caller's peak"
     step_ms = step_stats.get("gpu_median_ms") or step_stats["median_ms"]

@@ -33,18 +33,26 @@ MAX_OPS = 12
 class Replay:
     ratio: float  # fp32 time / low-precision time over the replayed ops, weighted by their time in the trace
     ops: int  # distinct (op, shapes) replayed
-    covered: float  # their share of the trace's fp32 matmul/conv time
+    covered: float  # their share of the trace's matmul/conv time in the replayed ops' dtype
+    of: str = "fp32"  # that dtype
 
     def basis(self, dtype: str) -> str:
+        speed = (f"ran {self.ratio:.2f}x faster in {dtype} than in fp32" if self.ratio >= 1 else
+                 f"ran in {dtype} at {self.ratio:.2f}x fp32's speed")
         return (f"replayed: this model's own {self.ops} heaviest matmul/convolution shapes ({100 * self.covered:.0f}% "
-                f"of its fp32 matmul time) ran {self.ratio:.2f}x faster in {dtype} than in fp32, input casts "
-                f"included")
+                f"of its {self.of} matmul time) {speed}, input casts included")
 
 
-def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -> Replay | None:
-    """The speed-up of the trace's fp32 matmuls and convolutions in `dtype`, measured by replaying them; None
+# the profiler's "Input type" names of the dtypes whose ops can be replayed
+INPUT_TYPES = {"fp32": "float", "bf16": "c10::BFloat16", "fp16": "c10::Half"}
+
+
+def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str, *, of: str = "fp32") -> Replay | None:
+    """The speed-up of the trace's matmuls and convolutions in `dtype` over fp32, measured by replaying them; None
     when the trace records no such op with its shapes, or is a GPU trace: there an op's host duration is its
-    launch, not its kernel, and says nothing of which shapes take the time (the device's peak ratio is used)."""
+    launch, not its kernel, and says nothing of which shapes take the time (the device's peak ratio is used).
+    `of`: the ops replayed, by their input dtype: "fp32" (what autocast would speed up), or "bf16"/"fp16" (a loop
+    already under autocast: what dropping it would give, a ratio below 1 where the device emulates the dtype)."""
     device = torch.device(device)
     if device.type != "cpu" or any(e.get("cat") == "kernel" for e in events):
         return None
@@ -55,8 +63,8 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -
         name, args = e.get("name"), e.get("args") or {}
         if id(e) in inside or "Input Dims" not in args:
             continue
-        if any(t not in ("float", "") for t in (args.get("Input type") or [])[:3]):
-            continue  # not an fp32 op: autocast is not its question
+        if any(t not in (INPUT_TYPES[of], "") for t in (args.get("Input type") or [])[:3]):
+            continue  # not an op of that dtype (or of mixed dtypes): not the question asked
         key = json.dumps([name, args["Input Dims"], args.get("Concrete Inputs")])
         g = groups.setdefault(key, [0.0, 0, e])
         g[0] += float(e.get("dur", 0))
@@ -81,7 +89,7 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str) -
         ops += 1
     if not ops or not low_s:
         return None
-    return Replay(ratio=fp32_s / low_s, ops=ops, covered=min(1.0, covered / total))  # a sum of the parts may round past 1
+    return Replay(ratio=fp32_s / low_s, ops=ops, covered=min(1.0, covered / total), of=of)  # a sum of the parts may round past 1
 
 
 def _concrete(args: dict, i: int):

@@ -29,6 +29,10 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     low = flops.get("bf16", 0.0) + flops.get("fp16", 0.0) + flops.get("fp8", 0.0)
     fp32 = flops.get("fp32", 0.0)
     fp32_time_share = fp32_matmul_share(m, t)
+    if total > 0 and flops.get("bf16", 0.0) > 0 and not m.cuda:
+        emulated = _emulated_bf16(m, t, flops["bf16"] / total)
+        if emulated is not None:  # more bf16 would make it slower still: the autocast gap is no fault here
+            return emulated
     if total > 0 and low > 0 and fp32 / total > FP32_GEMM_SHARE:
         return Finding(
             "autocast-gap", (12,), "AUTOCAST GAP: part of the matmul work still runs in fp32",
@@ -46,6 +50,36 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     if total > 0 and low == 0:
         return _fp32_matmuls(m, t, total, fp32_time_share)
     return None
+
+
+def _emulated_bf16(m: Measurements, t: TraceStats, bf16_flops_share: float) -> Finding | None:
+    """Rule 12 on a CPU without native bf16: matmuls under bf16 autocast run emulated, several times slower than
+    in fp32 (0.23x on the cpu-demo U-Net on a 2-core AMD EPYC with AVX2 only). Prescribe fp32, at the gain the
+    model's own bf16 matmuls and convolutions measured when replayed in both dtypes (else the device's peaks)."""
+    lp = m.low_precision
+    if lp is None or lp.native or lp.dtype != "bf16":
+        return None
+    own = lp.model_ratio is not None
+    ratio = lp.model_ratio if own else lp.peak_ratio
+    if ratio is None or ratio >= 1.0:
+        return None  # measured no slower than fp32 here, whatever the flags say
+    share = m.unprofiled_share("matmul", t.matmul_share_by_dtype.get("bf16", 0.0)) if t.breakdown else \
+        t.gemm_time_share.get("bf16", 0.0)
+    cost = share * (1 - ratio)
+    ev = [f"{pct(bf16_flops_share)} of matmul/conv FLOPs run with bf16 inputs; those matmuls and convolutions take "
+          f"{pct(share)} of the step",
+          f"{lp.reason}; measured now: bf16 matmuls {lp.peak_tflops * 1e3:.3g} GFLOP/s vs fp32 "
+          f"{lp.fp32_peak_tflops * 1e3:.3g} GFLOP/s ({lp.peak_ratio:.2f}x)"]
+    if own:
+        ev.append(lp.model_basis)
+    ev.append(f"estimate: that time at fp32's speed ({1 / ratio:.1f}x bf16's) saves {pct(cost)} of the step")
+    return Finding(
+        "emulated-bf16", (12,), "EMULATED BF16: this CPU computes bf16 slower than fp32", cost, ev,
+        "bf16 autocast pays off only where the CPU computes bf16 in hardware (amx_bf16, avx512_bf16); this one "
+        "converts to fp32 and back around every matmul",
+        [Fix("--precision fp32 (auto picks it on this CPU)",
+             "drop torch.autocast('cpu', dtype=torch.bfloat16) (or pass enabled=False): fp32 is this CPU's fast "
+             "path", trial="autocast-fp32")], group="compute")
 
 
 def fp32_matmul_share(m: Measurements, t: TraceStats) -> float:

@@ -31,7 +31,8 @@ import torch
 
 _FASTDDPM = Path(__file__).resolve().parents[1]
 # what a flag's choices call each dtype ('16-mixed' is Lightning's fp16 autocast)
-_ALIASES = {"bf16": ("bf16", "bfloat16", "bf16-mixed"), "fp16": ("fp16", "float16", "half", "16", "16-mixed")}
+_ALIASES = {"bf16": ("bf16", "bfloat16", "bf16-mixed"), "fp16": ("fp16", "float16", "half", "16", "16-mixed"),
+            "fp32": ("no", "fp32", "float32", "32", "32-true")}  # fp32: autocast off
 # what is read of each kind of object: these settings as passed (by parameter name) and as they are once built
 _SETTINGS = {
     "Accelerator": ("mixed_precision", "gradient_accumulation_steps"),
@@ -318,20 +319,26 @@ class ScriptContext:
     # --- fixes in the script's terms ---
 
     def precision_fix(self, dtype: str) -> ScriptFix | None:
-        """Autocast in `dtype` ("bf16" or "fp16"): the script's flag, else the framework's argument at the user's
-        line, else the library call's own parameters, else accelerate's launcher; None when none applies."""
+        """Autocast in `dtype` ("bf16" or "fp16"), or off ("fp32"): the script's flag, else the framework's
+        argument at the user's line, else the library call's own parameters, else accelerate's launcher; None when
+        none applies."""
         if dtype not in _ALIASES:
-            raise ValueError(f"precision_fix: dtype {dtype!r}; give 'bf16' or 'fp16'")
+            raise ValueError(f"precision_fix: dtype {dtype!r}; give 'bf16', 'fp16' or 'fp32'")
         for f in self.flags:  # --mixed_precision {no,fp16,bf16}
             choice = next((c for c in f.choices or () if str(c).lower() in _ALIASES[dtype]), None)
             if choice is not None and f.value != choice:
                 return self._flag_fix(f, choice)
-        # a switch that is off: --bf16 first, then one for mixed precision in no named dtype (--amp)
-        other = "fp16" if dtype == "bf16" else "bf16"
-        switches = [f for f in self.flags if f.switch is True and not f.value and _topic(f.dest) == "precision"
-                    and other not in _words(f.dest)]
-        if switches:
-            return self._flag_fix(min(switches, key=lambda f: dtype not in _words(f.dest)))
+        if dtype == "fp32":  # a precision switch that is on (--bf16, --amp): left out
+            on = next((f for f in self.flags if f.switch is True and f.value and _topic(f.dest) == "precision"), None)
+            if on is not None:
+                return ScriptFix(f"leave out {on.option} ({self.name}'s own switch; on this run)", None, "flag",
+                                 tuple(_without(self._argv, on.options, takes_value=False)))
+        else:  # a switch that is off: --bf16 first, then one for mixed precision in no named dtype (--amp)
+            other = "fp16" if dtype == "bf16" else "bf16"
+            switches = [f for f in self.flags if f.switch is True and not f.value and _topic(f.dest) == "precision"
+                        and other not in _words(f.dest)]
+            if switches:
+                return self._flag_fix(min(switches, key=lambda f: dtype not in _words(f.dest)))
         for b in self.built:
             fix = self._precision_argument(b, dtype) if b.kind in _SETTINGS and b.place else None
             if fix is not None:
@@ -345,9 +352,10 @@ class ScriptContext:
         unset = b.kind == "Accelerator" and b.given.get("mixed_precision") is None  # the launcher's to set
         if b.via is not None:
             fix = self._via_fix(b, "precision", lambda k, v: _suggest(k, v, dtype), f"the {b.cls}",
-                                f"{b.cls}({arg})")
+                                f"{b.cls}({arg})", off_is_fix=dtype == "fp32")
             return None if unset and fix is not None and fix.kind == "code" else fix  # _launcher_fix words it
-        key = {"Accelerator": "mixed_precision", "TrainingArguments": dtype, "Trainer": "precision"}[b.kind]
+        switch = dtype if dtype != "fp32" else "bf16" if b.effective.get("bf16") else "fp16"  # TrainingArguments'
+        key = {"Accelerator": "mixed_precision", "TrainingArguments": switch, "Trainer": "precision"}[b.kind]
         now = b.effective.get(key) if b.given.get(key) is None else b.given[key]
         text = f"{b.cls}({arg}) at {b.place} (now {key}={now!r}{', not passed' * (key not in b.given)})"
         if unset:
@@ -359,13 +367,14 @@ class ScriptContext:
         # (default 'no'); accelerate/utils/launch.py, prepare_simple_launcher_cmd_env: the launcher's
         # --mixed_precision sets it. A value passed to Accelerator(...) wins, so only an Accelerator given none
         # takes the launcher's.
+        mode = "no" if dtype == "fp32" else dtype  # accelerate's name for it
         b = next((b for b in self.built if b.kind == "Accelerator" and b.given.get("mixed_precision") is None
-                  and b.effective["mixed_precision"] != dtype), None)
+                  and b.effective["mixed_precision"] != mode), None)
         if b is None:
             return None
-        cmd = shlex.join(["accelerate", "launch", "--mixed_precision", dtype, self.name, *self._argv])
+        cmd = shlex.join(["accelerate", "launch", "--mixed_precision", mode, self.name, *self._argv])
         inside = f"built inside {b.via.call}(...) " if b.via else ""
-        return ScriptFix(f"launch it as `{cmd}` (or set ACCELERATE_MIXED_PRECISION={dtype}): the Accelerator "
+        return ScriptFix(f"launch it as `{cmd}` (or set ACCELERATE_MIXED_PRECISION={mode}): the Accelerator "
                          f"{inside}at {b.place} is given no mixed_precision, so it takes the launcher's (this run: "
                          f"{b.effective['mixed_precision']!r})", None, "flag")
 
@@ -436,14 +445,16 @@ class ScriptContext:
         return ScriptFix(f"pass {f.option} {value} ({self.name}'s own flag; this run had {f.value!r})", None, "flag",
                          args)
 
-    def _via_fix(self, b: Built, topic: str, suggest, thing: str, raw: str) -> ScriptFix | None:
+    def _via_fix(self, b: Built, topic: str, suggest, thing: str, raw: str, *,
+                 off_is_fix: bool = False) -> ScriptFix | None:
         """The library call at the user's line that built `b`: its `topic` parameters set to suggest(name, value),
-        named when no value can be suggested, or, when it has none, said that the library decides."""
+        named when no value can be suggested, or, when it has none, said that the library decides. `off_is_fix`:
+        switches turned off are the fix (autocast off), not only a side of it."""
         v = b.via
         params = {k: x for k, x in v.params.items() if _topic(k) == topic}
         new = {k: s for k, s in ((k, suggest(k, x)) for k, x in params.items()) if s is not None and s != params[k]}
         inside = f"{v.call} builds {thing} inside {v.package}"
-        if new and set(new.values()) != {False}:  # only the other dtype's switch off would turn autocast off
+        if new and (off_is_fix or set(new.values()) != {False}):  # the other dtype's switch off alone: no autocast
             return ScriptFix(f"{v.call}(..., {_kw(new)}) at {b.place} (now {_kw({k: params[k] for k in new})}): "
                              f"{inside}", b.place, "argument")
         if params and not new and all(suggest(k, x) is None for k, x in params.items()):
@@ -479,7 +490,15 @@ def _without(argv: list[str], options: tuple[str, ...], *, takes_value: bool) ->
 
 
 def _precision_arg(b: Built, dtype: str) -> str | None:
-    """The argument of framework object `b` that turns on `dtype` autocast; None when it is on already."""
+    """The argument of framework object `b` that turns on `dtype` autocast (or, "fp32", turns autocast off); None
+    when it is so already."""
+    if dtype == "fp32":
+        on = {"Accelerator": b.effective.get("mixed_precision") not in (None, "no"),
+              "Trainer": str(b.effective.get("precision")) not in ("32", "32-true", "None")}
+        if b.kind == "TrainingArguments":
+            return ", ".join(f"{k}=False" for k in ("bf16", "fp16") if b.effective[k]) or None
+        args = {"Accelerator": "mixed_precision='no'", "Trainer": "precision='32-true'"}
+        return args[b.kind] if on.get(b.kind) else None
     if b.kind == "Accelerator":
         return None if b.effective["mixed_precision"] == dtype else f"mixed_precision={dtype!r}"
     if b.kind == "TrainingArguments":
@@ -493,7 +512,12 @@ def _precision_arg(b: Built, dtype: str) -> str | None:
 
 def _suggest(name: str, value, dtype: str):
     """The value of a library's precision parameter that asks for `dtype`: switches on (the other dtype's off),
-    dtype names in; None where the parameter's form is not known (an int)."""
+    dtype names in; None where the parameter's form is not known (an int). "fp32": switches off, names to no
+    autocast."""
+    if dtype == "fp32":
+        if value is None or isinstance(value, bool):
+            return False if value else None
+        return ("32-true" if "mixed" in value else "no") if isinstance(value, str) else None
     if ("fp16" if dtype == "bf16" else "bf16") in _words(name):
         return False if value else None
     if value is None or isinstance(value, bool):

@@ -11,7 +11,8 @@ Which fixes: the findings' own (each Fix names its `trial`), largest expected ga
 hooks in the trial process and reports what it changed (a fix that found nothing to change says so, and is not
 counted as measured):
     autocast-bf16 / autocast-fp16   the model's forward runs under torch.autocast (the loss's top module: the
-                                    first module the step calls with trainable parameters)
+                                    first module the step calls with trainable parameters); autocast-fp32: with
+                                    autocast off inside it (a CPU that emulates bf16)
     compile                         that module compiled (nn.Module.compile), its first steps in the warm-up
     fused-optimizer                 Adam, AdamW and SGD built with fused=True
     loader-workers:N                DataLoaders with N worker processes (persistent, pinned on CUDA)
@@ -45,6 +46,7 @@ from fastddpm.doctor.findings import Finding
 WHAT = {
     "autocast-bf16": "torch.autocast(dtype=torch.bfloat16) around the model's forward",
     "autocast-fp16": "torch.autocast(dtype=torch.float16) around the model's forward",
+    "autocast-fp32": "autocast turned off (torch.autocast(enabled=False)) inside the model's forward",
     "compile": "torch.compile of the model",
     "fused-optimizer": "the optimizer with fused=True",
     "loader-workers": "DataLoader worker processes (persistent; pinned memory on CUDA)",
@@ -291,6 +293,7 @@ class _Fix:
             module.to(memory_format=torch.channels_last)
         forward = module.forward
         dtype = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}.get(self.name)
+        on = self.name != "autocast-fp32"  # fp32: the script's own autocast turned off inside the forward
 
         def fixed_forward(*args, **kwargs):
             if self.name == "channels-last":
@@ -298,7 +301,7 @@ class _Fix:
                              else a for a in args)
                 return forward(*args, **kwargs)
             device = next((a.device.type for a in (*args, *kwargs.values()) if torch.is_tensor(a)), "cpu")
-            with torch.autocast(device, dtype=dtype):
+            with torch.autocast(device, dtype=dtype, enabled=on):
                 return forward(*args, **kwargs)
 
         module.forward = fixed_forward
