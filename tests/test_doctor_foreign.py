@@ -515,6 +515,28 @@ def test_the_models_own_convolutions_are_replayed_from_a_cpu_trace(tmp_path):
     assert got is not None and got.of == "bf16" and got.ratio > 0 and "of its bf16 matmul time" in got.basis("bf16")
 
 
+def test_replayed_ratios_are_weighted_by_the_time_the_trace_measured_in_its_own_dtype(monkeypatch):
+    """Two ops, 830 and 160 us in the trace, whose bf16 runs take 100x and 5x their fp32 time. From an fp32 trace
+    the bf16 time is predicted (830 * 100 + 160 * 5 us); from a bf16 trace, the fp32 time (830 / 100 + 160 / 5 us):
+    each side scales the time the trace holds, so the ratio differs with the direction."""
+    from fastddpm.doctor import replay as rp
+
+    slowdown = {(2, 2): 100.0, (4, 4): 5.0}
+    monkeypatch.setattr(rp, "_rebuild", lambda e, dtype, device: (("fp32", e["key"]), ("low", e["key"])))
+    monkeypatch.setattr(rp, "_time", lambda fn, device: slowdown[fn[1]] if fn[0] == "low" else 1.0)
+
+    def trace(input_type):
+        return [{"cat": "cpu_op", "name": "aten::mm", "ts": ts, "dur": dur, "tid": 1, "pid": 1, "key": (n, n),
+                 "args": {"Input Dims": [[n, n], [n, n]], "Input type": [input_type, input_type]}}
+                for ts, dur, n in ((0, 830, 2), (1000, 160, 4))]
+
+    from_fp32 = rp.replay(trace("float"), torch.bfloat16, "cpu")
+    from_bf16 = rp.replay(trace("c10::BFloat16"), torch.bfloat16, "cpu", of="bf16")
+    assert from_fp32.ratio == pytest.approx(990 / (830 * 100 + 160 * 5))
+    assert from_bf16.ratio == pytest.approx((830 / 100 + 160 / 5) / 990)
+    assert from_bf16.of == "bf16" and from_bf16.ops == 2
+
+
 def test_a_replayed_op_past_the_budget_is_timed_twice_and_a_quick_one_in_repeats():
     from fastddpm.doctor.replay import _time
 

@@ -84,7 +84,11 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str, *
             t32, tlow = (_time(fn, device) for fn in pair)
         except Exception:  # noqa: BLE001 - an op this build cannot run in `dtype` (or out of memory): not counted
             continue
-        fp32_s, low_s = fp32_s + us * 1e-6, low_s + us * 1e-6 * tlow / t32  # each op's traced time, scaled
+        # each op's traced time is the time in its own dtype; the other dtype's is that time scaled by the replay
+        if of == "fp32":
+            fp32_s, low_s = fp32_s + us * 1e-6, low_s + us * 1e-6 * tlow / t32
+        else:
+            fp32_s, low_s = fp32_s + us * 1e-6 * t32 / tlow, low_s + us * 1e-6
         covered += us
         ops += 1
     if not ops or not low_s:
