@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from fastddpm.device import cpu_native_bf16
 from fastddpm.doctor.api import mfu_measurements, run_matmul_dtype
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.rules import evaluate, verdict
@@ -516,8 +517,8 @@ def test_mfu_is_measured_against_a_peak_in_the_runs_dtype(monkeypatch, precision
 
     asked = []
 
-    def fake_peak(device, *, n=None, dtype=None, trials=5, iters=None):
-        asked.append(dtype)
+    def fake_peak(device, *, n=None, dtype=None, trials=5, iters=None, emulated=False):
+        asked.append((dtype, emulated))
         # the doctor names the peak's dtype itself (this dict's vocabulary has no tf32), so this is never read
         return {"tflops": 0.5, "label": f"fake {dtype} peak", "dtype": "never read"}
 
@@ -535,9 +536,15 @@ def test_mfu_is_measured_against_a_peak_in_the_runs_dtype(monkeypatch, precision
     m = dr.report.measurements
     by_dtype = m["trace"]["gemm_flops_per_step"]
     assert max(by_dtype, key=by_dtype.get) == precision  # the run's matmuls are the dtype it was run in
-    # an fp32 run also measures bf16's rate, for rule 16 (would autocast pay here?); the fp32 peak is reused
-    assert asked == ([torch.float32, torch.bfloat16] if precision == "fp32" else [torch.bfloat16])
-    assert ("low_precision" in m) == (precision == "fp32")
+    # an fp32 run also measures bf16's rate, for rule 16 (would autocast pay here?); the fp32 peak is reused. A bf16
+    # run on a CPU that emulates bf16 measures both, for rule 12 (is bf16 slower here?). An emulated bf16 peak is
+    # measured small (emulated=True), where a 1024^3 matmul took 25 s
+    emulated = not cpu_native_bf16()[0]
+    if precision == "fp32":
+        assert asked == [(torch.float32, False), (torch.bfloat16, emulated)]
+    else:
+        assert asked == [(torch.bfloat16, emulated)] + [(torch.float32, False), (torch.bfloat16, True)] * emulated
+    assert ("low_precision" in m) == (precision == "fp32" or emulated)
     if precision == "fp32":
         assert m["low_precision"]["peak_ratio"] == 1.0 and m["low_precision"]["dtype"] == "bf16"
     assert m["mfu"]["peak_dtype"] == precision and m["mfu"]["peak_dtype_basis"].startswith("the input dtype of")
