@@ -54,7 +54,7 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     if measure_peak and peak is None and _fp32_matmuls_only(trace):
         fp32_peak = {"tflops": mf["peak_tflops"]} if mf.get("peak_dtype") == "fp32" else None
         low = low_precision(s.device, fp32_peak=fp32_peak, events=events)
-    elif measure_peak and peak is None and torch.device(s.device).type == "cpu" and _reduced_matmuls(trace) == "bf16":
+    elif measure_peak and peak is None and torch.device(s.device).type == "cpu" and _bf16_matmuls(trace):
         # a CPU loop under bf16 autocast: whether this CPU computes bf16 natively, and what fp32 would give it
         low = low_precision(s.device, events=events, of="bf16")
     return Measurements(
@@ -132,11 +132,9 @@ def _fp32_matmuls_only(trace: TraceStats | None) -> bool:
         flops.get(k, 0.0) for k in ("bf16", "fp16", "fp8"))
 
 
-def _reduced_matmuls(trace) -> str | None:
-    """"bf16" or "fp16": the reduced-precision dtype with the most matmul/conv FLOPs in the trace, if any."""
-    flops = {k: v for k, v in (trace.gemm_flops_per_step if trace is not None else {}).items()
-             if k in ("bf16", "fp16") and v > 0}
-    return max(flops, key=flops.get) if flops else None
+def _bf16_matmuls(trace: TraceStats | None) -> bool:
+    """Some of the trace's matmuls take bf16 inputs: on a CPU, rule 12 asks whether bf16 is emulated there."""
+    return trace is not None and trace.gemm_flops_per_step.get("bf16", 0.0) > 0
 
 
 def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,

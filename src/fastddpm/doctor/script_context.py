@@ -493,12 +493,13 @@ def _precision_arg(b: Built, dtype: str) -> str | None:
     """The argument of framework object `b` that turns on `dtype` autocast (or, "fp32", turns autocast off); None
     when it is so already."""
     if dtype == "fp32":
-        on = {"Accelerator": b.effective.get("mixed_precision") not in (None, "no"),
-              "Trainer": str(b.effective.get("precision")) not in ("32", "32-true", "None")}
+        if b.kind == "Accelerator":
+            return None if b.effective.get("mixed_precision") in (None, "no") else "mixed_precision='no'"
         if b.kind == "TrainingArguments":
             return ", ".join(f"{k}=False" for k in ("bf16", "fp16") if b.effective[k]) or None
-        args = {"Accelerator": "mixed_precision='no'", "Trainer": "precision='32-true'"}
-        return args[b.kind] if on.get(b.kind) else None
+        if b.kind == "Trainer":
+            return None if str(b.effective.get("precision")) in ("32", "32-true", "None") else "precision='32-true'"
+        return None
     if b.kind == "Accelerator":
         return None if b.effective["mixed_precision"] == dtype else f"mixed_precision={dtype!r}"
     if b.kind == "TrainingArguments":
