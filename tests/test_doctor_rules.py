@@ -207,6 +207,44 @@ def test_rule_layout_thrash():
     assert check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.04)))[0] is None
 
 
+def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
+    # the H200 trace of the compiled, CUDA-graphed ddpm-cifar10 step: NCHW weights, and nearly all layout time in
+    # cuDNN's nchwToNhwc / nhwcToNchw around its NHWC engines: the fix is channels_last on, not off
+    cudnn = gpu_trace(layout_share=0.24, layout_kernels_per_step=526, layout_format_share=0.9)
+    compiled = CompileCounts(compiled_graphs=1)
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="nchw", compile=compiled))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last on"] and f.fixes[0].trial == "channels-last"
+    assert "Inductor skips its layout optimization" in f.cause and "weights are NCHW" in f.evidence[-1]
+    assert "90% of that time is cuDNN's" in f.evidence[1]
+    # in eager the same NCHW model gets the same fix, without the remark about Inductor
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="nchw"))
+    assert f.fixes[0].fastddpm == "--channels-last on" and "Inductor" not in f.cause
+    # channels_last weights meeting NCHW-only ops: channels_last off, or compile where the loop is eager
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3),
+                                             conv_layout="channels_last"))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last off", "--compile on"]
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3),
+                                             conv_layout="channels_last", compile=compiled))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last off"]
+    # the weights unseen: cuDNN's conversions still point at channels_last first
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn))
+    assert f.fixes[0].fastddpm == "--channels-last on" and len(f.fixes) == 2
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3,
+                                                                              layout_format_share=0.1)))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last off in eager, or --compile on"]
+
+
+def test_conv_layout_reads_the_weights_memory_format():
+    from fastddpm.doctor.watchers import conv_layout
+
+    conv, point, lin = torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(4, 8, 1), torch.nn.Linear(4, 4)
+    assert conv_layout([*conv.parameters(), *lin.parameters()]) == "nchw"
+    assert conv_layout(point.parameters()) is None and conv_layout(lin.parameters()) is None  # a 1x1 is both
+    conv.to(memory_format=torch.channels_last)
+    assert conv_layout(conv.parameters()) == "channels_last"
+    assert conv_layout([*conv.parameters(), *torch.nn.Conv2d(4, 8, 3).parameters()]) == "mixed"
+
+
 def test_rule_precision():
     mixed = dict(gemm_flops_per_step={"bf16": 1e9, "fp32": 1e9}, gemm_time_share={"bf16": 0.1, "fp32": 0.4})
     f, _ = check(rules.precision, record(device="cuda:0", trace=gpu_trace(**mixed)))
@@ -513,6 +551,26 @@ def test_rule_drift():
     flat = StepStats(first_fifth_median_ms=10.0, last_fifth_median_ms=10.4)
     assert check(rules.drift, record(step_stats=flat)) == (None, {"15 (GPU clocks: throttling or growth)":
                                                                   "no CUDA device"})
+
+
+def test_drift_on_a_gpu_is_timed_by_cuda_events_not_by_the_queue_filling():
+    # the shape of a compiled, CUDA-graphed step on an H200 (never syncs): the host queues the first five steps in
+    # under 1 ms each, then waits for the GPU's 25 ms; the CUDA events between steps are flat
+    from fastddpm.doctor.session import DoctorConfig, Session
+
+    session = Session(DoctorConfig(), device="cpu")
+    host = [0.98, 0.57, 0.51, 0.48, 8.28] + [25.2] * 35
+    session.records = [StepRecord(i, h, 0.1, 0.0, False, gpu_ms=25.2 + 0.01 * (i % 3)) for i, h in enumerate(host)]
+    ss = session.step_stats()
+    assert ss.fifths_basis == "CUDA events"
+    assert ss.first_fifth_median_ms == pytest.approx(25.2, abs=0.05)
+    assert check(rules.drift, record(device="cuda:0", step_stats=ss))[0] is None
+    # the host clock alone (a CPU, or a step without events) keeps the ramp: a drift of 400%
+    session.records = [dataclasses.replace(r, gpu_ms=None) for r in session.records]
+    ss = session.step_stats()
+    assert ss.fifths_basis == "host" and ss.first_fifth_median_ms == pytest.approx(4.63)  # as the H200 report read
+    grew = ss.last_fifth_median_ms / ss.first_fifth_median_ms - 1
+    assert check(rules.drift, record(step_stats=ss))[0].cost == pytest.approx(grew)
 
 
 def test_every_rule_function_is_checked_in_order():

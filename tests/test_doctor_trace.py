@@ -327,6 +327,7 @@ def test_layout_conversion_kernels_are_found_by_name_and_by_contiguous():
     v, found, t = diagnose_trace(tr)
     assert t["layout_kernels_per_step"] == 20
     assert t["layout_share"] == pytest.approx(80 / 140, rel=0.01)
+    assert t["layout_format_share"] == pytest.approx(0.5)  # cuDNN's nchwToNhwc; the other half a .contiguous()
     assert v["id"] == "layout-thrash", v
 
 

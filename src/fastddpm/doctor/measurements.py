@@ -59,6 +59,7 @@ class StepStats:
     epoch_starts: int = 0
     first_fifth_median_ms: float = 0.0  # rule 15 compares the first and the last fifth of the watch
     last_fifth_median_ms: float = 0.0
+    fifths_basis: str = "host"  # or "CUDA events": what the fifths time (GPU steps, where every step has both)
     gpu_median_ms: float | None = None  # from CUDA events; absent from the dict when None
 
     def to_dict(self) -> dict:
@@ -219,6 +220,8 @@ class Measurements:
     # defined_at and forward_at (file:line of the class and of its forward), tokens (L)
     attention_sites: list[dict] = field(default_factory=list)
     optimizer: OptimizerInfo | None = None
+    # the memory format of the 2-D convolutions' weights: "nchw", "channels_last" or "mixed" (rule 11's cause)
+    conv_layout: str | None = None
     windows: dict = field(default_factory=dict)  # per window: planned and taken steps, seconds, cut by time
 
     @property
@@ -302,6 +305,8 @@ class Measurements:
                 d[key] = dataclasses.asdict(getattr(self, key))
         if self.attention_sites:
             d["attention_sites"] = [dict(site) for site in self.attention_sites]
+        if self.conv_layout is not None:
+            d["conv_layout"] = self.conv_layout
         if self.windows:
             d["windows"] = self.windows
         return d
@@ -328,7 +333,8 @@ class Measurements:
                    low_precision=_typed(LowPrecision, d.get("low_precision")),
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
                    attention_sites=[dict(site) for site in d.get("attention_sites") or []],
-                   optimizer=_typed(OptimizerInfo, d.get("optimizer")), windows=dict(d.get("windows") or {}))
+                   optimizer=_typed(OptimizerInfo, d.get("optimizer")), conv_layout=d.get("conv_layout"),
+                   windows=dict(d.get("windows") or {}))
 
 
 def _typed(cls, d: dict | None):

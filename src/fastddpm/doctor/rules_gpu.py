@@ -165,16 +165,47 @@ def transfer_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | No
 
 
 def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
-    """Rule 11: layout-conversion kernels take > 5% of GPU busy time."""
+    """Rule 11: layout-conversion kernels take > 5% of GPU busy time. The cause, and so the fix, turns on the
+    convolution weights' memory format: NCHW weights with cuDNN's own format conversions want channels_last;
+    channels_last weights whose tensors meet NCHW-only ops want it off (or compiled)."""
     t = m.gpu_trace
     if t is None or t.layout_share is None or not t.layout_share > LAYOUT_SHARE:
         return None
-    return Finding(
-        "layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
-        t.layout_share * (1 - t.idle_share),
-        [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() copies) take "
-         f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"],
-        "channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode), so every such op "
-        "converts back and forth",
-        [Fix("--channels-last off in eager, or keep --compile on (inductor picks layouts end to end)",
-             "drop .to(memory_format=torch.channels_last) in eager mode, or compile the model")])
+    compiled = m.compile is not None and m.compile.compiled_graphs > 0
+    cudnn = (t.layout_format_share or 0.0) > 0.5
+    ev = [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() copies) take "
+          f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"]
+    if t.layout_format_share is not None:
+        ev.append(f"{pct(t.layout_format_share)} of that time is cuDNN's NCHW <-> NHWC format conversions")
+    to_nhwc = Fix("--channels-last on", "model.to(memory_format=torch.channels_last), and each 4-D input batch "
+                                        "x.contiguous(memory_format=torch.channels_last)", trial="channels-last")
+    if m.conv_layout == "nchw" and cudnn:
+        ev.append("the convolution weights are NCHW (contiguous)")
+        cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution it converts "
+                 "the NCHW input, weight and gradient to NHWC and the result back"
+                 + ("; torch.compile leaves the layout alone here: Inductor skips its layout optimization in a "
+                    "graph with a convolution that has at least twice as many input as output channels, as a "
+                    "U-Net's decoder has" if compiled else ""))
+        return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
+                       t.layout_share * (1 - t.idle_share), ev, cause, [to_nhwc])
+    if m.conv_layout in ("channels_last", "mixed"):
+        ev.append("the convolution weights are " + ("channels_last" if m.conv_layout == "channels_last" else
+                                                     "partly channels_last, partly NCHW"))
+        cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
+                 "calls, views that need NCHW), so every such op converts back and forth")
+        fixes = [Fix("--channels-last off", "drop .to(memory_format=torch.channels_last) from the model and its "
+                                            "inputs (measure both: the layout that wins depends on the GPU)")]
+        if not compiled:
+            fixes.append(Fix("--compile on", "torch.compile the model (Inductor fuses the ops between the "
+                                             "convolutions in the tensors' own layout)", trial="compile"))
+        return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
+                       t.layout_share * (1 - t.idle_share), ev, cause, fixes)
+    # the weights' format unseen (no torch.optim step watched): both readings, the trace's kernels deciding
+    cause = ("cuDNN converts NCHW tensors to NHWC around its tensor-core convolutions and back" if cudnn else
+             "tensors change layout between ops: channels_last tensors meeting ops without an NHWC kernel, or "
+             ".contiguous() / transposes in the model")
+    fixes = ([to_nhwc] if cudnn else []) + [
+        Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
+            ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
+    return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
+                   t.layout_share * (1 - t.idle_share), ev, cause, fixes)

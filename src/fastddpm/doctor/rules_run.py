@@ -66,7 +66,8 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     if not drift_share > DRIFT_SHARE:
         return None
     ev = [f"the median step grew {pct(drift_share)} from the first to the last fifth of the watch "
-          f"({ss.first_fifth_median_ms:.1f} -> {ss.last_fifth_median_ms:.1f} ms)"]
+          f"({ss.first_fifth_median_ms:.1f} -> {ss.last_fifth_median_ms:.1f} ms"
+          f"{', timed by CUDA events' if ss.fifths_basis != 'host' else ''})"]
     if clocks:
         ev.append(f"SM clock {t0.sm_clock_mhz:.0f} -> {t1.sm_clock_mhz:.0f} MHz, temperature "
                   f"{t0.temperature_c:.0f} -> {t1.temperature_c:.0f} C ({t1.source})")

@@ -23,7 +23,7 @@ from fastddpm.doctor.api import diagnose
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
-from fastddpm.doctor.watchers import AttentionWatch, batch_size, optimizer_info
+from fastddpm.doctor.watchers import AttentionWatch, batch_size, conv_layout, optimizer_info
 
 
 class _TimedIterator:
@@ -115,8 +115,10 @@ class ScriptHooks:
 
     def seen(self) -> dict:
         """What the hooks saw, as Measurements fields (diagnose's `seen`)."""
+        opt = self.optimizer
         return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
-                "attention_calls": self.attention.measured(len(self.session.records))}
+                "attention_calls": self.attention.measured(len(self.session.records)),
+                "conv_layout": conv_layout(p for g in opt.param_groups for p in g["params"]) if opt else None}
 
 
 class _NoBatchSize:
@@ -297,7 +299,9 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     model = build_unet(m)
     flops = count_step_flops(model, (resolved.train.batch_size, m.image_channels, m.image_size, m.image_size),
                              accum_steps=resolved.train.accum_steps)
-    precision = json.loads(RunDir(run_dir).info.read_text())["precision"]  # what autocast ran the matmuls in
+    info = json.loads(RunDir(run_dir).info.read_text())
+    precision = info["precision"]  # what autocast ran the matmuls in
+    channels_last = str(info.get("fast_path", {}).get("channels_last", "off")).startswith("on")
     # the roofline's bytes counted on the model, as bench throughput and the ladder count them (eager autograd's
     # saved set: a compiled step replayed from a CUDA graph shows the profiler no saves of its own)
     moved = count_step_bytes(model.to(device), (m.image_channels, m.image_size, m.image_size),
@@ -310,7 +314,9 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
                            f"AdamW's update and the EMA over the parameters in fp32"}
     del model
     report = diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
-                      seen={"batch_size": resolved.train.batch_size}, step_bytes=step_bytes)
+                      seen={"batch_size": resolved.train.batch_size,
+                            "conv_layout": "channels_last" if channels_last else "nchw"},
+                      step_bytes=step_bytes)
     if try_fixes:
         from fastddpm.doctor.trials import plan_trainer, run_trials
 

@@ -50,6 +50,9 @@ LAUNCH_RUNTIME = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKer
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")  # one call replays a whole captured graph
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAYOUT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose", re.IGNORECASE)
+# the format conversions cuDNN runs around a convolution whose engine wants the other layout (on sm80+ its bf16 and
+# fp16 tensor-core engines run in NHWC, so NCHW tensors are converted in and the result back)
+FORMAT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw", re.IGNORECASE)
 
 
 @dataclass
@@ -127,6 +130,7 @@ class TraceStats:
     h2d_bytes_per_step: float | None = None
     layout_share: float | None = None  # layout-conversion kernels / busy
     layout_kernels_per_step: float | None = None
+    layout_format_share: float | None = None  # of the layout time: cuDNN's NCHW <-> NHWC format conversions
     graph_launches_per_step: float | None = None
     graph_kernel_share: float | None = None  # kernels replayed from CUDA graphs / all kernels
     # the kernels (GPU) or ops (CPU, own time) that take most of the step: [{"name", "share", "calls_per_step",
@@ -510,8 +514,11 @@ def _layout(stats: TraceStats, kernels: list[dict], launches: dict, op_events: l
     contiguous = Ranges(op_events, "aten::contiguous")
     layout += [k for k in kernels if id(k) not in layout_ids and contiguous.contains(
         launches[k["args"]["correlation"]].get("tid"), float(launches[k["args"]["correlation"]]["ts"]))]
-    stats.layout_share = sum(float(k.get("dur", 0)) for k in layout) / stats.busy_us
+    layout_us = sum(float(k.get("dur", 0)) for k in layout)
+    stats.layout_share = layout_us / stats.busy_us
     stats.layout_kernels_per_step = len(layout) / len(stats.steps)
+    format_us = sum(float(k.get("dur", 0)) for k in layout if FORMAT_KERNEL.search(k.get("name", "")))
+    stats.layout_format_share = format_us / layout_us if layout_us > 0 else None
 
 
 def _gpu_matmul_shares(stats: TraceStats, kernels: list[dict], launches: dict, op_events: list[dict]) -> None:

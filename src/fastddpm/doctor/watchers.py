@@ -141,6 +141,21 @@ def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo:
                          conv_weights=sum(p.dim() == 4 for p in params))
 
 
+def conv_layout(params) -> str | None:
+    """The memory format of the 4-D parameters (2-D convolution weights): "nchw", "channels_last", "mixed", or
+    None where there are none. A 1x1 kernel's weight is both at once and does not count."""
+    nhwc = nchw = 0
+    for p in params:
+        if p.dim() != 4:
+            continue
+        cl, plain = p.is_contiguous(memory_format=torch.channels_last), p.is_contiguous()
+        nhwc += cl and not plain
+        nchw += plain and not cl
+    if not nhwc and not nchw:
+        return None
+    return "mixed" if nhwc and nchw else "channels_last" if nhwc else "nchw"
+
+
 def batch_size(batch) -> int | None:
     """The leading dimension of the first tensor in a batch (a tensor, or a tuple/list/dict holding tensors)."""
     if isinstance(batch, torch.Tensor):
