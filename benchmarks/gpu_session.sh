@@ -15,9 +15,16 @@
 #   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
 #   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
 #                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
-#   candidates        6-10 min (r) bench throughput, compiled, with and without channels_last: seed-1layer at 1024
-#                                  (and Inductor's max-autotune), ddpm-cifar10 at 128 and 256 (the changes the fast
-#                                  path's doctor points at)
+#   candidates        5-8 min (r)  bench throughput, compiled, with and without channels_last: ddpm-cifar10 at 128,
+#                                  then seed-1layer at 1024 (the fast path's doctor on an H200: cuDNN's NCHW <-> NHWC
+#                                  conversions take 17-23% of both steps)
+#   doctor-fast-cl    2-3 min      doctor train on the fast path with channels_last: ddpm-cifar10 at 128, seed-1layer
+#                                  at 1024 (what binds once the conversions are gone)
+#   attention         1-2 min      benchmarks/sdpa_shapes.py: each attention shape of seed-1layer (batch 1024) and
+#                                  ddpm-cifar10 (128), forward + backward on every SDPA backend and zero-padded to
+#                                  head dimensions 8, 16, 32 (the same function)
+#   candidates-ma     5-9 min (r)  bench throughput, seed-1layer at 1024, compiled with and without Inductor's
+#                                  max-autotune (its kernel search alone ran past 263 s on an H200)
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
@@ -70,7 +77,7 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try doctor-fast candidates ddp
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try doctor-fast candidates doctor-fast-cl attention candidates-ma ddp
      quality-reference eval samplers
      samplers-sde quality-fast
      quality-options quality-options-2 quality-objectives summarize"
@@ -191,11 +198,25 @@ for part in "${PARTS[@]}"; do
         --max-seconds 60 --report-dir "$RES/doctor-fast/seed-1layer-1024" &&
         limited 240 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
-    candidates)
-      limited 90 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-        --choices auto-compile,auto-compile-cl,auto-compile-ma --out "$RES/throughput-candidates-seed-1layer" &&
-        limited 90 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128,256 \
-          --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" ;;
+    candidates)  # the largest conversion share first; each model's pair compiles twice, then alternates
+      limited 200 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
+        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" &&
+        limited 120 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+          --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-seed-1layer" ;;
+    doctor-fast-cl)  # doctor-fast with channels_last: does the conversion go, and what binds then
+      limited 150 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
+        --image-mode RGB --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/ddpm-cifar10-128" &&
+        limited 120 $PY -m fastddpm doctor train --preset seed-1layer --batch-size 1024 --data "$DATA" \
+          --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/seed-1layer-1024" ;;
+    attention)
+      mkdir -p "$RES/attention"
+      limited 45 $PY benchmarks/sdpa_shapes.py --presets seed-1layer --batch-size 1024 \
+        --out "$RES/attention/seed-1layer-1024.json" &&
+        limited 45 $PY benchmarks/sdpa_shapes.py --presets ddpm-cifar10 --batch-size 128 \
+          --out "$RES/attention/ddpm-cifar10-128.json" ;;
+    candidates-ma)
+      limited 300 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+        --choices auto-compile,auto-compile-ma --out "$RES/throughput-candidates-ma-seed-1layer" ;;
     ddp)
       mkdir -p "$RES/ddp"
       limited 360 $PY benchmarks/ddp_overhead.py --data "$DATA" --repeats 2 --parallel ddp,fsdp \

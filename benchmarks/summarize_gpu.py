@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/summarize_gpu.py benchmarks/gpu/<date> [--out FILE]
 
 Reads what each part writes: throughput-*/throughput.json, ladder/ladder.json, doctor/planted.txt and
-doctor/overhead.json, doctor-try/report.json, doctor-fast/*/report.json, ddp/ddp_overhead.json,
+doctor/overhead.json, doctor-try/report.json, doctor-fast*/*/report.json, attention/*.json, ddp/ddp_overhead.json,
 quality-*/quality.json, eval/eval_*.json, samplers/samplers.json, tests/junit.xml, and the call records
 (calls/<time>.json: device, driver, torch, commit given; calls/parts.jsonl: which call ran which part). Every
 table is headed by the device, date, torch version, commit and command that produced it. A part with no results yet is listed as not measured. Writes FOLDER/SUMMARY.md
@@ -194,10 +194,10 @@ def section_doctor_try(folder: Path, calls: Calls) -> list[str]:
 def section_doctor_fast(folder: Path, calls: Calls) -> list[str]:
     """`doctor train` on the fast path, one report a model: verdict, MFU, the roofline and the top kernels."""
     title = "### The fast path profiled by its own doctor (`doctor train`, issue #32)"
-    reports = sorted(folder.glob("doctor-fast/*/report.json"))
+    reports = sorted(folder.glob("doctor-fast*/*/report.json"))  # doctor-fast, doctor-fast-cl (channels_last)
     if not reports:
         return [title, "", "Not measured yet (part `doctor-fast`).", ""]
-    env = calls.env_of_part("doctor-fast")
+    env = calls.env_of_part("doctor-fast") or calls.env_of_part("doctor-fast-cl")
     lines = [title, ""] + (provenance(env, [], calls) if env else [])
     lines += ["", "| run | verdict | step ms | MFU | % of roofline (binds) | compute / memory ms | top kernels |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -208,13 +208,42 @@ def section_doctor_fast(folder: Path, calls: Calls) -> list[str]:
         step = ss.get("gpu_median_ms") or ss.get("median_ms")
         top = "; ".join(f"{o['name']} {100 * o['share']:.0f}% ({o['category']})"
                         for o in ((m.get("trace") or {}).get("top_ops") or [])[:3])
-        cells = [path.parent.name, r["verdict"]["id"], f"{step:.3f}" if step else "n/a",
+        name = path.parent.name + (" (channels_last)" if path.parent.parent.name.endswith("-cl") else "")
+        cells = [name, r["verdict"]["id"], f"{step:.3f}" if step else "n/a",
                  f"{100 * mf['mfu']:.1f}% ({mf['peak_dtype']})" if mf else "n/a",
                  f"{100 * roof['share']:.0f}% ({roof['binds']})" if roof else
                  f"n/a ({m.get('roofline_unavailable')})",
                  f"{roof['compute_ms']:.3f} / {roof['memory_ms']:.3f}" if roof else "", top or "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def section_attention(folder: Path, calls: Calls) -> list[str]:
+    """benchmarks/sdpa_shapes.py: each attention shape's forward + backward time, by backend and padding."""
+    title = "### Attention at the presets' shapes (`benchmarks/sdpa_shapes.py`, issue #32)"
+    paths = sorted(folder.glob("attention/*.json"))
+    if not paths:
+        return [title, "", "Not measured yet (part `attention`).", ""]
+    lines = [title, ""]
+    for path in paths:
+        r = json.loads(path.read_text())
+        lines += provenance(r["environment"], [], calls)
+        lines += [f"{r['dtype']}, batch {r['batch_size']}; median ms of {r['repeats']} repeats x {r['steps']} "
+                  "forward + backward calls, the variants alternating; `error`: the backend cannot run the shape.",
+                  ""]
+        for preset, rows in r["shapes"].items():
+            names = list(dict.fromkeys(n for row in rows for n in row["variants"]))
+            lines += [f"{preset}:", "", "| heads x tokens x head dim (calls) | " + " | ".join(names) +
+                      " | best (vs default) |", "| --- |" + " --- |" * (len(names) + 1)]
+            for row in rows:
+                v = row["variants"]
+                cells = [("error" if "error" in v[n] else f"{v[n]['summary']['median']:.3f}") if n in v else ""
+                         for n in names]
+                best = f"{row['best']} ({row['best_vs_default']:.2f}x)" if row.get("best_vs_default") else "n/a"
+                lines.append(f"| {row['heads']} x {row['tokens']} x {row['head_dim']} ({row['calls']}) | "
+                             + " | ".join(cells) + f" | {best} |")
+            lines.append("")
+    return lines
 
 
 PLANTED_LINE = re.compile(r"^(?P<case>\S+)\s+expected (?P<expected>\S+)\s+got (?P<got>\S+)\s+cost\s+(?P<cost>[\d.]+)%"
@@ -361,7 +390,7 @@ def section_samplers(folder: Path, calls: Calls) -> list[str]:
 
 
 SECTIONS = (section_tests, section_throughput, section_ladder, section_eval, section_samplers, section_quality,
-            section_doctor, section_doctor_try, section_doctor_fast, section_ddp)
+            section_doctor, section_doctor_try, section_doctor_fast, section_attention, section_ddp)
 
 
 def summarize(folder: Path) -> str:

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
-         "doctor-try", "doctor-fast", "candidates", "ddp",
+         "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma", "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "quality-objectives", "summarize"]
 
@@ -110,7 +110,7 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             assert args.out
             seen.add(name)
     assert seen == {"bench throughput", "bench ladder", "bench quality", "bench samplers", "eval", "planted", "pytest",
-                    "doctor_overhead", "ddp_overhead", "data", "doctor run", "doctor train"}
+                    "doctor_overhead", "ddp_overhead", "sdpa_shapes", "data", "doctor run", "doctor train"}
     ladder = [c for c in commands if c[3:5] == ["bench", "ladder"]]
     assert len(ladder) == 2 and len({c[c.index("--out") + 1] for c in ladder}) == 1  # one folder: resumed, merged
     res = tmp_path / "res"
@@ -174,6 +174,17 @@ def _fabricate(folder: Path) -> None:
                                    "calls_per_step": 12, "category": "cuda graph"},
                                   {"name": "sm90_xmma_fprop_implicit_gemm_bf16", "share": 0.18, "calls_per_step": 20,
                                    "category": "cuda graph"}]}}})
+    write("doctor-fast-cl/ddpm-cifar10-128/report.json", {  # the channels_last run of the same part
+        "verdict": {"id": "low-mfu"},
+        "measurements": {"step_stats": {"median_ms": 19.9}, "mfu": {"mfu": 0.301, "peak_dtype": "bf16"}}})
+    write("attention/seed-1layer-1024.json", {  # benchmarks/sdpa_shapes.py's record
+        "environment": _env("2026-12-01T10:20:00+00:00", "python benchmarks/sdpa_shapes.py --presets seed-1layer"),
+        "dtype": "bf16", "batch_size": 1024, "steps": 20, "repeats": 5,
+        "shapes": {"seed-1layer": [{"heads": 4, "tokens": 784, "head_dim": 4, "calls": 1, "batch": 1024,
+                                    "best": "default-pad16", "best_vs_default": 2.5,
+                                    "variants": {"default": {"summary": {"median": 1.25}},
+                                                 "cudnn": {"error": "No available kernel"},
+                                                 "default-pad16": {"summary": {"median": 0.5}}}}]}})
     write("doctor-try/report.json", {  # the parts of a doctor run --try report the summary reads
         "verdict": {"id": "attention-weights"},
         "trials": [{"fix": "autocast-bf16", "finding": "fp32", "predicted": 1.5, "measured": 1.62, "spread": [1.55, 1.7],
@@ -265,8 +276,8 @@ def test_summary_of_a_fabricated_session(tmp_path):
     md = (folder / "SUMMARY.md").read_text()
     sections = md.split("\n### ")[1:]
     # tests, throughput (one folder here), ladder, eval, samplers, quality, doctor, doctor --try, doctor on the
-    # fast path, ddp
-    assert len(sections) == 10
+    # fast path, attention, ddp
+    assert len(sections) == 11
     for section in sections:
         assert "Not measured yet" not in section and "Not run yet" not in section, section
         # every table names device, torch, date, commit (the call's, as the results say unknown) and command
@@ -284,6 +295,8 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert ("| seed-1layer-1024 | low-mfu | 45.600 | 9.1% (bf16) | 42% (memory) | 12.100 / 19.200 | "
             "triton_red_fused_native_group_norm_0 21% (cuda graph); sm90_xmma_fprop_implicit_gemm_bf16 18% "
             "(cuda graph) |") in md
+    assert "| ddpm-cifar10-128 (channels_last) | low-mfu | 19.900 | 30.1% (bf16) |" in md
+    assert "| 4 x 784 x 4 (1) | 1.250 | error | 0.500 | default-pad16 (2.50x) |" in md
     assert "| compile | eager-elementwise | 1.20x | not measured (no 25 steps within 300 s) |" in md
     assert "| reference | seed-1layer as is | 2,400,000 | 95.0 | 3.210 (target) |" in md
     assert "| fast | train.batch_size=512 | 1,200,000 | 30.0 | 2.900 | 21.5 | 720,000 |" in md
@@ -295,4 +308,4 @@ def test_summary_of_a_fabricated_session(tmp_path):
 def test_summary_of_an_empty_session_says_what_is_missing(tmp_path):
     summarize_gpu = _load("summarize_gpu")
     text = summarize_gpu.summarize(tmp_path)
-    assert text.count("Not measured yet") == 9 and "Not run yet (part `tests`)" in text
+    assert text.count("Not measured yet") == 10 and "Not run yet (part `tests`)" in text
