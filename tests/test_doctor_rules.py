@@ -216,9 +216,12 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
     assert [x.fastddpm for x in f.fixes] == ["--channels-last on"] and f.fixes[0].trial == "channels-last"
     assert "Inductor skips its layout optimization" in f.cause and "weights are NCHW" in f.evidence[-1]
     assert "90% of that time is cuDNN's" in f.evidence[1]
-    # in eager the same NCHW model gets the same fix, without the remark about Inductor
+    # in eager the same NCHW model gets channels_last with compile (GroupNorm has no NHWC kernel in eager)
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="nchw"))
-    assert f.fixes[0].fastddpm == "--channels-last on" and "Inductor" not in f.cause
+    assert f.fixes[0].fastddpm == "--channels-last on --compile on" and "Inductor" not in f.cause
+    assert "with torch.compile" in f.fixes[0].code
+    from fastddpm.doctor.trials import settings_of
+    assert settings_of(f.fixes[0].fastddpm)[1] == {"train.channels_last": "on", "train.compile": "on"}
     # channels_last weights meeting NCHW-only ops: channels_last off, or compile where the loop is eager
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3),
                                              conv_layout="channels_last"))
@@ -227,7 +230,7 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
                                              conv_layout="channels_last", compile=compiled))
     assert [x.fastddpm for x in f.fixes] == ["--channels-last off"]
     # the weights unseen: cuDNN's conversions still point at channels_last first
-    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn))
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, compile=compiled))
     assert f.fixes[0].fastddpm == "--channels-last on" and len(f.fixes) == 2
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3,
                                                                               layout_format_share=0.1)))

@@ -177,8 +177,12 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
           f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"]
     if t.layout_format_share is not None:
         ev.append(f"{pct(t.layout_format_share)} of that time is cuDNN's NCHW <-> NHWC format conversions")
-    to_nhwc = Fix("--channels-last on", "model.to(memory_format=torch.channels_last), and each 4-D input batch "
-                                        "x.contiguous(memory_format=torch.channels_last)", trial="channels-last")
+    # in eager, ops between the convolutions without an NHWC kernel (GroupNorm) would convert back: compile with it
+    to_nhwc = Fix("--channels-last on" + ("" if compiled else " --compile on"),
+                  "model.to(memory_format=torch.channels_last), and each 4-D input batch "
+                  "x.contiguous(memory_format=torch.channels_last)" + (
+                      "" if compiled else "; with torch.compile, so GroupNorm and the other ops between the "
+                                          "convolutions run in that layout too"), trial="channels-last")
     if m.conv_layout == "nchw" and cudnn:
         ev.append("the convolution weights are NCHW (contiguous)")
         cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution it converts "
