@@ -16,8 +16,9 @@
 #   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
 #                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
 #   candidates        5-8 min (r)  bench throughput, compiled, with and without channels_last: ddpm-cifar10 at 128,
-#                                  then seed-1layer at 1024 (the fast path's doctor on an H200: cuDNN's NCHW <-> NHWC
-#                                  conversions take 17-23% of both steps)
+#                                  then seed-1layer at 1024, there also with attention heads padded to 8 (the fast
+#                                  path's doctor on an H200: cuDNN's NCHW <-> NHWC conversions take 17-23% of both
+#                                  steps, attention 40% of seed-1layer's)
 #   doctor-fast-cl    2-3 min      doctor train on the fast path with channels_last: ddpm-cifar10 at 128, seed-1layer
 #                                  at 1024 (what binds once the conversions are gone)
 #   attention         1-2 min      benchmarks/sdpa_shapes.py: each attention shape of seed-1layer (batch 1024) and
@@ -201,8 +202,8 @@ for part in "${PARTS[@]}"; do
     candidates)  # the largest conversion share first; each model's pair compiles twice, then alternates
       limited 200 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
         --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" &&
-        limited 120 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-          --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-seed-1layer" ;;
+        limited 150 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+          --choices auto-compile,auto-compile-cl,auto-compile-ap8 --out "$RES/throughput-candidates-seed-1layer" ;;
     doctor-fast-cl)  # doctor-fast with channels_last: does the conversion go, and what binds then
       limited 150 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
         --image-mode RGB --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/ddpm-cifar10-128" &&

@@ -9,7 +9,7 @@ flash kernel, whose smallest tile is a head dimension of 32) as long as the othe
 at every level, so its head dimension follows the channels down to 4. Zero-padding q, k and v along the head
 dimension computes the same function when the softmax scale stays 1/sqrt(d) of the true d: the padded columns of
 q and k add 0 to every dot product, and the padded columns of the output (from v's zeros) are sliced off. So a
-padded call is a candidate the model can adopt without changing what it computes.
+padded call is what `--attention-head-pad N` (fastddpm.models.attention) runs in the model.
 
 Each (shape, variant) is timed with `fastddpm.measure.time_steps` (CUDA events on a GPU), forward and backward
 of q, k, v that require grad, after warm-up; the variants of one shape alternate within every repeat so drift
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from fastddpm.bench.throughput import preset_image_shape  # noqa: E402
 from fastddpm.config.presets import get_preset  # noqa: E402
 from fastddpm.measure import environment_record, summarize, time_steps  # noqa: E402
 from fastddpm.models import build_unet  # noqa: E402
+from fastddpm.models.attention import attend  # noqa: E402
 
 BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
@@ -78,13 +78,9 @@ def attention_shapes(preset: str) -> list[dict]:
 def attention(q, k, v, *, backend: str, pad_to: int | None):
     """SDPA on one backend; with `pad_to`, q, k, v zero-padded along the head dimension to `pad_to` and the
     scale kept at 1/sqrt(true head dim), the output sliced back: the same function."""
-    d = q.shape[-1]
     ctx = sdpa_kernel([BACKENDS[backend]]) if BACKENDS[backend] is not None else contextlib.nullcontext()
     with ctx:
-        if pad_to is None or pad_to <= d:
-            return F.scaled_dot_product_attention(q, k, v)
-        qp, kp, vp = (F.pad(t, (0, pad_to - d)) for t in (q, k, v))
-        return F.scaled_dot_product_attention(qp, kp, vp, scale=1.0 / math.sqrt(d))[..., :d]
+        return attend(q, k, v, pad_to=pad_to or 0)
 
 
 def variants(head_dim: int, pads: list[int]) -> list[tuple[str, str, int | None]]:

@@ -43,6 +43,7 @@ from fastddpm.bench import store
 from fastddpm.bench.throughput_report import progress_line, table_markdown, write_results
 from fastddpm.bench.variant_timer import Variant, VariantTimer, failed_row, measure_alternating, peak_dtype
 from fastddpm.config import ConfigError, apply_overrides, get_preset, resolve_model_shape
+from fastddpm.config.schema import ATTENTION_HEAD_PADS
 from fastddpm.device import resolve_device, resolve_precision
 from fastddpm.measure import Peaks, environment_record, free_device_memory
 from fastddpm.rng import derive_seed
@@ -74,19 +75,23 @@ def preset_image_shape(preset: str) -> tuple[int, int, int]:
 
 def parse_choice(name: str) -> dict:
     """'bf16-compile-cl' -> the train.* settings it stands for (-cl channels_last, -gc gradient checkpointing,
-    -ma max-autotune)."""
+    -ma max-autotune, -apN attention heads padded to N)."""
     parts = name.split("-")
     flags = parts[2:]
+    pads = {f"ap{n}": n for n in ATTENTION_HEAD_PADS if n}
     ok = (len(parts) >= 2 and parts[0] in ("auto", "fp32", "bf16", "fp16")
-          and parts[1] in ("eager", "compile", "auto") and set(flags) <= {"cl", "gc", "ma"}
+          and parts[1] in ("eager", "compile", "auto") and set(flags) <= {"cl", "gc", "ma", *pads}
+          and sum(f in pads for f in flags) <= 1
           and len(set(flags)) == len(flags) and not ("ma" in flags and parts[1] == "eager"))
     if not ok:
-        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-gc][-ma] (PRECISION auto, "
-                          f"fp32, bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -gc gradient "
-                          f"checkpointing, -ma max-autotune, not with eager), e.g. {','.join(CPU_CHOICES)}")
+        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-gc][-ma][-apN] (PRECISION "
+                          f"auto, fp32, bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -gc gradient "
+                          f"checkpointing, -ma max-autotune, not with eager; -apN attention heads padded to N, "
+                          f"one of {', '.join(pads)}), e.g. {','.join(CPU_CHOICES)}")
     return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
             "train.channels_last": "on" if "cl" in flags else "off", "train.grad_checkpointing": "gc" in flags,
-            "train.compile_mode": "max-autotune" if "ma" in flags else "default"}
+            "train.compile_mode": "max-autotune" if "ma" in flags else "default",
+            "train.attention_head_pad": next((pads[f] for f in flags if f in pads), 0)}
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,9 @@ def _doc(text: str, *, cli: str | None = None, choices: tuple[str, ...] | None =
     return {"help": text, "cli": cli, "choices": choices}
 
 
+ATTENTION_HEAD_PADS = (0, 8, 16, 32, 64)  # train.attention_head_pad's values (fastddpm.models.attention)
+
+
 class ConfigError(ValueError):
     """A user error in the configuration. The message names the field, the bad value and the fix."""
 
@@ -361,6 +364,13 @@ class TrainConfig:
         metadata=_doc("NHWC memory format for the U-Net. auto = off (GroupNorm has no NHWC kernel in eager; "
                       "pending a GPU measurement).", choices=("auto", "on", "off")),
     )
+    attention_head_pad: int = field(
+        default=0,
+        metadata=_doc("Zero-pad attention heads smaller than this (8, 16, 32 or 64; 0 = off) to it, with the "
+                      "softmax scale kept: the same function, on kernels a tiny head dimension misses (cuDNN's "
+                      "attention needs a multiple of 8; the seed U-Net's 4 heads at 16 channels are 4 wide). "
+                      "Off until measured faster on a GPU (benchmarks/sdpa_shapes.py)."),
+    )
     cudnn_benchmark: str = field(
         default="auto",
         metadata=_doc("Let cuDNN time its conv algorithms once per shape. auto = on for CUDA (shapes are static).",
@@ -488,6 +498,9 @@ class TrainConfig:
                  f"train.batch_size={self.batch_size!r} must be a positive integer or auto")
         _require(self.accum_steps >= 1, f"train.accum_steps={self.accum_steps} must be >= 1")
         _require(self.ema_every >= 1, f"train.ema_every={self.ema_every} must be >= 1")
+        _require(self.attention_head_pad in ATTENTION_HEAD_PADS,
+                 f"train.attention_head_pad={self.attention_head_pad} is not one of "
+                 f"{', '.join(map(str, ATTENTION_HEAD_PADS))} (0 = off)")
         _require(0 < self.device_memory_budget <= 1,
                  f"train.device_memory_budget={self.device_memory_budget} must be in (0, 1]")
         _require(self.global_batch_size is None or self.global_batch_size >= 1,

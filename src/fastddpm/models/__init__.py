@@ -1,7 +1,9 @@
+from fastddpm.models.attention import set_attention_head_pad
 from fastddpm.models.ddpm_unet import DDPMUNet
 from fastddpm.models.unet import UNet, count_parameters, sinusoidal_time_embedding
 
-__all__ = ["UNet", "DDPMUNet", "build_unet", "count_parameters", "sinusoidal_time_embedding"]
+__all__ = ["UNet", "DDPMUNet", "build_unet", "count_parameters", "set_attention_head_pad",
+           "sinusoidal_time_embedding"]
 
 
 def build_unet(cfg):

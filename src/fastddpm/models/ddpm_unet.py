@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fastddpm.config import ModelConfig
+from fastddpm.models.attention import attend
 from fastddpm.models.unet import sinusoidal_time_embedding, with_class
 
 
@@ -96,6 +97,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, channels: int):
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.head_pad = 0  # > head dim: attention zero-padded to it (the same function; models.attention)
         self.norm = nn.GroupNorm(cfg.norm_groups, channels, cfg.norm_eps)
         self.qkv = nn.Conv2d(channels, 3 * channels, 1)
         self.proj = _zero(nn.Conv2d(channels, channels, 1))
@@ -109,7 +111,7 @@ class Attention(nn.Module):
         h_BNC = self.norm(x_BCHW).flatten(2).transpose(1, 2)
         qkv = F.linear(h_BNC, self.qkv.weight.flatten(1), self.qkv.bias).view(B, H * W, 3, nh, C // nh)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, HW, C/nh)
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, H * W, C)
+        out = attend(q, k, v, pad_to=self.head_pad).transpose(1, 2).reshape(B, H * W, C)
         out = F.linear(out, self.proj.weight.flatten(1), self.proj.bias)  # (B, HW, C)
         return x_BCHW + out.transpose(1, 2).reshape(B, C, H, W)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fastddpm.config import ModelConfig
+from fastddpm.models.attention import attend
 
 
 def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int, freq_shift: int = 0) -> torch.Tensor:
@@ -82,6 +83,7 @@ class SelfAttention(nn.Module):
         if channels % num_heads:
             raise ValueError(f"attention channels {channels} are not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
+        self.head_pad = 0  # > head dim: attention zero-padded to it (the same function; models.attention)
         self.norm = nn.GroupNorm(groups, channels)
         self.qkv = nn.Linear(channels, 3 * channels)
         self.proj = nn.Linear(channels, channels)
@@ -91,7 +93,7 @@ class SelfAttention(nn.Module):
         h = self.norm(x_BCHW).flatten(2).transpose(1, 2)  # (B, HW, C)
         q, k, v = self.qkv(h).view(B, H * W, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         # q, k, v: (B, nh, HW, hs)
-        out = F.scaled_dot_product_attention(q, k, v)  # (B, nh, HW, hs)
+        out = attend(q, k, v, pad_to=self.head_pad)  # (B, nh, HW, hs)
         out = self.proj(out.transpose(1, 2).reshape(B, H * W, C))  # (B, HW, C)
         return x_BCHW + out.transpose(1, 2).reshape(B, C, H, W)
 

@@ -13,7 +13,7 @@ import torch
 from fastddpm.config import ConfigError, RunConfig
 from fastddpm.device import Precision
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
-from fastddpm.models import UNet, build_unet
+from fastddpm.models import UNet, build_unet, set_attention_head_pad
 from fastddpm.rng import derive_seed
 from fastddpm.trainer.ema import EMA
 from fastddpm.trainer.fast_path import FastPath
@@ -31,6 +31,7 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
     torch.manual_seed(derive_seed(train_cfg.seed, "init"))
     model = build_unet(cfg.model).to("cpu" if keep_on_cpu else device)
     model.grad_checkpointing = train_cfg.grad_checkpointing
+    set_attention_head_pad(model, train_cfg.attention_head_pad)
     if fast.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, schedule_from_config(cfg.diffusion).to(device)
