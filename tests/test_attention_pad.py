@@ -73,3 +73,25 @@ def test_the_setting_reaches_the_trainers_model_and_the_bench_choices():
     assert parse_choice("auto-compile-cl")["train.attention_head_pad"] == 0
     with pytest.raises(ConfigError, match="train.attention_head_pad=12 is not one of"):
         apply_overrides(get_preset("cpu-demo"), {"train.attention_head_pad": "12"})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA GPU with bf16 (sm80+)")
+def test_padded_heads_compile_and_match_on_a_gpu():
+    # a head dimension of 4 padded to 8 reaches cuDNN's attention (a multiple of 8), compiled, in bf16
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(8, 4, 784, 4, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        padded = attend(q, q, q, pad_to=8)
+    torch.testing.assert_close(padded, attend(q, q, q), atol=2e-2, rtol=2e-2)
+    model = _tiny("seed").cuda()
+    x, t = torch.randn(4, 1, 8, 8, device="cuda"), torch.tensor([1, 10, 100, 900], device="cuda")
+    step = torch.compile(lambda: model(x, t))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = step().float()
+        set_attention_head_pad(model, 8)
+        torch._dynamo.reset()
+        got = step().float()
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
