@@ -199,7 +199,7 @@ for part in "${PARTS[@]}"; do
         --max-seconds 60 --report-dir "$RES/doctor-fast/seed-1layer-1024" &&
         limited 240 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
-    candidates)  # the largest conversion share first; each model's pair compiles twice, then alternates
+    candidates)  # the largest conversion share first; each model's choices compile, then alternate
       limited 200 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
         --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" &&
         limited 150 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \

@@ -194,11 +194,14 @@ def section_doctor_try(folder: Path, calls: Calls) -> list[str]:
 def section_doctor_fast(folder: Path, calls: Calls) -> list[str]:
     """`doctor train` on the fast path, one report a model: verdict, MFU, the roofline and the top kernels."""
     title = "### The fast path profiled by its own doctor (`doctor train`, issue #32)"
-    reports = sorted(folder.glob("doctor-fast*/*/report.json"))  # doctor-fast, doctor-fast-cl (channels_last)
+    # doctor-fast's rows, then doctor-fast-cl's (channels_last), each part's call named: they may differ
+    reports = sorted(folder.glob("doctor-fast*/*/report.json"), key=lambda p: (p.parent.parent.name, p))
     if not reports:
         return [title, "", "Not measured yet (part `doctor-fast`).", ""]
-    env = calls.env_of_part("doctor-fast") or calls.env_of_part("doctor-fast-cl")
-    lines = [title, ""] + (provenance(env, [], calls) if env else [])
+    lines = [title, ""]
+    for part in dict.fromkeys(p.parent.parent.name for p in reports):
+        env = calls.env_of_part(part)
+        lines += ([f"`{part}`:"] + provenance(env, [], calls)) if env else []
     lines += ["", "| run | verdict | step ms | MFU | % of roofline (binds) | compute / memory ms | top kernels |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for path in reports:

@@ -95,3 +95,14 @@ def test_padded_heads_compile_and_match_on_a_gpu():
         torch._dynamo.reset()
         got = step().float()
     torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_flops_are_the_models_with_or_without_padding():
+    # bench throughput's MFU and roofline count the model's FLOPs: padded heads multiply zeros, not counted
+    from fastddpm.measure import count_step_flops
+
+    model = _tiny("seed")
+    plain = count_step_flops(model, (2, 1, 8, 8))
+    set_attention_head_pad(model, 32)
+    assert count_step_flops(model, (2, 1, 8, 8)) == plain
+    assert all(m.head_pad == 32 for m in model.modules() if hasattr(m, "head_pad"))  # the model keeps its pad

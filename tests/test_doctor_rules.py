@@ -214,26 +214,34 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
     compiled = CompileCounts(compiled_graphs=1)
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="nchw", compile=compiled))
     assert [x.fastddpm for x in f.fixes] == ["--channels-last on"] and f.fixes[0].trial == "channels-last"
-    assert "Inductor skips its layout optimization" in f.cause and "weights are NCHW" in f.evidence[-1]
+    assert "Inductor did not change the layout" in f.cause and "weights are NCHW" in f.evidence[-1]
     assert "90% of that time is cuDNN's" in f.evidence[1]
-    # in eager the same NCHW model gets channels_last with compile (GroupNorm has no NHWC kernel in eager)
+    # in eager the same NCHW model gets channels_last with compile (GroupNorm has no NHWC kernel in eager); --try's
+    # channels-last trial would apply the layout alone, so the fix carries none
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="nchw"))
     assert f.fixes[0].fastddpm == "--channels-last on --compile on" and "Inductor" not in f.cause
-    assert "with torch.compile" in f.fixes[0].code
+    assert "with torch.compile" in f.fixes[0].code and f.fixes[0].trial is None
     from fastddpm.doctor.trials import settings_of
     assert settings_of(f.fixes[0].fastddpm)[1] == {"train.channels_last": "on", "train.compile": "on"}
+    # mostly-cuDNN conversions with some weights NCHW: make the rest channels_last too
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="mixed", compile=compiled))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last on"] and "NCHW weights among" in f.cause
     # channels_last weights meeting NCHW-only ops: channels_last off, or compile where the loop is eager
-    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3),
-                                             conv_layout="channels_last"))
+    mine = gpu_trace(layout_share=0.3, layout_format_share=0.1)
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="channels_last"))
     assert [x.fastddpm for x in f.fixes] == ["--channels-last off", "--compile on"]
-    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3),
-                                             conv_layout="channels_last", compile=compiled))
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="channels_last",
+                                             compile=compiled))
     assert [x.fastddpm for x in f.fixes] == ["--channels-last off"]
+    # an NCHW model whose conversions are its own copies and transposes: no layout flag helps
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="nchw"))
+    assert [x.fastddpm for x in f.fixes] == ["--compile on", None] and "its own ops" in f.cause
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="nchw", compile=compiled))
+    assert [x.fastddpm for x in f.fixes] == [None]
     # the weights unseen: cuDNN's conversions still point at channels_last first
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, compile=compiled))
     assert f.fixes[0].fastddpm == "--channels-last on" and len(f.fixes) == 2
-    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=gpu_trace(layout_share=0.3,
-                                                                              layout_format_share=0.1)))
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine))
     assert [x.fastddpm for x in f.fixes] == ["--channels-last off in eager, or --compile on"]
 
 
@@ -589,13 +597,15 @@ def test_every_rule_function_is_checked_in_order():
 # ---- the record's dict form: the JSON report's `measurements`, as users read it
 
 def full_record() -> Measurements:
-    trace = gpu_trace(timeline={"steps": [[0.0, 5.0]], "data_wait": [], "syncs": [], "gpu_busy": [[0.0, 4.0]]})
+    trace = gpu_trace(timeline={"steps": [[0.0, 5.0]], "data_wait": [], "syncs": [], "gpu_busy": [[0.0, 4.0]]},
+                      layout_format_share=0.9)
     return Measurements(
         device="cuda:0", steps=[StepRecord(5, 10.0, 1.0, 0.5, True, data_queued_ms=0.1, gpu_ms=9.0, recompiles=1,
                                            optimizer_ms=2.0)],
         step_stats=StepStats(steps=1, median_ms=10.0, mean_ms=10.0, p10_ms=10.0, p90_ms=10.0, max_ms=10.0,
                              data_wait_ms_total=1.0, host_ms_total=10.0, epoch_starts=1,
-                             first_fifth_median_ms=10.0, last_fifth_median_ms=10.0, gpu_median_ms=9.0),
+                             first_fifth_median_ms=10.0, last_fifth_median_ms=10.0, fifths_basis="CUDA events",
+                             gpu_median_ms=9.0),
         cpu_load=CpuLoad(main_cores=1.0, workers_cores=0.0, workers_seen=0, cpu_count=8, wall_s=1.0),
         memory=DeviceMemory(peak_allocated_bytes=1, total_bytes=2, free_bytes=1, peak_share=0.5),
         telemetry_start=Telemetry(sm_clock_mhz=1980.0, temperature_c=60.0, power_w=None, source="nvml"),
@@ -610,7 +620,7 @@ def full_record() -> Measurements:
         attention_calls=AttentionCalls(calls_per_step=6.0, need_weights_per_step=6.0, modules=6),
         attention_sites=[{"module": "UNet.mid.attn", "cls": "Attn", "defined_at": "m.py:3", "forward_at": "m.py:9",
                           "tokens": 64}],
-        optimizer=OptimizerInfo(name="AdamW", param_tensors=300, foreach=None, fused=None),
+        optimizer=OptimizerInfo(name="AdamW", param_tensors=300, foreach=None, fused=None), conv_layout="nchw",
         windows={"watch": {"planned": 40, "taken": 3, "seconds": 27.0, "cut_by_time": True}})
 
 
@@ -619,7 +629,7 @@ def test_measurements_dict_keeps_the_report_keys():
     assert list(d) == ["device", "steps", "step_stats", "cpu_load", "memory", "telemetry_start", "telemetry_end",
                        "profiled_steps", "notes", "compile", "trace", "trace_timeline", "trace_file", "flops_source",
                        "mfu", "loader_probe", "loader_workers", "batch_size", "low_precision", "attention_calls",
-                       "optimizer", "attention_sites", "windows"]
+                       "optimizer", "attention_sites", "conv_layout", "windows"]
     assert d["steps"] == [{"index": 5, "host_ms": 10.0, "data_wait_ms": 1.0, "data_cpu_ms": 0.5, "epoch_start": True,
                            "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1, "optimizer_ms": 2.0}]
     assert d["attention_sites"][0]["forward_at"] == "m.py:9"

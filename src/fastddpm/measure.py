@@ -115,7 +115,8 @@ def count_step_flops(model: torch.nn.Module, batch_shape: tuple[int, ...], *, ac
     same number whichever device the step runs on. Attention is counted through SDPA's math backend (two
     bmm forward, four backward: the model's FLOPs), because the fused kernels are counted unevenly: the CPU
     flash kernel has no FLOP formula (it counts zero) and the CUDA flash backward also counts its recompute of
-    Q K^T (hardware FLOPs, not model FLOPs). Gradient checkpointing's recompute is likewise left out.
+    Q K^T (hardware FLOPs, not model FLOPs). Gradient checkpointing's recompute is likewise left out, and so
+    are the zeros of attention heads padded to a wider head dimension (`head_pad`: the same model).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -123,6 +124,9 @@ def count_step_flops(model: torch.nn.Module, batch_shape: tuple[int, ...], *, ac
     meta_model = copy.deepcopy(model).to("meta").train()
     if hasattr(meta_model, "grad_checkpointing"):
         meta_model.grad_checkpointing = False
+    for module in meta_model.modules():  # the model's FLOPs: padded heads multiply zeros
+        if hasattr(module, "head_pad"):
+            module.head_pad = 0
     x_BCHW = torch.empty(batch_shape, device="meta")
     t_B = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")  # values never change the count
     with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):

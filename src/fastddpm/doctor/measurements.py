@@ -16,6 +16,7 @@
       attention_calls  AttentionCalls     nn.MultiheadAttention.forward calls seen (doctor run, watch())
       attention_sites  list[dict]         the modules that built L x L attention weights (the counted step)
       optimizer        OptimizerInfo      the optimizer whose steps are the boundaries (doctor run)
+      conv_layout      str                the convolution weights' memory format (nchw, channels_last, mixed)
 
 A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
 tests read its keys); `Measurements.from_dict` reads that dict back, or one made by hand, where keys left out
@@ -46,7 +47,8 @@ class StepRecord:
 
 @dataclass(kw_only=True)
 class StepStats:
-    """The watched steps' host times (Session.step_stats). A field left out of a hand-made dict reads 0."""
+    """The watched steps' host times (Session.step_stats); on a GPU the fifths are CUDA-event times and the GPU
+    median is added. A field left out of a hand-made dict reads 0."""
 
     steps: int = 0
     median_ms: float = 0.0

@@ -166,44 +166,63 @@ def transfer_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | No
 
 def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     """Rule 11: layout-conversion kernels take > 5% of GPU busy time. The cause, and so the fix, turns on the
-    convolution weights' memory format: NCHW weights with cuDNN's own format conversions want channels_last;
-    channels_last weights whose tensors meet NCHW-only ops want it off (or compiled)."""
+    convolution weights' memory format and on whose kernels convert: cuDNN's own NCHW <-> NHWC conversions around
+    NCHW tensors want channels_last; channels_last tensors meeting NCHW-only ops want it off (or compiled); an
+    NCHW model's own transposes and copies want compiling or one layout kept through the block."""
     t = m.gpu_trace
     if t is None or t.layout_share is None or not t.layout_share > LAYOUT_SHARE:
         return None
     compiled = m.compile is not None and m.compile.compiled_graphs > 0
     cudnn = (t.layout_format_share or 0.0) > 0.5
+    layout = m.conv_layout
     ev = [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() copies) take "
           f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"]
     if t.layout_format_share is not None:
         ev.append(f"{pct(t.layout_format_share)} of that time is cuDNN's NCHW <-> NHWC format conversions")
-    # in eager, ops between the convolutions without an NHWC kernel (GroupNorm) would convert back: compile with it
+    if layout is not None:
+        ev.append("the convolution weights are " + {"nchw": "NCHW (contiguous)", "channels_last": "channels_last",
+                                                     "mixed": "partly channels_last, partly NCHW"}[layout])
+    # in eager, ops between the convolutions without an NHWC kernel (GroupNorm) would convert back, so the fix
+    # compiles too; `--try`'s channels-last trial applies the layout alone, so it is offered where the loop compiles
     to_nhwc = Fix("--channels-last on" + ("" if compiled else " --compile on"),
                   "model.to(memory_format=torch.channels_last), and each 4-D input batch "
                   "x.contiguous(memory_format=torch.channels_last)" + (
                       "" if compiled else "; with torch.compile, so GroupNorm and the other ops between the "
-                                          "convolutions run in that layout too"), trial="channels-last")
-    if m.conv_layout == "nchw" and cudnn:
-        ev.append("the convolution weights are NCHW (contiguous)")
-        cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution it converts "
-                 "the NCHW input, weight and gradient to NHWC and the result back"
-                 + ("; torch.compile leaves the layout alone here: Inductor skips its layout optimization in a "
-                    "graph with a convolution that has at least twice as many input as output channels, as a "
-                    "U-Net's decoder has" if compiled else ""))
-        return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
-                       t.layout_share * (1 - t.idle_share), ev, cause, [to_nhwc])
-    if m.conv_layout in ("channels_last", "mixed"):
-        ev.append("the convolution weights are " + ("channels_last" if m.conv_layout == "channels_last" else
-                                                     "partly channels_last, partly NCHW"))
+                                          "convolutions run in that layout too"),
+                  trial="channels-last" if compiled else None)
+    compile_fix = Fix("--compile on", "torch.compile the model (Inductor fuses the ops between the convolutions "
+                                      "in the tensors' own layout)", trial="compile")
+    if cudnn:
+        cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution that meets "
+                 "an NCHW tensor it converts the input, weight and gradient to NHWC and the result back"
+                 + {"mixed": "; here the NCHW weights among the channels_last ones",
+                    "channels_last": "; here the weights are channels_last but tensors reach them NCHW (the "
+                                     "input batch, or a .contiguous() on the way)"}.get(layout, "")
+                 + ("; Inductor did not change the layout (it skips its layout optimization in a graph with a "
+                    "convolution of at least twice as many input as output channels and a kernel wider than 1, "
+                    "as a U-Net's decoder has after its skip concatenation)" if compiled else ""))
+        fixes = [to_nhwc] + ([Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: "
+                                  "drop .to(memory_format=torch.channels_last) in eager mode, or compile the model")]
+                             if layout is None else [])
+    elif layout in ("channels_last", "mixed"):
         cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
                  "calls, views that need NCHW), so every such op converts back and forth")
         fixes = [Fix("--channels-last off", "drop .to(memory_format=torch.channels_last) from the model and its "
                                             "inputs (measure both: the layout that wins depends on the GPU)")]
-        if not compiled:
-            fixes.append(Fix("--compile on", "torch.compile the model (Inductor fuses the ops between the "
-                                             "convolutions in the tensors' own layout)", trial="compile"))
-        return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
-                       t.layout_share * (1 - t.idle_share), ev, cause, fixes)
+        fixes += [] if compiled else [compile_fix]
+    elif layout == "nchw":
+        cause = ("the model changes layout between its own ops: .contiguous() copies, transposes and permutes (an "
+                 "attention's head split, a view that needs another order)")
+        fixes = ([] if compiled else [compile_fix]) + [
+            Fix(None, "find the .contiguous() / permute calls among the top kernels' ops and keep one layout "
+                      "through the block")]
+    else:  # the weights' format unseen (no torch.optim step watched) and no cuDNN conversions: both readings
+        cause = ("tensors change layout between ops: channels_last tensors meeting ops without an NHWC kernel, or "
+                 ".contiguous() / transposes in the model")
+        fixes = [Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
+                     ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
+    return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
+                   t.layout_share * (1 - t.idle_share), ev, cause, fixes)
     # the weights' format unseen (no torch.optim step watched): both readings, the trace's kernels deciding
     cause = ("cuDNN converts NCHW tensors to NHWC around its tensor-core convolutions and back" if cudnn else
              "tensors change layout between ops: channels_last tensors meeting ops without an NHWC kernel, or "
