@@ -12,18 +12,27 @@
 #    network). Order: flow, the best DDPM of seed 0 (ddpm-eps-linear) and the default (ddpm-eps-cosine) at seeds 1
 #    and 2, then v-cosine and EDM, then seed 0. Each finished training's log, config and eval JSONs are copied to
 #    raw-fp32/seedN/NAME/ as they land, so an interrupted run (or a later session on any CPU) continues from them.
-# Usage: COMMIT=<sha> bash seeds.sh OUTDIR
+# The conditional arm (COND=1): the same five objectives on cpu-demo-cond (the quickstart's model without a GPU,
+# 150k images), each point sampled at guidance W = 2 (a conditional run's default) and scored by FID and class
+# accuracy; always fp32, scored with the fp32 arm's feature network (so its FIDs sit beside that arm's), kept in
+# raw-cond-fp32/. Order: flow against the default (ddpm-eps-cosine) at seeds 0, 1, 2, then the other three at seed 0.
+# Usage: COMMIT=<sha> [COND=1] bash seeds.sh OUTDIR
 set -u
 cd /work/main
 HERE=benchmarks/cpu/2026-11-25-objectives
-if grep -qw avx512_bf16 /proc/cpuinfo; then ARM=bf16; PRECISION=auto; else ARM=fp32; PRECISION=fp32; fi
+COND=${COND:-0}
+if [ "$COND" = 1 ]; then ARM=cond-fp32; PRECISION=fp32
+elif grep -qw avx512_bf16 /proc/cpuinfo; then ARM=bf16; PRECISION=auto; else ARM=fp32; PRECISION=fp32; fi
+PRESET=cpu-demo; GUIDANCE=""
+[ "$COND" = 1 ] && { PRESET=cpu-demo-cond; GUIDANCE="--guidance 2"; }
 SNAP=/tmp/objsnap-${COMMIT:?set COMMIT}
 [ -d "$SNAP/src" ] || { mkdir -p "$SNAP" && git archive "$COMMIT" src | tar -x -C "$SNAP"; }
 export PYTHONPATH=$SNAP/src FASTDDPM_COMMIT=$COMMIT
 F=.venv/bin/fastddpm
 OUT=${1:-/tmp/objseeds}/$ARM
 mkdir -p "$OUT"
-KEEP=$HERE/raw-fp32
+KEEP=$HERE/raw-$ARM  # raw-fp32 or raw-cond-fp32 (the bf16 arm keeps nothing: its runs are scored with seed 0's)
+FEATURES=$HERE/raw-fp32/features
 POINTS="unipc:10 dpmpp-2m-sde:10 dpmpp-2m-sde:20 heun:10"
 declare -A OPTS=(
   [ddpm-eps-cosine]=""
@@ -35,7 +44,7 @@ declare -A OPTS=(
 train() {  # train NAME SEED
   local dir="$OUT/seed$2/$1"
   [ -f "$dir/ema.safetensors" ] && return
-  if [ "$ARM" = fp32 ] && [ -f "$KEEP/seed$2/$1/train.log" ]; then
+  if [ "$ARM" != bf16 ] && [ -f "$KEEP/seed$2/$1/train.log" ]; then
     kept_all "$1" "$2" && return  # trained and scored in an earlier session
     # kept but not scored at every point, and its weights are gone: its scores came from weights this run cannot
     # reproduce bit for bit on another CPU, so train and score it again, whole
@@ -44,7 +53,7 @@ train() {  # train NAME SEED
   fi
   echo "== $(date -u +%FT%TZ) train $1 seed $2"
   mkdir -p "$OUT/seed$2"
-  /usr/bin/time -f "wall %e s" $F train --data fashion-mnist --preset cpu-demo ${OPTS[$1]} --seed "$2" --precision $PRECISION \
+  /usr/bin/time -f "wall %e s" $F train --data fashion-mnist --preset $PRESET ${OPTS[$1]} --seed "$2" --precision $PRECISION \
     --no-progress --sample-every-images 1000000 --out "$dir" > "$OUT/seed$2/$1.train.log" 2>&1
   tail -2 "$OUT/seed$2/$1.train.log"
   keep "$1" "$2"
@@ -56,7 +65,7 @@ kept_all() {  # kept_all NAME SEED: the kept record has an eval JSON for every p
   done
 }
 keep() {  # keep NAME SEED: the fp32 arm's record in the repository (logs, config, eval JSONs; not the weights)
-  [ "$ARM" = fp32 ] || return 0
+  [ "$ARM" != bf16 ] || return 0
   local dir="$OUT/seed$2/$1" to="$KEEP/seed$2/$1"
   grep -q "^done:" "$OUT/seed$2/$1.train.log" 2>/dev/null || return 0
   mkdir -p "$to"
@@ -69,14 +78,15 @@ evaluate() {  # evaluate NAME SEED SAMPLER STEPS
   local dir="$OUT/seed$2/$1"
   grep -q "^done:" "$OUT/seed$2/$1.train.log" 2>/dev/null || return
   ls "$dir/eval-$3-$4"/eval_*.json >/dev/null 2>&1 && return
-  [ "$ARM" = fp32 ] && ls "$KEEP/seed$2/$1/eval_$3$4_"*.json >/dev/null 2>&1 && return
+  [ "$ARM" != bf16 ] && ls "$KEEP/seed$2/$1/eval_$3$4_"*.json >/dev/null 2>&1 && return
   echo "== $(date -u +%FT%TZ) eval $1 seed $2 $3 $4"
   $F eval --checkpoint "$dir" --num-samples 2000 --compile off --no-progress \
-    --sampler "$3" --steps "$4" --precision $PRECISION --out "$dir/eval-$3-$4" 2>&1 | tail -1
+    --sampler "$3" --steps "$4" --precision $PRECISION $GUIDANCE --out "$dir/eval-$3-$4" 2>&1 | tail -1
   keep "$1" "$2"
 }
-# one training at a time on the 2 cores: wait for one of this folder's that is still running (a restarted script)
-while pgrep -f "fastddpm train .*--out $OUT/" >/dev/null; do sleep 10; done
+# one training at a time on the 2 cores: wait for one under OUTDIR that is still running (a restarted script, or
+# the other arm)
+while pgrep -f "fastddpm train .*--out ${1:-/tmp/objseeds}/" >/dev/null; do sleep 10; done
 if [ "$ARM" = bf16 ]; then
   train flow 0
   evaluate flow 0 unipc 10
@@ -88,18 +98,29 @@ if [ "$ARM" = bf16 ]; then
     done
   done
 else
-  # one feature network for the whole arm: the kept classifier goes into the cache before any scoring, and the
+  # one feature network for the fp32 arms: the kept classifier goes into the cache before any scoring, and the
   # first one trained here is kept
   CACHE=${FASTDDPM_CACHE:-$HOME/.cache/fastddpm}
-  mkdir -p "$KEEP/features" "$CACHE/features"
-  cp -n "$KEEP"/features/*.safetensors "$KEEP"/features/*.json "$CACHE/features/" 2>/dev/null
+  mkdir -p "$FEATURES" "$CACHE/features"
+  cp -n "$FEATURES"/*.safetensors "$FEATURES"/*.json "$CACHE/features/" 2>/dev/null
+fi
+if [ "$ARM" = cond-fp32 ]; then
+  for seed in 0 1 2; do for name in flow ddpm-eps-cosine; do
+    train "$name" "$seed"
+    for point in $POINTS; do evaluate "$name" "$seed" "${point%%:*}" "${point##*:}"; done
+  done; done
+  for name in ddpm-eps-linear ddpm-v-cosine edm; do
+    train "$name" 0
+    for point in $POINTS; do evaluate "$name" 0 "${point%%:*}" "${point##*:}"; done
+  done
+elif [ "$ARM" = fp32 ]; then
   for seed in 1 2 0; do
     names="flow ddpm-eps-linear ddpm-eps-cosine"
     [ "$seed" = 0 ] && names="flow ddpm-eps-linear ddpm-eps-cosine ddpm-v-cosine edm"
     for name in $names; do
       train "$name" "$seed"
       for point in $POINTS; do evaluate "$name" "$seed" "${point%%:*}" "${point##*:}"; done
-      ls "$KEEP"/features/*.safetensors >/dev/null 2>&1 || cp "$CACHE"/features/fashion-mnist-train-* "$KEEP/features/" 2>/dev/null
+      ls "$FEATURES"/*.safetensors >/dev/null 2>&1 || cp "$CACHE"/features/fashion-mnist-train-* "$FEATURES/" 2>/dev/null
     done
     [ "$seed" = 2 ] && for name in ddpm-v-cosine edm; do for s in 1 2; do
       train "$name" "$s"

@@ -1,8 +1,9 @@
 """The training-seed table of the objectives comparison: FID per objective x training seed at the scored points,
 and the paired differences (flow minus each DDPM objective, same seed, same precision, same feature network).
 
-Reads raw/ (seed 0, bf16 on an AMD Zen 5) and raw-fp32/seedN/NAME/ (seeds.sh's fp32 arm) and, where given, the
-bf16 arm's seeds.sh folder. Usage: python seeds_table.py [BF16_SEEDS_DIR] > seeds.md"""
+Reads raw/ (seed 0, bf16 on an AMD Zen 5), raw-fp32/seedN/NAME/ (seeds.sh's fp32 arm), raw-cond-fp32/seedN/NAME/
+(its conditional arm, guidance W = 2: each cell also gives the class accuracy) and, where given, the bf16 arm's
+seeds.sh folder. Usage: python seeds_table.py [BF16_SEEDS_DIR] > seeds.md"""
 
 import json
 import re
@@ -19,8 +20,9 @@ def runs() -> list[dict]:
     """One record per (arm, seed, objective) that has at least one score."""
     found = []
     folders = [("bf16", 0, HERE / "raw" / name, name) for name in NAMES]
-    for seed_dir in sorted((HERE / "raw-fp32").glob("seed*")):
-        folders += [("fp32", int(seed_dir.name[4:]), seed_dir / name, name) for name in NAMES]
+    for arm in ("fp32", "cond-fp32"):
+        for seed_dir in sorted((HERE / f"raw-{arm}").glob("seed*")):
+            folders += [(arm, int(seed_dir.name[4:]), seed_dir / name, name) for name in NAMES]
     if len(sys.argv) > 1:
         for seed_dir in sorted(Path(sys.argv[1]).glob("seed*")):
             folders += [("bf16", int(seed_dir.name[4:]), seed_dir / name, name) for name in NAMES]
@@ -28,13 +30,16 @@ def runs() -> list[dict]:
         evals = sorted(folder.glob("eval_*.json")) + sorted(folder.glob("eval-*/eval_*.json"))
         if not evals:
             continue
-        fids, features = {}, set()
+        fids, accuracy, features = {}, {}, set()
         for f in evals:
             d = json.loads(f.read_text())
             s = d["sampling"]
             fids[(s["sampler"], s["steps"])] = (d["fid"], s["nfe"])
+            if d.get("guidance"):  # a conditional model: the first (here the only) scale's class accuracy
+                accuracy[(s["sampler"], s["steps"])] = d["guidance"][0]["class_accuracy"]
             features.add(re.sub(r".*-features-|\.npz$", "", d["reference"]["file"]))
-        found.append({"arm": arm, "seed": seed, "objective": name, "fid": fids, "features": sorted(features)})
+        found.append({"arm": arm, "seed": seed, "objective": name, "fid": fids, "accuracy": accuracy,
+                      "features": sorted(features)})
     return found
 
 
@@ -50,7 +55,8 @@ def main() -> None:
     print(f"| arm | seed | objective | {cols} | best <= 10 calls | best <= 20 calls |")
     print("| --- | --- | --- |" + " --- |" * (len(POINTS) + 2))
     for r in sorted(rows, key=lambda r: (r["arm"], NAMES.index(r["objective"]), r["seed"])):
-        cells = [f"{r['fid'][p][0]:.2f}" if p in r["fid"] else "-" for p in POINTS]
+        cells = [f"{r['fid'][p][0]:.2f}" + (f" ({r['accuracy'][p]:.1%})" if p in r["accuracy"] else "")
+                 if p in r["fid"] else "-" for p in POINTS]
         b10, b20 = best(r, 10), best(r, 20)
         print(f"| {r['arm']} | {r['seed']} | {r['objective']} | " + " | ".join(cells)
               + f" | {b10:.2f} | {b20:.2f} |" if b10 is not None and b20 is not None else " | - | - |")
