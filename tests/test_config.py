@@ -67,6 +67,33 @@ def test_validation_names_field_and_fix(overrides, match):
         apply_overrides(get_preset("tiny"), overrides)
 
 
+def test_auto_sampler_is_the_objectives_own_and_given_steps_win():
+    """`auto` (the default of the grids, --eval-every, `sample` and `eval`) is Heun 10 steps for a flow model and
+    SDE-DPM-Solver++(2M) 20 steps for DDPM and EDM; given steps replace auto's, a named sampler runs 20 unless told;
+    a config saved with a named sampler keeps it."""
+    from fastddpm.config import resolve_sampling
+
+    assert TrainConfig().sampler == "auto" and TrainConfig().eval_sampler == "auto"
+    expect = {"ddpm": ("dpmpp-2m-sde", 20), "edm": ("dpmpp-2m-sde", 20), "flow": ("heun", 10)}
+    for objective, pair in expect.items():
+        cfg = apply_overrides(get_preset("cpu-demo"), {"diffusion.objective": objective})
+        assert cfg.grid_sampling() == pair and cfg.eval_sampling() == pair
+        assert resolve_sampling("auto", 4, objective) == (pair[0], 4)
+        assert resolve_sampling("unipc", None, objective) == ("unipc", 20)
+    flow = apply_overrides(get_preset("tiny"), {"diffusion.objective": "flow"})  # tiny's grids take 10 steps
+    assert flow.grid_sampling() == ("heun", 10) and flow.eval_sampling() == ("heun", 10)
+    named = apply_overrides(flow, {"train.sampler": "euler", "train.eval_steps": 3})
+    assert named.grid_sampling() == ("euler", 10) and named.eval_sampling() == ("heun", 3)
+    old = get_preset("cpu-demo").to_dict()
+    old["train"].update(sampler="unipc", sample_steps=15)  # a run's config.json from before `auto`
+    old["diffusion"]["objective"] = "flow"
+    assert from_dict(old).grid_sampling() == ("unipc", 15)
+    with pytest.raises(ConfigError, match=r"train.sample_steps=0 must be >= 1 \(or none"):
+        apply_overrides(flow, {"train.sample_steps": 0})
+    with pytest.raises(ConfigError, match="train.sampler='heunn' is not one of 'auto', 'ddpm'"):
+        apply_overrides(flow, {"train.sampler": "heunn"})
+
+
 def test_unknown_preset_suggests():
     with pytest.raises(ConfigError, match="did you mean 'cpu-demo'"):
         get_preset("cpu_demo")

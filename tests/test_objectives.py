@@ -231,6 +231,11 @@ def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_n
     for sampler in ("euler", "dpmpp-2m-sde", "heun"):
         images = model.sample(3, sampler=sampler, steps=4, seed=1)
         assert images.shape == (3, 1, 28, 28) and images.dtype == np.uint8
+    # the default, auto: the objective's own sampler (flow: Heun 10 steps; EDM: SDE-DPM-Solver++ 20 steps)
+    own, other = (("heun", 10), ("dpmpp-2m-sde", 20)) if objective == "flow" else (("dpmpp-2m-sde", 20), ("heun", 10))
+    auto = model.sample(2, seed=1)
+    assert np.array_equal(auto, model.sample(2, sampler=own[0], steps=own[1], seed=1))
+    assert not np.array_equal(auto, model.sample(2, sampler=other[0], steps=other[1], seed=1))
     with pytest.raises(Exception, match="samples with euler"):
         model.sample(2, sampler="ddpm")
 
@@ -246,10 +251,11 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     is refused by name with the ones that work, and the ONNX model takes a float noise level."""
     run = tmp_path / "run"
     train(_cfg(fmnist_splits, "flow", max_steps=4, num_sample_images=2, sample_steps=2, sampler="euler",
-               eval_every_images=64, eval_samples=16, eval_steps=3, eval_sampler="heun"),
+               eval_every_images=64, eval_samples=16, eval_steps=3),
           out_dir=run, log=lambda *a, **k: None)
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
-    assert evals and all(e["fid"] > 0 for e in evals)  # --eval-every: Heun on the flow model during training
+    assert evals and all(e["fid"] > 0 for e in evals)  # --eval-every: auto = Heun on the flow model, recorded so
+    assert all((e["eval_sampler"], e["eval_steps"]) == ("heun", 3) for e in evals)
     assert main(["sample", "--checkpoint", str(run), "--sampler", "euler", "--steps", "3", "--num-images", "4",
                  "--no-progress"]) == 0
     assert np.load(run / "samples" / "euler3_n4_seed0.npz")["images"].shape == (4, 1, 28, 28)
@@ -260,6 +266,12 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
                  "--no-progress"]) == 0
     s = json.loads((run / "eval" / "eval_heun3_n20_seed0.json").read_text())["sampling"]
     assert s["nfe"] == 5 and s["sampler"] == "heun"
+    # no --sampler, no --steps: auto, a flow model's Heun with 10 steps (19 network calls)
+    assert main(["sample", "--checkpoint", str(run), "--num-images", "2", "--no-progress"]) == 0
+    assert np.load(run / "samples" / "heun10_n2_seed0.npz")["images"].shape == (2, 1, 28, 28)
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress"]) == 0
+    s = json.loads((run / "eval" / "eval_heun10_n20_seed0.json").read_text())["sampling"]
+    assert s["nfe"] == 19 and (s["sampler"], s["steps"]) == ("heun", 10)
     out = tmp_path / "bench"
     assert main(["bench", "samplers", str(run), "--quick", "--samplers", "euler,unipc", "--spread-points", "none",
                  "--out", str(out)]) == 0

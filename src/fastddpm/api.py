@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, ConfigError, RunConfig, apply_overrides,
-                             resolve_config)
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, resolve_config, resolve_sampling
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -71,12 +70,14 @@ class Model:
         m = self.cfg.model
         return tuple(m.class_names) if m.conditional and m.class_names else None
 
-    def sample(self, n: int, *, sampler: str = DEFAULT_SAMPLER, steps: int = DEFAULT_SAMPLER_STEPS, seed: int = 0,
+    def sample(self, n: int, *, sampler: str = "auto", steps: int | None = None, seed: int = 0,
                class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
-        "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance)."""
+        "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance).
+        `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; dpmpp-2m-sde, 20, otherwise);
+        `steps=None` its steps, or 20 for a named sampler."""
         from fastddpm.sampling import class_labels, sample_images
 
         if n < 1:
@@ -87,6 +88,7 @@ class Model:
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
         labels, _ = class_labels(m, None if class_ is None else str(class_), n)
+        sampler, steps = resolve_sampling(sampler, steps, self.cfg.diffusion.objective)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
@@ -112,13 +114,14 @@ def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Mod
     return Model(net=net, cfg=cfg, device=dev)
 
 
-def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = DEFAULT_SAMPLER,
-             steps: int = DEFAULT_SAMPLER_STEPS, seed: int = 0, guidance: float | None = None,
+def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto",
+             steps: int | None = None, seed: int = 0, guidance: float | None = None,
              data: str | None = None, inception: str | None = None, device: str = "auto",
              batch_size: int | None = None, log=print) -> dict:
     """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
-    fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy."""
+    fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy. `sampler` and
+    `steps` as in Model.sample."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
 
     model = load(path, device=device)
@@ -129,6 +132,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = DEFAU
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
+    sampler, steps = resolve_sampling(sampler, steps, cfg.diffusion.objective)
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)

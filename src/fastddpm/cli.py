@@ -16,9 +16,9 @@ import typing
 from pathlib import Path
 
 from fastddpm import __version__
-from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, PRESETS, SAMPLERS, SECTIONS, SPACINGS,
-                             ConfigError, RunConfig, TrainConfig, default_spacing, flag_name, load_config_file,
-                             preset_summaries, resolve_config)
+from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
+                             RunConfig, TrainConfig, default_spacing, flag_name, load_config_file, preset_summaries,
+                             resolve_config, resolve_sampling)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -142,9 +142,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
                          "ema.safetensors")
     sp.add_argument("--num-images", type=int, default=64, metavar="N", help="images to draw (default 64)")
-    sp.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER, help=f"default {DEFAULT_SAMPLER}")
-    sp.add_argument("--steps", type=int, default=DEFAULT_SAMPLER_STEPS, metavar="K",
-                    help=f"sampler steps (default {DEFAULT_SAMPLER_STEPS}; DDPM uses all T)")
+    sp.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto", help=SAMPLER_HELP)
+    sp.add_argument("--steps", type=int, default=None, metavar="K", help=STEPS_HELP)
     sp.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="timesteps: trailing (evenly spaced from T-1), karras (EDM noise levels, dense at low "
                          "noise) or logsnr (evenly spaced in log-SNR, DPM-Solver's); default: karras for heun, "
@@ -241,6 +240,7 @@ def cmd_sample(args) -> int:
     device, _ = resolve_device(args.device)
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
+    args.sampler, args.steps = resolve_sampling(args.sampler, args.steps, cfg.diffusion.objective)
     check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
                        cfg.diffusion.objective)
     if args.num_images < 1 or args.batch_size < 1:

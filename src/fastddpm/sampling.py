@@ -148,7 +148,8 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision
         labels = torch.arange(model_cfg.num_classes).repeat_interleave(per_class)
         n = len(labels)
     shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
-    x = sample(ema_model, schedule, shape, sampler=cfg.train.sampler, steps=cfg.train.sample_steps,
+    sampler, steps = cfg.grid_sampling()
+    x = sample(ema_model, schedule, shape, sampler=sampler, steps=steps,
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
                autocast_dtype=precision.autocast_dtype, labels=labels, guidance=cfg.train.sample_guidance,
                num_classes=model_cfg.num_classes)

@@ -20,14 +20,16 @@ from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, fie
                                        load_config_file, positive_int, qualify, resolve_config, save_config)
 from fastddpm.config.presets import PRESETS, get_preset, preset_summaries
 from fastddpm.config.reference import flag_name, reference_markdown
-from fastddpm.config.schema import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, LOGGERS, SAMPLERS, SECTIONS, SPACINGS,
-                                    ConfigError, DataConfig, DiffusionConfig, ModelConfig, RunConfig, TrainConfig,
-                                    default_spacing)
+from fastddpm.config.schema import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, LOGGERS, SAMPLER_CHOICES, SAMPLER_HELP,
+                                    SAMPLERS, SECTIONS, SPACINGS, STEPS_HELP, ConfigError, DataConfig,
+                                    DiffusionConfig, ModelConfig, RunConfig, TrainConfig, default_spacing,
+                                    resolve_sampling)
 from fastddpm.config.shape import check_same_architecture, class_index, resolve_classes, resolve_model_shape
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DiffusionConfig", "DataConfig", "TrainConfig", "SECTIONS",
-    "SAMPLERS", "SPACINGS", "LOGGERS", "DEFAULT_SAMPLER", "DEFAULT_SAMPLER_STEPS", "default_spacing",
+    "SAMPLERS", "SAMPLER_CHOICES", "SAMPLER_HELP", "STEPS_HELP", "SPACINGS", "LOGGERS", "DEFAULT_SAMPLER",
+    "DEFAULT_SAMPLER_STEPS", "default_spacing", "resolve_sampling",
     "PRESETS", "get_preset", "preset_summaries",
     "resolve_config", "apply_overrides", "qualify", "RUN_LENGTHS", "coerce", "field_types", "load_config_file",
     "from_dict", "save_config", "positive_int",

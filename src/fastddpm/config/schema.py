@@ -29,7 +29,7 @@ def _require(ok: bool, message: str) -> None:
 
 # Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
 SAMPLERS = ("ddpm", "ddim", "euler", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
-# The default of `sample`, `eval`, the training grids and --eval-every: SDE-DPM-Solver++(2M) in 20 network calls
+# What `auto` samples DDPM and EDM models with: SDE-DPM-Solver++(2M) in 20 network calls
 # (benchmarks/RESULTS.md, "Few-step samplers"). On the CPU demo's checkpoints (2,000 samples) it beats every ODE
 # sampler at any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5
 # for DDPM over all 1,000 steps; conditional 2.17 at W = 2 (3 seeds) against UniPC-20's best, 2.56 at W = 3. 50 steps
@@ -37,8 +37,30 @@ SAMPLERS = ("ddpm", "ddim", "euler", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"
 # not: each step's fresh noise washes out the errors of the steps before. (Not yet measured on a GPU-trained model.)
 DEFAULT_SAMPLER = "dpmpp-2m-sde"
 DEFAULT_SAMPLER_STEPS = 20
+# A flow-matching model's own pair: Heun with 10 steps (19 network calls). On the unconditional CPU demo (three
+# training seeds, 2,000 samples each) it scored FID 5.17, 4.95 and 5.30 against SDE-DPM-Solver++(2M) 20 steps' 5.72,
+# 5.48 and 6.52 and UniPC 10 steps' 5.70, 5.30 and 5.77 (benchmarks/RESULTS.md, "Objectives on the CPU demo"): flow's
+# nearly straight paths suit a deterministic second-order solver, where DDPM's and EDM's models score best with the
+# SDE solver. `auto` (the default of `sample`, `eval`, the grids and --eval-every) is the objective's pair.
+OBJECTIVE_SAMPLING = {"flow": ("heun", 10)}
+SAMPLER_CHOICES = ("auto", *SAMPLERS)
+# `sample`'s and `eval`'s help for the two flags
+SAMPLER_HELP = (f"default auto: the model's objective's best on the CPU demo, heun for flow, {DEFAULT_SAMPLER} for "
+                "ddpm and edm")
+STEPS_HELP = (f"sampler steps (default: 10 where auto picks heun, else {DEFAULT_SAMPLER_STEPS}; DDPM uses all T; "
+              "Heun makes 2K-1 network calls)")
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
 SPACINGS = ("trailing", "karras", "logsnr")
+
+
+def resolve_sampling(sampler: str, steps: int | None, objective: str) -> tuple[str, int]:
+    """The (sampler, steps) to run for a model of `objective`: `auto` is the objective's pair (OBJECTIVE_SAMPLING,
+    else DEFAULT_SAMPLER with DEFAULT_SAMPLER_STEPS) and `steps`, where given, replaces its steps; a named sampler
+    runs `steps`, or DEFAULT_SAMPLER_STEPS where none are given."""
+    if sampler == "auto":
+        auto_sampler, auto_steps = OBJECTIVE_SAMPLING.get(objective, (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS))
+        return auto_sampler, auto_steps if steps is None else steps
+    return sampler, DEFAULT_SAMPLER_STEPS if steps is None else steps
 
 
 def default_spacing(sampler: str) -> str:
@@ -436,9 +458,12 @@ class TrainConfig:
         default=None, metadata=_doc("Write a sample grid every this many images (none = only at the end).")
     )
     num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
-    sampler: str = field(default=DEFAULT_SAMPLER, metadata=_doc("Sampler for the grids.", choices=SAMPLERS))
-    sample_steps: int = field(default=DEFAULT_SAMPLER_STEPS,
-                              metadata=_doc("Sampler steps for the grids (DDPM always uses T)."))
+    sampler: str = field(default="auto", metadata=_doc(
+        f"Sampler for the grids (auto: heun for a flow model, {DEFAULT_SAMPLER} for the others, the best of each "
+        "on the CPU demo).", choices=SAMPLER_CHOICES))
+    sample_steps: int | None = field(default=None, metadata=_doc(
+        f"Sampler steps for the grids (none: 10 where auto picks heun, else {DEFAULT_SAMPLER_STEPS}; DDPM always uses "
+        "T)."))
     sample_guidance: float = field(
         default=2.0,
         metadata=_doc("Classifier-free guidance scale W of a conditional model's grids (one row per class), its "
@@ -462,9 +487,10 @@ class TrainConfig:
         default=1000, metadata=_doc("Images sampled per evaluation during training (FID is biased upward at small "
                                     "counts: compare runs at equal counts).")
     )
-    eval_sampler: str = field(default=DEFAULT_SAMPLER,
-                              metadata=_doc("Sampler for the evaluation samples.", choices=SAMPLERS))
-    eval_steps: int = field(default=DEFAULT_SAMPLER_STEPS, metadata=_doc("Sampler steps for the evaluation samples."))
+    eval_sampler: str = field(default="auto", metadata=_doc(
+        "Sampler for the evaluation samples (auto: the objective's, as train.sampler).", choices=SAMPLER_CHOICES))
+    eval_steps: int | None = field(default=None, metadata=_doc(
+        f"Sampler steps for the evaluation samples (none: 10 where auto picks heun, else {DEFAULT_SAMPLER_STEPS})."))
     init_from: str | None = field(
         default=None,
         metadata=_doc("A diffusers UNet2DModel folder (a DDPMPipeline's, or its unet/; e.g. a local copy of "
@@ -527,14 +553,16 @@ class TrainConfig:
                  f"train.cpu_threads={self.cpu_threads} must be >= 1 (or none for torch's own count)")
         _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
         _require(self.num_sample_images >= 1, f"train.num_sample_images={self.num_sample_images} must be >= 1")
-        _require(self.sample_steps >= 1, f"train.sample_steps={self.sample_steps} must be >= 1")
+        _require(self.sample_steps is None or self.sample_steps >= 1,
+                 f"train.sample_steps={self.sample_steps} must be >= 1 (or none for the sampler's default)")
         _require(self.warmup_images >= 0, f"train.warmup_images={self.warmup_images} must be >= 0")
         _require(0 <= self.cond_drop_prob < 1, f"train.cond_drop_prob={self.cond_drop_prob} must be in [0, 1)")
         _require(self.sample_guidance >= 0, f"train.sample_guidance={self.sample_guidance} must be >= 0")
         _require(self.eval_samples >= 10,
                  f"train.eval_samples={self.eval_samples} must be >= 10 (a covariance and 3-NN radii need a few "
                  "samples; 1000 is fast, 10000 is the usual final count)")
-        _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
+        _require(self.eval_steps is None or self.eval_steps >= 1,
+                 f"train.eval_steps={self.eval_steps} must be >= 1 (or none for the sampler's default)")
         _require(self.min_snr_gamma is None or self.min_snr_gamma > 0,
                  f"train.min_snr_gamma={self.min_snr_gamma} must be > 0 (e.g. 5), or none for the plain loss")
 
@@ -557,6 +585,14 @@ class RunConfig:
                 _require(getattr(self.train, name) != "ddpm",
                          f"train.{name}=ddpm walks DDPM's discrete timesteps; a {objective} model samples with "
                          "euler, ddim, dpmpp-2m, dpmpp-2m-sde, unipc or heun")
+
+    def grid_sampling(self) -> tuple[str, int]:
+        """The training grids' (sampler, steps), `auto` resolved for this run's objective."""
+        return resolve_sampling(self.train.sampler, self.train.sample_steps, self.diffusion.objective)
+
+    def eval_sampling(self) -> tuple[str, int]:
+        """--eval-every's (sampler, steps), `auto` resolved for this run's objective."""
+        return resolve_sampling(self.train.eval_sampler, self.train.eval_steps, self.diffusion.objective)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

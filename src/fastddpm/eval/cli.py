@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from fastddpm.config import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLERS, SPACINGS,  # no torch import
-                             default_spacing, positive_int)
+from fastddpm.config import (SAMPLER_CHOICES, SAMPLER_HELP, SPACINGS, STEPS_HELP,  # no torch import
+                             default_spacing, positive_int, resolve_sampling)
 
 _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
@@ -60,10 +60,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
-    ev.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER, help=f"default {DEFAULT_SAMPLER}")
-    ev.add_argument("--steps", type=positive_int, default=DEFAULT_SAMPLER_STEPS, metavar="K",
-                    help=f"sampler steps (default {DEFAULT_SAMPLER_STEPS}; DDPM uses all T; Heun makes 2K-1 network "
-                         "calls)")
+    ev.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto", help=SAMPLER_HELP)
+    ev.add_argument("--steps", type=positive_int, default=None, metavar="K", help=STEPS_HELP)
     ev.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="timestep spacing (default: karras for heun, trailing for the others)")
     ev.add_argument("--eta", type=float, default=0.0, help="DDIM eta (default 0)")
@@ -171,6 +169,7 @@ def run_eval(args: argparse.Namespace) -> int:
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
+    args.sampler, args.steps = resolve_sampling(args.sampler, args.steps, cfg.diffusion.objective)
     check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
                        cfg.diffusion.objective)
     if args.num_samples < 10:

@@ -1,7 +1,7 @@
 """`fastddpm train --eval-every N`: FID from the EMA weights at fixed image counts, against training wall time.
 
-Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps) from the EMA weights, with the
-same noise every time (seed derived from (run seed, "eval")), so successive points differ only by the weights.
+Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps; `auto` resolved for the run's
+objective, and the resolved names recorded) from the EMA weights, with the same noise every time (seed derived from (run seed, "eval")), so successive points differ only by the weights.
 It writes one record to metrics.jsonl ({"event": "eval", fid, precision, recall, wall_s, images_seen, ...}) and
 a fuller one to eval.jsonl, and redraws RUN_DIR/eval_curve.png (FID vs wall time and vs images seen).
 
@@ -43,7 +43,8 @@ class TrainingEvaluator:
         self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
         self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True
-        log(f"eval: every {self.every:,} images, {t.eval_samples:,} {t.eval_sampler}-{t.eval_steps} samples from the "
+        self.sampler, self.steps = cfg.eval_sampling()  # `auto` resolved for the run's objective
+        log(f"eval: every {self.every:,} images, {t.eval_samples:,} {self.sampler}-{self.steps} samples from the "
             f"EMA weights, in {self.evaluator.net.label}")
 
     def due(self, images_seen: int, images_per_step: int) -> bool:
@@ -59,14 +60,14 @@ class TrainingEvaluator:
         wall_s = t_eval - t_start
         t = self.cfg.train
         conditional = self.cfg.model.conditional  # sampled class-balanced at the grids' guidance scale
-        result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler=t.eval_sampler,
-                                            steps=t.eval_steps, seed=self.seed, batch_size=self.batch_size,
+        result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler=self.sampler,
+                                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
                                             device=self.device, autocast_dtype=self.autocast_dtype,
                                             guidance=t.sample_guidance if conditional else None)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
-                  "eval_samples": t.eval_samples, "eval_sampler": t.eval_sampler, "eval_steps": t.eval_steps,
+                  "eval_samples": t.eval_samples, "eval_sampler": self.sampler, "eval_steps": self.steps,
                   "eval_s": eval_s, "features": result["features"], "features_label": result["features_label"]}
         if "coverage" in result:
             record["classes_present"] = result["coverage"]["classes_present"]
@@ -81,6 +82,6 @@ class TrainingEvaluator:
             records = read_metrics(self.eval_log.path)
             path = write_curve(records, self.curve_path, log=self.log,
                                title=f"{self.cfg.data.source}: FID ({result['features_label']}), "
-                                     f"{t.eval_samples:,} samples, {t.eval_sampler} {t.eval_steps}")
+                                     f"{t.eval_samples:,} samples, {self.sampler} {self.steps}")
             self.curve_ok = path is not None  # without matplotlib: say so once
         return time.perf_counter() - t_eval
