@@ -6,7 +6,8 @@ and, when resuming without --preset, the checkpoint's own config takes the place
 resolves its keyword arguments the same way (overrides.resolve_config). The resolved config is written into every
 run directory as config.json, and `fastddpm train --help` and docs/config.md are generated from the field docs.
 
-    schema.py      ModelConfig, DiffusionConfig, DataConfig, TrainConfig, RunConfig; sampler names and defaults
+    schema.py      ModelConfig, DiffusionConfig, DataConfig, TrainConfig, RunConfig
+    sampling.py    sampler names, spacings and defaults: what `auto` samples each objective with
     presets.py     the presets, one function each
     overrides.py   files, flags and keyword arguments coerced and layered: resolve_config, apply_overrides
     shape.py       the model's shape and classes from the data; what a resume must keep the same
@@ -20,10 +21,10 @@ from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, fie
                                        load_config_file, positive_int, qualify, resolve_config, save_config)
 from fastddpm.config.presets import PRESETS, get_preset, preset_summaries
 from fastddpm.config.reference import flag_name, reference_markdown
-from fastddpm.config.schema import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, LOGGERS, SAMPLER_CHOICES, SAMPLER_HELP,
-                                    SAMPLERS, SECTIONS, SPACINGS, STEPS_HELP, ConfigError, DataConfig,
-                                    DiffusionConfig, ModelConfig, RunConfig, TrainConfig, default_spacing,
-                                    resolve_sampling)
+from fastddpm.config.sampling import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLER_CHOICES, SAMPLER_HELP, SAMPLERS,
+                                      SPACINGS, STEPS_HELP, default_spacing, resolve_sampling)
+from fastddpm.config.schema import (LOGGERS, SECTIONS, ConfigError, DataConfig, DiffusionConfig, ModelConfig,
+                                    RunConfig, TrainConfig)
 from fastddpm.config.shape import check_same_architecture, class_index, resolve_classes, resolve_model_shape
 
 __all__ = [

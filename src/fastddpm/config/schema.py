@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastddpm.config.sampling import DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLER_CHOICES, resolve_sampling
+
 
 def _doc(text: str, *, cli: str | None = None, choices: tuple[str, ...] | None = None) -> dict:
     """Field metadata: the help text, an optional CLI flag name, and allowed string values."""
@@ -27,46 +29,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-# Sampler and timestep-spacing names (the math: fastddpm.diffusion.samplers and .ode_solvers).
-SAMPLERS = ("ddpm", "ddim", "euler", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
-# What `auto` samples DDPM and EDM models with: SDE-DPM-Solver++(2M) in 20 network calls
-# (benchmarks/RESULTS.md, "Few-step samplers"). On the CPU demo's checkpoints (2,000 samples) it beats every ODE
-# sampler at any number of calls: unconditional FID 7.9 against 12.1-12.5 for the best ODE points (UniPC-20) and 6.5
-# for DDPM over all 1,000 steps; conditional 2.17 at W = 2 (3 seeds) against UniPC-20's best, 2.56 at W = 3. 50 steps
-# gain ~1.4 (unconditional) at 2.5x the time: --steps 50. The ODE solvers level off where a stochastic sampler does
-# not: each step's fresh noise washes out the errors of the steps before. (Not yet measured on a GPU-trained model.)
-DEFAULT_SAMPLER = "dpmpp-2m-sde"
-DEFAULT_SAMPLER_STEPS = 20
-# A flow-matching model's own pair: Heun with 10 steps (19 network calls). On the unconditional CPU demo (three
-# training seeds, 2,000 samples each) it scored FID 5.17, 4.95 and 5.30 against SDE-DPM-Solver++(2M) 20 steps' 5.72,
-# 5.48 and 6.52 and UniPC 10 steps' 5.70, 5.30 and 5.77 (benchmarks/RESULTS.md, "Objectives on the CPU demo"): flow's
-# nearly straight paths suit a deterministic second-order solver, where DDPM's and EDM's models score best with the
-# SDE solver. `auto` (the default of `sample`, `eval`, the grids and --eval-every) is the objective's pair.
-OBJECTIVE_SAMPLING = {"flow": ("heun", 10)}
-SAMPLER_CHOICES = ("auto", *SAMPLERS)
-# `sample`'s and `eval`'s help for the two flags
-SAMPLER_HELP = (f"default auto: the model's objective's best on the CPU demo, heun for flow, {DEFAULT_SAMPLER} for "
-                "ddpm and edm")
-STEPS_HELP = (f"sampler steps (default: 10 where auto picks heun, else {DEFAULT_SAMPLER_STEPS}; DDPM uses all T; "
-              "Heun makes 2K-1 network calls)")
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
-SPACINGS = ("trailing", "karras", "logsnr")
-
-
-def resolve_sampling(sampler: str, steps: int | None, objective: str) -> tuple[str, int]:
-    """The (sampler, steps) to run for a model of `objective`: `auto` is the objective's pair (OBJECTIVE_SAMPLING,
-    else DEFAULT_SAMPLER with DEFAULT_SAMPLER_STEPS) and `steps`, where given, replaces its steps; a named sampler
-    runs `steps`, or DEFAULT_SAMPLER_STEPS where none are given."""
-    if sampler == "auto":
-        auto_sampler, auto_steps = OBJECTIVE_SAMPLING.get(objective, (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS))
-        return auto_sampler, auto_steps if steps is None else steps
-    return sampler, DEFAULT_SAMPLER_STEPS if steps is None else steps
-
-
-def default_spacing(sampler: str) -> str:
-    """A sampler's own timesteps: EDM's Heun is defined with the Karras noise levels (its steps in sigma need them:
-    uniform steps put one huge step at high noise); the others with evenly spaced 'trailing' timesteps."""
-    return "karras" if sampler == "heun" else "trailing"
 
 
 def _check_choice(section: str, obj: Any, name: str) -> None:
