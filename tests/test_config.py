@@ -88,10 +88,33 @@ def test_auto_sampler_is_the_objectives_own_and_given_steps_win():
     old["train"].update(sampler="unipc", sample_steps=15)  # a run's config.json from before `auto`
     old["diffusion"]["objective"] = "flow"
     assert from_dict(old).grid_sampling() == ("unipc", 15)
+    assert apply_overrides(named, {"train.eval_steps": "none"}).eval_sampling() == ("heun", 10)  # --eval-steps none
     with pytest.raises(ConfigError, match=r"train.sample_steps=0 must be >= 1 \(or none"):
         apply_overrides(flow, {"train.sample_steps": 0})
     with pytest.raises(ConfigError, match="train.sampler='heunn' is not one of 'auto', 'ddpm'"):
         apply_overrides(flow, {"train.sampler": "heunn"})
+
+
+def test_the_training_grids_sample_with_the_resolved_sampler(monkeypatch):
+    """write_grid hands the sampler `auto` resolves to (not the config's "auto") to the sampling loop."""
+    import types
+
+    import torch
+
+    import fastddpm.sampling as sampling
+
+    seen = []
+
+    def fake_sample(model, schedule, shape, *, sampler, steps, **kw):
+        seen.append((sampler, steps))
+        return torch.zeros(shape)
+
+    monkeypatch.setattr(sampling, "sample", fake_sample)
+    for objective, pair in (("flow", ("heun", 10)), ("ddpm", ("dpmpp-2m-sde", 10))):  # tiny's grids: 10 steps
+        cfg = apply_overrides(get_preset("tiny"), {"diffusion.objective": objective, "model.image_size": 28,
+                                                   "model.image_channels": 1})
+        sampling.write_grid(None, None, cfg, "cpu", types.SimpleNamespace(autocast_dtype=None), None, save=False)
+        assert seen[-1] == pair
 
 
 def test_unknown_preset_suggests():

@@ -231,6 +231,8 @@ def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_n
     for sampler in ("euler", "dpmpp-2m-sde", "heun"):
         images = model.sample(3, sampler=sampler, steps=4, seed=1)
         assert images.shape == (3, 1, 28, 28) and images.dtype == np.uint8
+    grids = json.loads((straight / "run.json").read_text())["grid_sampling"]  # tiny's grids take 10 steps
+    assert grids == (["heun", 10] if objective == "flow" else ["dpmpp-2m-sde", 10])
     # the default, auto: the objective's own sampler (flow: Heun 10 steps; EDM: SDE-DPM-Solver++ 20 steps)
     own, other = (("heun", 10), ("dpmpp-2m-sde", 20)) if objective == "flow" else (("dpmpp-2m-sde", 20), ("heun", 10))
     auto = model.sample(2, seed=1)

@@ -268,7 +268,8 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
     qp.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                     help="samples per evaluation (default 5000)")
     qp.add_argument("--eval-sampler", default=None, choices=SAMPLERS,
-                    help=f"the evaluation samples' sampler (default {DEFAULT_SAMPLER}, the toolkit's default)")
+                    help=f"the evaluation samples' sampler (default {DEFAULT_SAMPLER}: one sampler for every run "
+                         "compared, DDPM's best)")
     qp.add_argument("--eval-steps", type=positive_int, default=None, metavar="K", help="its steps (default 50)")
     qp.add_argument("--reference-epochs", type=float, default=None, metavar="E",
                     help="length of the reference run (default: the preset's, 40 epochs)")

@@ -58,7 +58,7 @@ class QualitySettings:
     preset: str = "seed-1layer"
     num_images: int | None = None  # cap the dataset (None: all of it)
     eval_samples: int = 5000
-    eval_sampler: str = DEFAULT_SAMPLER  # the evaluation samples' sampler (the toolkit's default, as users sample)
+    eval_sampler: str = DEFAULT_SAMPLER  # the evaluation samples' sampler: one for every run compared (DDPM's best)
     eval_steps: int = 50  # its steps
     reference_epochs: float | None = None  # None: the preset's own length (seed-1layer: 40 epochs)
     reference_eval_every_images: int = 600_000

@@ -432,7 +432,8 @@ class TrainConfig:
         metadata=_doc("Classifier-free guidance scale W of a conditional model's grids (one row per class), its "
                       "evaluations, and `sample`/`eval` of its checkpoints: 1 = plain conditional, 0 = "
                       "unconditional, > 1 = more class-faithful, less varied. 2: the best FID of the CPU demo with "
-                      "the default sampler (SDE-DPM-Solver++ 20 steps), 93% class accuracy (benchmarks/RESULTS.md)."),
+                      "SDE-DPM-Solver++ 20 steps on the DDPM model, 93% class accuracy (benchmarks/RESULTS.md; "
+                      "flow's default, Heun 10 steps, not yet measured with guidance)."),
     )
     cond_drop_prob: float = field(
         default=0.1,

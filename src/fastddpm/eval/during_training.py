@@ -1,7 +1,8 @@
 """`fastddpm train --eval-every N`: FID from the EMA weights at fixed image counts, against training wall time.
 
 Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps; `auto` resolved for the run's
-objective, and the resolved names recorded) from the EMA weights, with the same noise every time (seed derived from (run seed, "eval")), so successive points differ only by the weights.
+objective, and the resolved names recorded) from the EMA weights, with the same noise every time (seed derived from
+(run seed, "eval")), so successive points differ only by the weights.
 It writes one record to metrics.jsonl ({"event": "eval", fid, precision, recall, wall_s, images_seen, ...}) and
 a fuller one to eval.jsonl, and redraws RUN_DIR/eval_curve.png (FID vs wall time and vs images seen).
 

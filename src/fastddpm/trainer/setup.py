@@ -387,6 +387,9 @@ def _run_record(cfg: RunConfig, choices: Choices, model: UNet, data, dist: DistI
         "accum_steps": train_cfg.accum_steps, "world_size": dist.world_size, "global_batch": images_per_step,
         "parallel": train_cfg.parallel if dist.enabled else None, "grad_checkpointing": train_cfg.grad_checkpointing,
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
+        # `auto` resolved for the objective (config.json keeps "auto"): the samplers this run's grids and
+        # --eval-every use, as [sampler, steps]
+        "grid_sampling": list(cfg.grid_sampling()), "eval_sampling": list(cfg.eval_sampling()),
     }
 
 
@@ -400,5 +403,8 @@ def _describe(run: Run) -> None:
     for line in run.choices.lines(run.dist.world_size, run.images_per_step, cfg.train.accum_steps,
                                   run.steps_per_epoch):
         log(line)
+    (grid, grid_steps), t = cfg.grid_sampling(), cfg.train
+    log(f"grids: {grid} {grid_steps} steps" + (f" (sampler auto: the {cfg.diffusion.objective} objective's)"
+                                               if t.sampler == "auto" else ""))
     log(f"training to step {run.total_steps:,} ({run.total_steps * run.images_per_step:,} images); run dir "
         f"{run.run_dir.path}")
