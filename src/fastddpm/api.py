@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, resolve_config, resolve_sampling
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, resolve_config
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -78,7 +78,7 @@ class Model:
         "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; dpmpp-2m-sde, 20, otherwise);
         `steps=None` its steps, or 20 for a named sampler."""
-        from fastddpm.sampling import check_sampler_args, class_labels, sample_images
+        from fastddpm.sampling import class_labels, resolve_sampler_args, sample_images
 
         if n < 1:
             raise ConfigError(f"sample: n={n} must be at least 1")
@@ -88,8 +88,7 @@ class Model:
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
         labels, _ = class_labels(m, None if class_ is None else str(class_), n)
-        sampler, steps = resolve_sampling(sampler, steps, self.cfg.diffusion.objective)
-        check_sampler_args(sampler, steps, 0.0, self.cfg.diffusion.num_timesteps, self.cfg.diffusion.objective)
+        sampler, steps = resolve_sampler_args(self.cfg, sampler, steps)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
@@ -133,10 +132,9 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
-    sampler, steps = resolve_sampling(sampler, steps, cfg.diffusion.objective)
-    from fastddpm.sampling import check_sampler_args
+    from fastddpm.sampling import resolve_sampler_args
 
-    check_sampler_args(sampler, steps, 0.0, cfg.diffusion.num_timesteps, cfg.diffusion.objective)
+    sampler, steps = resolve_sampler_args(cfg, sampler, steps)
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)

@@ -18,7 +18,7 @@ from pathlib import Path
 from fastddpm import __version__
 from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
                              RunConfig, TrainConfig, default_spacing, flag_name, load_config_file, preset_summaries,
-                             resolve_config, resolve_sampling)
+                             resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -236,14 +236,12 @@ def cmd_sample(args) -> int:
 
     from fastddpm.device import resolve_device
     from fastddpm.rundir.locate import locate
-    from fastddpm.sampling import check_sampler_args, class_labels, load_for_sampling, sample_to_files
+    from fastddpm.sampling import class_labels, load_for_sampling, resolve_sampler_args, sample_to_files
 
     device, _ = resolve_device(args.device)
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    args.sampler, args.steps = resolve_sampling(args.sampler, args.steps, cfg.diffusion.objective)
-    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
-                       cfg.diffusion.objective)
+    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     out = Path(args.out) if args.out else ckpt.run_dir.samples

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, class_index
+from fastddpm.config import ConfigError, RunConfig, class_index, resolve_sampling
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
@@ -42,6 +42,15 @@ def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int,
     if eta != 0.0 and sampler != "ddim":
         kind = "stochastic by construction (the reverse SDE)" if sampler == "dpmpp-2m-sde" else "deterministic"
         raise ConfigError(f"--eta is DDIM's: --sampler {sampler} is {kind} (use --sampler ddim for eta)")
+
+
+def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0) -> tuple[str, int]:
+    """`sample`'s, `eval`'s and the API's sampler and steps for this model: `auto` and unset steps resolved for its
+    objective (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
+    d = cfg.diffusion
+    sampler, steps = resolve_sampling(sampler, steps, d.objective)
+    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective)
+    return sampler, steps
 
 
 def compile_for_sampling(model, device: torch.device):

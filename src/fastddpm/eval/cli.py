@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from fastddpm.config import (SAMPLER_CHOICES, SAMPLER_HELP, SPACINGS, STEPS_HELP,  # no torch import
-                             default_spacing, positive_int, resolve_sampling)
+                             default_spacing, positive_int)
 
 _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
@@ -162,16 +162,14 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
-    from fastddpm.sampling import check_sampler_args, compile_for_sampling, load_for_sampling
+    from fastddpm.sampling import compile_for_sampling, load_for_sampling, resolve_sampler_args
 
     log = print
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
-    args.sampler, args.steps = resolve_sampling(args.sampler, args.steps, cfg.diffusion.objective)
-    check_sampler_args(args.sampler, args.steps, args.eta, cfg.diffusion.num_timesteps,
-                       cfg.diffusion.objective)
+    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta)
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
