@@ -182,6 +182,9 @@ def test_the_sampling_levels_are_pinned():
     assert Flow().sampling_levels(2, "trailing", finite_lambda=False) == pytest.approx([1.0, 0.001])
     # the lambda-based solvers start where log(alpha / sigma) = -5.1: t = 1 / (1 + e^-5.1) = 0.99394
     assert Flow().sampling_levels(2, "trailing", finite_lambda=True)[0] == pytest.approx(0.993940, abs=1e-6)
+    for process, spacing in ((Flow(), "trailing"), (Flow(), "karras"), (EDM(), "karras"), (EDM(), "trailing")):
+        with pytest.raises(ValueError, match="steps=0 must be >= 1"):
+            process.sampling_levels(0, spacing, finite_lambda=False)
 
 
 def test_ddpm_sampler_is_refused_on_continuous_objectives_by_name():

@@ -148,6 +148,8 @@ class Flow(ContinuousProcess):
         return self.shift * t / (1 + (self.shift - 1) * t)
 
     def sampling_levels(self, steps, spacing, *, finite_lambda):
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1")
         t_max = 1.0
         if finite_lambda:  # the lambda-based solvers start where alpha / sigma = e^LAMBDA_MIN
             t_max = 1.0 / (1.0 + math.exp(LAMBDA_MIN))
