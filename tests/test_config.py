@@ -1,5 +1,6 @@
 """Config layering (preset < file < --set < flags), validation messages that name the field, and --help."""
 
+import dataclasses
 import json
 
 import pytest
@@ -93,6 +94,18 @@ def test_auto_sampler_is_the_objectives_own_and_given_steps_win():
         apply_overrides(flow, {"train.sample_steps": 0})
     with pytest.raises(ConfigError, match="train.sampler='heunn' is not one of 'auto', 'ddpm'"):
         apply_overrides(flow, {"train.sampler": "heunn"})
+
+
+def test_the_cpu_demos_objectives_follow_the_measurements():
+    """cpu-demo trains flow matching (it led every DDPM objective beyond the seed spread on the unconditional demo),
+    sampled by auto's Heun 10; cpu-demo-cond, the CPU quickstart, stays the epsilon DDPM on the cosine schedule until
+    the conditional seeds decide (benchmarks/RESULTS.md, "Objectives on the CPU demo")."""
+    demo, cond = get_preset("cpu-demo"), get_preset("cpu-demo-cond")
+    assert demo.diffusion.objective == "flow" and demo.grid_sampling() == ("heun", 10)
+    assert (cond.diffusion.objective, cond.diffusion.prediction, cond.diffusion.schedule) == ("ddpm", "epsilon",
+                                                                                             "cosine")
+    assert cond.model.conditional and cond.grid_sampling() == ("dpmpp-2m-sde", 20)
+    assert dataclasses.replace(cond.model, conditional=False) == demo.model and cond.train.max_images == 150_000
 
 
 def test_the_training_grids_sample_with_the_resolved_sampler(monkeypatch):
