@@ -97,8 +97,8 @@ def test_auto_sampler_is_the_objectives_own_and_given_steps_win():
 
 
 def test_the_cpu_demos_objectives_follow_the_measurements():
-    """cpu-demo trains flow matching (it led every DDPM objective beyond the seed spread on the unconditional demo),
-    sampled by auto's Heun 10; cpu-demo-cond, the CPU quickstart, stays the epsilon DDPM on the cosine schedule until
+    """cpu-demo trains flow matching (on the unconditional demo it led the cosine epsilon DDPM it replaced beyond the
+    seed spread, and every other objective at every seed measured), sampled by auto's Heun 10; cpu-demo-cond, the CPU quickstart, stays the epsilon DDPM on the cosine schedule until
     the conditional seeds decide (benchmarks/RESULTS.md, "Objectives on the CPU demo")."""
     demo, cond = get_preset("cpu-demo"), get_preset("cpu-demo-cond")
     assert demo.diffusion.objective == "flow" and demo.grid_sampling() == ("heun", 10)
