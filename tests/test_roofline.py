@@ -197,6 +197,33 @@ def test_micro_batches_are_counted_each_though_the_allocator_reuses_their_addres
     assert four.activation_bytes() == 4 * one.activation_bytes() - 3 * 8 * 16 * 4  # the batch x: one storage
 
 
+def test_an_observed_forward_leaves_no_graph_behind_and_the_same_gradients():
+    """What the pack hook returns autograd keeps: the tensor itself would tie a saved output (sigmoid saves its
+    own output) to its grad_fn in a cycle no collector frees, leaking every observed step's graph and its
+    parameters' AccumulateGrad nodes (a later whole-step CUDA graph capture then failed on an H100)."""
+    import gc
+    import weakref
+
+    from fastddpm.measure import SavedTensors
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid()), torch.randn(2, 4)
+    with SavedTensors() as seen:
+        out = model(x)
+    assert seen.total_bytes() > 0
+    graph = weakref.ref(out)
+    del out
+    gc.collect()
+    assert graph() is None, "the observed forward's output (and so its graph) outlived every reference to it"
+
+    with SavedTensors():
+        model(x).square().sum().backward()
+    observed = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(observed, model.parameters()))
+
+
 def test_the_update_is_counted_for_the_optimizer_that_steps():
     from fastddpm.measure import optimizer_passes
 

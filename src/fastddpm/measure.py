@@ -263,9 +263,15 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.on_pack is not None:
             self.on_pack(t)
+        # Autograd keeps what the pack hook returns. Returning `t` itself ties a saved output to its own grad_fn
+        # (tensor -> grad_fn -> saved tensor -> tensor): a cycle no collector frees, so every observed forward's
+        # graph stayed alive, and with it the parameters' AccumulateGrad nodes; a whole-step CUDA graph capture
+        # after such a probe failed on an H100 (torch 2.11). A detached alias keeps the storage and no graph;
+        # autograd re-attaches the graph when it unpacks.
+        packed = t.detach()
         key = _storage_of(t)
         if key is None:
-            return t
+            return packed
         ptr, nbytes = key
         seen = self._alive.get(ptr)
         if seen is None or seen() is None:
@@ -276,7 +282,7 @@ class SavedTensors:
             self.leaf_numel[ptr] = base.numel()
         elif _is_cast_of_leaf(base):
             self.casts[ptr] = nbytes
-        return t
+        return packed
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         passes, name = optimizer_passes(optimizer)
@@ -288,7 +294,7 @@ class SavedTensors:
                     self.stepped[key[0]] = (p.numel(), p.element_size(), passes)
 
     def __enter__(self) -> "SavedTensors":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed)
         self._hooks.__enter__()
         # a pre-hook: the doctor ends its steps in a post-hook, and this one is removed then (a hook removed from
         # the dict being iterated would break the optimizer's loop over it)
