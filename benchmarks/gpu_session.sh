@@ -201,9 +201,11 @@ for part in "${PARTS[@]}"; do
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
     candidates)  # the largest conversion share first; each model's choices compile, then alternate
       limited 200 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
-        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10" &&
-        limited 150 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-          --choices auto-compile,auto-compile-cl,auto-compile-ap8 --out "$RES/throughput-candidates-seed-1layer" ;;
+        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10"
+      first=$?  # a failed row of one model (exit 1) must not cost the other model's timing
+      limited 150 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+        --choices auto-compile,auto-compile-cl,auto-compile-ap8 --out "$RES/throughput-candidates-seed-1layer" &&
+        (exit $first) ;;
     doctor-fast-cl)  # doctor-fast with channels_last: does the conversion go, and what binds then
       limited 150 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
         --image-mode RGB --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/ddpm-cifar10-128" &&
