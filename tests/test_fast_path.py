@@ -367,6 +367,30 @@ def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
 @pytest.mark.cuda
 @cuda
 @needs_bf16_gpu
+@FAMILIES
+def test_a_step_whose_bytes_were_counted_still_captures(real_images, family):
+    """`bench throughput` counts a step's bytes (saved-tensor hooks over a probe forward) on the very model it then
+    compiles and captures; a hook that leaked the probe's graph made ddpm-cifar10's capture fail on an H100."""
+    from fastddpm.measure import count_step_bytes
+
+    device = torch.device("cuda")
+    model = tiny_model(family=family).to(device)
+    count_step_bytes(model, (1, 28, 28), images_per_step=16, device=device, autocast_dtype=torch.bfloat16)
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=device, tensor_lr=True,
+                         capturable=True)
+    step = TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99),
+                     schedule=make_schedule("linear", 1000).to(device), prediction="epsilon",
+                     precision=resolve_precision("bf16", device), grad_clip=1.0, device=device, compile=True,
+                     cuda_graphs="capture")
+    batches = ResidentBatches(real_images, batch_size=16, num_timesteps=1000, seed=0, device=device)
+    losses = [float(step([batches.get(s)], lr=1e-3, step=s)) for s in range(3)]
+    assert step.graph is not None and step.graph_failed is None
+    assert all(np.isfinite(losses))
+
+
+@pytest.mark.cuda
+@cuda
+@needs_bf16_gpu
 def test_cuda_step_has_no_host_syncs(real_images):
     device = torch.device("cuda")
     model = tiny_model().to(device)
