@@ -53,6 +53,8 @@ def test_the_null_class_is_what_no_label_means_and_unconditional_models_are_unch
         null = model(x, t, torch.full((4,), 10))
         assert torch.equal(model(x, t), null)
         assert not torch.allclose(model(x, t, torch.tensor([1, 2, 3, 4])), null)
+        level = torch.tensor([0.5, 10.0, 250.0, 999.0])  # EDM's and flow's float noise levels: the same null class
+        assert torch.equal(model(x, level), model(x, level, torch.full((4,), 10)))
     # A conditional U-Net is the unconditional one plus a class embedding: the other weights start the same
     torch.manual_seed(0)
     plain = UNet(resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model)
@@ -257,6 +259,33 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     assert "is not one of this model's classes" in capsys.readouterr().err
     assert main([*args, "--guidance", "3"]) == 2
     assert "--guidance steers toward a class" in capsys.readouterr().err
+
+
+def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_path, fmnist_splits, capsys):
+    """`sample`, `eval`, the API and the grids resolve `auto` by the guidance the samples are drawn at: UniPC for a
+    conditional flow model guided at W > 1, Heun for the same model at W = 1 or without --class."""
+    import fastddpm
+
+    run = tmp_path / "run"
+    train(apply_overrides(tiny_cond_cfg(fmnist_splits, max_steps=2), {"diffusion.objective": "flow"}),
+          out_dir=run, log=quiet)
+    assert json.loads((run / "run.json").read_text())["grid_sampling"] == ["unipc", 2]  # at the run's W = 2
+    out = tmp_path / "s"
+    args = ["sample", "--checkpoint", str(run), "--no-progress", "--out", str(out)]
+    assert main([*args, "--class", "all", "--num-images", "10"]) == 0
+    assert main([*args, "--class", "3", "--guidance", "1", "--num-images", "2"]) == 0
+    assert main([*args, "--num-images", "2"]) == 0
+    assert sorted(p.name for p in out.glob("*.npz")) == ["heun10_n2_seed0.npz", "heun10_n2_seed0_3_w1.npz",
+                                                         "unipc10_n10_seed0_all_w2.npz"]
+    capsys.readouterr()
+    # one sampler for every scale of a trade-off table: the guided one where any scale guides
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress", "--guidance", "1,2"]) == 0
+    assert [p.name for p in (run / "eval").glob("eval_*.json")] == ["eval_unipc10_n20_seed0_w1-2.json"]
+    model = fastddpm.load(run, device="cpu")
+    guided, plain = model.sample(2, class_=1), model.sample(2, class_=1, guidance=1.0)
+    assert guided.shape == plain.shape == (2, 1, 28, 28)
+    assert np.array_equal(guided, model.sample(2, class_=1, sampler="unipc", steps=10))
+    assert np.array_equal(plain, model.sample(2, class_=1, guidance=1.0, sampler="heun", steps=10))
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

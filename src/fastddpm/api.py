@@ -76,8 +76,8 @@ class Model:
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
         "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance).
-        `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; dpmpp-2m-sde, 20, otherwise);
-        `steps=None` its steps, or 20 for a named sampler."""
+        `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
+        W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler."""
         from fastddpm.sampling import class_labels, resolve_sampler_args, sample_images
 
         if n < 1:
@@ -88,8 +88,8 @@ class Model:
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
         labels, _ = class_labels(m, None if class_ is None else str(class_), n)
-        sampler, steps = resolve_sampler_args(self.cfg, sampler, steps)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
+        sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, guidance=scale if labels is not None else None)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
                                    batch_size=batch_size, device=self.device, precision=precision, progress=progress,
@@ -120,8 +120,9 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
              batch_size: int | None = None, log=print) -> dict:
     """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
-    fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy. `sampler` and
-    `steps` as in Model.sample."""
+    fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
+    guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler` and `steps` as
+    in Model.sample."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
 
     model = load(path, device=device)
@@ -134,7 +135,9 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
     from fastddpm.sampling import resolve_sampler_args
 
-    sampler, steps = resolve_sampler_args(cfg, sampler, steps)
+    # a conditional model at the run's own scale unless told, as `fastddpm eval`
+    scale = (cfg.train.sample_guidance if guidance is None else guidance) if cfg.model.conditional else None
+    sampler, steps = resolve_sampler_args(cfg, sampler, steps, guidance=scale)
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
@@ -143,5 +146,5 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         metrics, _ = evaluator.evaluate(model.net, cfg, num_samples=num_samples, sampler=sampler, steps=steps,
                                         seed=seed, batch_size=batch, device=model.device,
                                         autocast_dtype=resolve_precision("auto", model.device).autocast_dtype,
-                                        guidance=guidance if cfg.model.conditional else None)
+                                        guidance=scale)
     return as_json_safe({**metrics, "features": evaluator.describe()})

@@ -127,7 +127,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         description="Sample images from a checkpoint with DDPM (ancestral, all T steps), DDIM, the few-step ODE\n"
                     "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls), or the\n"
                     "stochastic SDE-DPM-Solver++(2M) (K steps). The default, auto, is the model's objective's best:\n"
-                    "SDE-DPM-Solver++(2M) 20 steps for DDPM and EDM, Heun 10 steps (19 calls) for flow matching.",
+                    "SDE-DPM-Solver++(2M) 20 steps for DDPM and EDM, Heun 10 steps (19 calls) for flow matching,\n"
+                    "UniPC 10 steps for a flow model guided at --guidance above 1.",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
                "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m "
                "--steps 10"
@@ -241,7 +242,6 @@ def cmd_sample(args) -> int:
     device, _ = resolve_device(args.device)
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     out = Path(args.out) if args.out else ckpt.run_dir.samples
@@ -251,6 +251,8 @@ def cmd_sample(args) -> int:
         raise ConfigError("--guidance steers toward a class: give --class NAME|ID|all with it")
     guidance = cfg.train.sample_guidance if args.guidance is None else args.guidance
     labels, per_class = class_labels(cfg.model, args.klass, args.num_images)
+    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
+                                                    guidance=guidance if labels is not None else None)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
     spacing = args.spacing or default_spacing(args.sampler)

@@ -44,11 +44,13 @@ def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int,
         raise ConfigError(f"--eta is DDIM's: --sampler {sampler} is {kind} (use --sampler ddim for eta)")
 
 
-def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0) -> tuple[str, int]:
-    """`sample`'s, `eval`'s and the API's sampler and steps for this model: `auto` and unset steps resolved for its
-    objective (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
+def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0, *,
+                         guidance: float | None = None) -> tuple[str, int]:
+    """`sample`'s, `eval`'s and the API's sampler and steps for this model, its samples drawn at classifier-free
+    guidance scale `guidance` (None: without class labels): `auto` and unset steps resolved for its objective and
+    whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
     d = cfg.diffusion
-    sampler, steps = resolve_sampling(sampler, steps, d.objective)
+    sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
     check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective)
     return sampler, steps
 

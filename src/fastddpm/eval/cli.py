@@ -169,7 +169,14 @@ def run_eval(args: argparse.Namespace) -> int:
     device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
-    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta)
+    if args.guidance is not None and not cfg.model.conditional:
+        raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
+                          "unconditional: drop --guidance")
+    scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
+    # one sampler for every scale, so that a trade-off table compares scales alone: `auto` picks the guided
+    # model's sampler where any scale guides (W > 1)
+    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
+                                                    guidance=max(scales) if cfg.model.conditional else None)
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
@@ -201,9 +208,6 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
 
-    if args.guidance is not None and not cfg.model.conditional:
-        raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
-                          "unconditional: drop --guidance")
     if cfg.model.conditional:
         log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by the "
             f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
@@ -215,7 +219,6 @@ def run_eval(args: argparse.Namespace) -> int:
         f"{'' if args.sampler == 'ddpm' else f', {spacing} spacing'} = {nfe} network calls each, "
         f"batch {batch_size}, {device}, "
         f"{precision.name}, compile {'on' if compile_on else 'off'}, {args.weights} weights from {info['file']}")
-    scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
     batches = -(-args.num_samples // batch_size) * len(scales)
     log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}; an estimate is printed after "
         "the first batch" if batches > 1 else "sampling time: one batch, timed below")

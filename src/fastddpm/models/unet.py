@@ -47,8 +47,8 @@ def with_class(t_emb_BD: torch.Tensor, class_emb: nn.Embedding | None, y_B: torc
     """The time embedding plus a conditional model's class embedding (y None: the null class, id num_classes);
     both U-Net families condition this way."""
     if class_emb is not None:
-        if y_B is None:  # no label: the null class
-            y_B = torch.full_like(t_B, num_classes)
+        if y_B is None:  # no label: the null class (long: t_B is a float noise level under EDM and flow)
+            y_B = torch.full_like(t_B, num_classes, dtype=torch.long)
         return t_emb_BD + class_emb(y_B)
     if y_B is not None:
         raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
