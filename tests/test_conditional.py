@@ -281,6 +281,9 @@ def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_pa
     # one sampler for every scale of a trade-off table: the guided one where any scale guides
     assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress", "--guidance", "1,2"]) == 0
     assert [p.name for p in (run / "eval").glob("eval_*.json")] == ["eval_unipc10_n20_seed0_w1-2.json"]
+    metrics = fastddpm.evaluate(run, num_samples=20, device="cpu", log=quiet)  # at the run's W, as `eval`
+    assert metrics["guidance"] == 2.0
+    assert (metrics["sampling"]["sampler"], metrics["sampling"]["steps"]) == ("unipc", 10)
     model = fastddpm.load(run, device="cpu")
     guided, plain = model.sample(2, class_=1), model.sample(2, class_=1, guidance=1.0)
     assert guided.shape == plain.shape == (2, 1, 28, 28)

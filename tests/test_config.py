@@ -118,8 +118,9 @@ def test_auto_samples_a_guided_flow_model_with_unipc_and_the_rest_as_unguided():
 
 def test_the_cpu_demos_objectives_follow_the_measurements():
     """cpu-demo trains flow matching (on the unconditional demo it led the cosine epsilon DDPM it replaced beyond the
-    seed spread, and every other objective at every seed measured), sampled by auto's Heun 10; cpu-demo-cond, the CPU quickstart, stays the epsilon DDPM on the cosine schedule until
-    the conditional seeds decide (benchmarks/RESULTS.md, "Objectives on the CPU demo")."""
+    seed spread, and every other objective at every seed measured), sampled by auto's Heun 10; cpu-demo-cond, the
+    CPU quickstart, stays the epsilon DDPM on the cosine schedule until the conditional seeds decide
+    (benchmarks/RESULTS.md, "Objectives on the CPU demo")."""
     demo, cond = get_preset("cpu-demo"), get_preset("cpu-demo-cond")
     assert demo.diffusion.objective == "flow" and demo.grid_sampling() == ("heun", 10)
     assert (cond.diffusion.objective, cond.diffusion.prediction, cond.diffusion.schedule) == ("ddpm", "epsilon",

@@ -224,6 +224,19 @@ def test_an_observed_forward_leaves_no_graph_behind_and_the_same_gradients():
     assert all(torch.equal(a, p.grad) for a, p in zip(observed, model.parameters()))
 
 
+def test_a_storage_saved_through_temporary_views_is_counted_once():
+    """Two ops that each save a view made inside the forward (the view itself dies at once; autograd holds its
+    packed alias): one storage, counted once."""
+    from fastddpm.measure import SavedTensors
+
+    w1, w2 = torch.randn(16, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    h = torch.randn(8, 4, 4)
+    with SavedTensors() as seen:
+        out = (h.view(-1, 16) @ w1).sum() + (h.view(-1, 16) @ w2).sum()
+    assert seen.activation_bytes() == 8 * 16 * 4  # h, once; the weights are leaves
+    del out
+
+
 def test_the_update_is_counted_for_the_optimizer_that_steps():
     from fastddpm.measure import optimizer_passes
 

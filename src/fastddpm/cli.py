@@ -128,7 +128,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     "solvers DPM-Solver++(2M), UniPC and Heun (K steps; Heun makes 2K-1 network calls), or the\n"
                     "stochastic SDE-DPM-Solver++(2M) (K steps). The default, auto, is the model's objective's best:\n"
                     "SDE-DPM-Solver++(2M) 20 steps for DDPM and EDM, Heun 10 steps (19 calls) for flow matching,\n"
-                    "UniPC 10 steps for a flow model guided at --guidance above 1.",
+                    "UniPC 10 steps for a flow model sampled with --class at a guidance above 1 (its default, 2).",
         epilog="Examples:\n  fastddpm sample --checkpoint runs/fmnist --num-images 64\n"
                "  fastddpm sample --checkpoint runs/fmnist/ema.safetensors --num-images 1000 --sampler dpmpp-2m "
                "--steps 10"

@@ -252,7 +252,7 @@ class SavedTensors:
     def __init__(self, on_pack: Callable[[torch.Tensor], None] | None = None):
         self.on_pack = on_pack
         self.saved: list[tuple[int, int]] = []  # (data pointer, bytes), one a storage
-        self._alive: dict[int, weakref.ref] = {}  # data pointer -> a tensor saved on it, while it lives
+        self._alive: dict[int, tuple[weakref.ref, ...]] = {}  # data pointer -> tensors saved on it, while they live
         self.leaf_numel: dict[int, int] = {}  # of those, leaf tensors that require grad -> elements
         self.casts: dict[int, int] = {}  # of those, dtype casts of such leaves (autocast's weight copies) -> bytes
         self.stepped: dict[int, tuple[int, int, int]] = {}  # stepped parameters: pointer -> (numel, bytes/elt, passes)
@@ -264,19 +264,21 @@ class SavedTensors:
         if self.on_pack is not None:
             self.on_pack(t)
         # Autograd keeps what the pack hook returns. Returning `t` itself ties a saved output to its own grad_fn
-        # (tensor -> grad_fn -> saved tensor -> tensor): a cycle no collector frees, so every observed forward's
-        # graph stayed alive, and with it the parameters' AccumulateGrad nodes; a whole-step CUDA graph capture
-        # after such a probe failed on an H100 (torch 2.11). A detached alias keeps the storage and no graph;
-        # autograd re-attaches the graph when it unpacks.
+        # (tensor -> grad_fn -> saved tensor -> tensor): a cycle no collector frees, so a forward observed without
+        # its backward (count_step_bytes' probes) stayed alive, and with it the parameters' AccumulateGrad nodes; a
+        # whole-step CUDA graph capture after such a probe failed on an H100 (torch 2.11). A detached alias keeps
+        # the storage and no graph; autograd re-attaches the graph when it unpacks.
         packed = t.detach()
         key = _storage_of(t)
         if key is None:
             return packed
         ptr, nbytes = key
         seen = self._alive.get(ptr)
-        if seen is None or seen() is None:
+        if seen is None or all(ref() is None for ref in seen):
             self.saved.append((ptr, nbytes))
-            self._alive[ptr] = weakref.ref(t)
+            # the storage is alive while either is: `t` (the caller's tensor, e.g. a batch read by every
+            # micro-batch) or `packed` (what autograd holds; `t` may be an op's temporary view, gone at once)
+            self._alive[ptr] = (weakref.ref(t), weakref.ref(packed))
         base = t._base if t._base is not None else t  # a linear layer saves its weight as weight.t(), a view
         if base.is_leaf and base.requires_grad:
             self.leaf_numel[ptr] = base.numel()

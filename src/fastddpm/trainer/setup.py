@@ -404,7 +404,8 @@ def _describe(run: Run) -> None:
                                   run.steps_per_epoch):
         log(line)
     (grid, grid_steps), t = cfg.grid_sampling(), cfg.train
-    log(f"grids: {grid} {grid_steps} steps" + (f" (sampler auto: the {cfg.diffusion.objective} objective's)"
+    guided = f", guided at W = {t.sample_guidance:g}" if cfg.guided(t.sample_guidance) else ""
+    log(f"grids: {grid} {grid_steps} steps" + (f" (sampler auto: the {cfg.diffusion.objective} objective's{guided})"
                                                if t.sampler == "auto" else ""))
     log(f"training to step {run.total_steps:,} ({run.total_steps * run.images_per_step:,} images); run dir "
         f"{run.run_dir.path}")
