@@ -35,8 +35,8 @@ def preset_cpu_demo() -> RunConfig:
     The objective is flow matching: at this budget it scored a better FID than every other objective at every
     training seed measured (three for the epsilon DDPMs), by 3.0-3.9 at 10 network calls and 0.5-1.1 at about 20
     against the cosine-schedule epsilon DDPM this preset trained before (benchmarks/RESULTS.md, "Objectives on the
-    CPU demo"). Its samples
-    default to Heun with 10 steps (`--sampler auto`). `--objective ddpm --schedule cosine` trains the DDPM.
+    CPU demo"). Its samples default to Heun with 10 steps (`--sampler auto`). `--objective ddpm --schedule cosine`
+    trains the DDPM.
     """
     return RunConfig(
         preset="cpu-demo",
