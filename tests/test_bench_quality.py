@@ -103,3 +103,18 @@ def test_the_evaluation_sampler_is_a_setting_the_runs_use_and_the_report_names(t
     run_quality(QualitySettings(**base, eval_sampler="ddim", fast_from=earlier, options=("lr-x2",)), tmp_path / "z",
                 argv=["test"], log=lambda m: None)
     assert trained[-1] == "ddim"
+
+
+def test_an_objective_is_scored_again_only_where_auto_samples_it_with_another_sampler():
+    """Flow matching samples best with Heun (UniPC when guided), where the fast recipe's DDPM uses the SDE solver:
+    a flow option is scored at its own pair too; EDM, which `auto` samples like DDPM, and DDPM options are not."""
+    from fastddpm.config import apply_overrides, get_preset
+
+    base = get_preset("seed-1layer")
+    assert quality.own_sampling(apply_overrides(base, {"diffusion.objective": "flow"}), base) == ("heun", 10)
+    assert quality.own_sampling(apply_overrides(base, {"diffusion.objective": "edm"}), base) is None
+    assert quality.own_sampling(apply_overrides(base, {"diffusion.schedule": "cosine"}), base) is None
+    cond = apply_overrides(base, {"model.conditional": "true", "train.sample_guidance": "2"})
+    assert quality.own_sampling(apply_overrides(cond, {"diffusion.objective": "flow"}), cond) == ("unipc", 10)
+    unguided = apply_overrides(cond, {"diffusion.objective": "flow", "train.sample_guidance": "1"})
+    assert quality.own_sampling(unguided, cond) == ("heun", 10)

@@ -231,6 +231,24 @@ def test_bench_quality_quick(fmnist_splits, tmp_path):
         run_quality(QualitySettings(**{**base, "eval_samples": 64}, data=str(fmnist_splits), device="cpu",
                                     reference_from=str(tmp_path / "ref" / "quality.json")), tmp_path / "x", log=quiet)
 
+    # An objective that samples best with another sampler is scored with it too, from the same weights, features
+    # and noise: scoring those weights again with the shared sampler gives the run's own last FID to the digit.
+    from fastddpm.bench import quality
+
+    opt = run_quality(QualitySettings(**base, data=str(fmnist_splits), device="cpu", quick=True,
+                                      fast_from=str(out / "quality.json"), options=("flow", "lr-x2")),
+                      tmp_path / "opt", argv=["test"], log=quiet)
+    flow, lr = opt["options"]
+    assert "own_sampler" not in lr  # the fast recipe's objective: nothing to score again
+    own = flow["own_sampler"]
+    assert (own["sampler"], own["steps"], own["nfe"]) == ("heun", 10, 19) and own["fid"] > 0
+    assert own["fid"] != flow["final_fid"]
+    again = quality._score_own_sampler(flow, (s.eval_sampler, s.eval_steps), quiet)
+    assert again["fid"] == pytest.approx(flow["final_fid"], rel=1e-6)
+    report = (tmp_path / "opt" / "quality.md").read_text()
+    assert f"| flow | {flow['final_fid']:.3f} | heun 10 | 19 | {own['fid']:.3f} |" in report
+    assert f"FID at {s.eval_sampler} {s.eval_steps} ({s.eval_steps} calls)" in report
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -269,7 +269,7 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
                     help="samples per evaluation (default 5000)")
     qp.add_argument("--eval-sampler", default=None, choices=SAMPLERS,
                     help=f"the evaluation samples' sampler (default {DEFAULT_SAMPLER}: one sampler for every run "
-                         "compared, DDPM's best)")
+                         "compared, DDPM's best; a flow option is also scored with its own)")
     qp.add_argument("--eval-steps", type=positive_int, default=None, metavar="K", help="its steps (default 50)")
     qp.add_argument("--reference-epochs", type=float, default=None, metavar="E",
                     help="length of the reference run (default: the preset's, 40 epochs)")

@@ -13,6 +13,10 @@
               spread the options over several calls).
 
 Every evaluation uses the same feature network, sample count, sampler and noise, so FIDs compare across runs.
+One sampler for all suits the DDPM options but not every objective: an option whose objective `auto` samples with
+another sampler than the fast recipe's (flow matching: Heun-10, or UniPC-10 when guided) is also scored, at the end,
+with that sampler and its steps, from the same weights, features and noise seed; the report shows both FIDs with
+their network calls.
 Time resolution is the evaluation interval (time-to-target is the first evaluation that reaches it).
 Writes OUT/quality.json, quality.md and quality.png; environment with every number.
 This module imports no torch at the top, so `fastddpm --help` stays fast.
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastddpm.bench import store
-from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset
+from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -160,6 +164,43 @@ def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
             "images_per_s_last": losses[-1]["images_per_s"] if losses else None}
 
 
+def own_sampling(cfg: RunConfig, base: RunConfig) -> tuple[str, int] | None:
+    """The (sampler, steps) `auto` picks for cfg's objective (at its evaluation's guidance), where the option moved
+    the objective to one that `auto` samples with another sampler than base's (flow against DDPM); else None."""
+    def auto(c: RunConfig) -> tuple[str, int]:
+        return resolve_sampling("auto", None, c.diffusion.objective, guided=c.guided(c.train.sample_guidance))
+
+    own = auto(cfg)
+    return own if own[0] != auto(base)[0] else None
+
+
+def _score_own_sampler(row: dict, sampling: tuple[str, int], log) -> dict:
+    """The FID of a finished run's EMA weights at its objective's own sampler: the evaluation --eval-every made at
+    its end (same sample count, feature network, noise seed, precision and batch), with another sampler."""
+    import torch
+
+    from fastddpm.device import resolve_device, resolve_precision
+    from fastddpm.eval.evaluate import Evaluator, summary_line
+    from fastddpm.rng import derive_seed
+    from fastddpm.sampling import load_for_sampling
+
+    sampler, steps = sampling
+    device, _ = resolve_device(row["config"]["train"]["device"])
+    net, cfg = load_for_sampling(row["run_dir"], device=device)
+    t = cfg.train
+    evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
+    with torch.inference_mode():
+        metrics, _ = evaluator.evaluate(net, cfg, num_samples=t.eval_samples, sampler=sampler, steps=steps,
+                                        seed=derive_seed(t.seed, "eval"),
+                                        batch_size=min(t.eval_samples, 2 * t.batch_size), device=device,
+                                        autocast_dtype=resolve_precision(t.precision, device).autocast_dtype,
+                                        guidance=t.sample_guidance if cfg.model.conditional else None)
+    log(f"  [{row['name']}] at its own sampler, {sampler}-{steps}: {summary_line(metrics)}")
+    return {"sampler": sampler, "steps": steps, "nfe": metrics["sampling"]["nfe"], "fid": metrics["fid"],
+            "precision": metrics["precision"], "recall": metrics["recall"],
+            **({"class_accuracy": metrics["class_accuracy"]} if "class_accuracy" in metrics else {})}
+
+
 def time_to_target(evals: list[dict], target: float) -> dict | None:
     """The first evaluation at or below the target FID: {wall_s, images_seen, fid}, or None."""
     for r in evals:
@@ -257,6 +298,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
 
     # 3. options at equal images.
     option_rows = []
+    base_cfg = _config(s, source, _overrides(s.fast_overrides))  # the fast recipe: its objective, DDPM
     images_for_options = hit["images_seen"] if hit else s.fast_max_images
     for name in s.options:
         cfg = _config(s, source, {**_overrides(s.fast_overrides), **_overrides(OPTIONS[name]),
@@ -266,6 +308,9 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         log(f"option {name}: {', '.join(OPTIONS[name])} on the fast recipe, {images_for_options:,} images")
         row = _train_run(f"option-{name}", cfg, out, log)
         row["overrides"] = list(OPTIONS[name])
+        own = own_sampling(cfg, base_cfg)
+        if own is not None:
+            row["own_sampler"] = _score_own_sampler(row, own, log)
         option_rows.append(row)
 
     result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
@@ -307,6 +352,21 @@ def report_markdown(r: dict) -> str:
                      f"{store.fmt(o['images_seen'], ',')} | {store.fmt(o['train_wall_s'], '.1f')} | "
                      f"{store.fmt(o['final_fid'], '.3f')} | "
                      f"- | - |")
+    own = [o for o in r["options"] if o.get("own_sampler")]
+    if own:
+        from fastddpm.diffusion import network_calls
+
+        shared = f"{_recorded(r, 'eval_sampler')} {r['settings']['eval_steps']}"
+        shared_calls = network_calls(_recorded(r, "eval_sampler"), r["settings"]["eval_steps"],
+                                     own[0]["config"]["diffusion"]["num_timesteps"])
+        lines += ["", "Options whose objective samples best with another sampler, scored again with it (same "
+                  "weights, features and noise):", "",
+                  f"| option | FID at {shared} ({shared_calls} calls) | its own sampler | calls | FID |",
+                  "| --- | --- | --- | --- | --- |"]
+        for o in own:
+            m = o["own_sampler"]
+            lines.append(f"| {o['name'].removeprefix('option-')} | {store.fmt(o['final_fid'], '.3f')} | "
+                         f"{m['sampler']} {m['steps']} | {m['nfe']} | {store.fmt(m['fid'], '.3f')} |")
     if fast and fast.get("reused_from"):
         lines += ["", f"The reference and fast rows are reused from {fast['reused_from']}; only the options trained "
                   "in this run."]
