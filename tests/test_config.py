@@ -42,15 +42,38 @@ def test_the_api_and_the_command_line_resolve_alike():
     section; --set takes bare names too."""
     from fastddpm.api import _config
 
-    api = _config("cpu-demo", {"max_steps": 3, "lr": 1e-3, "diffusion.schedule": "linear"})
+    api = _config("cpu-demo", {"max_steps": 3, "lr": 1e-3, "diffusion.schedule": "linear", "objective": "ddpm"})
     args, dests = _args(["--out", "r", "--preset", "cpu-demo", "--max-steps", "3", "--set", "lr=1e-3",
-                         "--set", "diffusion.schedule=linear"])
+                         "--set", "diffusion.schedule=linear", "--objective", "ddpm"])
     assert api == resolve_train_config(args, dests)
+    assert api.diffusion.schedule == "linear" and api.diffusion.objective == "ddpm"
     assert api.train.max_steps == 3 and api.train.max_images is None and api.train.lr == 1e-3
     with pytest.raises(ConfigError, match=r"'max_stepz' is in no config section: did you mean max_steps"):
         _config("cpu-demo", {"max_stepz": 3})
     with pytest.raises(ConfigError, match=r"give only one of"):  # one layer cannot ask for two lengths
         _config("cpu-demo", {"max_steps": 3, "max_images": 100})
+
+
+def test_a_ddpm_setting_given_for_a_flow_or_edm_run_is_refused_not_ignored(tmp_path):
+    """cpu-demo trains flow matching: `--schedule linear` on it (a command from when it trained a DDPM) would be
+    ignored without a word; it is refused with the fix. The preset's own carried schedule and a saved config file
+    with every field are not refused."""
+    from fastddpm.api import _config
+    from fastddpm.config import save_config
+
+    for given in (["--schedule", "linear"], ["--set", "diffusion.beta_end=0.03"]):
+        args, dests = _args(["--out", "r", "--preset", "cpu-demo", *given])
+        with pytest.raises(ConfigError, match=r"\(command line\)|\(--set\)") as err:
+            resolve_train_config(args, dests)
+        assert "objective is flow" in str(err.value) and "--objective ddpm" in str(err.value)
+    with pytest.raises(ConfigError, match=r"diffusion.schedule='cosine' \(fastddpm.train\).*objective is edm"):
+        _config("cpu-demo", {"objective": "edm", "schedule": "cosine"})
+    assert _config("cpu-demo", {"objective": "ddpm", "schedule": "linear"}).diffusion.schedule == "linear"
+    flow = _config("cpu-demo", {})
+    assert flow.diffusion.objective == "flow"  # its carried schedule passes
+    saved = tmp_path / "config.json"
+    save_config(flow, saved)
+    assert _config(saved, {"lr": 1e-3}).diffusion == flow.diffusion  # a run's saved config, every field in it
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -211,7 +211,29 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
                               f"(the folder sets the architecture)")
         cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
     cfg = apply_overrides(cfg, file_values, source=str(file))
-    return _layered(cfg, layers)
+    cfg = _layered(cfg, layers)
+    _refuse_ddpm_only(cfg, layers)
+    return cfg
+
+
+# DiffusionConfig fields that only DDPM's discrete process reads: EDM's and flow's noise levels are their own
+_DDPM_ONLY = ("schedule", "beta_start", "beta_end")
+
+
+def _refuse_ddpm_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """A DDPM-only field given explicitly (a flag, --set, an API keyword) for an EDM or flow run would be ignored
+    without a word, e.g. `--preset cpu-demo --schedule linear`, written when cpu-demo trained a DDPM. Config files
+    are not checked: a run's saved config.json carries every field."""
+    objective = cfg.diffusion.objective
+    if objective == "ddpm":
+        return
+    for source, values in layers:
+        for name in _DDPM_ONLY:
+            if f"diffusion.{name}" in values:
+                raise ConfigError(
+                    f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is a DDPM setting, and this run's "
+                    f"objective is {objective}, whose noise levels are its own process, so it would be ignored: add "
+                    f"--objective ddpm to train a DDPM with it, or leave it out")
 
 
 _NOT_GIVEN = object()

@@ -215,9 +215,10 @@ class DiffusionConfig:
     """Forward process and training target (Ho et al. 2020; Nichol & Dhariwal 2021; Salimans & Ho 2022)."""
 
     num_timesteps: int = field(default=1000, metadata=_doc("Diffusion steps T."))
-    schedule: str = field(default="linear", metadata=_doc("Beta schedule.", choices=("linear", "cosine")))
-    beta_start: float = field(default=1e-4, metadata=_doc("First beta of the linear schedule."))
-    beta_end: float = field(default=0.02, metadata=_doc("Last beta of the linear schedule."))
+    schedule: str = field(default="linear", metadata=_doc(
+        "Beta schedule (DDPM only: given for an EDM or flow run it is refused).", choices=("linear", "cosine")))
+    beta_start: float = field(default=1e-4, metadata=_doc("First beta of the linear schedule (DDPM only)."))
+    beta_end: float = field(default=0.02, metadata=_doc("Last beta of the linear schedule (DDPM only)."))
     prediction: str = field(
         default="epsilon", metadata=_doc("What the network predicts: the noise, or v.", choices=("epsilon", "v"))
     )
