@@ -55,11 +55,11 @@ def preset_cpu_demo_cond() -> RunConfig:
 
     For Fashion-MNIST the final grid is ten rows of garments, each row its class, at guidance W = 2. The CPU's
     default preset. Like cpu-demo it trains flow matching, sampled guided with UniPC 10 steps (`--sampler auto`):
-    at 150k images (fp32) that scored FID 1.90 and 1.75 at W = 2 at two training seeds (94.0% and 94.5% of the
-    samples the class asked for), against 2.50 and 2.34 for the cosine-schedule epsilon DDPM this preset trained
-    before at the same 10 network calls (its best at 10), and 1.96 and 2.05 for that DDPM at its own default,
-    SDE-DPM-Solver++ 20 steps (benchmarks/RESULTS.md, "The conditional arm"). `--objective ddpm --schedule cosine`
-    trains the DDPM.
+    at 150k images (fp32) that scored FID 1.90, 1.75 and 1.91 at W = 2 at three training seeds (94.0-94.5% of the
+    samples the class asked for), against 2.50, 2.34 and 2.15 for the cosine-schedule epsilon DDPM this preset
+    trained before at the same 10 network calls (its best at 10), and 1.96, 2.05 and 1.77 for that DDPM at its own
+    default, SDE-DPM-Solver++ 20 steps (benchmarks/RESULTS.md, "The conditional arm"): the same FID in half the
+    calls. `--objective ddpm --schedule cosine` trains the DDPM.
     """
     cfg = preset_cpu_demo()
     return dataclasses.replace(cfg, preset="cpu-demo-cond", model=dataclasses.replace(cfg.model, conditional=True),

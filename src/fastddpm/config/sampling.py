@@ -20,10 +20,10 @@ DEFAULT_SAMPLER_STEPS = 20
 # SDE solver. `auto` (the default of `sample`, `eval`, the grids and --eval-every) is the objective's pair.
 OBJECTIVE_SAMPLING = {"flow": ("heun", 10)}
 # A guided flow model's pair (a conditional model sampled with classifier-free guidance W > 1): UniPC with 10 steps.
-# On the conditional CPU demo at W = 2 (two training seeds, 2,000 samples each) it scored FID 1.90 and 1.75 against
-# Heun-10's 2.26 and 2.03 (class accuracy 94.0-94.5% against 93.3-95.0%), and SDE-DPM-Solver++(2M) 20 steps' 3.85 and
-# 3.24, in about half Heun's network calls (10 against 19, each a forward of the doubled batch under guidance).
-# Unguided (W <= 1) a conditional flow model keeps Heun, as measured unconditionally. DDPM and EDM models keep the
+# On the conditional CPU demo at W = 2 (three training seeds, 2,000 samples each) it scored FID 1.90, 1.75 and 1.91
+# against Heun-10's 2.26, 2.03 and 2.04 (class accuracy 94.0-94.5% against 93.3-95.0%), and SDE-DPM-Solver++(2M) 20
+# steps' 3.85, 3.24 and 3.39, in about half Heun's network calls (10 against 19, each a forward of the doubled batch
+# under guidance). Unguided (W <= 1) a conditional flow model keeps Heun, as measured unconditionally. DDPM and EDM models keep the
 # SDE solver guided too: the DDPM model's best at W = 2 was SDE-20 (1.96) against UniPC-10's 4.12.
 GUIDED_OBJECTIVE_SAMPLING = {"flow": ("unipc", 10)}
 SAMPLER_CHOICES = ("auto", *SAMPLERS)
