@@ -23,8 +23,8 @@ OBJECTIVE_SAMPLING = {"flow": ("heun", 10)}
 # On the conditional CPU demo at W = 2 (three training seeds, 2,000 samples each) it scored FID 1.90, 1.75 and 1.91
 # against Heun-10's 2.26, 2.03 and 2.04 (class accuracy 94.0-94.5% against 93.3-95.0%), and SDE-DPM-Solver++(2M) 20
 # steps' 3.85, 3.24 and 3.39, in about half Heun's network calls (10 against 19, each a forward of the doubled batch
-# under guidance). Unguided (W <= 1) a conditional flow model keeps Heun, as measured unconditionally. DDPM and EDM models keep the
-# SDE solver guided too: the DDPM model's best at W = 2 was SDE-20 (1.96) against UniPC-10's 4.12.
+# under guidance). Unguided (W <= 1) a conditional flow model keeps Heun, as measured unconditionally. DDPM and EDM
+# models keep the SDE solver guided too: the DDPM model's best at W = 2 was SDE-20 (1.96) against UniPC-10's 4.12.
 GUIDED_OBJECTIVE_SAMPLING = {"flow": ("unipc", 10)}
 SAMPLER_CHOICES = ("auto", *SAMPLERS)
 # `sample`'s and `eval`'s help for the two flags
