@@ -140,3 +140,20 @@ def test_planted_fault_is_diagnosed_on_gpu(name, tmp_path):
     assert report.bottleneck == planted.EXPECTED[name], report.text()
     trace = report.measurements["trace"]
     assert trace is None or trace["has_gpu"]  # a CUDA run's trace holds the GPU timeline
+
+
+@pytest.mark.parametrize("claimed,hardware,want", [
+    ("avx2", "avx2", "emulated-bf16"),         # an AVX2-only CPU: bf16 is emulated, measured slower
+    ("avx2", "avx2 avx512_bf16", "autocast-gap"),  # the suite's flags on a Zen 4/5: measured no slower, so the gap
+    ("avx2 avx512_bf16", "avx2 avx512_bf16", "autocast-gap"),
+])
+def test_the_autocast_gap_case_expects_emulated_bf16_only_where_the_hardware_emulates_it(
+        claimed, hardware, want, monkeypatch):
+    """The doctor calls bf16 emulated only when flags say so and a measurement agrees; the suite claims no bf16 on
+    every machine (FASTDDPM_CPU_FLAGS), so on a CPU with native bf16 the planted case is still the autocast gap."""
+    import fastddpm.device
+
+    monkeypatch.setenv("FASTDDPM_CPU_FLAGS", claimed)
+    monkeypatch.setattr(fastddpm.device, "hardware_cpu_flags", lambda: frozenset(hardware.split()))
+    assert planted.expected("autocast-gap", "cpu") == want
+    assert planted.expected("fp32-matmuls", "cpu") == ("healthy" if "bf16" not in claimed else "fp32")
