@@ -180,8 +180,8 @@ def _score_own_sampler(row: dict, sampling: tuple[str, int], log) -> dict:
     import torch
 
     from fastddpm.device import resolve_device, resolve_precision
+    from fastddpm.eval.during_training import evaluation_choices
     from fastddpm.eval.evaluate import Evaluator, summary_line
-    from fastddpm.rng import derive_seed
     from fastddpm.sampling import load_for_sampling
 
     sampler, steps = sampling
@@ -190,11 +190,9 @@ def _score_own_sampler(row: dict, sampling: tuple[str, int], log) -> dict:
     t = cfg.train
     evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
     with torch.inference_mode():
-        metrics, _ = evaluator.evaluate(net, cfg, num_samples=t.eval_samples, sampler=sampler, steps=steps,
-                                        seed=derive_seed(t.seed, "eval"),
-                                        batch_size=min(t.eval_samples, 2 * t.batch_size), device=device,
+        metrics, _ = evaluator.evaluate(net, cfg, sampler=sampler, steps=steps, device=device,
                                         autocast_dtype=resolve_precision(t.precision, device).autocast_dtype,
-                                        guidance=t.sample_guidance if cfg.model.conditional else None)
+                                        **evaluation_choices(cfg))
     log(f"  [{row['name']}] at its own sampler, {sampler}-{steps}: {summary_line(metrics)}")
     return {"sampler": sampler, "steps": steps, "nfe": metrics["sampling"]["nfe"], "fid": metrics["fid"],
             "precision": metrics["precision"], "recall": metrics["recall"],

@@ -31,6 +31,19 @@ from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 
 
+def evaluation_choices(cfg: RunConfig) -> dict:
+    """The sampling choices every evaluation of cfg's run makes, as keywords of `Evaluator.evaluate`: the sample
+    count, the noise seed (from (run seed, "eval"), so successive points differ only by the weights), the batch and
+    the guidance scale. `--eval-every` and `bench quality`'s rescoring at another sampler both take them from here,
+    so a rescored point differs from the run's own only by the sampler."""
+    t = cfg.train
+    return {"num_samples": t.eval_samples, "seed": derive_seed(t.seed, "eval"),
+            # Sampling keeps no activations for backward: twice the training micro-batch fits where training does.
+            "batch_size": min(t.eval_samples, 2 * t.batch_size),
+            # a conditional model is sampled class-balanced at the grids' guidance scale
+            "guidance": t.sample_guidance if cfg.model.conditional else None}
+
+
 class TrainingEvaluator:
     def __init__(self, cfg: RunConfig, *, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None,
                  log: Callable[[str], None] = print):
@@ -38,9 +51,7 @@ class TrainingEvaluator:
         self.cfg, self.device, self.autocast_dtype, self.log = cfg, device, autocast_dtype, log
         self.every = t.eval_every_images
         self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
-        self.seed = derive_seed(t.seed, "eval")
-        # Sampling keeps no activations for backward: twice the training micro-batch fits where training does.
-        self.batch_size = min(t.eval_samples, 2 * t.batch_size)
+        self.choices = evaluation_choices(cfg)
         self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
         self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True
@@ -60,11 +71,8 @@ class TrainingEvaluator:
         t_eval = time.perf_counter()
         wall_s = t_eval - t_start
         t = self.cfg.train
-        conditional = self.cfg.model.conditional  # sampled class-balanced at the grids' guidance scale
-        result, _ = self.evaluator.evaluate(ema_model, self.cfg, num_samples=t.eval_samples, sampler=self.sampler,
-                                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
-                                            device=self.device, autocast_dtype=self.autocast_dtype,
-                                            guidance=t.sample_guidance if conditional else None)
+        result, _ = self.evaluator.evaluate(ema_model, self.cfg, sampler=self.sampler, steps=self.steps,
+                                            device=self.device, autocast_dtype=self.autocast_dtype, **self.choices)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
@@ -72,7 +80,7 @@ class TrainingEvaluator:
                   "eval_s": eval_s, "features": result["features"], "features_label": result["features_label"]}
         if "coverage" in result:
             record["classes_present"] = result["coverage"]["classes_present"]
-        if conditional:
+        if self.cfg.model.conditional:
             record.update(guidance=result["guidance"], class_accuracy=result["class_accuracy"])
         metrics.write(as_json_safe(record))
         self.eval_log.write(as_json_safe({**record, "coverage": result.get("coverage"),
