@@ -16,13 +16,16 @@
 # 150k images), each point sampled at guidance W = 2 (a conditional run's default) and scored by FID and class
 # accuracy; always fp32, scored with the fp32 arm's feature network (so its FIDs sit beside that arm's), kept in
 # raw-cond-fp32/. Order: flow against the default (ddpm-eps-cosine) at seeds 0, 1, 2, then the other three at seed 0.
-# Usage: COMMIT=<sha> [COND=1] bash seeds.sh OUTDIR
+# FP32=1 runs the fp32 arm on a CPU with bf16 too (its seed-0 bf16 runs are done; fp32 is fp32 on either CPU, and
+# each pair stays in one precision and one feature network).
+# Usage: COMMIT=<sha> [COND=1 | FP32=1] bash seeds.sh OUTDIR
 set -u
 cd /work/main
 HERE=benchmarks/cpu/2026-11-25-objectives
 COND=${COND:-0}
 if [ "$COND" = 1 ]; then ARM=cond-fp32; PRECISION=fp32
-elif grep -qw avx512_bf16 /proc/cpuinfo; then ARM=bf16; PRECISION=auto; else ARM=fp32; PRECISION=fp32; fi
+elif [ "${FP32:-0}" != 1 ] && grep -qw avx512_bf16 /proc/cpuinfo; then ARM=bf16; PRECISION=auto
+else ARM=fp32; PRECISION=fp32; fi
 PRESET=cpu-demo; GUIDANCE=""
 [ "$COND" = 1 ] && { PRESET=cpu-demo-cond; GUIDANCE="--guidance 2"; }
 SNAP=/tmp/objsnap-${COMMIT:?set COMMIT}
