@@ -107,14 +107,21 @@ def test_the_evaluation_sampler_is_a_setting_the_runs_use_and_the_report_names(t
 
 def test_an_objective_is_scored_again_only_where_auto_samples_it_with_another_sampler():
     """Flow matching samples best with Heun (UniPC when guided), where the fast recipe's DDPM uses the SDE solver:
-    a flow option is scored at its own pair too; EDM, which `auto` samples like DDPM, and DDPM options are not."""
+    a flow option is scored at its own pair too; EDM, which `auto` samples like DDPM, and DDPM options are not, nor
+    a flow option whose evaluations already used its own sampler (--eval-sampler heun)."""
     from fastddpm.config import apply_overrides, get_preset
 
+    def option(base, sampler="dpmpp-2m-sde", steps=50, **over):  # as bench quality's runs: one shared sampler
+        shared = {"train.eval_sampler": sampler, "train.eval_steps": steps}
+        return quality.own_sampling(apply_overrides(base, {**shared, **over}), apply_overrides(base, shared))
+
     base = get_preset("seed-1layer")
-    assert quality.own_sampling(apply_overrides(base, {"diffusion.objective": "flow"}), base) == ("heun", 10)
-    assert quality.own_sampling(apply_overrides(base, {"diffusion.objective": "edm"}), base) is None
-    assert quality.own_sampling(apply_overrides(base, {"diffusion.schedule": "cosine"}), base) is None
+    assert option(base, **{"diffusion.objective": "flow"}) == ("heun", 10)
+    assert option(base, **{"diffusion.objective": "edm"}) is None
+    assert option(base, **{"diffusion.schedule": "cosine"}) is None
     cond = apply_overrides(base, {"model.conditional": "true", "train.sample_guidance": "2"})
-    assert quality.own_sampling(apply_overrides(cond, {"diffusion.objective": "flow"}), cond) == ("unipc", 10)
-    unguided = apply_overrides(cond, {"diffusion.objective": "flow", "train.sample_guidance": "1"})
-    assert quality.own_sampling(unguided, cond) == ("heun", 10)
+    assert option(cond, **{"diffusion.objective": "flow"}) == ("unipc", 10)
+    assert option(cond, **{"diffusion.objective": "flow", "train.sample_guidance": "1"}) == ("heun", 10)
+    assert option(base, "heun", 10, **{"diffusion.objective": "flow"}) is None
+    assert option(base, "ddim", 50, **{"diffusion.objective": "flow"}) == ("heun", 10)
+    assert option(base, "ddim", 50, **{"diffusion.objective": "edm"}) is None  # sampled as the fast recipe is

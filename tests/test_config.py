@@ -54,7 +54,7 @@ def test_the_api_and_the_command_line_resolve_alike():
         _config("cpu-demo", {"max_steps": 3, "max_images": 100})
 
 
-def test_a_ddpm_setting_given_for_a_flow_or_edm_run_is_refused_not_ignored(tmp_path):
+def test_a_setting_of_another_objective_is_refused_not_ignored(tmp_path):
     """cpu-demo trains flow matching: `--schedule linear` on it (a command from when it trained a DDPM) would be
     ignored without a word; it is refused with the fix. The preset's own carried schedule and a saved config file
     with every field are not refused."""
@@ -68,6 +68,17 @@ def test_a_ddpm_setting_given_for_a_flow_or_edm_run_is_refused_not_ignored(tmp_p
         assert "objective is flow" in str(err.value) and "--objective ddpm" in str(err.value)
     with pytest.raises(ConfigError, match=r"diffusion.schedule='cosine' \(fastddpm.train\).*objective is edm"):
         _config("cpu-demo", {"objective": "edm", "schedule": "cosine"})
+    # T is DDPM's too: the continuous processes have no discrete timesteps
+    with pytest.raises(ConfigError, match=r"diffusion.num_timesteps='500' \(--set\) is a DDPM setting"):
+        resolve_train_config(*_args(["--out", "r", "--preset", "cpu-demo", "--set", "diffusion.num_timesteps=500"]))
+    # and the other way round: each continuous objective's own knobs on another objective
+    with pytest.raises(ConfigError, match=r"flow_shift=3.0 \(fastddpm.train\) is a flow-matching setting, and this "
+                                          r"run's objective is ddpm.*add --objective flow"):
+        _config("cpu-demo", {"objective": "ddpm", "flow_shift": 3.0})
+    with pytest.raises(ConfigError, match=r"edm_p_mean=-0.4 \(fastddpm.train\) is an EDM setting.*objective is flow"):
+        _config("cpu-demo", {"edm_p_mean": -0.4})
+    assert _config("cpu-demo", {"objective": "edm", "edm_p_mean": -0.4}).diffusion.edm_p_mean == -0.4
+    assert _config("cpu-demo", {"flow_shift": 3.0}).diffusion.flow_shift == 3.0
     assert _config("cpu-demo", {"objective": "ddpm", "schedule": "linear"}).diffusion.schedule == "linear"
     flow = _config("cpu-demo", {})
     assert flow.diffusion.objective == "flow"  # its carried schedule passes

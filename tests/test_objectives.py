@@ -14,7 +14,7 @@ import torch
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
 from fastddpm.cli import main
-from fastddpm.config import ConfigError, apply_overrides, get_preset
+from fastddpm.config import ConfigError, apply_overrides, default_spacing, get_preset
 from fastddpm.diffusion import sample
 from fastddpm.diffusion.continuous import EDM, NOISE_INPUT_SCALE, Flow, continuous_loss
 from fastddpm.trainer.loop import train
@@ -182,9 +182,28 @@ def test_the_sampling_levels_are_pinned():
     assert Flow().sampling_levels(2, "trailing", finite_lambda=False) == pytest.approx([1.0, 0.001])
     # the lambda-based solvers start where log(alpha / sigma) = -5.1: t = 1 / (1 + e^-5.1) = 0.99394
     assert Flow().sampling_levels(2, "trailing", finite_lambda=True)[0] == pytest.approx(0.993940, abs=1e-6)
+    for shift in (0.5, 3.0):  # and so does a shifted flow's first level, in every spacing
+        for spacing in ("trailing", "karras", "logsnr"):
+            t0 = Flow(shift=shift).sampling_levels(4, spacing, finite_lambda=True)[0]
+            assert math.log((1 - t0) / t0) == pytest.approx(-5.1, abs=1e-9)
     for process, spacing in ((Flow(), "trailing"), (Flow(), "karras"), (EDM(), "karras"), (EDM(), "trailing")):
         with pytest.raises(ValueError, match="steps=0 must be >= 1"):
             process.sampling_levels(0, spacing, finite_lambda=False)
+
+
+@pytest.mark.parametrize("sampler", ["euler", "dpmpp-2m", "unipc", "heun"])
+def test_each_objectives_default_spacing_is_the_one_sample_uses_and_records(sampler):
+    """The spacing an evaluation records and a file name leaves out is the one sample() walks: EDM's noise levels
+    for every sampler of an EDM model, trailing for flow's (Heun: karras on both)."""
+    assert default_spacing(sampler, "edm") == "karras"
+    assert default_spacing(sampler, "flow") == ("karras" if sampler == "heun" else "trailing")
+    for process in (EDM(), Flow()):
+        own = default_spacing(sampler, process.name)
+        other = "trailing" if own == "karras" else "karras"
+        runs = {s: sample(toy_net, process, (2, 1, 4, 4), sampler=sampler, steps=4, seed=1, spacing=s)
+                for s in (None, own, other)}
+        assert torch.equal(runs[None], runs[own])
+        assert not torch.allclose(runs[None], runs[other])
 
 
 def test_ddpm_sampler_is_refused_on_continuous_objectives_by_name():
@@ -243,6 +262,11 @@ def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_n
     assert not np.array_equal(auto, model.sample(2, sampler=other[0], steps=other[1], seed=1))
     with pytest.raises(Exception, match="samples with euler"):
         model.sample(2, sampler="ddpm")
+    # a file's name tags a spacing other than the sampler's own on this objective (EDM's own: karras)
+    assert main(["sample", "--checkpoint", str(straight), "--sampler", "euler", "--steps", "2", "--num-images", "2",
+                 "--spacing", "trailing", "--no-progress"]) == 0
+    tag = "-trailing" if objective == "edm" else ""
+    assert np.load(straight / "samples" / f"euler2{tag}_n2_seed0.npz")["images"].shape == (2, 1, 28, 28)
 
     from fastddpm.export import export
 

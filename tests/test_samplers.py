@@ -316,3 +316,22 @@ def _graphed_and_eager(model, schedule, kw):
             torch.cuda.set_sync_debug_mode("default")
         graphed = sample(compile_for_sampling(model, torch.device("cuda")), schedule, (8, 1, 28, 28), **kw)
     return graphed, eager
+
+
+def test_sampler_flags_are_checked_against_the_model_with_the_reason_and_the_fix():
+    """The ODE solvers start at the noisiest timestep with half log-SNR >= -5.1 (t = 995 on the cosine schedule): more
+    steps than that are refused as the flag, not left to fail in the solver; --eta on DDPM's own sampler is refused
+    as what it is (ancestral, stochastic), not called deterministic."""
+    from fastddpm.config import ConfigError
+    from fastddpm.sampling import resolve_sampler_args
+
+    cosine = apply_overrides(get_preset("tiny"), {"diffusion.schedule": "cosine"})
+    assert resolve_sampler_args(cosine, "unipc", 996) == ("unipc", 996)
+    with pytest.raises(ConfigError, match=r"--steps 997: --sampler unipc takes at most 996 steps on this cosine "
+                                          r"schedule: it starts at timestep 995.*ddim and euler walk all 1000"):
+        resolve_sampler_args(cosine, "unipc", 997)
+    assert resolve_sampler_args(cosine, "ddim", 1000) == ("ddim", 1000)
+    linear = get_preset("tiny")
+    assert resolve_sampler_args(linear, "dpmpp-2m", 1000) == ("dpmpp-2m", 1000)  # its lambda at T-1 is -5.06
+    with pytest.raises(ConfigError, match=r"--eta is DDIM's: --sampler ddpm is ancestral, stochastic by construction"):
+        resolve_sampler_args(linear, "ddpm", None, eta=0.5)

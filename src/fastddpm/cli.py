@@ -148,8 +148,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--steps", type=int, default=None, metavar="K", help=STEPS_HELP)
     sp.add_argument("--spacing", choices=SPACINGS, default=None,
                     help="timesteps: trailing (evenly spaced from T-1), karras (EDM noise levels, dense at low "
-                         "noise) or logsnr (evenly spaced in log-SNR, DPM-Solver's); default: karras for heun, "
-                         "trailing for the others")
+                         "noise) or logsnr (evenly spaced in log-SNR, DPM-Solver's); default: karras for heun and "
+                         "for every sampler of an EDM model, trailing for the others")
     sp.add_argument("--eta", type=float, default=0.0, help="DDIM eta: 0 deterministic, 1 DDPM-like (default 0)")
     sp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N", help="images per model call (default 256)")
@@ -255,8 +255,9 @@ def cmd_sample(args) -> int:
                                                     guidance=guidance if labels is not None else None)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
-    spacing = args.spacing or default_spacing(args.sampler)
-    tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
+    own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
+    spacing = args.spacing or own_spacing
+    tag = f"-{spacing}" if spacing != own_spacing else ""
     stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
     if args.klass is not None:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"

@@ -21,6 +21,7 @@ from fastddpm.config import ConfigError, RunConfig, class_index, resolve_samplin
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
+from fastddpm.diffusion.ode_solvers import LAMBDA_MIN, first_timestep
 from fastddpm.progress import progress_bar
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
@@ -40,7 +41,9 @@ def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int,
     elif sampler != "ddpm" and not 1 <= steps <= num_timesteps:
         raise ConfigError(f"--steps {steps} must be between 1 and {num_timesteps}")
     if eta != 0.0 and sampler != "ddim":
-        kind = "stochastic by construction (the reverse SDE)" if sampler == "dpmpp-2m-sde" else "deterministic"
+        kind = {"dpmpp-2m-sde": "stochastic by construction (the reverse SDE)",
+                "ddpm": "ancestral, stochastic by construction (DDIM's eta 1 on every timestep)"}.get(
+                    sampler, "deterministic")
         raise ConfigError(f"--eta is DDIM's: --sampler {sampler} is {kind} (use --sampler ddim for eta)")
 
 
@@ -52,6 +55,14 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     d = cfg.diffusion
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
     check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective)
+    if d.objective == "ddpm" and sampler not in ("ddpm", "ddim", "euler"):
+        first = first_timestep(schedule_from_config(d))
+        if steps > first + 1:
+            raise ConfigError(
+                f"--steps {steps}: --sampler {sampler} takes at most {first + 1} steps on this {d.schedule} "
+                f"schedule: it starts at timestep {first}, the noisiest whose half log-SNR is >= {LAMBDA_MIN} (a "
+                f"step in log-SNR or sigma from the later ones is ill-conditioned); ddim and euler walk all "
+                f"{d.num_timesteps}")
     return sampler, steps
 
 

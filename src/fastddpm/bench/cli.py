@@ -324,7 +324,7 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
     sp.add_argument("--no-ddpm", dest="ddpm", action="store_false", default=None,
                     help="leave out the DDPM-over-all-T reference point (the costliest)")
     sp.add_argument("--spacing", choices=SPACINGS, default=None,
-                    help="default: each sampler's own (karras for heun, trailing for the others)")
+                    help="default: each sampler's own (karras for heun and on an EDM model, trailing for the others)")
     sp.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="per point (default 2000)")
     sp.add_argument("--seed", type=int, default=None, help="noise seed of every point (default 0)")
     sp.add_argument("--spread-points", type=_csv_list, default=None, metavar="S-K,..",

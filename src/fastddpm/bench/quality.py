@@ -166,12 +166,13 @@ def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
 
 def own_sampling(cfg: RunConfig, base: RunConfig) -> tuple[str, int] | None:
     """The (sampler, steps) `auto` picks for cfg's objective (at its evaluation's guidance), where the option moved
-    the objective to one that `auto` samples with another sampler than base's (flow against DDPM); else None."""
+    the objective to one that `auto` samples with another sampler than base's (flow against DDPM) and its
+    evaluations (the sampler all the runs share, --eval-sampler) did not already use it; else None."""
     def auto(c: RunConfig) -> tuple[str, int]:
         return resolve_sampling("auto", None, c.diffusion.objective, guided=c.guided(c.train.sample_guidance))
 
     own = auto(cfg)
-    return own if own[0] != auto(base)[0] else None
+    return own if own[0] not in (auto(base)[0], cfg.eval_sampling()[0]) else None
 
 
 def _score_own_sampler(row: dict, sampling: tuple[str, int], log) -> dict:

@@ -42,7 +42,7 @@ class SamplerBenchSettings:
                                       metadata={"help": "samplers to measure at every step count"})
     steps: tuple[int, ...] = field(default=(5, 10, 20, 50, 100), metadata={"help": "step counts"})
     ddpm: bool = field(default=True, metadata={"help": "also DDPM over all T steps (the reference point)"})
-    spacing: str | None = None  # None: each sampler's own (config.default_spacing: karras for heun)
+    spacing: str | None = None  # None: each sampler's own (config.default_spacing: karras for heun and on EDM)
     num_samples: int = 2000
     seed: int = 0
     spread_points: tuple[str, ...] = field(default=("ddim-50", "ddim-100", "dpmpp-2m-10", "dpmpp-2m-20"),
@@ -142,7 +142,8 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
         log(f"carried {len(rows)} point(s) of the same checkpoint and settings from {json_path}")
     previous.finish_matching()
     result = {"schema": SCHEMA, "settings": asdict(settings), "checkpoint": info, "environment": env,
-              "features": evaluator.describe(), "conditional": cfg.model.conditional, "rows": rows}
+              "features": evaluator.describe(), "conditional": cfg.model.conditional,
+              "objective": cfg.diffusion.objective, "rows": rows}
     log(f"bench samplers: {len(todo)} points x {settings.num_samples:,} samples from {info['file']} "
         f"(step {info['step']}), {device}, {precision.name}, compile {'on' if compile_on else 'off'}, "
         f"features {evaluator.net.label}")
@@ -224,9 +225,11 @@ def report_markdown(result: dict) -> str:
     summary = result.get("summary") or summarize(result["rows"])
     env, ck, st = result["environment"], result["checkpoint"], result["settings"]
     cond = result["conditional"]
+    own_spacing = ("karras spacing (EDM's noise levels)" if result.get("objective") == "edm"  # not in older files
+                   else "karras spacing for heun, trailing for the others")
     lines = [f"# bench samplers: {ck['file']} (step {ck['step']})", "",
              f"{st['num_samples']:,} samples per point, "
-             f"{st['spacing'] + ' spacing' if st['spacing'] else 'karras spacing for heun, trailing for the others'}, "
+             f"{st['spacing'] + ' spacing' if st['spacing'] else own_spacing}, "
              f"features "
              f"{result['features']['label']}, device {env['device_name']}, torch {env['torch']}, commit "
              f"{env['git_commit']}, {env['date_utc']}", "",

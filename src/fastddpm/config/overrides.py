@@ -212,28 +212,31 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
         cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
     cfg = apply_overrides(cfg, file_values, source=str(file))
     cfg = _layered(cfg, layers)
-    _refuse_ddpm_only(cfg, layers)
+    _refuse_other_objectives(cfg, layers)
     return cfg
 
 
 # DiffusionConfig fields that only DDPM's discrete process reads: EDM's and flow's noise levels are their own
-_DDPM_ONLY = ("schedule", "beta_start", "beta_end")
+# the diffusion fields that only one objective reads (the others' noise levels are their own process)
+_OBJECTIVE_ONLY = {"schedule": "ddpm", "beta_start": "ddpm", "beta_end": "ddpm", "num_timesteps": "ddpm",
+                   "sigma_data": "edm", "edm_p_mean": "edm", "edm_p_std": "edm", "flow_shift": "flow"}
+_OBJECTIVE_NAMES = {"ddpm": ("a DDPM setting", "a DDPM"), "edm": ("an EDM setting", "an EDM model"),
+                    "flow": ("a flow-matching setting", "a flow-matching model")}
 
 
-def _refuse_ddpm_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
-    """A DDPM-only field given explicitly (a flag, --set, an API keyword) for an EDM or flow run would be ignored
-    without a word, e.g. `--preset cpu-demo --schedule linear`, written when cpu-demo trained a DDPM. Config files
-    are not checked: a run's saved config.json carries every field."""
+def _refuse_other_objectives(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """A field that only another objective reads, given explicitly (a flag, --set, an API keyword), would be ignored
+    without a word, e.g. `--preset cpu-demo --schedule linear`, written when cpu-demo trained a DDPM, or
+    `--set diffusion.flow_shift=3` on a DDPM. Config files are not checked: a run's saved config.json carries every
+    field."""
     objective = cfg.diffusion.objective
-    if objective == "ddpm":
-        return
     for source, values in layers:
-        for name in _DDPM_ONLY:
-            if f"diffusion.{name}" in values:
+        for name, owner in _OBJECTIVE_ONLY.items():
+            if owner != objective and f"diffusion.{name}" in values:
                 raise ConfigError(
-                    f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is a DDPM setting, and this run's "
-                    f"objective is {objective}, whose noise levels are its own process, so it would be ignored: add "
-                    f"--objective ddpm to train a DDPM with it, or leave it out")
+                    f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is {_OBJECTIVE_NAMES[owner][0]}, "
+                    f"and this run's objective is {objective}, so it would be ignored: add --objective {owner} to "
+                    f"train {_OBJECTIVE_NAMES[owner][1]} with it, or leave it out")
 
 
 _NOT_GIVEN = object()

@@ -47,7 +47,8 @@ def resolve_sampling(sampler: str, steps: int | None, objective: str, *, guided:
     return sampler, DEFAULT_SAMPLER_STEPS if steps is None else steps
 
 
-def default_spacing(sampler: str) -> str:
-    """A sampler's own timesteps: EDM's Heun is defined with the Karras noise levels (its steps in sigma need them:
-    uniform steps put one huge step at high noise); the others with evenly spaced 'trailing' timesteps."""
-    return "karras" if sampler == "heun" else "trailing"
+def default_spacing(sampler: str, objective: str = "ddpm") -> str:
+    """A sampler's own timesteps on a model of `objective`: Karras et al.'s noise levels (rho = 7) for Heun, which is
+    defined with them (its steps in sigma need them: uniform steps put one huge step at high noise), and for every
+    sampler of an EDM model, whose noise levels they are; evenly spaced 'trailing' timesteps for the others."""
+    return "karras" if sampler == "heun" or objective == "edm" else "trailing"

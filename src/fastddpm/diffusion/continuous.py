@@ -31,9 +31,10 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-# The U-Nets embed their noise input with sinusoids built for DDPM's integer timesteps 0..999: both continuous
-# objectives hand it their level on that scale (EDM's c_noise times 1000, flow's t times 1000, as diffusers and
-# Stable Diffusion 3 do for flow).
+# The U-Nets embed their noise input with sinusoids built for DDPM's integer timesteps 0..999, which take any real
+# input: both continuous objectives hand it their own noise input times 1000. Flow's t lands on that scale (as in
+# diffusers and Stable Diffusion 3); EDM's, 1000 c_noise = 250 ln(sigma), runs from about -1,550 to 1,100 over
+# sigma 0.002..80: off that range, but monotone in sigma, so each noise level keeps its own embedding.
 NOISE_INPUT_SCALE = 1000.0
 OBJECTIVES = ("ddpm", "edm", "flow")
 # samplers that run on a continuous objective: DDPM's ancestral sampler walks the T discrete timesteps of its own
@@ -52,8 +53,7 @@ class ContinuousProcess(ABC):
     """What an objective needs to train and sample: its level from a standard normal draw, (alpha, sigma) at a
     level, the network's input at a level, x0_hat from the network's output, and the training target."""
 
-    name: str
-    default_spacing: str
+    name: str  # the objective's name (config.default_spacing picks its samplers' timesteps by it)
 
     @abstractmethod
     def level(self, z_B: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class ContinuousProcess(ABC):
 
 
 class EDM(ContinuousProcess):
-    name, default_spacing = "edm", "karras"
+    name = "edm"
 
     def __init__(self, *, sigma_data: float = 0.5, p_mean: float = -1.2, p_std: float = 1.2,
                  sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0):
@@ -122,7 +122,7 @@ class EDM(ContinuousProcess):
 
 
 class Flow(ContinuousProcess):
-    name, default_spacing = "flow", "trailing"
+    name = "flow"
 
     def __init__(self, *, shift: float = 1.0, logit_mean: float = 0.0, logit_std: float = 1.0,
                  num_train_timesteps: int = 1000):
@@ -151,8 +151,9 @@ class Flow(ContinuousProcess):
         if steps < 1:
             raise ValueError(f"steps={steps} must be >= 1")
         t_max = 1.0
-        if finite_lambda:  # the lambda-based solvers start where alpha / sigma = e^LAMBDA_MIN
-            t_max = 1.0 / (1.0 + math.exp(LAMBDA_MIN))
+        if finite_lambda:  # the lambda-based solvers start where alpha / sigma = e^LAMBDA_MIN, after the shift:
+            t_lambda_min = 1.0 / (1.0 + math.exp(LAMBDA_MIN))  # so t_max is the shift's inverse of that level
+            t_max = t_lambda_min / (self.shift - (self.shift - 1) * t_lambda_min)
         if spacing == "trailing":  # evenly in t, then shifted, as diffusers' FlowMatchEulerDiscreteScheduler
             # (which spaces its levels between the shifted ends, then shifts them: t_min is shifted twice)
             lo = self._shifted(self.t_min)

@@ -7,7 +7,8 @@ out(x_t, y) and out(x_t, null). Guidance extrapolates from the unconditional pre
 
 W = 1 is plain conditional sampling, W = 0 unconditional, W > 1 trades diversity for class fidelity. Both outputs
 come from one forward of the 2B batch [x_t; x_t] with labels [y; null], not two calls. The network output is
-epsilon or v: for a fixed x_t each is an affine function of the other, so guiding either is the same extrapolation.
+epsilon, v, EDM's F or flow's velocity: for a fixed x_t and level each is an affine function of x0_hat with the same
+coefficients for both labels, so guiding any of them is the same extrapolation of x0_hat.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ from fastddpm.diffusion.schedule import NoiseSchedule
 
 # The solvers start at the noisiest trained timestep with lambda >= -5.1 (sigma~ = sigma / alpha <= 164): the cosine
 # schedule's clipped last betas put its final timesteps at sigma~ = 640 and 20,000, where a step in sigma~ (Heun) or
-# a multistep difference in lambda is ill-conditioned (diffusers' `lambda_min_clipped`, -5.1 for cosine; EDM's
-# VP sigma_max is 157, Karras et al. 2022, table 1). Starting there from pure noise errs by alpha <= 0.006 of x_0.
+# a multistep difference in lambda is ill-conditioned (diffusers' `lambda_min_clipped`, -5.1 for cosine; EDM's VP
+# ends at sigma = sqrt(e^(beta_d / 2 + beta_min) - 1) = 152, Karras et al. 2022, table 1). Starting there from pure
+# noise errs by alpha <= 0.006 of x_0.
 # The linear schedule's lambda at T-1 is -5.06: it keeps every timestep.
 LAMBDA_MIN = -5.1
 

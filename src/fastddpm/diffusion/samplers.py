@@ -162,7 +162,8 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     initial noise depends on the seed alone, so every sampler starts from the same x_T. A conditional model
     samples `labels` ((B,) class ids; None: unconditional) with classifier-free guidance W = `guidance`
     (fastddpm.diffusion.guidance); `num_classes` is the model's, the id of its null class. `clip` clamps every
-    x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own (config.default_spacing)."""
+    x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own on this model's objective
+    (config.default_spacing)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
     continuous = isinstance(schedule, ContinuousProcess)
@@ -170,7 +171,7 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
         raise ValueError(f"--sampler {sampler} walks the discrete timesteps of --objective ddpm; this "
                          f"{schedule.name} model samples with {', '.join(CONTINUOUS_SAMPLERS)} "
                          "(ancestral: ddim with --eta 1)")
-    spacing = spacing or (schedule.default_spacing if continuous and sampler != "heun" else default_spacing(sampler))
+    spacing = spacing or default_spacing(sampler, schedule.name if continuous else "ddpm")
     if spacing not in SPACINGS:
         raise ValueError(f"unknown spacing {spacing!r}: choose one of {', '.join(SPACINGS)}")
     if labels is not None:

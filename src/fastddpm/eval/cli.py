@@ -63,7 +63,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto", help=SAMPLER_HELP)
     ev.add_argument("--steps", type=positive_int, default=None, metavar="K", help=STEPS_HELP)
     ev.add_argument("--spacing", choices=SPACINGS, default=None,
-                    help="timestep spacing (default: karras for heun, trailing for the others)")
+                    help="timestep spacing (default: karras for heun and for every sampler of an EDM model, "
+                         "trailing for the others)")
     ev.add_argument("--eta", type=float, default=0.0, help="DDIM eta (default 0)")
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ev.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
@@ -213,7 +214,8 @@ def run_eval(args: argparse.Namespace) -> int:
             f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
     sampling_model = compile_for_sampling(model, device) if compile_on else model
     nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps)
-    spacing = args.spacing or default_spacing(args.sampler)
+    own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
+    spacing = args.spacing or own_spacing
     log(f"sampling {args.num_samples:,} images: {args.sampler}"
         f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}"
         f"{'' if args.sampler == 'ddpm' else f', {spacing} spacing'} = {nfe} network calls each, "
@@ -237,7 +239,7 @@ def run_eval(args: argparse.Namespace) -> int:
     metrics, images = per_scale[0]
     out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
-    tag = f"-{spacing}" if spacing != default_spacing(args.sampler) else ""
+    tag = f"-{spacing}" if spacing != own_spacing else ""
     stem = f"eval_{args.sampler}{steps}{tag}_n{args.num_samples}_seed{args.seed}"
     if cfg.model.conditional:
         stem += "_w" + "-".join(f"{w:g}" for w in scales)

@@ -183,8 +183,8 @@ class Evaluator:
                             classes=self.classes, class_names=m.class_names)
         T = cfg.diffusion.num_timesteps
         metrics["sampling"] = {"sampler": sampler, "steps": T if sampler == "ddpm" else steps,
-                               "spacing": spacing or default_spacing(sampler), "nfe": network_calls(sampler, steps, T),
-                               "eta": eta, "seed": seed, **timing}
+                               "spacing": spacing or default_spacing(sampler, cfg.diffusion.objective),
+                               "nfe": network_calls(sampler, steps, T), "eta": eta, "seed": seed, **timing}
         if m.conditional:
             metrics["guidance"] = 1.0 if guidance is None else guidance
         return metrics, images
