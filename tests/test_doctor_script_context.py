@@ -282,6 +282,11 @@ def test_script_switches_are_the_fixes(tmp_path):
         # as transformers' HfArgumentParser makes a bool field: `--torch_compile` alone sets True
         p.add_argument("--torch_compile", type=lambda s: s == "True", nargs="?", const=True, default=False)
         p.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
+        # flags whose choices or names look like the fixes' but are not them: the weights' dtype, an image size,
+        # the processes of datasets.map
+        p.add_argument("--torch_dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+        p.add_argument("--image_size", type=int, choices=[16, 32], default=16)
+        p.add_argument("--preprocessing_num_workers", type=int, default=None)
         p.add_argument("--dataloader_num_workers", type=int, default=0)
         args, _ = p.parse_known_args()
         argparse.ArgumentParser().parse_args([])  # a list of its own, not the command line: not the script's flags
@@ -289,9 +294,11 @@ def test_script_switches_are_the_fixes(tmp_path):
     ctx, _ = run(script, "--fp16", "--extra")
     assert [(f.dest, f.value, f.switch) for f in ctx.flags] == [
         ("fp16", True, True), ("bf16", False, True), ("torch_compile", False, True), ("optim", "adamw_torch", None),
+        ("torch_dtype", "auto", None), ("image_size", 16, None), ("preprocessing_num_workers", None, None),
         ("dataloader_num_workers", 0, None)]
     assert ctx.precision_fix("bf16").text == "pass --bf16 (train.py's own switch; off this run)"
     assert ctx.precision_fix("fp16") is None  # --fp16 is on already
+    assert ctx.precision_fix("fp32").text.startswith("leave out --fp16")  # not --image_size 32
     assert ctx.compile_fix().text == "pass --torch_compile (train.py's own switch; off this run)"
     fix = ctx.optimizer_fix()
     assert (fix.kind, fix.place) == ("flag", None)

@@ -76,9 +76,9 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
         text = "HEALTHY by the host-side rules; the GPU timeline was not profiled (profile_steps=0)"
     else:
         math = ""
-        if m.trace is not None and m.trace.breakdown:
-            b = m.trace.breakdown
-            math = f" ({pct(b.get('matmul', 0.0) + b.get('attention', 0.0))} of the step in matmuls and attention)"
+        if m.trace is not None and m.trace.breakdown:  # unprofiled shares, as the rules read them
+            share = m.unprofiled_share("matmul") + m.unprofiled_share("attention")
+            math = f" ({pct(share)} of the step in matmuls and attention)"
         text = ("HEALTHY for a CPU run: the step is the model's math" + math + ", with no data, epoch, compile, "
                 "precision or overhead problem costing 5% or more; the GPU-level rules need a CUDA device")
     return {"healthy": True, "id": "healthy", "title": text, "cost": 0.0}

@@ -45,8 +45,9 @@ def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
             "autocast does not cover the hot path: a forward outside the autocast block, explicit .float() "
             "calls, or a second model (EMA, loss network) called outside it",
             [Fix("--precision bf16 (fastddpm runs the whole loss under autocast)",
-                 "wrap the full forward and loss in torch.autocast('cuda', dtype=torch.bfloat16); keep the "
-                 "backward outside; look for .float() in the model", trial="autocast-bf16")], group="compute")
+                 f"wrap the full forward and loss in torch.autocast('{'cuda' if m.cuda else 'cpu'}', "
+                 "dtype=torch.bfloat16); keep the backward outside; look for .float() in the model",
+                 trial="autocast-bf16")], group="compute")
     if total > 0 and low == 0:
         return _fp32_matmuls(m, t, total, fp32_time_share)
     return None

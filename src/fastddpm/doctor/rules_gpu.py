@@ -223,12 +223,3 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                      ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
     return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
                    t.layout_share * (1 - t.idle_share), ev, cause, fixes)
-    # the weights' format unseen (no torch.optim step watched): both readings, the trace's kernels deciding
-    cause = ("cuDNN converts NCHW tensors to NHWC around its tensor-core convolutions and back" if cudnn else
-             "tensors change layout between ops: channels_last tensors meeting ops without an NHWC kernel, or "
-             ".contiguous() / transposes in the model")
-    fixes = ([to_nhwc] if cudnn else []) + [
-        Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
-            ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
-    return Finding("layout-thrash", (11,), "LAYOUT THRASH: time spent converting between NCHW and NHWC",
-                   t.layout_share * (1 - t.idle_share), ev, cause, fixes)

@@ -28,8 +28,9 @@ def recompiles(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         "rate), or a graph break; each recompile costs seconds and may fall back to slower code",
         [Fix("fastddpm drops the ragged tail and keeps the learning rate in a tensor already",
              "DataLoader(..., drop_last=True) (or pad the last batch); torch.compile(..., dynamic=False)"),
-         Fix(None, "pass the learning rate as a tensor (AdamW(lr=torch.tensor(lr))); run with "
-                   "TORCH_LOGS=recompiles,graph_breaks to see the failing guard"),
+         Fix(None, "pass the learning rate as a tensor (AdamW(lr=torch.tensor(lr), fused=True): a tensor LR "
+                   "needs the fused or capturable implementation); run with TORCH_LOGS=recompiles,graph_breaks to "
+                   "see the failing guard"),
          Fix(None, "with mode='reduce-overhead', call torch.compiler.cudagraph_mark_step_begin() each step")])
 
 

@@ -64,8 +64,9 @@ def _topic(name: str) -> str | None:
             return "precision"
         if w.startswith("compil"):
             return "compile"
-        if w == "workers":
-            return "workers"
+        if w == "workers":  # a loader's; not --preprocessing_num_workers (datasets.map's processes)
+            return None if {"preprocessing", "preprocess", "tokenizer", "tokenization"} & set(_words(name)) \
+                else "workers"
         if w.startswith(("adam", "optim")) or w in ("fused", "foreach"):
             return "optimizer"
     return None
@@ -324,7 +325,8 @@ class ScriptContext:
         none applies."""
         if dtype not in _ALIASES:
             raise ValueError(f"precision_fix: dtype {dtype!r}; give 'bf16', 'fp16' or 'fp32'")
-        for f in self.flags:  # --mixed_precision {no,fp16,bf16}
+        for f in (f for f in self.flags if _topic(f.dest) == "precision"):  # --mixed_precision {no,fp16,bf16}
+            # (not --torch_dtype {float32,bfloat16}, the weights' dtype, nor --image_size {16,32})
             choice = next((c for c in f.choices or () if str(c).lower() in _ALIASES[dtype]), None)
             if choice is not None and f.value != choice:
                 return self._flag_fix(f, choice)

@@ -394,7 +394,7 @@ class Session:
 
     def _time_optimizer(self, on: bool) -> None:
         """Time torch.optim step() calls (any optimizer, process-wide hooks) while the watched steps run. Where
-        the steps end in an optimizer post-hook (doctor run, doctor train), that boundary ends the timing: a
+        the steps end in an optimizer post-hook (doctor run), that boundary ends the timing: a
         post-hook of ours could not be added or removed there (torch iterates over the post-hooks then)."""
         if on and self._opt_hooks is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
