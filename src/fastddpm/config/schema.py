@@ -470,9 +470,10 @@ class TrainConfig:
     )
     eval_inception: str | None = field(
         default=None,
-        metadata=_doc("Local Inception weights for standard FID during training (pytorch-fid's "
-                      "pt_inception-2015-12-05 .pth, or a TorchScript extractor); none = fastddpm-features, a "
-                      "classifier trained on the dataset (not comparable to published Inception FID)."),
+        metadata=_doc("Inception weights for standard FID during training: auto (found or downloaded as "
+                      "`eval --features inception` does), or a local file (pytorch-fid's pt_inception-2015-12-05 "
+                      ".pth, or a TorchScript extractor); none = fastddpm-features, a classifier trained on the "
+                      "dataset (not comparable to published Inception FID)."),
     )
     min_snr_gamma: float | None = field(
         default=None,

@@ -91,13 +91,19 @@ class FeatureClassifier(nn.Module):
         return self.features_and_logits(x_BCHW)[1]
 
 
+class UnlabelledDataError(DataError):
+    """The data has no labels to train the feature classifier on: the fix is Inception features, not other data."""
+
+
 def num_classes_of(data: PreparedData, where: str) -> int:
     labels = np.asarray(data.labels)
     if labels.size == 0 or (labels < 0).all():
-        raise DataError(
+        raise UnlabelledDataError(
             f"{where} has no labels, so fastddpm cannot train its feature network (a classifier) for it. Fix: "
-            "evaluate with Inception features (--inception PATH to a local pt_inception-2015-12-05 weights file "
-            "or a TorchScript feature extractor), or prepare a labelled copy (an image folder root/<label>/*.png)"
+            "evaluate with Inception features: `fastddpm eval --features inception` (finds or downloads "
+            "pytorch-fid's weights), --inception PATH (a local pt_inception-2015-12-05 weights file or a TorchScript "
+            "feature extractor), or in training --eval-inception auto; or prepare a labelled copy (an image folder "
+            "root/<label>/*.png)"
         )
     return max(len(data.class_names), int(labels.max()) + 1)
 

@@ -18,7 +18,8 @@ _DESCRIPTION = """\
 Sample from a checkpoint's EMA weights and measure the samples against the real data:
 
   FID                Frechet distance between Gaussians fitted to the features of the samples and of all real
-                     images of the training split (exact, float64); 0 = same statistics, lower is better
+                     images of the model's own split (or --reference-split) (exact, float64); 0 = same
+                     statistics, lower is better
   precision, recall  Kynkaanniemi et al. 2019, k = 3 nearest neighbours, equal numbers of real and generated
                      images: precision = share of samples that look real, recall = share of the real data
                      the samples cover
@@ -159,6 +160,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.data import DataError
     from fastddpm.device import resolve_device, resolve_precision
     from fastddpm.diffusion import network_calls
+    from fastddpm.eval.classifier import UnlabelledDataError
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
@@ -198,7 +200,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                          reference_split=args.reference_split, log=log,
                                          progress=not args.no_progress)
     except DataError as e:
-        if args.data is None:
+        if args.data is None and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
             raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass --data SOURCE "
                             "to evaluate against another copy of that data.)") from None
         raise

@@ -116,7 +116,8 @@ def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: i
             out["per_class_fid"] = {
                 class_names[c] if c < len(class_names) else str(c):
                 frechet_distance(*ex.class_stats[c].mean_cov(), classes.mu[c], classes.sigma[c])
-                for c in sorted(ex.class_stats) if ex.class_stats[c].n >= 2}
+                for c in sorted(ex.class_stats)
+                if ex.class_stats[c].n >= 2 and c < len(classes.counts) and classes.counts[c] >= 2}
     out["score_s"] = time.perf_counter() - t0
     return out
 

@@ -164,10 +164,12 @@ class ReferenceStats:
 
 
 def _reference_path(data: PreparedData, net: FeatureNet, cache_root: Path) -> Path:
-    blob = json.dumps({"format": REFERENCE_FORMAT, "cache": data.cache_path.name,
-                       "fingerprint": data.meta.get("fingerprint"), "num_images": data.num_images,
-                       "features": net.name, "identity": net.identity, "pr_images": PR_REFERENCE_IMAGES},
-                      sort_keys=True)
+    fields = {"format": REFERENCE_FORMAT, "cache": data.cache_path.name, "fingerprint": data.meta.get("fingerprint"),
+              "num_images": data.num_images, "features": net.name, "identity": net.identity,
+              "pr_images": PR_REFERENCE_IMAGES}
+    if net.info.get("kind"):  # an Inception's loader: the same weights behind another preprocessing are another space
+        fields["preprocessing"] = [net.info["kind"], net.info.get("resize")]
+    blob = json.dumps(fields, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     slug = data.cache_path.name.rsplit("-", 1)[0]
     return Path(cache_root) / "reference" / f"{slug}-{net.name}-{key}.npz"
@@ -244,8 +246,12 @@ def class_reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Pa
     dim = ex.stats.dim
     mu, sigma, counts = np.zeros((k, dim)), np.zeros((k, dim, dim)), np.zeros(k, dtype=np.int64)
     for c in classes:
-        mu[c], sigma[c] = ex.class_stats[c].mean_cov()
         counts[c] = ex.class_stats[c].n
+        if counts[c] < 2:  # no covariance from one image: that class gets no per-class FID (counts say why)
+            log(f"per-class reference statistics: class {c} of {data.cache_path.name} has {counts[c]} image; it "
+                "gets no per-class FID")
+            continue
+        mu[c], sigma[c] = ex.class_stats[c].mean_cov()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
     np.savez(tmp, mu=mu, sigma=sigma, counts=counts)

@@ -202,19 +202,14 @@ class TorchScriptFeatures(nn.Module):
     def __init__(self, module: torch.jit.ScriptModule):
         super().__init__()
         self.module = module
-        self.return_features: bool | None = None  # learnt on the first call
+        # NVlabs' file returns its pool3 features only when asked (return_features=True), else class scores: read
+        # from the compiled signature, not learnt from a failed first call, which any error (out of memory) could
+        # turn into the wrong feature space for good
+        self.return_features = any(a.name == "return_features" for a in module.forward.schema.arguments)
 
     def forward(self, x_u8_BCHW: torch.Tensor) -> torch.Tensor:
         x = x_u8_BCHW if x_u8_BCHW.shape[1] == 3 else x_u8_BCHW.expand(-1, 3, -1, -1)
-        if self.return_features is None:
-            try:
-                out = self.module(x, return_features=True)
-                self.return_features = True
-            except (RuntimeError, TypeError):  # a module without that argument
-                out = self.module(x)
-                self.return_features = False
-        else:
-            out = self.module(x, return_features=True) if self.return_features else self.module(x)
+        out = self.module(x, return_features=True) if self.return_features else self.module(x)
         return out.reshape(out.shape[0], -1).to(torch.float32)
 
 
