@@ -200,10 +200,16 @@ def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_p
     leftovers = list(d.glob(".ckpt_000000002.pt.tmp.*"))
     assert leftovers, "the kill should have left a partial temp file"
     assert [p.name for p in list_checkpoints(d)] == ["ckpt_000000001.pt"]
-    with pytest.warns(UserWarning, match=r"ignoring .*ckpt_000000002\.pt\.tmp.*interrupted save"):
-        path, state = load_latest(d)
+    path, state = load_latest(d)
     assert state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(4))
-    assert not list(d.glob(".ckpt_*.tmp.*"))
+    # a reader leaves temp files alone (one could be a save in flight in a run still training)...
+    assert list(d.glob(".ckpt_*.tmp.*")) == leftovers
+    # ...and the writer's next save removes the killed one's
+    from fastddpm.rundir.checkpoint import save_checkpoint
+
+    with pytest.warns(UserWarning, match=r"removing .*ckpt_000000002\.pt\.tmp.*interrupted save"):
+        save_checkpoint(d, 3, {"model": {"w": torch.zeros(4)}, "step": 3}, keep=3)
+    assert not list(d.glob(".ckpt_*.tmp.*")) and load_latest(d)[1]["step"] == 3
 
 
 def _recording(monkeypatch):

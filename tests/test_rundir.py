@@ -81,6 +81,10 @@ def test_resume_notes_name_what_cannot_stay_bit_exact():
     assert "written by 1 rank, this run has 2" in notes[1] and "kept, --global-batch-size is fixed" in notes[1]
     state.saved_by = {"world_size": 2, "global_batch": 32, "cpu_threads": 4}
     assert state.resume_notes("per device") == []
+    # the same world, another batch (--batch-size or --accum-steps changed): said too
+    state.saved_by = {"world_size": 2, "global_batch": 64, "cpu_threads": 4}
+    (note,) = state.resume_notes("per device")
+    assert "global batch of 64, this run has 32" in note and "data order" in note
 
 
 def test_run_dir_of_any_path_a_run_leaves(tmp_path):

@@ -38,7 +38,13 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int) -> Path:
-    """Serialise `state` to ckpt_<step>.pt atomically, then delete all but the newest `keep` checkpoints."""
+    """Serialise `state` to ckpt_<step>.pt atomically, then delete all but the newest `keep` checkpoints. Temp files
+    of an earlier save that was killed midway are removed here, by the one process that writes checkpoints: a
+    reader (sample, eval, export on a run still training) must not, or it could delete the save in flight."""
+    if ckpt_dir.is_dir():
+        for leftover in sorted(ckpt_dir.glob(".ckpt_*.tmp.*")):
+            warnings.warn(f"removing {leftover}: an incomplete checkpoint from an interrupted save", stacklevel=2)
+            leftover.unlink(missing_ok=True)
     buf = io.BytesIO()
     torch.save({"format": CHECKPOINT_FORMAT, **state}, buf)
     data = buf.getvalue()
@@ -89,12 +95,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads and verifies; broken newer ones are skipped with a warning naming them.
-    Temp files of a save that was killed midway are reported and removed (they never reach a final path)."""
-    if ckpt_dir.is_dir():
-        for leftover in sorted(ckpt_dir.glob(".ckpt_*.tmp.*")):
-            warnings.warn(f"ignoring {leftover}: an incomplete checkpoint from an interrupted save; removing it",
-                          stacklevel=2)
-            leftover.unlink(missing_ok=True)
+    Temp files are never read (they never reach a final path) and never deleted here: one may be a save in flight
+    (the next save_checkpoint removes a killed one's)."""
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
             return path, load_checkpoint(path, map_location)

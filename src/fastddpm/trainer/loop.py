@@ -166,6 +166,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
             maybe_evaluate(run, out, done)
         every = train_cfg.checkpoint_every
         if done or (every and state.step % every == 0) or stop_code is not None:
+            if not (logging_step or run.device.type == "cpu"):
+                check_health(run, out)  # never save weights a NaN froze under a later step (a save syncs anyway)
             out.checkpoint = run.checkpointer.save()
         if stop_code is not None:
             barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
@@ -310,7 +312,8 @@ def _agreed_stop(run: Run, stop: _StopFlag, logging_step: bool) -> int | None:
 
 def check_health(run: Run, out: StepLog) -> None:
     """Stop a run that can no longer learn, naming the step, the last checkpoint and the fix. Note: both checks
-    read the device (host syncs): the loop calls this on logging steps only (every step on a CPU)."""
+    read the device (host syncs): the loop calls this on logging steps and before a save only (every step on a
+    CPU)."""
     train_cfg = run.cfg.train
     bad = run.opt.step_fn.first_bad_step()
     if bad is not None:

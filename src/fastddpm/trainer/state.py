@@ -68,4 +68,8 @@ class TrainState:
                 + ("kept, --global-batch-size is fixed" if batch_fixed == "global" else
                    "per-device batch fixed; set --global-batch-size to keep the global one")
                 + "), and the data order from here differs from an uninterrupted run")
+        elif self.saved_by.get("global_batch") not in (None, self.global_batch):
+            notes.append(f"note: the checkpoint was written with a global batch of {self.saved_by['global_batch']}, "
+                         f"this run has {self.global_batch} (another --batch-size or --accum-steps): the data order "
+                         "and the steps per epoch from here differ from an uninterrupted run")
         return notes
