@@ -139,6 +139,32 @@ def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, cap
     assert "--num-samples 5: at least 10" in capsys.readouterr().err
 
 
+def test_an_evaluation_a_stop_signal_skipped_runs_on_resume_from_the_same_weights(fmnist_splits, tmp_path):
+    """A SIGTERM on a step that is due an evaluation stops at once (no evaluation) and saves that step's weights;
+    the resumed run evaluates them before it trains on, so its eval records equal an uninterrupted run's."""
+    import os
+    import signal
+
+    from fastddpm.trainer.loop import TrainingInterrupted
+    from fastddpm.trainer.setup import TrainHooks
+
+    cfg = tiny_cfg(fmnist_splits, max_steps=12, eval_every_images=96, eval_samples=16, eval_steps=2)
+    train(cfg, out_dir=tmp_path / "straight", log=quiet)
+
+    def sigterm_at_the_first_evaluation(step):
+        if step == 6:  # 96 images: due an evaluation
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        train(cfg, out_dir=tmp_path / "split", log=quiet, hooks=TrainHooks(after_step=sigterm_at_the_first_evaluation))
+    assert not (tmp_path / "split" / "eval.jsonl").exists()  # stopped without evaluating
+    train(cfg, out_dir=tmp_path / "split", resume="latest", log=quiet)
+    evals = {run: [(r["step"], r["images_seen"], r["fid"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")
+                   if r.get("event") == "eval"] for run in ("straight", "split")}
+    assert [e[:2] for e in evals["straight"]] == [(6, 96), (12, 192)]
+    assert evals["split"] == evals["straight"]
+
+
 def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_splits, tmp_path, monkeypatch):
     """Same losses, weights and RNG state with and without --eval-every; a planted 1000-second evaluation (on the
     clock the loop reads, so the test does not depend on how busy the CPU is) shows up in neither wall_s nor

@@ -63,6 +63,15 @@ class TrainingEvaluator:
         """True on the step that crosses a multiple of eval_every_images."""
         return images_seen // self.every > (images_seen - images_per_step) // self.every
 
+    def missed(self, images_seen: int, images_per_step: int, *, at_end: bool) -> bool:
+        """On a resume: the step the checkpoint was saved at was due an evaluation (crossing a multiple of
+        eval_every_images, or the run's last) that eval.jsonl does not hold. A stop signal skips that evaluation
+        and saves those very weights, so evaluating them now gives the record an uninterrupted run has."""
+        if images_seen <= 0 or not (at_end or self.due(images_seen, images_per_step)):
+            return False
+        records = read_metrics(self.eval_log.path) if self.eval_log.path.is_file() else []
+        return not any(r.get("images_seen") == images_seen for r in records)
+
     def run(self, ema_model, *, step: int, images_seen: int, epoch: float, t_start: float,
             metrics: MetricsLog) -> float:
         """Evaluate now; returns the seconds it took (for the loop to take out of its training clocks)."""

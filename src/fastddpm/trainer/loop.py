@@ -135,6 +135,9 @@ def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, lo
 
 def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainResult:
     train_cfg, state = run.cfg.train, run.state
+    if run.evaluator is not None and run.evaluator.missed(state.images_seen, run.images_per_step,
+                                                          at_end=state.step == run.total_steps):
+        maybe_evaluate(run, out, done=True)  # a signal stopped the run on an evaluation's step: its weights now
     while state.step < run.total_steps:
         # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
         micro = run.micro_batches()
