@@ -19,7 +19,7 @@ from fastddpm.trainer.state import TrainState
 
 # The keys of a .pt checkpoint, as every fastddpm version has written them: loaders elsewhere rely on them.
 PT_KEYS = {"format", "model", "ema", "optimizer", "scaler", "step", "images_seen", "config", "world_size",
-           "global_batch", "micro_split", "cpu_threads", "rng"}
+           "global_batch", "micro_split", "cpu_threads", "train_s", "rng"}
 
 
 def _checkpointer(run_dir: Path, *, seed: int = 0, scaler: bool = False):
@@ -43,7 +43,7 @@ def _train_once(model, optimizer):
 def test_save_then_load_restores_every_object_and_keeps_the_key_layout(tmp_path):
     saver, model, optimizer, state = _checkpointer(tmp_path / "run")
     _train_once(model, optimizer)
-    state.step, state.images_seen, state.micro_split = 7, 112, 2
+    state.step, state.images_seen, state.micro_split, state.train_s = 7, 112, 2, 12.5
     rng_at_save = torch.get_rng_state()
     path = saver.save()
     assert path == tmp_path / "run" / "checkpoints" / "ckpt_000000007.pt"
@@ -54,7 +54,7 @@ def test_save_then_load_restores_every_object_and_keeps_the_key_layout(tmp_path)
     assert not torch.equal(next(model2.parameters()), next(model.parameters()))
     torch.manual_seed(123)  # the loaded RNG must replace whatever the process drew since
     loader.load(loader.latest())
-    assert (state2.step, state2.images_seen, state2.micro_split) == (7, 112, 2)
+    assert (state2.step, state2.images_seen, state2.micro_split, state2.train_s) == (7, 112, 2, 12.5)
     assert state2.saved_by == {"world_size": 1, "global_batch": 16, "cpu_threads": 2}
     assert torch.equal(torch.get_rng_state(), rng_at_save)
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):

@@ -280,13 +280,17 @@ def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
     assert returncode == 143, err
     ckpts = list_checkpoints(run / "checkpoints")
     assert len(ckpts) == 1
-    step = load_checkpoint(ckpts[0])["step"]
+    saved = load_checkpoint(ckpts[0])
+    step = saved["step"]
     assert step >= 3 and read_metrics(metrics)[-1]["step"] == step
     assert "resume with --resume latest" in out + err
-    # the continuation picks up exactly there
+    # the checkpoint carries the training time up to its step (written after that step's log line)
+    assert saved["train_s"] >= read_metrics(metrics)[-1]["wall_s"] > 0
+    # the continuation picks up exactly there, its clock too: wall_s is the run's, not the new process's
     assert main(["train", "--out", str(run), "--resume", "latest", "--max-steps", str(step + 2),
                  "--no-progress"]) == 0
     assert [m["step"] for m in read_metrics(metrics)][-2:] == [step + 1, step + 2]
+    assert read_metrics(metrics)[-2]["wall_s"] > saved["train_s"]
 
 
 def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys):

@@ -7,8 +7,9 @@ from typing import Callable
 
 
 def cumulative_wall_s(records: list[dict]) -> list[float]:
-    """Training wall time across resumes: each process restarts wall_s at 0, so a drop starts a new segment
-    that continues from the previous segment's last value."""
+    """Training wall time across resumes. A checkpoint carries the run's training time, so wall_s goes on across a
+    resume; a run resumed from a checkpoint written before it did restarts wall_s at 0, and such a drop starts a
+    new segment that continues from the previous segment's last value."""
     out, offset, prev = [], 0.0, None
     for r in records:
         w = float(r["wall_s"])

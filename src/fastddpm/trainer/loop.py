@@ -171,6 +171,7 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
         if done or (every and state.step % every == 0) or stop_code is not None:
             if not (logging_step or run.device.type == "cpu"):
                 check_health(run, out)  # never save weights a NaN froze under a later step (a save syncs anyway)
+            state.train_s = time.perf_counter() - out.t_start
             out.checkpoint = run.checkpointer.save()
         if stop_code is not None:
             barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
@@ -229,7 +230,9 @@ class StepLog:
         self.last_loss: float | None = None
         self.checkpoint: Path | None = None
         self.last_grid: Path | None = None
-        self.t_start = self.t_log = time.perf_counter()
+        self.t_log = time.perf_counter()
+        # a resumed run's clock goes on from its checkpoint's training time, so wall_s is the run's, not the process's
+        self.t_start = self.t_log - run.state.train_s
         self.images_at_log = run.state.images_seen
         self.bar = None
         if run.cfg.train.progress:  # a bar on a terminal or in a notebook, plain lines in a log file

@@ -27,6 +27,7 @@ class TrainState:
     step: int = 0
     images_seen: int = 0
     micro_split: int = 1
+    train_s: float = 0.0  # training wall time up to `step`, evaluations excluded, over every process of the run
     saved_by: dict[str, Any] = field(default_factory=dict)  # the loaded checkpoint's world and threads
 
     def advance(self) -> None:
@@ -37,6 +38,7 @@ class TrainState:
         cuda = self.device.type == "cuda"
         return {"step": self.step, "images_seen": self.images_seen, "world_size": self.world_size,
                 "global_batch": self.global_batch, "micro_split": self.micro_split, "cpu_threads": self.cpu_threads,
+                "train_s": self.train_s,
                 "rng": {"torch_cpu": torch.get_rng_state(),
                         "torch_cuda": torch.cuda.get_rng_state(self.device) if cuda else None}}
 
@@ -44,6 +46,7 @@ class TrainState:
         """The counters and the global RNG of a checkpoint (any extra keys, the weights', are ignored)."""
         self.step, self.images_seen = int(state["step"]), int(state["images_seen"])
         self.micro_split = int(state.get("micro_split", 1))
+        self.train_s = float(state.get("train_s", 0.0))  # 0 from a checkpoint written before it was saved
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if self.device.type == "cuda" and state["rng"].get("torch_cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"], self.device)
