@@ -6,10 +6,21 @@ from pathlib import Path
 from typing import Callable
 
 
+def kept_records(records: list[dict]) -> list[dict]:
+    """The records of the steps the run kept: a resume from a checkpoint before the last record trains those steps
+    again, so a record at or below an earlier one's images_seen replaces it (the abandoned tail)."""
+    kept: list[dict] = []
+    for r in records:
+        while kept and kept[-1]["images_seen"] >= r["images_seen"]:
+            kept.pop()
+        kept.append(r)
+    return kept
+
+
 def cumulative_wall_s(records: list[dict]) -> list[float]:
-    """Training wall time across resumes. A checkpoint carries the run's training time, so wall_s goes on across a
-    resume; a run resumed from a checkpoint written before it did restarts wall_s at 0, and such a drop starts a
-    new segment that continues from the previous segment's last value."""
+    """Training wall time across resumes, for kept_records. A checkpoint carries the run's training time, so wall_s
+    goes on across a resume; a run resumed from a checkpoint written before it did restarts wall_s at 0, and such a
+    drop starts a new segment that continues from the previous segment's last value."""
     out, offset, prev = [], 0.0, None
     for r in records:
         w = float(r["wall_s"])
@@ -24,6 +35,7 @@ def write_curve(records: list[dict], path: Path, *, title: str, log: Callable[[s
     """FID vs wall time and vs images seen, side by side. Returns the path, or None with no records."""
     from fastddpm import charts
 
+    records = kept_records(records)
     if not records:
         return None
     fid = [r["fid"] for r in records]
