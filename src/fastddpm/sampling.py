@@ -21,7 +21,8 @@ from fastddpm.config import ConfigError, RunConfig, class_index, resolve_samplin
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
-from fastddpm.diffusion.ode_solvers import LAMBDA_MIN, first_timestep
+from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
+from fastddpm.diffusion.samplers import max_steps
 from fastddpm.progress import progress_bar
 from fastddpm.grid import save_grid
 from fastddpm.models import build_unet
@@ -55,12 +56,12 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     d = cfg.diffusion
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
     check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective)
-    if d.objective == "ddpm" and sampler not in ("ddpm", "ddim", "euler"):
-        first = first_timestep(schedule_from_config(d))
-        if steps > first + 1:
+    if d.objective == "ddpm" and sampler != "ddpm":
+        limit = max_steps(schedule_from_config(d), sampler)
+        if steps > limit:
             raise ConfigError(
-                f"--steps {steps}: --sampler {sampler} takes at most {first + 1} steps on this {d.schedule} "
-                f"schedule: it starts at timestep {first}, the noisiest whose half log-SNR is >= {LAMBDA_MIN} (a "
+                f"--steps {steps}: --sampler {sampler} takes at most {limit} steps on this {d.schedule} "
+                f"schedule: it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN} (a "
                 f"step in log-SNR or sigma from the later ones is ill-conditioned); ddim and euler walk all "
                 f"{d.num_timesteps}")
     return sampler, steps

@@ -142,13 +142,23 @@ def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver
     raise ValueError(f"unknown solver {solver!r}: choose dpmpp-2m, dpmpp-2m-sde, unipc or heun")
 
 
+# DDPM samplers that walk any of the T timesteps; the solvers in log-SNR or sigma start at first_timestep
+_EVERY_TIMESTEP = ("ddim", "euler")
+
+
+def max_steps(schedule: NoiseSchedule, sampler: str) -> int:
+    """The most steps `sampler` takes on a DDPM schedule: all T for ddim and euler, from first_timestep (the noisiest
+    with half log-SNR >= ode_solvers.LAMBDA_MIN) down for the solvers."""
+    return schedule.num_timesteps if sampler in _EVERY_TIMESTEP else first_timestep(schedule) + 1
+
+
 def sampler_timesteps(schedule: NoiseSchedule, sampler: str, steps: int, spacing: str | None = None) -> list[int]:
     """The timesteps `sample` evaluates the network at (Heun also at each one after the first, a second time);
     spacing None: the sampler's own (config.default_spacing)."""
     spacing = spacing or default_spacing(sampler)
     if sampler == "ddpm":
         return list(range(schedule.num_timesteps - 1, -1, -1))
-    if sampler in ("ddim", "euler"):
+    if sampler in _EVERY_TIMESTEP:
         return solver_timesteps(schedule, steps, spacing)
     return solver_timesteps(schedule, steps, spacing, first=first_timestep(schedule))
 
