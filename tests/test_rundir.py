@@ -2,6 +2,7 @@
 Checkpoint or one clear error; the Checkpointer alone writes and reads a checkpoint's keys, in the layout every
 fastddpm version has written (tests/test_legacy_checkpoints.py loads files an older version wrote)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from fastddpm.config import get_preset, resolve_model_shape
 from fastddpm.models import build_unet
+from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import list_checkpoints
 from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.files import CheckpointError, save_safetensors
@@ -70,6 +72,39 @@ def test_retention_keeps_the_newest_and_saved_lists_them_oldest_first(tmp_path):
         saver.save()
     assert [p.name for p in saver.saved()] == ["ckpt_000000002.pt", "ckpt_000000003.pt"]
     assert saver.latest().step == 3
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside_and_deletes_nothing(tmp_path):
+    saver, _, _, state = _checkpointer(tmp_path / "run")
+    saver.keep = 3
+    for step in (10, 20, 30):
+        state.step = step
+        saver.save()
+    digests = {p.name: p.with_suffix(".sha256").read_bytes() for p in saver.saved()}
+    assert saver.set_aside_after(30) is None  # nothing later than the newest
+    folder, steps = saver.set_aside_after(10)
+    assert steps == [20, 30] and folder.parent == saver.dir and folder.name.startswith("abandoned-after-000000010-")
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt_000000020.pt", "ckpt_000000020.sha256",
+                                                        "ckpt_000000030.pt", "ckpt_000000030.sha256"]
+    assert {p.name: p.with_suffix(".sha256").read_bytes() for p in folder.glob("*.pt")} == {
+        k: v for k, v in digests.items() if k != "ckpt_000000010.pt"}
+    assert [p.name for p in saver.saved()] == ["ckpt_000000010.pt"] and saver.latest().step == 10
+    state.step = 20  # the new branch's step 20 is written beside, not over, the abandoned one's
+    saver.save()
+    assert [p.name for p in saver.saved()] == ["ckpt_000000010.pt", "ckpt_000000020.pt"]
+    assert (folder / "ckpt_000000020.pt").is_file()
+
+
+def test_a_resume_moves_the_metrics_of_steps_it_trains_again_aside(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "images_seen": 16 * s, "loss": 1.0 / s}) for s in (5, 10, 15, 20)]
+    log.write_text("\n".join(lines) + "\n" + '{"step": 25, "ima')  # the last line cut short by a kill
+    assert metrics.set_aside_after(log, 20) == 1  # only the cut line
+    assert metrics.set_aside_after(log, 10) == 2
+    assert [r["step"] for r in metrics.read_metrics(log)] == [5, 10]
+    aside = (tmp_path / "metrics.abandoned.jsonl").read_text().splitlines()
+    assert aside == ['{"step": 25, "ima', lines[2], lines[3]]
+    assert metrics.set_aside_after(log, 10) == 0 and metrics.set_aside_after(tmp_path / "none.jsonl", 0) == 0
 
 
 def test_resume_notes_name_what_cannot_stay_bit_exact():

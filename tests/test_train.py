@@ -202,6 +202,36 @@ def test_corrupted_newest_checkpoint_falls_back(tmp_path, fmnist_npz):
         load_checkpoint(ckpts[-2])
 
 
+def test_a_resume_from_an_older_checkpoint_branches_and_a_new_run_never_mixes_with_an_old_one(tmp_path, fmnist_npz):
+    """Resuming at step 2 of a run that reached step 6 moves steps 4 and 6 aside (kept), so the new branch's step 4
+    does not overwrite the old one's and `--resume latest` continues the new branch. A new run (no --resume) in a
+    folder that holds checkpoints is refused before it writes anything."""
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=6, checkpoint_every=2), out_dir=run, log=quiet)
+    old = {p.name: p.read_bytes() for p in list_checkpoints(run / "checkpoints")}
+    lines = []
+    train(tiny_cfg(fmnist_npz, max_steps=4, checkpoint_every=2, lr=3e-3), out_dir=run,
+          resume=run / "checkpoints" / "ckpt_000000002.pt", log=lines.append)
+    (aside,) = (run / "checkpoints").glob("abandoned-after-000000002-*")
+    assert [x for x in lines if "new branch at step 2" in x and "steps 4, 6" in x and str(aside) in x], lines
+    assert {p.name: p.read_bytes() for p in aside.glob("*.pt")} == {k: v for k, v in old.items()
+                                                                      if k != "ckpt_000000002.pt"}
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000000002.pt", "ckpt_000000004.pt"]
+    assert load_checkpoint(run / "checkpoints" / "ckpt_000000004.pt")["config"]["train"]["lr"] == 3e-3
+    lines.clear()
+    train(tiny_cfg(fmnist_npz, max_steps=5, checkpoint_every=2, lr=3e-3), out_dir=run, resume="latest",
+          log=lines.append)
+    assert [x for x in lines if "resumed from" in x and "ckpt_000000004.pt at step 4" in x], lines
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 5  # one history: the old branch's steps 5, 6 moved aside
+    assert {r["step"] for r in read_metrics(run / "metrics.abandoned.jsonl")} == {5, 6}
+
+    before = sorted(p.name for p in run.rglob("*"))
+    with pytest.raises(ConfigError, match=r"already holds a run's checkpoints \(steps 2 to 5.*--resume latest"):
+        train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+    assert sorted(p.name for p in run.rglob("*")) == before
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {_Evil.marker}",))

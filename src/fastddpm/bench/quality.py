@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,9 @@ def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
     from fastddpm.trainer.loop import train
 
     run_dir = out_dir / name
+    if run_dir.exists():  # an earlier bench's (or an interrupted one's): a time to quality is measured whole
+        log(f"  [{name}] removing {run_dir}, an earlier run of this bench's: trained again from scratch")
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     result = train(cfg, out_dir=run_dir, log=lambda m: log(f"  [{name}] {m}"))
     total_s = time.perf_counter() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import runpy
+import shutil
 import sys
 import weakref
 from pathlib import Path
@@ -288,6 +289,8 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     device, _ = resolve_device(t.device)
     session = Session(config, device=device)
     run_dir = out / "run"
+    if run_dir.exists():  # the doctor's own short run from an earlier report in this folder: a fresh one is measured
+        shutil.rmtree(run_dir)
     hooks = TrainHooks(wrap_batches=lambda b: _TimedBatches(b, session), after_step=lambda step: _step_done(session),
                        final_outputs=False)
     try:

@@ -12,5 +12,5 @@ Ground floor: imports nothing of fastddpm but the config, so every package may i
     sharded.py       the .dcp format of --parallel fsdp: one shard file per rank, resharded on load
     checkpointer.py  Checkpointer: what a save writes (model, EMA, optimizer, scaler, train state), and its load
     locate.py        locate(path) -> Checkpoint: step, config and weights of whatever a path points to
-    metrics.py       metrics.jsonl (and eval.jsonl): one JSON record per line, appended across resumes
+    metrics.py       metrics.jsonl (and eval.jsonl): one JSON record per line, one history across resumes
 """

@@ -11,13 +11,15 @@ CheckpointIO and torchtitan's CheckpointManager, it is given the objects once an
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from fastddpm.rundir import checkpoint, sharded
-from fastddpm.rundir.files import save_safetensors
+from fastddpm.rundir.files import fsync_dir, save_safetensors
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
 from fastddpm.rundir.state_dicts import (clean_state_dict, full_state_dict, load_model_state, portable_optimizer_state,
@@ -59,6 +61,26 @@ class Checkpointer:
 
     def latest(self) -> Checkpoint | None:
         return newest(self.dir)
+
+    def set_aside_after(self, step: int) -> tuple[Path, list[int]] | None:
+        """A resume from step `step` when the folder holds later checkpoints starts a new branch: move the later
+        ones (the abandoned branch) into checkpoints/abandoned-after-<step>-<UTC time>/, where no reader looks.
+        Left in place, `--resume latest` would return to the abandoned branch, retention would delete this branch's
+        first checkpoints as the oldest, and a save of a step both branches reach would overwrite the old one.
+        Nothing is deleted. Returns the folder and the steps moved, or None when no checkpoint is later. Rank 0's
+        job, once, before this run's first save."""
+        later = [p for p in self.saved() if checkpoint.step_of(p) > step]
+        if not later:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        to = self.dir / f"abandoned-after-{step:09d}-{stamp}"
+        to.mkdir()
+        for path in later:
+            for p in (path, path.with_suffix(".sha256")):
+                if p.exists():
+                    os.replace(p, to / p.name)
+        fsync_dir(self.dir)
+        return to, [checkpoint.step_of(p) for p in later]
 
     def save(self) -> Path | None:
         """Write the checkpoint of the train state's step and the EMA export. A .pt run: rank 0 writes, the other

@@ -1,10 +1,14 @@
-"""The metrics log: one JSON object per line in RUN_DIR/metrics.jsonl, appended across resumes."""
+"""The metrics logs: one JSON object per line in RUN_DIR/metrics.jsonl (and eval.jsonl), appended across resumes.
+Each holds one history: a resume moves the records of the steps it trains again to <name>.abandoned.jsonl."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
+
+from fastddpm.rundir.files import atomic_write_bytes
 
 
 class MetricsLog:
@@ -24,3 +28,35 @@ class MetricsLog:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def abandoned(path: Path) -> Path:
+    """Where set_aside_after moves a log's records: metrics.jsonl -> metrics.abandoned.jsonl."""
+    return path.with_name(f"{path.stem}.abandoned{path.suffix}")
+
+
+def set_aside_after(path: Path, step: int) -> int:
+    """Move the records of steps after `step` from the log at `path` to abandoned(path) beside it: a resume
+    from `step` trains those steps again (a run killed after its last checkpoint logged them; a resume from an
+    older checkpoint leaves a whole branch), and two records of one step would draw the loss twice. A line cut
+    short by a kill goes too. Appended there first, then the log rewritten atomically: a crash between leaves a
+    record in both files, never in neither. Returns how many records moved."""
+    if not path.is_file():
+        return 0
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            later = int(json.loads(line).get("step", -1)) > step
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            later = True
+        (drop if later else keep).append(line)
+    if not drop:
+        return 0
+    with open(abandoned(path), "a") as f:
+        f.write("\n".join(drop) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_bytes(path, "".join(f"{line}\n" for line in keep).encode())
+    return len(drop)

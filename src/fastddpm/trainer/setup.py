@@ -22,9 +22,11 @@ from fastddpm.config import (ConfigError, RunConfig, check_same_architecture, re
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
 from fastddpm.diffusion import NoiseSchedule
 from fastddpm.models import UNet, count_parameters
+from fastddpm.rundir.checkpoint import step_of
 from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.layout import RunDir
-from fastddpm.rundir.locate import Checkpoint, find_resume
+from fastddpm.rundir import metrics
+from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
 from fastddpm.trainer.build import Optimization, build_model
@@ -224,6 +226,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
         for note in state.resume_notes(batch_fixed):
             console(note)
+        if dist.is_main:
+            _set_aside_the_abandoned(rd, checkpointer, state.step, console)
     opt.build_step(state.micro_split)  # over the final state; an earlier OOM's split is kept
 
     choices = Choices(device=str(device), device_reason=device_reason, cpu_threads=cpu_threads, precision=precision,
@@ -327,11 +331,32 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
     return batches, placement, reason
 
 
+def _set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> None:
+    """A resume from `step` trains the later steps again: what the run wrote after it (checkpoints of a branch it
+    leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted."""
+    set_aside = checkpointer.set_aside_after(step)
+    if set_aside is not None:
+        folder, steps = set_aside
+        log(f"this resume starts a new branch at step {step:,}: the later checkpoints of the branch it leaves "
+            f"(steps {', '.join(f'{s:,}' for s in steps)}) moved to {folder}, so that --resume latest continues "
+            f"this one")
+    for path in (rd.metrics, rd.eval_log):
+        moved = metrics.set_aside_after(path, step)
+        if moved:
+            log(f"{path.name}: {moved} record(s) of steps after {step:,}, trained again now, moved to "
+                f"{metrics.abandoned(path).name}")
+
+
 def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInfo, device: torch.device,
                  fsdp: bool, log) -> Checkpoint | None:
     """The checkpoint to resume (None: a new run). Every rank looks for itself, and all must find the same one
     (2 tiny collectives); it must be in the format this run writes and of the same architecture."""
     resumed = find_resume(rd.path, resume)
+    if resume is None and (held := saved(rd.checkpoints)):
+        raise ConfigError(
+            f"{rd.path} already holds a run's checkpoints (steps {step_of(held[0]):,} to {step_of(held[-1]):,} in "
+            f"{rd.checkpoints}), which a new run there would mix with its own: continue that run with --resume "
+            f"latest, or start the new one in another --out (or delete {rd.checkpoints} first)")
     if str(resume) == "latest" and resumed is None:
         log(f"--resume latest: no checkpoint in {rd.checkpoints} yet, starting a new run")
     if dist.enabled:
