@@ -172,6 +172,23 @@ def test_max_image_pixels_is_the_limit(tmp_path: Path, cache_dir: Path) -> None:
         prepare(tmp_path / "root", max_image_pixels=100, cache_dir=cache_dir, progress=False)
 
 
+def test_a_raised_limit_rebuilds_a_cache_that_skipped_images_over_the_old_one(tmp_path: Path,
+                                                                              cache_dir: Path) -> None:
+    """The limit is not part of the cache's key: a --skip-bad cache that skipped images as too large would be
+    reused, still without them, after the limit was raised."""
+    _good(tmp_path / "root", n=2, size=8)
+    save_image(tmp_path / "root" / "0" / "big.png", rng_images(1, 12, 12)[0])
+    small = prepare(tmp_path / "root", max_image_pixels=100, resize=8, skip_bad=True, cache_dir=cache_dir,
+                    progress=False)
+    assert small.num_images == 2 and small.meta["skipped"][0]["kind"] == "bomb"
+    again = prepare(tmp_path / "root", max_image_pixels=100, resize=8, skip_bad=True, cache_dir=cache_dir,
+                    progress=False)
+    assert again.meta["created"] == small.meta["created"]  # the same limit: reused
+    raised = prepare(tmp_path / "root", max_image_pixels=200, resize=8, skip_bad=True, cache_dir=cache_dir,
+                     progress=False)
+    assert raised.num_images == 3 and raised.meta["skipped"] == []
+
+
 def test_more_than_fifty_bad_files_are_capped_with_a_full_list(tmp_path: Path, cache_dir: Path) -> None:
     _good(tmp_path / "root", n=2)
     for i in range(57):

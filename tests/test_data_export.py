@@ -1,9 +1,11 @@
 """`fastddpm data export-images`: the seed's PNG folder layout, read back exactly by prepare()."""
 
 import numpy as np
+import pytest
 
 from data_fixtures import real_fashion_slice
 from fastddpm.data.cli import main as data_main
+from fastddpm.data.errors import DataError
 from fastddpm.data.export import export_images
 from fastddpm.data.prepare import prepare
 
@@ -20,6 +22,26 @@ def test_export_roundtrip_real_fashion_mnist(tmp_path):
     assert np.array_equal(np.asarray(back.images), images[order])
     assert np.array_equal(back.labels, labels[order])
     assert export_images(images, labels, root).reused  # an identical export is not rewritten
+
+
+def test_an_export_of_other_pixels_or_missing_files_is_never_reused(tmp_path):
+    """The same identity (a cache path rebuilt from a changed source) with other pixels, or a PNG deleted since:
+    refused without --overwrite, written again with it, never handed back as reused."""
+    images, labels = real_fashion_slice(30)
+    images, labels = images[:, None], labels.astype(np.int64)
+    root, identity = tmp_path / "png", {"cache": "/cache/fashion-mnist-train", "num_images": 30}
+    assert not export_images(images, labels, root, identity=identity).reused
+    changed = images.copy()
+    changed[0] = 255 - changed[0]
+    with pytest.raises(DataError, match="an export of other images"):
+        export_images(changed, labels, root, identity=identity)
+    res = export_images(changed, labels, root, identity=identity, overwrite=True)
+    assert not res.reused
+    assert np.array_equal(np.asarray(prepare(root, progress=False).images)[np.argsort(
+        np.lexsort((np.arange(30), labels)))][0], changed[0])
+    next(root.glob("*/*.png")).unlink()
+    assert not export_images(changed, labels, root, identity=identity, overwrite=True).reused
+    assert len(list(root.glob("*/*.png"))) == 30
 
 
 def test_export_images_cli(tmp_path, capsys):

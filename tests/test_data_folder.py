@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def test_split_folders_are_picked_with_split(tmp_path: Path, cache_dir: Path) ->
         prepare(tmp_path / "root", split="val", cache_dir=cache_dir, progress=False)
 
 
+def test_train_takes_a_val_split_folder_like_data_prepare(tmp_path: Path, cache_dir: Path) -> None:
+    """`data prepare --split val` read a val/ folder; `train --split val` was refused by the config's choices."""
+    from fastddpm.cli import main
+
+    make_class_folder(tmp_path / "root" / "train", {"0": rng_images(4, 8, 8, seed=1), "1": rng_images(4, 8, 8, seed=2)})
+    make_class_folder(tmp_path / "root" / "val", {"0": rng_images(3, 8, 8, seed=3), "1": rng_images(3, 8, 8, seed=4)})
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(tmp_path / "root"), "--split", "val", "--preset", "tiny", "--out", str(run),
+                 "--max-steps", "1", "--batch-size", "2", "--num-sample-images", "2", "--sample-steps", "2",
+                 "--no-progress"]) == 0
+    assert json.loads((run / "run.json").read_text())["data"]["shape"][0] == 6
+
+
 def test_split_on_a_source_without_splits_is_an_error(tmp_path: Path, cache_dir: Path) -> None:
     make_class_folder(tmp_path / "root", {"a": rng_images(1, 4, 4)})
     with pytest.raises(DataError, match="has no splits"):
@@ -118,6 +132,23 @@ def test_jpeg_folder_matches_pillow_decode(tmp_path: Path, cache_dir: Path) -> N
         with Image.open(tmp_path / "root" / rel) as im:
             np.testing.assert_array_equal(data.images[row], np.asarray(im).transpose(2, 0, 1))
         assert data.labels[row] == label
+
+
+def test_an_image_stored_sideways_is_cached_upright_as_its_exif_orientation_says(tmp_path: Path,
+                                                                                 cache_dir: Path) -> None:
+    """A phone stores a portrait photo as landscape pixels with EXIF Orientation 6 (turn 90 degrees clockwise to
+    show it): cached upright, so it has the shape of the upright images beside it and no size error."""
+    stored = rng_images(1, 4, 8, seed=3)[0]  # 4 high, 8 wide, as the pixels lie in the file
+    upright = rng_images(1, 8, 4, seed=4)[0]  # 8 high, 4 wide
+    (tmp_path / "root").mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(stored).save(tmp_path / "root" / "a.png", exif=exif)
+    Image.fromarray(upright).save(tmp_path / "root" / "b.png")
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert data.images.shape == (2, 1, 8, 4)
+    np.testing.assert_array_equal(data.images[0, 0], np.rot90(stored, k=-1))  # clockwise
+    np.testing.assert_array_equal(data.images[1, 0], upright)
 
 
 def test_zip_reads_same_pixels_as_folder_without_extracting(tmp_path: Path, cache_dir: Path) -> None:
@@ -136,6 +167,24 @@ def test_zip_reads_same_pixels_as_folder_without_extracting(tmp_path: Path, cach
     assert data.class_names == ["0", "1"] and data.meta["kind"] == "zip"
     assert any("mnist_train/" in note for note in data.meta["notes"])
     assert data.cache_path.parent == cache_dir / "prepared"
+
+
+def test_a_zipped_folder_of_unlabeled_images_stays_unlabeled(tmp_path: Path, cache_dir: Path) -> None:
+    """`zip -r faces.zip faces/` of a folder of images (no class folders): unlabeled, as the folder itself reads,
+    not one class named "faces". A lone split folder (train/*.png) stays a split: --split test finds nothing."""
+    images = rng_images(3, 6, 6, seed=7)
+    for i, im in enumerate(images):
+        save_image(tmp_path / "faces" / f"{i}.png", im)
+    (tmp_path / "zips").mkdir()
+    folder = prepare(tmp_path / "faces", cache_dir=cache_dir, progress=False)
+    zipped = prepare(zip_folder(tmp_path / "faces", tmp_path / "zips" / "faces.zip", prefix="faces/"),
+                     cache_dir=cache_dir, progress=False)
+    assert folder.labels.tolist() == zipped.labels.tolist() == [-1, -1, -1]
+    np.testing.assert_array_equal(np.asarray(zipped.images), np.asarray(folder.images))
+    split_zip = zip_folder(tmp_path / "faces", tmp_path / "zips" / "split.zip", prefix="train/")
+    assert prepare(split_zip, split="train", cache_dir=cache_dir, progress=False).num_images == 3
+    with pytest.raises(DataError, match="no folder for split 'test'"):
+        prepare(split_zip, split="test", cache_dir=cache_dir, progress=False)
 
 
 def test_zip_with_split_folders_kaggle_layout(tmp_path: Path, cache_dir: Path) -> None:

@@ -75,6 +75,19 @@ def test_next_mirror_is_tried_after_a_bad_one(cache_dir: Path, mnist_mirror, mon
     np.testing.assert_array_equal(data.images[:, 0], written["test"][0])
 
 
+def test_a_mirror_urllib_cannot_even_parse_is_skipped_like_a_dead_one(cache_dir: Path, mnist_mirror,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-numeric port raises http.client.InvalidURL (neither an OSError nor a ValueError): the next mirror is
+    tried, and with none left the error names the URL, not a traceback."""
+    written, _, _, good = mnist_mirror
+    monkeypatch.setenv("FASTDDPM_MIRROR_MNIST", f"http://localhost:80a/,{good}")
+    data = prepare("mnist", split="test", cache_dir=cache_dir, progress=False)
+    np.testing.assert_array_equal(data.images[:, 0], written["test"][0])
+    monkeypatch.setenv("FASTDDPM_MIRROR_MNIST", "http://localhost:80a/")
+    with pytest.raises(DataError, match="localhost:80a"):
+        prepare("mnist", split="train", cache_dir=cache_dir / "other", progress=False)
+
+
 def test_offline_without_local_copy_is_a_teaching_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dead = closed_port_url()
     monkeypatch.setenv("FASTDDPM_MIRROR_MNIST", dead)

@@ -265,7 +265,9 @@ class DataConfig:
                       "root/<label>/*.png, .zip of that folder, CIFAR-10 batches folder or .tar.gz, .npy/.npz.",
                       cli="data"),
     )
-    split: str = field(default="train", metadata=_doc("Split of IDX/CIFAR sources.", choices=("train", "test")))
+    split: str = field(default="train", metadata=_doc(
+        "Split to train on: of IDX/CIFAR sources (train, test), and of a folder or zip with split folders "
+        "(train/, test/, val/ and their usual spellings).", choices=("train", "test", "val")))
     resize: int | None = field(default=None, metadata=_doc("Resize images to NxN when caching (none = keep)."))
     resize_mode: str = field(
         default="center-crop", metadata=_doc("How --resize fits the image.", choices=("center-crop", "stretch"))

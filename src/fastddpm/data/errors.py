@@ -64,7 +64,8 @@ def bad_files_message(
     if "mode" in kinds:
         fixes.append("pass --image-mode L or RGB (image_mode=...) to convert mixed or unusual modes")
     if "bomb" in kinds:
-        fixes.append("raise max_image_pixels if the huge images are genuine")
+        fixes.append("downscale the huge images, or if they are genuine raise the limit from Python: "
+                     "fastddpm.data.prepare(SOURCE, max_image_pixels=N)")
     if all_bad:
         lines.append("Fix: " + ", ".join(fixes) + ". (--skip-bad cannot help: nothing would be left.)")
     else:

@@ -3,12 +3,17 @@
 This is the form the seed notebook trained from (one small PNG per image, decoded per item in a Dataset), and
 the form rung 0 of `fastddpm bench ladder` reads. Reading the folder back with `prepare(ROOT)` gives the same
 pixels and labels, ordered by (label, index): files are named by their zero-padded index in the source, and
-class folders are the integer labels (read back in numeric order). Unlabeled images (label -1) go straight
-into ROOT, which `prepare` reads as one unlabeled set.
+class folders are the integer labels (read back in numeric order, as class ids 0..K-1: labels with gaps, e.g.
+a slice holding only classes 0 and 2, come back as 0 and 1, with class names "0" and "2"). Unlabeled images
+(label -1) go straight into ROOT, which `prepare` reads as one unlabeled set.
+
+An export is reused only when ROOT/export.json records the same pixels and labels (a SHA-256 of both) and every
+PNG is still there: a source rebuilt under the same cache path, or a folder someone pruned, is written again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,19 +51,23 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
     labels = np.asarray(labels, dtype=np.int64)
     if labels.shape != (n,):
         raise DataError(f"export-images: {labels.shape[0]} labels for {n} images")
+    content = hashlib.sha256(np.ascontiguousarray(images_NCHW).data)
+    content.update(np.ascontiguousarray(labels).data)
     record = {"format": "fastddpm-png-folder-1", "num_images": n, "shape_CHW": list(images_NCHW.shape[1:]),
-              "identity": identity or {}}
+              "content_sha256": content.hexdigest(), "identity": identity or {}}
     marker = root / MARKER
     if marker.is_file():
         try:
-            if json.loads(marker.read_text()) == record:
+            if json.loads(marker.read_text()) == record and _count_pngs(root) == n:
                 return ExportResult(root=root, num_images=n, reused=True)
         except json.JSONDecodeError:
             pass
     if root.exists() and any(root.iterdir()):
         if not overwrite:
-            raise DataError(f"export-images: {root} is not empty and holds no matching export; choose an empty "
-                            "folder or pass --overwrite (its PNG files and class folders are replaced)")
+            what = ("an export of other images, or one missing files" if marker.is_file()
+                    else "no export of these images")
+            raise DataError(f"export-images: {root} is not empty and holds {what}; choose an empty folder or pass "
+                            "--overwrite (its PNG files and class folders are replaced)")
         _clear_export(root)
     root.mkdir(parents=True, exist_ok=True)
     width = max(6, len(str(n - 1)))
@@ -72,6 +81,12 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
             progress(i + 1, n)
     marker.write_text(json.dumps(record, indent=2))
     return ExportResult(root=root, num_images=n, reused=False)
+
+
+def _count_pngs(root: Path) -> int:
+    """The PNG files an export wrote: in ROOT (unlabeled) and in its integer class folders."""
+    folders = [root] + [p for p in root.iterdir() if p.is_dir() and p.name.lstrip("-").isdigit()]
+    return sum(1 for folder in folders for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())
 
 
 def _clear_export(root: Path) -> None:

@@ -95,15 +95,17 @@ def _class_order(names: set[str]) -> list[str]:
 def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool) -> Layout:
     """Classes from folder names, with two tolerances for how datasets get packed:
 
-    - strip_top (zips): one common top folder is ignored (`mnist_train/0/1.png` reads as `0/1.png`);
+    - strip_top (zips): one common top folder is ignored (`mnist_train/0/1.png` reads as `0/1.png`, and
+      `faces/1.png`, a zipped folder of unlabeled images, as `1.png`, unlabeled as the folder itself reads; a
+      lone split folder, `train/1.png`, is kept as the split it is);
     - split folders: if every top folder is a split name (train/, test/, training/, testing/, val/),
       the one matching `split` is read, e.g. the Kaggle `mnist_png/{training,testing}/<digit>/` layout.
     """
     parts = {p: p.split("/") for p in rel_paths}
     notes: list[str] = []
     firsts = {ps[0] for ps in parts.values()}
-    if strip_top and len(firsts) == 1 and all(len(ps) >= 2 for ps in parts.values()) and any(
-            len(ps) >= 3 for ps in parts.values()):
+    if strip_top and len(firsts) == 1 and all(len(ps) >= 2 for ps in parts.values()) and (
+            any(len(ps) >= 3 for ps in parts.values()) or next(iter(firsts)).lower() not in SPLIT_ALIASES):
         top = firsts.pop()
         parts = {p: ps[1:] for p, ps in parts.items()}
         notes.append(f"ignored the common top-level folder {top}/")

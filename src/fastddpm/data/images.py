@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import IO, Callable
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 # Modes that `image_mode` can convert from with Pillow's own, well-defined conversions
@@ -105,7 +105,23 @@ def probe_image(open_fn: OpenFn, *, size_bytes: int, max_pixels: int) -> Probe:
         with _open(stream, max_pixels=max_pixels) as im:
             if im.mode in HIGH_BIT_MODES:
                 raise BadImage(f"16-bit/float image (mode {im.mode}): convert it to 8-bit first", "mode")
-            return Probe(width=im.width, height=im.height, mode=im.mode)
+            width, height = _upright_size(im)
+            return Probe(width=width, height=height, mode=im.mode)
+
+
+_EXIF_ORIENTATION = 0x0112  # 1 = upright; 5-8 turn the stored pixels by 90 degrees (width and height swap)
+
+
+def _orientation(im: Image.Image) -> int:
+    try:
+        return int(im.getexif().get(_EXIF_ORIENTATION, 1))
+    except Exception:  # a malformed EXIF block: the pixels as stored, as a viewer that cannot read it shows them
+        return 1
+
+
+def _upright_size(im: Image.Image) -> tuple[int, int]:
+    """(width, height) as the image is shown: a camera's JPEG stores its pixels sideways and says so in EXIF."""
+    return (im.height, im.width) if _orientation(im) in (5, 6, 7, 8) else (im.width, im.height)
 
 
 def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
@@ -118,15 +134,18 @@ def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
                 raise BadImage(f"mode {im.mode}, but the other images are {target.expected_mode}", "mode")
             if target.image_mode is not None and im.mode not in CONVERTIBLE_MODES:
                 raise BadImage(f"mode {im.mode} cannot be converted to {target.image_mode}", "mode")
-            if target.expected_size is not None and im.size != target.expected_size:
+            if target.expected_size is not None and _upright_size(im) != target.expected_size:
                 w, h = target.expected_size
-                raise BadImage(f"size {im.width}x{im.height}, but the other images are {w}x{h}", "size")
+                raise BadImage(f"size {'x'.join(map(str, _upright_size(im)))}, but the other images are {w}x{h}",
+                               "size")
             try:
                 im.load()  # the full decode: the only step that notices truncated pixel data
             except Image.DecompressionBombError as e:
                 raise BadImage(f"refused as a possible decompression bomb ({e})", "bomb") from None
             except Exception as e:  # truncation shows up as OSError, SyntaxError, zlib.error, EOFError...
                 raise BadImage(f"truncated or corrupt image data ({type(e).__name__}: {e})") from None
+            if _orientation(im) != 1:  # upright, as every viewer shows it (a phone's photo is stored sideways)
+                im = ImageOps.exif_transpose(im)
             return finish_image(im, image_mode=target.image_mode, resize=target.resize,
                                 resize_mode=target.resize_mode)
 

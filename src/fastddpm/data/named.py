@@ -9,6 +9,7 @@ torchvision uses), so an interrupted or tampered download never looks like a dat
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import secrets
 import urllib.error
@@ -147,7 +148,9 @@ def _fetch(url: str, dest: Path, *, expected_md5: str, progress: bool) -> None:
                         bar.update(len(chunk))
                 f.flush()
                 os.fsync(f.fileno())
-        except (urllib.error.URLError, OSError, ValueError) as e:  # ValueError: malformed URL in the env var
+        # ValueError: a malformed URL in the mirror variable; HTTPException: a bad port (InvalidURL), a response cut
+        # short (IncompleteRead), a server that answers no HTTP (BadStatusLine): none of them is an OSError
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
             raise _FetchFailed(f"download failed ({getattr(e, 'reason', None) or e})") from None
         actual = md5.hexdigest()
         if actual != expected_md5:

@@ -84,6 +84,10 @@ def _reuse(final_dir: Path, src: Source, options: PrepareOptions, say: Callable[
         say("source changed: rebuilding")
         return None
     skipped = [BadFile(path=s["path"], reason=s["reason"], kind=s.get("kind", "corrupt")) for s in data.meta["skipped"]]
+    if any(b.kind == "bomb" for b in skipped) and data.meta.get("max_image_pixels") != options.max_image_pixels:
+        say(f"max_image_pixels changed ({data.meta.get('max_image_pixels')} -> {options.max_image_pixels}) and the "
+            "cache skipped images over the old limit: rebuilding")
+        return None
     if skipped and not options.skip_bad:
         raise DataError(
             bad_files_message(where=str(src.path or src.display), bad=skipped, total_files=data.meta["total_files"])
@@ -142,6 +146,7 @@ def _meta(src: Source, options: PrepareOptions, decoded: Decoded, *, build_secon
         "class_counts": {name: int(n) for name, n in zip(decoded.class_names, counts)},
         "total_files": decoded.total_files,
         "skipped": [{"path": b.path, "reason": b.reason, "kind": b.kind} for b in decoded.skipped],
+        "max_image_pixels": options.max_image_pixels,  # which images were refused as bombs
         "notes": decoded.notes,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
         "build_seconds": round(build_seconds, 3),
