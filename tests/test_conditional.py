@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastddpm.api import Model
 from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, class_index, get_preset, resolve_classes, resolve_model_shape
 from fastddpm.diffusion import make_schedule, sample
@@ -17,6 +18,7 @@ from fastddpm.diffusion.guidance import guided
 from fastddpm.models import UNet
 from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from fastddpm.rundir.metrics import read_metrics
+from fastddpm.sampling import class_labels
 from fastddpm.trainer.batches import ResidentBatches, StreamingBatches
 from fastddpm.trainer.loop import train
 
@@ -154,6 +156,34 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     plain = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model
     with pytest.raises(ConfigError, match="unconditional"):
         class_index(plain, "sneaker")
+
+
+def test_an_int_class_is_an_id_and_a_string_names_a_folder_first():
+    """Class folders 1/, 2/, 3/ are ids 0, 1, 2: the string "2" is the folder named 2 (id 1), the int 2 (or a numpy
+    integer) is id 2, as fastddpm.load(...).sample(class_=2) means it."""
+    cfg = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, conditional=True))
+    m = resolve_classes(cfg, np.arange(3), ["1", "2", "3"], "class folders").model
+    assert class_index(m, "2") == 1 and class_index(m, 2) == 2 and class_index(m, np.int64(0)) == 0
+    assert class_labels(m, 2, 3)[0].tolist() == [2, 2, 2]
+    with pytest.raises(ConfigError, match=r"class id 3 is out of range: this model has classes 0-2"):
+        class_index(m, 3)
+
+
+def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
+    """As `fastddpm sample` refuses them: guidance without a class (the null class would be sampled unguided),
+    negative guidance, a batch size below 1; all before any sampling."""
+    cfg = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, conditional=True))
+    cfg = resolve_classes(cfg, np.arange(10), list(CLASSES), "test labels")
+    model = Model(net=UNet(cfg.model).eval(), cfg=cfg, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"guidance=3.0 steers toward a class: give class_"):
+        model.sample(2, guidance=3.0)
+    with pytest.raises(ConfigError, match=r"guidance=-1.0 must be >= 0"):
+        model.sample(2, class_="sneaker", guidance=-1.0)
+    with pytest.raises(ConfigError, match=r"batch_size=0 must be at least 1"):
+        model.sample(2, class_=1, batch_size=0)
+    assert model.sample(2, class_=7, guidance=2.0, steps=2, sampler="ddim").shape == (2, 1, 28, 28)
 
 
 def test_data_without_labels_is_refused_with_the_fix(tmp_path, capsys):

@@ -84,10 +84,17 @@ class Model:
             raise ConfigError(f"sample: n={n} must be at least 1")
         if output not in ("uint8", "pil"):
             raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
+        if batch_size < 1:
+            raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
         m = self.cfg.model
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
-        labels, _ = class_labels(m, None if class_ is None else str(class_), n)
+        if guidance is not None and guidance < 0:
+            raise ConfigError(f"sample: guidance={guidance} must be >= 0 (1 = plain conditional)")
+        if guidance is not None and class_ is None:
+            raise ConfigError(f"sample: guidance={guidance} steers toward a class: give class_ (a name, an id or "
+                              f"'all') with it; without class_ the model samples its null class, unguided")
+        labels, _ = class_labels(m, class_, n)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, guidance=scale if labels is not None else None)
         with torch.inference_mode():
@@ -133,6 +140,10 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
+    if guidance is not None and guidance < 0:
+        raise ConfigError(f"evaluate: guidance={guidance} must be >= 0 (1 = plain conditional)")
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"evaluate: batch_size={batch_size} must be at least 1")
     from fastddpm.sampling import resolve_sampler_args
 
     # a conditional model at the run's own scale unless told, as `fastddpm eval`

@@ -92,13 +92,13 @@ def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | st
     return model.to(device).eval(), cfg
 
 
-def class_labels(model_cfg, wanted: str | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
+def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
     """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
-    null class), one class (a name or an id), or "all": num_images // num_classes images of every class, class
-    by class. Returns (labels (N,) int64 or None, images per class for an "all" grid's rows)."""
+    null class), one class (a name or an id, see class_index), or "all": num_images // num_classes images of every
+    class, class by class. Returns (labels (N,) int64 or None, images per class for an "all" grid's rows)."""
     if wanted is None:
         return None, None
-    if wanted.strip().lower() == "all":
+    if isinstance(wanted, str) and wanted.strip().lower() == "all":
         if not model_cfg.conditional:
             class_index(model_cfg, wanted)  # raises: an unconditional model has no classes
         per_class = max(1, num_images // model_cfg.num_classes)

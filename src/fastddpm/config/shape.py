@@ -4,6 +4,7 @@ class `--class` names, and what a resume must keep the same."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,21 @@ def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
 
 
-def class_index(model_cfg: ModelConfig, name_or_id: str) -> int:
-    """The class id that `--class` names: a class name (case-insensitive) or a number. Refused naming the valid ones."""
+def class_index(model_cfg: ModelConfig, name_or_id: str | int) -> int:
+    """The class id that `--class` names: a class name (case-insensitive) or a number; a Python int is always an
+    id (class folders named 1/, 2/, 3/ are ids 0, 1, 2: the string "2" is the folder, the int 2 the id). Refused
+    naming the valid ones."""
     names = model_cfg.class_names
     if not model_cfg.conditional:
         raise ConfigError(f"--class {name_or_id}: this model is unconditional (trained without --conditional); "
                           f"sample without --class")
-    wanted = name_or_id.strip()
+    if not isinstance(name_or_id, str):  # an int or a numpy integer
+        name_or_id = operator.index(name_or_id)
+        if 0 <= name_or_id < model_cfg.num_classes:
+            return name_or_id
+        raise ConfigError(f"class id {name_or_id} is out of range: this model has classes 0-"
+                          f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
+    wanted = str(name_or_id).strip()
     for i, name in enumerate(names):
         if name.lower() == wanted.lower():
             return i
