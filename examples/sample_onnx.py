@@ -20,13 +20,20 @@ import numpy as np
 import onnxruntime as ort
 
 
+def trailing(T: int, steps: int) -> np.ndarray:
+    """`steps` timesteps from T - 1 down, evenly spaced (trailing spacing, Lin et al. 2024, table 2). Each one is
+    computed from its index: np.arange(T, 0, -T / steps) gains a step, t = -1, where the float stride falls short."""
+    if not 1 <= steps <= T:
+        raise SystemExit(f"--steps {steps}: between 1 and the model's {T} timesteps")
+    stride = T / steps
+    return np.array([int(round(T - i * stride)) - 1 for i in range(steps)], dtype=np.int64)
+
+
 def ddim(session: ort.InferenceSession, schedule: dict, num: int, steps: int, seed: int,
          label: int | None) -> np.ndarray:
     """`num` images as float32 (N, C, H, W) in [-1, 1]."""
     alpha_bar = np.cumprod(1.0 - np.asarray(schedule["betas"], dtype=np.float64))
-    T = schedule["num_timesteps"]
-    # trailing spacing: the last step is t = T - 1, evenly spaced below it
-    ts = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
+    ts = trailing(schedule["num_timesteps"], steps)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((num, *schedule["image_shape"])).astype(np.float32)
     names = [i.name for i in session.get_inputs()]

@@ -3,6 +3,7 @@ DDPMPipeline loads the folder and samples, and what diffusers cannot express is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -118,6 +119,24 @@ def test_export_diffusers_from_the_cli_loads_in_ddpm_pipeline_and_samples(tmp_pa
     assert images.shape == (2, 32, 32, 3) and np.isfinite(images).all()
     card = (out / "README.md").read_text()
     assert "DDPMPipeline.from_pretrained" in card
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_the_cards_sampling_code_walks_the_runs_own_number_of_steps(conditional):
+    """DDPMPipeline refuses more inference steps than the scheduler's training steps: a card written for 1000
+    failed on a 100-step run."""
+    from fastddpm.diffusers_io import model_card
+
+    from fastddpm.config import apply_overrides, get_preset
+
+    cfg = apply_overrides(get_preset("tiny"), {**TINY_DDPM, "diffusion.num_timesteps": 100,
+                                               "model.conditional": conditional, "model.image_size": 32,
+                                               "model.image_channels": 3})
+    if conditional:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=2, class_names=("a", "b")))
+    card = model_card(cfg, {"step": 1, "images_seen": 8}, "cmd")
+    assert ("scheduler.set_timesteps(100)" if conditional else "num_inference_steps=100") in card
+    assert "1000" not in card
 
 
 def cfg_betas(cfg):

@@ -5,6 +5,7 @@ and examples/sample_onnx.py, which samples with onnxruntime and numpy alone."""
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,11 @@ import pytest
 import torch
 
 from fastddpm.cli import main
-from fastddpm.config import apply_overrides, get_preset
+from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
 from fastddpm.diffusion import schedule_from_config
-from fastddpm.export import example_inputs
+from fastddpm.export import example_inputs, fid_of_these_weights, model_card
 from fastddpm.models import UNet
+from fastddpm.rundir.locate import locate
 from fastddpm.sampling import load_for_sampling
 from fastddpm.trainer.loop import train
 
@@ -82,6 +84,68 @@ def test_safetensors_rebuilds_the_unet(runs, tmp_path):
     model.load_state_dict(load_file(tmp_path / "model.safetensors"))
     with torch.no_grad():
         assert np.array_equal(model(*inputs).numpy(), want)
+    again = locate(tmp_path / "model.safetensors")  # the export is itself something fastddpm loads
+    assert (again.step, again.images_seen) == (3, 48)
+
+
+def test_opset_is_what_the_file_declares_or_a_clear_failure(runs, tmp_path, capsys):
+    """The dynamo exporter writes opset 18 where it cannot convert (a warning said so, export.json did not):
+    export.json records the file's own opset, and one nobody can write fails naming both exporters' reasons."""
+    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    from fastddpm.export import onnx_opset
+
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "17"), "--opset",
+                 "17"]) == 0
+    assert onnx_opset(tmp_path / "17" / "model.onnx") == 17
+    assert json.loads((tmp_path / "17" / "export.json").read_text())["opset"] == 17
+    capsys.readouterr()
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "13"), "--opset",
+                 "13"]) == 1
+    err = capsys.readouterr().err
+    assert "error: export --opset 13: neither ONNX exporter wrote the model" in err and "opset 18, not 13" in err
+    assert not (tmp_path / "13" / "export.json").exists()
+
+
+def test_out_must_be_an_exports_folder_and_onnx_needs_its_packages_before_anything_is_written(runs, tmp_path,
+                                                                                          capsys, monkeypatch):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "README.md").write_text("mine")
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "project")]) == 2
+    assert "holds files an export did not write" in capsys.readouterr().err
+    assert (tmp_path / "project" / "README.md").read_text() == "mine"
+    (tmp_path / "file").write_text("x")
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "e")]) == 0
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "e")]) == 0
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not installed
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "no-ort")]) == 2
+    assert "pip install" in capsys.readouterr().err and not (tmp_path / "no-ort").exists()
+
+
+@pytest.mark.parametrize("objective", ["ddpm", "edm", "flow"])
+def test_the_card_describes_the_network_of_its_objective(objective):
+    cfg = resolve_model_shape(apply_overrides(get_preset("tiny"), {"diffusion.objective": objective}), (1, 1, 28, 28))
+    card = model_card(cfg, {"step": 3, "images_seen": 48}, None, "onnx", ["model.onnx"], "cmd")
+    want = {"ddpm": ("t int64 (B,) in [0, 999]", "in [-1, 1]", "DDPM/DDIM sampler given schedule.json's betas"),
+            "edm": ("t float32 (B,) = 250 ln(sigma)", "c_in", "an EDM sampler"),
+            "flow": ("t float32 (B,) = 1000 t", "velocity", "flow-matching")}[objective]
+    assert all(w in card for w in want), card
+    assert ("int64" in card) == (objective == "ddpm")
+
+
+def test_the_card_quotes_only_the_fid_of_the_exported_weights():
+    evals = [{"event": "eval", "step": 10, "images_seen": 160, "fid": 30.0},
+             {"event": "eval", "step": 20, "images_seen": 320, "fid": None},  # non-finite, written as null
+             {"event": "eval", "step": 30, "images_seen": 480, "fid": 12.0}]
+    assert fid_of_these_weights(evals, {"step": 10, "images_seen": 160})["fid"] == 30.0
+    assert fid_of_these_weights(evals, {"step": 20, "images_seen": 320}) is None
+    assert fid_of_these_weights(evals, {"step": 7, "images_seen": 112}) is None  # an earlier checkpoint
+    cfg = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28))
+    card = model_card(cfg, {"step": 30, "images_seen": 480}, fid_of_these_weights(evals, {"step": 30,
+                                                                                          "images_seen": 480}),
+                      "onnx", ["model.onnx"], "cmd")
+    assert "FID 12.00 at 480 images" in card
 
 
 def test_the_onnx_example_samples_without_torch(runs, tmp_path):
@@ -100,6 +164,18 @@ def test_the_onnx_example_samples_without_torch(runs, tmp_path):
         assert im.mode == "L" and im.size == (3 * 30 + 2, 2 * 30 + 2)
         pixels = np.asarray(im)
     assert pixels.std() > 0  # not a blank image
+
+
+def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
+    """Every (T, steps) pair: as many timesteps as steps, from T - 1 down to >= 0, equal to fastddpm's DDIM's (a
+    float stride once added a step at t = -1, which reads alpha_bar[-1], the noisiest, and ruined every image)."""
+    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    from fastddpm.diffusion.ode_solvers import trailing_timesteps
+
+    trailing = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))["trailing"]
+    for T in (10, 100, 1000, 4000):
+        for steps in range(1, min(T, 300) + 1):
+            assert trailing(T, steps).tolist() == trailing_timesteps(T, steps), (T, steps)
 
 
 def test_export_refuses_what_it_cannot_export(tmp_path, capsys):

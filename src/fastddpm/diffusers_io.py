@@ -248,7 +248,7 @@ def model_card(cfg, info: dict, command: str) -> str:
              f"- made by: `{command}`", "", "```python", "from diffusers import DDPMPipeline"]
     if not m.conditional:
         lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")',
-                  "images = pipe(batch_size=4, num_inference_steps=1000).images  # PIL images", "```"]
+                  f"images = pipe(batch_size=4, num_inference_steps={d.num_timesteps}).images  # PIL images", "```"]
     else:
         lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # unet + scheduler; see below', "```",
                   "", f"The model is class-conditional (`num_class_embeds` = {m.num_classes + 1}): class ids 0.."
@@ -258,7 +258,7 @@ def model_card(cfg, info: dict, command: str) -> str:
                   "```python", "import torch", "unet, scheduler = pipe.unet, pipe.scheduler",
                   f"x = torch.randn(4, {m.image_channels}, {m.image_size}, {m.image_size})",
                   f"labels = torch.arange(4) % {m.num_classes}  # {m.num_classes} for no class",
-                  "scheduler.set_timesteps(1000)",
+                  f"scheduler.set_timesteps({d.num_timesteps})  # DDPM walks every step of the training schedule",
                   "for t in scheduler.timesteps:",
                   "    with torch.no_grad():",
                   "        out = unet(x, t, class_labels=labels).sample",

@@ -21,9 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 from pathlib import Path
 
 FORMATS = ("onnx", "torch-export", "safetensors", "diffusers")
+
+
+class ExportError(RuntimeError):
+    """The exported file computes something else than the model (beyond TOLERANCE), or is not what was asked."""
 # ONNX Runtime and torch.export against eager PyTorch in fp32: kernels differ, so not bit-exact; measured on the
 # quickstart's U-Net here at ~1e-6 of an output of unit scale
 TOLERANCE = 1e-3
@@ -86,12 +91,32 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> str:
         program = torch.onnx.export(net, inputs, dynamo=True, input_names=names, output_names=["eps"],
                                     dynamic_shapes=shapes, opset_version=opset, verbose=False)
         program.save(str(path))
-        return "torch.onnx.export(dynamo=True)"
+        if onnx_opset(path) == opset:
+            return "torch.onnx.export(dynamo=True)"
+        # the dynamo exporter writes its own opset (18) when it cannot convert to the one asked for, and says so
+        # only in a warning
+        first = f"it wrote opset {onnx_opset(path)}, not {opset}"
     except Exception as e:  # noqa: BLE001 - any exporter failure: try the other one, and say which ran
         first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
-                      dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
-    return f"torch.onnx.export(dynamo=False) (the dynamo exporter failed: {first})"
+    try:
+        torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
+                          dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
+    except Exception as e:  # noqa: BLE001 - both exporters failed: say what each said
+        second = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise ExportError(f"export --opset {opset}: neither ONNX exporter wrote the model (the dynamo exporter: "
+                          f"{first}; the TorchScript one: {second}); try the default --opset 18") from None
+    if onnx_opset(path) != opset:
+        raise ExportError(f"export --opset {opset}: {path} declares opset {onnx_opset(path)}; try the default "
+                          "--opset 18")
+    return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})"
+
+
+def onnx_opset(path: Path) -> int | None:
+    """The default-domain opset an ONNX file declares (what a runtime checks before loading it)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
 def _check_onnx(net, cfg, path: Path) -> float:
@@ -134,8 +159,32 @@ def _check_pt2(net, cfg, path: Path) -> float:
     return worst
 
 
+def _network_io(cfg) -> tuple[str, str]:
+    """What the exported network's x and t are, and how to sample from it, for the run's objective."""
+    d = cfg.diffusion
+    if d.objective == "edm":
+        return ("x float32 = x_sigma / sqrt(sigma^2 + sigma_data^2) (EDM's c_in scaling), t float32 (B,) = "
+                "250 ln(sigma); output: EDM's F, x0 = c_skip x_sigma + c_out F",
+                "an EDM sampler (Karras et al. 2022) with schedule.json's sigma_data and levels")
+    if d.objective == "flow":
+        return ("x float32 = x_t = (1 - t) x0 + t eps, t float32 (B,) = 1000 t with t in [0, 1]; output: the "
+                "velocity eps - x0",
+                "a flow-matching Euler or Heun sampler over schedule.json's shifted levels")
+    return (f"x float32 in [-1, 1] (noised), t int64 (B,) in [0, {d.num_timesteps - 1}]; output: the predicted "
+            f"{'noise' if d.prediction == 'eps' else d.prediction}",
+            "any DDPM/DDIM sampler given schedule.json's betas")
+
+
+def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
+    """The evaluation of the exported weights: the run's record at their step (an export of an earlier checkpoint
+    must not carry a later FID), with a finite FID; None when the run measured none there."""
+    same = [r for r in evals if r.get("step") == info.get("step") and r.get("images_seen") == info.get("images_seen")]
+    return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
+
+
 def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str) -> str:
     m, d = cfg.model, cfg.diffusion
+    inputs, sampler = _network_io(cfg)
     lines = [f"# fastddpm denoiser ({cfg.preset or 'custom'} preset)", "",
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images)"
              + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
@@ -147,14 +196,13 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
         lines.append(f"- FID {fid['fid']:.2f} at {fid.get('images_seen', 0):,} images "
                      f"({fid.get('features_label', 'features unknown')})")
     else:
-        lines.append("- FID: not measured by this run (`fastddpm eval` measures it)")
+        lines.append("- FID: not measured for these weights by the run (`fastddpm eval` measures it)")
     lines += [f"- format: {fmt}; files: {', '.join(files)}",
-              f"- inputs: x float32 (B, {m.image_channels}, {m.image_size}, {m.image_size}) in [-1, 1], t int64 (B,)"
+              f"- inputs: x (B, {m.image_channels}, {m.image_size}, {m.image_size}), t"
               + (f", y int64 (B,) in [0, {m.num_classes}] ({m.num_classes} = no class)" if m.conditional else "")
-              + "; output: the same shape as x",
+              + f"; {inputs}; the output has x's shape",
               f"- made by: `{command}`", "",
-              "Sample with `examples/sample_onnx.py` (onnxruntime and numpy only), `fastddpm sample`, or any DDPM/DDIM "
-              "sampler given schedule.json's betas."]
+              f"Sample with `examples/sample_onnx.py` (onnxruntime and numpy only), `fastddpm sample`, or {sampler}."]
     return "\n".join(lines) + "\n"
 
 
@@ -177,9 +225,17 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         from fastddpm.diffusers_io import check_exportable
 
         check_exportable(ckpt.config)  # before loading the weights or writing anything
+    if fmt == "onnx":
+        try:
+            import onnx  # noqa: F401 - checked here, used by onnx_opset
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            raise ConfigError("export --format onnx checks the file in onnxruntime: pip install onnx onnxruntime "
+                              "onnxscript (or pip install 'fastddpm[onnx]')") from None
     model, cfg = load_for_sampling(ckpt, device="cpu")
     info, run_dir = ckpt.info(), ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
+    check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "diffusers":
         return _export_diffusers(model.float(), cfg, info, out, command or f"fastddpm.export.export({str(run)!r}, "
@@ -187,13 +243,9 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
     if fmt == "onnx":
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
-            raise ConfigError("export --format onnx checks the file in onnxruntime: pip install onnx onnxruntime "
-                              "onnxscript (or pip install 'fastddpm[onnx]')") from None
         path = out / "model.onnx"
         result["exporter"] = _export_onnx(net, cfg, path, opset)
+        result["opset"] = onnx_opset(path)
         result["max_abs_diff"] = _check_onnx(net, cfg, path)
     elif fmt == "torch-export":
         path = out / "model.pt2"
@@ -202,11 +254,13 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     else:
         path = out / "model.safetensors"
         save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
-                         {"config": cfg.to_dict(), "step": info.get("step"), "format": EMA_EXPORT_FORMAT})
+                         {"config": cfg.to_dict(), "step": info.get("step"), "images_seen": info.get("images_seen"),
+                          "format": EMA_EXPORT_FORMAT})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
-        raise RuntimeError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "
-                           f"{TOLERANCE:g}) on the same inputs; the file is kept for inspection")
+        raise ExportError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "
+                          f"{TOLERANCE:g}) on the same inputs; the file is kept for inspection. Another format "
+                          "(--format torch-export or safetensors) or, for ONNX, another --opset may export it exactly")
     d = cfg.diffusion
     if d.objective == "ddpm":
         process = {"objective": "ddpm", "betas": [float(b) for b in schedule_from_config(d).betas.double()],
@@ -228,12 +282,24 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         if run_dir.metrics.is_file() else []
     command = command or f"fastddpm.export.export({str(run)!r}, {fmt!r})"
     files = [path.name, "schedule.json", "config.json", "README.md"]
-    (out / "README.md").write_text(model_card(cfg, info, evals[-1] if evals else None, fmt, files, command))
+    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
     result.update(out=str(out), files=files, torch=torch.__version__)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
     log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md")
     return result
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse a --out that is a file, or a folder holding files an export did not write (`--out .` would
+    replace the project's own README.md and config.json); an earlier export's folder is written over."""
+    from fastddpm.config import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export --out {out} is a file: give a folder (new, empty, or an earlier export's)")
+    if out.is_dir() and any(out.iterdir()) and not (out / "export.json").is_file():
+        raise ConfigError(f"export --out {out} holds files an export did not write (it would replace README.md, "
+                          "config.json, schedule.json): give a new or empty folder")
 
 
 def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> dict:
@@ -248,9 +314,9 @@ def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> d
               "DDPMScheduler, DDPMPipeline)", "max_abs_diff": diffusers_io.check_folder(model, cfg, out),
               "tolerance": diffusers_io.TOLERANCE, "out": str(out), "files": files, "torch": torch.__version__}
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= diffusers_io.TOLERANCE:
-        raise RuntimeError(f"export: diffusers' UNet2DModel from {out / 'unet'} differs from fastddpm's model by "
-                           f"{result['max_abs_diff']:.3g} (more than {diffusers_io.TOLERANCE:g}) on the same inputs; "
-                           "the folder is kept for inspection")
+        raise ExportError(f"export: diffusers' UNet2DModel from {out / 'unet'} differs from fastddpm's model by "
+                          f"{result['max_abs_diff']:.3g} (more than {diffusers_io.TOLERANCE:g}) on the same inputs; "
+                          "the folder is kept for inspection")
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = ("; diffusers is not installed here, so the folder was not loaded back" if result["max_abs_diff"] is None
             else f"; max |difference| of diffusers' UNet2DModel vs fastddpm {result['max_abs_diff']:.2e}")
@@ -262,5 +328,9 @@ def run_export(args: argparse.Namespace) -> int:
     command = f"fastddpm export {shlex.quote(str(args.run))} --format {args.format}" + (
         f" --out {shlex.quote(str(args.out))}" if args.out else "") + (
         f" --opset {args.opset}" if args.opset != 18 else "")
-    export(args.run, args.format, args.out, opset=args.opset, command=command)
+    try:
+        export(args.run, args.format, args.out, opset=args.opset, command=command)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
