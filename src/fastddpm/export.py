@@ -7,9 +7,10 @@ and what the network predicts: everything a sampler needs), config.json (the res
 card: data, images seen, FID where the run measured one, the command that made it). The network is the U-Net alone,
 eps_theta(x (B, C, H, W) float32 in [-1, 1], t (B,) int64) -> (B, C, H, W), plus y (B,) int64 for a conditional
 model (its last id is the null class); for --objective edm or flow t is a float32 noise input and the output is
-EDM's F or the velocity (schedule.json says which, and how the network's input is made); the batch axis is
-dynamic. ONNX and torch.export outputs are checked here against PyTorch on the same inputs, and the largest
-difference is written to export.json.
+EDM's F or the velocity (schedule.json and the card say which, and how the network's input is made); the batch
+axis is dynamic, 1 to 4096 images. An --out folder must be new, empty or an earlier export's (`--out .` would
+write over a project's README.md). ONNX and torch.export outputs are checked here against PyTorch on the same
+inputs, and the largest difference is written to export.json.
 
 --format diffusers (ddpm family, --objective ddpm only) writes a folder diffusers loads with no fastddpm installed,
 `DDPMPipeline.from_pretrained(DIR)`: unet/ (UNet2DModel), scheduler/ (DDPMScheduler), model_index.json and
