@@ -324,27 +324,33 @@ def section_quality(folder: Path, calls: Calls) -> list[str]:
         lines += [f"`{name}`: " + " ".join(provenance(r["environment"], [], calls))]
     first = next(iter(files.values()))
     s = first["settings"]
-    lines += ["", f"FID in {first.get('features')}, {s['eval_samples']:,} samples, DDIM {s['eval_steps']}; wall times "
-              "are training time (compile included, evaluation excluded).", "",
-              "| run | recipe | images | train wall s | final FID | time to target s | images to target |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    from fastddpm.bench.quality import _recorded
+
+    lines += ["", f"FID in {first.get('features')}, {s['eval_samples']:,} samples, {_recorded(first, 'eval_sampler')} "
+              f"{s['eval_steps']}; wall times are training time (compile included, evaluation excluded). An EDM or "
+              "flow option's FID at its objective's own sampler is in the last column.", "",
+              "| run | recipe | images | train wall s | final FID | time to target s | images to target | "
+              "own sampler: FID |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     ref = next((r["reference"] for r in files.values()
                 if r.get("reference") and not r["reference"].get("given_target")), None)
     if ref:
         lines.append(f"| reference | {s['preset']} as is | {_f(ref.get('images_seen'), ',')} | "
                      f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('final_fid'), '.3f')} (target) | "
-                     f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('images_seen'), ',')} |")
+                     f"{_f(ref.get('train_wall_s'), '.1f')} | {_f(ref.get('images_seen'), ',')} | - |")
     fast_file = files.get("quality-fast")
     if fast_file and fast_file.get("fast"):
         f, hit = fast_file["fast"], fast_file["fast"].get("time_to_target")
         lines.append(f"| fast | {', '.join(fast_file['settings']['fast_overrides'])} | {_f(f['images_seen'], ',')} | "
                      f"{_f(f['train_wall_s'], '.1f')} | {_f(f['final_fid'], '.3f')} | "
-                     f"{_f(hit and hit['wall_s'], '.1f')} | {_f(hit and hit['images_seen'], ',')} |")
+                     f"{_f(hit and hit['wall_s'], '.1f')} | {_f(hit and hit['images_seen'], ',')} | - |")
     for name in ("quality-options", "quality-options-2", "quality-objectives"):
         for o in (files.get(name) or {}).get("options", []):
+            own = o.get("own_sampler")
             lines.append(f"| option {o['name'].removeprefix('option-')} | fast + {', '.join(o['overrides'])} | "
                          f"{_f(o['images_seen'], ',')} | {_f(o['train_wall_s'], '.1f')} | {_f(o['final_fid'], '.3f')} "
-                         "| - | - |")
+                         "| - | - | " + (f"{own['sampler']} {own['steps']}: {_f(own['fid'], '.3f')}" if own else "-")
+                         + " |")
     if fast_file and fast_file.get("speedup_vs_reference"):
         lines += ["", f"Speed-up in wall time to the target: {fast_file['speedup_vs_reference']:.2f}x (target on an "
                       "H100: <= 60 s for the fast run)."]

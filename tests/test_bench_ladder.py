@@ -74,6 +74,21 @@ def test_rows_are_sane(quick_run):
     assert rows["4"]["batch_size"] == 3 * rows["0"]["batch_size"]  # 192 / 64, divided alike by --quick
 
 
+@pytest.mark.parametrize("device_type, before_4", [("cpu", "3b"), ("cuda", "3")])
+def test_rung_4_is_compared_with_the_rung_it_builds_on(device_type, before_4):
+    """3b (bf16) is the main line on a CPU, where rung 4 is built on it (ladder_rungs.plan), and a branch on a GPU:
+    speedup vs previous must divide by the rung the next one carries, not skip it."""
+    from fastddpm.bench.ladder import fill_speedups
+
+    rows = [{"rung": key, "status": "ok", "images_per_s": 100.0 * (i + 1)}
+            for i, key in enumerate(["2", "3", "3b", "4"])]
+    fill_speedups(rows, 60_000, device_type)
+    four = rows[-1]
+    assert four["previous_rung"] == before_4
+    assert four["speedup_vs_previous"] == pytest.approx(400.0 / next(r for r in rows if r["rung"] == before_4)[
+        "images_per_s"])
+
+
 def test_mlp_ladder(quick_run):
     _, result = quick_run
     rows = result["mlp"]["rows"]

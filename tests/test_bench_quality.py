@@ -61,6 +61,38 @@ def test_fast_from_trains_only_the_options_at_the_fast_runs_images(tmp_path, mon
     assert "reused from" in (tmp_path / "opt" / "quality.md").read_text()
 
 
+def test_a_call_cut_off_keeps_its_finished_runs_and_the_same_command_trains_only_the_rest(tmp_path, monkeypatch):
+    """A GPU call killed by its time limit during the second option: the first option was written as it finished
+    (quality.partial.json), and the same command again trains the second alone. quality.json then holds both, and
+    the partial file is gone."""
+    trained = []
+    fake = _fake_train_run(trained)
+
+    def cut_off_at_cosine(name, cfg, out_dir, log):
+        if name == "option-cosine":
+            raise KeyboardInterrupt  # the time limit's kill, as far as this process knows
+        return fake(name, cfg, out_dir, log)
+
+    base = dict(QUICK, device="cpu", quick=True)
+    earlier = _earlier(tmp_path, QualitySettings(**base, reference_from="ref.json"))
+    settings = QualitySettings(**base, fast_from=earlier, options=("lr-x2", "cosine"))
+    monkeypatch.setattr(quality, "_train_run", cut_off_at_cosine)
+    with pytest.raises(KeyboardInterrupt):
+        run_quality(settings, tmp_path / "opt", argv=["test"], log=lambda m: None)
+    partial = json.loads((tmp_path / "opt" / "quality.partial.json").read_text())
+    assert [o["name"] for o in partial["options"]] == ["option-lr-x2"]
+    assert not (tmp_path / "opt" / "quality.json").exists()
+    monkeypatch.setattr(quality, "_train_run", fake)
+    lines = []
+    result = run_quality(settings, tmp_path / "opt", argv=["test"], log=lines.append)
+    assert [name for name, *_ in trained] == ["option-lr-x2", "option-cosine"]  # lr-x2 trained once, in the first call
+    assert any("[option-lr-x2] reused" in line for line in lines)
+    assert [o["name"] for o in result["options"]] == ["option-lr-x2", "option-cosine"]
+    assert not (tmp_path / "opt" / "quality.partial.json").exists()
+    run_quality(settings, tmp_path / "opt", argv=["test"], log=lambda m: None)  # complete: nothing trained again
+    assert len(trained) == 2
+
+
 def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "_train_run", _fake_train_run([]))
     base = dict(QUICK, device="cpu", quick=True)
@@ -68,6 +100,12 @@ def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="fast_max_images"):
         run_quality(QualitySettings(**{**base, "fast_max_images": 1024}, fast_from=earlier, options=("lr-x2",)),
                     tmp_path / "x", log=lambda m: None)
+    with pytest.raises(ConfigError, match=r"measured on --data fashion-mnist, this run has --data mnist"):
+        run_quality(QualitySettings(**{**base, "data": "mnist"}, fast_from=earlier, options=("lr-x2",)),
+                    tmp_path / "y", log=lambda m: None)
+    monkeypatch.setattr(quality, "_data_source", lambda s, out, log: s.data)  # (the copy is not read here)
+    run_quality(QualitySettings(**{**base, "data": ".data/fashion-mnist"}, fast_from=earlier, options=("lr-x2",)),
+                tmp_path / "z", log=lambda m: None)  # the same dataset through a local copy
     with pytest.raises(ConfigError, match="--options"):
         QualitySettings(**base, fast_from=earlier)
     with pytest.raises(ConfigError, match="--fast-from"):

@@ -341,6 +341,45 @@ def test_a_choice_that_fails_or_does_not_fit_leaves_the_others_alternating(tmp_p
     assert any("auto-eager-cl: timed one by one after the others" in line for line in lines)
 
 
+def test_a_group_with_a_choice_left_to_measure_is_measured_again_whole(tmp_path, monkeypatch):
+    """A re-run that must measure one choice (it failed before) measures its whole group again, alternating:
+    a ratio to the group's first choice never divides rows of two runs."""
+    monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak([]))
+    from fastddpm.bench import variant_timer
+    from fastddpm.trainer import build
+    from fastddpm.trainer.step import TrainStep
+
+    real_step = build.TrainStep
+
+    class FailsInBf16(TrainStep):
+        def __call__(self, batches, *, lr, step):
+            if self.precision.name == "bf16":
+                raise RuntimeError("planted failure")
+            return super().__call__(batches, lr=lr, step=step)
+
+    warmed = []
+    real_init = variant_timer.VariantTimer.__init__
+
+    def init(self, v, *a, **kw):
+        warmed.append(v.choice)
+        real_init(self, v, *a, **kw)
+
+    monkeypatch.setattr(variant_timer.VariantTimer, "__init__", init)
+    settings = ThroughputSettings(presets=("tiny",), batch_sizes=(4,), choices=("fp32-eager", "bf16-eager"),
+                                  warmup_steps=1, steps=1, repeats=2, device="cpu", num_images=64)
+    monkeypatch.setattr(build, "TrainStep", FailsInBf16)
+    first = run_throughput(settings, tmp_path, log=lambda *a: None)["results"]
+    assert [r["status"] for r in first] == ["ok", "failed"]
+    monkeypatch.setattr(build, "TrainStep", real_step)
+    warmed.clear()
+    lines = []
+    again = run_throughput(settings, tmp_path, log=lines.append)["results"]
+    assert warmed == ["fp32-eager", "bf16-eager"]  # both, not the failed one alone
+    assert all(r["status"] == "ok" and r["timing"] == "alternating" for r in again)
+    assert len({json.dumps(r["run"], sort_keys=True) for r in again}) == 1
+    assert any("measuring the whole group again" in line for line in lines)
+
+
 def test_room_for_another_compares_the_largest_footprint_with_what_cuda_has_free(monkeypatch):
     from fastddpm.bench.variant_timer import _room_for_another
 

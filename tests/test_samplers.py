@@ -269,6 +269,11 @@ def test_bench_samplers_writes_the_table_and_resumes(tmp_path, fmnist_splits, ca
     assert log.count("reused from") == 5 and "FID" in log
     again = json.loads((out / "samplers.json").read_text())
     assert [r["fid"] for r in again["rows"]] == [r["fid"] for r in result["rows"]]
+    copy = tmp_path / "elsewhere" / "ema.safetensors"  # the same weights read from another file: the same table
+    copy.parent.mkdir()
+    copy.write_bytes((run / "ema.safetensors").read_bytes())
+    assert main(["bench", "samplers", str(copy), *args[3:]]) == 0
+    assert capsys.readouterr().out.count("reused from") == 5
     # another part of the table into the same folder: its point is added, the earlier ones stay
     assert main(["bench", "samplers", str(run), "--quick", "--samplers", "unipc", "--steps", "2", "--spread-points",
                  "none", "--out", str(out)]) == 0

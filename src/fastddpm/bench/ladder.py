@@ -294,6 +294,10 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
         f"commit {str(env['git_commit'])[:12]}; {workers} DataLoader workers")
     if device.type != "cuda":
         log("note: CPU run: timings (perf_counter) describe this CPU only; CUDA rungs are skipped")
+    else:
+        # As the trainer and bench throughput: the fp32 rungs' matmuls in TF32 like their convolutions (cuDNN's
+        # default), so that their MFU divides by the TF32 peak they run at, not by true fp32's (several times lower)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     json_path = out_dir / "ladder.json"
     previous = store.Previous(json_path, schema=SCHEMA, rows=_all_rows, remeasure=settings.remeasure, log=log)
 
@@ -338,7 +342,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
     mlp_rows: list[dict] = []
 
     def result(complete: bool) -> dict:
-        fill_speedups(rows, data_info["num_images"])
+        fill_speedups(rows, data_info["num_images"], device.type)
         fill_mlp_speedups(mlp_rows)
         return {"schema": SCHEMA, "benchmark": "ladder", "complete": complete,
                 "environment": {**env, "device_reason": device_reason},
@@ -403,10 +407,10 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
     return final
 
 
-def fill_speedups(rows: list[dict], num_images: int) -> None:
+def fill_speedups(rows: list[dict], num_images: int, device_type: str) -> None:
     base = rows[0]["images_per_s"] if rows and rows[0]["status"] == "ok" else None
-    prev = None  # the previous ok rung on the main line (3b is a branch)
-    branch_keys = {r.key for r in ladder_rungs.DDPM_RUNGS if r.branch}
+    prev = None  # the previous ok rung on the main line (a branch is compared, not carried; see ladder_rungs.carried)
+    branch_keys = {r.key for r in ladder_rungs.DDPM_RUNGS if not ladder_rungs.carried(r, device_type)}
     for r in rows:
         if r["status"] != "ok":
             continue
@@ -430,7 +434,10 @@ def notes(device: torch.device, s: LadderSettings, data_info: dict) -> list[str]
         "own; setup s: work before them (RAM preload, batch-size search).",
         f"epoch s: {data_info['num_images']:,} images / images/s" + (" (extrapolated from a few --quick steps)"
                                                                     if s.quick else "") + ".",
-        "speedup vs previous: over the previous ok rung of the main line (3b, bf16, is a branch: not carried).",
+        "speedup vs previous: over the previous ok rung of the main line (3b, bf16, is a branch on a GPU, not "
+        "carried; on a CPU it is the main line: bf16 is a CPU's fast precision, and rung 4 builds on it).",
+        *(["fp32 rungs on a GPU run their matmuls and convolutions in TF32 (as the trainer), and their MFU divides "
+           "by the TF32 peak."] if device.type == "cuda" else []),
         "GPU busy: union of the kernel, memcpy and memset intervals (as the doctor counts them; annotation ranges "
         "on the GPU timeline are not work) from torch.profiler over up to 20 steps / their wall time (n/a on the "
         "CPU). The profiler's own host overhead slows host-bound rungs a little during those steps.",

@@ -124,10 +124,15 @@ def plan(device: torch.device, workers: int, quick: bool) -> list[tuple[Rung, Sw
         candidate = apply_delta(sw, rung, workers) if rung.key != "0" else sw
         skip = skip_reason(rung, device, quick)
         out.append((rung, candidate, skip))
-        carried = not rung.branch or (rung.key == "3b" and device.type == "cpu")  # bf16: a CPU's fast precision
-        if carried and skip is None:
+        if carried(rung, device.type) and skip is None:
             sw = candidate
     return out
+
+
+def carried(rung: Rung, device_type: str) -> bool:
+    """Whether the rungs after `rung` build on its change: the main line's rungs do; a branch is measured beside it
+    and dropped, except 3b (bf16) on a CPU, a CPU's fast precision."""
+    return not rung.branch or (rung.key == "3b" and device_type == "cpu")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -131,6 +131,16 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
     return str(path)
 
 
+def _check_same_data(previous: dict, s: QualitySettings, given: str) -> None:
+    """A reused reference or fast run must have trained on the same dataset: FIDs of two datasets do not compare.
+    Compared by the dataset's name (the last part of the path: a named dataset reached through a local copy, e.g.
+    .data/fashion-mnist, is fashion-mnist)."""
+    theirs = previous.get("settings", {}).get("data")
+    if theirs is not None and Path(str(theirs)).name.lower() != Path(s.data).name.lower():
+        raise ConfigError(f"bench quality: {given} was measured on --data {theirs}, this run has --data {s.data}: "
+                          "FIDs compare only on one dataset; pass its --data, or measure a reference on this one")
+
+
 def _recorded(previous: dict, key: str):
     """A setting of an earlier quality.json. Files written before eval_sampler was a setting name it only in the
     reference run's config (the sampler its evaluations used)."""
@@ -145,6 +155,40 @@ def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
             "train.eval_samples": s.eval_samples, "train.eval_sampler": s.eval_sampler,
             "train.eval_steps": s.eval_steps}
     return apply_overrides(get_preset(s.preset), {**base, **extra}, source="bench quality")
+
+
+class FinishedRuns:
+    """The runs of an earlier call of the same bench into the same folder, written after each run finished
+    (quality.partial.json, or quality.json once a call completed): a call cut off by a time limit keeps its finished
+    runs, and the same command again trains only the rest. A run is reused when the device, torch and its resolved
+    config are equal (the config holds every setting that changes its result); the partial file is written
+    atomically after every run."""
+
+    def __init__(self, out: Path, env: dict, log):
+        self.partial, self.log = out / "quality.partial.json", log
+        self.device = store.canonical(store.device_identity(env))
+        self.runs: dict[str, dict] = {}
+        for path in (out / "quality.json", self.partial):  # the partial file is the newer of the two
+            try:
+                data = json.loads(path.read_text()) if path.is_file() else {}
+            except ValueError:
+                continue
+            if data.get("schema") != SCHEMA or store.canonical(store.device_identity(data["environment"])) \
+                    != self.device:
+                continue
+            runs = [data.get("reference"), data.get("fast"), *(data.get("options") or [])]
+            self.runs.update({r["name"]: r for r in runs if r and "config" in r and r.get("evals") is not None})
+
+    def take(self, name: str, cfg: RunConfig) -> dict | None:
+        row = self.runs.get(name)
+        if row is not None and store.canonical(row["config"]) == store.canonical(cfg.to_dict()):
+            self.log(f"  [{name}] reused from {self.partial.parent} (an earlier call's finished run, same config)")
+            return row
+        return None
+
+    def save(self, env: dict, s: QualitySettings, **runs) -> None:
+        store.write_json(self.partial, {"schema": SCHEMA, "complete": False, "environment": env,
+                                        "settings": dataclasses.asdict(s), **runs})
 
 
 def _train_run(name: str, cfg: RunConfig, out_dir: Path, log) -> dict:
@@ -230,7 +274,19 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         "per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
+    for given in (s.fast_from, s.reference_from):  # before any data is read or trained on
+        if given is not None:
+            _check_same_data(json.loads(Path(given).read_text()), s, given)
     source = _data_source(s, out, log)
+    finished = FinishedRuns(out, env, log)
+
+    def train_run(name: str, cfg: RunConfig, **done) -> dict:
+        row = finished.take(name, cfg)
+        if row is None:
+            row = _train_run(name, cfg, out, log)
+            row["run"] = store.run_record(env)
+        finished.save(env, s, **done, **({"reference": row} if name == "reference" else {}))
+        return row
 
     # 1. the reference: the preset's recipe as it is, FID at its end = the target.
     reused_fast = None
@@ -266,15 +322,16 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         cfg = _config(s, source, extra)
         log(f"reference: {s.preset}'s recipe (batch {cfg.train.batch_size}, lr {cfg.train.lr:g}, "
             f"{cfg.diffusion.schedule} schedule, {cfg.diffusion.prediction})")
-        reference = _train_run("reference", cfg, out, log)
+        reference = train_run("reference", cfg)
         log(f"reference: final FID {reference['final_fid']:.3f} after {reference['train_wall_s']:.1f} s of training")
     target = float(reference["final_fid"])
     if s.reference_only:
         result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
                   "data_source": source, "target_fid": target, "reference": reference, "fast": None, "options": [],
                   "features": reference["evals"][-1]["features_label"], "speedup_vs_reference": None}
-        (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "quality.md").write_text(report_markdown(result))
+        store.write_json(out / "quality.json", result)
+        finished.partial.unlink(missing_ok=True)
+        store.atomic_write_text(out / "quality.md", report_markdown(result))
         result["chart"] = write_chart(result, out / "quality.png", log)
         log(f"wrote {out}/quality.json (the reference only; use it with --reference-from)")
         result["out_dir"] = str(out)
@@ -289,7 +346,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
                                        "train.eval_every_images": s.fast_eval_every_images})
         log(f"fast: {', '.join(s.fast_overrides)}; up to {s.fast_max_images:,} images, evaluated every "
             f"{s.fast_eval_every_images:,}")
-        fast = _train_run("fast", fast_cfg, out, log)
+        fast = train_run("fast", fast_cfg, reference=reference)
         hit = time_to_target(fast["evals"], target)
         fast["time_to_target"] = hit
     if hit:
@@ -309,12 +366,13 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
                                   "train.max_images": images_for_options,
                                   "train.eval_every_images": images_for_options})
         log(f"option {name}: {', '.join(OPTIONS[name])} on the fast recipe, {images_for_options:,} images")
-        row = _train_run(f"option-{name}", cfg, out, log)
+        row = train_run(f"option-{name}", cfg, reference=reference, fast=fast, options=option_rows)
         row["overrides"] = list(OPTIONS[name])
         own = own_sampling(cfg, base_cfg)
-        if own is not None:
+        if own is not None and "own_sampler" not in row:
             row["own_sampler"] = _score_own_sampler(row, own, log)
         option_rows.append(row)
+        finished.save(env, s, reference=reference, fast=fast, options=option_rows)
 
     result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
               "data_source": source, "target_fid": target, "reference": reference, "fast": fast,
@@ -322,8 +380,9 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
               "features": fast["evals"][0]["features_label"] if fast["evals"] else None}
     ref_wall = reference.get("train_wall_s")
     result["speedup_vs_reference"] = (ref_wall / hit["wall_s"] if hit and ref_wall and hit["wall_s"] > 0 else None)
-    (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "quality.md").write_text(report_markdown(result))
+    store.write_json(out / "quality.json", result)
+    finished.partial.unlink(missing_ok=True)  # quality.json holds every run now
+    store.atomic_write_text(out / "quality.md", report_markdown(result))
     result["chart"] = write_chart(result, out / "quality.png", log)
     log("")
     log(report_markdown(result))

@@ -339,6 +339,15 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
             return f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}" + (f" {v.choice}" if v.choice else "")
 
         for group in plan_groups(variants):
+            if settings.choices and len(group) > 1 and any(reused[i] is None for i in group) \
+                    and any(reused[i] is not None for i in group):
+                # a choice's ratio to the first is taken within its group: rows of one group from two runs (another
+                # hour, clocks, neighbour, or machine) would compare a run's noise, so the group is timed again whole
+                log(f"{tag(group[0])}: {sum(reused[i] is None for i in group)} of the group's {len(group)} choices "
+                    "still to measure: measuring the whole group again, alternating, so that its ratios come from "
+                    "one run")
+                for i in group:
+                    reused[i] = None
             todo = []
             for i in group:
                 if reused[i] is not None:

@@ -81,7 +81,9 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     if bar is not None:
         bar.close()
     images = torch.cat(chunks)[:num_samples]
-    timing = {"wall_s": wall_s, "samples_per_s": num_samples / max(wall_s, 1e-9), "first_batch_s": first_batch_s,
+    # per image drawn: every batch is full, so ceil(N / B) * B images took wall_s
+    timing = {"wall_s": wall_s, "samples_per_s": num_batches * batch_size / max(wall_s, 1e-9),
+              "first_batch_s": first_batch_s,
               "batches": num_batches, "batch_size": batch_size, "drawn": num_batches * batch_size}
     if num_batches > 1:  # the first batch carries compile / warm-up time; the rest is the steady state
         timing["steady_samples_per_s"] = (num_batches - 1) * batch_size / max(wall_s - first_batch_s, 1e-9)

@@ -3,6 +3,8 @@ an optimizer's state saved on one device or code path resumes on another."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from fastddpm.rundir.files import CheckpointError
@@ -16,6 +18,17 @@ def clean_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             k = k.split(".", 1)[1]
         out[k] = v
     return out
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a module's weights (keys, dtypes, shapes and bytes, wrapper prefixes stripped): what identifies
+    the weights a measurement was made with, wherever the file was found or copied."""
+    digest = hashlib.sha256()
+    for key, value in sorted(clean_state_dict(module.state_dict()).items()):
+        value = value.detach().cpu().contiguous()
+        digest.update(f"{key}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
