@@ -154,6 +154,21 @@ EOF
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee -a "$RES/session.log"
 
+resume_quality() {  # the runs an earlier call of this part finished (quality.partial.json) back where it resumes
+  if [ -f "$RES/$1/quality.partial.json" ] && [ ! -f "$QUALITY_DIR/$1/quality.partial.json" ]; then
+    mkdir -p "$QUALITY_DIR/$1" && cp "$RES/$1/quality.partial.json" "$QUALITY_DIR/$1/"
+  fi
+  return 0
+}
+
+keep_partial() {  # after a quality part, finished or cut short: its finished runs into RESULTS (the next call's)
+  rm -f "$RES/$1/quality.partial.json"
+  if [ -f "$QUALITY_DIR/$1/quality.partial.json" ]; then
+    mkdir -p "$RES/$1" && cp "$QUALITY_DIR/$1/quality.partial.json" "$RES/$1/"
+  fi
+  return 0
+}
+
 copy_quality() {  # the small files of a quality run (not its checkpoints) into RESULTS
   mkdir -p "$RES/$1" && cp "$QUALITY_DIR/$1"/quality.{json,md} "$RES/$1/" && cp "$QUALITY_DIR/$1"/quality.png "$RES/$1/" 2>/dev/null
   return 0
@@ -261,8 +276,13 @@ for part in "${PARTS[@]}"; do
         quality-options-2) options=no-ema-warmup,no-lr-warmup,lr-x2 ;;
         *) options=edm,flow ;;
       esac
+      resume_quality "$part"  # a call cut short trains only the options it had not finished
       limited 240 $PY -m fastddpm bench quality --fast-from "$RES/quality-fast/quality.json" --options "$options" \
-        --data "$DATA" --out "$QUALITY_DIR/$part" && copy_quality "$part" ;;
+        --data "$DATA" --out "$QUALITY_DIR/$part"
+      rc=$?
+      keep_partial "$part"
+      if (( rc == 0 )); then copy_quality "$part"; fi
+      (exit $rc) ;;
     summarize)
       $PY benchmarks/summarize_gpu.py "$RES" ;;
   esac 2>&1 | tee -a "$log"
