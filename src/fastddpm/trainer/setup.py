@@ -22,10 +22,10 @@ from fastddpm.config import (ConfigError, RunConfig, check_same_architecture, re
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
 from fastddpm.diffusion import NoiseSchedule
 from fastddpm.models import UNet, count_parameters
+from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import step_of
 from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.layout import RunDir
-from fastddpm.rundir import metrics
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
