@@ -64,7 +64,9 @@ def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
         "clip_sample_range": 1.0,
         "prediction_type": "epsilon" if d.prediction == "epsilon" else "v_prediction",
         "thresholding": False,
-        "timestep_spacing": "leading",
+        # fastddpm's own spacing (Lin et al. 2024, arXiv:2305.08891): fewer inference steps than training steps start
+        # at the noisiest one, t = T - 1, as fastddpm's samplers do ("leading" starts below it); all T are the same
+        "timestep_spacing": "trailing",
         "steps_offset": 0,
         "rescale_betas_zero_snr": False,
     }
