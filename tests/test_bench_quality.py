@@ -1,6 +1,7 @@
 """`bench quality --fast-from`: the options train against an earlier run's fast result (so a GPU session can
 spread the options over several calls); the reference and fast run are not trained again."""
 
+import dataclasses
 import json
 
 import pytest
@@ -28,7 +29,6 @@ def _fake_train_run(trained: list):
 
 def _earlier(tmp_path, settings: QualitySettings) -> str:
     """A quality.json as a fast run writes it: target 4.0, reached at the second evaluation (512 images)."""
-    import dataclasses
 
     every = settings.fast_eval_every_images
     fast = {"name": "fast", "evals": _evals([6.0, 3.9, 3.5], every), "final_fid": 3.5, "images_seen": 3 * every,
@@ -91,6 +91,8 @@ def test_a_call_cut_off_keeps_its_finished_runs_and_the_same_command_trains_only
     assert not (tmp_path / "opt" / "quality.partial.json").exists()
     run_quality(settings, tmp_path / "opt", argv=["test"], log=lambda m: None)  # complete: nothing trained again
     assert len(trained) == 2
+    run_quality(dataclasses.replace(settings, remeasure=True), tmp_path / "opt", argv=["test"], log=lambda m: None)
+    assert len(trained) == 4  # --remeasure: both trained again
 
 
 def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatch):

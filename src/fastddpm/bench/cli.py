@@ -290,6 +290,8 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
                     help="reuse the reference, target and fast run of an earlier quality.json; train only --options")
     qp.add_argument("--reference-only", action="store_true",
                     help="train and record only the reference (then: --reference-from OUT/quality.json)")
+    qp.add_argument("--remeasure", action="store_true",
+                    help="train again the runs an earlier call finished in OUT (default: reuse them)")
     qp.add_argument("--device", default="auto", metavar="DEVICE", help="auto (default), cpu, cuda, cuda:N")
     qp.add_argument("--quick", action="store_true", help="tiny U-Net, 256 images: a CPU check of the pipeline")
     qp.add_argument("--out", default=None, metavar="DIR", help="output folder (default runs/bench-quality-<UTC time>)")
@@ -302,7 +304,8 @@ def quality_settings(args: argparse.Namespace):
     base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_sampler", "eval_steps",
                                 "reference_epochs", "reference_eval_every_images", "reference_from", "target_fid",
                                 "fast_overrides", "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
-    return QualitySettings(**base, reference_only=args.reference_only, device=args.device, quick=args.quick)
+    return QualitySettings(**base, reference_only=args.reference_only, remeasure=args.remeasure, device=args.device,
+                           quick=args.quick)
 
 
 def _run_quality(args: argparse.Namespace) -> int:

@@ -18,7 +18,10 @@ another sampler than the fast recipe's (flow matching: Heun-10, or UniPC-10 when
 with that sampler and its steps, from the same weights, features and noise seed; the report shows both FIDs with
 their network calls.
 Time resolution is the evaluation interval (time-to-target is the first evaluation that reaches it).
-Writes OUT/quality.json, quality.md and quality.png; environment with every number.
+Writes OUT/quality.json, quality.md and quality.png; environment with every number. Each run is written to
+OUT/quality.partial.json as it finishes: the same command again into the same OUT (after a time limit cut a call
+short, say) reuses the runs finished there with the same config, device and torch, and trains the rest
+(--remeasure trains them all again).
 This module imports no torch at the top, so `fastddpm --help` stays fast.
 """
 
@@ -75,6 +78,7 @@ class QualitySettings:
     options: tuple[str, ...] = ()
     fast_from: str | None = None  # an earlier quality.json with a fast run: reuse it and its target; train options
     reference_only: bool = False  # stop after the reference (a GPU session measures it in its own call)
+    remeasure: bool = False  # train again the runs an earlier call finished into the same folder
     device: str = "auto"
     seed: int = 0
     quick: bool = False
@@ -164,10 +168,12 @@ class FinishedRuns:
     config are equal (the config holds every setting that changes its result); the partial file is written
     atomically after every run."""
 
-    def __init__(self, out: Path, env: dict, log):
+    def __init__(self, out: Path, env: dict, log, *, remeasure: bool = False):
         self.partial, self.log = out / "quality.partial.json", log
         self.device = store.canonical(store.device_identity(env))
         self.runs: dict[str, dict] = {}
+        if remeasure:
+            return
         for path in (out / "quality.json", self.partial):  # the partial file is the newer of the two
             try:
                 data = json.loads(path.read_text()) if path.is_file() else {}
@@ -278,7 +284,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         if given is not None:
             _check_same_data(json.loads(Path(given).read_text()), s, given)
     source = _data_source(s, out, log)
-    finished = FinishedRuns(out, env, log)
+    finished = FinishedRuns(out, env, log, remeasure=s.remeasure)
 
     def train_run(name: str, cfg: RunConfig, **done) -> dict:
         row = finished.take(name, cfg)
