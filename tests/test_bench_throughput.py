@@ -342,8 +342,9 @@ def test_a_choice_that_fails_or_does_not_fit_leaves_the_others_alternating(tmp_p
 
 
 def test_a_group_with_a_choice_left_to_measure_is_measured_again_whole(tmp_path, monkeypatch):
-    """A re-run that must measure one choice (it failed before) measures its whole group again, alternating:
-    a ratio to the group's first choice never divides rows of two runs."""
+    """A re-run with a choice never measured (the first call was cut short before it) measures its whole group
+    again, alternating: a ratio to the group's first choice never divides rows of two runs. A choice that failed
+    before is tried again alone (a failure that repeats must not cost the group every call)."""
     monkeypatch.setattr(measure, "measure_matmul_peak", _fake_peak([]))
     from fastddpm.bench import variant_timer
     from fastddpm.trainer import build
@@ -370,11 +371,15 @@ def test_a_group_with_a_choice_left_to_measure_is_measured_again_whole(tmp_path,
     monkeypatch.setattr(build, "TrainStep", FailsInBf16)
     first = run_throughput(settings, tmp_path, log=lambda *a: None)["results"]
     assert [r["status"] for r in first] == ["ok", "failed"]
+    warmed.clear()
+    run_throughput(settings, tmp_path, log=lambda *a: None)  # it fails again: tried alone, fp32 reused
+    assert warmed == ["bf16-eager"]
     monkeypatch.setattr(build, "TrainStep", real_step)
     warmed.clear()
     lines = []
-    again = run_throughput(settings, tmp_path, log=lines.append)["results"]
-    assert warmed == ["fp32-eager", "bf16-eager"]  # both, not the failed one alone
+    wider = dataclasses.replace(settings, choices=("fp32-eager", "bf16-eager", "fp32-eager-cl"))  # one never measured
+    again = run_throughput(wider, tmp_path, log=lines.append)["results"]
+    assert warmed == ["fp32-eager", "bf16-eager", "fp32-eager-cl"]  # all three, not the new one alone
     assert all(r["status"] == "ok" and r["timing"] == "alternating" for r in again)
     assert len({json.dumps(r["run"], sort_keys=True) for r in again}) == 1
     assert any("measuring the whole group again" in line for line in lines)

@@ -1,5 +1,7 @@
 """`fastddpm data export-images`: the seed's PNG folder layout, read back exactly by prepare()."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -42,6 +44,12 @@ def test_an_export_of_other_pixels_or_missing_files_is_never_reused(tmp_path):
     next(root.glob("*/*.png")).unlink()
     assert not export_images(changed, labels, root, identity=identity, overwrite=True).reused
     assert len(list(root.glob("*/*.png"))) == 30
+    # an export written before the digest was recorded: written again, not refused and not trusted
+    marker = json.loads((root / "export.json").read_text())
+    del marker["content_sha256"]
+    (root / "export.json").write_text(json.dumps(marker))
+    assert not export_images(images, labels, root, identity=identity).reused
+    assert export_images(images, labels, root, identity=identity).reused
 
 
 def test_export_images_cli(tmp_path, capsys):

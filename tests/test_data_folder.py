@@ -149,6 +149,14 @@ def test_an_image_stored_sideways_is_cached_upright_as_its_exif_orientation_says
     assert data.images.shape == (2, 1, 8, 4)
     np.testing.assert_array_equal(data.images[0, 0], np.rot90(stored, k=-1))  # clockwise
     np.testing.assert_array_equal(data.images[1, 0], upright)
+    # a cache written before images were turned upright is rebuilt, once; array sources' caches are not touched
+    meta_path = data.cache_path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["exif_upright"]
+    meta_path.write_text(json.dumps(meta))
+    rebuilt = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert rebuilt.meta["exif_upright"] and rebuilt.meta["created"] != meta["created"]
+    assert prepare(tmp_path / "root", cache_dir=cache_dir, progress=False).meta["created"] == rebuilt.meta["created"]
 
 
 def test_zip_reads_same_pixels_as_folder_without_extracting(tmp_path: Path, cache_dir: Path) -> None:

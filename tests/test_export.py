@@ -104,6 +104,8 @@ def test_opset_is_what_the_file_declares_or_a_clear_failure(runs, tmp_path, caps
     err = capsys.readouterr().err
     assert "error: export --opset 13: neither ONNX exporter wrote the model" in err and "opset 18, not 13" in err
     assert not (tmp_path / "13" / "export.json").exists()
+    # the retry the message suggests, into the same folder (which holds the failed attempt's model.onnx)
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "13")]) == 0
 
 
 def test_out_must_be_an_exports_folder_and_onnx_needs_its_packages_before_anything_is_written(runs, tmp_path,

@@ -107,6 +107,27 @@ def test_a_resume_moves_the_metrics_of_steps_it_trains_again_aside(tmp_path):
     assert metrics.set_aside_after(log, 10) == 0 and metrics.set_aside_after(tmp_path / "none.jsonl", 0) == 0
 
 
+def test_a_torchrun_restart_resumes_the_newest_checkpoint_not_the_one_first_given(tmp_path, monkeypatch):
+    """Under torchrun --max-restarts, a run started with --resume ckpt_X that failed later restarts from its own
+    newest checkpoint: X again would go back, setting aside every step trained since. Before its first save,
+    the given checkpoint is still the one."""
+    from fastddpm.trainer.distributed import DistInfo
+    from fastddpm.trainer.setup import _join_ranks
+
+    cfg, dist = get_preset("tiny"), DistInfo(rank=0, world_size=2, backend="gloo")
+    given = tmp_path / "elsewhere" / "ckpt_000000010.pt"
+    run = RunDir(tmp_path / "run")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    join = lambda resume: _join_ranks(cfg, dist, torch.device("cpu"), "", resume, lambda *a: None, run)[2]  # noqa
+    assert join(given) == given and join(None) == "latest"  # no checkpoint of its own yet
+    saver, _, _, state = _checkpointer(run.path)
+    state.step = 12
+    saver.save()
+    assert join(given) == "latest"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert join(given) == given  # the first start: as given
+
+
 def test_resume_notes_name_what_cannot_stay_bit_exact():
     state = TrainState(device=torch.device("cpu"), world_size=2, global_batch=32, cpu_threads=4)
     state.saved_by = {"world_size": 1, "global_batch": 16, "cpu_threads": 2}

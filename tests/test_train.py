@@ -229,6 +229,11 @@ def test_a_resume_from_an_older_checkpoint_branches_and_a_new_run_never_mixes_wi
     before = sorted(p.name for p in run.rglob("*"))
     with pytest.raises(ConfigError, match=r"already holds a run's checkpoints \(steps 2 to 5.*--resume latest"):
         train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+    other = tmp_path / "other"
+    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2), out_dir=other, log=quiet)
+    with pytest.raises(ConfigError, match=r"is another run's checkpoint, and .* already holds"):
+        train(tiny_cfg(fmnist_npz, max_steps=4), out_dir=run, resume=other / "checkpoints" / "ckpt_000000002.pt",
+              log=quiet)
     assert sorted(p.name for p in run.rglob("*")) == before
 
 

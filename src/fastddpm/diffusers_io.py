@@ -64,9 +64,11 @@ def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
         "clip_sample_range": 1.0,
         "prediction_type": "epsilon" if d.prediction == "epsilon" else "v_prediction",
         "thresholding": False,
-        # fastddpm's own spacing (Lin et al. 2024, arXiv:2305.08891): fewer inference steps than training steps start
-        # at the noisiest one, t = T - 1, as fastddpm's samplers do ("leading" starts below it); all T are the same
-        "timestep_spacing": "trailing",
+        # fewer inference steps than training steps start at the noisiest one, t = T - 1, as fastddpm's samplers do
+        # (Lin et al. 2024, arXiv:2305.08891; "leading" starts below it). Not diffusers' "trailing": it takes its
+        # steps from np.arange(T, 0, -T / steps), whose float stride adds a step at t = -1 for some counts (61 of
+        # 1000), the noisiest alpha_bar read for the last step; "linspace" rounds evenly spaced points, T - 1 to 0
+        "timestep_spacing": "linspace",
         "steps_offset": 0,
         "rescale_betas_zero_snr": False,
     }

@@ -172,7 +172,7 @@ def _network_io(cfg) -> tuple[str, str]:
                 "velocity eps - x0",
                 "a flow-matching Euler or Heun sampler over schedule.json's shifted levels")
     return (f"x float32 in [-1, 1] (noised), t int64 (B,) in [0, {d.num_timesteps - 1}]; output: the predicted "
-            f"{'noise' if d.prediction == 'eps' else d.prediction}",
+            f"{'noise (epsilon)' if d.prediction == 'epsilon' else d.prediction}",
             "any DDPM/DDIM sampler given schedule.json's betas")
 
 
@@ -291,14 +291,23 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     return result
 
 
+# what an export writes (model.onnx.data: the ONNX exporter's external weights of a large model)
+_MODEL_FILES = {"model.onnx", "model.pt2", "model.safetensors", "unet"}
+_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", "schedule.json", "config.json", "README.md", "export.json",
+                                "scheduler", "model_index.json"}
+
+
 def check_out_dir(out: Path) -> None:
     """Refuse a --out that is a file, or a folder holding files an export did not write (`--out .` would
-    replace the project's own README.md and config.json); an earlier export's folder is written over."""
+    replace the project's own README.md and config.json). An earlier export's folder is written over, finished
+    (export.json) or not (a model file and only an export's names: the retry of a failed one)."""
     from fastddpm.config import ConfigError
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export --out {out} is a file: give a folder (new, empty, or an earlier export's)")
-    if out.is_dir() and any(out.iterdir()) and not (out / "export.json").is_file():
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    exported = "export.json" in names or (names <= _EXPORT_NAMES and bool(names & _MODEL_FILES))
+    if names and not exported:
         raise ConfigError(f"export --out {out} holds files an export did not write (it would replace README.md, "
                           "config.json, schedule.json): give a new or empty folder")
 

@@ -269,6 +269,8 @@ def rung_identity(rung: ladder_rungs.Rung, sw: ladder_rungs.Switches, settings: 
         "timing": {k: getattr(settings, k) for k in ("steps", "warmup_steps", "repeats", "seed", "batch_divisor",
                                                       "auto_batch_limit")},
         **store.device_identity(env),
+        # fp32 rungs on a GPU run TF32 matmuls since the ladder sets it as the trainer: rows from before differ
+        **({"tf32": True} if str(env["device"]).startswith("cuda") else {}),
     })
 
 

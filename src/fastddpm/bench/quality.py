@@ -291,7 +291,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         if row is None:
             row = _train_run(name, cfg, out, log)
             row["run"] = store.run_record(env)
-        finished.save(env, s, **done, **({"reference": row} if name == "reference" else {}))
+        finished.save(env, s, **done, **({name: row} if name in ("reference", "fast") else {}))
         return row
 
     # 1. the reference: the preset's recipe as it is, FID at its end = the target.

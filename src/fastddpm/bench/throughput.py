@@ -339,13 +339,14 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
             return f"[{i + 1}/{len(variants)}] {v.preset} batch {v.batch_size}" + (f" {v.choice}" if v.choice else "")
 
         for group in plan_groups(variants):
-            if settings.choices and len(group) > 1 and any(reused[i] is None for i in group) \
-                    and any(reused[i] is not None for i in group):
+            new = [i for i in group if reused[i] is None and previous.failed_before(identities[i]) is None]
+            if settings.choices and len(group) > 1 and new and any(reused[i] is not None for i in group):
                 # a choice's ratio to the first is taken within its group: rows of one group from two runs (another
-                # hour, clocks, neighbour, or machine) would compare a run's noise, so the group is timed again whole
-                log(f"{tag(group[0])}: {sum(reused[i] is None for i in group)} of the group's {len(group)} choices "
-                    "still to measure: measuring the whole group again, alternating, so that its ratios come from "
-                    "one run")
+                # hour, clocks, neighbour, or machine) would compare a run's noise, so a group with a choice never
+                # measured is timed again whole. A choice that failed before is tried again alone: a failure that
+                # repeats (a kernel that does not compile here) must not cost the whole group on every call.
+                log(f"{tag(group[0])}: {len(new)} of the group's {len(group)} choices never measured: measuring the "
+                    "whole group again, alternating, so that its ratios come from one run")
                 for i in group:
                     reused[i] = None
             todo = []

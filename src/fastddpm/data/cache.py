@@ -28,9 +28,7 @@ import numpy as np
 
 from fastddpm.data.errors import DataError
 
-# bump when the layout or meaning of a cache changes; old caches then rebuild. 2: image files are turned upright by
-# their EXIF orientation (a phone's JPEG was cached sideways before)
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 1  # bump when the layout or meaning of a cache changes; old caches then rebuild
 IMAGES_FILE = "images.npy"
 LABELS_FILE = "labels.npy"
 META_FILE = "meta.json"

@@ -58,10 +58,14 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
     marker = root / MARKER
     if marker.is_file():
         try:
-            if json.loads(marker.read_text()) == record and _count_pngs(root) == n:
-                return ExportResult(root=root, num_images=n, reused=True)
+            earlier = json.loads(marker.read_text())
         except json.JSONDecodeError:
-            pass
+            earlier = {}
+        if earlier == record and _count_pngs(root) == n:
+            return ExportResult(root=root, num_images=n, reused=True)
+        # an export by a version that recorded no content digest: what it holds cannot be checked, and the folder
+        # holds only what an export writes, so it is written again rather than refused
+        overwrite = overwrite or (earlier.get("format") == record["format"] and "content_sha256" not in earlier)
     if root.exists() and any(root.iterdir()):
         if not overwrite:
             what = ("an export of other images, or one missing files" if marker.is_file()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import IO, Callable
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 # Modes that `image_mode` can convert from with Pillow's own, well-defined conversions
@@ -105,23 +105,33 @@ def probe_image(open_fn: OpenFn, *, size_bytes: int, max_pixels: int) -> Probe:
         with _open(stream, max_pixels=max_pixels) as im:
             if im.mode in HIGH_BIT_MODES:
                 raise BadImage(f"16-bit/float image (mode {im.mode}): convert it to 8-bit first", "mode")
-            width, height = _upright_size(im)
+            width, height = (im.height, im.width) if _orientation(im) in (5, 6, 7, 8) else im.size
             return Probe(width=width, height=height, mode=im.mode)
 
 
 _EXIF_ORIENTATION = 0x0112  # 1 = upright; 5-8 turn the stored pixels by 90 degrees (width and height swap)
+# what shows each orientation upright (EXIF 2.32, as Pillow's ImageOps.exif_transpose)
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
 
 
 def _orientation(im: Image.Image) -> int:
+    """The EXIF orientation in the header the file was opened with (im.info["exif"]: a JPEG's APP1, a PNG's eXIf
+    chunk before its pixels). Not im.getexif(): on a PNG without EXIF it decodes the whole image to look after the
+    pixels, which made the header pass decode every file. The same header answer in both passes keeps the probe's
+    size and the decoded image's in agreement."""
+    raw = im.info.get("exif")
+    if not raw:
+        return 1
     try:
-        return int(im.getexif().get(_EXIF_ORIENTATION, 1))
+        exif = Image.Exif()
+        exif.load(raw)
+        orientation = int(exif.get(_EXIF_ORIENTATION, 1))
     except Exception:  # a malformed EXIF block: the pixels as stored, as a viewer that cannot read it shows them
         return 1
+    return orientation if orientation in _UPRIGHT else 1
 
-
-def _upright_size(im: Image.Image) -> tuple[int, int]:
-    """(width, height) as the image is shown: a camera's JPEG stores its pixels sideways and says so in EXIF."""
-    return (im.height, im.width) if _orientation(im) in (5, 6, 7, 8) else (im.width, im.height)
 
 
 def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
@@ -134,18 +144,19 @@ def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
                 raise BadImage(f"mode {im.mode}, but the other images are {target.expected_mode}", "mode")
             if target.image_mode is not None and im.mode not in CONVERTIBLE_MODES:
                 raise BadImage(f"mode {im.mode} cannot be converted to {target.image_mode}", "mode")
-            if target.expected_size is not None and _upright_size(im) != target.expected_size:
+            orientation = _orientation(im)  # from the header, before the decode, as the probe read it
+            upright = (im.height, im.width) if orientation in (5, 6, 7, 8) else im.size
+            if target.expected_size is not None and upright != target.expected_size:
                 w, h = target.expected_size
-                raise BadImage(f"size {'x'.join(map(str, _upright_size(im)))}, but the other images are {w}x{h}",
-                               "size")
+                raise BadImage(f"size {upright[0]}x{upright[1]}, but the other images are {w}x{h}", "size")
             try:
                 im.load()  # the full decode: the only step that notices truncated pixel data
             except Image.DecompressionBombError as e:
                 raise BadImage(f"refused as a possible decompression bomb ({e})", "bomb") from None
             except Exception as e:  # truncation shows up as OSError, SyntaxError, zlib.error, EOFError...
                 raise BadImage(f"truncated or corrupt image data ({type(e).__name__}: {e})") from None
-            if _orientation(im) != 1:  # upright, as every viewer shows it (a phone's photo is stored sideways)
-                im = ImageOps.exif_transpose(im)
+            if orientation != 1:  # upright, as every viewer shows it (a phone's photo is stored sideways)
+                im = im.transpose(_UPRIGHT[orientation])
             return finish_image(im, image_mode=target.image_mode, resize=target.resize,
                                 resize_mode=target.resize_mode)
 

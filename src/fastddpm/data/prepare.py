@@ -23,7 +23,7 @@ from fastddpm.data.cache import (
 from fastddpm.data.decode import ArrayData, Decoded, write_array_data, write_image_listing
 from fastddpm.data.errors import BadFile, DataError, bad_files_message
 from fastddpm.data.options import PrepareOptions
-from fastddpm.data.sources import Source, read_source, resolve_source
+from fastddpm.data.sources import IMAGE_FILE_KINDS, Source, read_source, resolve_source
 from fastddpm.data.summary import describe, describe_source, prepare_command
 
 
@@ -82,6 +82,10 @@ def _reuse(final_dir: Path, src: Source, options: PrepareOptions, say: Callable[
     # its content is fixed by the official checksums, so the cache is still right.
     if src.fingerprint is not None and data.meta["fingerprint"] != src.fingerprint:
         say("source changed: rebuilding")
+        return None
+    if src.kind in IMAGE_FILE_KINDS and not data.meta.get("exif_upright"):
+        # arrays (IDX, CIFAR, .npy/.npz) hold pixels as they are; only decoded image files changed meaning
+        say("cache written before photos were turned upright by their EXIF orientation: rebuilding")
         return None
     skipped = [BadFile(path=s["path"], reason=s["reason"], kind=s.get("kind", "corrupt")) for s in data.meta["skipped"]]
     if any(b.kind == "bomb" for b in skipped) and data.meta.get("max_image_pixels") != options.max_image_pixels:
@@ -147,6 +151,7 @@ def _meta(src: Source, options: PrepareOptions, decoded: Decoded, *, build_secon
         "total_files": decoded.total_files,
         "skipped": [{"path": b.path, "reason": b.reason, "kind": b.kind} for b in decoded.skipped],
         "max_image_pixels": options.max_image_pixels,  # which images were refused as bombs
+        "exif_upright": True,  # image files turned upright by their EXIF orientation (caches before were not)
         "notes": decoded.notes,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
         "build_seconds": round(build_seconds, 3),

@@ -28,6 +28,7 @@ SOURCE_HELP = (
     "or a uint8 .npy/.npz"
 )
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+IMAGE_FILE_KINDS = ("image-folder", "zip")  # the sources whose images are decoded from files (the others: arrays)
 
 
 @dataclass(kw_only=True, frozen=True)

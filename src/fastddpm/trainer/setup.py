@@ -178,7 +178,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
     stop.dist = dist
     console = Console(log, enabled=dist.is_main)  # rank 0 speaks (and writes) for the job
-    cfg, device_reason, resume = _join_ranks(cfg, dist, device, device_reason, resume, console)
+    cfg, device_reason, resume = _join_ranks(cfg, dist, device, device_reason, resume, console, rd)
     fsdp = dist.enabled and cfg.train.parallel == "fsdp"
     cpu_threads = fix_cpu_threads(cfg.train.cpu_threads)[0] if device.type == "cpu" else None
     precision = resolve_precision(cfg.train.precision, device)
@@ -267,8 +267,8 @@ def _planned_images(cfg: RunConfig, num_images: int, world: int) -> int | None:
     return None
 
 
-def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_reason: str, resume, log
-                ) -> tuple[RunConfig, str, Any]:
+def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_reason: str, resume, log,
+                run_dir: RunDir) -> tuple[RunConfig, str, Any]:
     """Under torchrun, this rank's place in the job: what FSDP rules out, no progress bar off rank 0, and a worker
     torchrun restarted resumes. Returns (cfg, device reason, resume)."""
     train_cfg = cfg.train
@@ -292,6 +292,11 @@ def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_rea
         if dist.restarted and resume is None:
             resume = "latest"
             log("torchrun restarted the workers: resuming from the newest complete checkpoint")
+        elif dist.restarted and str(resume) != "latest" and saved(run_dir.checkpoints):
+            # the given checkpoint again would go back to it, setting aside every step trained since
+            log(f"torchrun restarted the workers: resuming from the newest complete checkpoint in "
+                f"{run_dir.checkpoints}, not --resume {resume} again")
+            resume = "latest"
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # graph capture, bf16 checks and new streams use the current device
     return cfg, device_reason, resume
@@ -333,7 +338,9 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
 
 def _set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> None:
     """A resume from `step` trains the later steps again: what the run wrote after it (checkpoints of a branch it
-    leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted."""
+    leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted. Done at
+    the resume, before this run writes anything: a run that then stops before its first save leaves the branch
+    point as the newest checkpoint, which is where `--resume latest` then goes."""
     set_aside = checkpointer.set_aside_after(step)
     if set_aside is not None:
         folder, steps = set_aside
@@ -352,11 +359,18 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInf
     """The checkpoint to resume (None: a new run). Every rank looks for itself, and all must find the same one
     (2 tiny collectives); it must be in the format this run writes and of the same architecture."""
     resumed = find_resume(rd.path, resume)
-    if resume is None and (held := saved(rd.checkpoints)):
+    held = saved(rd.checkpoints)
+    if resume is None and held:
         raise ConfigError(
             f"{rd.path} already holds a run's checkpoints (steps {step_of(held[0]):,} to {step_of(held[-1]):,} in "
             f"{rd.checkpoints}), which a new run there would mix with its own: continue that run with --resume "
             f"latest, or start the new one in another --out (or delete {rd.checkpoints} first)")
+    if resumed is not None and held and rd.checkpoints.resolve() not in resumed.path.resolve().parents:
+        # (a checkpoint of this run, set aside with an abandoned branch included: going back to that branch)
+        raise ConfigError(
+            f"--resume {resumed.path} is another run's checkpoint, and {rd.path} already holds a run's checkpoints "
+            f"(steps {step_of(held[0]):,} to {step_of(held[-1]):,}): the two runs' checkpoints would mix. Continue "
+            f"it into a new --out, or resume the run in {rd.path} with --resume latest")
     if str(resume) == "latest" and resumed is None:
         log(f"--resume latest: no checkpoint in {rd.checkpoints} yet, starting a new run")
     if dist.enabled:
