@@ -114,7 +114,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file, applied over the preset")
     run.add_argument("--resume", metavar="latest|PATH",
                      help="continue from the newest verified checkpoint in RUN_DIR ('latest'; starts fresh if there "
-                          "is none), a checkpoint file (.pt, or an FSDP run's .dcp directory), or another run directory")
+                          "is none), a checkpoint file (.pt, or an FSDP run's .dcp directory; an earlier one of "
+                          "RUN_DIR branches: the later ones move to checkpoints/abandoned-after-*), or another run "
+                          "directory")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="set any config field, e.g. --set train.lr=3e-4 (repeatable; a field of one section may be "
                           "named alone, lr=3e-4; a run length replaces the preset's)")

@@ -156,8 +156,9 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     what.add_argument("--choices", type=_csv_list, default=None, metavar="A,B",
                       help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl][-gc][-ma] "
                            "(PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last, -gc gradient "
-                           "checkpointing: peak memory vs step time, -ma Inductor's max-autotune): every preset and batch "
-                           "runs each, and `x first` compares them (default on a CPU without --presets: fp32-eager,"
+                           "checkpointing: peak memory vs step time, -ma Inductor's max-autotune): every preset and "
+                           "batch runs each, and `x first` compares them (default on a CPU without --presets: "
+                           "fp32-eager,"
                            "bf16-eager,bf16-compile,fp32-compile,bf16-eager-cl; otherwise none: one variant per "
                            "--precision and --compile)")
     what.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
