@@ -81,7 +81,8 @@ def example_inputs(cfg, batch: int, seed: int = 0):
     return (x, t, torch.randint(0, m.num_classes + 1, (batch,), generator=g))
 
 
-def _export_onnx(net, cfg, path: Path, opset: int) -> str:
+def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
+    """Write the ONNX file; returns (which exporter wrote it, the opset the file declares)."""
     import torch
 
     inputs = example_inputs(cfg, 2)
@@ -92,24 +93,28 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> str:
         program = torch.onnx.export(net, inputs, dynamo=True, input_names=names, output_names=["eps"],
                                     dynamic_shapes=shapes, opset_version=opset, verbose=False)
         program.save(str(path))
-        if onnx_opset(path) == opset:
-            return "torch.onnx.export(dynamo=True)"
+        written = onnx_opset(path)
+        if written == opset:
+            return "torch.onnx.export(dynamo=True)", written
         # the dynamo exporter writes its own opset (18) when it cannot convert to the one asked for, and says so
         # only in a warning
-        first = f"it wrote opset {onnx_opset(path)}, not {opset}"
+        first = f"it wrote opset {written}, not {opset}"
     except Exception as e:  # noqa: BLE001 - any exporter failure: try the other one, and say which ran
-        first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        first = _first_line(e)
     try:
         torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
                           dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
     except Exception as e:  # noqa: BLE001 - both exporters failed: say what each said
-        second = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise ExportError(f"export --opset {opset}: neither ONNX exporter wrote the model (the dynamo exporter: "
-                          f"{first}; the TorchScript one: {second}); try the default --opset 18") from None
-    if onnx_opset(path) != opset:
-        raise ExportError(f"export --opset {opset}: {path} declares opset {onnx_opset(path)}; try the default "
-                          "--opset 18")
-    return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})"
+                          f"{first}; the TorchScript one: {_first_line(e)}); try the default --opset 18") from None
+    written = onnx_opset(path)
+    if written != opset:
+        raise ExportError(f"export --opset {opset}: {path} declares opset {written}; try the default --opset 18")
+    return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})", written
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def onnx_opset(path: Path) -> int | None:
@@ -228,7 +233,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         check_exportable(ckpt.config)  # before loading the weights or writing anything
     if fmt == "onnx":
         try:
-            import onnx  # noqa: F401 - checked here, used by onnx_opset
+            import onnx  # noqa: F401 - checked here, before anything is written; used by onnx_opset
             import onnxruntime  # noqa: F401
         except ImportError:
             raise ConfigError("export --format onnx checks the file in onnxruntime: pip install onnx onnxruntime "
@@ -245,8 +250,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
     if fmt == "onnx":
         path = out / "model.onnx"
-        result["exporter"] = _export_onnx(net, cfg, path, opset)
-        result["opset"] = onnx_opset(path)
+        result["exporter"], result["opset"] = _export_onnx(net, cfg, path, opset)
         result["max_abs_diff"] = _check_onnx(net, cfg, path)
     elif fmt == "torch-export":
         path = out / "model.pt2"

@@ -105,7 +105,7 @@ def probe_image(open_fn: OpenFn, *, size_bytes: int, max_pixels: int) -> Probe:
         with _open(stream, max_pixels=max_pixels) as im:
             if im.mode in HIGH_BIT_MODES:
                 raise BadImage(f"16-bit/float image (mode {im.mode}): convert it to 8-bit first", "mode")
-            width, height = (im.height, im.width) if _orientation(im) in (5, 6, 7, 8) else im.size
+            width, height = _upright_size(im, _orientation(im))
             return Probe(width=width, height=height, mode=im.mode)
 
 
@@ -133,6 +133,11 @@ def _orientation(im: Image.Image) -> int:
     return orientation if orientation in _UPRIGHT else 1
 
 
+def _upright_size(im: Image.Image, orientation: int) -> tuple[int, int]:
+    """(width, height) as shown: orientations 5-8 turn the stored pixels by 90 degrees."""
+    return (im.height, im.width) if orientation in (5, 6, 7, 8) else im.size
+
+
 
 def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
     """Fully decode one image into a uint8 (C, H, W) array of the target's shape, or raise BadImage."""
@@ -145,7 +150,7 @@ def decode_image(open_fn: OpenFn, *, target: Target) -> np.ndarray:
             if target.image_mode is not None and im.mode not in CONVERTIBLE_MODES:
                 raise BadImage(f"mode {im.mode} cannot be converted to {target.image_mode}", "mode")
             orientation = _orientation(im)  # from the header, before the decode, as the probe read it
-            upright = (im.height, im.width) if orientation in (5, 6, 7, 8) else im.size
+            upright = _upright_size(im, orientation)
             if target.expected_size is not None and upright != target.expected_size:
                 w, h = target.expected_size
                 raise BadImage(f"size {upright[0]}x{upright[1]}, but the other images are {w}x{h}", "size")
