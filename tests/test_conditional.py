@@ -310,7 +310,7 @@ def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_pa
     capsys.readouterr()
     # one sampler for every scale of a trade-off table: the guided one where any scale guides
     assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress", "--guidance", "1,2"]) == 0
-    assert [p.name for p in (run / "eval").glob("eval_*.json")] == ["eval_unipc10_n20_seed0_w1-2.json"]
+    assert [p.name for p in (run / "eval").glob("eval_*.json")] == ["eval_unipc10_n20_seed0_w1-2_step2.json"]
     metrics = fastddpm.evaluate(run, num_samples=20, device="cpu", log=quiet)  # at the run's W, as `eval`
     assert metrics["guidance"] == 2.0
     assert (metrics["sampling"]["sampler"], metrics["sampling"]["steps"]) == ("unipc", 10)
@@ -331,7 +331,7 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
     assert main([*args, "--guidance", "0,1,3"]) == 0
     out = capsys.readouterr().out
     assert "| guidance W | class accuracy | FID |" in out and "classifier" in out
-    result = json.loads(next((run / "eval").glob("eval_dpmpp-2m-sde2_n20_seed0_w0-1-3.json")).read_text())
+    result = json.loads(next((run / "eval").glob("eval_dpmpp-2m-sde2_n20_seed0_w0-1-3_step3.json")).read_text())
     rows = result["guidance"]
     assert [r["guidance"] for r in rows] == [0.0, 1.0, 3.0]
     for r in rows:

@@ -110,7 +110,7 @@ def test_eval_cli_end_to_end(evaluated_run, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert FEATURES_LABEL in out and "samples/s" in out and "classifier test accuracy" in out
-    result = json.loads((evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0.json").read_text())
+    result = json.loads((evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0_step40.json").read_text())
     assert result["schema"] == "fastddpm-eval-1" and result["fid"] > 0
     assert 0 <= result["precision"] <= 1 and 0 <= result["recall"] <= 1 and result["pr"]["k"] == 3
     assert result["features"]["label"] == FEATURES_LABEL
@@ -119,8 +119,54 @@ def test_eval_cli_end_to_end(evaluated_run, capsys):
     assert result["checkpoint"]["step"] == 40 and result["sampling"]["num_samples"] == 48
     assert result["sampling"]["drawn"] == 64 and result["sampling"]["samples_per_s"] > 0
     assert result["reference"]["num_images"] == 2000 and result["reference"]["split"] == "train"
-    assert (evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0.png").stat().st_size > 100
+    assert (evaluated_run / "eval" / "eval_dpmpp-2m-sde4_n48_seed0_step40.png").stat().st_size > 100
     assert result["environment"]["torch"] == torch.__version__
+
+
+def test_each_checkpoint_and_choice_gets_its_own_eval_files(fmnist_splits, tmp_path):
+    """Successive checkpoints of one run, and the raw weights beside the EMA, are kept side by side: the file name
+    carries the step and each non-default choice."""
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_splits, max_steps=4, checkpoint_every=2), out_dir=run, log=quiet)
+    base = ["--num-samples", "10", "--steps", "1", "--no-progress"]
+    step2 = next(p for p in list_checkpoints(run / "checkpoints") if "000000002" in p.name)
+    assert main(["eval", "--checkpoint", str(step2), *base]) == 0
+    assert main(["eval", "--checkpoint", str(run), *base]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--weights", "model", *base]) == 0
+    names = sorted(p.name for p in (run / "eval").glob("eval_*.json"))
+    assert names == ["eval_dpmpp-2m-sde1_n10_seed0_step2.json", "eval_dpmpp-2m-sde1_n10_seed0_step4.json",
+                     "eval_dpmpp-2m-sde1_n10_seed0_step4_model.json"]
+    steps = [json.loads((run / "eval" / n).read_text())["checkpoint"] for n in names]
+    assert [(c["step"], c["weights"]) for c in steps] == [(2, "ema"), (4, "ema"), (4, "model")]
+
+
+def test_eval_resizes_and_converts_other_data_to_the_models_shape(evaluated_run, tmp_path):
+    """--data of another size and mode, fitted with --resize and --image-mode as the shape error says."""
+    from conftest import read_fmnist
+
+    images, labels = read_fmnist(120)
+    rgb = np.repeat(np.pad(images, ((0, 0), (0, 0), (2, 2), (2, 2))), 3, axis=1).transpose(0, 2, 3, 1)
+    src = tmp_path / "rgb32.npz"
+    np.savez(src, images=rgb, labels=labels)  # (N, 32, 32, 3)
+    out = tmp_path / "out"
+    assert main(["eval", "--checkpoint", str(evaluated_run), "--data", str(src), "--resize", "28", "--image-mode",
+                 "L", "--num-samples", "10", "--steps", "1", "--out", str(out), "--no-progress"]) == 0
+    result = json.loads((out / "eval_dpmpp-2m-sde1_n10_seed0_step40_data-rgb32.npz_resize28_L.json").read_text())
+    assert result["reference"]["num_images"] == 120 and result["fid"] > 0
+
+
+def test_eval_refuses_reference_data_with_another_number_of_classes(fmnist_splits, tmp_path, capsys):
+    from conftest import read_fmnist
+
+    run = tmp_path / "run"
+    train(apply_overrides(tiny_cfg(fmnist_splits, max_steps=1), {"model.conditional": True}), out_dir=run, log=quiet)
+    images, labels = read_fmnist(200)
+    two = tmp_path / "two-classes.npz"
+    np.savez(two, images=images, labels=labels % 2)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(two), "--num-samples", "10", "--steps", "1",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "conditional on 10 classes" in err and "has 2" in err and "--data SOURCE" in err
 
 
 def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, capsys):
@@ -133,6 +179,7 @@ def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, cap
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "1x28x28" in err and "3x32x32" in err and "--data SOURCE" in err
+    assert "fastddpm eval ... --resize 28 --image-mode L" in err  # flags eval takes
     assert main(["eval", "--checkpoint", str(evaluated_run), "--steps", "5000", "--no-progress"]) == 2
     assert "--steps 5000" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "5", "--no-progress"]) == 2
@@ -285,7 +332,7 @@ def test_cuda_eval_compiled_bf16_and_eval_every(evaluated_run, fmnist_splits, tm
     rc = main(["eval", "--checkpoint", str(evaluated_run), "--num-samples", "64", "--steps", "4", "--batch-size",
                "32", "--device", "cuda", "--out", str(tmp_path / "gpu"), "--no-progress"])
     assert rc == 0
-    gpu = json.loads((tmp_path / "gpu" / "eval_dpmpp-2m-sde4_n64_seed0.json").read_text())
+    gpu = json.loads((tmp_path / "gpu" / "eval_dpmpp-2m-sde4_n64_seed0_step40.json").read_text())
     assert gpu["sampling"]["compile"] is True and gpu["sampling"]["precision"] == "bf16"
     assert gpu["fid"] > 0 and gpu["sampling"]["steady_samples_per_s"] > 0
     result = train(tiny_cfg(fmnist_splits, max_steps=20, eval_every_images=160, eval_samples=32, eval_steps=4,

@@ -3,6 +3,7 @@ the dataset's fingerprint, retrained when the data changes), FID sanity values i
 reference statistics, and Inception from a local file (pytorch-fid state dict or TorchScript)."""
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +109,65 @@ def test_classifier_cache_and_a_changed_dataset_retrains(tmp_path):
     assert not info3["cached"] and path3 != path
 
 
+def test_a_rebuilt_dataset_cache_recomputes_what_was_computed_from_its_pixels(net, tmp_path):
+    """`prepare --rebuild` (or a format upgrade) rewrites the cache under the same name and source fingerprint:
+    the reference statistics, per-class statistics and the classifier computed from the old build are redone."""
+    import json
+    import os
+
+    from conftest import read_fmnist
+
+    from fastddpm.eval.features import class_reference_stats
+
+    images, labels = read_fmnist(300)
+    src = tmp_path / "three-hundred.npz"
+    np.savez(src, images=images, labels=labels)
+    root = tmp_path / "c"
+    data = prepare(str(src), cache_dir=root, progress=False)
+    ref = reference_stats(data, net, cache_root=root, log=quiet)
+    class_reference_stats(data, net, cache_root=root, log=quiet)
+    _, info, _ = load_or_train_classifier(data, None, device=CPU, cache_root=root, recipe=FAST, log=quiet)
+    assert not ref.meta["cached"] and not info["cached"]
+    assert reference_stats(data, net, cache_root=root, log=quiet).meta["cached"]
+
+    rebuilt = prepare(str(src), cache_dir=root, progress=False, rebuild=True)
+    assert rebuilt.cache_path == data.cache_path and rebuilt.built != data.built
+    said = []
+    assert not reference_stats(rebuilt, net, cache_root=root, log=said.append).meta["cached"]
+    class_reference_stats(rebuilt, net, cache_root=root, log=said.append)
+    _, info, _ = load_or_train_classifier(rebuilt, None, device=CPU, cache_root=root, recipe=FAST, log=said.append)
+    assert not info["cached"]
+    assert sum("was rebuilt after" in line for line in said) == 3, said
+    assert load_or_train_classifier(rebuilt, None, device=CPU, cache_root=root, recipe=FAST, log=quiet)[1]["cached"]
+
+    # A statistics file from before the build was recorded: its age decides.
+    path = Path(reference_stats(rebuilt, net, cache_root=root, log=quiet).meta["file"])
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays["meta"]))
+    del meta["data_built"]
+    arrays["meta"] = np.array(json.dumps(meta))
+    np.savez(path, **arrays)
+    assert reference_stats(rebuilt, net, cache_root=root, log=quiet).meta["cached"]  # written after the build
+    os.utime(path, (1e9, 1e9))  # 2001: before the build
+    assert not reference_stats(rebuilt, net, cache_root=root, log=quiet).meta["cached"]
+
+
+def test_an_unlabelled_test_split_measures_the_classifier_on_held_out_train_images(tmp_path):
+    from conftest import read_fmnist
+
+    images, labels = read_fmnist(300)
+    src = tmp_path / "keras-style.npz"  # a test split without labels
+    np.savez(src, x_train=images[:250], y_train=labels[:250], x_test=images[250:])
+    train = prepare(str(src), split="train", progress=False)
+    test = prepare(str(src), split="test", progress=False)
+    assert (np.asarray(test.labels) < 0).all()
+    _, info, _ = load_or_train_classifier(train, test, device=CPU, cache_root=tmp_path / "c", recipe=FAST,
+                                          log=quiet)
+    assert "held-out 10% of the train split (25 images; the test split has no labels)" in info["test_set"]
+    assert info["test_accuracy"] > 0
+
+
 def test_unlabelled_data_says_how_to_evaluate(tmp_path):
     from conftest import read_fmnist
 
@@ -168,6 +228,18 @@ def test_inception_refuses_code_and_wrong_files(tmp_path):
     other = tmp_path / "other.pth"
     torch.save({"conv.weight": torch.zeros(1)}, other)
     with pytest.raises(ConfigError, match="not pytorch-fid's FID Inception"):
+        load_inception(other, CPU)
+    # torchvision's ImageNet Inception-v3: the same keys, a 1000-way fc (the FID network's is 1008-way)
+    torchvision_like = FIDInceptionV3().state_dict()
+    torchvision_like["fc.weight"], torchvision_like["fc.bias"] = torch.zeros(1000, 2048), torch.zeros(1000)
+    tv = tmp_path / "inception_v3_google-0cc3c7bd.pth"
+    torch.save(torchvision_like, tv)
+    with pytest.raises(ConfigError, match="fc.weight is 1000-way: this looks like torchvision's ImageNet"):
+        load_inception(tv, CPU)
+    wrong_shape = FIDInceptionV3().state_dict()
+    wrong_shape["Conv2d_1a_3x3.conv.weight"] = torch.zeros(1)
+    torch.save(wrong_shape, other)
+    with pytest.raises(ConfigError, match=r"Conv2d_1a_3x3.conv.weight is \(1,\), expected \(32, 3, 3, 3\)"):
         load_inception(other, CPU)
 
 

@@ -293,13 +293,13 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     assert "this flow model samples with euler, ddim, dpmpp-2m" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-samples", "20",
                  "--no-progress"]) == 0
-    s = json.loads((run / "eval" / "eval_heun3_n20_seed0.json").read_text())["sampling"]
+    s = json.loads((run / "eval" / "eval_heun3_n20_seed0_step4.json").read_text())["sampling"]
     assert s["nfe"] == 5 and s["sampler"] == "heun"
     # no --sampler, no --steps: auto, a flow model's Heun with 10 steps (19 network calls)
     assert main(["sample", "--checkpoint", str(run), "--num-images", "2", "--no-progress"]) == 0
     assert np.load(run / "samples" / "heun10_n2_seed0.npz")["images"].shape == (2, 1, 28, 28)
     assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress"]) == 0
-    s = json.loads((run / "eval" / "eval_heun10_n20_seed0.json").read_text())["sampling"]
+    s = json.loads((run / "eval" / "eval_heun10_n20_seed0_step4.json").read_text())["sampling"]
     assert s["nfe"] == 19 and (s["sampler"], s["steps"]) == ("heun", 10)
     out = tmp_path / "bench"
     assert main(["bench", "samplers", str(run), "--quick", "--samplers", "euler,unipc", "--spread-points", "none",

@@ -243,7 +243,7 @@ def test_sample_and_eval_take_every_sampler_and_say_what_it_costs(tmp_path, fmni
     assert main(["eval", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-samples", "20",
                  "--no-progress"]) == 0
     assert "karras spacing = 5 network calls each" in capsys.readouterr().out
-    s = json.loads((run / "eval" / "eval_heun3_n20_seed0.json").read_text())["sampling"]
+    s = json.loads((run / "eval" / "eval_heun3_n20_seed0_step2.json").read_text())["sampling"]
     assert s["nfe"] == 5 and s["spacing"] == "karras" and s["sampler"] == "heun"
 
 

@@ -69,6 +69,25 @@ class PreparedData:
     def width(self) -> int:
         return int(self.images.shape[3])
 
+    @property
+    def built(self) -> str | None:
+        """When this cache was written (meta.json's `created`): a rebuild under the same directory name (prepare
+        --rebuild, a format upgrade) keeps the name and the source's fingerprint but may change the pixels, so
+        whatever was computed from the pixels records this and is recomputed when it differs."""
+        return self.meta.get("created")
+
+    def computed_from_this_build(self, recorded: str | None, derived: Path) -> bool:
+        """Whether a file computed from these pixels (`recorded`: the `built` it stored, None for a file written
+        before that was stored) still matches them. Without a record, a file older than this build cannot be of it."""
+        if self.built is None:
+            return True
+        if recorded is not None:
+            return recorded == self.built
+        import datetime
+
+        built_s = datetime.datetime.fromisoformat(self.built).timestamp()
+        return derived.stat().st_mtime >= built_s
+
 
 def cache_dir_name(*, slug: str, identity: dict, split: str | None, transform: dict) -> str:
     """<slug>-<16 hex>: readable in `ls`, unique per (source identity, split, pixel-changing options)."""

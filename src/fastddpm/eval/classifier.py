@@ -128,17 +128,17 @@ def _split(train: PreparedData, test: PreparedData | None, recipe: ClassifierRec
     g = torch.Generator().manual_seed(derive_seed(recipe.seed, "feature-net-split"))
     labels = np.asarray(train.labels)
     keep = np.flatnonzero(labels >= 0)
-    if test is None:
+    t_keep = np.flatnonzero(np.asarray(test.labels) >= 0) if test is not None else np.zeros(0, np.int64)
+    if len(t_keep):
+        test_x, test_y = np.asarray(test.images[t_keep]), np.asarray(test.labels)[t_keep]
+        test_where = f"the test split ({len(t_keep):,} images)"
+    else:  # no test split, or one without labels: the accuracy is measured on held-out training images
         perm = keep[torch.randperm(len(keep), generator=g).numpy()]
         n_hold = max(1, int(round(len(perm) * recipe.holdout_share)))
         hold, keep = np.sort(perm[:n_hold]), np.sort(perm[n_hold:])
         test_x, test_y = np.asarray(train.images[hold]), labels[hold]
-        test_where = f"a held-out {recipe.holdout_share:.0%} of the train split ({n_hold:,} images; no test split)"
-    else:
-        test_labels = np.asarray(test.labels)
-        t_keep = np.flatnonzero(test_labels >= 0)
-        test_x, test_y = np.asarray(test.images[t_keep]), test_labels[t_keep]
-        test_where = f"the test split ({len(t_keep):,} images)"
+        why = "no test split" if test is None else "the test split has no labels"
+        test_where = f"a held-out {recipe.holdout_share:.0%} of the train split ({n_hold:,} images; {why})"
     if len(keep) > recipe.max_train_images:
         keep = np.sort(keep[torch.randperm(len(keep), generator=g).numpy()[:recipe.max_train_images]])
     return np.asarray(train.images[keep]), labels[keep], test_x, test_y, test_where
@@ -215,7 +215,10 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
 
     path = cache_file(train, test, recipe, cache_root)
     with build_lock(path.with_suffix(""), say=log):  # one trainer per dataset across processes
-        if path.is_file():
+        built = {"train": train.built, "test": test.built if test is not None else None}
+        if path.is_file() and not _built_from(path, built, train, test):
+            log(f"feature network: {train.cache_path.name} was rebuilt after {path.name} was trained; retraining")
+        elif path.is_file():
             state, meta = load_safetensors(path)
             info = json.loads(meta["info"])
             model = FeatureClassifier(in_channels=info["in_channels"], image_size=info["image_size"],
@@ -227,5 +230,14 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
         log(f"feature network: none cached for {train.cache_path.name}; training one (once per dataset)")
         model, info = train_classifier(train, test, recipe=recipe, device=device, log=log)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_safetensors(model.state_dict(), path, {"info": info, "format": CLASSIFIER_FORMAT})
+        save_safetensors(model.state_dict(), path, {"info": info, "format": CLASSIFIER_FORMAT, "data_built": built})
         return model, {**info, "cached": False}, path
+
+
+def _built_from(path: Path, built: dict, train: PreparedData, test: PreparedData | None) -> bool:
+    """Whether the cached network was trained on these builds of the train and test caches."""
+    from fastddpm.rundir.files import read_safetensors_metadata
+
+    recorded = json.loads(read_safetensors_metadata(path).get("data_built", "{}"))
+    return all(d.computed_from_this_build(recorded.get(k), path)
+               for k, d in (("train", train), ("test", test)) if d is not None)

@@ -45,8 +45,10 @@ examples:
   fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000   # published protocol
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
-Writes OUT/eval_<sampler><steps>_n<N>_seed<S>.json (every number, the feature network, the environment) and
-a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval.
+Writes OUT/eval_<sampler><steps>_n<N>_seed<S>_step<K>.json (every number, the feature network, the
+environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. The name goes on with each
+choice that is not the default (_model weights, _inception-v3 features, _ref-test, _data-NAME, _resizeN, _L or
+_RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps every result.
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
 
@@ -73,6 +75,13 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     ev.add_argument("--data", default=None, metavar="SOURCE",
                     help="the real data (default: the checkpoint's data.source, with its resize/mode options)")
+    ev.add_argument("--resize", type=positive_int, default=None, metavar="N",
+                    help="resize the real data to NxN when preparing it (default: the checkpoint's data.resize); "
+                         "for --data whose images are another size than the model's")
+    ev.add_argument("--resize-mode", choices=("center-crop", "stretch"), default=None,
+                    help="how --resize fits the image (default: the checkpoint's, center-crop for new runs)")
+    ev.add_argument("--image-mode", choices=("L", "RGB"), default=None,
+                    help="convert the real data to grey (L) or RGB (default: the checkpoint's data.image_mode)")
     ev.add_argument("--reference-split", choices=("train", "test"), default=None,
                     help="split of the real data to compare with (default: the one the model was trained on)")
     ev.add_argument("--features", choices=("fastddpm", "inception"), default=None,
@@ -183,9 +192,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
-    trained_on = cfg.data.source
-    if args.data is not None:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
+    trained = cfg.data
+    trained_on = trained.source
+    data_options = {k: v for k, v in (("source", args.data), ("resize", args.resize),
+                                      ("resize_mode", args.resize_mode), ("image_mode", args.image_mode))
+                    if v is not None}
+    if data_options:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data_options))
     precision = resolve_precision(args.precision, device)
     compile_on = device.type == "cuda" if args.compile == "auto" else args.compile == "on"
     batch_size = args.batch_size or (1000 if device.type == "cuda" else 250)
@@ -245,6 +258,7 @@ def run_eval(args: argparse.Namespace) -> int:
     stem = f"eval_{args.sampler}{steps}{tag}_n{args.num_samples}_seed{args.seed}"
     if cfg.model.conditional:
         stem += "_w" + "-".join(f"{w:g}" for w in scales)
+    stem += _identity_suffix(args, info, evaluator, trained=trained)
     m = cfg.model
     grid = save_grid(images[:256].numpy(), out / f"{stem}.png", scale=min(4, max(1, 128 // m.image_size)))
     s = metrics["sampling"]
@@ -276,6 +290,34 @@ def run_eval(args: argparse.Namespace) -> int:
         + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
+
+
+def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained) -> str:
+    """What tells this evaluation's files from another one of the same run with the same sampler, count and seed:
+    the checkpoint's step, and each choice that is not the default (raw weights, Inception features, another
+    reference split, another copy of the data). Evaluating successive checkpoints, or one checkpoint in two
+    feature spaces, then keeps every result."""
+    parts = [] if info.get("step") is None else [f"step{int(info['step'])}"]
+    if args.weights != "ema":
+        parts.append(args.weights)
+    if evaluator.net.name != "fastddpm-features":
+        parts.append(_slug(evaluator.net.name))
+    split = evaluator.ref.meta.get("split")
+    if split and split != trained.split:
+        parts.append(f"ref-{split}")
+    if args.data is not None and args.data != trained.source:
+        parts.append("data-" + _slug(Path(args.data.rstrip("/\\")).name or args.data))
+    if args.resize is not None and args.resize != trained.resize:
+        parts.append(f"resize{args.resize}")
+    if args.image_mode is not None and args.image_mode != trained.image_mode:
+        parts.append(args.image_mode)
+    return "".join(f"_{p}" for p in parts)
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", text).strip("-")[:40] or "x"
 
 
 def _protocol(net, num_samples: int, ref_meta: dict) -> dict:

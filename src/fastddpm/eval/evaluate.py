@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastddpm.config import RunConfig, default_spacing
+from fastddpm.config import ConfigError, RunConfig, default_spacing
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.eval.features import (
     ClassReference,
@@ -160,6 +160,12 @@ class Evaluator:
             if cfg.model.conditional:
                 classifier = net if net.num_classes is not None else build_feature_net(
                     d, device=device, inception=None, cache_root=cache_root, log=log, progress=progress)
+                if classifier.num_classes != cfg.model.num_classes:
+                    # class accuracy and per-class FID would score ids the classifier cannot predict
+                    raise ConfigError(
+                        f"the model is conditional on {cfg.model.num_classes} classes but the reference data "
+                        f"({d.source}, split {split}) has {classifier.num_classes}: evaluate against the data the "
+                        "model was trained on (--data SOURCE)")
                 if net.num_classes is not None:  # per-class covariances in the classifier's 128-d features only
                     classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
         return cls(net=net, ref=ref, classifier=classifier, classes=classes)

@@ -184,10 +184,12 @@ def reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | N
     if path.is_file():
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            return ReferenceStats(mu=z["mu"], sigma=z["sigma"], num_images=int(meta["num_images"]),
-                                  pr_feats=torch.from_numpy(z["pr_feats"]),
-                                  label_histogram=meta.get("label_histogram"), meta={**meta, "cached": True,
-                                                                                     "file": str(path)})
+            if data.computed_from_this_build(meta.get("data_built"), path):
+                return ReferenceStats(mu=z["mu"], sigma=z["sigma"], num_images=int(meta["num_images"]),
+                                      pr_feats=torch.from_numpy(z["pr_feats"]),
+                                      label_histogram=meta.get("label_histogram"),
+                                      meta={**meta, "cached": True, "file": str(path)})
+        log(f"reference statistics: {data.cache_path.name} was rebuilt after {path.name}; recomputing")
     n = data.num_images
     g = torch.Generator().manual_seed(derive_seed(0, "reference-pr-subset"))
     order = torch.randperm(n, generator=g).numpy()[:min(n, PR_REFERENCE_IMAGES)]
@@ -206,7 +208,8 @@ def reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Path | N
     hist = (np.bincount(ex.pred, minlength=net.num_classes).tolist() if ex.pred is not None else None)
     meta = {"format": REFERENCE_FORMAT, "source": data.meta.get("source"), "split": data.meta.get("split"),
             "cache": data.cache_path.name, "fingerprint": data.meta.get("fingerprint"), "num_images": n,
-            "features": net.name, "features_identity": net.identity, "label_histogram": hist}
+            "features": net.name, "features_identity": net.identity, "label_histogram": hist,
+            "data_built": data.built}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
     np.savez(tmp, mu=mu, sigma=sigma, pr_feats=pr_feats.numpy(), meta=np.array(json.dumps(meta)))
@@ -237,7 +240,10 @@ def class_reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Pa
     path = path.with_name(path.stem + "-classes.npz")
     if path.is_file():
         with np.load(path, allow_pickle=False) as z:
-            return ClassReference(mu=z["mu"], sigma=z["sigma"], counts=z["counts"])
+            recorded = str(z["data_built"]) if "data_built" in z.files else None
+            if data.computed_from_this_build(recorded, path):
+                return ClassReference(mu=z["mu"], sigma=z["sigma"], counts=z["counts"])
+        log(f"per-class reference statistics: {data.cache_path.name} was rebuilt after {path.name}; recomputing")
     if (data.labels < 0).any():
         raise ConfigError(f"per-class statistics need labels, and {data.cache_path.name} has images without one")
     ex = extract(net, data.images, batch_size=batch_size, keep=np.zeros(0, dtype=np.int64), labels=data.labels)
@@ -254,7 +260,7 @@ def class_reference_stats(data: PreparedData, net: FeatureNet, *, cache_root: Pa
         mu[c], sigma[c] = ex.class_stats[c].mean_cov()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")
-    np.savez(tmp, mu=mu, sigma=sigma, counts=counts)
+    np.savez(tmp, mu=mu, sigma=sigma, counts=counts, data_built=np.array(data.built or ""))
     os.replace(tmp, path)
     log(f"per-class reference statistics: {k} classes of {data.cache_path.name} in {net.name} features -> {path}")
     return ClassReference(mu=mu, sigma=sigma, counts=counts)
@@ -265,8 +271,9 @@ def check_compatible(model_cfg, data: PreparedData, *, where: str) -> None:
     want = (model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
     have = (data.channels, data.height, data.width)
     if want != have:
+        mode = "L" if want[0] == 1 else "RGB"
         raise ConfigError(
             f"the model makes {want[0]}x{want[1]}x{want[2]} images but the reference data {where} is "
             f"{have[0]}x{have[1]}x{have[2]}: evaluate against the data the model was trained on (--data SOURCE), "
-            "or prepare it to match (--resize N, --image-mode L|RGB)"
+            f"or prepare it to match: fastddpm eval ... --resize {want[1]} --image-mode {mode}"
         )

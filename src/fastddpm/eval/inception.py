@@ -303,17 +303,36 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
         module = FIDInceptionV3()
         if not isinstance(state, dict):
             raise ConfigError(f"--inception {path}: expected a state dict, got {type(state).__name__}")
-        missing, unexpected = module.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict "
-                              f"({len(missing)} missing keys, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. "
-                              f"{unexpected[:2]}). Pass pt_inception-2015-12-05-6726825d.pth or a TorchScript file")
+        _check_fid_state_dict(module, state, path)
+        module.load_state_dict(state)
         module = module.to(device).eval()
         kind = "pytorch-fid"
         resize = f"{INCEPTION_RESIZE} (torch interpolate, align_corners=False: pytorch-fid's), input x / 127.5 - 1"
         label = "Inception-v3 pool3 (pytorch-fid FID Inception weights, pytorch-fid preprocessing)"
     return module, {"name": INCEPTION_NAME, "kind": kind, "file": str(path), "sha256": digest, "label": label,
                     "resize": resize, "protocol": PUBLISHED_PROTOCOL}
+
+
+def _check_fid_state_dict(module: torch.nn.Module, state: dict, path: Path) -> None:
+    """Keys and shapes against pytorch-fid's FID Inception, before loading: torchvision's ImageNet Inception
+    (inception_v3_google-*.pth) is a likely file to pass, but its 1000-way fc (the FID net's is 1008-way) tells
+    other weights, another feature space; name it rather than fail inside load_state_dict."""
+    fix = "Pass pt_inception-2015-12-05-6726825d.pth (pytorch-fid's FID weights) or a TorchScript feature extractor"
+    if tuple(getattr(state.get("fc.weight"), "shape", ()))[:1] == (1000,):
+        raise ConfigError(f"--inception {path}: fc.weight is 1000-way: this looks like torchvision's ImageNet "
+                          f"Inception-v3, whose features differ from the FID network's (1008-way). {fix}")
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict ({len(missing)} missing "
+                          f"keys, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}). {fix}")
+    shapes = [(k, tuple(getattr(state[k], "shape", ())), tuple(v.shape)) for k, v in own.items()
+              if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape]
+    if shapes:
+        k, have, want = shapes[0]
+        raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict: {k} is {have}, expected "
+                          f"{want} ({len(shapes)} tensors differ). {fix}")
 
 
 def load_found_inception(device, *, cache_root: Path | None = None, url: str | None = None,
