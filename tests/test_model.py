@@ -107,3 +107,20 @@ def test_bad_model_configs_name_the_field():
     cfg = ModelConfig(image_channels=1, image_size=30)
     with pytest.raises(ValueError, match="image_size=30 must divide by 4"):
         UNet(cfg)
+
+
+@pytest.mark.parametrize("family", ["seed", "ddpm"])
+def test_a_model_cast_to_bf16_runs_in_bf16(family):
+    """`model.to(torch.bfloat16)`, as diffusers-style code does, without autocast: the time embedding is computed
+    in float32 and handed to the projection in the weights' dtype."""
+    from fastddpm.models import build_unet
+
+    cfg = get_preset("tiny").model if family == "seed" else ModelConfig(
+        family="ddpm", base_channels=32, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(8,))
+    cfg.image_channels, cfg.image_size = 1, 16
+    torch.manual_seed(0)
+    model = build_unet(cfg).to(torch.bfloat16)
+    x = torch.randn(2, 1, 16, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = model(x, torch.tensor([3, 999]))
+    assert out.shape == x.shape and out.dtype == torch.bfloat16

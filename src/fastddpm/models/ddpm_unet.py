@@ -184,6 +184,7 @@ class DDPMUNet(nn.Module):
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
         embedded = sinusoidal_time_embedding(t_B, self.cfg.base_channels, self.cfg.time_freq_shift)
+        embedded = embedded.to(self.t_proj[0].weight.dtype)  # float32 angles; a model cast to bf16 takes bf16
         t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = [h]

@@ -204,8 +204,9 @@ class UNet(nn.Module):
         return block(*args)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
-        t_emb = with_class(self.t_proj(sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim)), self.class_emb,
-                           y_B, t_B, self.num_classes)
+        # float32 angles (up to ~1000 rad), then the weights' dtype: a model cast to bf16/fp16, not autocast
+        embedded = sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim).to(self.t_proj[0].weight.dtype)
+        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes)
         h = self.conv_in(x_BCHW)
         skips = []
         for down in self.downs:
