@@ -87,6 +87,19 @@ def test_a_setting_of_another_objective_is_refused_not_ignored(tmp_path):
     assert _config(saved, {"lr": 1e-3}).diffusion == flow.diffusion  # a run's saved config, every field in it
 
 
+def test_set_with_a_hyphenated_field_is_the_same_field():
+    """--set takes a field spelt as its flag (train.max-images, or bare max-images): the run length it gives
+    replaces the preset's, and another objective's setting is refused, exactly as with the field's own name."""
+    for key in ("train.max-images", "max-images", "train.max_images"):
+        args, dests = _args(["--out", "r", "--preset", "tiny", "--set", f"{key}=64"])
+        cfg = resolve_train_config(args, dests)
+        assert cfg.train.max_images == 64 and cfg.train.max_steps is None, key
+    for key in ("diffusion.flow-shift", "flow-shift"):
+        args, dests = _args(["--out", "r", "--preset", "tiny", "--set", f"{key}=3"])
+        with pytest.raises(ConfigError, match=r"diffusion.flow_shift='3' \(--set\) is a flow-matching setting"):
+            resolve_train_config(args, dests)
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"train.lr": -1}, r"train.lr=-1.0 must be > 0"),
     ({"train.batch_sise": 3}, r"unknown config field train.batch_sise \(did you mean 'batch_size'\?\)"),
@@ -96,6 +109,17 @@ def test_a_setting_of_another_objective_is_refused_not_ignored(tmp_path):
     ({"diffusion.schedule": "sigmoid"}, r"diffusion.schedule='sigmoid' is not one of"),
     ({"train.max_steps": 5, "train.max_images": 10}, r"give only one of"),
     ({"modle.attention": False}, r"did you mean 'model'"),
+    # checked before the channel counts are divided by them
+    ({"model.norm_groups": 0}, r"model.norm_groups=0 must be >= 1"),
+    ({"model.num_heads": 0}, r"model.num_heads=0 must be >= 1"),
+    ({"model.family": "ddpm", "model.norm_groups": 0}, r"model.norm_groups=0 must be >= 1"),
+    ({"model.family": "ddpm", "model.num_heads": 0}, r"model.num_heads=0 must be >= 1"),
+    # values torch would take and train on with NaN weights, or that never end the run
+    ({"train.lr": "inf"}, r"train.lr=inf must be > 0 and finite"),
+    ({"train.weight_decay": -1}, r"train.weight_decay=-1.0: must be a finite number >= 0 \(0 turns it off\)"),
+    ({"train.weight_decay": "nan"}, r"train.weight_decay=nan: must be a finite number >= 0"),
+    ({"train.weight_decay": "inf"}, r"train.weight_decay=inf: must be a finite number >= 0"),
+    ({"train.max_steps": None, "train.max_epochs": "inf"}, r"train.max_epochs=inf must be a finite number"),
 ])
 def test_validation_names_field_and_fix(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -280,6 +280,21 @@ def test_cpu_compile_auto_compiles_only_bf16_runs_long_enough_to_pay_back():
     assert resolve_fast_path(TrainConfig(compile="on"), cpu, fp32, planned_images=1).compile  # asked for: kept
 
 
+def test_the_compile_help_quotes_only_numbers_the_measurements_give():
+    """--compile's help (and docs/config.md, generated from it) may quote the CPU threshold or the compile time
+    only as the measurements behind `auto` give them: a number written by hand goes stale when one is added."""
+    import re
+
+    from fastddpm.config import TrainConfig
+    from fastddpm.trainer.fast_path import CPU_COMPILE_MEASURED, cpu_compile_min_images
+
+    text = TrainConfig.__dataclass_fields__["compile"].metadata["help"]
+    for count in re.findall(r"([\d.,]+k?) images", text):
+        assert count == f"{cpu_compile_min_images():,}", text
+    for seconds in re.findall(r"(\d+) s\b", text):
+        assert seconds in {f"{m.compile_s:.0f}" for m in CPU_COMPILE_MEASURED}, text
+
+
 def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_capture(monkeypatch):
     from fastddpm.config import ConfigError, TrainConfig
     from fastddpm.device import Precision

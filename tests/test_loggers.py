@@ -60,6 +60,27 @@ def test_tensorboard_holds_what_metrics_jsonl_holds(tmp_path, fmnist_splits):
     assert steps[:4] == [2, 4, 6, 8] and steps[-1] == 10
 
 
+def test_a_resume_from_an_earlier_checkpoint_hides_the_abandoned_steps(tmp_path, fmnist_npz):
+    """A run to step 6, resumed from its step-2 checkpoint to step 4: TensorBoard shows one value per step, the new
+    branch's (metrics.jsonl's), and the abandoned branch's grid at step 6 is gone."""
+    from fastddpm.trainer.loop import train
+
+    run = tmp_path / "run"
+    cfg = apply_overrides(get_preset("tiny"), {
+        "data.source": str(fmnist_npz), "train.progress": False, "train.log_to": "jsonl,tensorboard",
+        "train.log_every": 1, "train.checkpoint_every": 2, "train.max_steps": 6, "train.sample_steps": 2,
+        "train.num_sample_images": 4})
+    train(cfg, out_dir=run, log=lambda *a: None)
+    train(apply_overrides(cfg, {"train.max_steps": 4}), out_dir=run, resume=run / "checkpoints" / "ckpt_000000002.pt",
+          log=lambda *a: None)
+    acc = accumulate(run)
+    records = read_metrics(run / "metrics.jsonl")
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in records] == [1, 2, 3, 4]
+    np.testing.assert_allclose([e.value for e in loss], [r["loss"] for r in records], rtol=1e-6)
+    assert [g.step for g in acc.Images("samples")] == [4]
+
+
 def test_log_to_names_its_choices():
     with pytest.raises(ConfigError, match="wandbb is not one of jsonl, tensorboard"):
         apply_overrides(get_preset("tiny"), {"train.log_to": "jsonl,wandbb"})

@@ -328,6 +328,88 @@ def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
     assert read_metrics(metrics)[-2]["wall_s"] > saved["train_s"]
 
 
+# a cheap final grid: the tests below are about the run's counts, not its samples
+QUICK = dict(sample_steps=2, num_sample_images=4)
+
+
+def test_a_run_length_in_images_or_epochs_holds_across_a_resume_at_another_batch(tmp_path, fmnist_npz):
+    """--max-images and --max-epochs count images: a run resumed at a larger global batch trains the images still
+    missing, at the new batch, from the checkpoint's step. 64 images at batch 16 (4 steps), then to 256 at batch
+    32: 6 more steps (not 256 / 32 = 8 steps counted from step 0, which stopped at 192 images). One epoch of the
+    256 images at batch 32 is 8 steps of 256 images. --max-steps keeps counting steps."""
+    for length in ({"max_images": 256}, {"max_epochs": 1}):
+        run = tmp_path / next(iter(length))
+        train(tiny_cfg(fmnist_npz, max_steps=None, max_images=64, checkpoint_every=None, **QUICK), out_dir=run,
+              log=quiet)
+        lines = []
+        result = train(tiny_cfg(fmnist_npz, max_steps=None, batch_size=32, checkpoint_every=None, **QUICK,
+                                **length), out_dir=run, resume="latest", log=lines.append)
+        assert (result.step, result.images_seen) == (10, 256), length
+        assert [x for x in lines if x.startswith("training to step 10 (256 images)")], lines
+        assert json.loads((run / "run.json").read_text())["total_steps"] == 10
+    result = train(tiny_cfg(fmnist_npz, max_steps=12, batch_size=32, checkpoint_every=None, **QUICK), out_dir=run,
+                   resume="latest", log=quiet)
+    assert (result.step, result.images_seen) == (12, 320)
+
+
+def test_the_epoch_in_metrics_counts_the_passes_the_loop_makes(tmp_path, fmnist_npz):
+    """256 images at batch 100: a pass is 2 steps of 200 images (the ragged 56 are dropped), so --max-epochs 2
+    trains 4 steps and its last record says epoch 2, not 400 / 256."""
+    run = tmp_path / "run"
+    result = train(tiny_cfg(fmnist_npz, max_steps=None, max_epochs=2, batch_size=100, log_every=1,
+                            checkpoint_every=None, **QUICK), out_dir=run, log=quiet)
+    assert result.step == 4
+    assert [r["epoch"] for r in read_metrics(run / "metrics.jsonl")] == [0.5, 1.0, 1.5, 2.0]
+
+
+def test_a_resume_takes_the_adamw_settings_of_its_flags_not_the_checkpoints(tmp_path, fmnist_npz):
+    """Optimizer.load_state_dict restores the saved betas and weight decay: a resume with --weight-decay or
+    --adam-betas puts the flags' values back, and says which changed."""
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2, **QUICK), out_dir=run, log=quiet)
+    lines = []
+    train(tiny_cfg(fmnist_npz, max_steps=3, weight_decay=0.1, adam_betas=(0.5, 0.9), **QUICK), out_dir=run,
+          resume="latest", log=lines.append)
+    groups = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["optimizer"]["param_groups"]
+    assert all(g["weight_decay"] == 0.1 and tuple(g["betas"]) == (0.5, 0.9) for g in groups), groups
+    note = [x for x in lines if "AdamW settings replace the checkpoint's" in x]
+    assert note and "betas (0.9, 0.999) -> (0.5, 0.9)" in note[0] and "weight_decay 0.0 -> 0.1" in note[0], lines
+    lines.clear()  # the same settings: no note
+    train(tiny_cfg(fmnist_npz, max_steps=4, weight_decay=0.1, adam_betas=(0.5, 0.9), **QUICK), out_dir=run,
+          resume="latest", log=lines.append)
+    assert not [x for x in lines if "AdamW settings" in x], lines
+
+
+def test_grid_and_eval_steps_a_sampler_cannot_take_are_refused_before_the_run_starts(tmp_path, fmnist_npz):
+    """The grids and --eval-every first sample hours into a run: steps their sampler cannot take on the run's
+    schedule are refused at the start, naming the flag and the largest count. At that count the run's grid works."""
+    from fastddpm.diffusion import schedule_from_config
+    from fastddpm.diffusion.samplers import max_steps
+
+    short = apply_overrides(tiny_cfg(fmnist_npz, sample_steps=None, num_sample_images=4),
+                            {"diffusion.schedule": "cosine", "diffusion.num_timesteps": 16})
+    limit = max_steps(schedule_from_config(short.diffusion), "dpmpp-2m-sde")
+    assert short.grid_sampling() == ("dpmpp-2m-sde", 20) and limit < 20
+    with pytest.raises(ConfigError, match=rf"--sample-steps 20 \(the default\): the grids' sampler dpmpp-2m-sde "
+                                          rf"takes at most {limit} steps on this 16-timestep cosine schedule.*give "
+                                          rf"--sample-steps {limit} or fewer, or more --num-timesteps"):
+        train(short, out_dir=tmp_path / "short", log=quiet)
+    assert not (tmp_path / "short").exists()  # refused before anything was loaded or written
+    evaluated = apply_overrides(short, {"train.sample_steps": limit, "train.eval_every_images": 128})
+    with pytest.raises(ConfigError, match=rf"--eval-steps 20 \(the default\): the evaluations' sampler .*give "
+                                          rf"--eval-steps {limit} or fewer"):
+        train(evaluated, out_dir=tmp_path / "evaluated", log=quiet)
+    cosine = apply_overrides(tiny_cfg(fmnist_npz), {"diffusion.schedule": "cosine", "train.sampler": "dpmpp-2m",
+                                                    "train.sample_steps": 1000})
+    solver_limit = max_steps(schedule_from_config(cosine.diffusion), "dpmpp-2m")
+    with pytest.raises(ConfigError, match=rf"--sample-steps 1000: the grids' sampler dpmpp-2m takes at most "
+                                          rf"{solver_limit} steps .*it starts at timestep {solver_limit - 1}"):
+        train(cosine, out_dir=tmp_path / "cosine", log=quiet)
+    result = train(apply_overrides(short, {"train.sample_steps": limit, "train.max_steps": 1}),
+                   out_dir=tmp_path / "at-the-limit", log=quiet)
+    assert result.grid is not None and result.grid.is_file()
+
+
 def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys):
     code = main(["train", "--data", str(fmnist_npz), "--out", str(tmp_path / "r"), "--preset", "tiny",
                  "--batch-size", "1000", "--no-progress"])

@@ -160,9 +160,13 @@ RUN_LENGTHS = ("max_steps", "max_images", "max_epochs")
 
 def qualify(key: str, source: str) -> str:
     """"section.field" for a key given as a bare field name of exactly one section (max_images ->
-    train.max_images); a dotted key is returned as it is. A ConfigError names the closest field otherwise."""
+    train.max_images), the field's hyphens made underscores as the flags spell them (train.max-images ->
+    train.max_images): the run-length reset and the objective check look the keys up by their field names. A
+    ConfigError names the closest field otherwise."""
     if "." in key:
-        return key
+        section, name = key.split(".", 1)
+        return f"{section}.{name.replace('-', '_')}"
+    key = key.replace("-", "_")
     fields = {sec: {f.name for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
     owners = [sec for sec, names in fields.items() if key in names]
     if not owners:

@@ -6,6 +6,7 @@ in __post_init__ with a message that names the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,9 @@ class ModelConfig:
                  f"model.num_classes={self.num_classes} needs --conditional (a class embedding); or leave it at 0")
         self.mid_channels = tuple(int(c) for c in self.mid_channels)
         self.down_sample = tuple(bool(d) for d in self.down_sample)
+        # before the divisibility checks below, which divide by them
+        _require(self.norm_groups >= 1, f"model.norm_groups={self.norm_groups} must be >= 1, e.g. 8 or 32")
+        _require(self.num_heads >= 1, f"model.num_heads={self.num_heads} must be >= 1, e.g. 4")
         if self.family == "ddpm":
             self._check_ddpm()
             return
@@ -333,8 +337,9 @@ class TrainConfig:
         default="auto",
         metadata=_doc("torch.compile the loss (U-Net fwd+bwd, one graph with its backward) with static shapes; "
                       "the update stays eager (fused AdamW is one kernel, clip and EMA are foreach ops). "
-                      "auto = on for CUDA; on a CPU only under bf16 and for runs long enough (about 227k "
-                      "images) for ~45 s of compiling to pay back twice (the run's log gives the numbers).",
+                      "auto = on for CUDA; on a CPU only under bf16 and for runs long enough for the compile "
+                      "time to pay back twice on the slowest-gaining CPU measured (the run's log gives the "
+                      "threshold in images and the measurement behind it).",
                       choices=("auto", "on", "off")),
     )
     compile_mode: str = field(
@@ -513,10 +518,14 @@ class TrainConfig:
                      "eval_every_images"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"train.{name}={v} must be positive (or none)")
+        _require(self.max_epochs is None or math.isfinite(self.max_epochs),
+                 f"train.max_epochs={self.max_epochs} must be a finite number of passes over the data (or none)")
         given = [n for n in ("max_steps", "max_images", "max_epochs") if getattr(self, n) is not None]
         _require(len(given) <= 1,
                  f"give only one of --max-steps, --max-images, --max-epochs (got {', '.join(given)})")
-        _require(self.lr > 0, f"train.lr={self.lr} must be > 0")
+        _require(self.lr > 0 and math.isfinite(self.lr), f"train.lr={self.lr} must be > 0 and finite, e.g. 1e-4")
+        _require(0 <= self.weight_decay and math.isfinite(self.weight_decay),
+                 f"train.weight_decay={self.weight_decay}: must be a finite number >= 0 (0 turns it off)")
         _require(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
                  f"train.adam_betas={self.adam_betas} must be two numbers in [0, 1)")
         _require(0 <= self.ema_decay < 1, f"train.ema_decay={self.ema_decay} must be in [0, 1)")

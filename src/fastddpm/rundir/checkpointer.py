@@ -22,7 +22,8 @@ from fastddpm.rundir import checkpoint, sharded
 from fastddpm.rundir.files import fsync_dir, save_safetensors
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
-from fastddpm.rundir.state_dicts import (clean_state_dict, full_state_dict, load_model_state, portable_optimizer_state,
+from fastddpm.rundir.state_dicts import (clean_state_dict, configured_optimizer_settings, full_state_dict,
+                                         load_model_state, portable_optimizer_state, restore_optimizer_settings,
                                          with_current_optimizer_flags)
 
 
@@ -108,10 +109,12 @@ class Checkpointer:
         save_safetensors(ema_weights, self.run.ema, export_meta)
         return path
 
-    def load(self, ckpt: Checkpoint) -> None:
-        """Put everything `ckpt` holds back into the objects: weights, EMA, optimizer, scaler, then the train
-        state (whose RNG comes last, so that nothing drawn while loading shifts it). Sharded: a collective."""
+    def load(self, ckpt: Checkpoint) -> list[str]:
+        """Put everything `ckpt` holds back into the objects: weights, EMA, optimizer (with this run's configured
+        AdamW settings, not the checkpoint's), scaler, then the train state (whose RNG comes last, so that nothing
+        drawn while loading shifts it). Sharded: a collective. Returns notes for the log: the settings changed."""
         ckpt.check_resumable(sharded_run=self.sharded)
+        settings = configured_optimizer_settings(self.optimizer)
         if ckpt.kind == "dcp":
             sharded.load_sharded(ckpt.path, model=self.model, ema_model=self.ema.model, optimizer=self.optimizer)
         else:
@@ -120,4 +123,6 @@ class Checkpointer:
             self.optimizer.load_state_dict(with_current_optimizer_flags(ckpt.meta["optimizer"], self.optimizer))
             if self.scaler is not None and ckpt.meta.get("scaler"):
                 self.scaler.load_state_dict(ckpt.meta["scaler"])
+        changed = restore_optimizer_settings(self.optimizer, settings)
         self.train_state.load_state_dict(ckpt.meta)
+        return [changed] if changed else []

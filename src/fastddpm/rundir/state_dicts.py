@@ -83,6 +83,39 @@ def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) 
     return saved
 
 
+# The AdamW settings a run's config gives. Optimizer.load_state_dict restores the saved param groups' values, so a
+# resume would keep the checkpoint's betas and weight decay and ignore the flags: they are put back after a load.
+# (The learning rate is the loop's to set every step; its object is put back too, a tensor where the step reads one.)
+CONFIGURED_OPTIMIZER_KEYS = ("betas", "weight_decay", "lr")
+
+
+def configured_optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's configured settings, taken before a checkpoint is loaded into `optimizer`."""
+    return [{k: g[k] for k in CONFIGURED_OPTIMIZER_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def restore_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> str | None:
+    """Put `settings` (configured_optimizer_settings, before the load) back into the loaded param groups. Returns a
+    line naming the betas and weight decay that differ from the checkpoint's, None when none does."""
+    changed = {}
+    for group, wanted in zip(optimizer.param_groups, settings):
+        for key, value in wanted.items():
+            if key != "lr" and _plain(group.get(key)) != _plain(value):
+                changed[key] = (_plain(group.get(key)), _plain(value))
+            group[key] = value
+    if not changed:
+        return None
+    return ("note: this run's AdamW settings replace the checkpoint's: "
+            + ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items()))
+
+
+def _plain(value):
+    """A setting as numbers (betas may be saved as a list, or as tensors), for comparing and printing."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    return float(value) if isinstance(value, (torch.Tensor, int, float)) else value
+
+
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole, unsharded state dict of an FSDP-sharded module on rank 0, on the CPU ({} on the other ranks).
     A collective: every rank calls it."""

@@ -35,9 +35,10 @@ def _scalars(record: dict) -> dict[str, float]:
 
 class RunLoggers:
     """The run's extra loggers (TensorBoard), each opened in RUN_DIR and closed with the run. A resumed run appends
-    to the same folder: TensorBoard shows one curve, continued from the resumed step."""
+    to the same folder: TensorBoard shows one curve, continued from the resumed step (`resumed_step`; None: a new
+    run)."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, *, enabled: bool = True):
+    def __init__(self, run_dir: Path, cfg: RunConfig, *, enabled: bool = True, resumed_step: int | None = None):
         self.tb = None
         self.wandb = None
         self.run_dir = Path(run_dir)
@@ -53,7 +54,11 @@ class RunLoggers:
                 raise ConfigError("--log-to tensorboard needs the tensorboard package: pip install tensorboard "
                                   "(or pip install 'fastddpm[tensorboard]'), or drop tensorboard from "
                                   "--log-to") from None
-            self.tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard))
+            # A resume trains the steps after its checkpoint again: what an abandoned branch (a resume from an
+            # earlier checkpoint) or a crashed run (logging past its last checkpoint) wrote from there on is
+            # hidden, as metrics.jsonl sets those records aside, so that each step has one value.
+            purge_step = None if resumed_step is None else resumed_step + 1
+            self.tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard), purge_step=purge_step)
             self.tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```", global_step=0)
 
     def hparams(self, cfg: RunConfig, info: dict) -> None:

@@ -221,7 +221,8 @@ class StepLog:
 
     def __init__(self, run: Run):
         self.run = run
-        self.loggers = RunLoggers(run.run_dir.path, run.cfg, enabled=run.dist.is_main)
+        self.loggers = RunLoggers(run.run_dir.path, run.cfg, enabled=run.dist.is_main,
+                                  resumed_step=run.state.step if run.state.step else None)
         self.loggers.hparams(run.cfg, run.info.record)
         self.metrics = MetricsLog(run.run_dir.metrics, also=self.loggers.record)
         self.compile_counters = CompileCounters(enabled=run.fast.compile)
@@ -254,7 +255,7 @@ class StepLog:
         images_per_s = (state.images_seen - self.images_at_log) / max(now - self.t_log, 1e-9)
         scaler = run.opt.scaler
         self.metrics.write({"step": state.step, "images_seen": state.images_seen,
-                            "epoch": state.images_seen / run.data.images.shape[0],
+                            "epoch": run.epochs_done,
                             "loss": self.last_loss, "images_per_s": images_per_s, "lr": lr,
                             "wall_s": now - self.t_start, **self.compile_counters.report(),
                             **({"loss_scale": scaler.get_scale()} if scaler is not None else {})})
@@ -388,5 +389,5 @@ def maybe_evaluate(run: Run, out: StepLog, done: bool) -> None:
     if evaluator is None or not (done or evaluator.due(state.images_seen, run.images_per_step)):
         return
     out.exclude(evaluator.run(run.opt.ema.model, step=state.step, images_seen=state.images_seen,
-                              epoch=state.images_seen / run.data.images.shape[0], t_start=out.t_start,
+                              epoch=run.epochs_done, t_start=out.t_start,
                               metrics=out.metrics))

@@ -17,10 +17,12 @@ from typing import Any, Callable
 import torch
 
 import fastddpm
-from fastddpm.config import (ConfigError, RunConfig, check_same_architecture, resolve_classes, resolve_model_shape,
-                             save_config)
+from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_architecture, resolve_classes,
+                             resolve_model_shape, save_config)
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
-from fastddpm.diffusion import NoiseSchedule
+from fastddpm.diffusion import NoiseSchedule, schedule_from_config
+from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
+from fastddpm.diffusion.samplers import max_steps as sampler_max_steps
 from fastddpm.models import UNet, count_parameters
 from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import step_of
@@ -155,6 +157,12 @@ class Run:
     def images_per_step(self) -> int:  # the global batch: batch_size x accum_steps x ranks
         return self.state.global_batch
 
+    @property
+    def epochs_done(self) -> float:
+        """Passes over the data as the loop makes them: steps_per_epoch full global batches each (the ragged tail
+        of each pass is dropped), so --max-epochs N ends at N.0."""
+        return self.state.images_seen / (self.steps_per_epoch * self.images_per_step)
+
     def micro_batches(self) -> list[Batch]:
         """The current step's micro-batches: a function of (seed, step) and the OOM split, like every batch."""
         return step_batches(self.batches, self.state.step, self.cfg.train.accum_steps, self.state.micro_split)
@@ -172,6 +180,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
+    _check_before_loading(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     rd = RunDir(run_dir)
     device, device_reason = resolve_device(cfg.train.device)
@@ -204,7 +213,6 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
         raise ConfigError(f"batch {train_cfg.batch_size} x accum_steps {train_cfg.accum_steps} is more than the "
                           f"dataset's {batches.num_images} images: lower one of them")
     images_per_step = train_cfg.batch_size * train_cfg.accum_steps * dist.world_size
-    total_steps = total_steps_for(cfg, steps_per_epoch, images_per_step)
 
     opt = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
                        parallel=("fsdp" if fsdp else "ddp") if dist.enabled else None)
@@ -222,12 +230,14 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                                 train_state=state, config=cfg.to_dict(), sharded=fsdp,
                                 keep=train_cfg.keep_checkpoints, is_main=dist.is_main)
     if resumed is not None:
-        checkpointer.load(resumed)  # weights, EMA, optimizer, scaler, counters; the global RNG last
+        changed = checkpointer.load(resumed)  # weights, EMA, optimizer, scaler, counters; the global RNG last
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
-        for note in state.resume_notes(batch_fixed):
+        for note in [*changed, *state.resume_notes(batch_fixed)]:
             console(note)
         if dist.is_main:
             _set_aside_the_abandoned(rd, checkpointer, state.step, console)
+    total_steps = total_steps_for(cfg, steps_per_epoch, images_per_step, step=state.step,
+                                  images_seen=state.images_seen)
     opt.build_step(state.micro_split)  # over the final state; an earlier OOM's split is kept
 
     choices = Choices(device=str(device), device_reason=device_reason, cpu_threads=cpu_threads, precision=precision,
@@ -244,15 +254,53 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     return run
 
 
-def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int | None = None) -> int:
+def total_steps_for(cfg: RunConfig, steps_per_epoch: int, images_per_step: int, *, step: int = 0,
+                    images_seen: int = 0) -> int:
+    """The step the run ends at, from where it is (`step`, `images_seen`: a resumed checkpoint's). --max-steps
+    counts steps; --max-images and --max-epochs count images, so a run resumed at another global batch (another
+    batch size or world size) trains the images still missing at its new batch: step + ceil(missing / batch)."""
     train_cfg = cfg.train
     if train_cfg.max_steps is not None:
         return train_cfg.max_steps
     if train_cfg.max_images is not None:
-        return math.ceil(train_cfg.max_images / (images_per_step or train_cfg.batch_size))
-    if train_cfg.max_epochs is not None:
-        return math.ceil(train_cfg.max_epochs * steps_per_epoch)
-    raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a --preset)")
+        target_images = train_cfg.max_images
+    else:  # prepare_run checked that one length is given
+        # An epoch as the loop counts it: steps_per_epoch full global batches, the ragged tail dropped. Rounded
+        # before the ceiling, so that float noise in the product cannot add a step.
+        target_images = math.ceil(round(train_cfg.max_epochs * steps_per_epoch * images_per_step, 6))
+    return step + -(-max(0, target_images - images_seen) // images_per_step)
+
+
+def _check_before_loading(cfg: RunConfig) -> None:
+    """What the config alone decides, checked before the device, the data or a checkpoint is touched."""
+    if all(getattr(cfg.train, name) is None for name in RUN_LENGTHS):
+        raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a "
+                          "--preset)")
+    check_sampling_steps(cfg)
+
+
+def check_sampling_steps(cfg: RunConfig) -> None:
+    """The grids' (and --eval-every's) sampler steps against what the sampler takes on this run's schedule. They
+    are first used at the first grid or evaluation, hours into a run; the config cannot check them itself, since
+    the limit is the diffusion math's (fastddpm.diffusion imports the config)."""
+    d, train_cfg = cfg.diffusion, cfg.train
+    if d.objective != "ddpm":
+        return  # EDM's and flow's samplers take any number of steps (>= 1, which the config checks)
+    uses = [("grids", "--sample-steps", cfg.grid_sampling(), train_cfg.sample_steps)]
+    if train_cfg.eval_every_images:
+        uses.append(("evaluations", "--eval-steps", cfg.eval_sampling(), train_cfg.eval_steps))
+    schedule = schedule_from_config(d)
+    for what, flag, (sampler, steps), given in uses:
+        if sampler == "ddpm":
+            continue  # ancestral DDPM walks all T timesteps, whatever the steps
+        limit = sampler_max_steps(schedule, sampler)
+        if steps > limit:
+            start = ("" if limit == d.num_timesteps else
+                     f" (it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN})")
+            raise ConfigError(
+                f"{flag} {steps}{'' if given is not None else ' (the default)'}: the {what}' sampler {sampler} "
+                f"takes at most {limit} steps on this {d.num_timesteps}-timestep {d.schedule} schedule{start}: "
+                f"give {flag} {limit} or fewer, or more --num-timesteps")
 
 
 def _planned_images(cfg: RunConfig, num_images: int, world: int) -> int | None:
@@ -446,5 +494,6 @@ def _describe(run: Run) -> None:
     guided = f", guided at W = {t.sample_guidance:g}" if cfg.guided(t.sample_guidance) else ""
     log(f"grids: {grid} {grid_steps} steps" + (f" (sampler auto: the {cfg.diffusion.objective} objective's{guided})"
                                                if t.sampler == "auto" else ""))
-    log(f"training to step {run.total_steps:,} ({run.total_steps * run.images_per_step:,} images); run dir "
-        f"{run.run_dir.path}")
+    state = run.state
+    end_images = state.images_seen + max(0, run.total_steps - state.step) * run.images_per_step
+    log(f"training to step {run.total_steps:,} ({end_images:,} images); run dir {run.run_dir.path}")
