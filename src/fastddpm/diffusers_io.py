@@ -36,6 +36,7 @@ from pathlib import Path
 from fastddpm.config import ConfigError
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
                                             read_unet_config, unet_config)
+from fastddpm.diffusion.schedule import linear_beta_range
 
 # diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
 # the tiny test models at ~1e-6 of an output of unit scale
@@ -48,6 +49,10 @@ __all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
     """DDPMScheduler's scheduler_config.json for the run's schedule (diffusers/schedulers/scheduling_ddpm.py)."""
     d = cfg.diffusion
+    # the betas actually trained: fastddpm's linear beta_start/beta_end are for T = 1000 and scale by 1000 / T,
+    # diffusers' are used as written (cosine reads neither)
+    beta_start, beta_end = linear_beta_range(d.num_timesteps, d.beta_start, d.beta_end) \
+        if d.schedule == "linear" else (d.beta_start, d.beta_end)
     return {
         "_class_name": "DDPMScheduler",
         "_diffusers_version": version,
@@ -56,8 +61,8 @@ def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
         # betas_for_alpha_bar's cos((t + 0.008) / 1.008 * pi / 2)^2 capped at 0.999, fastddpm's cosine_betas
         # (Nichol & Dhariwal 2021, eq. 17)
         "beta_schedule": "linear" if d.schedule == "linear" else "squaredcos_cap_v2",
-        "beta_start": d.beta_start,
-        "beta_end": d.beta_end,
+        "beta_start": beta_start,
+        "beta_end": beta_end,
         "trained_betas": None,
         "variance_type": "fixed_small",  # beta_tilde_t, Ho et al. 2020 eq. 7
         "clip_sample": True,  # x0_hat clamped to the data's [-1, 1], as fastddpm's samplers do by default

@@ -31,8 +31,16 @@ from fastddpm.rundir.locate import Checkpoint, locate
 from fastddpm.rundir.state_dicts import load_model_state
 
 
-def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int, objective: str = "ddpm") -> None:
-    """`sample`'s and `eval`'s sampler flags against the model: a ConfigError naming the flag and the fix."""
+def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int, objective: str = "ddpm", *,
+                       guidance: float | None = None) -> None:
+    """`sample`'s and `eval`'s sampler flags against the model, and the classifier-free guidance scale `guidance`
+    (None: none given): a ConfigError naming the flag and the fix."""
+    if not (math.isfinite(eta) and 0.0 <= eta <= 1.0):
+        raise ConfigError(f"--eta {eta} must be a number in [0, 1] (0: deterministic DDIM, 1: DDPM's variance; "
+                          "Song et al. 2021, eq. 16)")
+    if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):
+        raise ConfigError(f"--guidance {guidance} must be a finite number >= 0 (0: unconditional, 1: plain "
+                          "conditional, above 1: guided)")
     if objective != "ddpm":
         if sampler not in CONTINUOUS_SAMPLERS:
             raise ConfigError(f"--sampler {sampler} walks DDPM's discrete timesteps; this {objective} model samples "
@@ -55,7 +63,7 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
     d = cfg.diffusion
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
-    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective)
+    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance)
     if d.objective == "ddpm" and sampler != "ddpm":
         limit = max_steps(schedule_from_config(d), sampler)
         if steps > limit:
@@ -121,7 +129,7 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
     chunks = []
     bar = None
     if progress:  # a bar on a terminal or in a notebook, plain lines in a log file
-        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
+        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps, schedule=schedule, spacing=spacing)
         bar = progress_bar(math.ceil(num_images / batch_size) * per_batch, unit="model-call")
     for i, start in enumerate(range(0, num_images, batch_size)):
         n = min(batch_size, num_images - start)
@@ -160,15 +168,25 @@ def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, ste
     return images
 
 
+def grid_labels(num_images: int, num_classes: int) -> tuple[torch.Tensor, int | None]:
+    """The classes of a conditional model's training grid, at most `num_images` of them (the grid is one batch,
+    twice that under guidance, drawn mid-training): one row per class of num_images // num_classes images; with
+    fewer images than classes, num_images classes spread evenly over the ids, one image each. Returns (labels (N,),
+    images per row, or None where the rows are not classes)."""
+    if num_images < num_classes:
+        return torch.arange(num_images) * num_classes // num_images, None
+    per_class = num_images // num_classes
+    return torch.arange(num_classes).repeat_interleave(per_class), per_class
+
+
 def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision, path: Path,
                save: bool = True) -> Path | None:
     """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable. `save=False`:
     sample only (an FSDP rank other than 0 takes part in the all-gathers; rank 0 writes)."""
     model_cfg = cfg.model
     n, labels, per_class = cfg.train.num_sample_images, None, None
-    if model_cfg.conditional:  # one row per class, at the run's guidance scale
-        per_class = max(1, n // model_cfg.num_classes)
-        labels = torch.arange(model_cfg.num_classes).repeat_interleave(per_class)
+    if model_cfg.conditional:  # at the run's guidance scale
+        labels, per_class = grid_labels(n, model_cfg.num_classes)
         n = len(labels)
     shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
     sampler, steps = cfg.grid_sampling()

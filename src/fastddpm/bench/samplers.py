@@ -188,10 +188,11 @@ def warm_up(model, cfg, *, batch_size: int, device, precision, guidance, spacing
 def measure_point(evaluator, model, cfg, settings: SamplerBenchSettings, *, sampler: str, steps: int, seed: int,
                   batch_size: int, device, precision, guidance) -> dict:
     """One point of the table: sample, score, time. A failure is recorded in the row, and the others still run."""
-    from fastddpm.diffusion import network_calls
+    from fastddpm.diffusion import network_calls, schedule_from_config
 
     row = {"sampler": sampler, "steps": steps, "seed": seed,
-           "nfe": network_calls(sampler, steps, cfg.diffusion.num_timesteps)}
+           "nfe": network_calls(sampler, steps, cfg.diffusion.num_timesteps,
+                                schedule=schedule_from_config(cfg.diffusion), spacing=settings.spacing)}
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():

@@ -33,7 +33,7 @@ between the schedule's extremes and rounds each to the nearest trained timestep,
 timesteps it was trained on and the solver uses their exact noise levels. Steps are dense at low noise there.
 "logsnr" spaces the steps evenly in lambda (Lu et al. 2022, arXiv:2206.00927, sec. 3.3: their choice for
 low-resolution images), rounded likewise; each DPM-Solver step then has the same h. All three start at the
-noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule; see below).
+noisiest timestep with lambda >= LAMBDA_MIN (all of them on the linear schedule at T = 1000; see below).
 """
 
 from __future__ import annotations
@@ -51,8 +51,17 @@ from fastddpm.diffusion.schedule import NoiseSchedule
 # a multistep difference in lambda is ill-conditioned (diffusers' `lambda_min_clipped`, -5.1 for cosine; EDM's VP
 # ends at sigma = sqrt(e^(beta_d / 2 + beta_min) - 1) = 152, Karras et al. 2022, table 1). Starting there from pure
 # noise errs by alpha <= 0.006 of x_0.
-# The linear schedule's lambda at T-1 is -5.06: it keeps every timestep.
+# The linear schedule's lambda at T-1 is -5.06 at T = 1000: it keeps every timestep. Its betas scaled to a smaller T
+# (schedule.linear_beta_range) end lower: at T = 100 lambda is -5.40 and the solvers start at timestep 96.
 LAMBDA_MIN = -5.1
+
+
+def check_eta(eta: float) -> None:
+    """DDIM's eta (Song et al. 2021, eq. 16) scales the step's posterior standard deviation: 0 is deterministic, 1
+    DDPM's variance. Outside [0, 1] the formula has no meaning (eta < 0 cancels the noise it should add, eta > 1
+    asks for more variance than the step has), so it is refused rather than clamped."""
+    if not (math.isfinite(eta) and 0.0 <= eta <= 1.0):
+        raise ValueError(f"eta={eta} must be a number in [0, 1] (0: deterministic DDIM, 1: DDPM's variance)")
 
 
 def trailing_timesteps(num_timesteps: int, steps: int, first: int | None = None) -> list[int]:
@@ -204,8 +213,9 @@ def heun_2(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float]) -> 
     """EDM's deterministic Heun sampler (alg. 1, S_churn = 0) over the given levels, written in the VP image x:
     the VE slope d = (x~ - x0_hat) / sigma~ is the predicted noise (x - alpha x0_hat) / sigma, the Euler step
     x~ + (sigma~' - sigma~) d is DDIM's alpha' x0_hat + sigma' d, and the correction adds
-    alpha' (sigma~' - sigma~) (d' - d) / 2. This form never holds x~ = x / alpha, which reaches ~1e4 at the start
-    of a cosine schedule and would cost float32 its precision."""
+    alpha' (sigma~' - sigma~) (d' - d) / 2. This form never holds x~ = x / alpha = x0 + sigma~ eps, whose scale is
+    sigma~ (up to e^-LAMBDA_MIN = 164 where the solvers start, first_timestep; 80 at EDM's sigma_max): it works on
+    the image at unit scale, as the other solvers do."""
     steps = len(alpha) - 1
     for i in range(steps):
         x0 = denoise(x, i)
@@ -226,6 +236,7 @@ def ddim_levels(denoise, x: torch.Tensor, alpha: list[float], sigma: list[float]
     (the posterior variance of the step from level i to i+1, times eta^2; eta = 0 is deterministic). With eta = 0
     it is Euler's method on the probability-flow ODE written in the objective's own variables: for EDM Euler in
     sigma, for flow matching Euler in t (x_{i+1} = x_i + (t_{i+1} - t_i) v). noise() -> a standard normal like x."""
+    check_eta(eta)
     steps = len(alpha) - 1
     for i in range(steps):
         x0 = denoise(x, i)

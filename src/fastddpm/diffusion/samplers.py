@@ -26,21 +26,27 @@ from fastddpm.device import autocast
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS, ContinuousProcess
 from fastddpm.diffusion.guidance import guided
 from fastddpm.diffusion.objective import predict_eps_and_x0
-from fastddpm.diffusion.ode_solvers import (ddim_levels, dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2,
+from fastddpm.diffusion.ode_solvers import (check_eta, ddim_levels, dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2,
                                             noise_levels, solver_timesteps, unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
 
-def network_calls(sampler: str, steps: int, num_timesteps: int) -> int:
+
+def network_calls(sampler: str, steps: int, num_timesteps: int, *,
+                  schedule: NoiseSchedule | ContinuousProcess | None = None, spacing: str | None = None) -> int:
     """Network evaluations (NFE) per image of one sampling run: what a sampler costs. DDPM always walks all T
-    timesteps; Heun evaluates twice per step but once on the last; the others once per step. (Karras spacing can
-    merge steps at the low-noise end: `sample` then makes fewer calls than this upper bound.)"""
+    timesteps; Heun evaluates twice per step but once on the last; the others once per step.
+    Given the model's `schedule` (and `spacing`, None: the sampler's own, as `sample` resolves it) it is the count
+    `sample` makes: on a DDPM schedule karras and logsnr spacing round their levels to trained timesteps and keep
+    each once, so many steps take fewer than asked (dpmpp-2m 100 karras on the cosine schedule: 88). Without
+    `schedule` it is the count for `steps` distinct timesteps, an upper bound."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
     if sampler == "ddpm":
         return num_timesteps
-    if sampler == "heun":
-        return 2 * steps - 1
-    if sampler in SAMPLERS:
-        return steps
-    raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
+    if isinstance(schedule, NoiseSchedule):
+        steps = len(sampler_timesteps(schedule, sampler, steps, spacing))
+    # a continuous process's levels are not rounded: always `steps` of them
+    return 2 * steps - 1 if sampler == "heun" else steps
 
 
 def _model_out(model, x_t: torch.Tensor, t: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
@@ -91,6 +97,7 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
                 clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None,
                 spacing: str = "trailing") -> torch.Tensor:
     """DDIM over `steps` timesteps (ode_solvers.solver_timesteps). Returns images in [-1, 1], float32, shape `shape`."""
+    check_eta(eta)
     sched = schedule.to(device)
     ab = sched.float64("alpha_bar")
     ts = solver_timesteps(sched, steps, spacing)
@@ -168,14 +175,20 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
            autocast_dtype: torch.dtype | None = None, progress=None, labels: torch.Tensor | None = None,
            guidance: float = 1.0, num_classes: int = 0, spacing: str | None = None,
            clip: bool = True) -> torch.Tensor:
-    """Draw images with a sampler (SAMPLERS); the result is a function of (weights, seed, sampler settings). The
-    initial noise depends on the seed alone, so every sampler starts from the same x_T. A conditional model
-    samples `labels` ((B,) class ids; None: unconditional) with classifier-free guidance W = `guidance`
-    (fastddpm.diffusion.guidance); `num_classes` is the model's, the id of its null class. `clip` clamps every
-    x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own on this model's objective
-    (config.default_spacing)."""
+    """Draw images with a sampler (SAMPLERS); the result is a function of (weights, seed, sampler settings, device
+    type): the noise comes from a torch.Generator on `device`, and torch's CPU and CUDA generators draw different
+    numbers for one seed. On one device the initial noise depends on the seed alone, so every sampler starts from
+    the same x_T. A conditional model samples `labels` ((B,) integer class ids, each in 0 .. num_classes, where
+    num_classes is the null class; None: unconditional) with classifier-free guidance W = `guidance` >= 0
+    (fastddpm.diffusion.guidance); `num_classes` is the model's. `eta` in [0, 1] is DDIM's (Song et al. eq. 16).
+    `clip` clamps every x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own on this model's
+    objective (config.default_spacing)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
+    check_eta(eta)
+    if not (math.isfinite(guidance) and guidance >= 0):
+        raise ValueError(f"guidance={guidance} must be a finite number >= 0 (0: unconditional, 1: plain "
+                         "conditional, above 1: guided)")
     continuous = isinstance(schedule, ContinuousProcess)
     if continuous and sampler not in CONTINUOUS_SAMPLERS:
         raise ValueError(f"--sampler {sampler} walks the discrete timesteps of --objective ddpm; this "
@@ -187,6 +200,7 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     if labels is not None:
         if not num_classes:
             raise ValueError("class labels need a conditional model: num_classes is 0")
+        check_labels(labels, shape[0], num_classes)
         model = guided(model, labels.to(device), guidance, num_classes)
     generator = torch.Generator(device=device).manual_seed(seed)
     common = dict(prediction=prediction, generator=generator, device=device, clip=clip,
@@ -203,6 +217,23 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
     return ode_sample(model, schedule, shape, solver=sampler, steps=steps, spacing=spacing, **common)
 
 
+def check_labels(labels: torch.Tensor, batch_size: int, num_classes: int) -> None:
+    """`labels` are (batch_size,) integer class ids in 0 .. num_classes (num_classes itself: the null class,
+    unconditional), else a ValueError naming the bad value: an id past the embedding table would otherwise be an
+    IndexError on the CPU and a device-side assert on CUDA, and at W = 0 would pass unnoticed."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype == torch.bool or labels.is_floating_point() \
+            or labels.is_complex():
+        raise ValueError(f"labels must be an integer tensor of class ids, got "
+                         f"{labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+    if tuple(labels.shape) != (batch_size,):
+        raise ValueError(f"labels of shape {tuple(labels.shape)} for a batch of {batch_size}: give one class id per "
+                         f"image, shape ({batch_size},) (torch.full(({batch_size},), y) for one class)")
+    bad = labels[(labels < 0) | (labels > num_classes)]  # note: a host sync where labels are on the GPU
+    if bad.numel():
+        raise ValueError(f"label {int(bad[0])} is out of range: this model has classes 0-{num_classes - 1} and "
+                         f"{num_classes} for its null class (unconditional)")
+
+
 @torch.no_grad()
 def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...], *, sampler: str, steps: int,
                       eta: float = 0.0, spacing: str, prediction: str = "epsilon", generator: torch.Generator,
@@ -211,6 +242,7 @@ def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...],
     """Any of CONTINUOUS_SAMPLERS on an EDM or flow-matching model (fastddpm.diffusion.continuous), over `steps`
     levels of the process, noisiest first, then to sigma = 0. Starts from sigma_0 times the seed's noise (the
     x_0 part, alpha_0 x_0, is left out, as EDM's sampler does). `prediction` is the objective's own."""
+    check_eta(eta)
     lambda_based = sampler in ("dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun")
     levels = process.sampling_levels(steps, spacing, finite_lambda=lambda_based)
     pairs = [process.alpha_sigma(float(v)) for v in levels]
@@ -241,5 +273,6 @@ def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...],
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] floats -> uint8 pixels, rounding to nearest."""
-    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    """[-1, 1] floats -> uint8 pixels, rounding to nearest. Computed in float32: bfloat16 and float16 have too few
+    mantissa bits to hold (x + 1) * 127.5 to within 0.5, so they would round some pixels to a neighbour."""
+    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

@@ -168,7 +168,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.config import ConfigError
     from fastddpm.data import DataError
     from fastddpm.device import resolve_device, resolve_precision
-    from fastddpm.diffusion import network_calls
+    from fastddpm.diffusion import network_calls, schedule_from_config
     from fastddpm.eval.classifier import UnlabelledDataError
     from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
     from fastddpm.grid import save_grid
@@ -228,7 +228,8 @@ def run_eval(args: argparse.Namespace) -> int:
         log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by the "
             f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
     sampling_model = compile_for_sampling(model, device) if compile_on else model
-    nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps)
+    nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps,
+                        schedule=schedule_from_config(cfg.diffusion), spacing=args.spacing)
     own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
     spacing = args.spacing or own_spacing
     log(f"sampling {args.num_samples:,} images: {args.sampler}"

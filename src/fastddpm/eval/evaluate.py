@@ -61,7 +61,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     if progress:
         from fastddpm.progress import progress_bar
 
-        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps)
+        per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps, schedule=schedule, spacing=spacing)
         bar = progress_bar(num_batches * per_batch, unit="model-call", desc="sampling")
     labels = balanced_labels(num_batches * batch_size, m.num_classes) if m.conditional else None
     chunks = []
@@ -193,7 +193,9 @@ class Evaluator:
         T = cfg.diffusion.num_timesteps
         metrics["sampling"] = {"sampler": sampler, "steps": T if sampler == "ddpm" else steps,
                                "spacing": spacing or default_spacing(sampler, cfg.diffusion.objective),
-                               "nfe": network_calls(sampler, steps, T), "eta": eta, "seed": seed, **timing}
+                               "nfe": network_calls(sampler, steps, T, schedule=schedule_from_config(cfg.diffusion),
+                                                    spacing=spacing),
+                               "eta": eta, "seed": seed, **timing}
         if m.conditional:
             metrics["guidance"] = 1.0 if guidance is None else guidance
         return metrics, images
