@@ -284,6 +284,39 @@ def test_a_google_ddpm_unet_gives_its_architecture_and_weights_to_a_run(google_s
         assert max_relative_error(other) > 1e-4, switch
 
 
+def test_pre_0_15_attention_names_load_as_diffusers_loads_them(google_style_folder, rgb_npz, tmp_path):
+    """Early hub folders (google/ddpm-*) name attention weights query/key/value/proj_attn; diffusers renames them on
+    load, and the fastddpm model built from such a folder computes the same function as from today's names."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from fastddpm.config import resolve_config
+    from fastddpm.diffusers_io import load_init
+
+    folder, unet = google_style_folder
+    legacy = tmp_path / "legacy"
+    shutil.copytree(folder, legacy)
+    renames = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    old_names = {}
+    for key, value in diffusers_weights(folder).items():
+        for new, old in renames.items():
+            if ".attentions." in key:
+                key = key.replace(new, old)
+        old_names[key] = value
+    assert sum(".query." in k for k in old_names) == 12  # 6 attention layers (2 down, 1 middle, 3 up) x weight, bias
+    save_file(old_names, str(legacy / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    cfg = resolve_config("tiny", layers=[("test", {"train.init_from": str(legacy), "data.source": str(rgb_npz)})])
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, image_channels=3, image_size=32))
+    model = build_unet(cfg.model).eval()
+    load_init(model, cfg, legacy)
+    x, t = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)), torch.tensor([5, 900])
+    with torch.no_grad():
+        want = unet(x, t).sample
+        assert float((model(x, t) - want).abs().max() / want.abs().max()) < 1e-5
+
+
 def diffusers_weights(folder):
     from safetensors.torch import load_file
     return load_file(str(folder / "diffusion_pytorch_model.safetensors"))

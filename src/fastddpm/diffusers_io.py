@@ -30,6 +30,8 @@ The config half of this (the switches, both ways) is fastddpm.config.diffusers_u
 
 from __future__ import annotations
 
+import re
+
 import json
 from pathlib import Path
 
@@ -123,6 +125,7 @@ def from_diffusers_state_dict(model, sd: dict) -> dict:
 
     ours = model.state_dict()
     table = _name_table(model)
+    sd = _current_attention_names(sd)
     missing = [n for n in table if n not in sd]
     if missing:
         _refuse_mismatch(f"it has no weight {missing[0]} ({len(missing)} missing)")
@@ -142,6 +145,18 @@ def from_diffusers_state_dict(model, sd: dict) -> dict:
                              f"{tuple(want)}")
         state[key] = t.reshape(want).to(ours[key].dtype)
     return state
+
+
+# Attention weights as diffusers named them before 0.15 (google/ddpm-* and other early hub folders still ship them);
+# diffusers renames them on load (ModelMixin's deprecated-attention-block conversion), and so does this.
+_LEGACY_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
+_LEGACY_ATTENTION_KEY = re.compile(r"(\.attentions\.\d+\.)(query|key|value|proj_attn)\.")
+
+
+def _current_attention_names(sd: dict) -> dict:
+    """`sd` with pre-0.15 attention names (query/key/value/proj_attn) renamed to today's (to_q/to_k/to_v/to_out.0)."""
+    return {_LEGACY_ATTENTION_KEY.sub(lambda m: m.group(1) + _LEGACY_ATTENTION[m.group(2)] + ".", k): v
+            for k, v in sd.items()}
 
 
 def _refuse_mismatch(detail: str) -> None:
