@@ -100,6 +100,47 @@ def test_set_with_a_hyphenated_field_is_the_same_field():
             resolve_train_config(args, dests)
 
 
+def test_a_setting_of_the_other_model_family_is_refused_not_ignored(tmp_path):
+    """`--preset seed-2layer --dropout 0.1` trained the seed's U-Net, which has no dropout, without a word: a model
+    field only the other family's U-Net reads, given as a flag, with --set or as an API keyword, is refused naming
+    the family that reads it. Defaults, a preset's own values and a saved config file (every field in it) are not;
+    with --family the field is read and kept."""
+    from fastddpm.api import _config
+    from fastddpm.config import PRESETS, save_config
+
+    cases = [("seed-2layer", ["--dropout", "0.1"], r"model.dropout='0.1' \(command line\) is read only by the ddpm "
+                                                   r"family's U-Net, and this run's model.family is seed"),
+             ("tiny", ["--set", "model.attention_resolutions=8"], r"model.attention_resolutions='8' \(--set\)"),
+             ("ddpm-cifar10", ["--no-attention"], r"model.attention=False \(command line\) is read only by the seed "
+                                                  r"family's U-Net, and this run's model.family is ddpm"),
+             ("ddpm-cifar10", ["--set", "num_down_layers=1"], r"model.num_down_layers='1' \(--set\)")]
+    for preset, given, match in cases:
+        with pytest.raises(ConfigError, match=match) as err:
+            resolve_train_config(*_args(["--out", "r", "--preset", preset, *given]))
+        owner = "ddpm" if preset != "ddpm-cifar10" else "seed"
+        presets = " / ".join(p for p in PRESETS if get_preset(p).model.family == owner)
+        assert f"(--family {owner}, or --preset {presets}), or leave it out" in str(err.value)
+    with pytest.raises(ConfigError, match=r"model.out_block_channels=8 \(fastddpm.train\) is read only by the seed"):
+        _config("ddpm-cifar10", {"out_block_channels": 8})
+
+    # the family that reads it keeps it: given with --family, or for a preset of that family
+    args = _args(["--out", "r", "--preset", "seed-2layer", "--family", "ddpm", "--dropout", "0.1"])
+    assert resolve_train_config(*args).model.dropout == 0.1
+    assert _config("ddpm-cifar10", {"dropout": 0.2, "attention_resolutions": (8,)}).model.dropout == 0.2
+    assert _config("cpu-demo", {"attention": True, "num_down_layers": 2}).model.num_down_layers == 2
+    for name in PRESETS:  # every preset carries every field of both families, and resolves
+        assert _config(name, {}).model == get_preset(name).model
+    saved = tmp_path / "config.json"
+    save_config(_config("ddpm-cifar10", {}), saved)  # a ddpm run's config holds the seed family's fields too
+    assert _config(saved, {"lr": 1e-3}).model == get_preset("ddpm-cifar10").model
+    # --help says which family reads each of these flags
+    from fastddpm.config.model_checks import FAMILY_ONLY
+
+    for f in dataclasses.fields(get_preset("tiny").model):
+        if f.name in FAMILY_ONLY:
+            assert f.metadata["help"].startswith(f"{FAMILY_ONLY[f.name]} family: "), f.name
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"train.lr": -1}, r"train.lr=-1.0 must be > 0"),
     ({"train.batch_sise": 3}, r"unknown config field train.batch_sise \(did you mean 'batch_size'\?\)"),
@@ -114,6 +155,17 @@ def test_set_with_a_hyphenated_field_is_the_same_field():
     ({"model.num_heads": 0}, r"model.num_heads=0 must be >= 1"),
     ({"model.family": "ddpm", "model.norm_groups": 0}, r"model.norm_groups=0 must be >= 1"),
     ({"model.family": "ddpm", "model.num_heads": 0}, r"model.num_heads=0 must be >= 1"),
+    # channel counts below 1, which the divisibility checks pass (0 % 8 == 0) and torch's layers do not
+    ({"model.down_channels": (16, 0, 32), "model.mid_channels": (32, 0)},
+     r"model.down_channels=\(16, 0, 32\): every level needs at least 1 channel"),
+    ({"model.down_channels": (16, -16, 32), "model.mid_channels": (32, -16)}, r"model.down_channels=\(16, -16, 32\)"),
+    ({"model.mid_channels": (32, 0, 32)}, r"model.mid_channels=\(32, 0, 32\): every mid block needs at least 1"),
+    ({"model.out_block_channels": 0}, r"model.out_block_channels=0 must be >= 1"),
+    ({"model.out_block_channels": -8}, r"model.out_block_channels=-8 must be >= 1"),
+    ({"model.family": "ddpm", "model.base_channels": -32}, r"model.base_channels=-32 must be >= 1"),
+    ({"model.family": "ddpm", "model.base_channels": 0}, r"model.base_channels=0 must be >= 1"),
+    ({"model.family": "ddpm", "model.base_channels": 2, "model.norm_groups": 1, "model.time_freq_shift": 1},
+     r"model.time_freq_shift=1 needs base_channels >= 4 \(it is 2\)"),
     # values torch would take and train on with NaN weights, or that never end the run
     ({"train.lr": "inf"}, r"train.lr=inf must be > 0 and finite"),
     ({"train.weight_decay": -1}, r"train.weight_decay=-1.0: must be a finite number >= 0 \(0 turns it off\)"),

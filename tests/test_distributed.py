@@ -26,7 +26,7 @@ import torch
 from fastddpm.rundir.checkpoint import load_latest
 from fastddpm.trainer.batches import ResidentBatches, StreamingBatches
 
-from conftest import TINY_DDPM, flags, needs_bf16_gpu
+from conftest import TINY_DDPM_28, flags, needs_bf16_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,10 +329,10 @@ def test_fsdp_shards_the_ddpm_family_block_by_block_and_matches_one_process(fmni
     from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     out = tmp_path / "fsdp-ddpm"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", *flags(TINY_DDPM)))
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", *flags(TINY_DDPM_28)))
     assert r.returncode == 0, r.stdout + r.stderr
     state = read_sharded_checkpoint(_dcp(out, 2))
-    ref = _reference_params(fmnist_npz, 2, 8, 2, TINY_DDPM)
+    ref = _reference_params(fmnist_npz, 2, 8, 2, TINY_DDPM_28)
     assert state["model"].keys() == ref.keys()
     for k, v in ref.items():
         torch.testing.assert_close(state["model"][k], v, rtol=1e-4, atol=5e-5, msg=f"parameter {k}")

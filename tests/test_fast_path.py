@@ -20,19 +20,19 @@ from fastddpm.trainer.ema import EMA
 from fastddpm.trainer.loop import train
 from fastddpm.trainer.step import TrainStep, make_optimizer, train_step
 
-from conftest import TINY_DDPM, needs_bf16_gpu
+from conftest import TINY_DDPM_28, needs_bf16_gpu
 
 CPU = torch.device("cpu")
 
 
-# every equivalence below runs for both U-Net families; TINY_DDPM: the ddpm family at a test's size
+# every equivalence below runs for both U-Net families; TINY_DDPM_28: the ddpm family at these tests' 28x28
 FAMILIES = pytest.mark.parametrize("family", ["seed", "ddpm"])
 
 
 def tiny_model(seed=0, family="seed"):
     from fastddpm.models import build_unet
 
-    cfg = apply_overrides(get_preset("tiny"), TINY_DDPM if family == "ddpm" else {}).model
+    cfg = apply_overrides(get_preset("tiny"), TINY_DDPM_28 if family == "ddpm" else {}).model
     cfg.image_channels, cfg.image_size = 1, 28
     torch.manual_seed(seed)
     model = build_unet(cfg)
@@ -209,7 +209,7 @@ def test_auto_batch_size_in_a_run(tmp_path, real_images, family):
     np.savez(src, images=real_images)  # 64 images: the search stops at the dataset size (trials 32, 64)
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,
                                                "train.batch_size": "auto", "train.max_steps": 2,
-                                               **(TINY_DDPM if family == "ddpm" else {})})
+                                               **(TINY_DDPM_28 if family == "ddpm" else {})})
     train(cfg, out_dir=tmp_path / "run", log=lambda *a: None)
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -224,7 +224,7 @@ def test_compiled_step_matches_eager_and_does_not_recompile(tmp_path, fmnist_npz
     rate (a tensor) causes no recompilation after warm-up."""
     over = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 6, "train.log_every": 1,
             "train.warmup_images": 1000, "train.checkpoint_every": None, "train.num_sample_images": 2,
-            "train.sample_steps": 2, **(TINY_DDPM if family == "ddpm" else {})}
+            "train.sample_steps": 2, **(TINY_DDPM_28 if family == "ddpm" else {})}
     eager = apply_overrides(get_preset("tiny"), {**over, "train.compile": "off"})
     compiled = apply_overrides(get_preset("tiny"), {**over, "train.compile": "on"})
     train(eager, out_dir=tmp_path / "eager", log=lambda *a: None)

@@ -124,3 +124,47 @@ def test_a_model_cast_to_bf16_runs_in_bf16(family):
     with torch.no_grad():
         out = model(x, torch.tensor([3, 999]))
     assert out.shape == x.shape and out.dtype == torch.bfloat16
+
+
+def test_the_fields_marked_for_one_family_are_read_by_its_u_net_and_not_the_others():
+    """config.model_checks.FAMILY_ONLY decides which explicitly given fields are refused for the other family: each
+    field it marks changes its own family's U-Net (the parameters' shapes or, with the same random weights, the
+    output in training mode) and leaves the other family's exactly as it was. Every other field is one both read."""
+    import dataclasses
+
+    from fastddpm.config.model_checks import FAMILY_ONLY
+    from fastddpm.models import build_unet
+
+    changed = {"down_channels": (8, 32, 32), "mid_channels": (32, 64, 32), "down_sample": (False, False),
+               "time_emb_dim": 16, "num_down_layers": 2, "num_mid_layers": 2, "num_up_layers": 2, "attention": False,
+               "out_block_channels": 8, "base_channels": 32, "channel_mult": (1, 1), "num_res_blocks": 2,
+               "attention_resolutions": (16,), "dropout": 0.5, "scale_shift_norm": True, "resblock_updown": True,
+               "time_freq_shift": 1, "norm_eps": 0.1, "downsample_padding": "tf-same"}
+    shared = {"family", "image_channels", "image_size", "num_heads", "norm_groups", "conditional", "num_classes",
+              "class_names"}
+    assert set(changed) == set(FAMILY_ONLY) and {f.name for f in dataclasses.fields(ModelConfig)} == \
+        set(FAMILY_ONLY) | shared  # a new field is placed on purpose
+    bases = {"seed": get_preset("tiny").model,
+             "ddpm": ModelConfig(family="ddpm", base_channels=16, channel_mult=(1, 2), num_res_blocks=1,
+                                 attention_resolutions=(8,), num_heads=2)}
+    x, t = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 700])
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = build_unet(dataclasses.replace(cfg, image_channels=1, image_size=16)).train()
+        with torch.no_grad():  # the same random weights wherever the shapes agree (ddpm zero-initialises outputs)
+            g = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            torch.manual_seed(2)  # dropout's draws
+            out = model(x, t)
+        return {k: v.shape for k, v in model.state_dict().items()}, out
+
+    reference = {family: run(cfg) for family, cfg in bases.items()}
+    for name, owner in FAMILY_ONLY.items():
+        for family, cfg in bases.items():
+            shapes, out = run(dataclasses.replace(cfg, **{name: changed[name]}))
+            ref_shapes, ref_out = reference[family]
+            same = shapes == ref_shapes and torch.equal(out, ref_out)
+            assert same == (family != owner), f"model.{name} {'is not read by' if same else 'changes'} the " \
+                                              f"{family} family's U-Net"

@@ -63,9 +63,9 @@ def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz, family):
     n = 6
     cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n)
     if family == "ddpm":
-        from conftest import TINY_DDPM
+        from conftest import TINY_DDPM_28
 
-        cfg = apply_overrides(cfg, {**TINY_DDPM, "model.dropout": 0.1})
+        cfg = apply_overrides(cfg, {**TINY_DDPM_28, "model.dropout": 0.1})
     full = tmp_path / "full"
     train(cfg, out_dir=full, log=quiet)
 

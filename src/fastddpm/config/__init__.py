@@ -7,6 +7,8 @@ resolves its keyword arguments the same way (overrides.resolve_config). The reso
 run directory as config.json, and `fastddpm train --help` and docs/config.md are generated from the field docs.
 
     schema.py      ModelConfig, DiffusionConfig, DataConfig, TrainConfig, RunConfig
+    model_checks.py  the U-Net options' checks per family, and the fields only one family reads
+    errors.py      ConfigError
     sampling.py    sampler names, spacings and defaults: what `auto` samples each objective with
     presets.py     the presets, one function each
     overrides.py   files, flags and keyword arguments coerced and layered: resolve_config, apply_overrides

@@ -16,7 +16,8 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
-from fastddpm.config.presets import get_preset
+from fastddpm.config.model_checks import FAMILY_ONLY
+from fastddpm.config.presets import PRESETS, get_preset
 from fastddpm.config.schema import SECTIONS, ConfigError, RunConfig
 
 
@@ -217,6 +218,7 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     cfg = apply_overrides(cfg, file_values, source=str(file))
     cfg = _layered(cfg, layers)
     _refuse_other_objectives(cfg, layers)
+    _refuse_other_families(cfg, layers)
     return cfg
 
 
@@ -241,6 +243,22 @@ def _refuse_other_objectives(cfg: RunConfig, layers: list[tuple[str, dict[str, A
                     f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is {_OBJECTIVE_NAMES[owner][0]}, "
                     f"and this run's objective is {objective}, so it would be ignored: add --objective {owner} to "
                     f"train {_OBJECTIVE_NAMES[owner][1]} with it, or leave it out")
+
+
+def _refuse_other_families(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """A model field that only the other U-Net family reads (model_checks.FAMILY_ONLY), given explicitly (a flag,
+    --set, an API keyword), would be ignored without a word, e.g. `--preset seed-2layer --dropout 0.1` (the seed's
+    U-Net has no dropout). The defaults and a preset's or a diffusers folder's values are no layer here, and config
+    files are not checked (a run's saved config.json carries every field)."""
+    family = cfg.model.family
+    for source, values in layers:
+        for name, owner in FAMILY_ONLY.items():
+            if owner != family and f"model.{name}" in values:
+                presets = [preset for preset in PRESETS if get_preset(preset).model.family == owner]
+                raise ConfigError(
+                    f"model.{name}={values[f'model.{name}']!r} ({source}) is read only by the {owner} family's U-Net, "
+                    f"and this run's model.family is {family}, so it would be ignored: train a {owner}-family U-Net "
+                    f"with it (--family {owner}, or --preset {' / '.join(presets)}), or leave it out")
 
 
 _NOT_GIVEN = object()

@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastddpm.config.errors import ConfigError  # noqa: F401  (re-exported: the config modules import it from here)
+from fastddpm.config.errors import require as _require
+from fastddpm.config.model_checks import check_ddpm, check_ddpm_shape, check_seed
 from fastddpm.config.sampling import DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLER_CHOICES, resolve_sampling
 
 
@@ -19,15 +22,6 @@ def _doc(text: str, *, cli: str | None = None, choices: tuple[str, ...] | None =
 
 
 ATTENTION_HEAD_PADS = (0, 8, 16, 32, 64)  # train.attention_head_pad's values (fastddpm.models.attention)
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration. The message names the field, the bad value and the fix."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")  # train.log_to's choices
@@ -48,7 +42,8 @@ class ModelConfig:
         default="seed",
         metadata=_doc("U-Net family: seed (the seed notebook's, down_channels/mid_channels/...) or ddpm (Ho et al. "
                       "2020 / improved-diffusion: base_channels, channel_mult, num_res_blocks, "
-                      "attention_resolutions, dropout, scale_shift_norm, resblock_updown).",
+                      "attention_resolutions, dropout, scale_shift_norm, resblock_updown). A field marked for one "
+                      "family is refused when given for the other (it would be ignored).",
                       choices=("seed", "ddpm")),
     )
     image_channels: int | None = field(default=None, metadata=_doc("Input channels; none = taken from the data."))
@@ -93,25 +88,31 @@ class ModelConfig:
                       "diffusers' downsample_padding=0).", choices=("symmetric", "tf-same")),
     )
     down_channels: tuple[int, ...] = field(
-        default=(32, 64, 128, 256), metadata=_doc("Channels at each U-Net level, comma-separated.")
+        default=(32, 64, 128, 256), metadata=_doc("seed family: channels at each U-Net level, comma-separated.")
     )
     mid_channels: tuple[int, ...] = field(
         default=(256, 256, 128),
-        metadata=_doc("Channels through the mid blocks; first = last down channel, last = second-to-last."),
+        metadata=_doc("seed family: channels through the mid blocks; first = last down channel, last = "
+                      "second-to-last."),
     )
     down_sample: tuple[bool, ...] = field(
-        default=(True, True, False), metadata=_doc("Whether each down block halves the resolution (one per block).")
+        default=(True, True, False),
+        metadata=_doc("seed family: whether each down block halves the resolution (one per block)."),
     )
-    time_emb_dim: int = field(default=128, metadata=_doc("Width of the sinusoidal time embedding (even)."))
-    num_down_layers: int = field(default=2, metadata=_doc("ResNet+attention layers per down block."))
-    num_mid_layers: int = field(default=2, metadata=_doc("Attention+ResNet pairs per mid block (after one ResNet)."))
-    num_up_layers: int = field(default=2, metadata=_doc("ResNet+attention layers per up block."))
-    num_heads: int = field(default=4, metadata=_doc("Attention heads."))
+    time_emb_dim: int = field(default=128, metadata=_doc("seed family: width of the sinusoidal time embedding (even)."))
+    num_down_layers: int = field(default=2, metadata=_doc("seed family: ResNet+attention layers per down block."))
+    num_mid_layers: int = field(default=2, metadata=_doc("seed family: Attention+ResNet pairs per mid block (after "
+                                                          "one ResNet)."))
+    num_up_layers: int = field(default=2, metadata=_doc("seed family: ResNet+attention layers per up block."))
+    num_heads: int = field(default=4, metadata=_doc("Attention heads; each attention layer's channels must "
+                                                    "divide by it."))
     norm_groups: int = field(default=8, metadata=_doc("GroupNorm groups; every channel count must divide by it."))
     attention: bool = field(
-        default=True, metadata=_doc("Self-attention after each ResNet block (off = faster on CPU).")
+        default=True, metadata=_doc("seed family: self-attention after each ResNet block (off = faster on CPU).")
     )
-    out_block_channels: int = field(default=16, metadata=_doc("Channels of the last up block (the seed's code: 16)."))
+    out_block_channels: int = field(
+        default=16, metadata=_doc("seed family: channels of the last up block (the seed's code: 16).")
+    )
     conditional: bool = field(
         default=False,
         metadata=_doc("Class-conditional: a learned class embedding is added to the time embedding, with one more "
@@ -141,52 +142,10 @@ class ModelConfig:
         _require(self.norm_groups >= 1, f"model.norm_groups={self.norm_groups} must be >= 1, e.g. 8 or 32")
         _require(self.num_heads >= 1, f"model.num_heads={self.num_heads} must be >= 1, e.g. 4")
         if self.family == "ddpm":
-            self._check_ddpm()
-            return
-        dc, mc = self.down_channels, self.mid_channels
-        _require(len(dc) >= 2, f"model.down_channels={dc} needs at least two levels, e.g. 32,64,128,256")
-        _require(len(mc) >= 2, f"model.mid_channels={mc} needs at least two entries, e.g. 256,256,128")
-        _require(
-            mc[0] == dc[-1] and mc[-1] == dc[-2],
-            f"model.mid_channels={mc} must start at the last down channel ({dc[-1]}) and end at the "
-            f"second-to-last ({dc[-2]}), e.g. {dc[-1]},{dc[-1]},{dc[-2]}",
-        )
-        _require(
-            len(self.down_sample) == len(dc) - 1,
-            f"model.down_sample has {len(self.down_sample)} entries but down_channels={dc} makes {len(dc) - 1} "
-            "down blocks: give one true/false per block",
-        )
-        _require(self.time_emb_dim > 0 and self.time_emb_dim % 2 == 0,
-                 f"model.time_emb_dim={self.time_emb_dim} must be a positive even number")
-        for name in ("num_down_layers", "num_up_layers"):
-            _require(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)} must be >= 1")
-        _require(self.num_mid_layers >= 0, f"model.num_mid_layers={self.num_mid_layers} must be >= 0")
-        for c in (*dc, *mc, self.out_block_channels):
-            _require(c % self.norm_groups == 0,
-                     f"channel count {c} is not divisible by model.norm_groups={self.norm_groups}: "
-                     "change the channels or norm_groups")
-            if self.attention:
-                _require(c % self.num_heads == 0,
-                         f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
-
-    def _check_ddpm(self) -> None:
-        mult = self.channel_mult
-        _check_choice("model", self, "downsample_padding")
-        _require(self.time_freq_shift in (0, 1), f"model.time_freq_shift={self.time_freq_shift} must be 0 "
-                                                 "(improved-diffusion) or 1 (Ho et al.'s TensorFlow code)")
-        _require(self.base_channels // 2 > self.time_freq_shift, f"model.time_freq_shift={self.time_freq_shift} "
-                 f"needs base_channels >= 4 (it is {self.base_channels})")
-        _require(0 < self.norm_eps < 1, f"model.norm_eps={self.norm_eps} must be a small positive number, e.g. 1e-5")
-        _require(len(mult) >= 1 and all(m >= 1 for m in mult),
-                 f"model.channel_mult={mult} must be positive multipliers, e.g. 1,2,2,2")
-        _require(self.num_res_blocks >= 1, f"model.num_res_blocks={self.num_res_blocks} must be >= 1")
-        _require(0 <= self.dropout < 1, f"model.dropout={self.dropout} must be in [0, 1)")
-        _require(self.base_channels % 2 == 0, f"model.base_channels={self.base_channels} must be even (the time "
-                                               "embedding is sinusoidal over it)")
-        for c in {self.base_channels * m for m in mult} | {self.base_channels}:
-            _require(c % self.norm_groups == 0, f"channel count {c} (base_channels x channel_mult) is not divisible "
-                                                f"by model.norm_groups={self.norm_groups}")
-            _require(c % self.num_heads == 0, f"channel count {c} is not divisible by model.num_heads={self.num_heads}")
+            _check_choice("model", self, "downsample_padding")
+            check_ddpm(self)
+        else:
+            check_seed(self)
 
     def validate_resolved(self) -> None:
         """Checks that need the data, once the shape (and a conditional model's classes) are known."""
@@ -200,11 +159,10 @@ class ModelConfig:
         """Checks that need the data's shape, once image_channels and image_size are known."""
         _require(self.image_channels is not None and self.image_size is not None,
                  "model.image_channels and model.image_size must be set (they come from the data)")
+        _require(self.image_channels >= 1 and self.image_size >= 1, f"model.image_channels={self.image_channels} and "
+                 f"image_size={self.image_size} must be >= 1 (they come from the data)")
         if self.family == "ddpm":
-            factor = 2 ** (len(self.channel_mult) - 1)
-            _require(self.image_size % factor == 0,
-                     f"model.image_size={self.image_size} must divide by {factor} (channel_mult={self.channel_mult} "
-                     f"halves it {len(self.channel_mult) - 1} times): resize the data (--resize) or use fewer levels")
+            check_ddpm_shape(self)
             return
         factor = 2 ** sum(self.down_sample)
         _require(

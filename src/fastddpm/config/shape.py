@@ -8,10 +8,12 @@ import operator
 from pathlib import Path
 from typing import Any
 
+from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.config.schema import ConfigError, ModelConfig, RunConfig
 
-def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> RunConfig:
-    """Fill model.image_channels / image_size from the data, or check the ones the user set."""
+def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...], *, new_model: bool = True) -> RunConfig:
+    """Fill model.image_channels / image_size from the data, or check the ones the user set. `new_model`: also
+    refuse what a saved run may hold but a new one should not (attention_resolutions that match no level)."""
     _, c, h, w = images_NCHW_shape
     if h != w:
         raise ConfigError(f"the data's images are {h}x{w}; the U-Net wants square images: use --resize N")
@@ -25,6 +27,8 @@ def resolve_model_shape(cfg: RunConfig, images_NCHW_shape: tuple[int, ...]) -> R
             )
     model = dataclasses.replace(m, image_channels=c, image_size=h)
     model.validate_shape()
+    if new_model:
+        check_attention_levels(model)
     return dataclasses.replace(cfg, model=model)
 
 

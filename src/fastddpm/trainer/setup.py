@@ -194,7 +194,9 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     data = _load_data(cfg, dist)
-    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape), data.labels, data.class_names, cfg.data.source)
+    # a resumed run keeps the model it trained, as its checkpoint's config describes it
+    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape, new_model=resume is None), data.labels,
+                          data.class_names, cfg.data.source)
     resumed = _find_resume(rd, resume, cfg, data.images.shape, dist, device, fsdp, console)
 
     fast = resolve_fast_path(cfg.train, device, precision, world_size=dist.world_size if dist.enabled else 0,
@@ -430,7 +432,7 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInf
                 f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
     if resumed is not None:
         resumed.check_resumable(sharded_run=fsdp)
-        check_same_architecture(resolve_model_shape(resumed.config, images_shape), cfg, resumed.path)
+        check_same_architecture(resolve_model_shape(resumed.config, images_shape, new_model=False), cfg, resumed.path)
     return resumed
 
 
