@@ -34,8 +34,35 @@ def test_linear_betas_scale_by_1000_over_t_and_are_unchanged_at_1000():
         assert betas[0].item() == pytest.approx(1e-4 * 1000 / T) and betas[-1].item() == pytest.approx(0.02 * 1000 / T)
         ab_T = float(make_schedule("linear", T).float64("alpha_bar")[-1])
         assert ab_T <= 1.01 * ab_1000  # unscaled, T = 100 ended at alpha_bar 0.36
-    with pytest.raises(ValueError, match=r"num_timesteps=20 .* to 1, not < 1: use num_timesteps > 20"):
+    with pytest.raises(ValueError, match=r"at num_timesteps=20 they are 0.005 and 1 .*use num_timesteps > 20"):
         make_schedule("linear", 20)
+    with pytest.raises(ConfigError, match=r"at num_timesteps=16 they are .*use num_timesteps > 20"):
+        DiffusionConfig(num_timesteps=16)
+    assert DiffusionConfig(num_timesteps=16, schedule="cosine").num_timesteps == 16  # cosine reads no betas
+
+
+def test_betas_given_are_used_as_written_so_runs_saved_before_the_scaling_keep_their_schedule():
+    """A run's saved config holds its betas (1e-4 and 0.02 before unset meant scaled): at T = 100 they stay
+    unscaled, the schedule that run trained; a new run's config leaves them unset."""
+    from fastddpm.config import from_dict
+
+    assert RunConfig().to_dict()["diffusion"]["beta_start"] is None
+    old = RunConfig().to_dict()
+    old["diffusion"].update(num_timesteps=100, beta_start=1e-4, beta_end=0.02)
+    betas = schedule_from_config(from_dict(old).diffusion).float64("betas")
+    assert torch.equal(betas, linear_betas(100, 1e-4, 0.02))
+    assert torch.equal(make_schedule("linear", 100, 1e-4, 0.02).float64("betas"), betas)
+    # resuming it: at T = 1000 written-out and unset are one schedule; at T = 100 the flags that keep it are named
+    from pathlib import Path
+
+    from fastddpm.config import check_same_architecture
+
+    legacy_1000 = RunConfig(diffusion=DiffusionConfig(beta_start=1e-4, beta_end=0.02))
+    check_same_architecture(legacy_1000, RunConfig(), Path("ckpt.pt"))
+    with pytest.raises(ConfigError, match=r"ckpt.pt: its linear betas run from 0.0001 to 0.02 and this run's from "
+                                          r"0.001 to 0.2 .*--beta-start 0.0001 --beta-end 0.02"):
+        check_same_architecture(from_dict(old), RunConfig(diffusion=DiffusionConfig(num_timesteps=100)),
+                                Path("ckpt.pt"))
 
 
 def test_the_diffusers_scheduler_config_holds_the_betas_the_run_trained():

@@ -38,7 +38,6 @@ from pathlib import Path
 from fastddpm.config import ConfigError
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
                                             read_unet_config, unet_config)
-from fastddpm.diffusion.schedule import linear_beta_range
 
 # diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
 # the tiny test models at ~1e-6 of an output of unit scale
@@ -51,10 +50,9 @@ __all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
     """DDPMScheduler's scheduler_config.json for the run's schedule (diffusers/schedulers/scheduling_ddpm.py)."""
     d = cfg.diffusion
-    # the betas actually trained: fastddpm's linear beta_start/beta_end are for T = 1000 and scale by 1000 / T,
-    # diffusers' are used as written (cosine reads neither)
-    beta_start, beta_end = linear_beta_range(d.num_timesteps, d.beta_start, d.beta_end) \
-        if d.schedule == "linear" else (d.beta_start, d.beta_end)
+    # the betas actually trained (unset, fastddpm scales Ho et al.'s by 1000 / T); diffusers uses them as written.
+    # The cosine schedule reads neither.
+    beta_start, beta_end = d.linear_beta_range()
     return {
         "_class_name": "DDPMScheduler",
         "_diffusers_version": version,

@@ -182,8 +182,12 @@ class DiffusionConfig:
         "Diffusion steps T (DDPM only; a field marked for one objective is refused when given for another)."))
     schedule: str = field(default="linear", metadata=_doc(
         "Beta schedule (DDPM only).", choices=("linear", "cosine")))
-    beta_start: float = field(default=1e-4, metadata=_doc("First beta of the linear schedule (DDPM only)."))
-    beta_end: float = field(default=0.02, metadata=_doc("Last beta of the linear schedule (DDPM only)."))
+    beta_start: float | None = field(default=None, metadata=_doc(
+        "First beta of the linear schedule (DDPM only); none: Ho et al.'s 1e-4 at T = 1000, scaled by 1000 / T for "
+        "another T (Nichol & Dhariwal 2021). A value given is used as written, as in diffusers' DDPMScheduler."))
+    beta_end: float | None = field(default=None, metadata=_doc(
+        "Last beta of the linear schedule (DDPM only); none: Ho et al.'s 0.02 at T = 1000, scaled by 1000 / T, so "
+        "that any T ends near pure noise. A value given is used as written."))
     prediction: str = field(
         default="epsilon", metadata=_doc("What the network predicts: the noise, or v.", choices=("epsilon", "v"))
     )
@@ -213,8 +217,23 @@ class DiffusionConfig:
                  f"diffusion.sigma_data={self.sigma_data} and edm_p_std={self.edm_p_std} must be > 0")
         _require(self.flow_shift > 0, f"diffusion.flow_shift={self.flow_shift} must be > 0")
         _require(self.num_timesteps >= 2, f"diffusion.num_timesteps={self.num_timesteps} must be >= 2")
-        _require(0 < self.beta_start < self.beta_end < 1,
-                 f"diffusion betas must satisfy 0 < beta_start ({self.beta_start}) < beta_end ({self.beta_end}) < 1")
+        if self.schedule == "linear":
+            start, end = self.linear_beta_range()
+            _require(0 < start < end < 1,
+                     f"diffusion betas must satisfy 0 < beta_start < beta_end < 1; at num_timesteps="
+                     f"{self.num_timesteps} they are {start:g} and {end:g}"
+                     + (" (Ho et al.'s 1e-4 and 0.02 scaled by 1000 / T): use num_timesteps > 20, the cosine "
+                        "schedule, or give --beta-start and --beta-end" if self.beta_end is None else ""))
+
+    def linear_beta_range(self) -> tuple[float, float]:
+        """The linear schedule's first and last beta. Unset, they are Ho et al.'s 1e-4 and 0.02 for T = 1000, both
+        scaled by 1000 / T for another T (Nichol & Dhariwal 2021, arXiv:2102.09672, improved-diffusion's
+        get_named_beta_schedule): the last alpha_bar stays near T = 1000's 4e-5, where unscaled betas at T = 100
+        end at 0.36 and sampling from N(0, I) would start where 60% of the signal remains. Given, they are used as
+        written (diffusers' convention; runs saved before the scaling hold them so, and keep their schedule)."""
+        scale = 1000 / self.num_timesteps
+        return (1e-4 * scale if self.beta_start is None else self.beta_start,
+                0.02 * scale if self.beta_end is None else self.beta_end)
 
 
 @dataclass(kw_only=True)

@@ -86,11 +86,27 @@ def _list_classes(names: tuple[str, ...]) -> str:
 
 def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
     """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
+    _check_same_betas(saved.diffusion, current.diffusion, path)
     for section in ("model", "diffusion"):
         a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
         for key in a:
+            if section == "diffusion" and key in ("beta_start", "beta_end"):
+                continue  # compared as the betas they give, above
             if a[key] != b[key]:
                 raise ConfigError(
                     f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
                     f"now; drop the change, or start a new run directory"
                 )
+
+
+def _check_same_betas(saved, current, path: Path) -> None:
+    """The linear schedule's betas as they come out (unset and Ho et al.'s written out are the same at T = 1000).
+    A run saved with betas written out at another T trained them unscaled: name the flags that resume it."""
+    if saved.schedule != "linear" or current.schedule != "linear" or saved.num_timesteps != current.num_timesteps:
+        return  # the schedule or T differs: the field comparison names it
+    was, now = saved.linear_beta_range(), current.linear_beta_range()
+    if was != now:
+        raise ConfigError(
+            f"cannot resume from {path}: its linear betas run from {was[0]:g} to {was[1]:g} and this run's from "
+            f"{now[0]:g} to {now[1]:g} (unset, they are Ho et al.'s scaled by 1000 / T): resume with --beta-start "
+            f"{was[0]:g} --beta-end {was[1]:g}, or start a new run directory")

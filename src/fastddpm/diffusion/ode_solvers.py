@@ -52,7 +52,7 @@ from fastddpm.diffusion.schedule import NoiseSchedule
 # ends at sigma = sqrt(e^(beta_d / 2 + beta_min) - 1) = 152, Karras et al. 2022, table 1). Starting there from pure
 # noise errs by alpha <= 0.006 of x_0.
 # The linear schedule's lambda at T-1 is -5.06 at T = 1000: it keeps every timestep. Its betas scaled to a smaller T
-# (schedule.linear_beta_range) end lower: at T = 100 lambda is -5.40 and the solvers start at timestep 96.
+# (DiffusionConfig.linear_beta_range) end lower: at T = 100 lambda is -5.40 and the solvers start at timestep 96.
 LAMBDA_MIN = -5.1
 
 

@@ -16,23 +16,9 @@ import torch
 from fastddpm.diffusion.continuous import ContinuousProcess, make_process
 
 
-def linear_beta_range(num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> tuple[float, float]:
-    """The first and last beta of the linear schedule over `num_timesteps` steps. `beta_start` and `beta_end` are the
-    values for T = 1000 (Ho et al. 2020, sec. 4); for another T both are scaled by 1000 / T, as Nichol & Dhariwal
-    2021 (arXiv:2102.09672) extend the linear schedule to any T (improved-diffusion's get_named_beta_schedule): the
-    last alpha_bar stays at or below T = 1000's 4e-5 (2e-5 at T = 100, where the unscaled betas would end at 0.36,
-    and sampling from N(0, I) would start where 60% of the signal remains)."""
-    scale = 1000 / num_timesteps
-    if not beta_end * scale < 1:
-        raise ValueError(f"the linear schedule at num_timesteps={num_timesteps} scales beta_end={beta_end} by 1000/T "
-                         f"to {beta_end * scale:g}, not < 1: use num_timesteps > {math.floor(1000 * beta_end)}, a "
-                         "smaller beta_end, or the cosine schedule")
-    return beta_start * scale, beta_end * scale
-
-
 def linear_betas(num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> torch.Tensor:
     """Ho et al. 2020, sec. 4: betas increasing linearly from `beta_start` to `beta_end`, as given (make_schedule
-    first scales them to T, linear_beta_range)."""
+    decides them: DiffusionConfig.linear_beta_range)."""
     return torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)
 
 
@@ -96,11 +82,15 @@ class NoiseSchedule:
         return self._f64[name]
 
 
-def make_schedule(kind: str, num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02) -> NoiseSchedule:
-    """The schedule `kind` over `num_timesteps`; the linear one's `beta_start` and `beta_end` are its values at
-    T = 1000, scaled to `num_timesteps` (linear_beta_range)."""
+def make_schedule(kind: str, num_timesteps: int, beta_start: float | None = None,
+                  beta_end: float | None = None) -> NoiseSchedule:
+    """The schedule `kind` over `num_timesteps`; the linear one's betas as DiffusionConfig.linear_beta_range gives
+    them: unset, Ho et al.'s scaled by 1000 / T; given, as written."""
     if kind == "linear":
-        return NoiseSchedule(linear_betas(num_timesteps, *linear_beta_range(num_timesteps, beta_start, beta_end)))
+        from fastddpm.config import DiffusionConfig
+
+        d = DiffusionConfig(num_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end)
+        return NoiseSchedule(linear_betas(num_timesteps, *d.linear_beta_range()))
     if kind == "cosine":
         return NoiseSchedule(cosine_betas(num_timesteps))
     raise ValueError(f"unknown schedule {kind!r}: choose 'linear' or 'cosine'")
