@@ -138,6 +138,23 @@ def test_rule_data_bound():
     assert check(rules.data_bound, record(wait_ms=0.5))[0] is None  # 5%
 
 
+def test_the_loader_workers_prescribed_fit_the_cores_the_run_had():
+    # a latency-bound loader (workers idle) on 2 cores: 2 workers, not 8; on 16 cores at most 8; a CPU-bound one
+    # all cores but the training process's
+    def prescribed(cores: int, workers_cores: float) -> tuple[str, str]:
+        cpu = CpuLoad(main_cores=0.2, workers_cores=workers_cores, workers_seen=1, cpu_count=cores, wall_s=1.0)
+        f, _ = check(rules.data_bound, record(wait_ms=3.0, cpu_load=cpu, loader_workers=1))
+        fix = next(x for x in f.fixes if x.trial)
+        return fix.trial, fix.code
+
+    trial, code = prescribed(2, 0.05)
+    assert trial == "loader-workers:2" and "num_workers=2," in code
+    assert prescribed(16, 0.05)[0] == "loader-workers:8"
+    trial, code = prescribed(2, 1.0)  # the one worker is busy: CPU-bound
+    assert trial == "loader-workers:1" and "num_workers=1," in code
+    assert prescribed(16, 1.0)[0] == "loader-workers:15"
+
+
 def test_rule_epoch_spikes():
     m = record()
     m.steps[5] = StepRecord(5, 200.0, 190.0, 0.0, True)
@@ -567,6 +584,36 @@ def test_rule_drift():
                                                                   "no CUDA device"})
 
 
+def test_drift_is_not_judged_from_fifths_of_one_or_two_steps():
+    grew = StepStats(first_fifth_median_ms=10.0, last_fifth_median_ms=12.0)
+    f, unavailable = check(rules.drift, record(n=5, step_stats=grew))  # 1-step fifths: noise
+    assert f is None and unavailable == {"15 (drift)": "5 watched steps: the first and last fifth of the watch need "
+                                                       "3 steps each, 15 in all (--steps)"}
+    f, unavailable = check(rules.drift, record(n=15, step_stats=grew))
+    assert f.id == "drift" and "15 (drift)" not in unavailable
+
+
+def test_without_a_trace_the_verdict_says_which_rules_it_rests_on():
+    ended = "no profile: the loop ended after 9 steps, in the watch window, before the profile window " \
+            "(profile_steps=10) began"
+    m = record(trace_unavailable=ended, mfu_unavailable=f"no FLOPs counted: {ended}")
+    found, unavailable = evaluate(m)
+    v = verdict(found, m)
+    assert v["healthy"] and v["title"] == f"HEALTHY by the host-side rules; the compute rules were not checked: {ended}"
+    assert "math" not in v["title"]  # nothing measured what the step is made of
+    assert unavailable["12, 16-20 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, "
+                       "batch)"] == ended
+    assert ended in unavailable["13 (MFU)"]
+    # on a GPU the timeline and the syncs were not checked either, for the same reason
+    found, unavailable = evaluate(dataclasses.replace(m, device="cuda:0"))
+    v = verdict(found, dataclasses.replace(m, device="cuda:0"))
+    assert v["title"] == f"HEALTHY by the host-side rules; the GPU timeline and the compute rules were not " \
+                         f"checked: {ended}"
+    assert unavailable["4-6,8,9,11"] == ended and unavailable["7 (syncs)"] == ended
+    # read back from report.json, the reason stays
+    assert Measurements.from_dict(m.to_dict()).no_trace == ended and m.to_dict()["trace_unavailable"] == ended
+
+
 def test_drift_on_a_gpu_is_timed_by_cuda_events_not_by_the_queue_filling():
     # the shape of a compiled, CUDA-graphed step on an H200 (never syncs): the host queues the first five steps in
     # under 1 ms each, then waits for the GPU's 25 ms; the CUDA events between steps are flat
@@ -593,8 +640,9 @@ def test_every_rule_function_is_checked_in_order():
         "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
         "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift", "attention_weights",
         "eager_elementwise", "per_tensor_optimizer", "small_batch"]
-    _, unavailable = rules.evaluate(record())
-    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "13 (MFU)", "14 (memory)"]
+    _, unavailable = rules.evaluate(record())  # no trace: the rules that read one are listed too
+    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20 (the profiled step's ops: "
+                                 "matmul dtypes, attention, elementwise, optimizer, batch)", "13 (MFU)", "14 (memory)"]
 
 
 # ---- the record's dict form: the JSON report's `measurements`, as users read it

@@ -43,9 +43,10 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     compiled = _compile_counts(s)
     events = load_trace(s.trace_path) if s.trace_path is not None else None
     trace = analyze(events) if events is not None else None
+    no_trace = why_no_trace(s) if trace is None else None
     mfu = mfu_measurements(trace, stats.to_dict() if stats is not None else {}, s.device,
                            flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
-                           matmul_dtype=matmul_dtype)
+                           matmul_dtype=matmul_dtype, no_trace=no_trace)
     mf = mfu.get("mfu") or {}
     roof, roof_why = roofline_measurements(session, mf, mfu.get("mfu_unavailable"), step_bytes=step_bytes,
                                            params=params, bandwidth=bandwidth,
@@ -62,10 +63,21 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
         device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
         telemetry_start=s.telemetry_start, telemetry_end=s.telemetry_end,
         profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
-        trace=trace, trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
+        trace=trace, trace_unavailable=no_trace,
+        trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
         flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,
         mfu_unavailable=mfu.get("mfu_unavailable"), roofline=roof, roofline_unavailable=roof_why,
         attention_sites=s.attention_sites.found() if getattr(s, "attention_sites", None) is not None else [])
+
+
+def why_no_trace(session: Session) -> str:
+    """Why a finished session has no trace: no profile window was planned, or the loop ended before it."""
+    planned = session.config.profile_steps
+    if planned == 0:
+        return "no profile window (profile_steps=0)"
+    window = {"warmup": "warm-up"}.get(session.phase, session.phase)
+    return (f"no profile: the loop ended after {session.step_index} steps, in the {window} window, before the "
+            f"profile window (profile_steps={planned}) began")
 
 
 def roofline_measurements(session: Session, mfu: dict, mfu_unavailable: str | None, *,
@@ -198,12 +210,13 @@ def run_matmul_dtype(flops_by_dtype: dict[str, float], device: torch.device | st
 
 def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.device | str, *,
                      flops_per_step: float | None = None, peak: dict | None = None,
-                     measure_peak: bool = True, matmul_dtype: str | None = None) -> dict:
+                     measure_peak: bool = True, matmul_dtype: str | None = None, no_trace: str | None = None) -> dict:
     """MFU = FLOPs per step / step time / the matmul peak measured in the run's dtype (rule 13), as entries of
     the measurements' dict form: {"flops_source": ..., "mfu": {...}}, or {"mfu_unavailable": why}, with or
     without flops_source. `step_stats` is StepStats' dict form (its step time: gpu_median_ms, else median_ms).
     `matmul_dtype` ("bf16", "fp16", "fp32"): the run's dtype when the caller knows it (fastddpm's trainer: its
-    precision), used when the trace cannot show it (no profile window, or a step replayed from a CUDA graph)."""
+    precision), used when the trace cannot show it (no profile window, or a step replayed from a CUDA graph).
+    `no_trace`: why `trace` is None (default: no profile window was planned)."""
     by_dtype = trace.gemm_flops_per_step if trace is not None else {}
     out: dict = {}
     if flops_per_step is not None:
@@ -212,7 +225,7 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
         flops_per_step = sum(by_dtype.values())
         out["flops_source"] = "counted from the trace's matmul/conv/attention shapes (fwd + bwd)"
     else:
-        why = ("no profile window (profile_steps=0)" if trace is None else
+        why = (no_trace or "no profile window (profile_steps=0)" if trace is None else
                trace.gemm_unavailable or "the trace shows no matmul/conv/attention op")
         return {"mfu_unavailable": f"no FLOPs counted: {why}; pass flops_per_step (e.g. from FlopCounterMode on one "
                                    "eager step) to measure MFU"}
@@ -233,7 +246,8 @@ def mfu_measurements(trace: TraceStats | None, step_stats: dict, device: torch.d
         # FLOPs from the caller, dtypes unseen (no trace, or the ops hidden in CUDA graphs): the usual training
         # dtype of the device, said to be assumed
         dtype, dtype_name = run_matmul_dtype({"bf16" if torch.device(device).type == "cuda" else "fp32": 1.0}, device)
-        unseen = "no profile window" if trace is None else trace.gemm_unavailable or "no matmul op in the trace"
+        unseen = (no_trace or "no profile window" if trace is None else
+                  trace.gemm_unavailable or "no matmul op in the trace")
         basis = f"assumed, the device's usual training dtype: the run's matmul dtypes are unseen ({unseen})"
     if peak is None:
         if not measure_peak:

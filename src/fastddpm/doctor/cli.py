@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 EPILOG = """\
@@ -104,6 +105,32 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Everything the diagnosed loop prints goes to stderr, so that stdout holds only the JSON report (--json).
+    Two levels, as a loop writes at both: sys.stdout is pointed at sys.stderr, which catches print() wherever
+    sys.stdout leads (a terminal, a pipe, a test's capture); and file descriptor 1 is pointed at fd 2, which
+    catches what bypasses sys.stdout: C and C++ code, and child processes (DataLoader workers) that inherit
+    fd 1."""
+    import os
+    import sys
+
+    for stream in (sys.stdout, sys.__stdout__):
+        if stream is not None:
+            stream.flush()  # what was printed before goes out in place
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        for stream in (sys.stdout, sys.__stdout__, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_doctor(args, resolve_train_config) -> int:
     import sys
 
@@ -133,17 +160,18 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
         from fastddpm.config import ConfigError
 
         raise ConfigError(f"doctor: {e}") from e
-    if args.doctor_command == "train":
-        from fastddpm.doctor.runners import run_trainer
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        if args.doctor_command == "train":
+            from fastddpm.doctor.runners import run_trainer
 
-        args.resume = None
-        train_cfg = resolve_train_config(args, args.train_dests)
-        report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes, try_log=_stderr)
-    else:
-        from fastddpm.doctor.runners import run_script
+            args.resume = None
+            train_cfg = resolve_train_config(args, args.train_dests)
+            report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes, try_log=_stderr)
+        else:
+            from fastddpm.doctor.runners import run_script
 
-        report = run_script(args.script, script_arguments(args.script, args.script_args), cfg, device=args.device,
-                            try_fixes=args.try_fixes, log=_stderr)
+            report = run_script(args.script, script_arguments(args.script, args.script_args), cfg,
+                                device=args.device, try_fixes=args.try_fixes, log=_stderr)
     if args.json:
         import json
 

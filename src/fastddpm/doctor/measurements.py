@@ -207,6 +207,7 @@ class Measurements:
     notes: list[str] = field(default_factory=list)
     compile: CompileCounts | None = None
     trace: TraceStats | None = None
+    trace_unavailable: str | None = None  # why trace is None (no profile window, or the loop ended before it)
     trace_file: str | None = None
     flops_source: str | None = None  # where mfu's FLOPs came from
     mfu: Mfu | None = None
@@ -229,6 +230,12 @@ class Measurements:
     @property
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def no_trace(self) -> str:
+        """Why the run has no trace, for the rules that read one (a hand-made record without the reason: no
+        profile window)."""
+        return self.trace_unavailable or "no profile window (profile_steps=0)"
 
     @property
     def gpu_trace(self) -> TraceStats | None:
@@ -285,6 +292,8 @@ class Measurements:
         if self.compile is not None:
             d["compile"] = dataclasses.asdict(self.compile)
         d["trace"] = self.trace.to_dict() if self.trace is not None else None
+        if self.trace is None and self.trace_unavailable is not None:
+            d["trace_unavailable"] = self.trace_unavailable
         if self.trace is not None:
             d["trace_timeline"] = self.trace.timeline
         if self.trace_file is not None:
@@ -327,7 +336,8 @@ class Measurements:
                    telemetry_start=_typed(Telemetry, d.get("telemetry_start")),
                    telemetry_end=_typed(Telemetry, d.get("telemetry_end")),
                    profiled_steps=d.get("profiled_steps", 0), notes=list(d.get("notes", [])),
-                   compile=_typed(CompileCounts, d.get("compile")), trace=trace, trace_file=d.get("trace_file"),
+                   compile=_typed(CompileCounts, d.get("compile")), trace=trace,
+                   trace_unavailable=d.get("trace_unavailable"), trace_file=d.get("trace_file"),
                    flops_source=d.get("flops_source"), mfu=_typed(Mfu, d.get("mfu")),
                    mfu_unavailable=d.get("mfu_unavailable"), roofline=_typed(Roofline, d.get("roofline")),
                    roofline_unavailable=d.get("roofline_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),

@@ -72,8 +72,11 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
         text = (f"HEALTHY (GPU-bound): the GPU is busy {pct(1 - t.idle_share)} of the kernel span, launch "
                 f"queue depth median {t.queue_depth_median:.0f}; no input, sync, transfer or compile "
                 "problem costs 5% or more. Further gains are compute: fusion, precision, batch (rules 12, 13, 16-20)")
+    elif m.trace is None:  # only the rules that need no trace were checked: the verdict says so, and why
+        unchecked = "the GPU timeline and the compute rules were" if m.cuda else "the compute rules were"
+        text = f"HEALTHY by the host-side rules; {unchecked} not checked: {m.no_trace}"
     elif m.cuda:
-        text = "HEALTHY by the host-side rules; the GPU timeline was not profiled (profile_steps=0)"
+        text = "HEALTHY by the host-side rules; the trace holds no GPU activity, so the GPU timeline was not checked"
     else:
         math = ""
         if m.trace is not None and m.trace.breakdown:  # unprofiled shares, as the rules read them

@@ -15,11 +15,17 @@ from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_
 from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 
+NO_TRACE_RULES = "12, 16-20 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, batch)"
+
+
 def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     """Rule 12: > 20% of matmul/conv FLOPs in fp32 while some run in bf16/fp16 (autocast gap); or, on a GPU,
     none in reduced precision at all (fp32)."""
     t = m.trace
     if t is None:
+        # one entry for every rule that reads the profiled step's ops, recorded with the first of them (rule 13
+        # has its own: MFU can be had without a trace, from flops_per_step)
+        unavailable[NO_TRACE_RULES] = m.no_trace
         return None
     if t.gemm_unavailable:
         unavailable["12 (FLOPs by dtype, GEMM share, autocast coverage)"] = t.gemm_unavailable

@@ -21,7 +21,7 @@ def host_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         # one entry for all the rules that read the GPU timeline, recorded with the first of them
         unavailable["4-6,8,9,11" if m.cuda else "4-6,8,9,11 (GPU timeline)"] = (
             "no CUDA device: the GPU timeline needs a CUDA trace" if not m.cuda
-            else "no profile window (profile_steps=0)" if m.trace is None
+            else m.no_trace if m.trace is None
             else "the trace holds no GPU activity")
         return None
     python_share = t.host_wait_by_cause.get("host", 0.0)  # host-wait with no data wait or sync to blame
@@ -121,6 +121,8 @@ def sync_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         if not m.cuda:
             unavailable["7 (syncs)"] = ("a CPU device has no host-device syncs; .item() calls are counted "
                                         "(scalar_reads_per_step) but cost nothing here")
+        elif m.trace is None:  # the syncs are counted from the trace's runtime calls
+            unavailable["7 (syncs)"] = m.no_trace
         return None
     if not t.syncs_per_step >= 1:
         return None

@@ -3,11 +3,11 @@ does the first step of each epoch stall. Each rule: the measurements in, its Fin
 
 from __future__ import annotations
 
-import os
 import statistics
 
 from fastddpm.doctor.findings import Finding, Fix, pct, watched_time
 from fastddpm.doctor.measurements import Measurements, StepRecord
+from fastddpm.doctor.system import usable_cores
 from fastddpm.doctor.thresholds import (DATA_WAIT_SHARE, EPOCH_SPIKE_X, HEALTHY_FLOOR, IN_PROCESS_CPU_SHARE,
                                         LOADER_MARGIN)
 
@@ -43,9 +43,9 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
                 "and do normalisation/augmentation on the GPU on whole batches"),
             Fix(None, "move per-sample work out of __getitem__: precompute deterministic transforms; do "
                       "random flips/crops batched on the GPU"),
-            Fix(None, "more loader processes: DataLoader(..., num_workers=<cores - 1>, persistent_workers=True, "
-                      "prefetch_factor=4, pin_memory=True)",
-                trial=f"loader-workers:{max(1, (os.cpu_count() or 2) - 1)}"),
+            Fix(None, f"more loader processes: DataLoader(..., num_workers={loader_workers(m, cpu_bound=True)}, "
+                      "persistent_workers=True, prefetch_factor=4, pin_memory=True)",
+                trial=f"loader-workers:{loader_workers(m, cpu_bound=True)}"),
         ]
     else:
         cause = ("data-starved: the loader delivers batches slower than the step consumes them, and the CPU is "
@@ -54,8 +54,9 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         fixes = [
             Fix("--data-placement device (whole dataset on the GPU as uint8: no loader at all)",
                 "preload the dataset into RAM (or onto the GPU) once, instead of reading per sample"),
-            Fix(None, "overlap the waits: DataLoader(..., num_workers=8, persistent_workers=True, "
-                      "prefetch_factor=4, pin_memory=True)", trial="loader-workers:8"),
+            Fix(None, f"overlap the waits: DataLoader(..., num_workers={loader_workers(m, cpu_bound=False)}, "
+                      "persistent_workers=True, prefetch_factor=4, pin_memory=True)",
+                trial=f"loader-workers:{loader_workers(m, cpu_bound=False)}"),
             Fix("fastddpm data prepare SOURCE (a uint8 memory-mapped cache)",
                 "read from a memory-mapped uint8 array (np.load(..., mmap_mode='r')) instead of files"),
         ]
@@ -63,6 +64,18 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     cost = wait_share if bound else min(wait_share, HEALTHY_FLOOR / 2)
     return Finding("data-bound", rules, "DATA-BOUND: the step waits for the loader", cost, ev, cause, fixes,
                    kind="bottleneck" if bound else "note")
+
+
+# the most loader workers prescribed for a wait that is latency, not CPU: enough to overlap I/O waits
+LATENCY_WORKERS = 8
+
+
+def loader_workers(m: Measurements, *, cpu_bound: bool) -> int:
+    """The workers to prescribe on the run's machine (the cores its process may use, as measured): a CPU-bound
+    pipeline gets all but the training process's core; a latency-bound one up to LATENCY_WORKERS, never more
+    than the cores (each worker still decodes what it read)."""
+    cores = (m.cpu_load.cpu_count if m.cpu_load is not None else None) or usable_cores()
+    return max(1, cores - 1) if cpu_bound else max(1, min(LATENCY_WORKERS, cores))
 
 
 def _loader_cpu(m: Measurements, steady: list[StepRecord]) -> tuple[bool, int, list[str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastddpm.doctor.findings import Finding, Fix, pct, watched_time
 from fastddpm.doctor.measurements import CompileCounts, Measurements
-from fastddpm.doctor.thresholds import DRIFT_SHARE, HEALTHY_FLOOR, MEMORY_HEADROOM_SHARE
+from fastddpm.doctor.thresholds import DRIFT_FIFTH_STEPS, DRIFT_SHARE, HEALTHY_FLOOR, MEMORY_HEADROOM_SHARE
 
 
 def recompiles(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -57,6 +57,10 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     the SM clock at both ends tells throttling from state that grows."""
     ss = m.step_stats
     if ss is None or not ss.first_fifth_median_ms:
+        return None
+    if len(m.steps) < 5 * DRIFT_FIFTH_STEPS:  # a fifth of one step is that step's noise, not a trend
+        unavailable["15 (drift)"] = (f"{len(m.steps)} watched steps: the first and last fifth of the watch need "
+                                     f"{DRIFT_FIFTH_STEPS} steps each, {5 * DRIFT_FIFTH_STEPS} in all (--steps)")
         return None
     t0, t1 = m.telemetry_start, m.telemetry_end
     clocks = t0 is not None and t1 is not None

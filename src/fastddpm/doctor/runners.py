@@ -28,20 +28,21 @@ from fastddpm.doctor.watchers import AttentionWatch, batch_size, conv_layout, op
 
 
 class _TimedIterator:
-    """A DataLoader iterator whose every `next` is timed as a wait for data."""
+    """A DataLoader iterator whose every `next` is timed as a wait for data, and told to the hooks (which loader
+    the loop trains on is decided from its fetches)."""
 
-    def __init__(self, it, session: Session, hooks: "ScriptHooks"):
+    def __init__(self, it, session: Session, hooks: "ScriptHooks", loader):
         self._it = it
         self._session = session
         self._hooks = hooks
+        self._loader = weakref.ref(loader)
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = self._session.wait_for_data(lambda: next(self._it))
-        if self._hooks.batch_size is None:
-            self._hooks.batch_size = batch_size(batch)
+        self._hooks.fetched(self._loader(), batch)
         return batch
 
     def __len__(self):
@@ -52,19 +53,53 @@ class _TimedIterator:
 
 
 class ScriptHooks:
-    """Install/remove the DataLoader and optimizer hooks for one session."""
+    """Install/remove the DataLoader and optimizer hooks for one session.
+
+    The training loader is the one whose batch was fetched last before the first step boundary, leaving out
+    fetches under torch.no_grad() or inference_mode (a validation pass before training iterates its own loader
+    first); where every fetch before that boundary was without grad, the last one. A loop whose first steps
+    fetch nothing (a warm-up on a fixed batch) waits for the first later boundary with a fetch under grad before
+    it. Until it is known every loader's fetches are timed alike."""
 
     def __init__(self, session: Session):
         self.session = session
         self._orig_iter = None
-        self._handle = None
+        self._handles = []
         self._optimizer = None  # weakref to the optimizer whose steps are the step boundaries
-        self._train_loader = None  # weakref to the first DataLoader iterated: its new iterators are epochs
+        self._train_loader = None  # weakref to the training DataLoader once known: its new iterators are epochs
+        # until the training loader is known: weakrefs to the loader of the latest fetch, and of the latest with
+        # grad on (not under torch.no_grad() or inference_mode)
+        self._last_fetch = self._last_grad_fetch = None
+        self._first_batch = weakref.WeakKeyDictionary()  # loader -> its first batch's size
+        self._iterated = weakref.WeakSet()  # loaders with an iterator made before the training loader was known
         self.optimizer_steps = 0
-        self.batches_fetched = 0
         self.batch_size: int | None = None  # of the training loader's first batch
         self.optimizer_info = None
         self.attention = AttentionWatch(lambda: session.phase == "watch")
+
+    def fetched(self, loader, batch) -> None:
+        """A batch came from `loader`: remembered until the training loader is known."""
+        if self._train_loader is not None or loader is None:
+            return
+        if loader not in self._first_batch:
+            self._first_batch[loader] = batch_size(batch)
+        self._last_fetch = weakref.ref(loader)
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            self._last_grad_fetch = self._last_fetch
+
+    def _choose_train_loader(self) -> None:
+        """At a step boundary: the loader of the last fetch with grad on; at the first boundary, else the loader
+        of the last fetch (a loop that fetches its training batches under no_grad)."""
+        tried = (self._last_grad_fetch,) + ((self._last_fetch,) if self.optimizer_steps == 0 else ())
+        chosen = next((r() for r in tried if r is not None and r() is not None), None)
+        if chosen is None:
+            return
+        self._train_loader = weakref.ref(chosen)
+        self.session.loader = chosen
+        self.batch_size = self._first_batch.get(chosen)
+        if chosen in self._iterated:
+            self.session.mark_epoch()  # the epoch it is in began before it was known: the first, not a boundary
+        self._first_batch, self._iterated = None, None
 
     def __enter__(self):
         from torch.utils.data import DataLoader
@@ -75,12 +110,13 @@ class ScriptHooks:
 
         def timed_iter(loader):
             if hooks._train_loader is None:
-                hooks._train_loader = weakref.ref(loader)
-                session.loader = loader
-            if hooks._train_loader() is loader:
+                hooks._iterated.add(loader)
+                it = session.wait_for_data(lambda: orig(loader))
+            elif hooks._train_loader() is loader:
                 it = session.new_iterator(lambda: orig(loader))
-                return _TimedIterator(it, session, hooks)
-            return _TimedIterator(session.wait_for_data(lambda: orig(loader)), session, _NoBatchSize())
+            else:
+                it = session.wait_for_data(lambda: orig(loader))
+            return _TimedIterator(it, session, hooks, loader)
 
         DataLoader.__iter__ = timed_iter
 
@@ -90,14 +126,21 @@ class ScriptHooks:
                 hooks.optimizer_info = optimizer_info(optimizer)
             if hooks._optimizer() is not optimizer:
                 return
+            if hooks._train_loader is None:
+                hooks._choose_train_loader()
             hooks.optimizer_steps += 1
             session.step()
             if session.done:
                 raise DoctorDone()
 
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handle = register_optimizer_step_post_hook(after_optimizer_step)
+        def before_optimizer_step(optimizer, args, kwargs):
+            if hooks._optimizer is None or hooks._optimizer() is optimizer:
+                session.start_clocks()  # a loop that fetched no batch before its first step: its step 0 starts here
+
+        self._handles = [register_optimizer_step_pre_hook(before_optimizer_step),
+                         register_optimizer_step_post_hook(after_optimizer_step)]
         self.attention.__enter__()
         return self
 
@@ -105,7 +148,8 @@ class ScriptHooks:
         from torch.utils.data import DataLoader
 
         DataLoader.__iter__ = self._orig_iter
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
         self.attention.__exit__()
         return False
 
@@ -120,12 +164,6 @@ class ScriptHooks:
         return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
                 "attention_calls": self.attention.measured(len(self.session.records)),
                 "conv_layout": conv_layout(p for g in opt.param_groups for p in g["params"]) if opt else None}
-
-
-class _NoBatchSize:
-    """An iterator over another loader (validation): its batches do not set the training batch size."""
-
-    batch_size = 0
 
 
 def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,

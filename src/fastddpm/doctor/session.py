@@ -40,7 +40,7 @@ import torch
 
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
-from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry
+from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry, usable_device
 from fastddpm.doctor.watchers import AttentionSites
 from fastddpm.measure import SavedTensors
 
@@ -189,12 +189,16 @@ class Session:
         self.config = config
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = usable_device(device)
+        except ValueError as e:
+            raise DoctorError(str(e)) from None
         self.cuda = self.device.type == "cuda"
         self.on_done = on_done
         self.step_index = 0  # steps finished
         self.records: list[StepRecord] = []
-        self._t_boundary = time.perf_counter()
+        self._t_boundary = time.perf_counter()  # until start_clocks moves it to the loop's first fetch
+        self._clocks_started = False
         self._wait_s = 0.0
         self._wait_cpu_s = 0.0
         self._wait_queued_s = 0.0
@@ -283,8 +287,27 @@ class Session:
         self._window_step_s = []
 
     # ---------------------------------------------------------------- the two calls
+    def start_clocks(self) -> None:
+        """The loop's first step begins: at its first data fetch (wait_for_data calls this), or, in a loop that
+        fetches nothing through the session, at its first optimizer step (doctor run's pre-hook). Step 0 and the
+        warm-up window are timed from here, not from the Session's creation: a script's imports and set-up (a
+        dataset read, a model built) are not a step, and do not spend the warm-up's share of the time budget. A
+        loop that does neither is timed from the Session's creation."""
+        if self._clocks_started:
+            return
+        self._clocks_started = True
+        self._t_boundary = self._window_t0 = time.perf_counter()
+        if self._phase == "watch" and not self.records:  # no warm-up: the watch's own clocks start here too
+            self.cpu.rebase()
+            self.compile_warm = self._graphs_prev = _dynamo_graphs()
+            if self.cuda:
+                self._events = [torch.cuda.Event(enable_timing=True)]
+                self._events[0].record()
+                self.telemetry_start = gpu_telemetry(self.device)
+
     def wait_for_data(self, fetch: Callable[[], object]) -> object:
         """Run `fetch` (a `next(iterator)`), timing how long the loop waits for it."""
+        self.start_clocks()
         profiling = self.phase == "profile" and self.profiler is not None
         rf = torch.autograd.profiler.record_function(DATA_MARK) if profiling else None
         if rf is not None:
@@ -315,6 +338,7 @@ class Session:
         """A step boundary: the step that just ended is recorded; may start or stop the profiler."""
         if self.done:
             return
+        self._clocks_started = True  # a loop with no fetch before its first boundary: timed from the creation
         now = time.perf_counter()
         phase = self._phase
         if phase == "watch":

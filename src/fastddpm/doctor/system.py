@@ -57,6 +57,34 @@ def _descendants(pid: int) -> list[int]:
     return seen
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one (a container or `taskset` limits
+    it below os.cpu_count()), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def usable_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, once it is known to exist here; ValueError naming the fix where it does not
+    (a CUDA device asked for on a machine without one would fail later, inside the user's script, on the doctor's
+    own CUDA events)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r} is not a device torch knows ({e}); give cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch {torch.__version__} sees no CUDA device on this machine; "
+                             f"leave --device out (or give --device cpu) to diagnose the run on the CPU")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}; give one of those")
+    return dev
+
+
 class CpuSampler:
     """Samples the CPU time of this process and all its descendants (DataLoader workers) every `period_s`
     on a background thread (a few /proc reads: ~0.1 ms a sample). Workers that come and go between
@@ -99,6 +127,14 @@ class CpuSampler:
         self._thread = threading.Thread(target=self._run, name="fastddpm-doctor-cpu", daemon=True)
         self._thread.start()
 
+    def rebase(self) -> None:
+        """Count from now: the window it measures began later than the sampler (a loop's first fetch)."""
+        if not self.available or self._thread is None:
+            return
+        self._first.clear()
+        self.t0 = time.perf_counter()
+        self._sample(first=True)
+
     def stop(self) -> CpuLoad | None:
         if not self.available or self._thread is None:
             return None
@@ -111,7 +147,7 @@ class CpuSampler:
         main = (self._last[me] - self._first[me]) / wall
         workers = sum(self._last[p] - self._first[p] for p in self._last if p != me) / wall
         return CpuLoad(main_cores=main, workers_cores=workers, workers_seen=self.max_workers,
-                       cpu_count=os.cpu_count(), wall_s=wall)
+                       cpu_count=usable_cores(), wall_s=wall)
 
 
 def gpu_telemetry(device: torch.device) -> Telemetry | None:

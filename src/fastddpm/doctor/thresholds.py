@@ -20,6 +20,7 @@ FP32_GEMM_SHARE = 0.20
 LOW_MFU_SHARE = 0.05
 MEMORY_HEADROOM_SHARE = 0.50
 DRIFT_SHARE = 0.05
+DRIFT_FIFTH_STEPS = 3  # rule 15 compares medians of the watch's first and last fifth: this many steps each
 # the compute rules (16-20). Their costs are deliberately conservative: a fix must give at least what the
 # report promised (benchmarks/RESULTS.md measures the seed-style script before and after its top fix)
 LOW_PRECISION_MIN_RATIO = 1.2  # bf16/fp16 matmuls must measure this much faster than fp32 to be prescribed

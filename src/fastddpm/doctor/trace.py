@@ -221,7 +221,7 @@ def analyze(events: list[dict]) -> TraceStats:
     # keep GPU work launched from inside the measured steps
     gpu = [g for g in xs if g.get("cat") in GPU_CATS and (g.get("args") or {}).get("correlation") in launches
            and step_of(float(launches[g["args"]["correlation"]]["ts"])) is not None]
-    tree = OpTree(xs, step_of)
+    tree = OpTree(xs, step_of, [s.end_us for s in steps])
     stats.optimizer_kind, stats.optimizer_ops_per_step = tree.optimizer_kind()
     if not gpu:
         stats.gemm_time_share = {k: v / total_step_us for k, v in host.gemm_time_us.items()}

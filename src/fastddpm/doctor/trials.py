@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from fastddpm.doctor.findings import Finding
+from fastddpm.doctor.system import usable_cores
 
 WHAT = {
     "autocast-bf16": "torch.autocast(dtype=torch.bfloat16) around the model's forward",
@@ -250,7 +251,7 @@ class _Fix:
         elif self.name == "fused-optimizer":
             self._fused_optimizers()
         elif self.name == "loader-workers":
-            self._loader_workers(int(self.param or max(1, (os.cpu_count() or 2) - 1)))
+            self._loader_workers(int(self.param or max(1, usable_cores() - 1)))
         else:
             raise ValueError(f"unknown fix {self.name!r}; one of {', '.join(WHAT)}")
         return self
@@ -328,11 +329,20 @@ class _Fix:
         init = DataLoader.__init__
 
         def with_workers(loader, dataset, *args, **kwargs):
-            # num_workers is DataLoader's fifth parameter after the dataset: respect it when given positionally
-            if len(args) < 5 and not kwargs.get("num_workers"):
-                kwargs.update(num_workers=workers, persistent_workers=True,
-                              pin_memory=kwargs.get("pin_memory") or torch.cuda.is_available())
-                self.applied.append(f"DataLoader(num_workers={workers}, persistent_workers=True)")
+            # num_workers is DataLoader's fifth parameter after the dataset and pin_memory its seventh: either may
+            # come positionally. A loader with fewer workers than the fix's is raised to them (the finding's
+            # advice, measured); one with as many or more is left as it is
+            given = args[4] if len(args) > 4 else kwargs.get("num_workers") or 0
+            if given < workers:
+                if len(args) > 4:
+                    args = (*args[:4], workers, *args[5:])
+                else:
+                    kwargs["num_workers"] = workers
+                kwargs["persistent_workers"] = True
+                if len(args) <= 6:
+                    kwargs["pin_memory"] = kwargs.get("pin_memory") or torch.cuda.is_available()
+                self.applied.append(f"DataLoader(num_workers={workers}, persistent_workers=True)"
+                                    + (f" (was num_workers={given})" if given else ""))
             init(loader, dataset, *args, **kwargs)
 
         DataLoader.__init__ = with_workers
