@@ -71,6 +71,17 @@ def test_an_attention_resolution_that_is_no_level_is_refused_naming_the_levels()
     assert resolve_model_shape(narrow, (10, 3, 24, 24), new_model=False).model.image_size == 24
 
 
+def test_a_new_run_started_with_resume_latest_is_checked_like_any_new_run(tmp_path, rgb_npz, capsys):
+    """`--resume latest` with no checkpoint yet (how torchrun jobs start) trains a new model: its attention levels
+    are checked as a plain new run's are."""
+    args = ["train", "--data", str(rgb_npz), "--out", str(tmp_path / "run"), "--preset", "tiny",
+            *flags({**TINY_DDPM, "model.attention_resolutions": (12,)}), "--max-steps", "1", "--no-progress"]
+    for extra in ([], ["--resume", "latest"]):
+        assert main([*args, *extra]) == 2
+        assert "no level of 12 pixels per side" in capsys.readouterr().err
+    assert not list((tmp_path / "run").glob("checkpoints/*.pt"))
+
+
 def test_num_heads_need_divide_only_the_channels_that_have_attention(tmp_path):
     """Only attention layers split their channels into heads: base 32, mult 1,3 with attention at the 96-channel
     level (and the middle) takes 3 heads, though the first level's 32 channels do not divide by 3. A level with

@@ -169,6 +169,26 @@ def test_eval_refuses_reference_data_with_another_number_of_classes(fmnist_split
     assert "conditional on 10 classes" in err and "has 2" in err and "--data SOURCE" in err
 
 
+def test_eval_names_every_choice_that_changes_its_result_and_refuses_non_finite_guidance():
+    import argparse
+    from types import SimpleNamespace
+
+    from fastddpm.config import DataConfig
+    from fastddpm.eval.cli import _guidance_list, _identity_suffix
+
+    evaluator = SimpleNamespace(net=SimpleNamespace(name="inception-v3"), ref=SimpleNamespace(meta={"split": "test"}))
+    args = SimpleNamespace(weights="model", data="/data/other.npz", resize=32, resize_mode="stretch", image_mode="RGB")
+    suffix = _identity_suffix(args, {"step": 7}, evaluator, trained=DataConfig(source="fashion-mnist"))
+    assert suffix == "_step7_model_inception-v3_ref-test_data-other.npz_resize32_stretch_RGB"
+    plain = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None)
+    own = SimpleNamespace(net=SimpleNamespace(name="fastddpm-features"), ref=SimpleNamespace(meta={"split": "train"}))
+    assert _identity_suffix(plain, {"step": None}, own, trained=DataConfig()) == ""
+    assert _guidance_list("0,1,2.5") == [0.0, 1.0, 2.5]
+    for bad in ("2,nan", "inf", "-1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="finite numbers >= 0"):
+            _guidance_list(bad)
+
+
 def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

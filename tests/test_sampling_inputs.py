@@ -39,6 +39,8 @@ def test_linear_betas_scale_by_1000_over_t_and_are_unchanged_at_1000():
     with pytest.raises(ConfigError, match=r"at num_timesteps=16 they are .*use num_timesteps > 20"):
         DiffusionConfig(num_timesteps=16)
     assert DiffusionConfig(num_timesteps=16, schedule="cosine").num_timesteps == 16  # cosine reads no betas
+    with pytest.raises(ConfigError, match=r"they are 0.015 and 0.01 \(a beta left unset .*give both --beta-start"):
+        DiffusionConfig(num_timesteps=2000, beta_start=0.015)
 
 
 def test_betas_given_are_used_as_written_so_runs_saved_before_the_scaling_keep_their_schedule():

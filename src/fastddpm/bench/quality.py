@@ -422,11 +422,18 @@ def report_markdown(r: dict) -> str:
                      f"- | - |")
     own = [o for o in r["options"] if o.get("own_sampler")]
     if own:
-        from fastddpm.diffusion import network_calls
+        from fastddpm.config import ConfigError, from_dict
+        from fastddpm.diffusion import network_calls, schedule_from_config
 
         shared = f"{_recorded(r, 'eval_sampler')} {r['settings']['eval_steps']}"
+        # as eval records its nfe: the timesteps the sampler's own spacing really walks on the recorded schedule
+        # (a record whose config this version no longer reads: the count for distinct timesteps, an upper bound)
+        try:
+            schedule = schedule_from_config(from_dict(own[0]["config"]).diffusion)
+        except (ConfigError, KeyError, TypeError):
+            schedule = None
         shared_calls = network_calls(_recorded(r, "eval_sampler"), r["settings"]["eval_steps"],
-                                     own[0]["config"]["diffusion"]["num_timesteps"])
+                                     own[0]["config"]["diffusion"]["num_timesteps"], schedule=schedule)
         lines += ["", "Options whose objective samples best with another sampler, scored again with it (same "
                   "weights, features and noise):", "",
                   f"| option | FID at {shared} ({shared_calls} calls) | its own sampler | calls | FID |",

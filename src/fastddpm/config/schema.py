@@ -223,7 +223,10 @@ class DiffusionConfig:
                      f"diffusion betas must satisfy 0 < beta_start < beta_end < 1; at num_timesteps="
                      f"{self.num_timesteps} they are {start:g} and {end:g}"
                      + (" (Ho et al.'s 1e-4 and 0.02 scaled by 1000 / T): use num_timesteps > 20, the cosine "
-                        "schedule, or give --beta-start and --beta-end" if self.beta_end is None else ""))
+                        "schedule, or give --beta-start and --beta-end"
+                        if self.beta_start is None and self.beta_end is None else
+                        " (a beta left unset is Ho et al.'s scaled by 1000 / T): give both --beta-start and "
+                        "--beta-end, or neither"))
 
     def linear_beta_range(self) -> tuple[float, float]:
         """The linear schedule's first and last beta. Unset, they are Ho et al.'s 1e-4 and 0.02 for T = 1000, both

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -47,8 +48,9 @@ examples:
 
 Writes OUT/eval_<sampler><steps>_n<N>_seed<S>_step<K>.json (every number, the feature network, the
 environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. The name goes on with each
-choice that is not the default (_model weights, _inception-v3 features, _ref-test, _data-NAME, _resizeN, _L or
-_RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps every result.
+choice that is not the default (_model weights, _inception-v3 features, _ref-test, _data-NAME, _resizeN,
+_stretch or _center-crop, _L or _RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps
+every result.
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
 
@@ -114,8 +116,9 @@ def _guidance_list(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated guidance scales such as 1,2,3,5, got {text!r}") \
             from None
-    if not scales or any(w < 0 for w in scales):
-        raise argparse.ArgumentTypeError(f"guidance scales are >= 0 (1 = plain conditional), got {text!r}")
+    if not scales or not all(math.isfinite(w) and w >= 0 for w in scales):
+        raise argparse.ArgumentTypeError(f"guidance scales are finite numbers >= 0 (1 = plain conditional), got "
+                                         f"{text!r}")
     return scales
 
 
@@ -310,6 +313,8 @@ def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained
         parts.append("data-" + _slug(Path(args.data.rstrip("/\\")).name or args.data))
     if args.resize is not None and args.resize != trained.resize:
         parts.append(f"resize{args.resize}")
+    if args.resize_mode is not None and args.resize_mode != trained.resize_mode:
+        parts.append(args.resize_mode)
     if args.image_mode is not None and args.image_mode != trained.image_mode:
         parts.append(args.image_mode)
     return "".join(f"_{p}" for p in parts)

@@ -150,6 +150,15 @@ class Evaluator:
         data = prepare(d.source, split=split, resize=d.resize, resize_mode=d.resize_mode, image_mode=d.image_mode,
                        skip_bad=d.skip_bad, cache_dir=cache_root, progress=progress)
         check_compatible(cfg.model, data, where=f"({d.source}, split {split})")
+        labels = np.asarray(data.labels)
+        if cfg.model.conditional and (labels >= 0).any():  # before a classifier is trained on the wrong data
+            num_classes = max(len(data.class_names), int(labels.max()) + 1)
+            if num_classes != cfg.model.num_classes:
+                # class accuracy and per-class FID would score ids the classifier cannot predict
+                raise ConfigError(
+                    f"the model is conditional on {cfg.model.num_classes} classes but the reference data "
+                    f"({d.source}, split {split}) has {num_classes}: evaluate against the data the model was "
+                    "trained on (--data SOURCE)")
         # Building modules draws their initial weights from the global RNG: fork it, so that setting up an
         # evaluation inside a training run leaves the run's RNG state (saved in its checkpoints) as it was.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -160,12 +169,6 @@ class Evaluator:
             if cfg.model.conditional:
                 classifier = net if net.num_classes is not None else build_feature_net(
                     d, device=device, inception=None, cache_root=cache_root, log=log, progress=progress)
-                if classifier.num_classes != cfg.model.num_classes:
-                    # class accuracy and per-class FID would score ids the classifier cannot predict
-                    raise ConfigError(
-                        f"the model is conditional on {cfg.model.num_classes} classes but the reference data "
-                        f"({d.source}, split {split}) has {classifier.num_classes}: evaluate against the data the "
-                        "model was trained on (--data SOURCE)")
                 if net.num_classes is not None:  # per-class covariances in the classifier's 128-d features only
                     classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
         return cls(net=net, ref=ref, classifier=classifier, classes=classes)

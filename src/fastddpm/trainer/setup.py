@@ -19,6 +19,7 @@ import torch
 import fastddpm
 from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_architecture, resolve_classes,
                              resolve_model_shape, save_config)
+from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
@@ -194,10 +195,11 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     data = _load_data(cfg, dist)
-    # a resumed run keeps the model it trained, as its checkpoint's config describes it
-    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape, new_model=resume is None), data.labels,
+    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape, new_model=False), data.labels,
                           data.class_names, cfg.data.source)
     resumed = _find_resume(rd, resume, cfg, data.images.shape, dist, device, fsdp, console)
+    if resumed is None:  # a new model (`--resume latest` with no checkpoint too); a resumed run keeps its own
+        check_attention_levels(cfg.model)
 
     fast = resolve_fast_path(cfg.train, device, precision, world_size=dist.world_size if dist.enabled else 0,
                              parallel="fsdp" if fsdp else "ddp",
