@@ -321,14 +321,13 @@ def test_reference_cache_key_tells_an_inceptions_preprocessing_apart(tmp_path):
 
 
 def test_a_class_with_one_reference_image_gets_no_per_class_fid(tmp_path):
-    from types import SimpleNamespace
-
+    from fastddpm.data.cache import PreparedData
     from fastddpm.eval.features import class_reference_stats
 
     rng = np.random.default_rng(0)
     labels = np.array([0] * 6 + [1] * 6 + [2])  # class 2: a single image, no covariance
-    data = SimpleNamespace(images=rng.integers(0, 256, (13, 1, 4, 4), dtype=np.uint8), labels=labels,
-                           cache_path=tmp_path / "toy-train-abc", meta={"fingerprint": "f"}, num_images=13)
+    data = PreparedData(images=rng.integers(0, 256, (13, 1, 4, 4), dtype=np.uint8), labels=labels, class_names=[],
+                        cache_path=tmp_path / "toy-train-abc", meta={"fingerprint": "f"})
     said = []
     ref = class_reference_stats(data, _net(), cache_root=tmp_path, log=said.append)
     assert list(ref.counts) == [6, 6, 1] and not ref.sigma[2].any()
