@@ -30,6 +30,7 @@ from fastddpm.eval.features import (
     extract,
     reference_stats,
 )
+from fastddpm.eval.classifier import num_classes_of
 from fastddpm.eval.frechet import frechet_distance
 from fastddpm.eval.precision_recall import DEFAULT_K, class_coverage, precision_recall
 from fastddpm.rng import derive_seed
@@ -150,9 +151,8 @@ class Evaluator:
         data = prepare(d.source, split=split, resize=d.resize, resize_mode=d.resize_mode, image_mode=d.image_mode,
                        skip_bad=d.skip_bad, cache_dir=cache_root, progress=progress)
         check_compatible(cfg.model, data, where=f"({d.source}, split {split})")
-        labels = np.asarray(data.labels)
-        if cfg.model.conditional and (labels >= 0).any():  # before a classifier is trained on the wrong data
-            num_classes = max(len(data.class_names), int(labels.max()) + 1)
+        if cfg.model.conditional and (np.asarray(data.labels) >= 0).any():  # before a classifier trains on it
+            num_classes = num_classes_of(data, f"{d.source}, split {split}")
             if num_classes != cfg.model.num_classes:
                 # class accuracy and per-class FID would score ids the classifier cannot predict
                 raise ConfigError(
