@@ -188,15 +188,18 @@ def cifar_batches(per_batch: int = 3, seed: int = 0) -> dict[str, tuple[np.ndarr
     return out
 
 
-def cifar_files(batches: dict[str, tuple[np.ndarray, list[int]]], *, py2: bool = True) -> dict[str, bytes]:
-    """The pickled member files (batch files + batches.meta)."""
+def cifar_files(batches: dict[str, tuple[np.ndarray, list[int]]], *, py2: bool = True,
+                protocol: int = 4) -> dict[str, bytes]:
+    """The pickled member files (batch files + batches.meta): as Python 2's cPickle wrote them, or (py2=False) as
+    Python 3's pickle.dumps at `protocol` writes the same dicts (2: bytes as _codecs.encode; 5: numpy's arrays as
+    numeric._frombuffer of an in-band buffer)."""
     files = {}
     for name, (data, labels) in batches.items():
         obj = {b"batch_label": name.encode(), b"labels": labels, b"data": data,
                b"filenames": [f"img_{i}.png".encode() for i in range(len(labels))]}
-        files[name] = py2_pickle(obj) if py2 else pickle.dumps(obj, protocol=4)
+        files[name] = py2_pickle(obj) if py2 else pickle.dumps(obj, protocol=protocol)
     meta = {b"label_names": [n.encode() for n in CIFAR_NAMES], b"num_cases_per_batch": 10000, b"num_vis": 3072}
-    files["batches.meta"] = py2_pickle(meta) if py2 else pickle.dumps(meta, protocol=4)
+    files["batches.meta"] = py2_pickle(meta) if py2 else pickle.dumps(meta, protocol=protocol)
     return files
 
 

@@ -88,3 +88,22 @@ def test_bad_shapes_and_keys_are_explained(tmp_path: Path, cache_dir: Path) -> N
     np.savez(tmp_path / "mismatch.npz", images=rng_images(3, 4, 4), labels=np.arange(2))
     with pytest.raises(DataError, match=r"labels are int64 \(2,\); expected integers of shape \(3,\)"):
         prepare(tmp_path / "mismatch.npz", cache_dir=cache_dir, progress=False)
+
+
+def test_npz_object_arrays_bytes_class_names_and_keras_column_labels(tmp_path: Path, cache_dir: Path) -> None:
+    """An .npz loads its members lazily: an object array in it escaped as a bare numpy ValueError; class names saved
+    as bytes came out as "b'cat'"; labels of shape (N, 1), as keras.datasets.cifar10 gives them, were refused."""
+    x = rng_images(4, 4, 4)
+    np.savez(tmp_path / "obj_names.npz", images=x, labels=np.array([0, 1, 0, 1]),
+             class_names=np.array(["cat", "dog"], dtype=object))
+    with pytest.raises(DataError, match=r"obj_names\.npz\[class_names\]: cannot load without pickle"):
+        prepare(tmp_path / "obj_names.npz", cache_dir=cache_dir, progress=False)
+    np.savez(tmp_path / "obj_images.npz", images=np.array([None, 1], dtype=object))
+    with pytest.raises(DataError, match=r"obj_images\.npz\[images\]: cannot load without pickle"):
+        prepare(tmp_path / "obj_images.npz", cache_dir=cache_dir, progress=False)
+    np.savez(tmp_path / "bytes_names.npz", images=x, labels=np.array([0, 1, 0, 1]),
+             class_names=np.array([b"cat", b"dog"]))
+    assert prepare(tmp_path / "bytes_names.npz", cache_dir=cache_dir, progress=False).class_names == ["cat", "dog"]
+    np.savez(tmp_path / "keras.npz", x_train=x, y_train=np.array([[1], [0], [1], [1]], dtype=np.uint8))
+    data = prepare(tmp_path / "keras.npz", cache_dir=cache_dir, progress=False)
+    assert data.labels.tolist() == [1, 0, 1, 1] and data.class_names == ["0", "1"]

@@ -254,3 +254,69 @@ def test_concurrent_prepare_waits_for_the_builder(tmp_path: Path, cache_dir: Pat
     assert not waiter.is_alive()
     assert outcome["data"].meta["created"] == first.meta["created"]
     assert "waiting for another process" in capsys.readouterr().err
+
+
+def _read_only_cache_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening the lock file fails as on a read-only mount (the tests run as root, which chmod cannot stop)."""
+    real_open = open
+
+    def read_only_open(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "open", read_only_open, raising=False)
+
+
+def test_a_complete_cache_in_a_read_only_folder_is_used(tmp_path: Path, cache_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock file was opened for writing before looking for the cache: a shared, prepared, read-only cache
+    folder could not be used at all (a bare OSError traceback)."""
+    _folder(tmp_path / "root")
+    make_idx_folder(tmp_path / "idx")
+    built = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    _read_only_cache_folder(monkeypatch)
+    again = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert again.cache_path == built.cache_path and again.meta["created"] == built.meta["created"]
+    for call in (lambda: prepare(tmp_path / "idx", cache_dir=cache_dir, progress=False),
+                 lambda: prepare(tmp_path / "root", rebuild=True, cache_dir=cache_dir, progress=False)):
+        with pytest.raises(DataError, match=r"cannot write in the cache folder .*prepared \(Read-only file "
+                                            r"system\)\. Fix: pass --cache-dir DIR or set FASTDDPM_CACHE"):
+            call()
+
+
+def test_a_file_system_without_locks_still_prepares(tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Lustre without -o flock answers flock() with ENOSYS: prepare failed there with a bare OSError."""
+    import fcntl
+
+    def no_flock(fd: object, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    per_class = _folder(tmp_path / "root")
+    data = prepare(tmp_path / "root", cache_dir=cache_dir, progress=True)
+    assert data.num_images == sum(len(v) for v in per_class.values())
+    assert "has no file locks (Function not implemented)" in capsys.readouterr().err
+
+
+def test_a_rebuild_to_the_same_pixels_keeps_what_was_computed_from_them(tmp_path: Path, cache_dir: Path) -> None:
+    """A feature network or reference statistics computed from a cache stay valid across a rebuild that writes the
+    same images, labels and class names (a format upgrade, --rebuild); new pixels invalidate them."""
+    _folder(tmp_path / "root")
+    first = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert first.built == first.meta["created"]
+    derived = tmp_path / "reference.npz"
+    derived.write_bytes(b"statistics")  # written after the build, recording it
+    same = prepare(tmp_path / "root", rebuild=True, cache_dir=cache_dir, progress=False)
+    assert same.meta["created"] != first.meta["created"]  # rebuilt, with the same pixels
+    assert same.built == first.built
+    assert same.computed_from_this_build(first.built, derived) and same.computed_from_this_build(None, derived)
+
+    path = tmp_path / "root" / "1" / "000.png"
+    save_image(path, np.full((8, 8), 7, dtype=np.uint8))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # coarse-mtime file systems
+    changed = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    assert changed.built == changed.meta["created"] != first.built
+    assert not changed.computed_from_this_build(first.built, derived)
+    assert not changed.computed_from_this_build(None, derived)  # older than the new pixels

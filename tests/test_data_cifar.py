@@ -125,3 +125,28 @@ def test_missing_batch_in_folder_is_named(tmp_path: Path, cache_dir: Path) -> No
     write_cifar_folder(tmp_path / "cifar-10-batches-py", files)
     with pytest.raises(DataError, match="missing data_batch_3 for the train split"):
         prepare(tmp_path / "cifar-10-batches-py", cache_dir=cache_dir, progress=False)
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 5])
+def test_cifar_batches_pickled_by_python3_at_any_protocol_are_read(tmp_path: Path, cache_dir: Path,
+                                                                   protocol: int) -> None:
+    """Python 3 writes bytes at protocol 2 as _codecs.encode(str, 'latin1') and numpy writes arrays at protocol 5
+    (Python 3.14's default) as numeric._frombuffer: both were refused as 'may be malicious'."""
+    batches = cifar_batches()
+    files = cifar_files(batches, py2=False, protocol=protocol)
+    files["batches.meta"] = pickle.dumps({b"label_names": [n.encode() for n in CIFAR_NAMES], b"empty": b""},
+                                         protocol=protocol)  # b'' is bytes() at protocol 2
+    data = prepare(write_cifar_tar(tmp_path / "cifar.tar.gz", files), cache_dir=cache_dir, progress=False)
+    images, labels = cifar_expected(batches, "train")
+    np.testing.assert_array_equal(np.asarray(data.images), images)
+    np.testing.assert_array_equal(data.labels, labels)
+    assert data.class_names == CIFAR_NAMES
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00aX\x05\x00\x00\x00rot13\x86R.",  # encode('a', 'rot13')
+    b"\x80\x02c__builtin__\nbytes\nJ\x00\x00\x00\x40\x85R.",  # bytes(2**30): a GiB from a few bytes
+])
+def test_the_byte_string_globals_allowed_for_protocol_2_do_nothing_else(payload: bytes) -> None:
+    with pytest.raises(DataError, match="not a readable CIFAR-10 pickle"):
+        load_batch_pickle(payload, source="odd")

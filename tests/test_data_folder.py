@@ -20,7 +20,7 @@ from data_fixtures import (
     save_image,
     zip_folder,
 )
-from fastddpm.data import DataError, prepare
+from fastddpm.data import DataError, info, prepare
 
 
 def _expected(per_class: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -250,3 +250,100 @@ def test_real_fashion_mnist_as_png_folder_and_zip_equals_idx_pixels(tmp_path: Pa
         present = sorted(set(labels.tolist()))
         assert data.class_names == [str(c) for c in present]
         np.testing.assert_array_equal(np.asarray(data.class_names)[data.labels].astype(int), labels[order])
+
+
+def test_class_ids_are_the_same_in_every_split_when_a_split_lacks_a_class(tmp_path: Path, cache_dir: Path) -> None:
+    """Each split numbered only its own class folders: a test/ without class b gave c the id 1, which is b in
+    train/, so a model trained on train/ was scored on test/ against the wrong classes."""
+    train = {"a": rng_images(2, 4, 4, seed=1), "b": rng_images(2, 4, 4, seed=2), "c": rng_images(2, 4, 4, seed=3)}
+    test = {"a": rng_images(1, 4, 4, seed=4), "c": rng_images(1, 4, 4, seed=5)}
+    make_class_folder(tmp_path / "root" / "train", train)
+    make_class_folder(tmp_path / "root" / "test", test)
+    zip_folder(tmp_path / "root", tmp_path / "root.zip", prefix="data/")
+    for source in (tmp_path / "root", tmp_path / "root.zip"):
+        tr = prepare(source, split="train", cache_dir=cache_dir, progress=False)
+        te = prepare(source, split="test", cache_dir=cache_dir, progress=False)
+        assert tr.class_names == te.class_names == ["a", "b", "c"]
+        assert tr.labels.tolist() == [0, 0, 1, 1, 2, 2] and te.labels.tolist() == [0, 2]
+        np.testing.assert_array_equal(te.images[1, 0], test["c"][0])
+        assert te.meta["class_counts"] == {"a": 1, "b": 0, "c": 1}
+        assert any("only in the other splits: b" in n for n in te.meta["notes"])
+
+
+def test_a_split_cache_numbered_before_the_shared_class_ids_is_rebuilt(tmp_path: Path, cache_dir: Path) -> None:
+    make_class_folder(tmp_path / "root" / "train", {"a": rng_images(1, 4, 4), "b": rng_images(1, 4, 4)})
+    make_class_folder(tmp_path / "root" / "test", {"b": rng_images(1, 4, 4)})
+    old = prepare(tmp_path / "root", split="test", cache_dir=cache_dir, progress=False)
+    meta_path = old.cache_path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["classes_from_all_splits"]
+    meta_path.write_text(json.dumps(meta))
+    assert "STALE: the cache prepared at" in info(tmp_path / "root", split="test", cache_dir=cache_dir)
+    again = prepare(tmp_path / "root", split="test", cache_dir=cache_dir, progress=False)
+    assert again.meta["created"] != old.meta["created"] and again.labels.tolist() == [1]
+
+
+def test_symlinked_class_folders_are_read_and_a_link_loop_ends(tmp_path: Path, cache_dir: Path) -> None:
+    """Class folders linked from another disk were skipped without a word (os.walk does not follow links)."""
+    elsewhere = {"cat": rng_images(2, 4, 4, seed=1), "dog": rng_images(3, 4, 4, seed=2)}
+    make_class_folder(tmp_path / "big_disk", elsewhere)
+    root = tmp_path / "root"
+    make_class_folder(root, {"ant": rng_images(1, 4, 4, seed=3)})
+    (root / "cat").symlink_to(tmp_path / "big_disk" / "cat", target_is_directory=True)
+    (root / "dog").symlink_to(tmp_path / "big_disk" / "dog", target_is_directory=True)
+    (root / "ant" / "loop").symlink_to(root, target_is_directory=True)  # would walk forever
+    (root / "ant" / "gone").symlink_to(tmp_path / "nowhere", target_is_directory=True)  # a broken link
+    data = prepare(root, cache_dir=cache_dir, progress=False)
+    assert data.class_names == ["ant", "cat", "dog"]
+    assert data.meta["class_counts"] == {"ant": 1, "cat": 2, "dog": 3}
+    np.testing.assert_array_equal(data.images[data.labels == 2][:, 0], elsewhere["dog"])
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_not_a_missing_class(tmp_path: Path, cache_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    make_class_folder(tmp_path / "root", {"a": rng_images(1, 4, 4), "b": rng_images(1, 4, 4)})
+    locked = str(tmp_path / "root" / "b")
+    real_scandir = os.scandir
+
+    def scandir(path: object = ".") -> object:
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)  # root cannot take its own permission away
+    with pytest.raises(DataError, match=r"cannot list the folder b \(Permission denied\)"):
+        prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+
+
+def test_a_zip_with_backslash_paths_keeps_its_class_folders(tmp_path: Path, cache_dir: Path) -> None:
+    """PowerShell 5's Compress-Archive writes `data\\cat\\0.png`: read as written, every image was a file at the
+    top and a labeled dataset became one unlabeled set. A cache made that way is rebuilt."""
+    per_class = {"cat": rng_images(2, 4, 4, seed=1), "dog": rng_images(1, 4, 4, seed=2)}
+    make_class_folder(tmp_path / "root", per_class)
+    with zipfile.ZipFile(tmp_path / "win.zip", "w") as zf:
+        for path in sorted((tmp_path / "root").rglob("*.png")):
+            zf.write(path, "data\\" + path.relative_to(tmp_path / "root").as_posix().replace("/", "\\"))
+    data = prepare(tmp_path / "win.zip", cache_dir=cache_dir, progress=False)
+    images, labels = _expected(per_class)
+    np.testing.assert_array_equal(np.asarray(data.images), images)
+    assert data.class_names == ["cat", "dog"] and data.labels.tolist() == labels.tolist()
+    meta_path = data.cache_path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["backslash_paths_as_folders"]
+    meta_path.write_text(json.dumps(meta))
+    assert prepare(tmp_path / "win.zip", cache_dir=cache_dir, progress=False).meta["created"] != meta["created"]
+
+
+def test_images_of_a_format_not_read_are_named_in_the_notes(tmp_path: Path, cache_dir: Path) -> None:
+    make_class_folder(tmp_path / "root", {"a": rng_images(2, 4, 4)})
+    save_image(tmp_path / "root" / "a" / "scan.tif", rng_images(1, 4, 4)[0])
+    save_image(tmp_path / "root" / "b" / "anim.gif", rng_images(1, 4, 4)[0])
+    (tmp_path / "root" / "README.md").write_text("not an image")
+    zip_folder(tmp_path / "root", tmp_path / "root.zip")
+    for source in (tmp_path / "root", tmp_path / "root.zip"):
+        data = prepare(source, cache_dir=cache_dir, progress=False)
+        assert data.num_images == 2
+        assert ("left out 2 image file(s) of a format not read (.gif, .tif), e.g. a/scan.tif, b/anim.gif"
+                in " ".join(data.meta["notes"]))

@@ -6,6 +6,7 @@ Always `allow_pickle=False`: an object array in a .npy is a pickle and could run
 from __future__ import annotations
 
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,8 @@ def to_nchw(images: np.ndarray, *, source: str) -> np.ndarray:
 def _labels(labels: np.ndarray | None, n: int, *, source: str) -> tuple[np.ndarray, list[str]]:
     if labels is None:
         return np.full(n, -1, dtype=np.int64), []
+    if labels.shape == (n, 1):
+        labels = labels[:, 0]  # Keras' layout: keras.datasets.cifar10.load_data() gives y of shape (N, 1)
     if labels.dtype.kind not in "iu" or labels.shape != (n,):
         raise DataError(f"{source}: labels are {labels.dtype} {labels.shape}; expected integers of shape ({n},)")
     labels = labels.astype(np.int64)
@@ -55,6 +58,22 @@ def _load(path: Path, **kwargs: object) -> object:
                         "(np.save/np.savez of uint8 images and integer labels).") from None
     except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise DataError(f"{path}: unreadable numpy file ({type(e).__name__}: {e})") from None
+
+
+def _member(npz: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
+    """One array of an .npz. Members load lazily, so their failures come here, not from np.load."""
+    try:
+        return npz[key]
+    except ValueError as e:  # "Object arrays cannot be loaded when allow_pickle=False"
+        raise DataError(f"{path}[{key}]: cannot load without pickle ({e}). Fix: save plain numeric arrays "
+                        "(uint8 images, integer labels, class_names as a str array).") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # a damaged member (bad CRC, truncated)
+        raise DataError(f"{path}[{key}]: unreadable array ({type(e).__name__}: {e})") from None
+
+
+def _name(value: object) -> str:
+    """A class name from an .npz's class_names: str, or bytes (an 'S' array) decoded as UTF-8."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def read_npy(path: Path) -> ArrayData:
@@ -89,12 +108,12 @@ def read_npz(path: Path, split: str) -> ArrayData:
         if image_key is None:
             raise DataError(f"{path}: no images array; looked for keys {', '.join(IMAGE_KEYS)} but found "
                             f"{', '.join(keys) or 'none'}. Fix: np.savez(path, images=x, labels=y).")
-        images_nchw = to_nchw(npz[image_key], source=f"{path}[{image_key}]")
-        labels, names = _labels(npz[label_key] if label_key else None, len(images_nchw),
+        images_nchw = to_nchw(_member(npz, image_key, path), source=f"{path}[{image_key}]")
+        labels, names = _labels(_member(npz, label_key, path) if label_key else None, len(images_nchw),
                                 source=f"{path}[{label_key}]")
         notes = [] if label_key else [f"no labels array ({', '.join(LABEL_KEYS)}) in the .npz: labels -1"]
         if CLASS_NAMES_KEY in keys and label_key:
-            given = [str(s) for s in npz[CLASS_NAMES_KEY].tolist()]
+            given = [_name(s) for s in np.ravel(_member(npz, CLASS_NAMES_KEY, path)).tolist()]
             if len(given) < len(names):
                 raise DataError(f"{path}: {len(given)} class_names for labels up to {len(names) - 1}")
             names = given

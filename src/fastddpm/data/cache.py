@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import filecmp
 import hashlib
 import json
 import os
@@ -71,10 +72,12 @@ class PreparedData:
 
     @property
     def built(self) -> str | None:
-        """When this cache was written (meta.json's `created`): a rebuild under the same directory name (prepare
-        --rebuild, a format upgrade) keeps the name and the source's fingerprint but may change the pixels, so
-        whatever was computed from the pixels records this and is recomputed when it differs."""
-        return self.meta.get("created")
+        """When these pixels were first written (meta.json's `pixels_built`; `created` for a cache written before
+        that was recorded): a rebuild under the same directory name (prepare --rebuild, a format upgrade) keeps the
+        name and the source's fingerprint but may change the pixels, so whatever was computed from the pixels
+        records this and is recomputed when it differs. A rebuild that writes the same images, labels and class
+        names keeps it: a feature network retrained for identical pixels would move every FID measured after it."""
+        return self.meta.get("pixels_built") or self.meta.get("created")
 
     def computed_from_this_build(self, recorded: str | None, derived: Path) -> bool:
         """Whether a file computed from these pixels (`recorded`: the `built` it stored, None for a file written
@@ -99,6 +102,22 @@ def cache_dir_name(*, slug: str, identity: dict, split: str | None, transform: d
 
 class CacheInvalid(Exception):
     """A cache directory that cannot be used as it is; the message says why (shown by `info`)."""
+
+
+class CacheNotWritable(DataError):
+    """The cache folder cannot be written (a read-only mount, no permission): nothing can be built there, but a
+    complete cache in it can still be read."""
+
+
+_NOT_WRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+_NO_LOCK_ERRNOS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+
+def _not_writable(folder: Path, e: OSError) -> CacheNotWritable:
+    return CacheNotWritable(
+        f"cannot write in the cache folder {folder} ({e.strerror or e}). Fix: pass --cache-dir DIR or set "
+        f"FASTDDPM_CACHE to a folder you can write, or make {folder} writable."
+    )
 
 
 def load_prepared(path: Path) -> PreparedData:
@@ -132,24 +151,46 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
     """One builder per cache directory across processes (e.g. every rank of a DDP job calling prepare).
 
     POSIX only (fcntl); elsewhere concurrent builders each finish and the last rename wins, which is
-    wasteful but still never leaves a partial cache.
+    wasteful but still never leaves a partial cache. Raises CacheNotWritable, before anything is held,
+    when the cache folder cannot be written.
     """
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in _NOT_WRITABLE_ERRNOS:
+            raise _not_writable(final_dir.parent, e) from None
+        raise
     try:
         import fcntl
     except ImportError:
         yield
         return
-    with open(final_dir.parent / f".{final_dir.name}.lock", "a+b") as lock_file:
+    try:
+        lock_file = open(final_dir.parent / f".{final_dir.name}.lock", "a+b")
+    except OSError as e:
+        if e.errno in _NOT_WRITABLE_ERRNOS:
+            raise _not_writable(final_dir.parent, e) from None
+        raise
+    with lock_file:
+        locked = True
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             say(f"waiting for another process that is preparing {final_dir.name} ...")
             fcntl.flock(lock_file, fcntl.LOCK_EX)
+        except OSError as e:
+            # Lustre mounted without -o flock answers ENOSYS, some NFS set-ups ENOLCK: build unlocked, as
+            # where there is no fcntl (the rename still never shows a partial cache).
+            if e.errno not in _NO_LOCK_ERRNOS:
+                raise
+            say(f"the file system of {final_dir.parent} has no file locks ({e.strerror or e}): preparing "
+                f"without one (another process preparing {final_dir.name} at the same time would redo the work)")
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _fsync_path(path: Path) -> None:
@@ -229,6 +270,21 @@ def _remove_leftovers(final_dir: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _pixels_built_before(final_dir: Path, temp_dir: Path, meta: dict) -> str | None:
+    """The `built` of the cache at `final_dir` when the new build in `temp_dir` holds the same images, labels and
+    class names, byte for byte; else None."""
+    try:
+        old = json.loads((final_dir / META_FILE).read_text(encoding="utf-8"))
+        if old.get("class_names") != meta.get("class_names"):
+            return None
+        files = (IMAGES_FILE, LABELS_FILE)
+        if not all(filecmp.cmp(final_dir / name, temp_dir / name, shallow=False) for name in files):
+            return None
+    except (OSError, ValueError):  # no complete cache there before
+        return None
+    return old.get("pixels_built") or old.get("created")
+
+
 class CacheBuilder:
     """Builds one cache directory in a temp dir beside `final_dir`; `commit` swaps it in atomically.
 
@@ -257,6 +313,7 @@ class CacheBuilder:
         """Write labels and meta (last: its presence marks a complete cache), fsync, rename into place."""
         assert self._writer is not None and self._writer.closed, "images must be written and closed first"
         _write_npy(self.temp_dir / LABELS_FILE, labels.astype(np.int64, copy=False))
+        meta = {**meta, "pixels_built": _pixels_built_before(self.final_dir, self.temp_dir, meta) or meta["created"]}
         _write_json(self.temp_dir / META_FILE, meta)
         _fsync_path(self.temp_dir)
         if self.final_dir.exists():

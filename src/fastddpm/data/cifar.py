@@ -34,14 +34,45 @@ def _numpy_reconstruct() -> Callable[..., Any]:
     return _reconstruct
 
 
+def _numpy_frombuffer() -> Callable[..., Any]:
+    try:
+        from numpy._core.numeric import _frombuffer  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.numeric import _frombuffer  # type: ignore[no-redef]
+    return _frombuffer
+
+
+def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
+    """What Python 3 writes for a bytes object at pickle protocol 2 (which has no bytes opcode):
+    _codecs.encode(str, 'latin1'). Only that encoding is accepted: nothing else is a byte string."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode({type(text).__name__}, {encoding!r}) is not a byte string")
+    return text.encode("latin1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """Python 3 writes an empty bytes object at protocol 2 as bytes(); bytes(N) would allocate N bytes."""
+    if args:
+        raise pickle.UnpicklingError("bytes() with arguments is not an empty byte string")
+    return b""
+
+
 # (module, name) -> the object it may resolve to. The real batches (pickled by Python 2 numpy) name
 # numpy.core.multiarray._reconstruct, numpy.ndarray and numpy.dtype; files re-pickled under numpy 2
-# name numpy._core.multiarray._reconstruct. Lists, dicts, ints and strings need no globals at all.
+# name numpy._core.multiarray._reconstruct; at protocol 5 (Python 3.14's default) numpy pickles
+# contiguous arrays as numeric._frombuffer of an in-band buffer; Python 3 at protocol 2 writes byte
+# strings as _codecs.encode(str, 'latin1') (and b'' as bytes()). Lists, dicts, ints and strings need
+# no globals at all.
 _ALLOWED: dict[tuple[str, str], Callable[[], Any]] = {
     ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
     ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy.core.numeric", "_frombuffer"): _numpy_frombuffer,
+    ("numpy._core.numeric", "_frombuffer"): _numpy_frombuffer,
     ("numpy", "ndarray"): lambda: np.ndarray,
     ("numpy", "dtype"): lambda: np.dtype,
+    ("_codecs", "encode"): lambda: _latin1_bytes,
+    ("__builtin__", "bytes"): lambda: _empty_bytes,
+    ("builtins", "bytes"): lambda: _empty_bytes,
 }
 
 

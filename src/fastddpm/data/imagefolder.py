@@ -48,12 +48,35 @@ def is_image_name(name: str) -> bool:
 def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
     """Every image file under `root` in sorted order, and the relative paths of the other files.
 
-    Symlinked directories are not followed (a link loop would never end); symlinked files are.
+    Symlinked files and directories are followed (class folders are often links to another disk), except
+    a directory link back to one of its own ancestors, which would loop forever. A directory that cannot
+    be listed is a DataError: skipping it would silently drop a class.
     """
     images: list[FileStat] = []
     others: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not _skip_name(d))
+
+    def unreadable(e: OSError) -> None:
+        where = Path(e.filename).relative_to(root).as_posix() if e.filename else "?"
+        raise DataError(f"{root}: cannot list the folder {where} ({e.strerror or e}). Fix: make it readable, "
+                        "or move it out of the dataset folder.")
+
+    # The real directories on the path from the root to each directory walked: a link to one of them is a loop.
+    ancestors: dict[str, frozenset[tuple[int, int]]] = {}
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
+        st = os.stat(dirpath)
+        parent = ancestors.get(os.path.dirname(dirpath), frozenset()) if dirpath != str(root) else frozenset()
+        chain = ancestors[dirpath] = parent | {(st.st_dev, st.st_ino)}
+        kept = []
+        for d in sorted(dirnames):
+            if _skip_name(d):
+                continue
+            try:
+                dst = os.stat(os.path.join(dirpath, d))
+            except OSError:
+                continue  # a broken link: not a folder of images
+            if (dst.st_dev, dst.st_ino) not in chain:
+                kept.append(d)
+        dirnames[:] = kept
         # Plain strings, not Path objects: this loop runs once per file (60,000 for MNIST).
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         prefix = "" if rel_dir == "." else rel_dir + "/"
@@ -111,6 +134,7 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
         notes.append(f"ignored the common top-level folder {top}/")
 
     chosen_split = None
+    split_classes: set[str] = set()  # class folders of every split: one class list, the same ids in each split
     top_dirs = {ps[0] for ps in parts.values() if len(ps) >= 2}
     if top_dirs and all(d.lower() in SPLIT_ALIASES for d in top_dirs):
         wanted = sorted(d for d in top_dirs if SPLIT_ALIASES[d.lower()] == split)
@@ -121,6 +145,7 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
             raise DataError(f"{where} has split folders {sorted(top_dirs)} but {problem}. "
                             f"Fix: pass --split {' or --split '.join(available)}.")
         chosen_split = split
+        split_classes = {ps[1] for ps in parts.values() if len(ps) >= 3}
         ignored = sum(1 for ps in parts.values() if len(ps) < 2 or ps[0] != wanted[0])
         parts = {p: ps[1:] for p, ps in parts.items() if len(ps) >= 2 and ps[0] == wanted[0]}
         notes.append(f"read the {wanted[0]}/ folder for split {split}"
@@ -131,7 +156,13 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
         items = [(p, -1) for p in sorted(parts)]
         notes.append(f"no class folders: the {len(items):,} images are one unlabeled set (labels -1)")
         return Layout(split=chosen_split, class_names=[], labeled=False, items=items, stray=[], notes=notes)
-    class_names = _class_order(class_dirs)
+    # A class that only the other splits have images of still takes its place: label k is the same class in
+    # train/ and test/ (a model trained on one is evaluated on the other).
+    missing = sorted(split_classes - class_dirs)
+    if missing:
+        notes.append(f"{len(missing)} class(es) have images only in the other splits: "
+                     f"{', '.join(missing[:10])}{', ...' if len(missing) > 10 else ''} (0 images here)")
+    class_names = _class_order(class_dirs | split_classes)
     label_of = {name: i for i, name in enumerate(class_names)}
     items = sorted(((p, label_of[ps[0]]) for p, ps in parts.items() if len(ps) >= 2), key=lambda t: (t[1], t[0]))
     stray = sorted(p for p, ps in parts.items() if len(ps) == 1)
@@ -148,8 +179,23 @@ def no_images_error(where: str, others: list[str]) -> DataError:
     return DataError(f"no images found in {where}{seen}: {EXPECTED_LAYOUT}.")
 
 
-def list_folder(root: Path, stats: list[FileStat], *, split: str) -> ImageListing:
-    """The image files of `root` (from `walk_folder`), ordered by class then path."""
+def unread_images_note(others: list[str]) -> list[str]:
+    """A note naming the files of an image format Pillow opens but the reader skips (.gif, .tif ...): without it
+    they were left out of the dataset without a word."""
+    from PIL import Image
+
+    Image.init()
+    opened = {ext for ext, fmt in Image.EXTENSION.items() if fmt in Image.OPEN}
+    unread = sorted(o for o in others if os.path.splitext(o)[1].lower() in opened)
+    if not unread:
+        return []
+    kinds = sorted({os.path.splitext(o)[1].lower() for o in unread})
+    return [f"left out {len(unread):,} image file(s) of a format not read ({', '.join(kinds)}), e.g. "
+            f"{', '.join(unread[:3])}: convert them to {'/'.join(IMAGE_EXTENSIONS)} to train on them"]
+
+
+def list_folder(root: Path, stats: list[FileStat], *, split: str, others: list[str] = ()) -> ImageListing:
+    """The image files of `root` (from `walk_folder`), ordered by class then path; `others` are the other files."""
     layout = plan_layout([s.rel for s in stats], split=split, where=str(root), strip_top=False)
     size_of = {s.rel: s.size for s in stats}
     root_str = str(root)
@@ -157,7 +203,7 @@ def list_folder(root: Path, stats: list[FileStat], *, split: str) -> ImageListin
                           open=functools.partial(open, os.path.join(root_str, rel), "rb"))
                for rel, label in layout.items]
     return ImageListing(where=str(root), entries=entries, class_names=layout.class_names, labeled=layout.labeled,
-                        layout_bad=_stray_bad(layout.stray), notes=layout.notes)
+                        layout_bad=_stray_bad(layout.stray), notes=layout.notes + unread_images_note(list(others)))
 
 
 # ---------------------------------------------------------------------------------------------- zips
@@ -190,15 +236,23 @@ def open_zip(path: Path) -> zipfile.ZipFile:
     return zf
 
 
+def member_path(info: zipfile.ZipInfo) -> str:
+    """A member's path with '/' separators. Zips written on Windows by PowerShell 5's Compress-Archive (and .NET
+    before 4.6.1) separate with backslashes, against the zip spec; read as they are, `cat\\1.png` is a file at the
+    top, and a whole labeled dataset came out as one unlabeled set."""
+    return info.filename.replace("\\", "/")
+
+
 def zip_image_members(zf: zipfile.ZipFile) -> tuple[list[zipfile.ZipInfo], list[str]]:
-    """Image members (sorted by name) and other member names, skipping folders, dot-files and __MACOSX/."""
+    """Image members (sorted by path) and other member paths, skipping folders, dot-files and __MACOSX/."""
     images, others = [], []
     for info in zf.infolist():
-        if info.is_dir() or any(_skip_name(part) for part in info.filename.split("/")):
+        path = member_path(info)
+        if info.is_dir() or path.endswith("/") or any(_skip_name(part) for part in path.split("/")):
             continue
-        (images if is_image_name(info.filename) else others).append(info)
-    images.sort(key=lambda i: i.filename)
-    return images, [o.filename for o in others]
+        (images if is_image_name(path) else others).append(info)
+    images.sort(key=member_path)
+    return images, [member_path(o) for o in others]
 
 
 def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, lock: threading.Lock, max_bytes: int) -> io.BytesIO:
@@ -218,7 +272,7 @@ def list_zip(path: Path, *, split: str, max_image_pixels: int) -> Iterator[Image
         members, others = zip_image_members(zf)
         if not members:
             raise no_images_error(str(path), others)
-        by_name = {m.filename: m for m in members}
+        by_name = {member_path(m): m for m in members}
         layout = plan_layout(list(by_name), split=split, where=str(path), strip_top=True)
         lock = threading.Lock()
         # An image file can hardly be larger than 4 bytes/pixel (RGBA BMP) plus metadata.
@@ -227,4 +281,5 @@ def list_zip(path: Path, *, split: str, max_image_pixels: int) -> Iterator[Image
                               open=functools.partial(_read_member, zf, by_name[name], lock, max_bytes))
                    for name, label in layout.items]
         yield ImageListing(where=str(path), entries=entries, class_names=layout.class_names,
-                           labeled=layout.labeled, layout_bad=_stray_bad(layout.stray), notes=layout.notes)
+                           labeled=layout.labeled, layout_bad=_stray_bad(layout.stray),
+                           notes=layout.notes + unread_images_note(others))

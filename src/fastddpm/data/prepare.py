@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -15,6 +16,7 @@ from fastddpm.data.cache import (
     CACHE_FORMAT_VERSION,
     CacheBuilder,
     CacheInvalid,
+    CacheNotWritable,
     PreparedData,
     build_lock,
     default_cache_dir,
@@ -60,7 +62,17 @@ def prepare(
     # download=False first: a named dataset that is already prepared needs no download.
     src = resolve_source(source, split=options.split, cache_root=cache_root, download=False)
     final_dir = src.cache_dir(cache_root, options)
-    with build_lock(final_dir, say=say):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(build_lock(final_dir, say=say))
+        except CacheNotWritable:
+            # A read-only cache folder (a shared, prepared copy; a read-only mount) cannot be built in or
+            # locked, but a complete, current cache in it needs neither: it is swapped in whole, never
+            # written in place.
+            reused = None if rebuild else _reuse(final_dir, src, options, say)
+            if reused is not None:
+                return reused
+            raise
         if not rebuild:
             reused = _reuse(final_dir, src, options, say)
             if reused is not None:
@@ -83,9 +95,9 @@ def _reuse(final_dir: Path, src: Source, options: PrepareOptions, say: Callable[
     if src.fingerprint is not None and data.meta["fingerprint"] != src.fingerprint:
         say("source changed: rebuilding")
         return None
-    if src.kind in IMAGE_FILE_KINDS and not data.meta.get("exif_upright"):
-        # arrays (IDX, CIFAR, .npy/.npz) hold pixels as they are; only decoded image files changed meaning
-        say("cache written before photos were turned upright by their EXIF orientation: rebuilding")
+    outdated = _outdated(src, data.meta)
+    if outdated is not None:
+        say(f"cache written {outdated}: rebuilding")
         return None
     skipped = [BadFile(path=s["path"], reason=s["reason"], kind=s.get("kind", "corrupt")) for s in data.meta["skipped"]]
     if any(b.kind == "bomb" for b in skipped) and data.meta.get("max_image_pixels") != options.max_image_pixels:
@@ -100,6 +112,21 @@ def _reuse(final_dir: Path, src: Source, options: PrepareOptions, say: Callable[
     if skipped:
         _say_skipped(len(skipped), data.meta["total_files"])
     return data
+
+
+def _outdated(src: Source, meta: dict) -> str | None:
+    """Why a cache of this source, current by its fingerprint, was made by a reader that has changed since
+    (completes "cache written ..."), or None."""
+    if src.kind in IMAGE_FILE_KINDS and not meta.get("exif_upright"):
+        # arrays (IDX, CIFAR, .npy/.npz) hold pixels as they are; only decoded image files changed meaning
+        return "before photos were turned upright by their EXIF orientation"
+    if src.kind in IMAGE_FILE_KINDS and src.split is not None and not meta.get("classes_from_all_splits"):
+        # split folders: labels were numbered from this split's class folders alone, so a class missing here
+        # shifted the ids of the classes after it
+        return "before the class ids of split folders were shared by every split"
+    if src.backslash_paths and not meta.get("backslash_paths_as_folders"):
+        return "when the zip's backslash-separated paths were read as file names, not folders"
+    return None
 
 
 def _build(src: Source, options: PrepareOptions, final_dir: Path, *, progress: bool,
@@ -152,6 +179,8 @@ def _meta(src: Source, options: PrepareOptions, decoded: Decoded, *, build_secon
         "skipped": [{"path": b.path, "reason": b.reason, "kind": b.kind} for b in decoded.skipped],
         "max_image_pixels": options.max_image_pixels,  # which images were refused as bombs
         "exif_upright": True,  # image files turned upright by their EXIF orientation (caches before were not)
+        "classes_from_all_splits": True,  # split folders: class ids from every split's class folders (same in each)
+        "backslash_paths_as_folders": True,  # zips: cat\\1.png is 1.png in the folder cat (was a file at the top)
         "notes": decoded.notes,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds"),
         "build_seconds": round(build_seconds, 3),
@@ -181,14 +210,18 @@ def info(
         data: PreparedData | None = load_prepared(final_dir)
     except CacheInvalid:
         data = None
-    if data is not None and (src.fingerprint is None or data.meta["fingerprint"] == src.fingerprint):
+    current = data is not None and (src.fingerprint is None or data.meta["fingerprint"] == src.fingerprint)
+    if current and _outdated(src, data.meta) is None:
         text = describe(data)
         if src.path is None:
             text += "\n  note:        the downloaded files are gone; the prepared cache is complete without them"
         return text
     lines = describe_source(src, cache_root)
     command = prepare_command(src.display, options, cache_dir)
-    if data is not None:
+    if current:
+        lines.append(f"  STALE: the cache prepared at {data.meta['created']} was written {_outdated(src, data.meta)}; "
+                     f"run `{command}` to rebuild {final_dir}")
+    elif data is not None:
         lines.append(f"  STALE: source changed since it was prepared at {data.meta['created']} "
                      f"(fingerprint {data.meta['fingerprint']} -> {src.fingerprint}); "
                      f"run `{command}` to rebuild {final_dir}")

@@ -7,6 +7,7 @@ Resolving reads only names, sizes and headers (never pixels), so `info` can use 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class Source:
     split: str | None = None  # canonical split when the source has splits, else None
     files: tuple[Path, ...] = ()  # the files that will be read (all kinds but image folders)
     tree: tuple[imagefolder.FileStat, ...] = ()  # image folders: every image file
+    others: tuple[str, ...] = ()  # image folders: every other file (relative paths), for the notes
+    backslash_paths: bool = False  # zips: member paths separated by backslashes (Windows tools), read as folders
     fingerprint: str | None = None  # changes when any file read changes; None when not local
 
     def cache_dir(self, cache_root: Path, options: PrepareOptions) -> Path:
@@ -111,7 +114,7 @@ def _resolve_folder(path: Path, display: str, split: str, name: str | None) -> S
         raise imagefolder.no_images_error(str(path), others)
     layout = imagefolder.plan_layout([s.rel for s in tree], split=split, where=str(path), strip_top=False)
     return Source(kind="image-folder", display=display, path=path, name=name, split=layout.split,
-                  tree=tuple(tree), fingerprint=_fingerprint_tree(tuple(tree)))
+                  tree=tuple(tree), others=tuple(others), fingerprint=_fingerprint_tree(tuple(tree)))
 
 
 def _resolve_file(path: Path, display: str, split: str, name: str | None) -> Source:
@@ -121,9 +124,10 @@ def _resolve_file(path: Path, display: str, split: str, name: str | None) -> Sou
             members, others = imagefolder.zip_image_members(zf)
             if not members:
                 raise imagefolder.no_images_error(str(path), others)
-            layout = imagefolder.plan_layout([m.filename for m in members], split=split, where=str(path),
-                                             strip_top=True)
-        return _file_source("zip", display, path, (path,), split=layout.split, name=name)
+            layout = imagefolder.plan_layout([imagefolder.member_path(m) for m in members], split=split,
+                                             where=str(path), strip_top=True)
+        return dataclasses.replace(_file_source("zip", display, path, (path,), split=layout.split, name=name),
+                                   backslash_paths=any("\\" in m.filename for m in members))
     if lower.endswith(".npy"):
         return _file_source("npy", display, path, (path,), split=None, name=name)
     if lower.endswith(".npz"):
@@ -187,7 +191,7 @@ def read_source(src: Source, options: PrepareOptions) -> Iterator[ArrayData | Im
     elif src.kind == "npz":
         yield arrays.read_npz(src.path, src.split or "train")
     elif src.kind == "image-folder":
-        yield imagefolder.list_folder(src.path, list(src.tree), split=options.split)
+        yield imagefolder.list_folder(src.path, list(src.tree), split=options.split, others=list(src.others))
     elif src.kind == "zip":
         with imagefolder.list_zip(src.path, split=options.split, max_image_pixels=options.max_image_pixels) as listing:
             yield listing
