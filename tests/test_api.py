@@ -58,6 +58,32 @@ def test_sample_is_the_clis_sample(api_run, tmp_path):
         fastddpm.load(tmp_path / "nowhere")
 
 
+def test_sample_refuses_a_precision_it_does_not_know(api_run):
+    """"half" or "bfloat16" were read as fp16 (CPU) or fp32 (CUDA) without a word."""
+    model = fastddpm.load(api_run.run_dir, device="cpu")
+    for name in ("half", "bfloat16", "FP32"):
+        with pytest.raises(ConfigError, match=rf"precision='{name}' is not one of auto, fp32, bf16, fp16"):
+            model.sample(1, steps=1, precision=name)
+
+
+def test_a_resume_without_a_config_continues_the_run_with_its_own(tmp_path, fmnist_npz):
+    """As `fastddpm train --resume latest` without --preset: the run's own config, not cpu-demo's (whose U-Net
+    does not fit a tiny run's checkpoint) nor one that drops the settings the run was started with; a config file
+    that names no preset is a layer over the run's config, as --config FILE is."""
+    import json
+
+    out = tmp_path / "run"
+    fastddpm.train("tiny", out=out, data=str(fmnist_npz), max_steps=2, lr=3e-3, progress=False, log=quiet)
+    assert fastddpm.train(out=out, resume="latest", max_steps=3, log=quiet).step == 3
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["preset"] == "tiny" and saved["train"]["lr"] == 3e-3
+    settings = tmp_path / "more.json"
+    settings.write_text(json.dumps({"train": {"max_steps": 4}}))
+    assert fastddpm.train(settings, out=out, resume="latest", log=quiet).step == 4
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["preset"] == "tiny" and saved["train"]["lr"] == 3e-3 and saved["train"]["max_steps"] == 4
+
+
 @pytest.fixture
 def fashion_mnist_by_name():
     """The named source "fashion-mnist" as a user has it (Debian's package); a copy elsewhere (FASTDDPM_FMNIST_DIR,

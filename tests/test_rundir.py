@@ -209,3 +209,58 @@ def test_find_resume_reads_latest_a_run_and_refuses_weights_only(tmp_path):
         export.check_resumable(sharded_run=False)
     with pytest.raises(CheckpointError, match="--parallel fsdp reads sharded"):
         find_resume(tmp_path / "run", "latest").check_resumable(sharded_run=True)
+
+
+def test_a_full_disk_while_writing_the_checkpoint_leaves_no_digest_that_fails_a_good_one(tmp_path, monkeypatch):
+    """The digest is written first, then the checkpoint, the large write where a full disk strikes. The new digest
+    must not stay: beside no file, or beside this step's earlier checkpoint (saved again by a resume at the end),
+    where it failed that whole file as corrupted and `--resume latest` fell back to an older one."""
+    import errno
+
+    from fastddpm.rundir import checkpoint
+
+    d = tmp_path / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save_checkpoint(d, step, {"step": step, "w": torch.ones(3)}, keep=3)
+    before = sorted((p.name, p.read_bytes()) for p in d.iterdir())
+    real_write = checkpoint.atomic_write_bytes
+
+    def full_disk(path, data):
+        if path.suffix == ".pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_disk)
+    for step, value in ((3, 1.0), (2, 2.0)):  # a new step; step 2 again, with other contents
+        with pytest.raises(OSError, match="No space left"):
+            checkpoint.save_checkpoint(d, step, {"step": step, "w": torch.full((3,), value)}, keep=3)
+    assert sorted((p.name, p.read_bytes()) for p in d.iterdir()) == before
+    path, state = checkpoint.load_latest(d)
+    assert path.name == "ckpt_000000002.pt" and torch.equal(state["w"], torch.ones(3))
+
+
+def test_out_that_is_a_file_is_refused_naming_it(tmp_path, capsys):
+    """`train --out` a file, or a folder under one, was a FileExistsError / NotADirectoryError traceback from mkdir."""
+    from fastddpm.cli import main
+    from fastddpm.config import ConfigError
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a run")
+    for out in (afile, afile / "run"):
+        for resume in (None, "latest"):
+            with pytest.raises(ConfigError, match=rf"--out {out}: {afile} is a file, and a run directory is a folder"):
+                find_resume(out, resume)
+    assert main(["train", "--preset", "tiny", "--max-steps", "1", "--out", str(afile), "--device", "cpu"]) == 2
+    assert f"{afile} is a file" in capsys.readouterr().err and afile.read_text() == "not a run"
+
+
+def test_a_checkpoint_set_aside_with_an_abandoned_branch_belongs_to_its_run(tmp_path):
+    """`sample`, `eval` and `export` of such a checkpoint wrote their default output (and looked for the run's
+    metrics) inside checkpoints/abandoned-after-*/."""
+    run = tmp_path / "run"
+    aside = run / "checkpoints" / "abandoned-after-000000010-20260101T000000Z"
+    (aside / "ckpt_000000030.dcp").mkdir(parents=True)
+    (aside / "ckpt_000000020.pt").write_bytes(b"x")
+    for path in (aside / "ckpt_000000020.pt", aside / "ckpt_000000030.dcp"):
+        assert RunDir.of(path).path == run, path
+    assert RunDir.of(tmp_path / "abandoned-after-x" / "ema.safetensors").path == tmp_path / "abandoned-after-x"

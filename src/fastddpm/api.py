@@ -17,33 +17,42 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, resolve_config
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, load_config_file, resolve_config
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
+SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --precision`
 
-def _config(config: str | Path | RunConfig | dict, overrides: dict[str, Any], *,
+
+def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, Any], *,
             resumed: RunConfig | None = None) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
     "section.field" or a bare field name of exactly one section (max_images -> train.max_images), resolved as
     the command line resolves its flags (fastddpm.config.resolve_config); `resumed`, the config of a checkpoint
-    being resumed (a run started from a diffusers folder keeps the model it read then)."""
+    being resumed (a run started from a diffusers folder keeps the model it read then). As `fastddpm train
+    --resume` without --preset, a resumed run without a preset (`config` None, or a file that names none) starts
+    from its own config, not from cpu-demo's or the defaults: a run of another preset would not fit its
+    checkpoint, and one of the same preset would lose the settings it was started with."""
     layers = [("fastddpm.train", overrides)]
+    if config is None:
+        config = resumed if resumed is not None else "cpu-demo"
     if isinstance(config, dict):
         return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers,
                               resumed=resumed)
     if isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
-        return resolve_config(file=config, layers=layers, resumed=resumed)
+        base = resumed if resumed is not None and not load_config_file(config).get("preset") else None
+        return resolve_config(base, file=config, layers=layers, resumed=resumed)
     return resolve_config(config if isinstance(config, RunConfig) else str(config), layers=layers,
                           resumed=resumed)
 
 
-def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path, data: str | None = None,
+def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Path, data: str | None = None,
           resume: str | None = None, log=print, **overrides):
     """Train as `fastddpm train` does and return its TrainResult (run_dir, step, images_seen, last_loss,
-    checkpoint, grid). `config`: a preset name (default cpu-demo), a YAML/JSON file, or a RunConfig; `data`:
-    any data source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `overrides`:
-    config fields, e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style keys)."""
+    checkpoint, grid). `config`: a preset name, a YAML/JSON file, or a RunConfig (default: cpu-demo; a resumed
+    run, its own config); `data`: any data source (default: the config's, fashion-mnist); `resume`: "latest" or a
+    checkpoint; `overrides`: config fields, e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style
+    keys)."""
     from fastddpm.trainer.loop import train as train_loop
 
     if data is not None:
@@ -52,7 +61,8 @@ def train(config: str | Path | RunConfig | dict = "cpu-demo", *, out: str | Path
 
     resumed = find_resume(out, resume)
     cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None)
-    return train_loop(cfg, out_dir=Path(out), resume=resume, log=log)
+    # the checkpoint found above, not a second search (which could find another and warns twice)
+    return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
 
 
 @dataclasses.dataclass
@@ -86,6 +96,8 @@ class Model:
             raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
         if batch_size < 1:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
+        if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
+            raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")

@@ -49,9 +49,20 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: i
     torch.save({"format": CHECKPOINT_FORMAT, **state}, buf)
     data = buf.getvalue()
     path = checkpoint_path(ckpt_dir, step)
+    digest = path.with_suffix(".sha256")
     # The digest goes in first: a checkpoint without its digest is never at the final path.
-    atomic_write_bytes(path.with_suffix(".sha256"), hashlib.sha256(data).hexdigest().encode())
-    atomic_write_bytes(path, data)
+    old_digest = digest.read_bytes() if digest.is_file() else None  # this step saved before (a resume at the end)
+    atomic_write_bytes(digest, hashlib.sha256(data).hexdigest().encode())
+    try:
+        atomic_write_bytes(path, data)
+    except BaseException:
+        # The checkpoint is the large write, where a full disk strikes. Left in place, the new digest would be a
+        # digest of no file, or would fail this step's earlier checkpoint (still whole) as corrupted.
+        if old_digest is None:
+            digest.unlink(missing_ok=True)
+        else:
+            atomic_write_bytes(digest, old_digest)
+        raise
     prune_checkpoints(ckpt_dir, keep=keep)
     return path
 

@@ -18,12 +18,15 @@ class RunDir:
     @classmethod
     def of(cls, path: str | Path) -> RunDir:
         """The run a path belongs to: a run directory itself, the run of its checkpoints/ folder or of a
-        checkpoints/ckpt_* file or .dcp folder, or the folder that holds any other file (an ema.safetensors copied
-        elsewhere)."""
+        checkpoints/ckpt_* file or .dcp folder (one a resume set aside in checkpoints/abandoned-after-*/ too), or the
+        folder that holds any other file (an ema.safetensors copied elsewhere)."""
         path = Path(path)
         if path.is_dir() and path.suffix != ".dcp":
             return cls(path.parent if path.name == "checkpoints" else path)
-        return cls(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
+        folder = path.parent
+        if folder.name.startswith("abandoned-after-") and folder.parent.name == "checkpoints":
+            folder = folder.parent  # sample's, eval's and export's output belong in the run, not beside the file
+        return cls(folder.parent if folder.name == "checkpoints" else folder)
 
     @property
     def config(self) -> Path:  # the resolved config

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fastddpm.config import ConfigError
 from fastddpm.rundir import checkpoint, sharded
 from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata
 from fastddpm.rundir.layout import RunDir
@@ -148,6 +149,13 @@ def _safetensors(path: Path) -> Checkpoint:
 def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None) -> Checkpoint | None:
     """What `--resume` means for a run in `run_dir`: None (a new run); "latest" (the newest checkpoint that
     verifies, None if there is none yet); a Checkpoint, as it is; or a path (a run directory: its newest)."""
+    # Checked here, where `train` and fastddpm.train first look at --out: the run's mkdir would otherwise end in a
+    # FileExistsError or NotADirectoryError traceback.
+    run_dir = Path(run_dir)
+    in_the_way = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if in_the_way is not None and not in_the_way.is_dir():
+        raise ConfigError(f"--out {run_dir}: {in_the_way} is a file, and a run directory is a folder: pass a new "
+                          f"folder (or a run directory, to continue its run) as --out")
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     if str(resume) == "latest":
