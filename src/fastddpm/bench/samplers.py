@@ -77,8 +77,9 @@ QUICK = dict(samplers=("ddim", "dpmpp-2m", "unipc", "heun"), steps=(2, 4), ddpm=
 
 
 def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = "ddpm") -> list[tuple[str, int, int]]:
-    """(sampler, steps, seed) in the order they are drawn: the grid, DDPM (a DDPM model's), then the spread seeds.
-    An EDM or flow model has no discrete timesteps: no DDPM point and no cap on the steps."""
+    """(sampler, steps, seed) in the order they are asked for: the grid, DDPM (a DDPM model's), then the spread seeds.
+    An EDM or flow model has no discrete timesteps: no DDPM point. Which of them this model can be sampled at is
+    check_points' to say."""
     continuous = objective != "ddpm"
     if continuous:
         from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
@@ -88,13 +89,14 @@ def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = 
         if wrong:
             raise ConfigError(f"bench samplers: {', '.join(dict.fromkeys(wrong))} cannot sample this {objective} "
                               f"model; choose from {', '.join(CONTINUOUS_SAMPLERS)}")
-    out = [(s, k, settings.seed) for s in settings.samplers for k in settings.steps
-           if continuous or k <= num_timesteps]
+    # DDPM walks all T timesteps whatever the step count asked: its one point is (ddpm, T), never (ddpm, k)
+    out = [(s, num_timesteps if s == "ddpm" else k, settings.seed) for s in settings.samplers for k in settings.steps]
     if settings.ddpm and not continuous:
         out.append(("ddpm", num_timesteps, settings.seed))
     for p in settings.spread_points:
         name, _, k = p.rpartition("-")
-        out += [(name, int(k), seed) for seed in (settings.seed, *settings.spread_seeds)]
+        out += [(name, num_timesteps if name == "ddpm" else int(k), seed)
+                for seed in (settings.seed, *settings.spread_seeds)]
     return list(dict.fromkeys(out))
 
 
@@ -122,9 +124,9 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     out_dir = Path(out_dir) if out_dir else Path(info["file"]).parent.parent / "bench-samplers"
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment_record(device)
+    todo = check_points(points(settings, T, cfg.diffusion.objective), settings, cfg, log)
     evaluator = Evaluator.for_config(cfg, device=device, log=log)
     sampling_model = compile_for_sampling(model, device) if compile_on else model
-    todo = points(settings, T, cfg.diffusion.objective)
     # the weights themselves, not the path they were read from: the same reference reached through a copy of its
     # file is the same table, and a run retrained into the same path is not
     common = {"checkpoint": {"weights_sha256": weights_digest(model), "step": info["step"],
@@ -170,6 +172,32 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     log(report_markdown(result))
     log(f"wrote {json_path}, samplers.csv, samplers.md" + (f" and {plot}" if plot else ""))
     return result
+
+
+def check_points(todo: list[tuple[str, int, int]], settings: SamplerBenchSettings, cfg,
+                 log: Callable[[str], None]) -> list[tuple[str, int, int]]:
+    """The points of `todo` whose sampler can walk their steps on this model, each logged otherwise with the reason:
+    a DDPM model's samplers walk at most its T timesteps, the ODE solvers fewer (from the noisiest one with a finite
+    half log-SNR), so the default grid's 100 and spread point ddim-100 do not fit a model trained with T = 50.
+    Checked before the feature network is built (minutes, the first time) and before the first point, not left to
+    fail in the sampler mid-table. None left: a ConfigError naming the limit."""
+    from fastddpm.diffusion import network_calls, schedule_from_config
+
+    T, schedule = cfg.diffusion.num_timesteps, schedule_from_config(cfg.diffusion)
+    fit, reasons = [], {}
+    for sampler, steps, seed in todo:
+        try:
+            network_calls(sampler, steps, T, schedule=schedule, spacing=settings.spacing)
+        except ValueError as e:
+            reasons.setdefault(f"{sampler}-{steps}", str(e))
+            continue
+        fit.append((sampler, steps, seed))
+    for point, why in reasons.items():
+        log(f"bench samplers: {point} left out: {why} on this model")
+    if not fit:
+        raise ConfigError(f"bench samplers: no point left to draw on this model ({T} timesteps): "
+                          f"{'; '.join(f'{p}: {w}' for p, w in reasons.items())}. Give smaller --steps")
+    return fit
 
 
 def warm_up(model, cfg, *, batch_size: int, device, precision, guidance, spacing, log) -> None:
