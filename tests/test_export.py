@@ -5,6 +5,7 @@ and examples/sample_onnx.py, which samples with onnxruntime and numpy alone."""
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -183,3 +184,35 @@ def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
 def test_export_refuses_what_it_cannot_export(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nowhere"), "--format", "onnx"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_written_is_refused_naming_it(runs, tmp_path, capsys, monkeypatch):
+    """A file on --out's path and a folder that is not writable are refused naming the folder, before an exporter
+    runs: they were a NotADirectoryError traceback and, for ONNX, both exporters' write errors blamed on the opset."""
+    (tmp_path / "notes.txt").write_text("mine")
+    bad = tmp_path / "notes.txt" / "x"
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(bad)]) == 2
+    assert f"export --out {bad}: cannot create the folder (Not a directory)" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access  # root writes anywhere, so a read-only folder is what os.access says of it
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == locked
+                        else access(path, mode, **kw))
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(locked)]) == 2
+    assert f"export --out {locked}: the folder is not writable" in capsys.readouterr().err
+    assert not any(locked.iterdir())
+
+
+def test_schedule_json_holds_the_float64_betas_training_used_at_another_t(fmnist_npz, tmp_path):
+    """At T = 100 the default linear betas are Ho et al.'s scaled by 1000 / T, 1e-3 to 0.2, and schedule.json holds
+    the float64 values the schedule is built from (not their float32 copy: 1e-3 was 0.0010000000474974513)."""
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 1, "diffusion.num_timesteps": 100,
+                                               "diffusion.prediction": "v", "train.num_sample_images": 2,
+                                               "train.sample_steps": 2})
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    assert main(["export", str(tmp_path / "run"), "--format", "safetensors", "--out", str(tmp_path / "e")]) == 0
+    schedule = json.loads((tmp_path / "e" / "schedule.json").read_text())
+    assert (schedule["num_timesteps"], schedule["schedule"], schedule["prediction"]) == (100, "linear", "v")
+    assert schedule["betas"][0] == 1e-3 and schedule["betas"][-1] == 0.2
+    assert schedule["betas"] == torch.linspace(1e-3, 0.2, 100, dtype=torch.float64).tolist()

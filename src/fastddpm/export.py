@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -242,7 +243,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     info, run_dir = ckpt.info(), ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
     check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out)
     if fmt == "diffusers":
         return _export_diffusers(model.float(), cfg, info, out, command or f"fastddpm.export.export({str(run)!r}, "
                                  f"{fmt!r})", log)
@@ -268,7 +269,9 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
                           "(--format torch-export or safetensors) or, for ONNX, another --opset may export it exactly")
     d = cfg.diffusion
     if d.objective == "ddpm":
-        process = {"objective": "ddpm", "betas": [float(b) for b in schedule_from_config(d).betas.double()],
+        # the float64 betas the schedule derives everything from (its .betas is their float32 copy: 1e-4 as
+        # 9.9999997e-05)
+        process = {"objective": "ddpm", "betas": schedule_from_config(d).float64("betas").tolist(),
                    "num_timesteps": d.num_timesteps, "schedule": d.schedule, "prediction": d.prediction}
     elif d.objective == "edm":  # Karras et al. 2022, Table 1: x0_hat = c_skip x + c_out F(c_in x, c_noise)
         process = {"objective": "edm", "sigma_data": d.sigma_data, "p_mean": d.edm_p_mean, "p_std": d.edm_p_std,
@@ -314,6 +317,22 @@ def check_out_dir(out: Path) -> None:
     if names and not exported:
         raise ConfigError(f"export --out {out} holds files an export did not write (it would replace README.md, "
                           "config.json, schedule.json): give a new or empty folder")
+
+
+def make_out_dir(out: Path) -> None:
+    """Create --out, or a ConfigError naming it and the reason: a file on its path (`--out notes.txt/x`), no
+    permission, a read-only disk. Before any exporter runs: the ONNX exporters' failures to write are caught as
+    failures to convert, and would be blamed on the opset."""
+    from fastddpm.config import ConfigError
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"export --out {out}: cannot create the folder ({e.strerror or e}): give a folder that "
+                          "can be created, new, empty or an earlier export's") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"export --out {out}: the folder is not writable here (permissions, or a read-only "
+                          "disk): give another --out")
 
 
 def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> dict:
