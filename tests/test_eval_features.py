@@ -109,15 +109,20 @@ def test_classifier_cache_and_a_changed_dataset_retrains(tmp_path):
     assert not info3["cached"] and path3 != path
 
 
-def test_a_rebuilt_dataset_cache_recomputes_what_was_computed_from_its_pixels(net, tmp_path):
+def test_a_rebuilt_dataset_cache_recomputes_what_was_computed_from_its_pixels(net, tmp_path, monkeypatch):
     """`prepare --rebuild` (or a format upgrade) rewrites the cache under the same name and source fingerprint:
-    the reference statistics, per-class statistics and the classifier computed from the old build are redone."""
+    the reference statistics, per-class statistics and the classifier computed from the old build are redone when
+    the rebuild wrote other pixels (a reader that changed), and kept when it wrote the same ones."""
+    import dataclasses
+    import importlib
     import json
     import os
 
     from conftest import read_fmnist
 
     from fastddpm.eval.features import class_reference_stats
+
+    prepare_module = importlib.import_module("fastddpm.data.prepare")  # the module, not fastddpm.data's function
 
     images, labels = read_fmnist(300)
     src = tmp_path / "three-hundred.npz"
@@ -130,7 +135,19 @@ def test_a_rebuilt_dataset_cache_recomputes_what_was_computed_from_its_pixels(ne
     assert not ref.meta["cached"] and not info["cached"]
     assert reference_stats(data, net, cache_root=root, log=quiet).meta["cached"]
 
+    same = prepare(str(src), cache_dir=root, progress=False, rebuild=True)  # the same pixels, labels and names
+    assert same.cache_path == data.cache_path and same.built == data.built
+    assert reference_stats(same, net, cache_root=root, log=quiet).meta["cached"]
+    assert load_or_train_classifier(same, None, device=CPU, cache_root=root, recipe=FAST, log=quiet)[1]["cached"]
+
+    write = prepare_module.write_array_data  # a reader that now decodes the same file to other pixels
+
+    def other_pixels(data, **kw):
+        return write(dataclasses.replace(data, images_nchw=255 - data.images_nchw), **kw)
+
+    monkeypatch.setattr(prepare_module, "write_array_data", other_pixels)
     rebuilt = prepare(str(src), cache_dir=root, progress=False, rebuild=True)
+    monkeypatch.undo()
     assert rebuilt.cache_path == data.cache_path and rebuilt.built != data.built
     said = []
     assert not reference_stats(rebuilt, net, cache_root=root, log=said.append).meta["cached"]
