@@ -77,7 +77,7 @@ class PreparedData:
         name and the source's fingerprint but may change the pixels, so whatever was computed from the pixels
         records this and is recomputed when it differs. A rebuild that writes the same images, labels and class
         names keeps it: a feature network retrained for identical pixels would move every FID measured after it."""
-        return self.meta.get("pixels_built") or self.meta.get("created")
+        return built_of(self.meta)
 
     def computed_from_this_build(self, recorded: str | None, derived: Path) -> bool:
         """Whether a file computed from these pixels (`recorded`: the `built` it stored, None for a file written
@@ -98,6 +98,11 @@ def cache_dir_name(*, slug: str, identity: dict, split: str | None, transform: d
     key = hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", slug).strip("-.")[:48] or "data"
     return f"{slug}-{key}"
+
+
+def built_of(meta: dict) -> str | None:
+    """A cache's `built` (PreparedData.built) from its meta.json."""
+    return meta.get("pixels_built") or meta.get("created")
 
 
 class CacheInvalid(Exception):
@@ -155,22 +160,19 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
     when the cache folder cannot be written.
     """
     try:
+        import fcntl
+    except ImportError:  # not POSIX
+        fcntl = None
+    try:
         final_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock_file = None if fcntl is None else open(final_dir.parent / f".{final_dir.name}.lock", "a+b")
     except OSError as e:
         if e.errno in _NOT_WRITABLE_ERRNOS:
             raise _not_writable(final_dir.parent, e) from None
         raise
-    try:
-        import fcntl
-    except ImportError:
+    if lock_file is None:
         yield
         return
-    try:
-        lock_file = open(final_dir.parent / f".{final_dir.name}.lock", "a+b")
-    except OSError as e:
-        if e.errno in _NOT_WRITABLE_ERRNOS:
-            raise _not_writable(final_dir.parent, e) from None
-        raise
     with lock_file:
         locked = True
         try:
@@ -282,7 +284,7 @@ def _pixels_built_before(final_dir: Path, temp_dir: Path, meta: dict) -> str | N
             return None
     except (OSError, ValueError):  # no complete cache there before
         return None
-    return old.get("pixels_built") or old.get("created")
+    return built_of(old)
 
 
 class CacheBuilder:

@@ -211,7 +211,8 @@ def info(
     except CacheInvalid:
         data = None
     current = data is not None and (src.fingerprint is None or data.meta["fingerprint"] == src.fingerprint)
-    if current and _outdated(src, data.meta) is None:
+    outdated = _outdated(src, data.meta) if current else None
+    if current and outdated is None:
         text = describe(data)
         if src.path is None:
             text += "\n  note:        the downloaded files are gone; the prepared cache is complete without them"
@@ -219,7 +220,7 @@ def info(
     lines = describe_source(src, cache_root)
     command = prepare_command(src.display, options, cache_dir)
     if current:
-        lines.append(f"  STALE: the cache prepared at {data.meta['created']} was written {_outdated(src, data.meta)}; "
+        lines.append(f"  STALE: the cache prepared at {data.meta['created']} was written {outdated}; "
                      f"run `{command}` to rebuild {final_dir}")
     elif data is not None:
         lines.append(f"  STALE: source changed since it was prepared at {data.meta['created']} "
