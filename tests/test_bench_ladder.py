@@ -11,6 +11,7 @@ import pytest
 from fastddpm.bench import ladder_rungs
 from fastddpm.bench.cli import main as bench_main
 from fastddpm.bench.ladder import QUICK, LadderSettings, run_ladder
+from fastddpm.config import ConfigError
 
 RUNG_KEYS = ["0", "1", "2", "3", "3b", "4", "5", "6", "7", "8", "9"]
 PLANTED = "2"  # this rung's builder raises; rungs after it must still run
@@ -249,3 +250,39 @@ def test_the_gpu_summary_reads_this_runs_files(quick_run, tmp_path):
     md = "\n".join(summarize_gpu.section_ladder(tmp_path, summarize_gpu.Calls(tmp_path)))
     assert "Measured " in md and "`test`" in md and result["data"]["fingerprint"] in md
     assert "| 0 | baseline |" in md and "MLP ladder" in md
+
+
+def test_images_per_s_counts_the_short_batch_at_an_epochs_end(tmp_path):
+    """Rung 0's DataLoader keeps the ragged last batch (no drop_last): 56 images in batches of 16 are 16, 16, 16, 8.
+    A repeat of 4 steps after 1 warm-up step trains 16 + 16 + 8 + 16 = 56 images, not 4 x 16."""
+    settings = LadderSettings(**{**QUICK, "num_images": 56, "repeats": 1, "steps": 4, "warmup_steps": 1},
+                              workers=0, device="cpu", quick=True, mlp=False, rungs=("0",))
+    result = run_ladder(settings, tmp_path, argv=["test"], log=lambda m: None)
+    row = next(r for r in result["rungs"] if r["rung"] == "0")
+    assert row["status"] == "ok" and row["batch_size"] == 16
+    repeat_s = row["step_ms"]["per_repeat"][0] * settings.steps / 1000
+    assert row["images_per_s"] * repeat_s == pytest.approx(56)
+    assert row["epoch_s"] == pytest.approx(56 / row["images_per_s"])
+
+
+@pytest.mark.parametrize("field, value", [("mlp_train_images", 63), ("mlp_test_images", 0)])
+def test_an_mlp_ladder_too_small_to_train_one_batch_is_refused_up_front(field, value):
+    with pytest.raises(ConfigError, match=f"{field}={value}"):
+        LadderSettings(**{**QUICK, field: value}, device="cpu", quick=True)
+    LadderSettings(**{**QUICK, field: value}, device="cpu", quick=True, mlp=False)  # no MLP ladder: nothing to train
+
+
+def test_a_rung_over_the_measured_peak_says_the_peak_was_measured_low(tmp_path, monkeypatch):
+    from fastddpm import measure
+
+    def low_peak(device, dtype, **kw):
+        return {"tflops": 1e-6, "dtype": "fp32", "label": "planted: measured under load"}
+
+    monkeypatch.setattr(measure, "measure_matmul_peak", low_peak)
+    settings = LadderSettings(**{**QUICK, "repeats": 1, "steps": 1}, workers=0, device="cpu", quick=True, mlp=False,
+                              rungs=("6",))
+    row = next(r for r in run_ladder(settings, tmp_path, argv=["test"], log=lambda m: None)["rungs"]
+               if r["rung"] == "6")
+    assert row["mfu_pct"] > 100
+    assert any("is over 100%" in n for n in row["notes"])
+    assert "is over 100%" in (tmp_path / "ladder.md").read_text()

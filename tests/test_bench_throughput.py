@@ -590,3 +590,19 @@ def test_the_gpu_summary_reads_this_runs_files(quick_run, tmp_path):
     md = "\n".join(summarize_gpu.section_throughput(tmp_path, summarize_gpu.Calls(tmp_path)))
     assert "### Throughput: tiny" in md and result["environment"]["command_line"] in md
     assert f"torch {torch.__version__}" in md and "| tiny | 8 |" in md and "(fp32) |" in md
+
+
+def test_a_share_over_100_percent_is_flagged_where_it_is_printed(quick_run):
+    """An MFU over 100% says the peak was measured low (under load): the progress line and the report say so; a
+    sane row carries no warning."""
+    from fastddpm.bench.throughput_report import progress_line, report_markdown
+
+    _, result = quick_run
+    sane = result["results"][0]
+    assert "WARNING" not in progress_line(sane)
+    assert "Warning" not in report_markdown(result)
+    over = {**sane, "mfu_pct": 130.0}
+    assert "WARNING: MFU 130% is over 100%" in progress_line(over) and "rerun on an idle device" in progress_line(over)
+    assert "**Warning**: MFU 130% is over 100%" in report_markdown({**result, "results": [over]})
+    memory = {**sane, "mfu_pct": 20.0, "roofline_pct": 140.0, "roofline_binds": "memory"}
+    assert "140% of a memory-bound roofline" in progress_line(memory)

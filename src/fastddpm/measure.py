@@ -404,6 +404,24 @@ def roofline(*, flops_per_image: float, bytes_per_image: float, peak_tflops: flo
             "roofline_pct": 100 * images_per_s * bound_s if images_per_s else None}
 
 
+def share_warning(mfu_pct: float | None, roofline_pct: float | None, binds: str | None) -> str | None:
+    """Why an MFU or a share of the roofline over 100% cannot be read as it stands, or None.
+
+    MFU over 100% (and the roofline's compute side, which is MFU when compute binds) means the step ran faster
+    than the matmul peak measured in the same run: the peak was measured low, most often while another process
+    used the device, and every share of that run then reads high. Over 100% of a memory-bound roofline means
+    the step moved fewer bytes than eager autograd saves (torch.compile recomputes cheap ops instead of saving
+    them) or the bandwidth was measured low under load."""
+    if mfu_pct is not None and mfu_pct > 100:
+        return (f"MFU {mfu_pct:.0f}% is over 100%: the matmul peak measured in this run is below what the step "
+                "reached (likely measured while another process used the device), so this run's MFU and roofline "
+                "shares read high; rerun on an idle device")
+    if roofline_pct is not None and roofline_pct > 100 and binds == "memory":
+        return (f"{roofline_pct:.0f}% of a memory-bound roofline: the step moved fewer bytes than eager autograd "
+                "saves (torch.compile recomputes instead of saving), or the bandwidth was measured low under load")
+    return None
+
+
 class Peaks:
     """A run's denominators, each measured the first time it is needed and then shared: the matmul peak per dtype
     (MFU's), and the memory bandwidth (the roofline's memory side). A run that reuses every result measures none."""

@@ -29,11 +29,12 @@ import torch
 
 from fastddpm.bench import ladder_rungs, store
 from fastddpm.bench.ladder_report import mlp_table_markdown, progress_line, table_markdown, write_results
+from fastddpm.bench.mlp import BATCH_SIZE as MLP_BATCH
 from fastddpm.config import ConfigError, get_preset, resolve_model_shape
 from fastddpm.data import DataError
 from fastddpm.device import resolve_device
 from fastddpm.measure import (Peaks, environment_record, free_device_memory, model_roofline, peak_memory_bytes,
-                              reset_peak_memory, summarize, time_steps, time_wall_s)
+                              reset_peak_memory, share_warning, summarize, time_steps, time_wall_s)
 from fastddpm.trainer.batch_finder import is_oom
 from fastddpm.trainer.compile_counters import CompileCounters
 
@@ -83,6 +84,12 @@ class LadderSettings:
         if self.num_images is not None and self.num_images < 192 // self.batch_divisor:
             raise ConfigError(f"bench ladder: --num-images={self.num_images} must be >= "
                               f"{192 // self.batch_divisor} (rung 4's batch)")
+        if self.mlp and self.mlp_train_images is not None and self.mlp_train_images < MLP_BATCH:
+            raise ConfigError(f"bench ladder: mlp_train_images={self.mlp_train_images} must be >= {MLP_BATCH} "
+                              f"(the MLP ladder's batch), or mlp=False (--skip-mlp)")
+        if self.mlp and self.mlp_test_images is not None and self.mlp_test_images < 1:
+            raise ConfigError(f"bench ladder: mlp_test_images={self.mlp_test_images} must be >= 1, "
+                              f"or mlp=False (--skip-mlp)")
 
     def resolved_workers(self) -> int:
         return min(8, os.cpu_count() or 1) if self.workers is None else self.workers
@@ -132,18 +139,23 @@ def measure_rung(prepared: ladder_rungs.Prepared, settings: LadderSettings, devi
     counters = CompileCounters(enabled=prepared.compiled)
     warmup_s = time_wall_s(lambda: [prepared.step(i) for i in range(settings.warmup_steps)], device)
     counters.mark_warm()
-    step_ms = []
+    step_ms, images_per_s = [], []
     for r in range(settings.repeats):
         first = settings.warmup_steps + r * settings.steps
-        step_ms.append(time_steps(lambda i: prepared.step(first + i), settings.steps, device) / settings.steps)
+        seen_before = prepared.images_seen() if prepared.images_seen else 0
+        elapsed_ms = time_steps(lambda i: prepared.step(first + i), settings.steps, device)
+        # A DataLoader without drop_last yields a short batch at each epoch's end: count the images it trained.
+        images = (prepared.images_seen() - seen_before if prepared.images_seen
+                  else prepared.batch_size * settings.steps)
+        step_ms.append(elapsed_ms / settings.steps)
+        images_per_s.append(images / (elapsed_ms / 1000))
     compile_report = counters.report()
     busy = gpu_busy_share(prepared.step, settings.warmup_steps + settings.repeats * settings.steps,
                           min(settings.steps, 20), device)
     s = summarize(step_ms)
     s["per_repeat"] = step_ms
-    B = prepared.batch_size
-    return {"step_ms": s, "images_per_s": B / (s["median"] / 1000),
-            "images_per_s_range": [B / (s["max"] / 1000), B / (s["min"] / 1000)],
+    ips = summarize(images_per_s)
+    return {"step_ms": s, "images_per_s": ips["median"], "images_per_s_range": [ips["min"], ips["max"]],
             "warmup_s": warmup_s, "gpu_busy": busy, "peak_memory_bytes": peak_memory_bytes(device),
             "recompiles_after_warmup": compile_report.get("recompiles_after_warmup"),
             "graph_breaks": compile_report.get("graph_breaks"), "cuda_graphs_failed": prepared.graph_failed()}
@@ -187,6 +199,9 @@ def run_rung(rung, sw, ctx, settings) -> dict:
                                           peaks=ctx.peaks))
             except Exception as e:  # noqa: BLE001 - OOM or anything: the rung was measured
                 row["notes"].append(f"MFU and roofline not measured: {type(e).__name__}: {e}".strip())
+            warning = share_warning(row["mfu_pct"], row["roofline_pct"], row["roofline_binds"])
+            if warning:
+                row["notes"].append(warning)
     except Exception as e:  # noqa: BLE001 - OOM, compile errors, anything: the ladder goes on
         oom = is_oom(e)
         row.update(status="failed", reason=("out of memory: " if oom else "") + f"{type(e).__name__}: {e}".strip())
@@ -249,8 +264,11 @@ def _load_mlp_data(settings: LadderSettings, log):
     test = prepare(settings.mlp_data, split="test", progress=False)
     if train.images.shape[1:] != (1, 28, 28):
         raise ConfigError(f"bench ladder: the MLP ladder needs MNIST-format 1x28x28 images; {settings.mlp_data} "
-                          f"has {tuple(train.images.shape[1:])}. Use --mlp-data mnist or fashion-mnist")
+                          f"has {tuple(train.images.shape[1:])}. Use mlp_data='mnist' or 'fashion-mnist'")
     ntr = train.num_images if settings.mlp_train_images is None else min(settings.mlp_train_images, train.num_images)
+    if ntr < MLP_BATCH:
+        raise ConfigError(f"bench ladder: the MLP ladder trains batches of {MLP_BATCH}; {settings.mlp_data} has "
+                          f"{ntr} training images. Use a larger source or --skip-mlp")
     nte = test.num_images if settings.mlp_test_images is None else min(settings.mlp_test_images, test.num_images)
     return MlpData(train_x=np.array(train.images[:ntr]), train_y=np.asarray(train.labels[:ntr]),
                    test_x=np.array(test.images[:nte]), test_y=np.asarray(test.labels[:nte]))
@@ -430,8 +448,9 @@ def fill_speedups(rows: list[dict], num_images: int, device_type: str) -> None:
 def notes(device: torch.device, s: LadderSettings, data_info: dict) -> list[str]:
     clock = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     out = [
-        f"images/s: batch / median step time over {s.repeats} repeats of {s.steps} steps ({clock}); each step "
-        "draws its own batch (DataLoader for rungs 0-5, ResidentBatches from rung 6), so input time counts.",
+        f"images/s: the median over {s.repeats} repeats of {s.steps} steps of the images trained / the repeat's time "
+        f"({clock}); each step draws its own batch (DataLoader for rungs 0-5, with the short batch at each epoch's "
+        "end counted as it is; ResidentBatches from rung 6), so input time counts.",
         f"warm-up s: the first {s.warmup_steps} steps (worker start-up, compile, CUDA graph capture), timed on their "
         "own; setup s: work before them (RAM preload, batch-size search).",
         f"epoch s: {data_info['num_images']:,} images / images/s" + (" (extrapolated from a few --quick steps)"

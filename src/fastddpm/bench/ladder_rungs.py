@@ -215,6 +215,9 @@ class Prepared:
     graph_failed: Callable[[], str | None] = lambda: None
     model: torch.nn.Module | None = None  # the U-Net it trains (uncompiled): its FLOPs and bytes, for the roofline
     autocast_dtype: torch.dtype | None = None
+    # Images the steps have trained on so far, where a batch can be short (a DataLoader's ragged last batch
+    # without drop_last); None: every step trains batch_size images.
+    images_seen: Callable[[], int] | None = None
 
 
 def precision_of(name: str, device: torch.device) -> Precision:
@@ -273,9 +276,11 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
                                              num_workers=sw.workers, pin_memory=pin, drop_last=sw.drop_last,
                                              generator=torch.Generator().manual_seed(ctx.seed))
         stream = endless(loader)
+        seen = [0]
 
         def next_batch(i: int) -> Batch:
             x0 = next(stream).to(device, non_blocking=sw.non_blocking)
+            seen[0] += x0.shape[0]
             # As the seed's DDPM loop: t drawn on the host and copied; noise drawn on the device.
             t = torch.randint(0, T, (x0.shape[0],)).to(device, non_blocking=sw.non_blocking)
             return Batch(x0=x0, t=t, noise=torch.randn_like(x0), indices=None)
@@ -291,7 +296,8 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
         return loss
 
     return Prepared(step=step, batch_size=sw.batch_size, precision=sw.precision, setup_s=setup_s, notes=notes,
-                    compiled=sw.compile, model=model, autocast_dtype=precision.autocast_dtype)
+                    compiled=sw.compile, model=model, autocast_dtype=precision.autocast_dtype,
+                    images_seen=None if sw.resident else (lambda: seen[0]))
 
 
 def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:

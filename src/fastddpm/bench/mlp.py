@@ -23,6 +23,7 @@ import torch.nn as nn
 from PIL import Image
 
 MEAN, STD = 0.1307, 0.3081  # the seed's Normalize((0.1307,), (0.3081,))
+BATCH_SIZE = 64  # the seed's batch
 
 MLP_RUNGS = [("0", "baseline (num_workers=0)"), ("1", "N workers"), ("2", "+ pin_memory, non_blocking"),
              ("3", "fastddpm loop (resident, fused, graph)")]
@@ -88,7 +89,7 @@ def run_loader_rung(data: MlpData, device: torch.device, *, epochs: int, workers
     model = _new_model(device, seed)
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(MnistStyleDataset(data.train_x, data.train_y), batch_size=64,
+    loader = torch.utils.data.DataLoader(MnistStyleDataset(data.train_x, data.train_y), batch_size=BATCH_SIZE,
                                          shuffle=True, num_workers=workers, pin_memory=pin and device.type == "cuda",
                                          generator=torch.Generator().manual_seed(seed))
     _sync(device)
@@ -118,7 +119,7 @@ def run_fast_rung(data: MlpData, device: torch.device, *, epochs: int, seed: int
     t0 = time.perf_counter()  # everything counts: the upload, the capture, the epochs
     x_all = torch.from_numpy(np.asarray(data.train_x)).to(device).float().div_(255).sub_(MEAN).div_(STD)
     y_all = torch.from_numpy(np.asarray(data.train_y, dtype=np.int64)).to(device)
-    n, B = len(y_all), 64
+    n, B = len(y_all), BATCH_SIZE
     steps_per_epoch = n // B  # drop the ragged tail: one static shape
     model = _new_model(device, seed)
     criterion = nn.CrossEntropyLoss()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastddpm.bench import store
+from fastddpm.measure import share_warning
 
 TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max] | compile s | MFU % (peak dtype) | "
                 "% of roofline (binds) | peak mem GiB | recompiles | graph breaks | input wait % | status |")
@@ -26,10 +27,15 @@ def progress_line(row: dict) -> str:
         f", recompiles {row['recompiles_after_warmup']}, graph breaks {row['graph_breaks']}"
     graphs = f", CUDA graphs failed: {row['cuda_graphs_failed']}" if row["cuda_graphs_failed"] and \
         row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
+    warning = _share_warning(row)
     return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
             f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak, "
             f"{_roofline(row)} of the roofline{mem}{rec}, "
-            f"input wait {row['input_wait_pct']:.1f}%{graphs}")
+            f"input wait {row['input_wait_pct']:.1f}%{graphs}" + (f"\n  WARNING: {warning}" if warning else ""))
+
+
+def _share_warning(row: dict) -> str | None:
+    return share_warning(row.get("mfu_pct"), row.get("roofline_pct"), row.get("roofline_binds"))
 
 
 def _roofline(row: dict) -> str:
@@ -119,7 +125,8 @@ def report_markdown(result: dict) -> str:
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
                             and fp["cuda_graphs"].startswith("capture") else "")
                          + f"; input {r['input_ms_per_step']:.3f} ms/step; "
-                           f"final loss {store.fmt(r['final_loss'], '.4f')}")
+                           f"final loss {store.fmt(r['final_loss'], '.4f')}"
+                         + (f". **Warning**: {_share_warning(r)}" if _share_warning(r) else ""))
         lines.append("")
     lines += ["## How to read it", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)
