@@ -216,3 +216,33 @@ def test_schedule_json_holds_the_float64_betas_training_used_at_another_t(fmnist
     assert (schedule["num_timesteps"], schedule["schedule"], schedule["prediction"]) == (100, "linear", "v")
     assert schedule["betas"][0] == 1e-3 and schedule["betas"][-1] == 0.2
     assert schedule["betas"] == torch.linspace(1e-3, 0.2, 100, dtype=torch.float64).tolist()
+
+
+def test_an_export_in_another_format_replaces_the_earlier_ones_files_and_keeps_the_users(runs, tmp_path, capsys):
+    """A folder holds one export: re-exported as torch-export, the safetensors export's model file goes (its card
+    would not describe it); a file the user put there stays; --opset outside ONNX is refused, not ignored."""
+    out = tmp_path / "e"
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(out)]) == 0
+    assert "removed the earlier export's model.safetensors" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "export.json", "model.pt2",
+                                                     "notes.txt", "schedule.json"]
+    assert json.loads((out / "export.json").read_text())["format"] == "torch-export"
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(out), "--opset", "17"]) == 2
+    assert "--opset 17 applies to --format onnx only" in capsys.readouterr().err
+    assert (out / "model.pt2").is_file()  # the refusal wrote and removed nothing
+
+
+def test_an_export_folder_loads_as_its_model_file_or_says_what_it_holds(runs, tmp_path):
+    import fastddpm
+    from fastddpm.rundir.checkpoint import CheckpointError
+
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "st")]) == 0
+    inputs, want, _ = reference(runs["uncond"], 2)
+    model = fastddpm.load(tmp_path / "st", device="cpu")  # the folder, as the export printed it
+    with torch.no_grad():
+        assert np.array_equal(model.net.cpu()(*inputs).numpy(), want)
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(tmp_path / "pt2")]) == 0
+    with pytest.raises(CheckpointError, match=r"It holds an export \(model.pt2\)"):
+        fastddpm.load(tmp_path / "pt2")

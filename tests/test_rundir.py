@@ -2,6 +2,7 @@
 Checkpoint or one clear error; the Checkpointer alone writes and reads a checkpoint's keys, in the layout every
 fastddpm version has written (tests/test_legacy_checkpoints.py loads files an older version wrote)."""
 
+import io
 import json
 from pathlib import Path
 
@@ -170,8 +171,14 @@ def test_locate_names_each_bad_path_and_the_fix(tmp_path):
         locate(foreign)
     image = tmp_path / "picture.png"
     image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 32)
-    with pytest.raises(CheckpointError, match="could not load checkpoint .*picture.png"):
+    with pytest.raises(CheckpointError, match=r"picture.png is not a PyTorch checkpoint file \(it starts with"):
         locate(image)
+    truncated = tmp_path / "truncated.pt"
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(1000)}, buffer)
+    truncated.write_bytes(buffer.getvalue()[:2000])
+    with pytest.raises(CheckpointError, match="could not load checkpoint .*truncated.pt.*if the file is truncated"):
+        locate(truncated)
     dcp = tmp_path / "ckpt_000000001.dcp"
     dcp.mkdir()
     with pytest.raises(CheckpointError, match="could not load .*meta.pt"):
@@ -264,3 +271,51 @@ def test_a_checkpoint_set_aside_with_an_abandoned_branch_belongs_to_its_run(tmp_
     for path in (aside / "ckpt_000000020.pt", aside / "ckpt_000000030.dcp"):
         assert RunDir.of(path).path == run, path
     assert RunDir.of(tmp_path / "abandoned-after-x" / "ema.safetensors").path == tmp_path / "abandoned-after-x"
+
+
+def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path, fmnist_npz, capsys, monkeypatch):
+    """ENOSPC while writing step 2's checkpoint: `fastddpm train` stops with one error line naming the folder, the
+    checkpoint that is intact (step 1) and the way on, not an OSError traceback; step 1 still resumes."""
+    import errno
+
+    from fastddpm.cli import main
+    from fastddpm.rundir import checkpoint
+
+    real_write = checkpoint.atomic_write_bytes
+
+    def full_at_step_2(path, data):
+        if path.name == "ckpt_000000002.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_at_step_2)
+    run = tmp_path / "run"
+    code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--no-progress",
+                 "--set", "train.max_steps=3", "--set", "train.checkpoint_every=1", "--set", "train.num_sample_images=4",
+                 "--set", "train.sample_steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"could not write the checkpoint of step 2 in {run / 'checkpoints'}: No space left on device (ENOSPC)" in err
+    assert "ckpt_000000001.pt (step 1), is intact" in err and "--resume latest" in err
+    assert find_resume(run, "latest").step == 1
+
+
+def test_a_sharded_checkpoint_moved_aside_by_a_killed_resave_still_counts(tmp_path):
+    """Re-saving step 2 moves its checkpoint aside (.ckpt_000000002.dcp.old), then renames the new one into place:
+    killed between the two, step 2's whole checkpoint is only under the aside name, and must not be lost."""
+    from fastddpm.rundir import sharded
+
+    def complete(name):
+        (tmp_path / name).mkdir()
+        for f in (sharded.DCP_METADATA, sharded.META):
+            (tmp_path / name / f).write_bytes(b"x")
+
+    complete("ckpt_000000001.dcp")
+    complete(".ckpt_000000002.dcp.old")
+    (tmp_path / ".ckpt_000000003.dcp.tmp").mkdir()  # a save in flight is never listed
+    assert [p.name for p in sharded.list_sharded(tmp_path)] == ["ckpt_000000001.dcp", ".ckpt_000000002.dcp.old"]
+    (tmp_path / "ckpt_000000002.dcp").mkdir()  # renamed into place but incomplete: the aside one still stands
+    assert sharded.list_sharded(tmp_path)[-1].name == ".ckpt_000000002.dcp.old"
+    for f in (sharded.DCP_METADATA, sharded.META):
+        (tmp_path / "ckpt_000000002.dcp" / f).write_bytes(b"x")
+    assert [p.name for p in sharded.list_sharded(tmp_path)] == ["ckpt_000000001.dcp", "ckpt_000000002.dcp"]

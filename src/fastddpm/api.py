@@ -121,8 +121,9 @@ class Model:
 
 
 def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Model:
-    """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file or an ema.safetensors
-    export, ready to sample on `device` (auto: CUDA when present)."""
+    """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file, or an ema.safetensors or
+    `fastddpm export --format safetensors` export (the file or its folder), ready to sample on `device` (auto: CUDA
+    when present)."""
     from fastddpm.device import resolve_device
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import load_for_sampling

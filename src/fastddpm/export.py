@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     ep.add_argument("run", metavar="RUN", help="a run directory, a checkpoint (.pt) or an ema.safetensors")
     ep.add_argument("--format", choices=FORMATS, required=True)
     ep.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/export-<format>)")
-    ep.add_argument("--opset", type=int, default=18, help="ONNX opset (default 18)")
+    ep.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18); --format onnx only")
     return ep
 
 
@@ -292,9 +293,11 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     files = [path.name, "schedule.json", "config.json", "README.md"]
     (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
     result.update(out=str(out), files=files, torch=torch.__version__)
+    removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
-    log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md")
+    log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md"
+        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
     return result
 
 
@@ -317,6 +320,27 @@ def check_out_dir(out: Path) -> None:
     if names and not exported:
         raise ConfigError(f"export --out {out} holds files an export did not write (it would replace README.md, "
                           "config.json, schedule.json): give a new or empty folder")
+
+
+def remove_other_exports(out: Path, written: list[str]) -> list[str]:
+    """Remove what an earlier export in another format left in `out` (model.onnx beside a new model.safetensors,
+    a diffusers unet/ beside a new model.pt2), so that the folder holds one export and its card describes every
+    model file in it. Only names an export writes, never a user's own files; called once the new export is
+    written and checked, so a failed export leaves the earlier one whole. Returns the names removed."""
+    keep = {Path(f).parts[0] for f in written} | {"export.json"}
+    if "model.onnx" in keep:
+        keep.add("model.onnx.data")  # the ONNX exporter's external weights of a large model
+    removed = []
+    for name in sorted(_EXPORT_NAMES - keep):
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def make_out_dir(out: Path) -> None:
@@ -350,19 +374,26 @@ def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> d
         raise ExportError(f"export: diffusers' UNet2DModel from {out / 'unet'} differs from fastddpm's model by "
                           f"{result['max_abs_diff']:.3g} (more than {diffusers_io.TOLERANCE:g}) on the same inputs; "
                           "the folder is kept for inspection")
+    removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = ("; diffusers is not installed here, so the folder was not loaded back" if result["max_abs_diff"] is None
             else f"; max |difference| of diffusers' UNet2DModel vs fastddpm {result['max_abs_diff']:.2e}")
-    log(f"exported {out} for diffusers (DDPMPipeline.from_pretrained){diff}")
+    log(f"exported {out} for diffusers (DDPMPipeline.from_pretrained){diff}"
+        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
     return result
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from fastddpm.config import ConfigError
+
+    if args.opset is not None and args.format != "onnx":
+        raise ConfigError(f"export --opset {args.opset} applies to --format onnx only; drop it for --format "
+                          f"{args.format}")
     command = f"fastddpm export {shlex.quote(str(args.run))} --format {args.format}" + (
         f" --out {shlex.quote(str(args.out))}" if args.out else "") + (
-        f" --opset {args.opset}" if args.opset != 18 else "")
+        f" --opset {args.opset}" if args.opset is not None else "")
     try:
-        export(args.run, args.format, args.out, opset=args.opset, command=command)
+        export(args.run, args.format, args.out, opset=18 if args.opset is None else args.opset, command=command)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -91,6 +91,12 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                 f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); "
                 "resume from an earlier checkpoint in the same folder, or with --resume latest"
             )
+    # torch.save writes a zip archive (the legacy format a pickle); anything else is some other file, which
+    # torch.load would report as an unpickling error about load keys.
+    if not (data.startswith(b"PK\x03\x04") or data.startswith(b"\x80")):
+        kind = "empty" if not data else f"it starts with {data[:8]!r}"
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint file ({kind}; torch.save writes a zip archive). "
+                              "Pass a run directory, a checkpoints/ckpt_*.pt file or an ema.safetensors export")
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:

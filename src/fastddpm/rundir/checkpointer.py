@@ -11,6 +11,7 @@ CheckpointIO and torchtitan's CheckpointManager, it is given the objects once an
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -19,12 +20,16 @@ from typing import Any, Protocol
 import torch
 
 from fastddpm.rundir import checkpoint, sharded
-from fastddpm.rundir.files import fsync_dir, save_safetensors
+from fastddpm.rundir.files import CheckpointError, fsync_dir, save_safetensors
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
 from fastddpm.rundir.state_dicts import (clean_state_dict, configured_optimizer_settings, full_state_dict,
                                          load_model_state, portable_optimizer_state, restore_optimizer_settings,
                                          with_current_optimizer_flags)
+
+
+# A full disk, an exhausted quota, a disk remounted read-only: the run cannot go on here, nothing is wrong with it.
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 class Stateful(Protocol):
@@ -87,7 +92,23 @@ class Checkpointer:
         """Write the checkpoint of the train state's step and the EMA export. A .pt run: rank 0 writes, the other
         ranks return None at once (their state is the same). Sharded: every rank writes its shards and returns the
         path (a collective; the loop's "was a checkpoint written" then agrees across ranks), and rank 0 also
-        writes the metadata and the gathered EMA."""
+        writes the metadata and the gathered EMA. A disk that is full, over quota or read-only ends the run with a
+        CheckpointError saying which checkpoint is intact and how to go on."""
+        try:
+            return self._save()
+        except OSError as e:
+            if e.errno not in _DISK_FULL:
+                raise
+            kept = newest(self.dir)
+            raise CheckpointError(
+                f"could not write the checkpoint of step {self.train_state.state_dict()['step']:,} in {self.dir}: "
+                f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}). "
+                + (f"The newest checkpoint, {kept.path.name} (step {kept.step:,}), is intact: " if kept else
+                   "No checkpoint was written before: ")
+                + "free space (fewer --keep-checkpoints, or --out on another disk), then continue "
+                  "with --resume latest") from e
+
+    def _save(self) -> Path | None:
         state = self.train_state.state_dict()
         meta = {"scaler": self.scaler.state_dict() if self.scaler is not None else None, **state,
                 "config": self.config}

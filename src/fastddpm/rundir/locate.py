@@ -20,7 +20,7 @@ from fastddpm.rundir.layout import RunDir
 
 EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
 WHAT_TO_PASS = ("a run directory, a checkpoints/ckpt_*.pt file, an FSDP run's checkpoints/ckpt_*.dcp directory, "
-                "or an ema.safetensors export")
+                "or an ema.safetensors export (or its folder)")
 WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a checkpoints/ckpt_*.pt file, or an FSDP "
                   "run's checkpoints/ckpt_*.dcp directory")
 
@@ -112,8 +112,8 @@ def saved(ckpt_dir: Path) -> list[Path]:
 
 def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -> Checkpoint:
     """The Checkpoint at `path`: a run directory (its newest checkpoint; an FSDP run's ema.safetensors when the EMA
-    `weights` are all that is needed, which is the cheap read; a run without checkpoints, its ema.safetensors), a
-    .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise;
+    `weights` are all that is needed, which is the cheap read; a run without checkpoints, its ema.safetensors; a
+    safetensors export's folder, its model.safetensors), a .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise;
     `what` names where the path came from in that message (e.g. "--checkpoint", "fastddpm.load")."""
     path = Path(path)
     named = f"{what} {path}" if what else str(path)
@@ -124,9 +124,16 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
         found = newest(run.checkpoints)
         if found is not None and not (found.kind == "dcp" and weights == "ema" and run.ema.is_file()):
             return found
-        if not run.ema.is_file():
-            raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors. Pass {WHAT_TO_PASS}")
-        path = run.ema
+        exported = path / "model.safetensors"  # a `fastddpm export --format safetensors` folder
+        if run.ema.is_file():
+            path = run.ema
+        elif exported.is_file():
+            path = exported
+        else:
+            other = next((p.name for p in (path / "model.onnx", path / "model.pt2", path / "unet") if p.exists()), None)
+            hint = (f" It holds an export ({other}), which other runtimes load; fastddpm loads the run it came from "
+                    "(export.json names its checkpoint) or a --format safetensors export." if other else "")
+            raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors.{hint} Pass {WHAT_TO_PASS}")
     if path.is_dir():
         return Checkpoint(path, "dcp", sharded.read_meta(path))
     if path.suffix == ".safetensors":

@@ -23,6 +23,7 @@ import torch.nn as nn
 from fastddpm.rundir.files import CheckpointError, fsync_dir
 
 _NAME = re.compile(r"^ckpt_(\d+)\.dcp$")
+_MOVED_ASIDE = re.compile(r"^\.ckpt_(\d+)\.dcp\.old$")
 META = "meta.pt"
 META_FORMAT = "fastddpm-dcp-1"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written last by its coordinator
@@ -33,11 +34,18 @@ def sharded_path(ckpt_dir: Path, step: int) -> Path:
 
 
 def list_sharded(ckpt_dir: Path) -> list[Path]:
-    """Complete sharded checkpoints (renamed into place, with DCP's index and the metadata), oldest first."""
+    """Complete sharded checkpoints (renamed into place, with DCP's index and the metadata), oldest first. A
+    checkpoint a re-save of its step moved aside (.ckpt_<step>.dcp.old) counts while its step has no other: a save
+    killed between its two renames leaves it so, and it is whole."""
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / DCP_METADATA).is_file() and (p / META).is_file()]
+    found = {}
+    for p in sorted(ckpt_dir.iterdir(), key=lambda p: p.name.startswith(".")):  # final names first
+        m = _NAME.match(p.name) or _MOVED_ASIDE.match(p.name)
+        if m and p.is_dir() and int(m.group(1)) not in found and (p / DCP_METADATA).is_file() \
+                and (p / META).is_file():
+            found[int(m.group(1))] = p
+    return [found[step] for step in sorted(found)]
 
 
 def _train_state(model: nn.Module, ema_model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
