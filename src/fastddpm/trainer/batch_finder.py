@@ -46,9 +46,12 @@ def choose_knee(trials: list[Trial], tolerance: float) -> int:
 def find_batch_size(trial_fn: Callable[[int], float], *, start: int = 32, limit: int = 8192,
                     tolerance: float = 0.05, stop_gain: float = 0.03, log=print) -> tuple[int, list[Trial]]:
     """Double from `start` until OOM, `limit`, or two doublings that each gain less than `stop_gain`.
-    `trial_fn(batch)` returns images/s or raises an out-of-memory error."""
+    `trial_fn(batch)` returns images/s or raises an out-of-memory error. A `limit` below `start` (a small
+    dataset) is tried itself: the search never proposes a batch the data cannot fill."""
+    if limit < 1:
+        raise ValueError(f"find_batch_size: limit={limit}, the largest batch to try, must be at least 1")
     trials: list[Trial] = []
-    bs, flat = start, 0
+    bs, flat = min(start, limit), 0
     while bs <= limit:
         try:
             ips = trial_fn(bs)
@@ -76,6 +79,13 @@ def make_trial_fn(model: torch.nn.Module, schedule, prediction: str, precision, 
     """A trial that trains a copy of `model` on random data at a given batch and returns images/s."""
 
     def trial(batch_size: int) -> float:
+        # The trial's draws (its data, noise, timesteps and dropout) come from a forked global RNG, which is put
+        # back afterwards: how many trials run depends on measured speed, and the run's dropout draws from the
+        # global RNG, so the trials must leave it as they found it.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return _timed(batch_size)
+
+    def _timed(batch_size: int) -> float:
         trial_model = copy.deepcopy(model).train()
         opt = torch.optim.AdamW(trial_model.parameters(), lr=1e-4)
         x0 = torch.rand(batch_size, *image_shape, device=device) * 2 - 1

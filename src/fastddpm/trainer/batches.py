@@ -12,8 +12,11 @@ fastddpm.rng), so resuming at any step, or switching placement, reproduces an un
   buffered, so the copy of batch m+1 overlaps the compute of batch m.
 
 Both drop the ragged tail of each epoch, so every batch has one static shape (what torch.compile and CUDA
-graphs need; a DataLoader's drop_last=True). The epoch permutation is drawn on the CPU (both sources need the same
-one, and CPU and CUDA generators differ); timesteps, noise and flips are drawn on the device.
+graphs need; a DataLoader's drop_last=True). With gradient accumulation the tail dropped is that of the optimizer
+step: an epoch is a whole number of steps of accum_steps micro-batches, so a step never mixes two epochs' orders
+and an epoch ends where a step ends (--max-epochs and the logged epoch count passes over the data). The epoch
+permutation is drawn on the CPU (both sources need the same one, and CPU and CUDA generators differ); timesteps,
+noise and flips are drawn on the device.
 
 Under torchrun, rank r of W holds the shard of images r, r+W, r+2W, ... (the first W * (N // W) images),
 resident on its own device: 1/W of the dataset each. The epoch permutation of shard positions is a function
@@ -50,7 +53,7 @@ class _BatchSource(ABC):
     def __init__(self, images_NCHW: np.ndarray, *, batch_size: int, num_timesteps: int, seed: int,
                  device: torch.device, hflip: bool = False, rank: int = 0, world_size: int = 1,
                  labels: np.ndarray | None = None, cond_drop_prob: float = 0.0, num_classes: int = 0,
-                 continuous: bool = False):
+                 continuous: bool = False, accum_steps: int = 1):
         num_images = int(images_NCHW.shape[0])
         shard = num_images // world_size
         if shard < batch_size:
@@ -63,7 +66,13 @@ class _BatchSource(ABC):
         self.rank, self.world_size = rank, world_size
         self.shard_size = shard  # images this rank draws from: dataset rows rank, rank + W, ...
         self.batch_size = batch_size
-        self.steps_per_epoch = shard // batch_size  # drop_last: static shapes
+        # drop_last at the optimizer step: static shapes, and whole steps of accum_steps micro-batches per epoch
+        self.steps_per_epoch = shard // batch_size // accum_steps * accum_steps  # micro-batches per epoch
+        if self.steps_per_epoch < 1:
+            per = f" ({world_size} ranks: {shard} images each)" if world_size > 1 else ""
+            raise ConfigError(
+                f"batch {batch_size} x accum_steps {accum_steps} is more than the dataset's {num_images} "
+                f"images{per}: lower one of them")
         self._step_purpose = "step" if rank == 0 else f"step/rank{rank}"
         self.num_timesteps = num_timesteps
         self.continuous = continuous  # EDM / flow: t is a standard normal draw per image, mapped to a noise level

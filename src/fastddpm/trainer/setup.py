@@ -382,7 +382,7 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
                            hflip=cfg.data.hflip, rank=dist.rank, world_size=dist.world_size,
                            labels=data.labels if conditional else None,
                            cond_drop_prob=train_cfg.cond_drop_prob if conditional else 0.0,
-                           num_classes=cfg.model.num_classes)
+                           num_classes=cfg.model.num_classes, accum_steps=train_cfg.accum_steps)
     if hooks.wrap_batches is not None:
         batches = hooks.wrap_batches(batches)
     return batches, placement, reason
@@ -454,10 +454,17 @@ def _settle_batch_size(cfg: RunConfig, model, schedule, precision: Precision, da
         return dataclasses.replace(cfg, train=dataclasses.replace(train_cfg, batch_size=per_device)), note, "global"
     if train_cfg.batch_size != "auto":
         return cfg, "requested", "per device"
+    # The largest batch the data fills: every rank's shard holds accum_steps micro-batches of it (one step)
+    limit = data.images.shape[0] // (world * train_cfg.accum_steps)
+    if limit < 1:
+        raise ConfigError(
+            f"batch_size=auto: the dataset has {data.images.shape[0]} images, fewer than accum_steps="
+            f"{train_cfg.accum_steps} x {world} rank(s), so not even a batch of 1 fills one step: lower "
+            f"--accum-steps, or use more images")
     log("batch size: searching for the throughput knee (uncompiled copy of the model, state untouched)")
     trial = make_trial_fn(model, schedule, cfg.diffusion.prediction, precision,
                           image_shape=tuple(data.images.shape[1:]), device=device)
-    best, trials = find_batch_size(trial, limit=min(8192, data.images.shape[0] // world), log=log)
+    best, trials = find_batch_size(trial, limit=min(8192, limit), log=log)
     best = -any_rank(-best, dist, device)  # every rank takes the smallest knee: one static shape for all
     note = "auto: " + ", ".join(f"{tr.batch_size}: " + (f"{tr.images_per_s:,.0f} img/s" if tr.images_per_s else "OOM")
                                 for tr in trials) + f" -> {best}"

@@ -1,0 +1,133 @@
+"""The trainer's edges: --batch-size auto on small datasets and with accumulation, the batch finder and the global
+RNG, and the epochs of a run with gradient accumulation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastddpm.config import ConfigError, apply_overrides, get_preset
+from fastddpm.device import resolve_precision
+from fastddpm.diffusion import make_schedule
+from fastddpm.rundir.metrics import read_metrics
+from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
+from fastddpm.trainer.batches import ResidentBatches, StreamingBatches, step_batches
+from fastddpm.trainer.loop import train
+
+CPU = torch.device("cpu")
+
+
+def _images(n, side=16, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, size=(n, 1, side, side), dtype=np.uint8)
+
+
+def _cfg(src, **train):
+    over = {"data.source": str(src), "train.progress": False, "train.sample_steps": 2,
+            "train.num_sample_images": 4, "train.checkpoint_every": None}
+    over.update({f"train.{k}": v for k, v in train.items()})
+    return apply_overrides(get_preset("tiny"), over)
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_the_batch_finder_tries_a_limit_below_its_first_batch():
+    """A dataset of 20 images cannot fill the first trial's 32: the search tries 20 itself, instead of running no
+    trial and blaming out-of-memory."""
+    calls = []
+
+    def trial(bs):
+        calls.append(bs)
+        return 100.0 * bs
+
+    best, trials = find_batch_size(trial, start=32, limit=20, log=quiet)
+    assert calls == [20] and best == 20 and [t.batch_size for t in trials] == [20]
+    with pytest.raises(ValueError, match="limit=0"):
+        find_batch_size(trial, start=32, limit=0, log=quiet)
+
+
+@pytest.mark.parametrize("n, accum, expect", [(20, 1, 20), (70, 2, 32)])
+def test_auto_batch_size_picks_a_batch_the_data_fills(tmp_path, n, accum, expect):
+    """--batch-size auto on 20 images trains at batch 20; on 70 images with --accum-steps 2 the largest batch a
+    step can fill is 35, so the search stops at 32 (64 x 2 is more than the data)."""
+    src = tmp_path / "d.npz"
+    np.savez(src, images=_images(n))
+    result = train(_cfg(src, batch_size="auto", accum_steps=accum, max_steps=1), out_dir=tmp_path / "run", log=quiet)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert result.step == 1 and info["batch_size"] == expect, info["batch_size_reason"]
+    assert info["batch_size_reason"].startswith(f"auto: {min(n // accum, 32)}:")
+
+
+def test_auto_batch_size_refuses_more_accumulation_than_images(tmp_path):
+    src = tmp_path / "d.npz"
+    np.savez(src, images=_images(3))
+    with pytest.raises(ConfigError, match=r"3 images, fewer than accum_steps=4 x 1 rank\(s\).*lower --accum-steps"):
+        train(_cfg(src, batch_size="auto", accum_steps=4, max_steps=1), out_dir=tmp_path / "run", log=quiet)
+
+
+def test_batch_finder_trials_leave_the_global_rng_as_they_found_it():
+    """The run's dropout draws from the global RNG after set-up: the trials (how many run depends on measured
+    speed) must not move it."""
+    from fastddpm.models import build_unet
+
+    cfg = get_preset("tiny").model
+    cfg.image_channels, cfg.image_size = 1, 16
+    model = build_unet(cfg)
+    trial = make_trial_fn(model, make_schedule("linear", 1000), "epsilon", resolve_precision("fp32", CPU),
+                          image_shape=(1, 16, 16), device=CPU, warmup_steps=1, timed_steps=1)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    assert trial(4) > 0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("source", [ResidentBatches, StreamingBatches])
+def test_with_accumulation_an_epoch_is_whole_steps_of_one_permutation(source):
+    """80 images at batch 16 are 5 micro-batches; with --accum-steps 2 an epoch is 2 optimizer steps (4 micro-
+    batches, the ragged 16 images dropped), and epoch e's steps hold exactly the first 64 images of permutation e:
+    no step mixes two epochs' orders, so an image is seen at most once per epoch."""
+    images = _images(80)
+    batches = source(images, batch_size=16, num_timesteps=1000, seed=7, device=CPU, accum_steps=2)
+    assert batches.steps_per_epoch == 4
+    for epoch in range(3):
+        seen = torch.cat([b.indices for step in range(2 * epoch, 2 * epoch + 2)
+                          for b in step_batches(batches, step, accum_steps=2)])
+        assert torch.equal(seen, batches.permutation(epoch)[:64]), epoch
+
+
+def test_max_epochs_with_accumulation_counts_passes_over_the_data(tmp_path):
+    """--max-epochs 2 on 80 images at batch 16 x 2 accumulation: 2 steps per pass, 4 steps, epoch 2.0 at the
+    end, and each pass 64 different images (a step never takes the last pass's leftovers)."""
+    from fastddpm.trainer.setup import TrainHooks
+
+    src = tmp_path / "d.npz"
+    np.savez(src, images=_images(80))
+    run = tmp_path / "run"
+    drawn = {}
+
+    class Recorded:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def get(self, m):
+            batch = self.inner.get(m)
+            drawn[m] = batch.indices.tolist()
+            return batch
+
+    result = train(_cfg(src, batch_size=16, accum_steps=2, max_steps=None, max_epochs=2, log_every=1), out_dir=run,
+                   log=quiet, hooks=TrainHooks(wrap_batches=Recorded, final_outputs=False))
+    assert result.step == 4 and sorted(drawn) == list(range(8))
+    assert [r["epoch"] for r in read_metrics(run / "metrics.jsonl")] == [0.5, 1.0, 1.5, 2.0]
+    for epoch in range(2):
+        images = [i for m in range(4 * epoch, 4 * epoch + 4) for i in drawn[m]]
+        assert len(set(images)) == 64, epoch
+
+
+def test_a_batch_source_refuses_accumulation_the_data_cannot_fill():
+    with pytest.raises(ConfigError, match="batch 8 x accum_steps 3 is more than the dataset's 20 images"):
+        ResidentBatches(_images(20), batch_size=8, num_timesteps=1000, seed=0, device=CPU, accum_steps=3)
