@@ -59,6 +59,11 @@ class PlainProgress:
     def _line(self, now: float) -> None:
         elapsed = now - self._t0
         rate = (self.n - self._n0) / elapsed if elapsed > 0 else 0.0
+        if self._t0 < self._t_line < now and self.n > self._n_line:
+            # The ETA from the rate since the previous line: the mean since the start keeps the first steps' one-off
+            # set-up (torch.compile, CUDA graph capture: minutes on a GPU) in it, and overstates the time left for
+            # most of the run.
+            rate = (self.n - self._n_line) / (now - self._t_line)
         where = f"{self.unit} {self.n:,}"
         if self.total:
             where += f"/{self.total:,} ({100 * self.n / self.total:.0f}%)"

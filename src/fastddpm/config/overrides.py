@@ -90,6 +90,26 @@ def _unknown_key(section: str, key: str, valid) -> ConfigError:
     )
 
 
+def _unknown_section(source: str, key: str) -> ConfigError:
+    """A top-level key that is no section: most often a field written without its section (`lr: 3e-4` at the top
+    of a config file), else a misspelt section."""
+    name = key.replace("-", "_")
+    owners = [sec for sec, cls in SECTIONS.items() if name in {f.name for f in dataclasses.fields(cls)}]
+    if len(owners) == 1:
+        hint = f"it is a field of {owners[0]}: put it under `{owners[0]}:` (or write {owners[0]}.{name})"
+    elif owners:
+        hint = f"it is a field of {' and '.join(owners)}: put it under one of them"
+    else:
+        close = difflib.get_close_matches(key, ["preset", *SECTIONS], n=1)
+        hint = (f"did you mean {close[0]!r}? " if close else "") + "a config holds preset and the sections " \
+            + ", ".join(SECTIONS)
+    return ConfigError(f"{source}: {key!r} is no config section: {hint}")
+
+
+# YAML 1.1 (PyYAML) reads unquoted on/off/yes/no as booleans, so `compile: off` arrives as False
+_ON_OFF = {True: "on", False: "off"}
+
+
 def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "config") -> RunConfig:
     """Return a new RunConfig with {section: {field: value}} (or {"section.field": value}) applied and validated."""
     nested: dict[str, dict[str, Any]] = {}
@@ -106,7 +126,7 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "co
                 raise ConfigError(f"{source}: section {key!r} must be a mapping of field: value")
             nested.setdefault(key, {}).update(value)
         else:
-            raise _unknown_key(source, key, ["preset", *SECTIONS])
+            raise _unknown_section(source, key)
     sections = {}
     for sec, cls in SECTIONS.items():
         current = dataclasses.asdict(getattr(cfg, sec))
@@ -115,10 +135,13 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], source: str = "co
             name = name.replace("-", "_")
             if name not in types:
                 raise _unknown_key(sec, name, types)
+            choices = cls.__dataclass_fields__[name].metadata.get("choices") or ()
+            if isinstance(value, bool) and types[name] is not bool and _ON_OFF[value] in choices:
+                value = _ON_OFF[value]
             current[name] = coerce(value, types[name], f"{sec}.{name}")
         sections[sec] = cls(**current)
     if nested:
-        raise _unknown_key(source, next(iter(nested)), ["preset", *SECTIONS])
+        raise _unknown_section(source, next(iter(nested)))
     return RunConfig(preset=preset, **sections)
 
 
@@ -200,7 +223,7 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
         base = data["preset"]
     cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
     layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
-    file_values = {k: v for k, v in data.items() if k != "preset"}
+    file_values = _file_length_replaces(file, {k: v for k, v in data.items() if k != "preset"})
     folder = _init_from(cfg, file_values, layers)
     if folder and resumed is not None:
         cfg = _layered(cfg, [(f"the resumed run (started from {folder})",
@@ -218,8 +241,21 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     cfg = apply_overrides(cfg, file_values, source=str(file))
     cfg = _layered(cfg, layers)
     _refuse_other_objectives(cfg, layers)
+    _refuse_unread_betas(cfg, layers)
     _refuse_other_families(cfg, layers)
     return cfg
+
+
+def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
+    """The config file's values, where a file that sets one run length also clears the others it leaves out, as
+    the other layers do (RUN_LENGTHS): `train: {max_steps: 100}` over cpu-demo (max_images) trains 100 steps. A
+    file that sets two lengths is still refused by TrainConfig."""
+    train = values.get("train")
+    given = {k.replace("-", "_") for k in train} if isinstance(train, dict) else set()
+    given |= {qualify(k, str(file)).split(".", 1)[1] for k in values if k.startswith("train.")}
+    if not given & set(RUN_LENGTHS):
+        return values
+    return {**values, **{f"train.{name}": None for name in RUN_LENGTHS if name not in given}}
 
 
 # DiffusionConfig fields that only DDPM's discrete process reads: EDM's and flow's noise levels are their own
@@ -243,6 +279,22 @@ def _refuse_other_objectives(cfg: RunConfig, layers: list[tuple[str, dict[str, A
                     f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is {_OBJECTIVE_NAMES[owner][0]}, "
                     f"and this run's objective is {objective}, so it would be ignored: add --objective {owner} to "
                     f"train {_OBJECTIVE_NAMES[owner][1]} with it, or leave it out")
+
+
+def _refuse_unread_betas(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """beta_start and beta_end set the linear schedule's betas; the cosine schedule computes its own, so a beta
+    given explicitly with it (`--preset ddpm-rgb64 --beta-end 0.01`, ddpm-rgb64 being cosine) would be ignored
+    without a word. A beta set to none is no setting."""
+    if cfg.diffusion.objective != "ddpm" or cfg.diffusion.schedule == "linear":
+        return
+    for source, values in layers:
+        for name in ("beta_start", "beta_end"):
+            value = values.get(f"diffusion.{name}")
+            if value is not None and getattr(cfg.diffusion, name) is not None:
+                raise ConfigError(
+                    f"diffusion.{name}={value!r} ({source}) sets the linear schedule's betas, and this run's "
+                    f"schedule is {cfg.diffusion.schedule}, which computes its own, so it would be ignored: add "
+                    f"--schedule linear to train with it, or leave it out")
 
 
 def _refuse_other_families(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:

@@ -213,9 +213,13 @@ class DiffusionConfig:
                  f"diffusion.prediction={self.prediction} is DDPM's choice: an {self.objective} network predicts "
                  + ("EDM's F of its preconditioning" if self.objective == "edm" else "the velocity eps - x_0")
                  + "; leave --prediction out, or use --objective ddpm")
-        _require(self.sigma_data > 0 and self.edm_p_std > 0,
-                 f"diffusion.sigma_data={self.sigma_data} and edm_p_std={self.edm_p_std} must be > 0")
-        _require(self.flow_shift > 0, f"diffusion.flow_shift={self.flow_shift} must be > 0")
+        _require(0 < self.sigma_data < math.inf and 0 < self.edm_p_std < math.inf,
+                 f"diffusion.sigma_data={self.sigma_data} and edm_p_std={self.edm_p_std} must be finite and > 0 "
+                 "(EDM's: 0.5 and 1.2)")
+        _require(math.isfinite(self.edm_p_mean),
+                 f"diffusion.edm_p_mean={self.edm_p_mean} must be a finite number (EDM's: -1.2)")
+        _require(0 < self.flow_shift < math.inf,
+                 f"diffusion.flow_shift={self.flow_shift} must be finite and > 0 (1 = no shift)")
         _require(self.num_timesteps >= 2, f"diffusion.num_timesteps={self.num_timesteps} must be >= 2")
         if self.schedule == "linear":
             start, end = self.linear_beta_range()
@@ -490,7 +494,8 @@ class TrainConfig:
         _require(self.global_batch_size is None or self.global_batch_size >= 1,
                  f"train.global_batch_size={self.global_batch_size} must be a positive integer (or none)")
         _require(self.ddp_bucket_cap_mb >= 1, f"train.ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1")
-        _require(self.dist_timeout_s > 0, f"train.dist_timeout_s={self.dist_timeout_s} must be > 0")
+        _require(0 < self.dist_timeout_s < math.inf,
+                 f"train.dist_timeout_s={self.dist_timeout_s} must be a finite number of seconds > 0, e.g. 600")
         for name in ("compile", "compile_mode", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement",
                      "parallel"):
             _check_choice("train", self, name)
@@ -519,7 +524,9 @@ class TrainConfig:
                  f"train.sample_steps={self.sample_steps} must be >= 1 (or none for the sampler's default)")
         _require(self.warmup_images >= 0, f"train.warmup_images={self.warmup_images} must be >= 0")
         _require(0 <= self.cond_drop_prob < 1, f"train.cond_drop_prob={self.cond_drop_prob} must be in [0, 1)")
-        _require(self.sample_guidance >= 0, f"train.sample_guidance={self.sample_guidance} must be >= 0")
+        _require(0 <= self.sample_guidance < math.inf,
+                 f"train.sample_guidance={self.sample_guidance} must be a finite number >= 0 (1 = plain conditional, "
+                 "2 = the default)")
         _require(self.eval_samples >= 10,
                  f"train.eval_samples={self.eval_samples} must be >= 10 (a covariance and 3-NN radii need a few "
                  "samples; 1000 is fast, 10000 is the usual final count)")

@@ -46,7 +46,7 @@ class RunLoggers:
             import os
 
             self._wandb_service = os.environ.get("WANDB_SERVICE")  # a caller's own W&B service, left running
-            self.wandb = _open_wandb(self.run_dir, cfg)
+            self.wandb = _open_wandb(self.run_dir, cfg, resuming=resumed_step is not None)
         if enabled and "tensorboard" in cfg.train.log_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -56,8 +56,10 @@ class RunLoggers:
                                   "--log-to") from None
             # A resume trains the steps after its checkpoint again: what an abandoned branch (a resume from an
             # earlier checkpoint) or a crashed run (logging past its last checkpoint) wrote from there on is
-            # hidden, as metrics.jsonl sets those records aside, so that each step has one value.
-            purge_step = None if resumed_step is None else resumed_step + 1
+            # hidden, as metrics.jsonl sets those records aside, so that each step has one value. A new run hides
+            # everything before it: the folder can only hold a run that wrote no checkpoint (a new run is refused
+            # where checkpoints are), whose steps 1, 2, ... would otherwise interleave with this run's.
+            purge_step = 0 if resumed_step is None else resumed_step + 1
             self.tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard), purge_step=purge_step)
             self.tb.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=2) + "\n```", global_step=0)
 
@@ -135,9 +137,11 @@ class RunLoggers:
                 wandb.teardown()
 
 
-def _open_wandb(run_dir: Path, cfg: RunConfig):
+def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool):
     """A W&B run in RUN_DIR/wandb: the project from WANDB_PROJECT (default fastddpm), named after the run folder;
-    the same W&B run again when the fastddpm run is resumed (the id is in RUN_DIR/wandb_run_id)."""
+    the same W&B run again when the fastddpm run is resumed (the id is in RUN_DIR/wandb_run_id). A new run gets a
+    new id even where the file is left by an earlier run that wrote no checkpoint: W&B drops the steps of a resumed
+    W&B run up to its last logged one, so continuing that run would lose this one's history up to there."""
     import os
     import secrets
     import string
@@ -148,7 +152,7 @@ def _open_wandb(run_dir: Path, cfg: RunConfig):
         raise ConfigError("--log-to wandb needs the wandb package: pip install wandb (or pip install "
                           "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account") from None
     id_file = RunDir(run_dir).wandb_run_id
-    run_id = id_file.read_text().strip() if id_file.is_file() else "".join(
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else "".join(
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id + "\n")

@@ -1,0 +1,172 @@
+"""What a user meets around a run: config files layered like the other layers (a run length replacing the
+preset's, YAML's on/off, a field or section out of place named with the fix), the loggers of a run started again
+in a folder that an earlier, checkpoint-less run wrote to, and the plain progress lines' ETA."""
+
+from __future__ import annotations
+
+import io
+import sys
+import types
+
+import pytest
+
+from fastddpm.cli import build_parser, resolve_train_config
+from fastddpm.config import ConfigError, apply_overrides, get_preset, resolve_config
+from fastddpm.progress import PlainProgress
+
+
+def _train_args(argv):
+    parser, dests = build_parser()
+    return parser.parse_args(["train", *argv]), dests
+
+
+@pytest.mark.parametrize("text", ["preset: cpu-demo\ntrain: {max_steps: 100}\n",
+                                  "preset: cpu-demo\ntrain: {max-steps: 100}\n",
+                                  "preset: cpu-demo\ntrain.max_steps: 100\n"])
+def test_a_config_files_run_length_replaces_the_presets(tmp_path, text):
+    """cpu-demo plans max_images; a file asking for max_steps trains that many steps, as --max-steps does."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    args, dests = _train_args(["--out", str(tmp_path / "r"), "--config", str(f)])
+    cfg = resolve_train_config(args, dests)
+    assert (cfg.train.max_steps, cfg.train.max_images, cfg.train.max_epochs) == (100, None, None)
+    assert cfg.train.lr == get_preset("cpu-demo").train.lr  # the rest of the preset stays
+
+
+def test_a_config_file_still_gives_one_run_length_and_a_saved_config_loads(tmp_path):
+    f = tmp_path / "two.yaml"
+    f.write_text("preset: cpu-demo\ntrain: {max_steps: 100, max_images: 500}\n")
+    with pytest.raises(ConfigError, match="give only one of"):
+        resolve_config(file=f)
+    saved = tmp_path / "config.json"  # a run's config.json names all three lengths, two of them null
+    import json
+
+    cfg = apply_overrides(get_preset("tiny"), {"train.max_epochs": 3, "train.max_steps": None})
+    saved.write_text(json.dumps(cfg.to_dict()))
+    assert resolve_config(file=saved) == cfg
+
+
+def test_yaml_on_and_off_reach_the_on_off_fields(tmp_path):
+    """YAML 1.1 reads unquoted off/on/no/yes as booleans: `compile: off` was refused as 'False' not being 'off'."""
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\ntrain: {compile: off, cudnn_benchmark: on, channels_last: no}\n")
+    cfg = resolve_config(file=f)
+    assert (cfg.train.compile, cfg.train.cudnn_benchmark, cfg.train.channels_last) == ("off", "on", "off")
+    f.write_text("preset: tiny\nmodel: {attention: off}\n")  # a boolean field keeps its boolean
+    assert resolve_config(file=f).model.attention is False
+
+
+def test_a_field_or_section_out_of_place_is_named_with_the_fix(tmp_path):
+    f = tmp_path / "flat.yaml"
+    f.write_text("preset: tiny\nlr: 0.01\n")  # a field written without its section
+    with pytest.raises(ConfigError, match=r"flat.yaml: 'lr' is no config section: it is a field of train: put it "
+                                          r"under `train:`"):
+        resolve_config(file=f)
+    f.write_text("preset: tiny\ntrian: {lr: 0.01}\n")
+    with pytest.raises(ConfigError, match=r"flat.yaml: 'trian' is no config section: did you mean 'train'\?") as e:
+        resolve_config(file=f)
+    assert "flat.yaml.trian" not in str(e.value)  # no field of that name exists to blame
+    with pytest.raises(ConfigError, match=r"--set: 'trian' is no config section: did you mean 'train'\?"):
+        resolve_config("tiny", layers=[("--set", {"trian.lr": "0.01"})])
+
+
+def test_a_beta_given_with_the_cosine_schedule_is_refused_not_ignored():
+    """The cosine schedule computes its own betas: ddpm-rgb64 is cosine, so `--beta-end 0.01` on it changed
+    nothing. With --schedule linear (or set to none) it is a setting again."""
+    with pytest.raises(ConfigError, match=r"diffusion.beta_end='0.01' \(command line\) sets the linear schedule's "
+                                          r"betas, and this run's schedule is cosine.*add --schedule linear"):
+        resolve_config("ddpm-rgb64", layers=[("command line", {"diffusion.beta_end": "0.01"})])
+    with pytest.raises(ConfigError, match=r"diffusion.beta_start=0.001 \(fastddpm.train\)"):
+        resolve_config("tiny", layers=[("fastddpm.train", {"schedule": "cosine", "beta_start": 0.001})])
+    cfg = resolve_config("ddpm-rgb64", layers=[("command line", {"schedule": "linear", "beta_end": "0.01"})])
+    assert cfg.diffusion.linear_beta_range() == (1e-4, 0.01)
+    assert resolve_config("ddpm-rgb64", layers=[("--set", {"diffusion.beta_end": "none"})]).diffusion.beta_end is None
+    assert resolve_config("ddpm-rgb64").diffusion.schedule == "cosine"  # the preset alone is no setting
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("diffusion.edm_p_mean", "nan", r"diffusion.edm_p_mean=nan must be a finite number \(EDM's: -1.2\)"),
+    ("diffusion.edm_p_std", "inf", r"edm_p_std=inf must be finite and > 0"),
+    ("diffusion.sigma_data", "inf", r"diffusion.sigma_data=inf and edm_p_std=1.2 must be finite and > 0"),
+    ("diffusion.flow_shift", "inf", r"diffusion.flow_shift=inf must be finite and > 0 \(1 = no shift\)"),
+    ("train.sample_guidance", "inf", r"train.sample_guidance=inf must be a finite number >= 0"),
+    ("train.dist_timeout_s", "inf", r"train.dist_timeout_s=inf must be a finite number of seconds > 0"),
+])
+def test_a_float_field_refuses_inf_and_nan_naming_the_field(key, value, match):
+    """These passed their `> 0` / `>= 0` checks (or had none): nan or inf noise levels train on NaN losses, an inf
+    guidance scale samples NaN images, an inf timeout overflows torch's timedelta under torchrun."""
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(get_preset("tiny"), {key: value})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loggers of a new run in a folder an earlier run (stopped before its first checkpoint) logged to
+
+
+def test_tensorboard_a_new_run_hides_what_an_earlier_run_logged_in_its_folder(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from fastddpm.trainer.loggers import RunLoggers
+
+    cfg = apply_overrides(get_preset("tiny"), {"train.log_to": "tensorboard"})
+    first = RunLoggers(tmp_path, cfg)
+    for step in range(1, 11):
+        first.record({"step": step, "loss": float(step)})
+    first.close()
+    # TensorBoard reads a folder's event files in name order, and a name holds the second it was opened in: the
+    # first run's renamed to sort first, as a run minutes older does
+    for path in (tmp_path / "tensorboard").iterdir():
+        path.rename(path.with_name(path.name.replace("events.out.tfevents.", "events.out.tfevents.0")))
+    second = RunLoggers(tmp_path, cfg)  # a new run (resumed_step None): the same command again, say
+    for step in range(1, 4):
+        second.record({"step": step, "loss": 100.0 + step})
+    second.close()
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 101.0), (2, 102.0), (3, 103.0)]
+
+
+def test_wandb_a_new_run_gets_its_own_run_and_a_resume_continues_it(tmp_path, monkeypatch):
+    """W&B drops the steps of a resumed W&B run up to its last logged one: a new run that took over an earlier
+    run's id (left in RUN_DIR/wandb_run_id) would lose its history up to where that one stopped."""
+    from fastddpm.trainer.loggers import RunLoggers
+
+    inits = []
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kw: kw
+    fake.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = apply_overrides(get_preset("tiny"), {"train.log_to": "wandb"})
+    RunLoggers(tmp_path, cfg)
+    RunLoggers(tmp_path, cfg)  # a new run again: its own W&B run
+    RunLoggers(tmp_path, cfg, resumed_step=8)  # resumed: the same W&B run as the run it resumes
+    first, second, resumed = (kw["id"] for kw in inits)
+    assert first != second and resumed == second
+    assert (tmp_path / "wandb_run_id").read_text().strip() == second
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Progress lines
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_plain_progress_eta_leaves_the_set_up_out():
+    """The first steps of a run compile (here 60 s for the first step); then 1 step/s. After the first line the
+    ETA comes from the steps since the previous line, not a mean that still holds the compile."""
+    out, clock = io.StringIO(), Clock()
+    bar = PlainProgress(200, every_s=30.0, file=out, clock=clock)
+    clock.t = 60.0
+    bar.update()  # the compiled first step: a line at 60 s with the mean so far
+    for _ in range(30):
+        clock.t += 1.0
+        bar.update()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 1/200 (0%) | 1:00 elapsed, ETA 3:19:00"
+    # 31 steps at 90 s: 169 steps left at the last 30 s's 1 step/s is 2:49 (the mean since the start: 8:10)
+    assert lines[1] == "step 31/200 (16%) | 1:30 elapsed, ETA 2:49"
