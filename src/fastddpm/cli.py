@@ -137,10 +137,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 2     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
-               "Writes OUT/<sampler><steps>[-<spacing>]_n<N>_seed<S>[_<class>_w<W>].png (a grid of up to 256 images; "
-               "with\n"
-               "--class all one row per class, named) and a matching .npz with `images`: uint8 (N, C, H, W), and for\n"
-               "a conditional model `labels` (N,) and `guidance`.",
+               "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>_seed<S>[_<class>_w<W>][_model].png (a grid\n"
+               "of up to 256 images; with --class all one row per class, named, of N // classes images each, or\n"
+               "with N below the number of classes one image each of N classes spread over the ids) and a matching\n"
+               ".npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,) and `guidance`.\n"
+               "The images are a function of the weights, the sampler's flags, --seed, --batch-size (each batch\n"
+               "draws its own noise) and the device type.",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
@@ -153,8 +155,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                          "noise) or logsnr (evenly spaced in log-SNR, DPM-Solver's); default: karras for heun and "
                          "for every sampler of an EDM model, trailing for the others")
     sp.add_argument("--eta", type=float, default=0.0, help="DDIM eta: 0 deterministic, 1 DDPM-like (default 0)")
-    sp.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    sp.add_argument("--batch-size", type=int, default=256, metavar="N", help="images per model call (default 256)")
+    sp.add_argument("--seed", type=int, default=0,
+                    help="sampling seed (default 0): the same seed and --batch-size give the same images")
+    sp.add_argument("--batch-size", type=int, default=256, metavar="N",
+                    help="images per model call (default 256); batch i draws its noise from (seed, i), so another "
+                         "batch size draws other images")
     sp.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples, or ./samples)")
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -235,6 +240,8 @@ def cmd_train(args, dests) -> int:
 
 
 def cmd_sample(args) -> int:
+    import os
+
     import torch
 
     from fastddpm.device import resolve_device
@@ -255,14 +262,33 @@ def cmd_sample(args) -> int:
     labels, per_class = class_labels(cfg.model, args.klass, args.num_images)
     args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
                                                     guidance=guidance if labels is not None else None)
+    if args.sampler == "ddpm" and args.spacing is not None:
+        raise ConfigError(f"--spacing {args.spacing}: --sampler ddpm walks every one of the "
+                          f"{cfg.diffusion.num_timesteps} timesteps and takes no spacing; drop --spacing, or pick a "
+                          "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
     own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
     spacing = args.spacing or own_spacing
+    # every choice that changes the images and is not the default is in the name, so that sampling again with
+    # another eta or the raw weights writes beside the earlier files instead of over them
     tag = f"-{spacing}" if spacing != own_spacing else ""
+    tag += f"-eta{args.eta:g}" if args.eta != 0 else ""
     stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
     if args.klass is not None:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
+    if args.weights != "ema":
+        stem += f"_{args.weights}"
+    # the folder is made before any sampling: a file on its path, no permission or a read-only disk would
+    # otherwise be a traceback after every image was drawn
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create the folder ({e.strerror or e}); --out is the folder for the "
+                          "grid and the .npz: give one that can be created, or an existing folder") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: the folder is not writable here (permissions, or a read-only disk): give "
+                          "another --out")
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size,

@@ -103,14 +103,16 @@ def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | st
 def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
     """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
     null class), one class (a name or an id, see class_index), or "all": num_images // num_classes images of every
-    class, class by class. Returns (labels (N,) int64 or None, images per class for an "all" grid's rows)."""
+    class, class by class; with fewer images than classes, num_images classes spread evenly over the ids, one image
+    each (as the training grid, grid_labels), so that no more images are drawn than were asked for. Returns (labels
+    (N,) int64 or None, images per class for an "all" grid's rows, or None where the rows are not classes)."""
     if wanted is None:
         return None, None
     if isinstance(wanted, str) and wanted.strip().lower() == "all":
         if not model_cfg.conditional:
             class_index(model_cfg, wanted)  # raises: an unconditional model has no classes
-        per_class = max(1, num_images // model_cfg.num_classes)
-        return np.repeat(np.arange(model_cfg.num_classes, dtype=np.int64), per_class), per_class
+        labels, per_class = grid_labels(num_images, model_cfg.num_classes)
+        return labels.numpy().astype(np.int64), per_class
     return np.full(num_images, class_index(model_cfg, wanted), dtype=np.int64), None
 
 
@@ -149,15 +151,22 @@ def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, ste
                     batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
                     progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
                     per_class_row: int | None = None, spacing: str | None = None) -> np.ndarray:
-    """sample_images, then a PNG grid (up to 256 images; with `per_class_row`, one row per class, named) and an
-    .npz of uint8 (N, C, H, W) with the labels beside them."""
+    """sample_images, then a PNG grid (up to 256 images; with `per_class_row`, the images drawn class by class
+    `per_class_row` at a time: one row per class, named, of its first images, as many as keep the grid near 256 but
+    at least one) and an .npz of uint8 (N, C, H, W) with the labels beside them."""
     images = sample_images(model, cfg, num_images=num_images, sampler=sampler, steps=steps, seed=seed,
                            batch_size=batch_size, device=device, precision=precision, eta=eta, progress=progress,
                            labels=labels, guidance=guidance, spacing=spacing)
     model_cfg = cfg.model
     scale = grid_scale(model_cfg.image_size)
     if per_class_row:
-        save_grid(images, out_grid, nrow=per_class_row, scale=scale, row_labels=list(model_cfg.class_names))
+        # every image in the rows would make the grid as wide as the count: --num-images 100000 over 10 classes is
+        # 10 rows of 10,000 28x28 images, at 4x a PNG 1.2 million pixels wide (1.4 GB in memory)
+        rows = len(images) // per_class_row
+        cols = min(per_class_row, max(1, 256 // rows))
+        by_class = images[:rows * per_class_row].reshape(rows, per_class_row, *images.shape[1:])
+        shown = by_class[:, :cols].reshape(-1, *images.shape[1:])
+        save_grid(shown, out_grid, nrow=cols, scale=scale, row_labels=list(model_cfg.class_names))
     else:
         save_grid(images[:256], out_grid, scale=scale)
     if out_npz is not None:

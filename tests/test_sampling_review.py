@@ -1,0 +1,167 @@
+"""`fastddpm sample` as a user runs it: how many images `--class all` draws and how big its grid gets, an --out that
+cannot hold the files refused before any sampling, flags that would be ignored refused, a file name for every
+choice that changes the images, and what the seed and the batch size decide."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import fastddpm.sampling as sampling
+from fastddpm.cli import main
+from fastddpm.config import ModelConfig, RunConfig, apply_overrides, get_preset
+from fastddpm.sampling import class_labels
+from fastddpm.trainer.loop import train
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fmnist_npz):
+    """Two runs of the tiny preset, 2 steps each: an unconditional one and a conditional one (10 classes)."""
+    root = tmp_path_factory.mktemp("review-runs")
+    made = {}
+    for name, over in (("plain", {}), ("cond", {"model.conditional": True})):
+        cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                                   "train.max_steps": 2, "train.num_sample_images": 2,
+                                                   "train.sample_steps": 2, **over})
+        train(cfg, out_dir=root / name, log=quiet)
+        made[name] = root / name
+    return made
+
+
+def conditional(num_classes: int = 10) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(), conditional=True, num_classes=num_classes,
+                               class_names=tuple(f"c{i}" for i in range(num_classes)))
+
+
+# ------------------------------------------------------------------------------------------------- --class all
+def test_class_all_with_fewer_images_than_classes_draws_the_images_asked_for():
+    """--num-images 3 --class all on 10 classes drew 10 images (one of each class); it draws 3, of classes spread
+    over the ids, as the training grid does, and the grid's rows are then not classes."""
+    m = conditional(10)
+    labels, per_class = class_labels(m, "all", 3)
+    assert labels.tolist() == [0, 3, 6] and labels.dtype == np.int64 and per_class is None
+    labels, per_class = class_labels(m, "all", 1)
+    assert labels.tolist() == [0] and per_class is None
+    # at least one image per class: rows of num_images // classes, as before
+    labels, per_class = class_labels(m, " All ", 25)
+    assert labels.tolist() == [c for c in range(10) for _ in range(2)] and per_class == 2
+    assert class_labels(m, "all", 10)[0].tolist() == list(range(10))
+
+
+def test_class_all_on_the_command_line_writes_n_images(runs, tmp_path):
+    out = tmp_path / "s"
+    assert main(["sample", "--checkpoint", str(runs["cond"]), "--class", "all", "--num-images", "3", "--sampler",
+                 "ddim", "--steps", "2", "--no-progress", "--out", str(out)]) == 0
+    z = np.load(out / "ddim2_n3_seed0_all_w2.npz")
+    assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [0, 3, 6]
+    assert (out / "ddim2_n3_seed0_all_w2.png").is_file()
+
+
+def test_a_class_all_grid_keeps_one_row_per_class_but_not_every_image(monkeypatch, tmp_path):
+    """--class all --num-images 1000 over 10 classes put all 100 images of a class in its row (and 10,000 of them
+    for --num-images 100000: a PNG over a million pixels wide); the rows now hold the first 25 of each class, a grid
+    of 250 images like the unconditional one's 256, while the .npz keeps all of them."""
+    cfg = RunConfig(model=dataclasses.replace(conditional(10), image_size=8, image_channels=1))
+    labels, per_class = class_labels(cfg.model, "all", 1000)
+    # each image's pixels are its class, so the grid shows which images it took
+    images = np.repeat(labels.astype(np.uint8), 64).reshape(1000, 1, 8, 8) * 20
+    monkeypatch.setattr(sampling, "sample_images", lambda *a, **k: images)
+    grid = tmp_path / "grid.png"
+    got = sampling.sample_to_files(None, cfg, num_images=1000, sampler="ddim", steps=2, eta=0.0, seed=0,
+                                   batch_size=256, device="cpu", out_grid=grid, out_npz=tmp_path / "all.npz",
+                                   labels=labels, per_class_row=per_class, progress=False)
+    assert got.shape == (1000, 1, 8, 8) and np.load(tmp_path / "all.npz")["images"].shape == (1000, 1, 8, 8)
+    scale = sampling.grid_scale(8)
+    with Image.open(grid) as im:
+        width, height = im.size
+        pixels = np.asarray(im.convert("L"))
+    assert height == (2 + 10 * (8 + 2)) * scale
+    cells = 2 + 25 * (8 + 2)  # 25 images a row, after the strip of class names
+    assert cells * scale < width < cells * scale + 200
+    # row r holds class r: its first image's top-left pixel
+    grid_part = pixels[:, width - cells * scale:]
+    for r in range(10):
+        y = (2 + r * 10) * scale
+        assert grid_part[y, 2 * scale] == 20 * r
+
+
+# ----------------------------------------------------------------------------------------------------- --out
+def test_an_out_that_is_a_file_is_refused_before_any_sampling(runs, tmp_path, capsys, monkeypatch):
+    """--out naming a file was a FileExistsError traceback from the PNG writer, after every image was drawn."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sampled before checking --out")
+
+    monkeypatch.setattr(sampling, "sample_images", no_sampling)
+    for out in (taken, taken / "inside"):
+        assert main(["sample", "--checkpoint", str(runs["plain"]), "--num-images", "2", "--sampler", "ddim",
+                     "--steps", "2", "--no-progress", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: cannot create the folder" in err and "give one that can be created" in err
+    assert taken.read_text() == "mine"
+
+
+def test_an_existing_out_folder_is_written_into_and_the_same_command_replaces_its_own_files(runs, tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    args = ["sample", "--checkpoint", str(runs["plain"]), "--num-images", "1", "--sampler", "ddim", "--steps", "2",
+            "--no-progress", "--out", str(out)]
+    assert main(args) == 0 and main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ddim2_n1_seed0.npz", "ddim2_n1_seed0.png", "keep.txt"]
+
+
+# ------------------------------------------------------------------------------------------- flags and file names
+def test_spacing_with_ddpm_is_refused_not_ignored(runs, capsys):
+    """DDPM's ancestral sampler walks all T timesteps: --spacing karras was ignored, and the files were named
+    ddpm1000-karras all the same."""
+    assert main(["sample", "--checkpoint", str(runs["plain"]), "--sampler", "ddpm", "--spacing", "karras",
+                 "--num-images", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--spacing karras: --sampler ddpm walks every one of the 1000 timesteps" in err and "drop --spacing" in err
+
+
+def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
+    """DDIM at eta 0 and eta 1, and the EMA and raw weights, draw different images: they were written to one file
+    name, each run replacing the one before."""
+    out = tmp_path / "s"
+    base = ["sample", "--checkpoint", str(runs["plain"]), "--num-images", "2", "--sampler", "ddim", "--steps", "2",
+            "--no-progress", "--out", str(out)]
+    for extra in ([], ["--eta", "1"], ["--eta", "0.5"], ["--weights", "model"]):
+        assert main([*base, *extra]) == 0
+    names = sorted(p.name for p in out.glob("*.npz"))
+    assert names == ["ddim2-eta0.5_n2_seed0.npz", "ddim2-eta1_n2_seed0.npz", "ddim2_n2_seed0.npz",
+                     "ddim2_n2_seed0_model.npz"]
+    plain, eta1 = (np.load(out / n)["images"] for n in ("ddim2_n2_seed0.npz", "ddim2-eta1_n2_seed0.npz"))
+    assert not np.array_equal(plain, eta1)
+
+
+# ------------------------------------------------------------------------------------------ seeds and batches
+def test_images_are_a_function_of_the_seed_and_the_batch_size_and_the_help_says_so(runs, tmp_path, capsys):
+    """Batch i draws its noise from (seed, "sample", i): one seed and batch size give the same images, and the full
+    batches the same whatever the count; another batch size gives other images; --help says so."""
+    def draw(n, batch_size, seed=0):
+        out = tmp_path / f"n{n}_b{batch_size}_s{seed}"
+        assert main(["sample", "--checkpoint", str(runs["plain"]), "--num-images", str(n), "--sampler", "ddim",
+                     "--eta", "1", "--steps", "2", "--batch-size", str(batch_size), "--seed", str(seed),
+                     "--no-progress", "--out", str(out)]) == 0
+        return np.load(next(out.glob("*.npz")))["images"]
+
+    five = draw(5, 2)
+    assert np.array_equal(five, draw(5, 2))
+    assert np.array_equal(draw(4, 2), five[:4])
+    assert np.array_equal(draw(6, 2)[:4], five[:4])
+    assert not np.array_equal(draw(5, 5), five)
+    assert not np.array_equal(draw(5, 2, seed=1), five)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["sample", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "batch i draws its noise from (seed, i), so another batch size draws other images" in text
