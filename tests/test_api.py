@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 import fastddpm
@@ -116,3 +117,17 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, fashion_mnist
     exec(compile(block, "README.md", "exec"), {"print": lambda *a: printed.append(" ".join(map(str, a)))})
     assert printed[0].startswith("40 ") and re.match(r"FID \d+\.\d \(fastddpm-features", printed[1])
     assert (tmp_path / "runs" / "api-demo" / "samples" / "final.png").is_file()
+
+
+@pytest.mark.parametrize("cuda, preset", [(False, "cpu-demo-cond"), (True, "seed-1layer")])
+def test_without_a_config_the_api_starts_from_the_clis_default_preset(monkeypatch, cuda, preset):
+    """fastddpm.train(out=...) trains what `fastddpm train --out ...` trains: the same preset for the device."""
+    from fastddpm.api import _config
+    from fastddpm.cli import build_parser, resolve_train_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    lines = []
+    assert _config(None, {}, log=lines.append).preset == preset
+    assert lines == [f"preset: {preset} (no config given; {'CUDA is available' if cuda else 'no CUDA device'})"]
+    parser, dests = build_parser()
+    assert resolve_train_config(parser.parse_args(["train", "--out", "x"]), dests).preset == preset

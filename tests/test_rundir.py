@@ -319,3 +319,14 @@ def test_a_sharded_checkpoint_moved_aside_by_a_killed_resave_still_counts(tmp_pa
     for f in (sharded.DCP_METADATA, sharded.META):
         (tmp_path / "ckpt_000000002.dcp" / f).write_bytes(b"x")
     assert [p.name for p in sharded.list_sharded(tmp_path)] == ["ckpt_000000001.dcp", "ckpt_000000002.dcp"]
+
+
+def test_a_metrics_line_cut_short_by_a_kill_neither_breaks_the_reader_nor_swallows_the_next_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = metrics.MetricsLog(path)
+    log.write({"step": 1, "loss": 0.5})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "lo')  # killed mid-write
+    assert metrics.read_metrics(path) == [{"step": 1, "loss": 0.5}]
+    log.write({"step": 2, "loss": 0.4})  # the run resumed: its record starts a line of its own
+    assert metrics.read_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]

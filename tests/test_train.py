@@ -448,3 +448,20 @@ def test_cuda_bf16_training_and_sampling(tmp_path, fmnist_npz):
     assert info["precision"] == ("bf16" if cuda_native_bf16(torch.device("cuda"))[0] else "fp16")
     assert result.last_loss is not None and np.isfinite(result.last_loss)
     assert (tmp_path / "run" / "samples" / "final.png").is_file()
+
+
+def test_a_new_run_sets_aside_the_logs_of_an_earlier_run_that_left_no_checkpoint(tmp_path, fmnist_npz):
+    """A run whose checkpoints were deleted (or that stopped before its first) leaves metrics.jsonl behind: a new
+    run in that folder moves those records aside, so the log holds one history (as TensorBoard's purge)."""
+    import shutil
+
+    run = tmp_path / "run"
+    train(tiny_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
+    old_steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    shutil.rmtree(run / "checkpoints")
+    lines = []
+    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 2
+    assert [r["step"] for r in read_metrics(run / "metrics.abandoned.jsonl")] == old_steps
+    assert [x for x in lines if f"{len(old_steps)} record(s) of an earlier run" in x], lines

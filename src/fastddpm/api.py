@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, load_config_file, resolve_config
+from fastddpm.config import ConfigError, RunConfig, apply_overrides, default_preset, load_config_file, resolve_config
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -25,17 +25,20 @@ SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --pr
 
 
 def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, Any], *,
-            resumed: RunConfig | None = None) -> RunConfig:
+            resumed: RunConfig | None = None, log=print) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
     "section.field" or a bare field name of exactly one section (max_images -> train.max_images), resolved as
     the command line resolves its flags (fastddpm.config.resolve_config); `resumed`, the config of a checkpoint
     being resumed (a run started from a diffusers folder keeps the model it read then). As `fastddpm train
     --resume` without --preset, a resumed run without a preset (`config` None, or a file that names none) starts
-    from its own config, not from cpu-demo's or the defaults: a run of another preset would not fit its
+    from its own config, not from the default preset's: a run of another preset would not fit its
     checkpoint, and one of the same preset would lose the settings it was started with."""
     layers = [("fastddpm.train", overrides)]
-    if config is None:
-        config = resumed if resumed is not None else "cpu-demo"
+    if config is None and resumed is not None:
+        config = resumed
+    elif config is None:
+        config, why = default_preset(torch.cuda.is_available())
+        log(f"preset: {config} (no config given; {why})")
     if isinstance(config, dict):
         return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers,
                               resumed=resumed)
@@ -49,10 +52,10 @@ def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, A
 def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Path, data: str | None = None,
           resume: str | None = None, log=print, **overrides):
     """Train as `fastddpm train` does and return its TrainResult (run_dir, step, images_seen, last_loss,
-    checkpoint, grid). `config`: a preset name, a YAML/JSON file, or a RunConfig (default: cpu-demo; a resumed
-    run, its own config); `data`: any data source (default: the config's, fashion-mnist); `resume`: "latest" or a
-    checkpoint; `overrides`: config fields, e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style
-    keys)."""
+    checkpoint, grid). `config`: a preset name, a YAML/JSON file, or a RunConfig (default: as `fastddpm train`,
+    seed-1layer where CUDA is available, else cpu-demo-cond; a resumed run, its own config); `data`: any data
+    source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `overrides`: config fields,
+    e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style keys)."""
     from fastddpm.trainer.loop import train as train_loop
 
     if data is not None:
@@ -60,7 +63,7 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     from fastddpm.rundir.locate import find_resume
 
     resumed = find_resume(out, resume)
-    cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None)
+    cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None, log=log)
     # the checkpoint found above, not a second search (which could find another and warns twice)
     return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
 
@@ -85,7 +88,8 @@ class Model:
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
-        "all" for n // classes of each), guided with `guidance` (default: the run's train.sample_guidance).
+        "all" for n // classes of each, or with n below the class count one image each of n classes spread over
+        the ids), guided with `guidance` (default: the run's train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
         W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler."""
         from fastddpm.sampling import class_labels, resolve_sampler_args, sample_images

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from fastddpm import __version__
 from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
-                             RunConfig, TrainConfig, default_spacing, flag_name, load_config_file, preset_summaries,
-                             resolve_config)
+                             RunConfig, TrainConfig, default_preset, default_spacing, flag_name, load_config_file,
+                             preset_summaries, resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -200,9 +200,8 @@ def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) ->
         base = resumed
     else:
         if preset is None:
-            preset = "seed-1layer" if torch.cuda.is_available() else "cpu-demo-cond"
-            print(f"preset: {preset} (no --preset given; "
-                  f"{'CUDA is available' if preset == 'seed-1layer' else 'no CUDA device'})")
+            preset, why = default_preset(torch.cuda.is_available())
+            print(f"preset: {preset} (no --preset given; {why})")
         base = preset
     sets = {}
     for item in args.overrides:

@@ -80,7 +80,8 @@ class VariantTimer:
                                     fast=fast).build_step()
         self.batches = make_batches(images_NCHW, t.data_placement, batch_size=t.batch_size,
                                     num_timesteps=cfg.diffusion.num_timesteps, seed=t.seed, device=device,
-                                    continuous=cfg.diffusion.objective != "ddpm", hflip=cfg.data.hflip)
+                                    continuous=cfg.diffusion.objective != "ddpm", hflip=cfg.data.hflip,
+                                    accum_steps=t.accum_steps)
         self.flops_per_step = count_step_flops(self.model, (t.batch_size, *settings.image_shape),
                                                accum_steps=t.accum_steps)
         self.moved = count_step_bytes(self.model, settings.image_shape, images_per_step=t.batch_size * t.accum_steps,

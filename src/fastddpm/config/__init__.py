@@ -21,7 +21,7 @@ No module here imports any other part of fastddpm: every package may import the 
 
 from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, field_types, from_dict,
                                        load_config_file, positive_int, qualify, resolve_config, save_config)
-from fastddpm.config.presets import PRESETS, get_preset, preset_summaries
+from fastddpm.config.presets import PRESETS, default_preset, get_preset, preset_summaries
 from fastddpm.config.reference import flag_name, reference_markdown
 from fastddpm.config.sampling import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SAMPLER_CHOICES, SAMPLER_HELP, SAMPLERS,
                                       SPACINGS, STEPS_HELP, default_spacing, resolve_sampling)
@@ -33,7 +33,7 @@ __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DiffusionConfig", "DataConfig", "TrainConfig", "SECTIONS",
     "SAMPLERS", "SAMPLER_CHOICES", "SAMPLER_HELP", "STEPS_HELP", "SPACINGS", "LOGGERS", "DEFAULT_SAMPLER",
     "DEFAULT_SAMPLER_STEPS", "default_spacing", "resolve_sampling",
-    "PRESETS", "get_preset", "preset_summaries",
+    "PRESETS", "default_preset", "get_preset", "preset_summaries",
     "resolve_config", "apply_overrides", "qualify", "RUN_LENGTHS", "coerce", "field_types", "load_config_file",
     "from_dict", "save_config", "positive_int",
     "resolve_model_shape", "resolve_classes", "class_index", "check_same_architecture",

@@ -141,6 +141,12 @@ def preset_summaries() -> dict[str, str]:
 
 
 
+def default_preset(cuda: bool) -> tuple[str, str]:
+    """The preset a run starts from when none is named (`fastddpm train` and fastddpm.train alike): the seed's
+    one-layer U-Net where a CUDA device can train it, else the CPU quickstart. Returns (name, why)."""
+    return ("seed-1layer", "CUDA is available") if cuda else ("cpu-demo-cond", "no CUDA device")
+
+
 def get_preset(name: str) -> RunConfig:
     if name not in PRESETS:
         hint = difflib.get_close_matches(name, PRESETS, n=1)

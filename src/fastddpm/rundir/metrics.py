@@ -20,14 +20,29 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with open(self.path, "a+b") as f:
+            # a line a kill cut short has no newline: end it, so that this record starts a line of its own
+            cut = False
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            f.write((("\n" if cut else "") + json.dumps(record) + "\n").encode())
         if self.also is not None:
             self.also(record)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a log. A line that does not parse is skipped where a kill leaves one: the last line (cut
+    short mid-write), or one a later write ended (MetricsLog.write starts its record on a line of its own)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def abandoned(path: Path) -> Path:
@@ -35,11 +50,12 @@ def abandoned(path: Path) -> Path:
     return path.with_name(f"{path.stem}.abandoned{path.suffix}")
 
 
-def set_aside_after(path: Path, step: int) -> int:
+def set_aside_after(path: Path, step: int | None) -> int:
     """Move the records of steps after `step` from the log at `path` to abandoned(path) beside it: a resume
     from `step` trains those steps again (a run killed after its last checkpoint logged them; a resume from an
     older checkpoint leaves a whole branch), and two records of one step would draw the loss twice. A line cut
-    short by a kill goes too. Appended there first, then the log rewritten atomically: a crash between leaves a
+    short by a kill goes too. `step` None moves every record: a new run in a folder where an earlier run wrote
+    no checkpoint. Appended there first, then the log rewritten atomically: a crash between leaves a
     record in both files, never in neither. Returns how many records moved."""
     if not path.is_file():
         return 0
@@ -48,7 +64,7 @@ def set_aside_after(path: Path, step: int) -> int:
         if not line.strip():
             continue
         try:
-            later = int(json.loads(line).get("step", -1)) > step
+            later = step is None or int(json.loads(line).get("step", -1)) > step
         except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
             later = True
         (drop if later else keep).append(line)

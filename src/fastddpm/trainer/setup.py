@@ -240,6 +240,14 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
             console(note)
         if dist.is_main:
             _set_aside_the_abandoned(rd, checkpointer, state.step, console)
+    elif dist.is_main:
+        # A new run: the folder holds no checkpoint (else it is refused), but may hold the logs of a run that wrote
+        # none (stopped early, or its checkpoints deleted); their steps would interleave with this run's.
+        for path in (rd.metrics, rd.eval_log):
+            moved = metrics.set_aside_after(path, None)
+            if moved:
+                console(f"{path.name}: {moved} record(s) of an earlier run in {rd.path} that wrote no checkpoint "
+                        f"moved to {metrics.abandoned(path).name}")
     total_steps = total_steps_for(cfg, steps_per_epoch, images_per_step, step=state.step,
                                   images_seen=state.images_seen)
     opt.build_step(state.micro_split)  # over the final state; an earlier OOM's split is kept
