@@ -289,6 +289,8 @@ def test_train_help_lists_every_field(capsys):
         for f in dataclasses.fields(cls):
             flag = "--" + (f.metadata.get("cli") or f.name).replace("_", "-")
             assert flag in out, flag
+    # a default of None is shown as it is typed on the command line
+    assert "(default none;" in " ".join(out.split()) and "default None" not in out
     for word in ("--preset", "--resume", "--config", "--out", "cpu-demo", "seed-1layer", "Examples"):
         assert word in out
 

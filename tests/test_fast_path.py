@@ -496,3 +496,43 @@ def test_a_failed_cuda_graph_capture_stops_with_the_setting_to_change(real_image
     assert "operation not permitted when stream is capturing" in str(err.value)
     assert step.graph is None and step.graph_failed.startswith("RuntimeError")
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_without_a_cpp_compiler_a_cpu_run_does_not_compile_and_on_is_refused_up_front(monkeypatch):
+    """Inductor's CPU kernels are C++: where no compiler is found, auto stays eager (saying why) and --compile on
+    is refused before the run, not a failure at the first step after the set-up."""
+    from torch._inductor import cpp_builder
+
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import cpu_compile_min_images, resolve_fast_path
+
+    def no_compiler():
+        raise RuntimeError("No working C++ compiler found in ('g++',)")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
+    auto = resolve_fast_path(TrainConfig(), cpu, bf16, planned_images=2 * cpu_compile_min_images())
+    assert not auto.compile and "no C++ compiler" in auto.reasons["compile"] and "g++" in auto.reasons["compile"]
+    with pytest.raises(ConfigError, match=r"compile=on on a CPU needs a C\+\+ compiler.*--compile off"):
+        resolve_fast_path(TrainConfig(compile="on"), cpu, bf16, planned_images=1)
+
+
+def test_a_capture_that_runs_out_of_memory_stops_the_run_and_is_not_retried(tmp_path, fmnist_npz, monkeypatch):
+    """An out-of-memory error during CUDA graph capture is the capture's failure: the run stops with it (naming
+    --cuda-graphs off), where a plain out-of-memory error re-plans the step in smaller micro-batches."""
+    from fastddpm.trainer.step import CudaGraphCaptureError
+
+    calls = []
+
+    def capture_fails(self, micro, **kw):
+        calls.append(len(micro))
+        raise CudaGraphCaptureError("CUDA graph capture failed: CUDA out of memory. Tried to allocate 2.00 GiB; "
+                                    "run with --cuda-graphs off")
+
+    monkeypatch.setattr(TrainStep, "__call__", capture_fails)
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 2})
+    with pytest.raises(CudaGraphCaptureError, match="--cuda-graphs off"):
+        train(cfg, out_dir=tmp_path / "run", log=lambda m: None)
+    assert calls == [1]  # tried once, not again in two micro-batches

@@ -67,7 +67,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[str, s
             flag = flag_name(f)
             dest = f"cfg__{section}__{f.name}"
             default = getattr(defaults, f.name)
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            # as the value is spelt on the command line: none, not Python's None
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else ("none" if default is None
+                                                                                   else default)
             help_text = f"{meta['help']} (default {shown}; presets may change it)".replace("%", "%%")
             tp = hints[f.name]
             dests[dest] = (section, f.name)

@@ -77,6 +77,19 @@ def _cpu_compile_auto(precision: Precision, planned_images: int | None) -> tuple
     return True, f"auto: on, this run plans {planned_images:,} images, more than twice what it takes: {measured}"
 
 
+def _no_cpu_compiler() -> str | None:
+    """Why Inductor finds no C++ compiler here (its own search: $CXX, then g++ and clang++), or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except ImportError:  # another torch's layout: leave the decision to torch.compile itself
+        return None
+    except Exception as e:  # noqa: BLE001 - torch raises its own InvalidCxxCompiler (a RuntimeError) or OSError
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'none found'}"
+    return None
+
+
 def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0,
                       parallel: str = "ddp", planned_images: int | None = None) -> FastPath:
     """`world_size`: ranks under torchrun (DDP or FSDP, per `parallel`), 0 for a plain single process.
@@ -94,6 +107,12 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         compile_on, why = True, "auto: CUDA"
     else:
         compile_on, why = _cpu_compile_auto(precision, planned_images)
+    if compile_on and not cuda and (missing := _no_cpu_compiler()):
+        # Inductor's CPU backend builds C++: without a compiler the first step fails, after the data and model set-up
+        if c == "on":
+            raise ConfigError(f"train.compile=on on a CPU needs a C++ compiler, which Inductor builds its kernels "
+                              f"with ({missing}): install one (apt-get install g++), or --compile off")
+        compile_on, why = False, f"auto: off, no C++ compiler for Inductor's CPU kernels ({missing}); install g++"
     if train_cfg.compile_mode != "default":
         if c == "off":
             raise ConfigError(f"train.compile_mode={train_cfg.compile_mode} is a mode of torch.compile: turn "

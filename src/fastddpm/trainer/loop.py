@@ -32,6 +32,7 @@ from fastddpm.trainer.compile_counters import CompileCounters
 from fastddpm.trainer.distributed import SINGLE, any_rank, barrier, mean_across_ranks, shutdown
 from fastddpm.trainer.loggers import RunLoggers
 from fastddpm.trainer.setup import Run, TrainHooks, prepare_run
+from fastddpm.trainer.step import CudaGraphCaptureError
 
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
@@ -145,7 +146,9 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
         try:
             loss = run.opt.step_fn(micro, lr=lr, step=state.step)
         except Exception as e:  # noqa: BLE001 - only an out-of-memory error is handled; the rest re-raise
-            if not is_oom(e):
+            # A capture that failed (out of memory included) may have broken the process: it stops, naming
+            # --cuda-graphs off, and never runs the step again here.
+            if isinstance(e, CudaGraphCaptureError) or not is_oom(e):
                 raise
             del micro, e  # drop the failed step's activations before trying again
             resplit_after_oom(run)
