@@ -536,3 +536,29 @@ def test_a_capture_that_runs_out_of_memory_stops_the_run_and_is_not_retried(tmp_
     with pytest.raises(CudaGraphCaptureError, match="--cuda-graphs off"):
         train(cfg, out_dir=tmp_path / "run", log=lambda m: None)
     assert calls == [1]  # tried once, not again in two micro-batches
+
+
+def test_a_resumed_run_marks_its_compile_warm_up_after_its_own_first_steps(tmp_path, fmnist_npz, monkeypatch):
+    """recompiles_after_warmup counts from the third step of each process: a run resumed at step 4 compiles
+    afresh, and its warm-up ends at step 7 (at step 3 it never passes)."""
+    from fastddpm.trainer import loop
+
+    marked = []
+    monkeypatch.setattr(loop.CompileCounters, "mark_warm", lambda self: marked.append(self))
+    over = {"data.source": str(fmnist_npz), "train.progress": False, "train.checkpoint_every": 4,
+            "train.num_sample_images": 2, "train.sample_steps": 2}
+    train(apply_overrides(get_preset("tiny"), {**over, "train.max_steps": 4}), out_dir=tmp_path / "r",
+          log=lambda m: None)
+    assert len(marked) == 1
+    marked.clear()
+    steps = []
+    real_count = loop.StepLog.count
+
+    def count(self, loss):
+        real_count(self, loss)
+        steps.append((self.run.state.step, len(marked)))
+
+    monkeypatch.setattr(loop.StepLog, "count", count)
+    train(apply_overrides(get_preset("tiny"), {**over, "train.max_steps": 9}), out_dir=tmp_path / "r",
+          resume="latest", log=lambda m: None)
+    assert steps == [(5, 0), (6, 0), (7, 1), (8, 1), (9, 1)]

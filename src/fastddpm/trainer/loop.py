@@ -229,6 +229,9 @@ class StepLog:
         self.loggers.hparams(run.cfg, run.info.record)
         self.metrics = MetricsLog(run.run_dir.metrics, also=self.loggers.record)
         self.compile_counters = CompileCounters(enabled=run.fast.compile)
+        # warm after this process's third step (compile, and the graphs of the first steps' shapes): a resumed
+        # run compiles afresh from its checkpoint's step
+        self.warm_at_step = min(run.total_steps, run.state.step + 3)
         self.loss_sum = torch.zeros((), device=run.device)
         self.loss_count = 0
         self.last_loss: float | None = None
@@ -246,7 +249,7 @@ class StepLog:
     def count(self, loss: torch.Tensor) -> None:
         self.loss_sum += loss
         self.loss_count += 1
-        if self.run.state.step == min(self.run.total_steps, 3):
+        if self.run.state.step == self.warm_at_step:
             self.compile_counters.mark_warm()
 
     def write(self, lr: float) -> None:
