@@ -291,8 +291,8 @@ def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path,
     monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_at_step_2)
     run = tmp_path / "run"
     code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--no-progress",
-                 "--set", "train.max_steps=3", "--set", "train.checkpoint_every=1", "--set", "train.num_sample_images=4",
-                 "--set", "train.sample_steps=2"])
+                 "--set", "train.max_steps=3", "--set", "train.checkpoint_every=1",
+                 "--set", "train.num_sample_images=4", "--set", "train.sample_steps=2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert f"could not write the checkpoint of step 2 in {run / 'checkpoints'}: No space left on device (ENOSPC)" in err

@@ -113,8 +113,9 @@ def saved(ckpt_dir: Path) -> list[Path]:
 def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -> Checkpoint:
     """The Checkpoint at `path`: a run directory (its newest checkpoint; an FSDP run's ema.safetensors when the EMA
     `weights` are all that is needed, which is the cheap read; a run without checkpoints, its ema.safetensors; a
-    safetensors export's folder, its model.safetensors), a .pt file, a .dcp directory or a .safetensors file. CheckpointError naming the path and the fix otherwise;
-    `what` names where the path came from in that message (e.g. "--checkpoint", "fastddpm.load")."""
+    safetensors export's folder, its model.safetensors), a .pt file, a .dcp directory or a .safetensors file.
+    CheckpointError naming the path and the fix otherwise; `what` names where the path came from in that message
+    (e.g. "--checkpoint", "fastddpm.load")."""
     path = Path(path)
     named = f"{what} {path}" if what else str(path)
     if not path.exists():
