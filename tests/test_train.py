@@ -465,3 +465,26 @@ def test_a_new_run_sets_aside_the_logs_of_an_earlier_run_that_left_no_checkpoint
     assert steps == sorted(set(steps)) and steps[-1] == 2
     assert [r["step"] for r in read_metrics(run / "metrics.abandoned.jsonl")] == old_steps
     assert [x for x in lines if f"{len(old_steps)} record(s) of an earlier run" in x], lines
+
+
+def test_a_signal_stop_between_logging_steps_writes_the_losses_since_the_last_line(tmp_path, fmnist_npz):
+    """Stopped by SIGTERM at step 7 with a line every 5 steps: steps 6 and 7's losses get a line at step 7 (the
+    checkpoint's step), so the resumed run's first line covers only the steps after it and no loss is dropped."""
+    import os
+
+    from fastddpm.trainer.loop import TrainingInterrupted
+    from fastddpm.trainer.setup import TrainHooks
+
+    def sigterm_at_7(step):
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted):
+        train(tiny_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, log=quiet,
+              hooks=TrainHooks(after_step=sigterm_at_7))
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [5, 7]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000000007.pt"]
+    train(tiny_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, resume="latest",
+          log=quiet)
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [5, 7, 10, 12]

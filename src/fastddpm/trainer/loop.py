@@ -162,7 +162,7 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
         stop_code = _agreed_stop(run, stop, logging_step)
         if logging_step or run.device.type == "cpu":  # on a CPU the check costs nothing: stop at once
             check_health(run, out)
-        if logging_step:
+        if logging_step or stop_code is not None:  # a stop writes the losses since the last line: none is lost
             out.write(lr)
         out.tick()
         done = state.step == run.total_steps
