@@ -263,6 +263,11 @@ def test_bench_samplers_writes_the_table_and_resumes(tmp_path, fmnist_splits, ca
     assert ddim4["fid_min"] < ddim4["fid_max"]  # other noise, other samples
     md = (out / "samplers.md").read_text()
     assert "| ddim | 4 | 4 |" in md and "| 2 (" in md and "Measured by:" in md
+    assert "Guidance W" not in md  # unconditional: a call is one U-Net evaluation
+    from fastddpm.bench.samplers import report_markdown
+
+    assert "Guidance W = 2: each network call evaluates the U-Net on the class and on the null class" in \
+        report_markdown({**result, "guidance": 2.0})
     assert (out / "samplers.csv").read_text().splitlines()[0].startswith("sampler,steps,nfe,seed,status,fid")
     assert (out / "samplers.png").stat().st_size > 0
     capsys.readouterr()

@@ -148,7 +148,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
         log(f"carried {len(rows)} point(s) of the same checkpoint and settings from {json_path}")
     previous.finish_matching()
     result = {"schema": SCHEMA, "settings": asdict(settings), "checkpoint": info, "environment": env,
-              "features": evaluator.describe(), "conditional": cfg.model.conditional,
+              "features": evaluator.describe(), "conditional": cfg.model.conditional, "guidance": guidance,
               "objective": cfg.diffusion.objective, "rows": rows}
     log(f"bench samplers: {len(todo)} points x {settings.num_samples:,} samples from {info['file']} "
         f"(step {info['step']}), {device}, {precision.name}, compile {'on' if compile_on else 'off'}, "
@@ -291,6 +291,12 @@ def report_markdown(result: dict) -> str:
                      f"{e['precision']:.3f} | {e['recall']:.3f} |"
                      + (f" {store.fmt(e['class_accuracy'], '.1%')} |" if cond else "")
                      + f" {e['samples_per_s']:.1f} |")
+    w = result.get("guidance")
+    if w not in (None, 0.0, 1.0):
+        # guided() runs the class and the null class in one call on a doubled batch
+        lines += ["", f"Guidance W = {w:g}: each network call evaluates the U-Net on the class and on the null class "
+                      "together (a batch twice the size), about twice the compute of an unguided call; NFE counts "
+                      "calls, so compare it only between tables at the same guidance."]
     failed = [r for r in result["rows"] if r.get("status") == "failed"]
     for r in failed:
         lines.append(f"\nfailed: {r['sampler']}-{r['steps']} seed {r['seed']}: {r['error']}")
