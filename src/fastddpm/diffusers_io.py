@@ -37,14 +37,15 @@ from pathlib import Path
 
 from fastddpm.config import ConfigError
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
-                                            read_unet_config, unet_config)
+                                            read_unet_config, unet_config, weights_file)
 
 # diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
 # the tiny test models at ~1e-6 of an output of unit scale
 TOLERANCE = 1e-4
 
 __all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "write_folder", "check_folder",
-           "model_card", "load_init", "to_diffusers_state_dict", "from_diffusers_state_dict", "example_inputs"]
+           "model_card", "load_init", "read_weights", "to_diffusers_state_dict", "from_diffusers_state_dict",
+           "example_inputs"]
 
 
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
@@ -291,19 +292,50 @@ def model_card(cfg, info: dict, command: str) -> str:
 
 def load_init(model, cfg, folder: str | Path) -> str:
     """Put a diffusers UNet2DModel folder's weights (FOLDER/unet/ or FOLDER itself: config.json and
-    diffusion_pytorch_model.safetensors) into `model`, a fresh run's DDPMUNet built from `cfg` (whose model options
-    resolve_config took from the folder, unless the command line set them). A ConfigError names the first detail
-    that differs (a config switch, or a weight). Returns a line for the log."""
-    from safetensors.torch import load_file
-
+    diffusion_pytorch_model.safetensors, or the .bin of older diffusers) into `model`, a fresh run's DDPMUNet built
+    from `cfg` (whose model options resolve_config took from the folder, unless the command line set them). A
+    ConfigError names the first detail that differs (a config switch, or a weight). Returns a line for the log."""
     unet, theirs = read_unet_config(folder)
     check_exportable(cfg, f"--init-from {unet}")  # the families and switches that have a UNet2DModel equivalent
     differs = mismatch(theirs, cfg)
     if differs:
         hint = (" (the data's image side places the attention layers: the folder's sample_size is "
                 f"{theirs.get('sample_size')}, this run's {cfg.model.image_size})" if "block_types" in differs else "")
+        fix = ("leave the model options out of the command line: they are read from the folder, or set them to "
+               "match")
+        if differs.startswith("num_class_embeds") and theirs.get("num_class_embeds") and cfg.model.conditional:
+            # the rows come from the data's classes, which no model option on the command line sets
+            n = theirs["num_class_embeds"]
+            fix = (f"fastddpm's class embedding has a row per class of the data and one for the null class: the "
+                   f"folder's model has {n - 1} classes and this run's data {cfg.model.num_classes}; train on data "
+                   f"of {n - 1} classes")
         raise ConfigError(f"--init-from {unet / 'config.json'}: {differs}{hint}; the two would not compute the same "
-                          "function (leave the model options out of the command line: they are read from the "
-                          "folder, or set them to match)")
-    model.load_state_dict(from_diffusers_state_dict(model, load_file(str(unet / WEIGHTS))))
+                          f"function ({fix})")
+    model.load_state_dict(from_diffusers_state_dict(model, read_weights(weights_file(unet))))
     return f"init: weights of the diffusers UNet2DModel in {unet}"
+
+
+def read_weights(path: Path) -> dict:
+    """The tensors of a UNet2DModel weights file: safetensors, or the .bin pickle read as diffusers reads it,
+    torch.load(weights_only=True), which runs no code from the file. A ConfigError names the file it cannot read."""
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            sd = load_file(str(path))
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors' and torch's errors for a damaged file share no base class
+        with open(path, "rb") as f:
+            lfs = f.read(40).startswith(b"version https://git-lfs")
+        # the first line only: torch's weights_only message goes on to suggest weights_only=False
+        first = (str(e).strip().splitlines() or [""])[0]
+        why = ("it is a git-lfs pointer, not the weights: run `git lfs pull` in the clone" if lfs else
+               f"{type(e).__name__}: {first}" + ("; a .bin is read with torch.load(weights_only=True), which refuses "
+                                                 "pickles that carry code" if path.suffix == ".bin" else ""))
+        raise ConfigError(f"--init-from {path}: cannot read the weights ({why})") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ConfigError(f"--init-from {path}: not a state dict of tensors (a {type(sd).__name__}); diffusers' "
+                          "save_pretrained writes one")
+    return sd

@@ -23,6 +23,9 @@ from fastddpm.config.schema import ConfigError
 # against (diffusers reads the field for its warnings only)
 DIFFUSERS_VERSION = "0.42.1"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+# the pickle diffusers wrote before safetensors became save_pretrained's default (0.22); diffusers still reads it
+# (torch.load with weights_only=True), and so does --init-from where a folder has no WEIGHTS
+WEIGHTS_BIN = "diffusion_pytorch_model.bin"
 
 # UNet2DModel.__init__'s defaults (diffusers 0.42) for the keys read here: a config.json may leave any of them out,
 # and google/ddpm-cifar10-32's leaves out several
@@ -136,15 +139,24 @@ def unet_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
     }
 
 
+def weights_file(unet: Path) -> Path | None:
+    """The UNet2DModel folder's weights file: the safetensors one where there is one (diffusers prefers it too),
+    else the older .bin pickle; None where neither is there."""
+    for name in (WEIGHTS, WEIGHTS_BIN):
+        if (unet / name).is_file():
+            return unet / name
+    return None
+
+
 def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
     """(the UNet2DModel folder, its config.json with UNet2DModel's defaults filled in) for FOLDER (a DDPMPipeline
     folder, with unet/, or a UNet2DModel folder); a ConfigError naming the file when it is not one."""
     folder = Path(folder).expanduser()
     unet = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
     path = unet / "config.json"
-    if not path.is_file() or not (unet / WEIGHTS).is_file():
+    if not path.is_file() or weights_file(unet) is None:
         raise ConfigError(f"--init-from {folder}: no diffusers UNet2DModel there (need {unet}/config.json and "
-                          f"{unet}/{WEIGHTS}; a DDPMPipeline folder has them under unet/)")
+                          f"{unet}/{WEIGHTS} or {WEIGHTS_BIN}; a DDPMPipeline folder has them under unet/)")
     try:
         theirs = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

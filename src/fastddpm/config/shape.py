@@ -8,6 +8,7 @@ import operator
 from pathlib import Path
 from typing import Any
 
+from fastddpm.config.diffusers_unet import read_unet_config
 from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.config.schema import ConfigError, ModelConfig, RunConfig
 
@@ -41,15 +42,28 @@ def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source:
     unlabeled = int((labels < 0).sum()) if len(labels) else 0
     if not len(labels) or unlabeled:
         what = "no labels" if not len(labels) or unlabeled == len(labels) else f"{unlabeled} images without a label"
+        # train --init-from reads model.conditional from the folder's num_class_embeds: the user may have given
+        # no --conditional to drop
+        folder = (f" (here --init-from {cfg.train.init_from} made it conditional: its UNet2DModel has a class "
+                  "embedding, num_class_embeds; start from an unconditional one)"
+                  if cfg.train.init_from and _folder_is_conditional(cfg.train.init_from) else "")
         raise ConfigError(
             f"--conditional trains on class labels, and {source} has {what}: use a labelled source (a folder of "
-            f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional")
+            f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional"
+            + folder)
     n = max(int(labels.max()) + 1, len(class_names))
     names = tuple(class_names) + tuple(str(i) for i in range(len(class_names), n))
     if m.num_classes and m.num_classes != n:
         raise ConfigError(f"model.num_classes={m.num_classes} but the data has {n} classes: drop the setting (it "
                           f"comes from the data)")
     return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
+
+
+def _folder_is_conditional(folder: str) -> bool:
+    try:
+        return read_unet_config(folder)[1].get("num_class_embeds") is not None
+    except ConfigError:  # not a diffusers folder: --init-from's own check names that
+        return False
 
 
 def class_index(model_cfg: ModelConfig, name_or_id: str | int) -> int:

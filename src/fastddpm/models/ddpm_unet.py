@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastddpm.config import ModelConfig
 from fastddpm.models.attention import attend
-from fastddpm.models.unet import sinusoidal_time_embedding, with_class
+from fastddpm.models.unet import batch_timesteps, sinusoidal_time_embedding, with_class
 
 
 def _zero(module: nn.Module) -> nn.Module:
@@ -183,9 +183,10 @@ class DDPMUNet(nn.Module):
         return layer(h, t_emb)
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
+        t_B = batch_timesteps(t_B, x_BCHW)
         embedded = sinusoidal_time_embedding(t_B, self.cfg.base_channels, self.cfg.time_freq_shift)
         embedded = embedded.to(self.t_proj[0].weight.dtype)  # float32 angles; a model cast to bf16 takes bf16
-        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes)
+        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes, x_BCHW.shape[0])
         h = self.conv_in(x_BCHW)
         skips = [h]
         for level in self.downs:

@@ -42,13 +42,36 @@ def sinusoidal_time_embedding(t_B: torch.Tensor, dim: int, freq_shift: int = 0) 
     return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
 
 
+def batch_timesteps(t_B: torch.Tensor, x_BCHW: torch.Tensor) -> torch.Tensor:
+    """t_B as (B,): a 0-dim timestep (one for the whole batch, as diffusers' UNet2DModel accepts) repeated."""
+    return t_B.expand(x_BCHW.shape[0]) if t_B.ndim == 0 else t_B
+
+
+def check_labels(y_B: torch.Tensor, batch: int, num_classes: int) -> None:
+    """A ValueError naming what is wrong with a conditional model's labels. The range is checked only for labels
+    on the CPU, outside torch.compile and tracing: there it costs no host-device sync. (An id past the embedding
+    table is otherwise IndexError 'index out of range in self'; the samplers check CUDA labels once per call.)"""
+    if y_B.dtype == torch.bool or y_B.is_floating_point() or y_B.is_complex():
+        raise ValueError(f"class labels must be an integer tensor of class ids, got {y_B.dtype}")
+    # batch first: under torch.export's dynamic batch the two are one symbol and no guard on the size is made
+    if y_B.ndim > 1 or (y_B.ndim == 1 and y_B.shape[0] != batch and y_B.shape[0] != 1):
+        raise ValueError(f"class labels of shape {tuple(y_B.shape)} for a batch of {batch}: give one class id per "
+                         f"image, shape ({batch},)")
+    if y_B.device.type == "cpu" and not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+        bad = y_B[(y_B < 0) | (y_B > num_classes)]
+        if bad.numel():
+            raise ValueError(f"class label {int(bad.reshape(-1)[0])} is out of range: this model has classes 0-"
+                             f"{num_classes - 1} and {num_classes} for its null class (unconditional)")
+
+
 def with_class(t_emb_BD: torch.Tensor, class_emb: nn.Embedding | None, y_B: torch.Tensor | None, t_B: torch.Tensor,
-               num_classes: int) -> torch.Tensor:
+               num_classes: int, batch: int | None = None) -> torch.Tensor:
     """The time embedding plus a conditional model's class embedding (y None: the null class, id num_classes);
-    both U-Net families condition this way."""
+    both U-Net families condition this way. `batch`: the images' (default: the timesteps')."""
     if class_emb is not None:
         if y_B is None:  # no label: the null class (long: t_B is a float noise level under EDM and flow)
             y_B = torch.full_like(t_B, num_classes, dtype=torch.long)
+        check_labels(y_B, t_B.shape[0] if batch is None else batch, num_classes)
         return t_emb_BD + class_emb(y_B)
     if y_B is not None:
         raise ValueError("this U-Net is unconditional (model.num_classes=0): it takes no class labels")
@@ -205,8 +228,9 @@ class UNet(nn.Module):
 
     def forward(self, x_BCHW: torch.Tensor, t_B: torch.Tensor, y_B: torch.Tensor | None = None) -> torch.Tensor:
         # float32 angles (up to ~1000 rad), then the weights' dtype: a model cast to bf16/fp16, not autocast
+        t_B = batch_timesteps(t_B, x_BCHW)
         embedded = sinusoidal_time_embedding(t_B, self.cfg.time_emb_dim).to(self.t_proj[0].weight.dtype)
-        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes)
+        t_emb = with_class(self.t_proj(embedded), self.class_emb, y_B, t_B, self.num_classes, x_BCHW.shape[0])
         h = self.conv_in(x_BCHW)
         skips = []
         for down in self.downs:
