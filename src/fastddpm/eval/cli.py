@@ -47,7 +47,8 @@ examples:
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
 Writes OUT/eval_<sampler><steps>_n<N>_seed<S>_step<K>.json (every number, the feature network, the
-environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. The name goes on with each
+environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
+sampler's own and an --eta other than 0 follow the steps (eval_ddim50-eta0.5_...). The name goes on with each
 choice that is not the default (_model weights, _inception-v3 features, _ref-test, _data-NAME, _resizeN,
 _stretch or _center-crop, _L or _RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps
 every result.
@@ -192,6 +193,11 @@ def run_eval(args: argparse.Namespace) -> int:
     # model's sampler where any scale guides (W > 1)
     args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
                                                     guidance=max(scales) if cfg.model.conditional else None)
+    if args.sampler == "ddpm" and args.spacing is not None:
+        # as `fastddpm sample`: DDPM ignores a spacing, which would only end up in the file name
+        raise ConfigError(f"--spacing {args.spacing}: --sampler ddpm walks every one of the "
+                          f"{cfg.diffusion.num_timesteps} timesteps and takes no spacing; drop --spacing, or pick a "
+                          "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
     if args.num_samples < 10:
         raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                           "samples; 10000 is the usual count)")
@@ -259,6 +265,8 @@ def run_eval(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     tag = f"-{spacing}" if spacing != own_spacing else ""
+    # DDIM's eta changes the samples: evaluations at two etas are two results, kept side by side
+    tag += f"-eta{args.eta:g}" if args.eta != 0 else ""
     stem = f"eval_{args.sampler}{steps}{tag}_n{args.num_samples}_seed{args.seed}"
     if cfg.model.conditional:
         stem += "_w" + "-".join(f"{w:g}" for w in scales)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fastddpm.config import ConfigError, RunConfig, default_spacing
+from fastddpm.data import DataError
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.eval.features import (
     ClassReference,
@@ -30,10 +31,14 @@ from fastddpm.eval.features import (
     extract,
     reference_stats,
 )
-from fastddpm.eval.classifier import num_classes_of
+from fastddpm.eval.classifier import UnlabelledDataError, num_classes_of
 from fastddpm.eval.frechet import frechet_distance
 from fastddpm.eval.precision_recall import DEFAULT_K, class_coverage, precision_recall
 from fastddpm.rng import derive_seed
+
+
+# as --num-samples: a covariance and 3-NN radii need a few images on each side
+MIN_REFERENCE_IMAGES = 10
 
 
 def _sync(device: torch.device) -> None:
@@ -151,6 +156,12 @@ class Evaluator:
         data = prepare(d.source, split=split, resize=d.resize, resize_mode=d.resize_mode, image_mode=d.image_mode,
                        skip_bad=d.skip_bad, cache_dir=cache_root, progress=progress)
         check_compatible(cfg.model, data, where=f"({d.source}, split {split})")
+        if data.num_images < MIN_REFERENCE_IMAGES:  # before a classifier trains on it
+            raise ConfigError(
+                f"the reference data ({d.source}, split {split}) has {data.num_images} image(s): FID needs a "
+                f"covariance and precision/recall each image's {DEFAULT_K} nearest neighbours, so at least "
+                f"{MIN_REFERENCE_IMAGES} (thousands for a meaningful FID); evaluate against the data the model was "
+                "trained on (--data SOURCE)")
         if cfg.model.conditional and (np.asarray(data.labels) >= 0).any():  # before a classifier trains on it
             num_classes = num_classes_of(data, f"{d.source}, split {split}")
             if num_classes != cfg.model.num_classes:
@@ -162,15 +173,26 @@ class Evaluator:
         # Building modules draws their initial weights from the global RNG: fork it, so that setting up an
         # evaluation inside a training run leaves the run's RNG state (saved in its checkpoints) as it was.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            net = build_feature_net(d, device=device, inception=inception, cache_root=cache_root, log=log,
-                                    progress=progress)
-            ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
             classifier = classes = None
             if cfg.model.conditional:
-                classifier = net if net.num_classes is not None else build_feature_net(
-                    d, device=device, inception=None, cache_root=cache_root, log=log, progress=progress)
-                if net.num_classes is not None:  # per-class covariances in the classifier's 128-d features only
-                    classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
+                # first, so that data without labels fails before Inception statistics are computed
+                try:
+                    classifier = build_feature_net(d, device=device, inception=None, cache_root=cache_root,
+                                                   log=log, progress=progress)
+                except UnlabelledDataError:
+                    # UnlabelledDataError's own fix, Inception features, would not help: class accuracy needs the
+                    # dataset's classifier whatever the feature space of FID
+                    raise DataError(
+                        f"the model is conditional: its class accuracy is measured by a classifier trained on the "
+                        f"labels of {d.source}, which has none (--features inception does not change that): "
+                        "evaluate against the labelled data the model was trained on (--data SOURCE), or prepare "
+                        "a labelled copy (an image folder root/<label>/*.png)") from None
+            net = classifier if classifier is not None and not inception else build_feature_net(
+                d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress)
+            ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
+            if net.num_classes is not None and cfg.model.conditional:
+                # per-class covariances in the classifier's 128-d features only
+                classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
         return cls(net=net, ref=ref, classifier=classifier, classes=classes)
 
     def describe(self) -> dict:
