@@ -330,3 +330,22 @@ def test_a_metrics_line_cut_short_by_a_kill_neither_breaks_the_reader_nor_swallo
     assert metrics.read_metrics(path) == [{"step": 1, "loss": 0.5}]
     log.write({"step": 2, "loss": 0.4})  # the run resumed: its record starts a line of its own
     assert metrics.read_metrics(path) == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}]
+
+
+@pytest.mark.parametrize("rank, warns", [("0", True), ("1", False)])
+def test_only_rank_0_warns_that_it_skips_an_unusable_checkpoint(tmp_path, monkeypatch, rank, warns):
+    """Every rank of a torchrun job looks for the newest checkpoint and skips the same broken one: one warning."""
+    import warnings
+
+    from fastddpm.rundir import checkpoint
+
+    d = tmp_path / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save_checkpoint(d, step, {"step": step}, keep=3)
+    (d / "ckpt_000000002.pt").write_bytes(b"PK\x03\x04 truncated")
+    monkeypatch.setenv("RANK", rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path, _ = checkpoint.load_latest(d)
+    assert path.name == "ckpt_000000001.pt"
+    assert any("skipping unusable checkpoint" in str(w.message) for w in caught) == warns

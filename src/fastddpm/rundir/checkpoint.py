@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.rundir.files import CheckpointError, atomic_write_bytes
+from fastddpm.rundir.files import CheckpointError, atomic_write_bytes, warn_on_rank_0
 
 CHECKPOINT_FORMAT = 1
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
@@ -118,7 +118,7 @@ def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tup
         try:
             return path, load_checkpoint(path, map_location)
         except CheckpointError as e:
-            warnings.warn(f"skipping unusable checkpoint: {e}", stacklevel=2)
+            warn_on_rank_0(f"skipping unusable checkpoint: {e}")
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,14 @@ import torch
 
 class CheckpointError(ValueError):
     """A checkpoint or weights file that cannot be used; the message names the file and what to do."""
+
+
+def warn_on_rank_0(message: str, stacklevel: int = 2) -> None:
+    """A warning about a run folder, from rank 0 alone (torchrun's RANK; a plain process is rank 0): every rank
+    reads the same folder and finds the same, and N copies of one line bury the rest of the log. Read from the
+    environment, since the checkpoint is looked for before the process group exists."""
+    if os.environ.get("RANK", "0").strip() in ("", "0"):
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def fsync_dir(path: Path) -> None:

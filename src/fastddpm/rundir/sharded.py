@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fastddpm.rundir.files import CheckpointError, fsync_dir
+from fastddpm.rundir.files import CheckpointError, fsync_dir, warn_on_rank_0
 
 _NAME = re.compile(r"^ckpt_(\d+)\.dcp$")
 _MOVED_ASIDE = re.compile(r"^\.ckpt_(\d+)\.dcp\.old$")
@@ -65,6 +65,16 @@ def save_sharded(ckpt_dir: Path, step: int, *, model: nn.Module, ema_model: nn.M
     tmp = final.with_name(f".{final.name}.tmp")
     if is_main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # A re-save killed between its two renames left its step's checkpoint only under the aside name, where
+        # list_sharded (and so a resume) finds it: put it back under its own name before the leftovers go, or this
+        # save would delete that step's only checkpoint before its own is written.
+        for aside in list_sharded(ckpt_dir):
+            if m := _MOVED_ASIDE.match(aside.name):
+                own = sharded_path(ckpt_dir, int(m.group(1)))
+                if own.exists():  # incomplete (list_sharded preferred the aside one): it holds nothing to keep
+                    shutil.rmtree(own)
+                os.replace(aside, own)
+                fsync_dir(ckpt_dir)
         # Saves killed midway (this step's or another's) left temp directories: no save is running now, remove them.
         for leftover in ckpt_dir.glob(".ckpt_*.dcp.*"):  # .tmp (a save), .old / .del (a replace or a delete)
             shutil.rmtree(leftover, ignore_errors=True)
@@ -112,13 +122,13 @@ def latest_sharded(ckpt_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     it)."""
     if ckpt_dir.is_dir():
         for leftover in sorted(ckpt_dir.glob(".ckpt_*.dcp.tmp")):
-            warnings.warn(f"ignoring {leftover}: an incomplete sharded checkpoint from an interrupted save (the next "
-                          "save removes it)", stacklevel=2)
+            warn_on_rank_0(f"ignoring {leftover}: an incomplete sharded checkpoint from an interrupted save (the "
+                           "next save removes it)")
     for path in reversed(list_sharded(ckpt_dir)):
         try:
             return path, read_meta(path)
         except CheckpointError as e:
-            warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+            warn_on_rank_0(f"{e}; falling back to the previous checkpoint")
     return None
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastddpm.config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -27,6 +29,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None  # None: a single process, no process group
+    owns_group: bool = True  # init_distributed created the group, so shutdown() destroys it
 
     @property
     def enabled(self) -> bool:
@@ -46,7 +49,19 @@ SINGLE = DistInfo()
 
 
 def launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    """RANK and WORLD_SIZE both set (torchrun sets both, as does any launcher of its env:// convention). One of them
+    alone is a launcher set up half-way: a ConfigError (unless it says rank 0 / a world of 1), since every process
+    would otherwise train alone as rank 0 of 1, all of them writing the same run directory."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if (rank is None) == (world is None):
+        return rank is not None
+    given, missing, alone = ("RANK", "WORLD_SIZE", "0") if world is None else ("WORLD_SIZE", "RANK", "1")
+    if os.environ[given].strip() == alone:
+        return False
+    raise ConfigError(f"{given}={os.environ[given]} is set but {missing} is not: every process would train alone as "
+                      f"rank 0 of 1 into the same run directory. Launch with `torchrun --nproc-per-node N -m fastddpm "
+                      f"train ...` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), set {missing} "
+                      f"too, or unset {given} for a single process")
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[DistInfo, torch.device]:
@@ -61,8 +76,11 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         if local >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA devices: "
-                               f"start at most that many processes per node (--nproc-per-node)")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ConfigError(f"LOCAL_RANK={local} but this process sees {torch.cuda.device_count()} CUDA device(s)"
+                              + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+                              + ": one process per device, so start at most that many per node (--nproc-per-node)"
+                              + (", or make more devices visible" if visible is not None else ""))
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -77,9 +95,23 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
         # (bound to its own name: a bare `import torch.distributed.nn` would make `torch` local to this function)
         import torch.distributed.nn as _dist_nn  # noqa: F401
         # The timeout bounds a wait on a dead peer; torchrun's agent also tears the group down when a worker exits.
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=rank, world_size=world, local_rank=local, backend=backend), device
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        except (dist.DistNetworkError, dist.DistStoreError, ValueError) as e:
+            # No rendezvous (address unreachable, port taken, a rank late, MASTER_* unset): torch's message names
+            # neither the address nor the setting that bounds the wait.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            where = f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}"
+            raise ConfigError(
+                f"rank {rank} of {world} could not join the process group ({where}, train.dist_timeout_s="
+                f"{timeout_s:g}): {type(e).__name__}: {first}. Rank 0 listens on MASTER_PORT at MASTER_ADDR, which "
+                f"every rank must reach; the port must be free there (torchrun --master-port / --rdzv-endpoint "
+                f"HOST:PORT), and every rank must start within train.dist_timeout_s") from e
+        owns = True
+    else:  # the caller's group (fastddpm.train called inside a script that set one up): theirs to destroy
+        owns = False
+    return DistInfo(rank=rank, world_size=world, local_rank=local, backend=backend, owns_group=owns), device
 
 
 def shutdown(info: DistInfo) -> None:
@@ -91,7 +123,7 @@ def shutdown(info: DistInfo) -> None:
     - Under FSDP, every DeviceMesh keeps its groups in `_pg_registry`, and DTensor's sharding caches (unbounded,
       keyed by specs that name the mesh) keep every mesh alive for the life of the process: empty the
       registries once the groups are destroyed (a mesh is unusable after that anyway)."""
-    if info.enabled and dist.is_initialized():
+    if info.enabled and info.owns_group and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
         mesh_module = sys.modules.get("torch.distributed.device_mesh")
