@@ -131,3 +131,17 @@ def test_max_epochs_with_accumulation_counts_passes_over_the_data(tmp_path):
 def test_a_batch_source_refuses_accumulation_the_data_cannot_fill():
     with pytest.raises(ConfigError, match="batch 8 x accum_steps 3 is more than the dataset's 20 images"):
         ResidentBatches(_images(20), batch_size=8, num_timesteps=1000, seed=0, device=CPU, accum_steps=3)
+
+
+def test_the_planned_run_length_counts_the_global_batch_where_one_is_given():
+    """--compile auto on a CPU decides by the planned images: with --global-batch-size, a step is that many images,
+    whatever the per-device batch the preset names."""
+    from fastddpm.config import apply_overrides, get_preset
+    from fastddpm.trainer.setup import _planned_images
+
+    cfg = apply_overrides(get_preset("tiny"), {"train.max_steps": 100, "train.global_batch_size": 256,
+                                               "train.batch_size": 16})
+    assert _planned_images(cfg, 60_000, world=2) == 100 * 256
+    plain = apply_overrides(get_preset("tiny"), {"train.max_steps": 100, "train.batch_size": 16,
+                                                 "train.accum_steps": 2})
+    assert _planned_images(plain, 60_000, world=2) == 100 * 16 * 2 * 2

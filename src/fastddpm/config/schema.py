@@ -397,7 +397,10 @@ class TrainConfig:
                                   "granularity at which the all-reduce overlaps the backward.")
     )
     dist_timeout_s: float = field(
-        default=600.0, metadata=_doc("Seconds a rank waits in a collective for a peer before failing the job.")
+        default=600.0, metadata=_doc("Seconds a rank waits in a collective for a peer before failing the job. "
+                                     "It must cover what rank 0 does alone while the others wait: an evaluation "
+                                     "(--eval-every; its first set-up may train the dataset's feature network) "
+                                     "and a sample grid.")
     )
     seed: int = field(default=0, metadata=_doc("Seed; data order, timesteps and noise are functions of (seed, step)."))
     log_every: int = field(default=50, metadata=_doc("Steps between metric log lines (the only host syncs)."))

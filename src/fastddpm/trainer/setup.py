@@ -320,6 +320,8 @@ def _planned_images(cfg: RunConfig, num_images: int, world: int) -> int | None:
     t = cfg.train
     if t.max_images is not None:
         return t.max_images
+    if t.max_steps is not None and t.global_batch_size is not None:  # it sets the per-device batch (later)
+        return t.max_steps * t.global_batch_size
     if t.max_steps is not None and isinstance(t.batch_size, int):
         return t.max_steps * t.batch_size * t.accum_steps * max(1, world)
     if t.max_epochs is not None:
