@@ -24,6 +24,9 @@ class Fix:
     # "compile", "fused-optimizer", "loader-workers:N", ...; None: it cannot be applied from outside
     trial: str | None = None
     args: tuple[str, ...] | None = None  # a fix that is one of the script's own flags: its arguments with it
+    # the step-rate gain this fix can give at most, where that is less than its finding's (the finding's cost is
+    # what removing the problem gives back; more loader workers cannot outrun the loader): `--try`'s prediction
+    gain: float | None = None
 
 
 @dataclass
@@ -48,7 +51,8 @@ class Finding:
                 "expected_speedup": self.speedup, "evidence": self.evidence, "cause": self.cause,
                 "kind": self.kind, "group": self.group,
                 "fixes": [{"fastddpm": f.fastddpm, "code": f.code, **({"trial": f.trial} if f.trial else {}),
-                           **({"args": list(f.args)} if f.args else {})} for f in self.fixes]}
+                           **({"args": list(f.args)} if f.args else {}),
+                           **({"expected_speedup": f.gain} if f.gain is not None else {})} for f in self.fixes]}
 
 
 def pct(x: float) -> str:

@@ -3,6 +3,9 @@ torch.autograd.profiler.record_function, trace.py finds the steps and data waits
 
 STEP_MARK = "fastddpm::step"
 DATA_MARK = "fastddpm::data_wait"
+# a closure passed to optimizer.step(closure) (Lightning's automatic optimization, LBFGS): the loop's own forward
+# and backward, run inside torch.optim's `Optimizer.step#` range but not the optimizer's work
+CLOSURE_MARK = "fastddpm::closure"
 
 # Our record_function ranges as the host thread wrote them. On a CUDA trace Kineto also writes each range a
 # second time, as cat "gpu_user_annotation" on the GPU timeline (spanning the kernels launched inside it):

@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
+from fastddpm.doctor.marks import CLOSURE_MARK, DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry, usable_device
 from fastddpm.doctor.watchers import AttentionSites
@@ -229,6 +229,7 @@ class Session:
         self.saved: SavedTensors | None = None
         self.saved_unavailable: str | None = None  # why nothing was counted, when the session knows
         self._opt_hooks = None  # torch.optim step() timing during the watched steps: (pre, post) hook handles
+        self._closure_hook = None  # from the watch to the end: the handle of the pre-hook that wraps step closures
         self.steps_end_in_optimizer_hook = False  # the runner calls step() from an optimizer post-hook
         self._opt_s, self._opt_t0 = 0.0, None
         # the modules that built attention weights in that step (not looked for in a compiled loop)
@@ -392,6 +393,7 @@ class Session:
     def _enter(self, old: str, new: str) -> None:
         if new == "watch":
             self._time_optimizer(True)
+            self._mark_closures(True)
             self.compile_warm = _dynamo_graphs()
             self._graphs_prev = self.compile_warm
             if self.cuda:
@@ -439,10 +441,49 @@ class Session:
                 h.remove()
             self._opt_hooks, self._opt_t0 = None, None
 
+    def _mark_closures(self, on: bool) -> None:
+        """Wrap each closure given to a torch.optim step() (optimizer.step(closure): Lightning's automatic
+        optimization, LBFGS). Such a step runs the loop's forward and backward inside its own call and its
+        `Optimizer.step#` range: unwrapped, the watched steps' optimizer time and the trace's optimizer category
+        would take the whole step (a conv net under Lightning read 99% optimizer, 0% convolutions). The wrapped
+        closure's time is taken out of the optimizer's, and in the profile window it runs in a CLOSURE_MARK range,
+        whose ops the trace charges to their own categories."""
+        if on and self._closure_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            def wrap(closure):
+                def closure_outside_optimizer(*a, **k):
+                    t0 = time.perf_counter()
+                    rf = torch.autograd.profiler.record_function(CLOSURE_MARK) if self.profiler is not None else None
+                    if rf is not None:
+                        rf.__enter__()
+                    try:
+                        return closure(*a, **k)
+                    finally:
+                        if rf is not None:
+                            rf.__exit__(None, None, None)
+                        if self._opt_t0 is not None:  # inside a timed step() call: not the optimizer's time
+                            self._opt_s -= time.perf_counter() - t0
+                return closure_outside_optimizer
+
+            def pre(optimizer, args, kwargs):
+                # torch.optim passes the step's own arguments: (optimizer, closure) positionally, or closure=
+                if callable(kwargs.get("closure")):
+                    return args, {**kwargs, "closure": wrap(kwargs["closure"])}
+                if len(args) > 1 and callable(args[1]):
+                    return (args[0], wrap(args[1]), *args[2:]), kwargs
+                return None
+
+            self._closure_hook = register_optimizer_step_pre_hook(pre)
+        elif not on and self._closure_hook is not None:
+            self._closure_hook.remove()
+            self._closure_hook = None
+
     def release_hooks(self) -> None:
         """Remove every process-wide hook the session holds (the loop ended, or raised, mid-window)."""
         self.stop_counting()
         self._time_optimizer(False)
+        self._mark_closures(False)
 
     def stop_counting(self) -> None:
         """Leave the saved-tensor count if a step is being counted (the loop ended, or raised, inside it)."""
@@ -499,6 +540,7 @@ class Session:
             self.memory = device_memory(self.device)
             if self.telemetry_end is None:
                 self.telemetry_end = gpu_telemetry(self.device)
+        self._mark_closures(False)
         self.wall_s = time.perf_counter() - self.wall_t0
         self._demand.close()
         if self.on_done is not None:

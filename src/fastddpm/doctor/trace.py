@@ -34,7 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastddpm.doctor.marks import DATA_MARK, HOST_MARK_CATS, STEP_MARK
+from fastddpm.doctor.marks import CLOSURE_MARK, DATA_MARK, HOST_MARK_CATS, STEP_MARK
 from fastddpm.doctor.trace_flops import (DTYPE, GEMM_OPS, NORM_OPS, gemm_flops_of, kernel_owner_ops, nested_ops,
                                          op_dtype)
 from fastddpm.doctor.trace_intervals import Ranges, any_between, coarsen, merge, overlap
@@ -187,6 +187,8 @@ def analyze(events: list[dict]) -> TraceStats:
     op_events = [e for e in xs if e.get("cat") == "cpu_op"]
     in_optimizer = Ranges([e for e in xs if e.get("cat") == "user_annotation"],
                           lambda name: name.startswith("Optimizer.step#"))
+    # a closure's own .item() calls are the loop's, though its forward runs inside the optimizer's step
+    in_optimizer.exclude(Ranges([e for e in xs if e.get("cat") == "user_annotation"], CLOSURE_MARK))
     host = _host_ops(op_events, step_of, in_optimizer)
     runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     sync_calls = [e for e in runtime if e.get("name") in SYNC_RUNTIME]
@@ -251,7 +253,8 @@ def analyze(events: list[dict]) -> TraceStats:
 # ---------------------------------------------------------------------------------------------------------------
 # Where the step goes: every op's own time (its duration less its children's) is charged to a category. An op
 # inside a categorised op is charged to the outer one (the casts and reshapes inside a GroupNorm are the norm's
-# cost; everything inside Optimizer.step is the optimizer's), so the categories add up to the step.
+# cost; everything inside Optimizer.step is the optimizer's, but for a closure it calls: the loop's forward and
+# backward), so the categories add up to the step.
 # trace_optree.py names each op's category; the two functions below add the time up.
 BREAKDOWN = ("matmul", "attention", "norm", "elementwise", "optimizer", "copy", "data", "framework", "python", "idle")
 BREAKDOWN_LABELS = {

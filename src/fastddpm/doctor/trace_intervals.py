@@ -55,8 +55,15 @@ class Ranges:
                 by_tid.setdefault(o.get("tid"), []).append((float(o["ts"]), float(o["ts"]) + float(o.get("dur", 0))))
         self.ranges = {tid: merge(v) for tid, v in by_tid.items()}
         self.starts = {tid: [s for s, _ in v] for tid, v in self.ranges.items()}
+        self._holes: Ranges | None = None
+
+    def exclude(self, holes: "Ranges") -> None:
+        """From now on a moment inside `holes` (on the same thread) is not inside these ranges."""
+        self._holes = holes
 
     def contains(self, tid, ts: float) -> bool:
+        if self._holes is not None and self._holes.contains(tid, ts):
+            return False
         r = self.ranges.get(tid)
         if not r:
             return False

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 
-from fastddpm.doctor.marks import DATA_MARK, HOST_MARK_CATS, STEP_MARK
+from fastddpm.doctor.marks import CLOSURE_MARK, DATA_MARK, HOST_MARK_CATS, STEP_MARK
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
               "aten::convolution_backward", "aten::_convolution", "aten::mkldnn_convolution",
@@ -175,6 +175,8 @@ class OpTree:
         """Outermost category wins; an unknown aten op is elementwise unless it wraps categorised work."""
         name = node.e.get("name", "")
         own = self._own_category(name, node.e.get("cat"), node.e)
+        if name == CLOSURE_MARK:  # the loop's forward and backward inside Optimizer.step: not the optimizer's
+            inherited, owner = None, None
         if inherited is not None:
             node.cat, node.owner = inherited, owner
         elif own == "elementwise?":
@@ -221,15 +223,17 @@ class OpTree:
                 "foreach" if any("_foreach_" in x for x in names) else "per-tensor")
         # the ops the optimizer itself issues (not what they call inside): one per tensor per term when
         # per-tensor, a few for all tensors when foreach or fused (on a CPU a foreach op still loops inside)
-        return kind, sum(len(s.children) for s in steps) / len(steps)
+        own = sum(1 for s in steps for c in s.children if c.e.get("name") != CLOSURE_MARK)
+        return kind, own / len(steps)
 
     @staticmethod
     def _descendants(node: "OpTree.Node"):
-        todo = list(node.children)
+        """The ops under `node`, less a step closure's (the loop's forward and backward, not the optimizer's)."""
+        todo = [c for c in node.children if c.e.get("name") != CLOSURE_MARK]
         while todo:
             n = todo.pop()
             yield n
-            todo.extend(n.children)
+            todo.extend(c for c in n.children if c.e.get("name") != CLOSURE_MARK)
 
     def innermost_at(self, tid, ts: float) -> "OpTree.Node | None":
         """The deepest node of thread `tid` open at `ts` (a binary search per level: a GPU trace asks once per

@@ -100,9 +100,10 @@ def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]
         fix = next((x for x in f.fixes if x.trial), None)
         if fix is None:
             continue
+        predicted = min(fix.gain, f.speedup) if fix.gain is not None else f.speedup
         trial = (Trial(f"flag {' '.join(_flag(list(fix.args)))}", f"the script's own flag: {fix.code}", f.id,
-                       f.speedup, args=list(fix.args)) if fix.args is not None else
-                 Trial(fix.trial, _what(fix.trial), f.id, f.speedup))
+                       predicted, args=list(fix.args)) if fix.args is not None else
+                 Trial(fix.trial, _what(fix.trial), f.id, predicted))
         if all((t.fix, t.args) != (trial.fix, trial.args) for t in trials):
             trials.append(trial)
     if convs and all(t.fix != "channels-last" for t in trials):
