@@ -1,6 +1,6 @@
 """Sample from a `fastddpm export --format onnx` folder with onnxruntime and numpy alone: no torch, no fastddpm.
 
-    python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class ID] [--out grid.png]
+    python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class ID] [--out onnx_samples.png]
 
 DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or
 flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat); a
