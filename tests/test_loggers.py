@@ -157,3 +157,22 @@ def test_tensorboard_and_wandb_offline_together_hold_what_metrics_jsonl_holds(tm
     files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and {f.name for f in files} == {f"run-{run_id}.wandb"}
     assert [s for s, _ in wandb_history(run)["train/loss"]][-1] == 10
+
+
+def test_wandb_that_cannot_start_a_run_is_one_error_line_naming_the_ways_on(tmp_path, fmnist_npz, capsys,
+                                                                             monkeypatch):
+    """No API key (or no network): W&B's own UsageError was a traceback; it is the run's error line, before any
+    step, naming `wandb login` and WANDB_MODE=offline."""
+    wandb = pytest.importorskip("wandb")
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    code = main(["train", "--data", str(fmnist_npz), "--out", str(tmp_path / "run"), "--preset", "tiny",
+                 "--max-steps", "2", "--no-progress", "--log-to", "jsonl,wandb"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--log-to wandb: W&B could not start a run (No API key configured." in err
+    assert "wandb login" in err and "WANDB_MODE=offline" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -488,3 +489,13 @@ def test_a_signal_stop_between_logging_steps_writes_the_losses_since_the_last_li
     train(tiny_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, resume="latest",
           log=quiet)
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [5, 7, 10, 12]
+
+
+def test_a_finished_run_run_again_says_it_trained_no_step_not_loss_none(tmp_path, fmnist_npz):
+    run = tmp_path / "run"
+    lines = []
+    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
+    assert re.search(r"done: step 2, 32 images, loss \d+\.\d{4}; grid", lines[-1]), lines[-1]
+    lines.clear()
+    assert train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, resume="latest", log=lines.append).step == 2
+    assert "no step trained here (the run had already reached its length" in lines[-1] and "None" not in lines[-1]

@@ -156,5 +156,11 @@ def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool):
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "fastddpm"), dir=str(run_dir), name=run_dir.name,
-                      id=run_id, resume="allow", config=cfg.to_dict(), settings=wandb.Settings(silent=True))
+    try:
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "fastddpm"), dir=str(run_dir), name=run_dir.name,
+                          id=run_id, resume="allow", config=cfg.to_dict(), settings=wandb.Settings(silent=True))
+    except wandb.errors.Error as e:  # no API key, no network, a project it may not write: before any step
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--log-to wandb: W&B could not start a run ({first}): run `wandb login` (or set "
+                          "WANDB_API_KEY), set WANDB_MODE=offline to log without an account (wandb sync uploads "
+                          "later), or drop wandb from --log-to") from None

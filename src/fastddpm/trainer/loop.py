@@ -206,7 +206,10 @@ def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> Train
         run.info.update(cuda_graphs_used=step_fn.graph is not None, cuda_graphs_failure=step_fn.graph_failed)
         if step_fn.graph_failed:
             run.log(f"cuda graphs: not used ({step_fn.graph_failed})")
-    run.log(f"done: step {state.step:,}, {state.images_seen:,} images, loss {out.last_loss}; grid {out.last_grid}; "
+    loss = (f"loss {out.last_loss:.4f}" if out.last_loss is not None else
+            "no step trained here (the run had already reached its length; a longer --max-steps, --max-images or "
+            "--max-epochs continues it)")
+    run.log(f"done: step {state.step:,}, {state.images_seen:,} images, {loss}; grid {out.last_grid}; "
             f"weights {run.run_dir.ema}")
     return TrainResult(run_dir=run.run_dir.path, step=state.step, images_seen=state.images_seen,
                        last_loss=out.last_loss, checkpoint=out.checkpoint, grid=out.last_grid)
