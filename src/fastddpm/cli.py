@@ -241,11 +241,10 @@ def cmd_train(args, dests) -> int:
 
 
 def cmd_sample(args) -> int:
-    import os
-
     import torch
 
     from fastddpm.device import resolve_device
+    from fastddpm.rundir.files import make_writable_dir
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import class_labels, load_for_sampling, resolve_sampler_args, sample_to_files
 
@@ -280,16 +279,8 @@ def cmd_sample(args) -> int:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
     if args.weights != "ema":
         stem += f"_{args.weights}"
-    # the folder is made before any sampling: a file on its path, no permission or a read-only disk would
-    # otherwise be a traceback after every image was drawn
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot create the folder ({e.strerror or e}); --out is the folder for the "
-                          "grid and the .npz: give one that can be created, or an existing folder") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: the folder is not writable here (permissions, or a read-only disk): give "
-                          "another --out")
+    make_writable_dir(out, flag="--out", fix="--out is the folder for the grid and the .npz: give one that can be "
+                                             "created and written, or an existing folder")  # before any sampling
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -344,19 +343,12 @@ def remove_other_exports(out: Path, written: list[str]) -> list[str]:
 
 
 def make_out_dir(out: Path) -> None:
-    """Create --out, or a ConfigError naming it and the reason: a file on its path (`--out notes.txt/x`), no
-    permission, a read-only disk. Before any exporter runs: the ONNX exporters' failures to write are caught as
-    failures to convert, and would be blamed on the opset."""
-    from fastddpm.config import ConfigError
+    """Create --out before any exporter runs: the ONNX exporters' failures to write are caught as failures to
+    convert, and would be blamed on the opset."""
+    from fastddpm.rundir.files import make_writable_dir
 
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"export --out {out}: cannot create the folder ({e.strerror or e}): give a folder that "
-                          "can be created, new, empty or an earlier export's") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ConfigError(f"export --out {out}: the folder is not writable here (permissions, or a read-only "
-                          "disk): give another --out")
+    make_writable_dir(out, flag="export --out", fix="give a folder that can be created and written, new, empty or "
+                                                    "an earlier export's")
 
 
 def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> dict:

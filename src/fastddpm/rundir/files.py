@@ -28,6 +28,21 @@ def warn_on_rank_0(message: str, stacklevel: int = 2) -> None:
         warnings.warn(message, stacklevel=stacklevel + 1)
 
 
+def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
+    """Create the output folder `path` (parents too) before any work that writes there, or a ConfigError naming
+    `flag` (e.g. "--out"), the path and the reason (a file on its path, no permission, a read-only disk), then
+    `fix`: found after the work, it would be a traceback, and the work lost."""
+    from fastddpm.config import ConfigError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot create the folder ({e.strerror or e}): {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: the folder is not writable here (permissions, or a read-only disk): "
+                          f"{fix}")
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (best effort: some filesystems cannot open a directory)."""
     try:
