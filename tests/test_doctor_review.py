@@ -14,10 +14,10 @@ from fastddpm.doctor.runners import run_script
 # inside torch.optim's step() call and its `Optimizer.step#` range
 CLOSURE_SCRIPT = textwrap.dedent("""
     import torch
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.Conv2d(32, 32, 3, padding=1))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(64, 64, 3, padding=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(4, 3, 32, 32)
+    x = torch.randn(8, 3, 32, 32)
     for _ in range(1000):
         def closure():
             opt.zero_grad()
@@ -38,7 +38,8 @@ def _closure_report(tmp_path, call: str):
 def test_a_closure_given_to_the_optimizer_step_is_the_models_work_not_the_optimizers(tmp_path):
     m = _closure_report(tmp_path, "closure")
     breakdown = m["trace"]["breakdown"]
-    # the convolutions' forward and backward are nearly all of the step; SGD over 4 tensors is a sliver
+    # the convolutions' forward and backward are most of the step (the elementwise ReLU and loss the rest); SGD
+    # over 4 tensors is a sliver. Charged to the optimizer, the convolutions read 0% and the optimizer 99%.
     assert breakdown["matmul"] > 0.5, breakdown
     assert breakdown["optimizer"] < 0.2, breakdown
     watched = statistics.median(s["optimizer_ms"] / s["host_ms"] for s in m["steps"])

@@ -38,10 +38,10 @@ from typing import Callable
 
 import torch
 
-from fastddpm.doctor.marks import CLOSURE_MARK, DATA_MARK, STEP_MARK
+from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry, usable_device
-from fastddpm.doctor.watchers import AttentionSites
+from fastddpm.doctor.watchers import AttentionSites, mark_step_closures
 from fastddpm.measure import SavedTensors
 
 
@@ -442,42 +442,18 @@ class Session:
             self._opt_hooks, self._opt_t0 = None, None
 
     def _mark_closures(self, on: bool) -> None:
-        """Wrap each closure given to a torch.optim step() (optimizer.step(closure): Lightning's automatic
-        optimization, LBFGS). Such a step runs the loop's forward and backward inside its own call and its
-        `Optimizer.step#` range: unwrapped, the watched steps' optimizer time and the trace's optimizer category
-        would take the whole step (a conv net under Lightning read 99% optimizer, 0% convolutions). The wrapped
-        closure's time is taken out of the optimizer's, and in the profile window it runs in a CLOSURE_MARK range,
-        whose ops the trace charges to their own categories."""
+        """Wrap each closure given to a torch.optim step() (watchers.mark_step_closures): its time is not the
+        optimizer's, and in the profile window its ops are charged to their own categories."""
         if on and self._closure_hook is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            def wrap(closure):
-                def closure_outside_optimizer(*a, **k):
-                    t0 = time.perf_counter()
-                    rf = torch.autograd.profiler.record_function(CLOSURE_MARK) if self.profiler is not None else None
-                    if rf is not None:
-                        rf.__enter__()
-                    try:
-                        return closure(*a, **k)
-                    finally:
-                        if rf is not None:
-                            rf.__exit__(None, None, None)
-                        if self._opt_t0 is not None:  # inside a timed step() call: not the optimizer's time
-                            self._opt_s -= time.perf_counter() - t0
-                return closure_outside_optimizer
-
-            def pre(optimizer, args, kwargs):
-                # torch.optim passes the step's own arguments: (optimizer, closure) positionally, or closure=
-                if callable(kwargs.get("closure")):
-                    return args, {**kwargs, "closure": wrap(kwargs["closure"])}
-                if len(args) > 1 and callable(args[1]):
-                    return (args[0], wrap(args[1]), *args[2:]), kwargs
-                return None
-
-            self._closure_hook = register_optimizer_step_pre_hook(pre)
+            self._closure_hook = mark_step_closures(profiling=lambda: self.profiler is not None,
+                                                    took=self._closure_took)
         elif not on and self._closure_hook is not None:
             self._closure_hook.remove()
             self._closure_hook = None
+
+    def _closure_took(self, seconds: float) -> None:
+        if self._opt_t0 is not None:  # inside a timed step() call: not the optimizer's time
+            self._opt_s -= seconds
 
     def release_hooks(self) -> None:
         """Remove every process-wide hook the session holds (the loop ended, or raised, mid-window)."""
