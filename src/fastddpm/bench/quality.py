@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import shutil
 import time
@@ -129,10 +130,34 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
         arrays.update(x_test=np.array(test.images[:k]), y_test=np.asarray(test.labels[:k]))
     except DataError:
         pass
-    path = out_dir / f"data-n{n}.npz"
+    # Named by its content: a run's config names its data by this path, and the runs an earlier call finished in
+    # this folder are reused when their config is equal, so another --data capped at the same count must not
+    # write (and reuse) the same path.
+    digest = hashlib.sha256()
+    for key in sorted(arrays):
+        digest.update(f"{key}{arrays[key].dtype}{arrays[key].shape}".encode())
+        digest.update(np.ascontiguousarray(arrays[key]).tobytes())
+    path = out_dir / f"data-n{n}-{digest.hexdigest()[:12]}.npz"
     np.savez(path, **arrays)
     log(f"data: the first {n:,} images of {s.data} -> {path}")
     return str(path)
+
+
+def _read_earlier(path: str, flag: str) -> dict:
+    """An earlier quality.json named by --reference-from / --fast-from, or a ConfigError that names it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"bench quality: {flag} {path}: cannot read it ({e.strerror or e}); give the quality.json "
+                          "an earlier `fastddpm bench quality` wrote") from None
+    except ValueError as e:
+        raise ConfigError(f"bench quality: {flag} {path} is not JSON ({e}); give the quality.json an earlier "
+                          "`fastddpm bench quality` wrote") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise ConfigError(f"bench quality: {flag} {path} has schema {schema!r}, not {SCHEMA!r}: give the "
+                          "quality.json an earlier `fastddpm bench quality` wrote")
+    return data
 
 
 def _check_same_data(previous: dict, s: QualitySettings, given: str) -> None:
@@ -280,9 +305,9 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         "per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
-    for given in (s.fast_from, s.reference_from):  # before any data is read or trained on
-        if given is not None:
-            _check_same_data(json.loads(Path(given).read_text()), s, given)
+    for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
+        if given is not None:  # before any data is read or trained on
+            _check_same_data(_read_earlier(given, flag), s, given)
     source = _data_source(s, out, log)
     finished = FinishedRuns(out, env, log, remeasure=s.remeasure)
 
@@ -297,7 +322,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     # 1. the reference: the preset's recipe as it is, FID at its end = the target.
     reused_fast = None
     if s.fast_from is not None:
-        previous = json.loads(Path(s.fast_from).read_text())
+        previous = _read_earlier(s.fast_from, "--fast-from")
         if previous.get("fast") is None:
             raise ConfigError(f"bench quality: {s.fast_from} holds no fast run (a --reference-only file?): "
                               "use it with --reference-from instead")
@@ -310,7 +335,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         reference, reused_fast = previous["reference"], {**previous["fast"], "reused_from": s.fast_from}
         log(f"reference and fast run: from {s.fast_from}: target FID {previous['target_fid']:.3f}")
     elif s.reference_from is not None:
-        previous = json.loads(Path(s.reference_from).read_text())
+        previous = _read_earlier(s.reference_from, "--reference-from")
         for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed"):
             theirs = _recorded(previous, key)
             if theirs != getattr(s, key):

@@ -75,10 +75,16 @@ def report_markdown(result: dict) -> str:
     commit = str(env["git_commit"])[:12] + (" (uncommitted changes)" if env.get("git_dirty") else "")
     cuda = "" if env.get("cuda_runtime") is None else f", CUDA runtime {env['cuda_runtime']}"
     driver = "" if env.get("cuda_driver") is None else f", driver {env['cuda_driver']}"
-    peaks = {}
+    # Each row's MFU divides by the peak its own run measured: rows reused from an earlier run into this folder
+    # used that run's peak (and bandwidth), so every distinct one is listed, with its rows when a dtype has several.
+    peaks: dict[tuple, list[str]] = {}
+    bandwidths: dict[tuple, list[str]] = {}
     for r in rows:
         if r["status"] == "ok":
-            peaks.setdefault(r["mfu_dtype"], (r["mfu_peak_tflops"], r["mfu_peak_label"]))
+            peaks.setdefault((r["mfu_dtype"], r["mfu_peak_tflops"], r["mfu_peak_label"]), []).append(_name(r))
+            if r.get("bandwidth_gbps"):
+                bandwidths.setdefault((r["bandwidth_gbps"], r["bandwidth_label"]), []).append(_name(r))
+    several = {dtype for dtype, *_ in peaks if sum(d == dtype for d, *_ in peaks) > 1}
     lines = ["# fastddpm bench throughput", ""]
     if not result.get("complete", True):
         lines += [f"**Incomplete**: {len(rows)} of {result['planned_variants']} variants measured so far (the run "
@@ -98,12 +104,16 @@ def report_markdown(result: dict) -> str:
         f"- settings: precision {s['precision_resolved']} ({s['precision_reason']}); compile {s['compile']}, "
         f"cuda graphs {s['cuda_graphs']}, data placement {s['data_placement']}; warm-up {s['warmup_steps']} steps, "
         f"then {s['repeats']} x {s['steps']} timed steps",
-    ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})" for dtype, (tflops, label) in peaks.items()]
-    bandwidth = next(((r["bandwidth_gbps"], r["bandwidth_label"]) for r in rows if r.get("bandwidth_gbps")), None)
-    if bandwidth:
-        lines += [f"- memory bandwidth for the roofline: {bandwidth[0]:,.1f} GB/s ({bandwidth[1]}); the roofline is "
-                  "max(FLOPs / peak, bytes / bandwidth) an image, the bytes being the activations autograd saves "
-                  "(written and read) and the update's passes over the parameters (fastddpm.measure.roofline)"]
+    ] + [f"- peak for MFU ({dtype}): {tflops:,.3f} TFLOP/s ({label})"
+         + (f", for {', '.join(names)}" if dtype in several else "")
+         for (dtype, tflops, label), names in peaks.items()]
+    for (gbps, label), names in bandwidths.items():
+        lines += [f"- memory bandwidth for the roofline: {gbps:,.1f} GB/s ({label})"
+                  + (f", for {', '.join(names)}" if len(bandwidths) > 1 else "")]
+    if bandwidths:
+        lines += ["- the roofline is max(FLOPs / peak, bytes / bandwidth) an image, the bytes being the activations "
+                  "autograd saves (written and read) and the update's passes over the parameters "
+                  "(fastddpm.measure.roofline)"]
     lines += ["", table_markdown(rows), ""]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
