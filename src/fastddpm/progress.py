@@ -37,6 +37,7 @@ class PlainProgress:
         self.postfix: dict[str, object] = {}
         self._t0 = self._t_line = clock()
         self._n0 = self._n_line = initial
+        self._first: tuple[float, int] | None = None  # (time, count) at the first line printed
         self.closed = False
 
     def update(self, n: int = 1) -> None:
@@ -59,11 +60,11 @@ class PlainProgress:
     def _line(self, now: float) -> None:
         elapsed = now - self._t0
         rate = (self.n - self._n0) / elapsed if elapsed > 0 else 0.0
-        if self._t0 < self._t_line < now and self.n > self._n_line:
-            # The ETA from the rate since the previous line: the mean since the start keeps the first steps' one-off
+        if self._first is not None and now > self._first[0] and self.n > self._first[1]:
+            # The ETA from the rate since the first line: the mean since the start keeps the first steps' one-off
             # set-up (torch.compile, CUDA graph capture: minutes on a GPU) in it, and overstates the time left for
-            # most of the run.
-            rate = (self.n - self._n_line) / (now - self._t_line)
+            # most of the run; the rate of the last interval alone jumps with every slow patch of a shared machine.
+            rate = (self.n - self._first[1]) / (now - self._first[0])
         where = f"{self.unit} {self.n:,}"
         if self.total:
             where += f"/{self.total:,} ({100 * self.n / self.total:.0f}%)"
@@ -74,6 +75,8 @@ class PlainProgress:
         parts.append(f"{_duration(elapsed)} elapsed" + (f", ETA {_duration(eta)}" if self.total else ""))
         print(" | ".join(parts), file=self.fp, flush=True)
         self._t_line, self._n_line = now, self.n
+        if self._first is None:
+            self._first = (now, self.n)
 
     def __enter__(self) -> PlainProgress:
         return self
