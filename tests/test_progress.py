@@ -76,3 +76,25 @@ def test_train_into_a_log_file_writes_whole_lines(tmp_path, fmnist_npz):
     assert r.returncode == 0, text[-3000:]
     assert "\r" not in text
     assert any(line.startswith("step 3/3 (100%) | loss=") for line in text.splitlines()), text[-3000:]
+
+
+def test_plain_progress_eta_leaves_the_set_up_out():
+    """The first steps of a run compile (here 60 s for the first step); then 1 step/s. After the first line the
+    ETA comes from the steps since that line, not a mean that still holds the compile, nor the last interval's
+    rate alone, which jumps with every slow patch."""
+    out, clock = io.StringIO(), Clock()
+    bar = PlainProgress(200, every_s=30.0, file=out, clock=clock)
+    clock.t = 60.0
+    bar.update()  # the compiled first step: a line at 60 s with the mean so far
+    for _ in range(30):
+        clock.t += 1.0
+        bar.update()
+    for _ in range(15):  # a slow patch (another process on the machine): 2 s a step for 30 s
+        clock.t += 2.0
+        bar.update()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 1/200 (0%) | 1:00 elapsed, ETA 3:19:00"
+    # 31 steps at 90 s: 169 steps left at 1 step/s since the first line is 2:49 (the mean since the start: 8:10)
+    assert lines[1] == "step 31/200 (16%) | 1:30 elapsed, ETA 2:49"
+    # 46 steps at 120 s: 45 steps in 60 s since the first line, 154 left is 3:25 (the last 30 s alone: 5:08)
+    assert lines[2] == "step 46/200 (23%) | 2:00 elapsed, ETA 3:25"
