@@ -218,26 +218,33 @@ def test_find_resume_reads_latest_a_run_and_refuses_weights_only(tmp_path):
         find_resume(tmp_path / "run", "latest").check_resumable(sharded_run=True)
 
 
+def _full_disk_on(monkeypatch, hit) -> None:
+    """Checkpoint writes of the paths `hit` picks fail as a full disk does (ENOSPC); the others go through."""
+    import errno
+
+    from fastddpm.rundir import checkpoint
+
+    real_write = checkpoint.atomic_write_bytes
+
+    def write(path, data):
+        if hit(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", write)
+
+
 def test_a_full_disk_while_writing_the_checkpoint_leaves_no_digest_that_fails_a_good_one(tmp_path, monkeypatch):
     """The digest is written first, then the checkpoint, the large write where a full disk strikes. The new digest
     must not stay: beside no file, or beside this step's earlier checkpoint (saved again by a resume at the end),
     where it failed that whole file as corrupted and `--resume latest` fell back to an older one."""
-    import errno
-
     from fastddpm.rundir import checkpoint
 
     d = tmp_path / "checkpoints"
     for step in (1, 2):
         checkpoint.save_checkpoint(d, step, {"step": step, "w": torch.ones(3)}, keep=3)
     before = sorted((p.name, p.read_bytes()) for p in d.iterdir())
-    real_write = checkpoint.atomic_write_bytes
-
-    def full_disk(path, data):
-        if path.suffix == ".pt":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, data)
-
-    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_disk)
+    _full_disk_on(monkeypatch, lambda path: path.suffix == ".pt")
     for step, value in ((3, 1.0), (2, 2.0)):  # a new step; step 2 again, with other contents
         with pytest.raises(OSError, match="No space left"):
             checkpoint.save_checkpoint(d, step, {"step": step, "w": torch.full((3,), value)}, keep=3)
@@ -276,19 +283,9 @@ def test_a_checkpoint_set_aside_with_an_abandoned_branch_belongs_to_its_run(tmp_
 def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path, fmnist_npz, capsys, monkeypatch):
     """ENOSPC while writing step 2's checkpoint: `fastddpm train` stops with one error line naming the folder, the
     checkpoint that is intact (step 1) and the way on, not an OSError traceback; step 1 still resumes."""
-    import errno
-
     from fastddpm.cli import main
-    from fastddpm.rundir import checkpoint
 
-    real_write = checkpoint.atomic_write_bytes
-
-    def full_at_step_2(path, data):
-        if path.name == "ckpt_000000002.pt":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, data)
-
-    monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_at_step_2)
+    _full_disk_on(monkeypatch, lambda path: path.name == "ckpt_000000002.pt")
     run = tmp_path / "run"
     code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--no-progress",
                  "--set", "train.max_steps=3", "--set", "train.checkpoint_every=1",
