@@ -272,6 +272,11 @@ def test_choices_run_side_by_side_each_in_its_own_precision_and_mode(tmp_path):
     assert parse_choice("auto-compile")["train.compile_mode"] == "default"
     with pytest.raises(ConfigError, match="not with eager"):
         parse_choice("bf16-eager-ma")  # max-autotune is a mode of the compiler
+    lo = parse_choice("auto-compile-cl-lo")
+    assert lo["train.inductor_layout"] == "channels-last" and lo["train.channels_last"] == "on"
+    assert parse_choice("auto-compile-cl")["train.inductor_layout"] == "auto"
+    with pytest.raises(ConfigError, match="not with eager"):
+        parse_choice("bf16-eager-lo")  # the layout of the compiler's own tensors
 
 
 def test_choices_are_timed_alternating_with_the_order_rotated_each_round(tmp_path, monkeypatch):

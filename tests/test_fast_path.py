@@ -327,6 +327,43 @@ def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_c
     assert seen == [{"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
 
 
+def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_modes_own(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
+    from fastddpm.trainer.step import compile_kwargs
+
+    assert compile_kwargs("default", "capture") == {"mode": None}
+    assert compile_kwargs("default", "capture", "channels-last") == {"options": {"force_layout_optimization": True}}
+    # torch.compile takes a mode or options, not both: the mode's own settings travel in the options
+    ma = compile_kwargs("max-autotune", "capture", "channels-last")["options"]
+    assert ma["force_layout_optimization"] and ma["max_autotune"] and not ma.get("triton.cudagraphs")
+    assert compile_kwargs("default", "reduce-overhead", "channels-last")["options"]["triton.cudagraphs"]
+    for key in ma:  # every key is one of Inductor's settings in this torch (a renamed one would fail here)
+        with inductor_config.patch({key: ma[key]}):
+            pass
+    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
+    on = resolve_fast_path(TrainConfig(compile="on", inductor_layout="channels-last"), cpu, bf16, planned_images=1)
+    assert on.inductor_layout == "channels-last" and "layout channels-last (forced)" in on.reasons["compile"]
+    unused = resolve_fast_path(TrainConfig(inductor_layout="channels-last"), cpu, bf16, planned_images=1)
+    assert not unused.compile and unused.inductor_layout == "auto" and "unused" in unused.reasons["compile"]
+    with pytest.raises(ConfigError, match="--compile on"):
+        resolve_fast_path(TrainConfig(compile="off", inductor_layout="channels-last"), cpu, bf16, planned_images=1)
+    with pytest.raises(ConfigError, match="inductor_layout"):
+        TrainConfig(inductor_layout="nhwc")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    model = tiny_model()
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                         capturable=False)
+    TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=make_schedule("linear", 1000),
+              prediction="epsilon", precision=bf16, grad_clip=None, device=CPU, compile=True,
+              inductor_layout="channels-last")
+    assert seen == [{"dynamic": False, "options": {"force_layout_optimization": True}}]
+
+
 def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
                                                "train.max_steps": 1, "train.accum_steps": 2})
@@ -338,6 +375,59 @@ def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
     text = "\n".join(lines)
     for word in ("placement device", "16 x 2 accumulation = 32 images/step", "compile: off", "cuda_graphs: off"):
         assert word in text
+
+
+def test_channels_last_auto_is_on_only_where_it_was_measured_faster_than_nchw():
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
+
+    bf16 = Precision("bf16", torch.bfloat16, False, "test")
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing here touches a GPU
+
+    def fast(device, family, world_size=0, **train):
+        return resolve_fast_path(TrainConfig(**train), device, bf16, world_size=world_size, planned_images=1,
+                                 model_family=family)
+
+    on = fast(gpu, "seed")
+    assert on.channels_last and on.compile and "1.09x" in on.reasons["channels_last"]
+    for off, why in ((fast(gpu, "ddpm"), "0.94x"), (fast(gpu, "seed", compile="off"), "eager"),
+                     (fast(cpu, "seed", compile="on"), "CPU"), (fast(gpu, "seed", world_size=2), "DDP"),
+                     (fast(gpu, None), "off for this U-Net")):
+        assert not off.channels_last and why in off.reasons["channels_last"], off.reasons
+    assert fast(gpu, "ddpm", channels_last="on").channels_last  # asked for: kept, whatever auto would say
+    assert not fast(gpu, "seed", channels_last="off").channels_last
+    with pytest.raises(ConfigError, match="FSDP shards contiguous"):
+        resolve_fast_path(TrainConfig(channels_last="on"), gpu, bf16, world_size=2, parallel="fsdp",
+                          model_family="seed")
+
+
+def test_a_channels_last_run_resumes_exactly_and_its_checkpoint_samples(tmp_path, fmnist_npz):
+    """channels_last is the CUDA default of the seed U-Net: its weights are NHWC in memory, and a checkpoint of
+    them resumes bit-exactly and loads into the NCHW model that sampling builds."""
+    from fastddpm.rundir.checkpoint import list_checkpoints, load_checkpoint
+    from fastddpm.sampling import load_for_sampling
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.precision": "fp32", "train.channels_last": "on",
+                                               "train.max_steps": 4, "train.log_every": 1,
+                                               "train.checkpoint_every": 2, "train.num_sample_images": 2,
+                                               "train.sample_steps": 2})
+    full, half = tmp_path / "full", tmp_path / "half"
+    train(cfg, out_dir=full, log=lambda _: None)
+    train(apply_overrides(cfg, {"train.max_steps": 2}), out_dir=half, log=lambda _: None)
+    train(cfg, out_dir=half, resume="latest", log=lambda _: None)
+    assert [m["loss"] for m in read_metrics(full / "metrics.jsonl")] == [
+        m["loss"] for m in read_metrics(half / "metrics.jsonl")]
+    path = list_checkpoints(full / "checkpoints")[-1]
+    a, b = load_checkpoint(path), load_checkpoint(list_checkpoints(half / "checkpoints")[-1])
+    for part in ("model", "ema"):
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), (part, k)
+    assert json.loads((full / "run.json").read_text())["fast_path"]["channels_last"] == "on (requested)"
+    model, _ = load_for_sampling(path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.float(), a["ema"][k].float()), k
 
 
 # ------------------------------------------------------------------------------------------------ GPU only

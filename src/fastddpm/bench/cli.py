@@ -154,9 +154,10 @@ def _add_throughput_parser(commands: argparse._SubParsersAction) -> argparse.Arg
                       help="images per step; every preset runs at each (default 64,192,512,1024 on a GPU, 64 on a "
                            "CPU)")
     what.add_argument("--choices", type=_csv_list, default=None, metavar="A,B",
-                      help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl][-gc][-ma] "
-                           "(PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last, -gc gradient "
-                           "checkpointing: peak memory vs step time, -ma Inductor's max-autotune): every preset and "
+                      help="precision / compile / layout choices side by side, each PRECISION-MODE[-cl][-lo][-gc][-ma]"
+                           "[-apN] (PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto, -cl channels_last, -lo "
+                           "Inductor's layout optimization forced, -gc gradient checkpointing: peak memory vs step "
+                           "time, -ma Inductor's max-autotune, -apN attention heads padded to N): every preset and "
                            "batch runs each, and `x first` compares them (default on a CPU without --presets: "
                            "fp32-eager,"
                            "bf16-eager,bf16-compile,fp32-compile,bf16-eager-cl; otherwise none: one variant per "

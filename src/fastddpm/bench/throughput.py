@@ -55,9 +55,10 @@ SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity an
 QUICK = dict(presets=("tiny",), batch_sizes=(8, 16), warmup_steps=2, steps=3, repeats=2, choices=())
 
 # A CPU run's default: every precision / compile / layout choice side by side, on the CPU quickstart's
-# preset and batch. Each is PRECISION-MODE[-cl][-gc][-ma]: PRECISION auto|fp32|bf16|fp16, MODE eager|compile|auto,
-# -cl for channels_last, -gc for gradient checkpointing (peak memory against step time), -ma for Inductor's
-# max-autotune (compiled modes only).
+# preset and batch. Each is PRECISION-MODE[-cl][-lo][-gc][-ma][-apN]: PRECISION auto|fp32|bf16|fp16, MODE
+# eager|compile|auto, -cl for channels_last, -lo for Inductor's layout optimization forced (train.inductor_layout),
+# -gc for gradient checkpointing (peak memory against step time), -ma for Inductor's max-autotune (-lo and -ma:
+# compiled modes only), -apN for attention heads padded to N.
 CPU_CHOICES = ("fp32-eager", "bf16-eager", "bf16-compile", "fp32-compile", "bf16-eager-cl")
 CPU_PRESETS, CPU_BATCH_SIZES = ("cpu-demo",), (64,)
 GPU_PRESETS, GPU_BATCH_SIZES = ("seed-1layer", "seed-2layer"), (64, 192, 512, 1024)
@@ -74,23 +75,25 @@ def preset_image_shape(preset: str) -> tuple[int, int, int]:
 
 
 def parse_choice(name: str) -> dict:
-    """'bf16-compile-cl' -> the train.* settings it stands for (-cl channels_last, -gc gradient checkpointing,
-    -ma max-autotune, -apN attention heads padded to N)."""
+    """'bf16-compile-cl' -> the train.* settings it stands for (-cl channels_last, -lo Inductor's layout
+    optimization forced, -gc gradient checkpointing, -ma max-autotune, -apN attention heads padded to N)."""
     parts = name.split("-")
     flags = parts[2:]
     pads = {f"ap{n}": n for n in ATTENTION_HEAD_PADS if n}
     ok = (len(parts) >= 2 and parts[0] in ("auto", "fp32", "bf16", "fp16")
-          and parts[1] in ("eager", "compile", "auto") and set(flags) <= {"cl", "gc", "ma", *pads}
+          and parts[1] in ("eager", "compile", "auto") and set(flags) <= {"cl", "lo", "gc", "ma", *pads}
           and sum(f in pads for f in flags) <= 1
-          and len(set(flags)) == len(flags) and not ("ma" in flags and parts[1] == "eager"))
+          and len(set(flags)) == len(flags) and not ({"ma", "lo"} & set(flags) and parts[1] == "eager"))
     if not ok:
-        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-gc][-ma][-apN] (PRECISION "
-                          f"auto, fp32, bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -gc gradient "
-                          f"checkpointing, -ma max-autotune, not with eager; -apN attention heads padded to N, "
+        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] (PRECISION "
+                          f"auto, fp32, bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -lo Inductor's "
+                          f"layout optimization forced, -gc gradient checkpointing, -ma max-autotune (-lo and -ma "
+                          f"not with eager); -apN attention heads padded to N, "
                           f"one of {', '.join(pads)}), e.g. {','.join(CPU_CHOICES)}")
     return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
             "train.channels_last": "on" if "cl" in flags else "off", "train.grad_checkpointing": "gc" in flags,
             "train.compile_mode": "max-autotune" if "ma" in flags else "default",
+            "train.inductor_layout": "channels-last" if "lo" in flags else "auto",
             "train.attention_head_pad": next((pads[f] for f in flags if f in pads), 0)}
 
 
@@ -101,7 +104,7 @@ class ThroughputSettings:
     # None: by device (GPU: seed-1layer, seed-2layer at 64-1024; CPU: cpu-demo at 64 with every CPU_CHOICES choice)
     presets: tuple[str, ...] | None = None  # fastddpm.config presets (the model + recipe)
     batch_sizes: tuple[int, ...] | None = None  # images per micro-batch; each preset runs at each one
-    choices: tuple[str, ...] | None = None  # PRECISION-MODE[-cl][-gc][-ma] each; () = one variant, flags below
+    choices: tuple[str, ...] | None = None  # PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] each; () = one variant, flags below
     warmup_steps: int = 10  # steps timed as compile / warm-up (capture happens in the first, reduce-overhead
     #                         records in the second and third), never part of the steady state
     steps: int = 50  # steps per timed repeat: long enough that the two event records are noise
@@ -277,7 +280,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
     variants = plan_variants(settings)
     for v in variants:
         v.precision = resolve_precision(v.cfg.train.precision, device)
-        v.fast_reasons = resolve_fast_path(v.cfg.train, device, v.precision).reasons
+        v.fast_reasons = resolve_fast_path(v.cfg.train, device, v.precision, model_family=v.cfg.model.family).reasons
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -69,7 +69,7 @@ class VariantTimer:
                  peak: dict, bandwidth: dict):
         cfg, t, precision = v.cfg, v.cfg.train, v.precision
         self.v, self.device, self.settings, self.peak, self.bandwidth = v, device, settings, peak, bandwidth
-        self.fast = fast = resolve_fast_path(t, device, precision)
+        self.fast = fast = resolve_fast_path(t, device, precision, model_family=cfg.model.family)
         # what is already resident (the variants prepared before this one, when alternating) is not this one's
         self.resident_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         reset_peak_memory(device)

@@ -105,6 +105,7 @@ class Optimization:
                                  prediction=self.cfg.diffusion.prediction, precision=self.precision,
                                  grad_clip=train_cfg.grad_clip, accum_steps=train_cfg.accum_steps * micro_split,
                                  compile=self.fast.compile, compile_mode=self.fast.compile_mode,
+                                 inductor_layout=self.fast.inductor_layout,
                                  cuda_graphs=self.fast.cuda_graphs,
                                  ema_every=train_cfg.ema_every, device=self.device,
                                  min_snr_gamma=train_cfg.min_snr_gamma)

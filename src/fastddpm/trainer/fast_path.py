@@ -21,6 +21,7 @@ class FastPath:
     cudnn_benchmark: bool
     reasons: dict[str, str]
     compile_mode: str = "default"  # "default" | "max-autotune" (Inductor's)
+    inductor_layout: str = "auto"  # "auto" (Inductor's heuristic) | "channels-last" (its layout optimization forced)
 
     def lines(self) -> list[str]:
         return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
@@ -90,10 +91,29 @@ def _no_cpu_compiler() -> str | None:
     return None
 
 
+def _channels_last_auto(cuda: bool, compiled: bool, world_size: int, model_family: str | None) -> tuple[bool, str]:
+    """`--channels-last auto`: on where it was measured faster than NCHW, against NCHW in the same call (cuDNN's
+    bf16 convolutions run in NHWC and convert every NCHW tensor they meet); off everywhere else."""
+    if not cuda:
+        return False, "auto: off on a CPU (the DDPM U-Net measured 0.77x NCHW's step there)"
+    if not compiled:
+        return False, "auto: off in eager, where GroupNorm has no NHWC kernel and converts back"
+    if world_size:
+        return False, "auto: off under DDP/FSDP (measured on one process only)"
+    if model_family == "seed":
+        # benchmarks/RESULTS.md, "GPU session 2026-11-27": seed-1layer at batch 1024, bf16, compiled, captured
+        return True, ("auto: the seed U-Net compiled on CUDA; measured 1.09x the NCHW step on an H200 (seed-1layer, "
+                      "batch 1024)")
+    return False, ("auto: off for this U-Net; the DDPM family compiled measured 0.94x the NCHW step on an H200 "
+                   "(ddpm-cifar10, batch 128)")
+
+
 def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0,
-                      parallel: str = "ddp", planned_images: int | None = None) -> FastPath:
+                      parallel: str = "ddp", planned_images: int | None = None,
+                      model_family: str | None = None) -> FastPath:
     """`world_size`: ranks under torchrun (DDP or FSDP, per `parallel`), 0 for a plain single process.
-    `planned_images`: the run's length, which decides `--compile auto` on a CPU."""
+    `planned_images`: the run's length, which decides `--compile auto` on a CPU. `model_family`: the U-Net's
+    (model.family), which decides `--channels-last auto` on a GPU."""
     cuda = device.type == "cuda"
     reasons = {}
     c = train_cfg.compile
@@ -118,6 +138,12 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
             raise ConfigError(f"train.compile_mode={train_cfg.compile_mode} is a mode of torch.compile: turn "
                               f"--compile on (or auto), or leave --compile-mode default")
         why += f"; mode {train_cfg.compile_mode}" if compile_on else f"; mode {train_cfg.compile_mode} unused"
+    if train_cfg.inductor_layout != "auto":
+        if c == "off":
+            raise ConfigError(f"train.inductor_layout={train_cfg.inductor_layout} sets the layout of torch.compile's "
+                              f"own tensors: turn --compile on (or auto), or leave --inductor-layout auto")
+        why += (f"; Inductor's layout {train_cfg.inductor_layout} (forced)" if compile_on
+                else f"; Inductor's layout {train_cfg.inductor_layout} unused")
     reasons["compile"] = f"{'on' if compile_on else 'off'} ({why})"
     g = train_cfg.cuda_graphs
     if g == "auto":
@@ -158,17 +184,17 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
                               "(or fp32), or --cuda-graphs off")
     reasons["cuda_graphs"] = f"{graphs} ({why})"
     cl = train_cfg.channels_last
-    channels_last = cl == "on"
-    if channels_last and fsdp:
+    if cl == "on" and fsdp:
         raise ConfigError("train.channels_last=on: FSDP shards contiguous parameters only, and channels_last "
                           "weights are not: use --channels-last off (or auto) with --parallel fsdp")
-    reasons["channels_last"] = f"{'on' if channels_last else 'off'} (" + (
-        "requested" if cl != "auto" else "auto: off until measured faster for this U-Net; GroupNorm has no "
-        "NHWC kernel in eager") + ")"
+    channels_last, why = _channels_last_auto(cuda, compile_on, world_size, model_family) if cl == "auto" else (
+        cl == "on", "requested")
+    reasons["channels_last"] = f"{'on' if channels_last else 'off'} ({why})"
     cb = train_cfg.cudnn_benchmark
     bench = (cuda if cb == "auto" else cb == "on")
     reasons["cudnn_benchmark"] = f"{'on' if bench else 'off'} (" + (
         "requested" if cb != "auto" else "auto: static shapes, so one search per shape pays off" if cuda
         else "auto: CPU") + ")"
     return FastPath(compile=compile_on, cuda_graphs=graphs, channels_last=channels_last, cudnn_benchmark=bench,
-                    reasons=reasons, compile_mode=train_cfg.compile_mode if compile_on else "default")
+                    reasons=reasons, compile_mode=train_cfg.compile_mode if compile_on else "default",
+                    inductor_layout=train_cfg.inductor_layout if compile_on else "auto")

@@ -203,7 +203,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
 
     fast = resolve_fast_path(cfg.train, device, precision, world_size=dist.world_size if dist.enabled else 0,
                              parallel="fsdp" if fsdp else "ddp",
-                             planned_images=_planned_images(cfg, len(data.images), dist.world_size))
+                             planned_images=_planned_images(cfg, len(data.images), dist.world_size),
+                             model_family=cfg.model.family)
     model, schedule = build_model(cfg, device=device, fast=fast, keep_on_cpu=fsdp)
     if cfg.train.init_from and resumed is None:  # before the EMA copies the weights
         from fastddpm.diffusers_io import load_init

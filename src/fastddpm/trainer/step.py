@@ -75,6 +75,22 @@ def inductor_mode(compile_mode: str, cuda_graphs: str) -> str | None:
     return "reduce-overhead" if trees else None
 
 
+def compile_kwargs(compile_mode: str, cuda_graphs: str, inductor_layout: str = "auto") -> dict:
+    """torch.compile's mode, or its options where Inductor's layout is forced (torch.compile takes one or the
+    other: the mode's own options are spelt out then)."""
+    mode = inductor_mode(compile_mode, cuda_graphs)
+    if inductor_layout == "auto":
+        return {"mode": mode}
+    # Inductor's layout optimization makes its convolutions' outputs (and so the ops between them) channels_last;
+    # its heuristic skips it in a graph with a convolution of >= 2x as many input as output channels
+    # (torch/_inductor/graph.py, decide_layout_opt), which every U-Net decoder has
+    from torch._inductor import list_mode_options  # imported here: Inductor loads only when compiling
+
+    options = dict(list_mode_options(mode)) if mode else {}
+    options["force_layout_optimization"] = True
+    return {"options": options}
+
+
 class CudaGraphCaptureError(RuntimeError):
     """The step could not be captured in a CUDA graph; the message names the setting that runs without one."""
 
@@ -83,7 +99,7 @@ class TrainStep:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
                  grad_clip: float | None, accum_steps: int = 1, compile: bool = False,
-                 compile_mode: str = "default", cuda_graphs: str = "off",
+                 compile_mode: str = "default", cuda_graphs: str = "off", inductor_layout: str = "auto",
                  ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None,
                  forward_model: torch.nn.Module | None = None):
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
@@ -119,7 +135,8 @@ class TrainStep:
 
         loss_fn = self._loss
         if compile:
-            loss_fn = torch.compile(self._loss, dynamic=False, mode=inductor_mode(compile_mode, cuda_graphs))
+            loss_fn = torch.compile(self._loss, dynamic=False,
+                                    **compile_kwargs(compile_mode, cuda_graphs, inductor_layout))
         self._loss_fn = loss_fn
 
     # -- the pieces ------------------------------------------------------------------------------------------
