@@ -237,3 +237,40 @@ def test_a_negative_max_seconds_is_a_clear_error(tmp_path, capsys):
     assert main(["doctor", "run", "--max-seconds", "-3", "--report-dir", str(tmp_path), "x.py"]) == 2
     err = capsys.readouterr().err
     assert "time_budget_s=-3.0 must be > 0 seconds" in err and "--max-seconds 0" in err
+
+
+def test_a_watched_step_on_a_gpu_records_a_made_event_and_makes_none(monkeypatch):
+    """The watch's CUDA events are made (and created, by a first record) before its first step: a step boundary
+    records one on a stream looked up once. Making one per step had put a new event, its creation and a stream
+    lookup into every watched step, a cost on a GPU's ~1 ms steps that an empty-loop floor never saw."""
+    made, streams, recorded = [], [], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            made.append(self)
+
+        def record(self, stream=None):
+            recorded.append((self, stream))
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.append(device) or "stream")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(session_module, "gpu_telemetry", lambda device: None)
+    monkeypatch.setattr(session_module, "device_memory", lambda device: None)
+    s = Session(DoctorConfig(warmup_steps=1, steps=6, profile_steps=0, loader_probe_s=0, time_budget_s=None),
+                device="cpu")
+    s.cuda = True  # the CUDA branch, driven on the CPU with the fakes above
+    s.wait_for_data(lambda: 0)
+    s.step()  # the warm-up's step; the watch window opens here and makes its events
+    assert len(made) == 7 and len(streams) == 1 and all(stream == "stream" for _, stream in recorded)
+    before = len(made), len(streams), len(recorded)
+    for i in range(5):
+        s.wait_for_data(lambda: i)
+        s.step()
+    assert (len(made), len(streams)) == before[:2] and len(recorded) == before[2] + 5  # one record a step
+    s.wait_for_data(lambda: 5)
+    s.step()  # the last watched step ends the session
+    assert s.done and [r.gpu_ms for r in s.records] == [1.0] * 6 and len(made) == 7

@@ -701,6 +701,8 @@ def test_kernel_names_are_cut_to_read():
         tr.end_step()
     top = analyze(tr.events).top_ops
     assert len(top) == 2 and all(len(o["name"]) == 90 and o["name"].endswith("...") for o in top)
+    assert [o["full_name"] for o in top] == [f"at::native::elementwise_kernel<{'x' * 100}, {dtype}>"
+                                             for dtype in ("float", "c10::BFloat16")]  # report.json keeps it whole
     assert top[0]["share"] == pytest.approx(3 * top[1]["share"]) and top[0]["calls_per_step"] == 1
 
 

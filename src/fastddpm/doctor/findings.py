@@ -27,6 +27,9 @@ class Fix:
     # the step-rate gain this fix can give at most, where that is less than its finding's (the finding's cost is
     # what removing the problem gives back; more loader workers cannot outrun the loader): `--try`'s prediction
     gain: float | None = None
+    # no estimate at all: the finding's cost is measured, but what this fix gives back is not predictable from it
+    # (channels_last under torch.compile), so `--try` reports the fix measured against no prediction
+    unpredicted: bool = False
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Finding:
                 "kind": self.kind, "group": self.group,
                 "fixes": [{"fastddpm": f.fastddpm, "code": f.code, **({"trial": f.trial} if f.trial else {}),
                            **({"args": list(f.args)} if f.args else {}),
-                           **({"expected_speedup": f.gain} if f.gain is not None else {})} for f in self.fixes]}
+                           **({"expected_speedup": f.gain} if f.gain is not None else {}),
+                           **({"unpredicted": True} if f.unpredicted else {})} for f in self.fixes]}
 
 
 def pct(x: float) -> str:

@@ -63,6 +63,8 @@ class StepStats:
     last_fifth_median_ms: float = 0.0
     fifths_basis: str = "host"  # or "CUDA events": what the fifths time (GPU steps, where every step has both)
     gpu_median_ms: float | None = None  # from CUDA events; absent from the dict when None
+    gpu_p10_ms: float | None = None  # likewise: a loop that never syncs has host times far below the GPU's
+    gpu_p90_ms: float | None = None
 
     def to_dict(self) -> dict:
         return _without_none(dataclasses.asdict(self), keep=())

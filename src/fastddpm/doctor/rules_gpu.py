@@ -194,6 +194,18 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                   trial="channels-last" if compiled else None)
     compile_fix = Fix("--compile on", "torch.compile the model (Inductor fuses the ops between the convolutions "
                                       "in the tensors' own layout)", trial="compile")
+    if cudnn and compiled and layout != "channels_last":
+        # Under torch.compile the conversions' share is no estimate of channels_last's gain: measured on an H200
+        # (benchmarks/RESULTS.md, 2026-11-27), 18% of seed-1layer's step gave 1.09x and 23% of ddpm-cifar10's gave
+        # 0.94x, its step then spending 12% in same-dtype copies. So `--try` measures the fix against no prediction.
+        to_nhwc = Fix("--channels-last on", to_nhwc.code + "; measure it (--try): under torch.compile its gain is "
+                      "not the conversions' share, as Inductor's own tensors stay NCHW and the conversions can come "
+                      "back as copies (on an H200: 1.09x on seed-1layer, 0.94x on ddpm-cifar10)",
+                      trial="channels-last", unpredicted=True)
+        force = Fix("--channels-last on --inductor-layout channels-last",
+                    "also force Inductor's layout optimization, so its own tensors are channels_last too: "
+                    "torch.compile(model, options={'force_layout_optimization': True}) (a candidate, not yet "
+                    "measured)", unpredicted=True)
     if cudnn:
         cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution that meets "
                  "an NCHW tensor it converts the input, weight and gradient to NHWC and the result back"
@@ -203,9 +215,10 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                  + ("; Inductor did not change the layout (it skips its layout optimization in a graph with a "
                     "convolution of at least twice as many input as output channels and a kernel wider than 1, "
                     "as a U-Net's decoder has after its skip concatenation)" if compiled else ""))
-        fixes = [to_nhwc] + ([Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: "
-                                  "drop .to(memory_format=torch.channels_last) in eager mode, or compile the model")]
-                             if layout is None else [])
+        fixes = [to_nhwc] + ([force] if compiled and layout != "channels_last" else []) + (
+            [Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
+                 ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
+            if layout is None else [])
     elif layout in ("channels_last", "mixed"):
         cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
                  "calls, views that need NCHW), so every such op converts back and forth")

@@ -40,7 +40,7 @@ import torch
 
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
-from fastddpm.doctor.system import CpuSampler, device_memory, gpu_telemetry, usable_device
+from fastddpm.doctor.system import CpuSampler, StepEvents, device_memory, gpu_telemetry, usable_device
 from fastddpm.doctor.watchers import AttentionSites, mark_step_closures
 from fastddpm.measure import SavedTensors
 
@@ -205,7 +205,7 @@ class Session:
         self._demand = _ThreadDemand()
         self._epoch_start = False
         self._epochs = 0
-        self._events: list[torch.cuda.Event] = []
+        self._events = StepEvents()  # CUDA events on the watch's step boundaries
         self._graphs_prev = _dynamo_graphs()
         self.compile_start = self._graphs_prev  # dynamo's counters are per process: count from here
         self.compile_warm: tuple[int, int, int] | None = None
@@ -302,8 +302,7 @@ class Session:
             self.cpu.rebase()
             self.compile_warm = self._graphs_prev = _dynamo_graphs()
             if self.cuda:
-                self._events = [torch.cuda.Event(enable_timing=True)]
-                self._events[0].record()
+                self._events.open(self.device, self._plan["watch"][0])
                 self.telemetry_start = gpu_telemetry(self.device)
 
     def wait_for_data(self, fetch: Callable[[], object]) -> object:
@@ -355,9 +354,7 @@ class Session:
             self._graphs_prev = graphs
             self.records.append(rec)
             if self.cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()  # no sync: read after the run
-                self._events.append(ev)
+                self._events.record()  # no sync: read after the run
         self.step_index += 1
         self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
@@ -397,8 +394,7 @@ class Session:
             self.compile_warm = _dynamo_graphs()
             self._graphs_prev = self.compile_warm
             if self.cuda:
-                self._events = [torch.cuda.Event(enable_timing=True)]
-                self._events[0].record()
+                self._events.open(self.device, self._plan["watch"][0])
                 self.telemetry_start = gpu_telemetry(self.device)
             self.cpu.start()
         if old == "watch":
@@ -510,9 +506,8 @@ class Session:
         self._stop_profiler()
         if self.cuda:
             torch.cuda.synchronize(self.device)  # note: sync, after the run, to read the step events
-            evs = self._events
-            for rec, (a, b) in zip(self.records, zip(evs, evs[1:])):
-                rec.gpu_ms = a.elapsed_time(b)
+            for rec, ms in zip(self.records, self._events.elapsed_ms()):
+                rec.gpu_ms = ms
             self.memory = device_memory(self.device)
             if self.telemetry_end is None:
                 self.telemetry_end = gpu_telemetry(self.device)
@@ -579,7 +574,8 @@ class Session:
             epoch_starts=sum(r.epoch_start for r in recs),
             first_fifth_median_ms=statistics.median(first), last_fifth_median_ms=statistics.median(last),
             fifths_basis=basis,
-            gpu_median_ms=statistics.median(gpu) if gpu else None)
+            gpu_median_ms=statistics.median(gpu) if gpu else None,
+            gpu_p10_ms=_quantile(gpu, 0.1) if gpu else None, gpu_p90_ms=_quantile(gpu, 0.9) if gpu else None)
 
 
 def _seconds(s: float) -> str:

@@ -186,3 +186,39 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     peak = torch.cuda.max_memory_allocated(device)
     return DeviceMemory(peak_allocated_bytes=int(peak), total_bytes=int(total), free_bytes=int(free),
                         peak_share=peak / total)
+
+
+EVENT_POOL_MAX = 2001  # CUDA events made before a watch window: its planned steps + 1, up to this
+
+
+class StepEvents:
+    """CUDA events on a watch window's step boundaries, made before its first step and created there too (an
+    event's first record creates it), on a stream looked up once: a boundary then only records one. Making an
+    event at each boundary had put a Python object, a stream lookup and the event's creation into every watched
+    step. Read after the run's sync (elapsed_ms); never synced here."""
+
+    def __init__(self):
+        self._pool: list[torch.cuda.Event] = []
+        self._recorded: list[torch.cuda.Event] = []
+        self._stream = None
+
+    def open(self, device: torch.device, planned_steps: int) -> None:
+        """Make the window's events and record its first boundary."""
+        self._stream = torch.cuda.current_stream(device)
+        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(min(planned_steps + 1, EVENT_POOL_MAX))]
+        for ev in self._pool:
+            ev.record(self._stream)
+        self._recorded = []
+        self.record()
+
+    def record(self) -> None:
+        """A step boundary: the next made event (a boundary past the plan makes its own)."""
+        i = len(self._recorded)
+        ev = self._pool[i] if i < len(self._pool) else torch.cuda.Event(enable_timing=True)
+        ev.record(self._stream)
+        self._recorded.append(ev)
+
+    def elapsed_ms(self) -> list[float]:
+        """Each step's GPU time, boundary to boundary (after a sync)."""
+        evs = self._recorded
+        return [a.elapsed_time(b) for a, b in zip(evs, evs[1:])]

@@ -307,9 +307,13 @@ def _add(by_name: dict[str, list], name: str, us: float, category: str) -> None:
 
 def _top(by_name: dict[str, list], total_us: float, steps: int, width: int | None = None) -> list[dict]:
     """The TOP_OPS names with the most time; an op that runs in several categories (a copy in the optimizer and
-    in a cast) is shown in the one where it spends most. Grouped by the whole name, shown cut at `width`."""
+    in a cast) is shown in the one where it spends most. Grouped by the whole name, shown cut at `width`; a cut
+    name keeps its whole self in `full_name` (report.json), which is what tells one aten copy from another."""
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
-    return [{"name": name if width is None or len(name) <= width else name[:width - 3] + "...",
+    def cut(name: str) -> bool:
+        return width is not None and len(name) > width
+
+    return [{"name": name[:width - 3] + "..." if cut(name) else name, **({"full_name": name} if cut(name) else {}),
              "share": us / (total_us or 1e-9), "calls_per_step": round(calls / max(steps, 1), 2),
              "category": max(cats, key=cats.get)} for name, (us, calls, cats) in ranked]
 

@@ -91,6 +91,14 @@ class Trial:
                 "args": self.args, "settings": self.settings}
 
 
+def predicted_gain(finding: Finding, fix: Fix) -> float | None:
+    """What `--try` predicts for a fix: its finding's speedup, bounded by the fix's own gain; None where the fix
+    makes no prediction."""
+    if fix.unpredicted:
+        return None
+    return min(fix.gain, finding.speedup) if fix.gain is not None else finding.speedup
+
+
 def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]:
     """The top `n` fixes to try: each costed finding's first fix that can be applied from outside (its `trial`;
     run as the script's own flag where the fix is one), largest expected gain first; then channels-last for a
@@ -100,7 +108,7 @@ def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]
         fix = next((x for x in f.fixes if x.trial), None)
         if fix is None:
             continue
-        predicted = min(fix.gain, f.speedup) if fix.gain is not None else f.speedup
+        predicted = predicted_gain(f, fix)
         trial = (Trial(f"flag {' '.join(_flag(list(fix.args)))}", f"the script's own flag: {fix.code}", f.id,
                        predicted, args=list(fix.args)) if fix.args is not None else
                  Trial(fix.trial, _what(fix.trial), f.id, predicted))
@@ -115,10 +123,11 @@ def plan_trainer(findings: list[Finding], n: int) -> list[Trial]:
     """`doctor train --try`: the top `n` costed findings' first fix that is a fastddpm setting with a value."""
     trials: list[Trial] = []
     for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
-        found = next((s for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
-        if found is not None and all(t.settings != found[1] for t in trials):
-            trials.append(Trial(found[0], f"fastddpm's own setting: {found[0]}", f.id, f.speedup,
-                                settings=found[1]))
+        found = next(((x, s) for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
+        if found is not None and all(t.settings != found[1][1] for t in trials):
+            fix, (flags, settings) = found
+            trials.append(Trial(flags, f"fastddpm's own setting: {flags}", f.id, predicted_gain(f, fix),
+                                settings=settings))
     return trials[:n]
 
 
