@@ -12,15 +12,17 @@
 #   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
 #   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
+#   doctor-overhead   2-4 min      the watch overhead and the full profile alone (what `doctor` runs after the
+#                                  planted faults)
 #   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
 #   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
 #                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
-#   candidates        5-8 min (r)  bench throughput, compiled, with and without channels_last: ddpm-cifar10 at 128,
-#                                  then seed-1layer at 1024, there also with attention heads padded to 8 (the fast
-#                                  path's doctor on an H200: cuDNN's NCHW <-> NHWC conversions take 17-23% of both
-#                                  steps, attention 40% of seed-1layer's)
+#   candidates        7-9 min (r)  bench throughput, compiled: ddpm-cifar10 at 128 with Inductor's layout optimization
+#                                  forced (-lo), with and without channels_last; seed-1layer at 1024 (channels_last
+#                                  now its default) with -lo, and with attention heads padded to 8 (the round of
+#                                  2026-11-27: channels_last 0.94x on ddpm-cifar10, 1.09x on seed-1layer; ap8 1.05x)
 #   doctor-fast-cl    2-3 min      doctor train on the fast path with channels_last: ddpm-cifar10 at 128, seed-1layer
-#                                  at 1024 (what binds once the conversions are gone)
+#                                  at 1024 (what binds once the conversions are gone; measured 2026-11-27)
 #   attention         1-2 min      benchmarks/sdpa_shapes.py: each attention shape of seed-1layer (batch 1024) and
 #                                  ddpm-cifar10 (128), forward + backward on every SDPA backend and zero-padded to
 #                                  head dimensions 8, 16, 32 (the same function)
@@ -78,7 +80,7 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-try doctor-fast candidates doctor-fast-cl attention candidates-ma ddp
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-overhead doctor-try doctor-fast candidates doctor-fast-cl attention candidates-ma ddp
      quality-reference eval samplers
      samplers-sde quality-fast
      quality-options quality-options-2 quality-objectives summarize"
@@ -204,6 +206,10 @@ for part in "${PARTS[@]}"; do
       overhead=$?
       (( planted != 0 )) && exit "$planted"  # this case runs in the pipeline's subshell: exit ends only the part
       exit "$overhead" ;;
+    doctor-overhead)  # the watch overhead and the full profile alone (the `doctor` part's second half)
+      mkdir -p "$RES/doctor"
+      limited 200 $PY benchmarks/doctor_overhead.py --device cuda --repeats 5 --data "$DATA" \
+        --report-dir "$RES/doctor/fastpath" --out "$RES/doctor/overhead.json" ;;
     doctor-try)  # the prediction of each top fix against its measured gain, on the unchanged seed-style script
       png=${TMPDIR:-/tmp}/fastddpm-doctor-try-png
       limited 60 $PY -m fastddpm data export-images "$DATA" "$png" --limit 6000 &&
@@ -214,13 +220,17 @@ for part in "${PARTS[@]}"; do
         --max-seconds 60 --report-dir "$RES/doctor-fast/seed-1layer-1024" &&
         limited 240 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
-    candidates)  # the largest conversion share first; each model's choices compile, then alternate
-      limited 200 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
-        --choices auto-compile,auto-compile-cl --out "$RES/throughput-candidates-ddpm-cifar10"
+    candidates)  # each model's choices compile, then alternate; each against its default, first in the list
+      # (2026-11-27 on an H200, channels_last under compile: ddpm-cifar10 0.94x, seed-1layer 1.09x, and seed-1layer
+      # with heads padded to 8 1.05x; files benchmarks/gpu/2026-11-27/throughput-candidates-*). This round: Inductor's
+      # layout optimization forced (-lo), which its heuristic skips in a U-Net, with and without channels_last
+      # weights; and on seed-1layer, whose default is now channels_last, the padded heads on top of it
+      limited 270 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
+        --choices auto-compile,auto-compile-lo,auto-compile-cl-lo --out "$RES/throughput-candidates-lo-ddpm-cifar10"
       first=$?  # a failed row of one model (exit 1) must not cost the other model's timing
-      limited 150 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-        --choices auto-compile,auto-compile-cl,auto-compile-ap8 --out "$RES/throughput-candidates-seed-1layer" &&
-        (exit $first) ;;
+      limited 200 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
+        --choices auto-compile-cl,auto-compile-cl-lo,auto-compile-cl-ap8 \
+        --out "$RES/throughput-candidates-lo-seed-1layer" && (exit $first) ;;
     doctor-fast-cl)  # doctor-fast with channels_last: does the conversion go, and what binds then
       limited 150 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
         --image-mode RGB --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/ddpm-cifar10-128" &&

@@ -282,13 +282,23 @@ def section_doctor(folder: Path, calls: Calls) -> list[str]:
         lines += provenance(o["environment"], [], calls)
         if not o.get("complete", True):
             lines.append("**Incomplete**: the run was cut short.")
-        lines += ["", f"Bookkeeping: {o['bookkeeping_us_per_step']:.1f} us per step (empty loop).", "",
-                  "| width | batch | step ms plain | step ms watched | overhead median [min, max] |",
-                  "| --- | --- | --- | --- | --- |"]
+        costs = o.get("cuda_costs_us")
+        lines += ["", f"Bookkeeping: {o['bookkeeping_us_per_step']:.1f} us per step (empty loop)." + (
+            " The watch's CUDA pieces, us per call: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}"
+                                                               for k, v in costs.items()) + "." if costs else ""), "",
+                  "| width | batch | steps a run | step ms plain | step ms watched | overhead median [min, max] | "
+                  "whole runs (first fetch and last step in) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+
+        def pct(f: dict) -> str:
+            return (f"{100 * f['overhead_median']:+.2f}% [{100 * f['overhead_min']:+.2f}%, "
+                    f"{100 * f['overhead_max']:+.2f}%]")
+
         for r in o["overhead"]:
-            lines.append(f"| {r['width']} | {r['batch']} | {r['plain_step_ms_median']:.3f} | "
-                         f"{r['watched_step_ms_median']:.3f} | {100 * r['overhead_median']:+.2f}% "
-                         f"[{100 * r['overhead_min']:+.2f}%, {100 * r['overhead_max']:+.2f}%] |")
+            st = r.get("steady") or r  # rows before the steady figures timed whole runs only
+            lines.append(f"| {r['width']} | {r['batch']} | {r.get('steps', '')} | {st['plain_step_ms_median']:.3f} | "
+                         f"{st['watched_step_ms_median']:.3f} | {pct(st)} | "
+                         f"{pct(r) if 'steady' in r else 'the same runs'} |")
         prof = o.get("full_profile")
         if prof:
             verdict = (prof.get("verdict") or {}).get("id", "n/a")

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
-         "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma", "ddp",
+         "doctor-overhead", "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma", "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "quality-objectives", "summarize"]
 
@@ -228,9 +228,17 @@ def _fabricate(folder: Path) -> None:
           "8/8 planted faults diagnosed correctly on cuda\n")
     write("doctor/overhead.json", {"environment": _env("2026-12-01T10:50:00+00:00", "doctor_overhead.py --device cuda"),
                                    "complete": True, "bookkeeping_us_per_step": 6.1,
+                                   "cuda_costs_us": {"event_made_and_recorded": 30.5, "event_recorded_again": 2.25},
                                    "overhead": [{"width": 1024, "batch": 256, "plain_step_ms_median": 0.21,
                                                  "watched_step_ms_median": 0.215, "overhead_median": 0.021,
-                                                 "overhead_min": 0.01, "overhead_max": 0.03}],
+                                                 "overhead_min": 0.01, "overhead_max": 0.03},
+                                                {"width": 4096, "batch": 1024, "steps": 902, "repeats": 5,
+                                                 "steady": {"plain_step_ms_median": 1.1,
+                                                            "watched_step_ms_median": 1.111, "overhead_median": 0.01,
+                                                            "overhead_min": 0.0, "overhead_max": 0.02},
+                                                 "plain_step_ms_median": 1.2, "watched_step_ms_median": 1.3,
+                                                 "overhead_median": 0.083, "overhead_min": 0.05,
+                                                 "overhead_max": 0.1}],
                                    "full_profile": {"command": "-m fastddpm doctor train", "wall_s": 48.2,
                                                     "returncode": 0, "verdict": {"id": "healthy"}}})
     write("ddp/ddp_overhead.json", {"environment": _env("2026-12-01T11:00:00+00:00", "ddp_overhead.py --repeats 2"),
@@ -290,6 +298,10 @@ def test_summary_of_a_fabricated_session(tmp_path):
     assert md.count("Measured 2026-12-01T10:") >= 4  # the ladder's two runs are both named
     assert "| slow-loader | data-bound | data-bound | 87.0% | 2.9 | ok |" in md
     assert "+2.10% [+1.00%, +3.00%]" in md and "48.2 s end to end" in md and "verdict healthy" in md
+    # a row with steady figures shows them first, the whole runs beside them; an older row says it had only those
+    assert "CUDA pieces, us per call: event made and recorded 30.5, event recorded again 2.2." in md
+    assert "| 4096 | 1024 | 902 | 1.100 | 1.111 | +1.00% [+0.00%, +2.00%] | +8.30% [+5.00%, +10.00%] |" in md
+    assert "| 1024 | 256 |  | 0.210 | 0.215 | +2.10% [+1.00%, +3.00%] | the same runs |" in md
     assert "| ddp | 1 | 28,500 | 28,500 | 95.0% |" in md
     assert "| autocast-bf16 | fp32 | 1.50x | 1.62x | 1.55-1.70x | 3 |" in md
     assert ("| seed-1layer-1024 | low-mfu | 45.600 | 9.1% (bf16) | 42% (memory) | 12.100 / 19.200 | "
