@@ -176,10 +176,16 @@ def test_eval_names_every_choice_that_changes_its_result_and_refuses_non_finite_
     from fastddpm.config import DataConfig
     from fastddpm.eval.cli import _guidance_list, _identity_suffix
 
-    evaluator = SimpleNamespace(net=SimpleNamespace(name="inception-v3"), ref=SimpleNamespace(meta={"split": "test"}))
+    evaluator = SimpleNamespace(net=SimpleNamespace(name="inception-v3", identity="6726825d0a1b2c3d"),
+                                ref=SimpleNamespace(meta={"split": "test"}))
     args = SimpleNamespace(weights="model", data="/data/other.npz", resize=32, resize_mode="stretch", image_mode="RGB")
     suffix = _identity_suffix(args, {"step": 7}, evaluator, trained=DataConfig(source="fashion-mnist"))
     assert suffix == "_step7_model_inception-v3_ref-test_data-other.npz_resize32_stretch_RGB"
+    # another Inception file (a local --inception, NVlabs' TorchScript) gives other features: its hash joins the name
+    other = SimpleNamespace(net=SimpleNamespace(name="inception-v3", identity="ab12cd34ef567890"),
+                            ref=SimpleNamespace(meta={"split": "train"}))
+    plain_args = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None)
+    assert _identity_suffix(plain_args, {"step": 7}, other, trained=DataConfig()) == "_step7_inception-v3-ab12cd34"
     plain = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None)
     own = SimpleNamespace(net=SimpleNamespace(name="fastddpm-features"), ref=SimpleNamespace(meta={"split": "train"}))
     assert _identity_suffix(plain, {"step": None}, own, trained=DataConfig()) == ""

@@ -277,7 +277,9 @@ def test_eval_features_inception_end_to_end(fmnist_splits, tmp_path, monkeypatch
     assert "note: published Inception FID uses 50,000 samples against the training set; 40 samples" in out
     assert "sampling time: 3 batches of 16; an estimate is printed after the first batch" in out
     assert "sampling: the first of 3 batches took" in out and "the other 2 should take about" in out
-    result = json.loads((run / "eval" / "eval_dpmpp-2m-sde2_n40_seed0_step2_inception-v3.json").read_text())
+    # the test's extractor is not pytorch-fid's file: its hash is in the name
+    digest = iw.sha256_of(weights)[:8]
+    result = json.loads((run / "eval" / f"eval_dpmpp-2m-sde2_n40_seed0_step2_inception-v3-{digest}.json").read_text())
     features = result["features"]
     assert features["name"] == "inception-v3" and features["kind"] == "torchscript" and features["found_in"] == "cache"
     assert "299x299 bilinear" in features["resize"]

@@ -50,7 +50,7 @@ Writes OUT/eval_<sampler><steps>_n<N>_seed<S>[_w<W>[-<W>...]]_step<K>.json (ever
 the environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
 sampler's own and an --eta other than 0 follow the steps (eval_ddim50-eta0.5_...); _w lists a conditional model's
 guidance scales (_w0-1-2). The name goes on with each choice that is not the default (_model weights,
-_inception-v3 features, _ref-test, _data-NAME, _resizeN, _stretch or _center-crop, _L or _RGB), so evaluating
+_inception-v3 features, with the weights' hash when they are not pytorch-fid's file, _ref-test, _data-NAME, _resizeN, _stretch or _center-crop, _L or _RGB), so evaluating
 successive checkpoints, or one in two feature spaces, keeps every result.
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
@@ -306,14 +306,20 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained) -> str:
     """What tells this evaluation's files from another one of the same run with the same sampler, count and seed:
-    the checkpoint's step, and each choice that is not the default (raw weights, Inception features, another
-    reference split, another copy of the data). Evaluating successive checkpoints, or one checkpoint in two
+    the checkpoint's step, and each choice that is not the default (raw weights, Inception features and which
+    file, another reference split, another copy of the data). Evaluating successive checkpoints, or one checkpoint in two
     feature spaces, then keeps every result."""
     parts = [] if info.get("step") is None else [f"step{int(info['step'])}"]
     if args.weights != "ema":
         parts.append(args.weights)
     if evaluator.net.name != "fastddpm-features":
-        parts.append(_slug(evaluator.net.name))
+        from fastddpm.eval.inception_weights import PYTORCH_FID_SHA256_PREFIX
+
+        # the standard weights (pytorch-fid's file) keep the plain name; any other Inception file (--inception, or
+        # a TorchScript extractor) adds its own hash, so two weight files never share a result's name
+        identity = evaluator.net.identity
+        standard = identity.startswith(PYTORCH_FID_SHA256_PREFIX)
+        parts.append(_slug(evaluator.net.name) + ("" if standard else f"-{identity[:8]}"))
     split = evaluator.ref.meta.get("split")
     if split and split != trained.split:
         parts.append(f"ref-{split}")
