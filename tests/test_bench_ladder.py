@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 
@@ -286,3 +287,15 @@ def test_a_rung_over_the_measured_peak_says_the_peak_was_measured_low(tmp_path, 
     assert row["mfu_pct"] > 100
     assert any("is over 100%" in n for n in row["notes"])
     assert "is over 100%" in (tmp_path / "ladder.md").read_text()
+
+
+def test_a_failed_rows_message_is_one_table_cell_in_both_ladder_tables():
+    from fastddpm.bench.ladder_report import mlp_table_markdown, table_markdown
+
+    error = "RuntimeError: shapes (64|128) and (32|10)\nTraceback line two"
+    mlp = mlp_table_markdown([{"name": "compile", "status": "failed", "error": error, "rung": "3"}]).splitlines()[-1]
+    ddpm = table_markdown([{"rung": "5", "title": "compile", "status": "failed", "reason": error}]).splitlines()[-1]
+    for row, columns in ((mlp, 5), (ddpm, 15)):
+        # a markdown row splits at unescaped pipes only: the message stays in the status column, its first line
+        assert len(re.split(r"(?<!\\)\|", row)) == columns + 2, row
+        assert "(64\\|128)" in row and "Traceback" not in row

@@ -30,6 +30,12 @@ def _roofline(r: dict) -> str:
     return "n/a" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.1f}% ({r['roofline_binds']})"
 
 
+def _cell(text: str | None, limit: int = 140) -> str:
+    """A message as one table cell: its first line, cut at `limit`, its pipes escaped (a traceback's first line or a
+    shape like (B|C) would otherwise split the row)."""
+    return (text or "").splitlines()[0][:limit].replace("|", "\\|") if text else ""
+
+
 DDPM_HEADER = ("| rung | change | batch | prec | images/s [min-max] | epoch s | x baseline | x previous | "
                "warm-up s | GPU busy % | MFU % (dtype) | % of roofline (binds) | peak mem GiB | recompiles | status |")
 
@@ -38,7 +44,7 @@ def table_markdown(rows: list[dict]) -> str:
     lines = [DDPM_HEADER, "|" + "---|" * (DDPM_HEADER.count("|") - 1)]
     for r in rows:
         if r["status"] != "ok":
-            reason = (r["reason"] or "").splitlines()[0][:140].replace("|", "\\|") if r["reason"] else ""
+            reason = _cell(r["reason"])
             status = reason if reason.startswith(r["status"]) else f"{r['status']}: {reason}"
             lines.append(f"| {r['rung']} | {r['title']} |" + " - |" * 12 + f" {status} |")
             continue
@@ -56,7 +62,7 @@ def mlp_table_markdown(rows: list[dict]) -> str:
     lines = ["| Method | Total Time (s) | Speedup | Test accuracy | status |", "|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | - | - | - | failed: {r['error']} |")
+            lines.append(f"| {r['name']} | - | - | - | failed: {_cell(r['error'])} |")
             continue
         speed = "baseline" if r["rung"] == "0" else store.fmt(r["speedup"], ".2f") + "x"
         lines.append(f"| {r['name']} | {r['total_s']:.2f} | {speed} | {r['accuracy']:.4f} | ok |")
