@@ -295,6 +295,21 @@ def test_the_compile_help_quotes_only_numbers_the_measurements_give():
         assert seconds in {f"{m.compile_s:.0f}" for m in CPU_COMPILE_MEASURED}, text
 
 
+def _torch_compile_kwargs(monkeypatch, **step_kw) -> list[dict]:
+    """The keyword arguments a compiled TrainStep passes torch.compile (torch.compile itself replaced)."""
+    from fastddpm.device import Precision
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    model = tiny_model()
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
+                         capturable=False)
+    TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=make_schedule("linear", 1000),
+              prediction="epsilon", precision=Precision("bf16", torch.bfloat16, False, "test"), grad_clip=None,
+              device=CPU, compile=True, **step_kw)
+    return seen
+
+
 def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_capture(monkeypatch):
     from fastddpm.config import ConfigError, TrainConfig
     from fastddpm.device import Precision
@@ -316,15 +331,8 @@ def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_c
         resolve_fast_path(TrainConfig(compile="off", compile_mode="max-autotune"), cpu, bf16, planned_images=1)
     with pytest.raises(ConfigError, match="compile_mode"):
         TrainConfig(compile_mode="fast")
-    seen = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
-    model = tiny_model()
-    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
-                         capturable=False)
-    TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=make_schedule("linear", 1000),
-              prediction="epsilon", precision=bf16, grad_clip=None, device=CPU, compile=True,
-              compile_mode="max-autotune")
-    assert seen == [{"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
+    assert _torch_compile_kwargs(monkeypatch, compile_mode="max-autotune") == [
+        {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
 
 
 def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_modes_own(monkeypatch):
@@ -353,15 +361,8 @@ def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_mode
         resolve_fast_path(TrainConfig(compile="off", inductor_layout="channels-last"), cpu, bf16, planned_images=1)
     with pytest.raises(ConfigError, match="inductor_layout"):
         TrainConfig(inductor_layout="nhwc")
-    seen = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
-    model = tiny_model()
-    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=True,
-                         capturable=False)
-    TrainStep(model=model, optimizer=opt, scaler=None, ema=EMA(model, 0.99), schedule=make_schedule("linear", 1000),
-              prediction="epsilon", precision=bf16, grad_clip=None, device=CPU, compile=True,
-              inductor_layout="channels-last")
-    assert seen == [{"dynamic": False, "options": {"force_layout_optimization": True}}]
+    assert _torch_compile_kwargs(monkeypatch, inductor_layout="channels-last") == [
+        {"dynamic": False, "options": {"force_layout_optimization": True}}]
 
 
 def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
