@@ -311,9 +311,6 @@ def _torch_compile_kwargs(monkeypatch, **step_kw) -> list[dict]:
 
 
 def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_capture(monkeypatch):
-    from fastddpm.config import ConfigError, TrainConfig
-    from fastddpm.device import Precision
-    from fastddpm.trainer.fast_path import resolve_fast_path
     from fastddpm.trainer.step import inductor_mode
 
     # fastddpm's own capture holds the step: Inductor must not record graphs of its own inside it
@@ -322,15 +319,6 @@ def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_c
     assert inductor_mode("max-autotune", "reduce-overhead") == "max-autotune"
     assert inductor_mode("default", "reduce-overhead") == "reduce-overhead"
     assert inductor_mode("default", "capture") is None
-    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
-    on = resolve_fast_path(TrainConfig(compile="on", compile_mode="max-autotune"), cpu, bf16, planned_images=1)
-    assert on.compile_mode == "max-autotune" and "mode max-autotune" in on.reasons["compile"]
-    unused = resolve_fast_path(TrainConfig(compile_mode="max-autotune"), cpu, bf16, planned_images=1)
-    assert not unused.compile and unused.compile_mode == "default" and "unused" in unused.reasons["compile"]
-    with pytest.raises(ConfigError, match="--compile on"):
-        resolve_fast_path(TrainConfig(compile="off", compile_mode="max-autotune"), cpu, bf16, planned_images=1)
-    with pytest.raises(ConfigError, match="compile_mode"):
-        TrainConfig(compile_mode="fast")
     assert _torch_compile_kwargs(monkeypatch, compile_mode="max-autotune") == [
         {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}]
 
@@ -338,9 +326,6 @@ def test_compile_mode_reaches_torch_compile_without_inductors_own_graphs_under_c
 def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_modes_own(monkeypatch):
     import torch._inductor.config as inductor_config
 
-    from fastddpm.config import ConfigError, TrainConfig
-    from fastddpm.device import Precision
-    from fastddpm.trainer.fast_path import resolve_fast_path
     from fastddpm.trainer.step import compile_kwargs
 
     assert compile_kwargs("default", "capture") == {"mode": None}
@@ -352,17 +337,27 @@ def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_mode
     for key in ma:  # every key is one of Inductor's settings in this torch (a renamed one would fail here)
         with inductor_config.patch({key: ma[key]}):
             pass
-    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
-    on = resolve_fast_path(TrainConfig(compile="on", inductor_layout="channels-last"), cpu, bf16, planned_images=1)
-    assert on.inductor_layout == "channels-last" and "layout channels-last (forced)" in on.reasons["compile"]
-    unused = resolve_fast_path(TrainConfig(inductor_layout="channels-last"), cpu, bf16, planned_images=1)
-    assert not unused.compile and unused.inductor_layout == "auto" and "unused" in unused.reasons["compile"]
-    with pytest.raises(ConfigError, match="--compile on"):
-        resolve_fast_path(TrainConfig(compile="off", inductor_layout="channels-last"), cpu, bf16, planned_images=1)
-    with pytest.raises(ConfigError, match="inductor_layout"):
-        TrainConfig(inductor_layout="nhwc")
     assert _torch_compile_kwargs(monkeypatch, inductor_layout="channels-last") == [
         {"dynamic": False, "options": {"force_layout_optimization": True}}]
+
+
+@pytest.mark.parametrize("field,value,reason,unset", [
+    ("compile_mode", "max-autotune", "mode max-autotune", "default"),
+    ("inductor_layout", "channels-last", "Inductor's layout channels-last (forced)", "auto")])
+def test_a_setting_of_the_compiler_applies_when_compiling_and_is_refused_with_compile_off(field, value, reason, unset):
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
+
+    cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
+    on = resolve_fast_path(TrainConfig(compile="on", **{field: value}), cpu, bf16, planned_images=1)
+    assert getattr(on, field) == value and reason in on.reasons["compile"]
+    unused = resolve_fast_path(TrainConfig(**{field: value}), cpu, bf16, planned_images=1)  # auto: a short CPU run
+    assert not unused.compile and getattr(unused, field) == unset and "unused" in unused.reasons["compile"]
+    with pytest.raises(ConfigError, match="--compile on"):
+        resolve_fast_path(TrainConfig(compile="off", **{field: value}), cpu, bf16, planned_images=1)
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: "fast"})
 
 
 def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
