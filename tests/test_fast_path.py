@@ -381,21 +381,51 @@ def test_channels_last_auto_is_on_only_where_it_was_measured_faster_than_nchw():
     bf16 = Precision("bf16", torch.bfloat16, False, "test")
     gpu, cpu = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing here touches a GPU
 
-    def fast(device, family, world_size=0, **train):
-        return resolve_fast_path(TrainConfig(**train), device, bf16, world_size=world_size, planned_images=1,
+    def fast(device, family, world_size=0, precision=bf16, **train):
+        return resolve_fast_path(TrainConfig(**train), device, precision, world_size=world_size, planned_images=1,
                                  model_family=family)
 
     on = fast(gpu, "seed")
     assert on.channels_last and on.compile and "1.09x" in on.reasons["channels_last"]
     for off, why in ((fast(gpu, "ddpm"), "0.94x"), (fast(gpu, "seed", compile="off"), "eager"),
                      (fast(cpu, "seed", compile="on"), "CPU"), (fast(gpu, "seed", world_size=2), "DDP"),
-                     (fast(gpu, None), "off for this U-Net")):
+                     (fast(gpu, None), "off for this U-Net"),
+                     (fast(gpu, "seed", precision=Precision("fp16", torch.float16, True, "test")), "under fp16"),
+                     (fast(gpu, "seed", precision=Precision("fp32", None, False, "test")), "under fp32")):
         assert not off.channels_last and why in off.reasons["channels_last"], off.reasons
     assert fast(gpu, "ddpm", channels_last="on").channels_last  # asked for: kept, whatever auto would say
     assert not fast(gpu, "seed", channels_last="off").channels_last
     with pytest.raises(ConfigError, match="FSDP shards contiguous"):
         resolve_fast_path(TrainConfig(channels_last="on"), gpu, bf16, world_size=2, parallel="fsdp",
                           model_family="seed")
+
+
+@pytest.mark.parametrize("before,after", [("off", "on"), ("on", "off")])
+def test_a_checkpoint_resumes_in_the_other_memory_format_with_its_moments_laid_out_as_the_weights(
+        tmp_path, fmnist_npz, monkeypatch, before, after):
+    """A seed checkpoint written NCHW (channels_last was off until measured) resumes channels_last on a GPU, and a
+    channels_last one resumes where auto is off (DDP, eager, a CPU). Optimizer.load_state_dict keeps the saved
+    moments' layout, which CUDA's fused AdamW refuses beside weights of the other: they take the weights' layout."""
+    import fastddpm.rundir.checkpointer as checkpointer_module
+
+    checked = []
+    real = checkpointer_module.match_state_layout
+
+    def checked_match(optimizer):
+        real(optimizer)
+        moments = [(p, v) for g in optimizer.param_groups for p in g["params"]
+                   for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+        checked.append(all(v.stride() == p.stride() for p, v in moments) and any(p.dim() == 4 for p, _ in moments))
+
+    monkeypatch.setattr(checkpointer_module, "match_state_layout", checked_match)
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.precision": "fp32", "train.channels_last": before,
+                                               "train.max_steps": 2, "train.checkpoint_every": 2,
+                                               "train.num_sample_images": 2, "train.sample_steps": 2})
+    train(cfg, out_dir=tmp_path / "run", log=lambda _: None)
+    train(apply_overrides(cfg, {"train.channels_last": after, "train.max_steps": 3}), out_dir=tmp_path / "run",
+          resume="latest", log=lambda _: None)
+    assert checked == [True]
 
 
 def test_a_channels_last_run_resumes_exactly_and_its_checkpoint_samples(tmp_path, fmnist_npz):

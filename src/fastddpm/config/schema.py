@@ -354,9 +354,9 @@ class TrainConfig:
         default="auto",
         metadata=_doc("NHWC memory format for the U-Net's weights and inputs (cuDNN's bf16 convolutions run in "
                       "NHWC and convert NCHW tensors). auto = on for the seed U-Net compiled on one CUDA device "
-                      "(measured 1.09x on an H200, seed-1layer at batch 1024); off for the DDPM family (0.94x "
-                      "there, ddpm-cifar10 at 128), in eager (GroupNorm has no NHWC kernel), on a CPU and under "
-                      "DDP/FSDP.", choices=("auto", "on", "off")),
+                      "under bf16 (measured 1.09x on an H200, seed-1layer at batch 1024); off for the DDPM family (0.94x "
+                      "there, ddpm-cifar10 at 128), in eager (GroupNorm has no NHWC kernel), on a CPU, under "
+                      "DDP/FSDP and under fp16/fp32 (unmeasured).", choices=("auto", "on", "off")),
     )
     attention_head_pad: int = field(
         default=0,

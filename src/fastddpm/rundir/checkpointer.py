@@ -24,8 +24,8 @@ from fastddpm.rundir.files import CheckpointError, fsync_dir, save_safetensors
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
 from fastddpm.rundir.state_dicts import (clean_state_dict, configured_optimizer_settings, full_state_dict,
-                                         load_model_state, portable_optimizer_state, restore_optimizer_settings,
-                                         with_current_optimizer_flags)
+                                         load_model_state, match_state_layout, portable_optimizer_state,
+                                         restore_optimizer_settings, with_current_optimizer_flags)
 
 
 # A full disk, an exhausted quota, a disk remounted read-only: the run cannot go on here, nothing is wrong with it.
@@ -142,6 +142,7 @@ class Checkpointer:
             load_model_state(self.model, ckpt.weights("model"), what="the checkpoint's model weights")
             self.ema.load_state_dict(ckpt.weights("ema"))
             self.optimizer.load_state_dict(with_current_optimizer_flags(ckpt.meta["optimizer"], self.optimizer))
+            match_state_layout(self.optimizer)  # a checkpoint of the other memory format (channels_last on/off)
             if self.scaler is not None and ckpt.meta.get("scaler"):
                 self.scaler.load_state_dict(ckpt.meta["scaler"])
         changed = restore_optimizer_settings(self.optimizer, settings)

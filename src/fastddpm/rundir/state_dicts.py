@@ -83,6 +83,19 @@ def with_current_optimizer_flags(saved: dict, optimizer: torch.optim.Optimizer) 
     return saved
 
 
+def match_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Each optimizer state tensor shaped like its parameter (AdamW's moments) given the parameter's memory format.
+    Optimizer.load_state_dict casts dtype and device, not layout, and CUDA's fused AdamW refuses a channels_last
+    parameter with NCHW moments: a checkpoint saved in one layout (channels_last off) and resumed in the other
+    (the seed U-Net's channels_last auto on a GPU) failed at its first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p) or {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.stride() != p.stride():
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 # The AdamW settings a run's config gives. Optimizer.load_state_dict restores the saved param groups' values, so a
 # resume would keep the checkpoint's betas and weight decay and ignore the flags: they are put back after a load.
 # (The learning rate is the loop's to set every step; its object is put back too, a tensor where the step reads one.)

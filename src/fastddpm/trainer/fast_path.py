@@ -91,7 +91,8 @@ def _no_cpu_compiler() -> str | None:
     return None
 
 
-def _channels_last_auto(cuda: bool, compiled: bool, world_size: int, model_family: str | None) -> tuple[bool, str]:
+def _channels_last_auto(cuda: bool, compiled: bool, world_size: int, model_family: str | None,
+                        precision: str) -> tuple[bool, str]:
     """`--channels-last auto`: on where it was measured faster than NCHW, against NCHW in the same call (cuDNN's
     bf16 convolutions run in NHWC and convert every NCHW tensor they meet); off everywhere else."""
     if not cuda:
@@ -100,6 +101,8 @@ def _channels_last_auto(cuda: bool, compiled: bool, world_size: int, model_famil
         return False, "auto: off in eager, where GroupNorm has no NHWC kernel and converts back"
     if world_size:
         return False, "auto: off under DDP/FSDP (measured on one process only)"
+    if precision != "bf16":
+        return False, f"auto: off under {precision} (measured faster under bf16 only)"
     if model_family == "seed":
         # benchmarks/RESULTS.md, "GPU session 2026-11-27": seed-1layer at batch 1024, bf16, compiled, captured
         return True, ("auto: the seed U-Net compiled on CUDA; measured 1.09x the NCHW step on an H200 (seed-1layer, "
@@ -187,7 +190,7 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
     if cl == "on" and fsdp:
         raise ConfigError("train.channels_last=on: FSDP shards contiguous parameters only, and channels_last "
                           "weights are not: use --channels-last off (or auto) with --parallel fsdp")
-    channels_last, why = _channels_last_auto(cuda, compile_on, world_size, model_family) if cl == "auto" else (
+    channels_last, why = _channels_last_auto(cuda, compile_on, world_size, model_family, precision.name) if cl == "auto" else (
         cl == "on", "requested")
     reasons["channels_last"] = f"{'on' if channels_last else 'off'} ({why})"
     cb = train_cfg.cudnn_benchmark
