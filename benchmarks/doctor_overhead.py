@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fastddpm.bench.store import write_json  # noqa: E402
 from fastddpm.doctor import watch  # noqa: E402
+from fastddpm.doctor.system import EVENT_POOL_MAX  # noqa: E402
 from fastddpm.measure import environment_record  # noqa: E402
 
 
@@ -145,7 +146,8 @@ def _figures(plain: list[float], watched: list[float]) -> dict:
 def overhead(width: int, batch: int, run_ms: float, min_steps: int, repeats: int, device: torch.device) -> dict:
     model, opt, batches = make(width, batch, device)
     step_ms, _ = run_plain(model, opt, batches, 20, device)  # warm-up (allocator, kernels, clocks), and a step's time
-    steps = max(min_steps, round(run_ms / max(step_ms, 1e-3)))
+    # at most what the watch makes CUDA events for before its window (past that a boundary makes its own)
+    steps = min(max(min_steps, round(run_ms / max(step_ms, 1e-3))), EVENT_POOL_MAX - 3)
     runs = {"plain": [], "watched": []}
     for r in range(repeats):
         for name in (("plain", "watched") if r % 2 == 0 else ("watched", "plain")):
@@ -157,12 +159,14 @@ def overhead(width: int, batch: int, run_ms: float, min_steps: int, repeats: int
             **_figures([p[1] for p in runs["plain"]], [w[1] for w in runs["watched"]])}
 
 
-def bookkeeping_us_per_step(device: torch.device, n: int = 2000) -> float:
+def bookkeeping_us_per_step(device: torch.device, n: int = 1900) -> float:
     """The doctor's own host work per step (one data wait + one step boundary, with the step's CUDA event on a
     GPU) on an empty loop: the floor of its overhead, independent of the model."""
     from fastddpm.doctor.session import DoctorConfig, Session
 
     s = Session(DoctorConfig(warmup_steps=0, steps=n + 10, profile_steps=0, loader_probe_s=0), device=device)
+    s.wait_for_data(lambda: 0)  # the first fetch starts the watch's clocks (events, telemetry): once, not a step's
+    s.step()
     t0 = time.perf_counter()
     for i in range(n):
         s.wait_for_data(lambda: i)

@@ -274,3 +274,9 @@ def test_a_watched_step_on_a_gpu_records_a_made_event_and_makes_none(monkeypatch
     s.wait_for_data(lambda: 5)
     s.step()  # the last watched step ends the session
     assert s.done and [r.gpu_ms for r in s.records] == [1.0] * 6 and len(made) == 7
+    # a watch without warm-up opens its window at the session's start and again at the first fetch: one set made
+    from fastddpm.doctor.system import StepEvents
+    events, made[:] = StepEvents(), []
+    events.open(torch.device("cpu"), 5)
+    events.open(torch.device("cpu"), 5)
+    assert len(made) == 6 and events.elapsed_ms() == []

@@ -297,13 +297,13 @@ class Session:
         if self._clocks_started:
             return
         self._clocks_started = True
-        self._t_boundary = self._window_t0 = time.perf_counter()
         if self._phase == "watch" and not self.records:  # no warm-up: the watch's own clocks start here too
             self.cpu.rebase()
             self.compile_warm = self._graphs_prev = _dynamo_graphs()
-            if self.cuda:
-                self._events.open(self.device, self._plan["watch"][0])
+            if self.cuda:  # the telemetry read first: the step's first event and clock start after it
                 self.telemetry_start = gpu_telemetry(self.device)
+                self._events.open(self.device, self._plan["watch"][0])
+        self._t_boundary = self._window_t0 = time.perf_counter()
 
     def wait_for_data(self, fetch: Callable[[], object]) -> object:
         """Run `fetch` (a `next(iterator)`), timing how long the loop waits for it."""

@@ -203,11 +203,14 @@ class StepEvents:
         self._stream = None
 
     def open(self, device: torch.device, planned_steps: int) -> None:
-        """Make the window's events and record its first boundary."""
-        self._stream = torch.cuda.current_stream(device)
-        self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(min(planned_steps + 1, EVENT_POOL_MAX))]
-        for ev in self._pool:
-            ev.record(self._stream)
+        """Make the window's events (unless this window made them already: a watch without warm-up opens at the
+        session's start, then again at the loop's first fetch) and record its first boundary."""
+        wanted = min(planned_steps + 1, EVENT_POOL_MAX)
+        if len(self._pool) != wanted:
+            self._stream = torch.cuda.current_stream(device)
+            self._pool = [torch.cuda.Event(enable_timing=True) for _ in range(wanted)]
+            for ev in self._pool:
+                ev.record(self._stream)
         self._recorded = []
         self.record()
 
