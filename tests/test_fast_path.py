@@ -484,6 +484,23 @@ def _cuda_run(tmp_path, fmnist_npz, name, **over):
 @pytest.mark.cuda
 @cuda
 @needs_bf16_gpu
+def test_a_checkpoint_written_nchw_resumes_channels_last_under_cudas_fused_adamw(tmp_path, fmnist_npz):
+    """The seed U-Net's channels_last auto turned on after checkpoints were written NCHW: fused AdamW on CUDA
+    refuses moments of another layout than their weights, so the resume lays them out as the weights."""
+    _cuda_run(tmp_path, fmnist_npz, "run", **{"train.channels_last": "off", "train.max_steps": 2,
+                                              "train.checkpoint_every": 2, "train.compile": "off"})
+    cfg = apply_overrides(get_preset("tiny"), {
+        "data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 4, "train.log_every": 1,
+        "train.device": "cuda", "train.precision": "bf16", "train.channels_last": "on", "train.compile": "off",
+        "train.num_sample_images": 2, "train.sample_steps": 2})
+    train(cfg, out_dir=tmp_path / "run", resume="latest", log=lambda *a: None)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 4 and all(np.isfinite(losses))
+
+
+@pytest.mark.cuda
+@cuda
+@needs_bf16_gpu
 def test_cuda_graph_capture_matches_eager(tmp_path, fmnist_npz):
     eager = _cuda_run(tmp_path, fmnist_npz, "eager", **{"train.compile": "off", "train.cuda_graphs": "off"})
     graphs = _cuda_run(tmp_path, fmnist_npz, "graphs", **{"train.compile": "off", "train.cuda_graphs": "capture"})
