@@ -11,10 +11,10 @@ drift hits both alike; CUDA runs are timed with CUDA events, CPU runs with perf_
 plain one), and the whole run, which also carries the watch's one-off work at its first fetch (clocks, NVML)
 and at its last step (the sync that reads the step events, memory and telemetry). The report (diagnosis, peak
 measurement) runs after the timed loop and is not part of either. Each run takes about --run-ms (at least
---min-steps steps): a 1 ms step needs ~1,000 steps for a 3% difference to stand above the noise. Full profile: the wall time of
-`fastddpm doctor train` with its default window (5 warm-up + 40 watched + 10 profiled steps), set-up,
-diagnosis and report writing included; --report-dir keeps its report (the fast path's own diagnosis).
---out is rewritten after each step size, so a run stopped by a time limit keeps what it measured.
+--min-steps steps): a 1 ms step needs ~1,000 steps for a 3% difference to stand above the noise.
+Full profile: the wall time of `fastddpm doctor train` with its default window (5 warm-up + 40 watched + 10
+profiled steps), set-up, diagnosis and report writing included; --report-dir keeps its report (the fast path's own
+diagnosis). --out is rewritten after each step size, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
-         "doctor-overhead", "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma", "ddp",
+         "doctor-overhead", "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma",
+         "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "quality-objectives", "summarize"]
 

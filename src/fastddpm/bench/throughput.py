@@ -85,7 +85,8 @@ def parse_choice(name: str) -> dict:
           and sum(f in pads for f in flags) <= 1
           and len(set(flags)) == len(flags) and not ({"ma", "lo"} & set(flags) and parts[1] == "eager"))
     if not ok:
-        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] (PRECISION "
+        raise ConfigError(f"bench throughput: choice {name!r} is not PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] "
+                          f"(PRECISION "
                           f"auto, fp32, bf16 or fp16; MODE eager, compile or auto; -cl channels_last, -lo Inductor's "
                           f"layout optimization forced, -gc gradient checkpointing, -ma max-autotune (-lo and -ma "
                           f"not with eager); -apN attention heads padded to N, "
@@ -104,7 +105,8 @@ class ThroughputSettings:
     # None: by device (GPU: seed-1layer, seed-2layer at 64-1024; CPU: cpu-demo at 64 with every CPU_CHOICES choice)
     presets: tuple[str, ...] | None = None  # fastddpm.config presets (the model + recipe)
     batch_sizes: tuple[int, ...] | None = None  # images per micro-batch; each preset runs at each one
-    choices: tuple[str, ...] | None = None  # PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] each; () = one variant, flags below
+    # PRECISION-MODE[-cl][-lo][-gc][-ma][-apN] each; () = one variant, flags below
+    choices: tuple[str, ...] | None = None
     warmup_steps: int = 10  # steps timed as compile / warm-up (capture happens in the first, reduce-overhead
     #                         records in the second and third), never part of the steady state
     steps: int = 50  # steps per timed repeat: long enough that the two event records are noise

@@ -339,9 +339,9 @@ class TrainConfig:
                       "keeps NCHW in any graph with a convolution of at least twice as many input as output "
                       "channels and a kernel wider than 1 (a U-Net decoder's, after its skip concatenation); on an "
                       "H200 --channels-last on under compile measured 1.09x on seed-1layer and 0.94x on "
-                      "ddpm-cifar10, whose step then spent 12% in same-dtype copies. channels-last = force Inductor's layout optimization "
-                      "(TORCHINDUCTOR_FORCE_LAYOUT_OPT): the candidate against those copies, pending a GPU "
-                      "measurement. Needs --compile on (or auto that compiles).",
+                      "ddpm-cifar10, whose step then spent 12% in same-dtype copies. channels-last = force "
+                      "Inductor's layout optimization (TORCHINDUCTOR_FORCE_LAYOUT_OPT): the candidate against those "
+                      "copies, pending a GPU measurement. Needs --compile on (or auto that compiles).",
                       choices=("auto", "channels-last")),
     )
     cuda_graphs: str = field(
@@ -354,8 +354,8 @@ class TrainConfig:
         default="auto",
         metadata=_doc("NHWC memory format for the U-Net's weights and inputs (cuDNN's bf16 convolutions run in "
                       "NHWC and convert NCHW tensors). auto = on for the seed U-Net compiled on one CUDA device "
-                      "under bf16 (measured 1.09x on an H200, seed-1layer at batch 1024); off for the DDPM family (0.94x "
-                      "there, ddpm-cifar10 at 128), in eager (GroupNorm has no NHWC kernel), on a CPU, under "
+                      "under bf16 (measured 1.09x on an H200, seed-1layer at batch 1024); off for the DDPM family "
+                      "(0.94x there, ddpm-cifar10 at 128), in eager (GroupNorm has no NHWC kernel), on a CPU, under "
                       "DDP/FSDP and under fp16/fp32 (unmeasured).", choices=("auto", "on", "off")),
     )
     attention_head_pad: int = field(
@@ -513,8 +513,8 @@ class TrainConfig:
         _require(self.ddp_bucket_cap_mb >= 1, f"train.ddp_bucket_cap_mb={self.ddp_bucket_cap_mb} must be >= 1")
         _require(0 < self.dist_timeout_s < math.inf,
                  f"train.dist_timeout_s={self.dist_timeout_s} must be a finite number of seconds > 0, e.g. 600")
-        for name in ("compile", "compile_mode", "inductor_layout", "cuda_graphs", "channels_last", "cudnn_benchmark", "data_placement",
-                     "parallel"):
+        for name in ("compile", "compile_mode", "inductor_layout", "cuda_graphs", "channels_last", "cudnn_benchmark",
+                     "data_placement", "parallel"):
             _check_choice("train", self, name)
         for name in ("max_steps", "max_images", "max_epochs", "checkpoint_every", "sample_every_images",
                      "eval_every_images"):

@@ -47,12 +47,12 @@ examples:
   fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000   # published protocol
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
 
-Writes OUT/eval_<sampler><steps>_n<N>_seed<S>[_w<W>[-<W>...]]_step<K>.json (every number, the feature network,
-the environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
+Writes OUT/eval_<sampler><steps>_n<N>_seed<S>[_w<W>[-<W>...]]_step<K>.json (every number, the feature network, the
+environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
 sampler's own and an --eta other than 0 follow the steps (eval_ddim50-eta0.5_...); _w lists a conditional model's
-guidance scales (_w0-1-2). The name goes on with each choice that is not the default (_model weights,
-_inception-v3 features, with the weights' hash when they are not pytorch-fid's file, _ref-test, _data-NAME, _resizeN, _stretch or _center-crop, _L or _RGB), so evaluating
-successive checkpoints, or one in two feature spaces, keeps every result.
+guidance scales (_w0-1-2). The name goes on with each choice that is not the default (_model weights, _inception-v3
+features, with the weights' hash when they are not pytorch-fid's file, _ref-test, _data-NAME, _resizeN, _stretch or
+_center-crop, _L or _RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps every result.
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
 
@@ -306,9 +306,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained) -> str:
-    """What tells this evaluation's files from another one of the same run with the same sampler, count and seed:
-    the checkpoint's step, and each choice that is not the default (raw weights, Inception features and which
-    file, another reference split, another copy of the data). Evaluating successive checkpoints, or one checkpoint in two
+    """What tells this evaluation's files from another one of the same run with the same sampler, count and seed: the
+    checkpoint's step, and each choice that is not the default (raw weights, Inception features and which file,
+    another reference split, another copy of the data). Evaluating successive checkpoints, or one checkpoint in two
     feature spaces, then keeps every result."""
     parts = [] if info.get("step") is None else [f"step{int(info['step'])}"]
     if args.weights != "ema":

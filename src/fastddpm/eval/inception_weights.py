@@ -1,8 +1,8 @@
 """Standard Inception FID weights without a manual download: `find_inception_weights` looks, in this order, for
 
 1. the cache: <cache root>/inception/pt_inception-2015-12-05-6726825d.pth, the cache root being the run's
-   dataset cache root (data.cache_dir, `train --cache-dir`), else fastddpm.data.default_cache_dir() ($FASTDDPM_CACHE, else
-   ~/.cache/fastddpm);
+   dataset cache root (data.cache_dir, `train --cache-dir`), else fastddpm.data.default_cache_dir()
+   ($FASTDDPM_CACHE, else ~/.cache/fastddpm);
 2. a download of that file from pytorch-fid's release (PYTORCH_FID_URL; the `url` argument or
    $FASTDDPM_INCEPTION_URL points elsewhere, e.g. a mirror), once: streamed to a temporary file in the cache folder
    while hashing, checked, then renamed into place with os.replace (atomic within one file system); the partial

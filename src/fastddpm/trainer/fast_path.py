@@ -190,8 +190,10 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
     if cl == "on" and fsdp:
         raise ConfigError("train.channels_last=on: FSDP shards contiguous parameters only, and channels_last "
                           "weights are not: use --channels-last off (or auto) with --parallel fsdp")
-    channels_last, why = _channels_last_auto(cuda, compile_on, world_size, model_family, precision.name) if cl == "auto" else (
-        cl == "on", "requested")
+    if cl == "auto":
+        channels_last, why = _channels_last_auto(cuda, compile_on, world_size, model_family, precision.name)
+    else:
+        channels_last, why = cl == "on", "requested"
     reasons["channels_last"] = f"{'on' if channels_last else 'off'} ({why})"
     cb = train_cfg.cudnn_benchmark
     bench = (cuda if cb == "auto" else cb == "on")
