@@ -279,10 +279,10 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     train(tiny_cond_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
     args = ["sample", "--checkpoint", str(run), "--steps", "2", "--no-progress", "--out", str(tmp_path / "s")]
     assert main([*args, "--class", "7", "--guidance", "4", "--num-images", "3"]) == 0  # the default sampler: SDE
-    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n3_seed0_7_w4.npz")
+    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n3_seed0_7_w4_step2.npz")
     assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [7, 7, 7] and float(z["guidance"]) == 4
     assert main([*args, "--class", "all", "--num-images", "20"]) == 0  # W: the run's train.sample_guidance (2)
-    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n20_seed0_all_w2.npz")
+    z = np.load(tmp_path / "s" / "dpmpp-2m-sde2_n20_seed0_all_w2_step2.npz")
     assert z["labels"].tolist() == [c for c in range(10) for _ in range(2)] and float(z["guidance"]) == 2
     capsys.readouterr()
     assert main([*args, "--class", "boots"]) == 2
@@ -305,8 +305,8 @@ def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_pa
     assert main([*args, "--class", "all", "--num-images", "10"]) == 0
     assert main([*args, "--class", "3", "--guidance", "1", "--num-images", "2"]) == 0
     assert main([*args, "--num-images", "2"]) == 0
-    assert sorted(p.name for p in out.glob("*.npz")) == ["heun10_n2_seed0.npz", "heun10_n2_seed0_3_w1.npz",
-                                                         "unipc10_n10_seed0_all_w2.npz"]
+    assert sorted(p.name for p in out.glob("*.npz")) == ["heun10_n2_seed0_3_w1_step2.npz", "heun10_n2_seed0_step2.npz",
+                                                         "unipc10_n10_seed0_all_w2_step2.npz"]
     capsys.readouterr()
     # one sampler for every scale of a trade-off table: the guided one where any scale guides
     assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress", "--guidance", "1,2"]) == 0

@@ -266,7 +266,7 @@ def test_objective_trains_resumes_exactly_samples_and_exports(tmp_path, fmnist_n
     assert main(["sample", "--checkpoint", str(straight), "--sampler", "euler", "--steps", "2", "--num-images", "2",
                  "--spacing", "trailing", "--no-progress"]) == 0
     tag = "-trailing" if objective == "edm" else ""
-    assert np.load(straight / "samples" / f"euler2{tag}_n2_seed0.npz")["images"].shape == (2, 1, 28, 28)
+    assert np.load(straight / "samples" / f"euler2{tag}_n2_seed0_step4.npz")["images"].shape == (2, 1, 28, 28)
 
     from fastddpm.export import export
 
@@ -287,7 +287,7 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     assert all((e["eval_sampler"], e["eval_steps"]) == ("heun", 3) for e in evals)
     assert main(["sample", "--checkpoint", str(run), "--sampler", "euler", "--steps", "3", "--num-images", "4",
                  "--no-progress"]) == 0
-    assert np.load(run / "samples" / "euler3_n4_seed0.npz")["images"].shape == (4, 1, 28, 28)
+    assert np.load(run / "samples" / "euler3_n4_seed0_step4.npz")["images"].shape == (4, 1, 28, 28)
     capsys.readouterr()
     assert main(["sample", "--checkpoint", str(run), "--sampler", "ddpm", "--num-images", "2"]) == 2
     assert "this flow model samples with euler, ddim, dpmpp-2m" in capsys.readouterr().err
@@ -297,7 +297,7 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     assert s["nfe"] == 5 and s["sampler"] == "heun"
     # no --sampler, no --steps: auto, a flow model's Heun with 10 steps (19 network calls)
     assert main(["sample", "--checkpoint", str(run), "--num-images", "2", "--no-progress"]) == 0
-    assert np.load(run / "samples" / "heun10_n2_seed0.npz")["images"].shape == (2, 1, 28, 28)
+    assert np.load(run / "samples" / "heun10_n2_seed0_step4.npz")["images"].shape == (2, 1, 28, 28)
     assert main(["eval", "--checkpoint", str(run), "--num-samples", "20", "--no-progress"]) == 0
     s = json.loads((run / "eval" / "eval_heun10_n20_seed0_step4.json").read_text())["sampling"]
     assert s["nfe"] == 19 and (s["sampler"], s["steps"]) == ("heun", 10)

@@ -235,10 +235,10 @@ def test_sample_and_eval_take_every_sampler_and_say_what_it_costs(tmp_path, fmni
     run = tiny_run(tmp_path, fmnist_splits)
     assert main(["sample", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-images", "4",
                  "--no-progress"]) == 0
-    assert (run / "samples" / "heun3_n4_seed0.npz").is_file()  # heun's own spacing (karras): no tag
+    assert (run / "samples" / "heun3_n4_seed0_step2.npz").is_file()  # heun's own spacing (karras): no tag
     assert main(["sample", "--checkpoint", str(run), "--sampler", "unipc", "--steps", "3", "--spacing", "karras",
                  "--num-images", "4", "--no-progress"]) == 0
-    images = np.load(run / "samples" / "unipc3-karras_n4_seed0.npz")["images"]
+    images = np.load(run / "samples" / "unipc3-karras_n4_seed0_step2.npz")["images"]
     assert images.shape == (4, 1, 28, 28) and images.dtype == np.uint8
     assert main(["sample", "--checkpoint", str(run), "--sampler", "dpmpp-2m", "--eta", "1"]) == 2
     assert "--eta is DDIM's" in capsys.readouterr().err

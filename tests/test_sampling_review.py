@@ -57,9 +57,9 @@ def test_class_all_on_the_command_line_writes_n_images(runs, tmp_path):
     out = tmp_path / "s"
     assert main(["sample", "--checkpoint", str(runs["cond"]), "--class", "all", "--num-images", "3", "--sampler",
                  "ddim", "--steps", "2", "--no-progress", "--out", str(out)]) == 0
-    z = np.load(out / "ddim2_n3_seed0_all_w2.npz")
+    z = np.load(out / "ddim2_n3_seed0_all_w2_step2.npz")
     assert z["images"].shape == (3, 1, 28, 28) and z["labels"].tolist() == [0, 3, 6]
-    assert (out / "ddim2_n3_seed0_all_w2.png").is_file()
+    assert (out / "ddim2_n3_seed0_all_w2_step2.png").is_file()
 
 
 def test_a_class_all_grid_keeps_one_row_per_class_but_not_every_image(monkeypatch, tmp_path):
@@ -115,7 +115,7 @@ def test_an_existing_out_folder_is_written_into_and_the_same_command_replaces_it
     args = ["sample", "--checkpoint", str(runs["plain"]), "--num-images", "1", "--sampler", "ddim", "--steps", "2",
             "--no-progress", "--out", str(out)]
     assert main(args) == 0 and main(args) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["ddim2_n1_seed0.npz", "ddim2_n1_seed0.png", "keep.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["ddim2_n1_seed0_step2.npz", "ddim2_n1_seed0_step2.png", "keep.txt"]
 
 
 # ------------------------------------------------------------------------------------------- flags and file names
@@ -137,9 +137,9 @@ def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
     for extra in ([], ["--eta", "1"], ["--eta", "0.5"], ["--weights", "model"]):
         assert main([*base, *extra]) == 0
     names = sorted(p.name for p in out.glob("*.npz"))
-    assert names == ["ddim2-eta0.5_n2_seed0.npz", "ddim2-eta1_n2_seed0.npz", "ddim2_n2_seed0.npz",
-                     "ddim2_n2_seed0_model.npz"]
-    plain, eta1 = (np.load(out / n)["images"] for n in ("ddim2_n2_seed0.npz", "ddim2-eta1_n2_seed0.npz"))
+    assert names == ["ddim2-eta0.5_n2_seed0_step2.npz", "ddim2-eta1_n2_seed0_step2.npz", "ddim2_n2_seed0_step2.npz",
+                     "ddim2_n2_seed0_step2_model.npz"]
+    plain, eta1 = (np.load(out / n)["images"] for n in ("ddim2_n2_seed0_step2.npz", "ddim2-eta1_n2_seed0_step2.npz"))
     assert not np.array_equal(plain, eta1)
 
 
@@ -165,3 +165,22 @@ def test_images_are_a_function_of_the_seed_and_the_batch_size_and_the_help_says_
         main(["sample", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "batch i draws its noise from (seed, i), so another batch size draws other images" in text
+
+
+def test_the_samples_of_two_checkpoints_of_one_run_get_their_own_files(tmp_path, fmnist_npz):
+    """Both write into the run's samples folder by default: the checkpoint's step in the name keeps the earlier
+    one's images (they had been overwritten), as eval's names do."""
+    from fastddpm.rundir.checkpoint import list_checkpoints
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 2, "train.checkpoint_every": 1,
+                                               "train.num_sample_images": 2, "train.sample_steps": 2})
+    run = tmp_path / "run"
+    train(cfg, out_dir=run, log=quiet)
+    ckpts = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in ckpts] == ["ckpt_000000001.pt", "ckpt_000000002.pt"]
+    for ckpt in ckpts:
+        assert main(["sample", "--checkpoint", str(ckpt), "--num-images", "1", "--sampler", "ddim", "--steps", "2",
+                     "--no-progress"]) == 0
+    names = sorted(p.name for p in (run / "samples").glob("ddim2_*.npz"))
+    assert names == ["ddim2_n1_seed0_step1.npz", "ddim2_n1_seed0_step2.npz"]

@@ -170,7 +170,7 @@ def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
         images = np.load(npz)["images"]
         assert images.shape == (n, 1, 28, 28) and images.dtype == np.uint8
         assert next(out.glob("*.png")).is_file()
-    assert "ddpm1000_n2_seed0.npz" in [p.name for p in (tmp_path / "s_ddpm_5").iterdir()]
+    assert "ddpm1000_n2_seed0_step12.npz" in [p.name for p in (tmp_path / "s_ddpm_5").iterdir()]
 
 
 def test_sample_cli_is_deterministic_for_a_seed(tmp_path, fmnist_npz):

@@ -139,8 +139,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 2     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
-               "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>_seed<S>[_<class>_w<W>][_model].png (a grid\n"
-               "of up to 256 images; with --class all one row per class, named, of N // classes images each, or\n"
+               "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>_seed<S>[_<class>_w<W>]_step<K>[_model].png (a\n"
+               "grid of up to 256 images; with --class all one row per class, named, of N // classes images each, or\n"
                "with N below the number of classes one image each of N classes spread over the ids) and a matching\n"
                ".npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,) and `guidance`.\n"
                "The images are a function of the weights, the sampler's flags, --seed, --batch-size (each batch\n"
@@ -277,6 +277,8 @@ def cmd_sample(args) -> int:
     stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
     if args.klass is not None:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
+    if ckpt.step is not None:  # the samples of two checkpoints of one run are two results, as in eval's names
+        stem += f"_step{ckpt.step}"
     if args.weights != "ema":
         stem += f"_{args.weights}"
     make_writable_dir(out, flag="--out", fix="--out is the folder for the grid and the .npz: give one that can be "
