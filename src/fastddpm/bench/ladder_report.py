@@ -103,11 +103,16 @@ def write_results(result: dict, out_dir: Path, log: Callable[[str], None] = prin
     chart_path = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"], log) \
         if chart else None
     env = result["environment"]
-    n_measured = sum(r["status"] in ("ok", "failed") for r in result["rungs"])
     md = ["# fastddpm bench ladder", ""]
     if not result.get("complete", True):
-        md += [f"**Incomplete**: {n_measured} of {len(ladder_rungs.DDPM_RUNGS)} rungs measured so far (the run was "
-               "stopped, or is still running); the same command into this folder measures the rest.", ""]
+        # what this command still owes: its planned rungs not yet run (a rung skipped on this device is done)
+        planned = result["settings"].get("rungs") or [r.key for r in ladder_rungs.DDPM_RUNGS]
+        finished = {r["rung"] for r in result["rungs"] if r["status"] in ("ok", "failed", "skipped")}
+        pending = [k for k in planned if k not in finished]
+        done = {s: sum(r["status"] == s for r in result["rungs"]) for s in ("ok", "failed", "skipped")}
+        md += [f"**Incomplete**: the run was stopped (or is still running) before rung(s) "
+               f"{', '.join(pending) or 'the MLP ladder'}; so far {done['ok']} measured, {done['failed']} failed, "
+               f"{done['skipped']} skipped on this device. The same command into this folder measures the rest.", ""]
     md += [f"- command: `{env['command_line']}`",
           f"- device: {env['device_name']} ({env['device']}), driver {env.get('cuda_driver') or 'n/a'}, CUDA runtime "
           f"{env.get('cuda_runtime') or 'n/a'}",
