@@ -30,10 +30,8 @@ def _roofline(r: dict) -> str:
     return "n/a" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.1f}% ({r['roofline_binds']})"
 
 
-def _cell(text: str | None, limit: int = 140) -> str:
-    """A message as one table cell: its first line, cut at `limit`, its pipes escaped (a traceback's first line or a
-    shape like (B|C) would otherwise split the row)."""
-    return (text or "").splitlines()[0][:limit].replace("|", "\\|") if text else ""
+def _cell(text: str | None) -> str:
+    return store.table_cell(text, 140, cut_mark="")
 
 
 DDPM_HEADER = ("| rung | change | batch | prec | images/s [min-max] | epoch s | x baseline | x previous | "

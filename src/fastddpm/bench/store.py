@@ -54,6 +54,15 @@ def write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
+def table_cell(text: str | None, limit: int, cut_mark: str = "...") -> str:
+    """A message as one markdown table cell: its first line, cut at `limit` characters (ending in `cut_mark`), its
+    pipes escaped (a traceback's first line or a shape like (B|C) would otherwise split the row)."""
+    first = text.splitlines()[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit - len(cut_mark)] + cut_mark
+    return first.replace("|", "\\|")
+
+
 def config_identity(config: dict) -> dict:
     """A resolved config as part of an identity: unset (None) fields are left out, so a new optional field added to
     the config between two runs does not discard the rows measured before it."""

@@ -13,9 +13,7 @@ TABLE_HEADER = ("| preset | batch | images/s | x first | step ms median [min-max
 
 
 def _short_error(row: dict, limit: int = 100) -> str:
-    first_line = (row["error"] or "").splitlines()[0] if row["error"] else ""
-    text = first_line if len(first_line) <= limit else first_line[:limit - 3] + "..."
-    return text.replace("|", "\\|")
+    return store.table_cell(row["error"], limit)
 
 
 def progress_line(row: dict) -> str:
