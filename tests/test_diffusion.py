@@ -19,6 +19,7 @@ from fastddpm.diffusion import (
     to_uint8,
     training_target,
 )
+from fastddpm.rng import ImageNoise
 
 
 def test_linear_schedule_golden_numbers():
@@ -125,10 +126,8 @@ def test_ddim_eta1_over_all_steps_equals_ddpm():
     def model(x, t):
         return torch.tanh(net(x)) + 0.001 * t.view(-1, 1, 1, 1)
 
-    g1 = torch.Generator().manual_seed(7)
-    g2 = torch.Generator().manual_seed(7)
-    a = ddpm_sample(model, s, (2, 1, 6, 6), generator=g1, device="cpu")
-    b = ddim_sample(model, s, (2, 1, 6, 6), steps=200, eta=1.0, generator=g2, device="cpu")
+    a = ddpm_sample(model, s, (2, 1, 6, 6), noise=ImageNoise("cpu", 7, 0, 2), device="cpu")
+    b = ddim_sample(model, s, (2, 1, 6, 6), steps=200, eta=1.0, noise=ImageNoise("cpu", 7, 0, 2), device="cpu")
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 

@@ -17,6 +17,7 @@ from fastddpm.cli import main
 from fastddpm.config import ConfigError, apply_overrides, default_spacing, get_preset
 from fastddpm.diffusion import sample
 from fastddpm.diffusion.continuous import EDM, NOISE_INPUT_SCALE, Flow, continuous_loss
+from fastddpm.rng import ImageNoise
 from fastddpm.trainer.loop import train
 
 
@@ -73,8 +74,7 @@ def edm_algorithm_2(net, shape, *, steps, seed, sigma_min=0.002, sigma_max=80.0,
         c_noise = torch.full((x.shape[0],), math.log(sigma) / 4 * NOISE_INPUT_SCALE)
         return c_skip * x + c_out * net((c_in * x).float(), c_noise).double()
 
-    gen = torch.Generator().manual_seed(seed)
-    x_next = torch.randn(shape, generator=gen).double() * float(t_steps[0])
+    x_next = ImageNoise("cpu", seed, 0, shape[0]).randn(shape).double() * float(t_steps[0])  # fastddpm's noise
     for k in range(steps):
         t_cur, t_next = float(t_steps[k]), float(t_steps[k + 1])
         x_cur = x_next
@@ -99,8 +99,7 @@ def test_flow_euler_is_diffusers_flow_match_euler(shift):
     diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
     sched = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
     sched.set_timesteps(10)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn((2, 1, 6, 6), generator=gen)  # t = 1: pure noise, sigma 1
+    x = ImageNoise("cpu", 5, 0, 2).randn((2, 1, 6, 6))  # t = 1: pure noise, sigma 1; fastddpm's noise for seed 5
     for t in sched.timesteps:
         v = toy_net(x, torch.full((2,), float(t)))
         x = sched.step(v, t, x).prev_sample
@@ -117,7 +116,7 @@ def test_edm_samplers_are_diffusers_edm_schedulers(sampler, scheduler, steps):
     diffusers = pytest.importorskip("diffusers", reason="diffusers is a test extra: pip install -e '.[test]'")
     sched = getattr(diffusers, scheduler)()
     sched.set_timesteps(steps)
-    x = torch.randn((2, 1, 6, 6), generator=torch.Generator().manual_seed(7)) * 80.0
+    x = ImageNoise("cpu", 7, 0, 2).randn((2, 1, 6, 6)) * 80.0  # fastddpm's noise for seed 7
     for t in sched.timesteps:
         x_in = sched.scale_model_input(x, t)
         out = toy_net(x_in, torch.full((2,), float(t) * NOISE_INPUT_SCALE))

@@ -20,6 +20,8 @@ from fastddpm.diffusion import (
     sample,
     sampler_timesteps,
 )
+from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
+from fastddpm.rng import ImageNoise
 from fastddpm.trainer.loop import train
 
 from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
@@ -68,15 +70,15 @@ def reference(diffusers, name: str, schedule, prediction: str, timesteps: list[i
     if name != "ddim":
         ab = schedule.float64("alpha_bar")[sch.timesteps.long()]
         sch.sigmas = torch.cat([((1 - ab) / ab).sqrt(), torch.zeros(1, dtype=torch.float64)])
-    generator = torch.Generator().manual_seed(SEED)
-    noise = torch.randn(SHAPE, generator=generator)
+    draws = ImageNoise("cpu", SEED, 0, SHAPE[0])  # fastddpm's per-image noise, in its order
+    noise = draws.randn(SHAPE)
     x = noise.double() * (sch.sigmas[0] ** 2 + 1) ** 0.5 if name == "heun" else noise * sch.init_noise_sigma
     for i, t in enumerate(sch.timesteps):
         out = smooth_model(sch.scale_model_input(x, t), torch.full((SHAPE[0],), float(t), dtype=x.dtype))
         kw = {}
         if name == "dpmpp-2m-sde":  # fastddpm's draws, in its order: one per step after the initial noise, none on
             last = i == len(sch.timesteps) - 1  # the last step (which diffusers scales by sigma = 0)
-            kw["variance_noise"] = torch.zeros(SHAPE) if last else torch.randn(SHAPE, generator=generator)
+            kw["variance_noise"] = torch.zeros(SHAPE) if last else draws.randn(SHAPE)
         x = sch.step(out, t, x, **kw).prev_sample
     return x.float()
 
@@ -167,7 +169,7 @@ def test_solvers_are_second_order_on_a_problem_with_a_known_answer(schedule_kind
     ab = schedule.float64("alpha_bar")
     exact_eps = gaussian_data_eps(schedule, s_data)
 
-    noise = torch.randn(SHAPE, generator=torch.Generator().manual_seed(SEED))
+    noise = ImageNoise("cpu", SEED, 0, SHAPE[0]).randn(SHAPE)  # sample's initial noise
 
     def error(name: str, steps: int) -> float:
         t0 = sampler_timesteps(schedule, name, steps, "trailing")[0]  # the exact answer from where it starts
@@ -220,6 +222,46 @@ def test_unknown_sampler_or_spacing_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="between 1 and"):
         sample(smooth_model, schedule, SHAPE, sampler="heun", steps=51)
     assert np.all(np.diff(karras_timesteps(schedule, 8)) < 0)
+
+
+def test_an_images_noise_is_its_own_whatever_the_batch():
+    """Image k's draws come from (seed, k) alone: images 2-3 of a batch of 4 draw what a batch of the two drawn as
+    images 2-3 draws, across the blocks of DRAWS_PER_CALL; images and seeds differ from each other."""
+    shape = (1, 3, 5)
+    whole, part = ImageNoise("cpu", SEED, 0, 4), ImageNoise("cpu", SEED, 2, 2)
+    draws = 2 * ImageNoise.DRAWS_PER_CALL + 3
+    a = torch.stack([whole.randn((4, *shape)) for _ in range(draws)])
+    b = torch.stack([part.randn((2, *shape)) for _ in range(draws)])
+    assert torch.equal(a[:, 2:], b)
+    flat = a.transpose(0, 1).reshape(4, -1)
+    assert all(not torch.equal(flat[i], flat[j]) for i in range(4) for j in range(i))
+    assert not torch.equal(ImageNoise("cpu", SEED + 1, 0, 4).randn((4, *shape)), a[0])
+    assert 0.9 < float(a.std()) < 1.1 and abs(float(a.mean())) < 0.1
+    with pytest.raises(ValueError, match="noise for a batch of 3 from 4 image generators"):
+        whole.randn((3, *shape))
+    with pytest.raises(ValueError, match="one ImageNoise draws for one image shape"):
+        whole.randn((4, 1, 5, 3))
+
+
+@pytest.mark.parametrize("objective", ["ddpm", "edm", "flow"])
+def test_every_sampler_draws_an_image_the_same_in_any_batch(objective):
+    """A batch of 4 equals batches of 1 and 3 drawn as images 0 and 1-3, for every sampler of the objective, the
+    stochastic ones included (the network stand-in treats each image on its own)."""
+    from fastddpm.diffusion.continuous import EDM, Flow
+
+    schedule = {"ddpm": lambda: make_schedule("linear", 100), "edm": EDM, "flow": Flow}[objective]()
+    names = SAMPLERS if objective == "ddpm" else CONTINUOUS_SAMPLERS
+    shape = (4, 1, 4, 4)
+    for name in names:
+        kw = dict(sampler=name, steps=6, seed=SEED, eta=1.0 if name == "ddim" else 0.0)
+        whole = sample(smooth_model, schedule, shape, **kw)
+        parts = torch.cat([sample(smooth_model, schedule, (1, 1, 4, 4), **kw),
+                           sample(smooth_model, schedule, (3, 1, 4, 4), first_image=1, **kw)])
+        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5, msg=name)
+        other = sample(smooth_model, schedule, shape, **{**kw, "seed": SEED + 1})
+        assert not torch.allclose(other, whole), name
+    with pytest.raises(ValueError, match="first_image=-1 must be >= 0"):
+        sample(smooth_model, schedule, shape, sampler=names[0], steps=2, first_image=-1)
 
 
 def tiny_run(tmp_path, source):

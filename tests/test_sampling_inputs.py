@@ -13,6 +13,7 @@ from fastddpm.device import resolve_precision
 from fastddpm.diffusion import (SAMPLERS, ddim_sample, linear_betas, make_schedule, network_calls, sample,
                                 schedule_from_config, to_uint8)
 from fastddpm.diffusion.continuous import EDM, Flow
+from fastddpm.rng import ImageNoise
 from fastddpm.sampling import check_sampler_args
 
 SHAPE = (2, 1, 4, 4)
@@ -87,7 +88,8 @@ def test_eta_outside_0_1_is_refused_by_the_flags_and_every_sampler(eta):
     with pytest.raises(ValueError, match=rf"eta={eta} must be a number in \[0, 1\]"):
         sample(smooth_model, schedule, SHAPE, sampler="ddim", steps=5, eta=eta)
     with pytest.raises(ValueError, match=r"must be a number in \[0, 1\]"):
-        ddim_sample(smooth_model, schedule, SHAPE, steps=5, eta=eta, generator=torch.Generator(), device="cpu")
+        ddim_sample(smooth_model, schedule, SHAPE, steps=5, eta=eta, noise=ImageNoise("cpu", 0, 0, SHAPE[0]),
+                    device="cpu")
     with pytest.raises(ValueError, match=r"must be a number in \[0, 1\]"):
         sample(lambda x, c: torch.zeros_like(x), EDM(), SHAPE, sampler="ddim", steps=5, eta=eta)
 

@@ -144,27 +144,51 @@ def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ seeds and batches
-def test_images_are_a_function_of_the_seed_and_the_batch_size_and_the_help_says_so(runs, tmp_path, capsys):
-    """Batch i draws its noise from (seed, "sample", i): one seed and batch size give the same images, and the full
-    batches the same whatever the count; another batch size gives other images; --help says so."""
+def test_images_are_a_function_of_the_seed_not_of_the_batch_size_and_the_help_says_so(runs, tmp_path, capsys):
+    """Image k draws its noise from (seed, k), the initial x_T and every later draw (DDIM at eta 1 draws at each
+    step): one seed gives the same images whatever --batch-size, and a draw of more images begins with those of a
+    draw of fewer; another seed gives others; --help says so. Another batch size runs the network on other batch
+    shapes, whose float sums may round apart (a pixel level at most, in a few pixels); the same batches match bit
+    for bit."""
     def draw(n, batch_size, seed=0):
         out = tmp_path / f"n{n}_b{batch_size}_s{seed}"
         assert main(["sample", "--checkpoint", str(runs["plain"]), "--num-images", str(n), "--sampler", "ddim",
-                     "--eta", "1", "--steps", "2", "--batch-size", str(batch_size), "--seed", str(seed),
+                     "--eta", "1", "--steps", "3", "--batch-size", str(batch_size), "--seed", str(seed),
                      "--no-progress", "--out", str(out)]) == 0
-        return np.load(next(out.glob("*.npz")))["images"]
+        return np.load(next(out.glob("*.npz")))["images"].astype(int)
 
     five = draw(5, 2)
     assert np.array_equal(five, draw(5, 2))
-    assert np.array_equal(draw(4, 2), five[:4])
-    assert np.array_equal(draw(6, 2)[:4], five[:4])
-    assert not np.array_equal(draw(5, 5), five)
-    assert not np.array_equal(draw(5, 2, seed=1), five)
+    assert np.array_equal(draw(4, 2), five[:4])  # the same batches: bit for bit
+    for other in (draw(6, 2)[:5], draw(5, 5), draw(5, 1), draw(7, 3)[:5]):
+        assert np.abs(other - five).max() <= 1 and (other != five).mean() < 0.01
+    another_seed = draw(5, 2, seed=1)
+    assert (another_seed != five).mean() > 0.5
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["sample", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "batch i draws its noise from (seed, i), so another batch size draws other images" in text
+    assert "image k draws its noise from (seed, k), so --batch-size does not change it" in text
+    assert "each image draws its own noise, so another batch size draws the same images" in text
+
+
+def test_evals_samples_of_a_guided_model_do_not_depend_on_the_batch_size(runs):
+    """eval draws sample k (class k % K, guided) from (seed, k) too: its samples, and so its FID, are the same at
+    --batch-size 4 and 6 (up to a pixel level where the network's batched sums round apart)."""
+    import torch
+
+    from fastddpm.eval.evaluate import sample_uint8
+
+    model, cfg = sampling.load_for_sampling(runs["cond"])
+    kw = dict(num_samples=12, sampler="dpmpp-2m-sde", steps=3, eta=0.0, seed=5, device=torch.device("cpu"),
+              autocast_dtype=None, guidance=2.0)
+    a, _ = sample_uint8(model, cfg, batch_size=4, **kw)
+    b, timing = sample_uint8(model, cfg, batch_size=5, **kw)
+    assert timing["drawn"] == 15 and a.shape == b.shape == (12, 1, 28, 28)
+    diff = (a.int() - b.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+    other, _ = sample_uint8(model, cfg, batch_size=4, **{**kw, "seed": 6})
+    assert float((other != a).float().mean()) > 0.5
 
 
 def test_the_samples_of_two_checkpoints_of_one_run_get_their_own_files(tmp_path, fmnist_npz):

@@ -87,9 +87,10 @@ class Model:
                class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
-        `fastddpm sample` with the same seed and batch size. `class_`: a conditional model's class (name or id;
-        "all" for n // classes of each, or with n below the class count one image each of n classes spread over
-        the ids), guided with `guidance` (default: the run's train.sample_guidance).
+        `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k)).
+        `class_`: a conditional model's class (name or id; "all" for n // classes of each, or with n below the class
+        count one image each of n classes spread over the ids), guided with `guidance` (default: the run's
+        train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
         W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler."""
         from fastddpm.sampling import class_labels, resolve_sampler_args, sample_images

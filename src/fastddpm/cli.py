@@ -143,8 +143,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "grid of up to 256 images; with --class all one row per class, named, of N // classes images each, or\n"
                "with N below the number of classes one image each of N classes spread over the ids) and a matching\n"
                ".npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,) and `guidance`.\n"
-               "The images are a function of the weights, the sampler's flags, --seed, --batch-size (each batch\n"
-               "draws its own noise) and the device type.",
+               "The images are a function of the weights, the sampler's flags, --seed and the device type: image k\n"
+               "draws its noise from (seed, k), so --batch-size does not change it (up to float rounding in the\n"
+               "network), and a draw of more images begins with the images of a draw of fewer.",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
@@ -158,10 +159,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                          "for every sampler of an EDM model, trailing for the others")
     sp.add_argument("--eta", type=float, default=0.0, help="DDIM eta: 0 deterministic, 1 DDPM-like (default 0)")
     sp.add_argument("--seed", type=int, default=0,
-                    help="sampling seed (default 0): the same seed and --batch-size give the same images")
+                    help="sampling seed (default 0): the same seed gives the same images; image k's noise comes "
+                         "from (seed, k)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N",
-                    help="images per model call (default 256); batch i draws its noise from (seed, i), so another "
-                         "batch size draws other images")
+                    help="images per model call (default 256); memory and speed only: each image draws its own noise, "
+                         "so another batch size draws the same images")
     sp.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples, or ./samples)")
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")

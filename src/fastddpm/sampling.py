@@ -119,9 +119,10 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[
 def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, seed: int, batch_size: int,
                   device, precision: str = "auto", eta: float = 0.0, progress: bool = True,
                   labels: np.ndarray | None = None, guidance: float = 1.0, spacing: str | None = None) -> np.ndarray:
-    """`num_images` as uint8 (N, C, H, W), in batches of `batch_size`, batch i from (seed, "sample", i); or one per
-    entry of `labels` (a conditional model's class ids), guided with scale `guidance`. `fastddpm sample` and the
-    Python API's Model.sample both draw here: the same seed and batch size give the same images."""
+    """`num_images` as uint8 (N, C, H, W), in batches of `batch_size`, image k from (seed, k) whatever the batch
+    size (diffusion.sample); or one per entry of `labels` (a conditional model's class ids), guided with scale
+    `guidance`. `fastddpm sample` and the Python API's Model.sample both draw here: the same seed gives the same
+    images, and a draw of more images begins with those of a draw of fewer."""
     device = torch.device(device)
     prec = resolve_precision(precision, device)
     schedule = schedule_from_config(cfg.diffusion)
@@ -133,12 +134,12 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
     if progress:  # a bar on a terminal or in a notebook, plain lines in a log file
         per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps, schedule=schedule, spacing=spacing)
         bar = progress_bar(math.ceil(num_images / batch_size) * per_batch, unit="model-call")
-    for i, start in enumerate(range(0, num_images, batch_size)):
+    for start in range(0, num_images, batch_size):
         n = min(batch_size, num_images - start)
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
         y = torch.from_numpy(labels[start:start + n]) if labels is not None else None
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   spacing=spacing, seed=derive_seed(seed, "sample", i), device=device,
+                   spacing=spacing, seed=derive_seed(seed, "sample"), first_image=start, device=device,
                    autocast_dtype=prec.autocast_dtype,
                    progress=bar, labels=y, guidance=guidance, num_classes=model_cfg.num_classes)
         chunks.append(to_uint8(x).cpu().numpy())

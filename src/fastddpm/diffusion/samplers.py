@@ -29,6 +29,7 @@ from fastddpm.diffusion.objective import predict_eps_and_x0
 from fastddpm.diffusion.ode_solvers import (check_eta, ddim_levels, dpmpp_2m, dpmpp_2m_sde, first_timestep, heun_2,
                                             noise_levels, solver_timesteps, unipc_2)
 from fastddpm.diffusion.schedule import NoiseSchedule
+from fastddpm.rng import ImageNoise
 
 
 def network_calls(sampler: str, steps: int, num_timesteps: int, *,
@@ -68,11 +69,11 @@ def _eps_x0(schedule, prediction, out, x_t, t, clip):
 
 @torch.no_grad()
 def ddpm_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, prediction: str = "epsilon",
-                generator: torch.Generator, device: torch.device | str, variance: str = "posterior",
+                noise: ImageNoise, device: torch.device | str, variance: str = "posterior",
                 clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None) -> torch.Tensor:
     """Ancestral sampling over all T steps. Returns images in [-1, 1], float32, shape `shape`."""
     sched = schedule.to(device)
-    x = torch.randn(shape, generator=generator, device=device)
+    x = noise.randn(shape)
     ab = sched.float64("alpha_bar")
     ab_prev = sched.float64("alpha_bar_prev")
     betas = sched.float64("betas")
@@ -85,7 +86,7 @@ def ddpm_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, predi
         ct = float(alphas[t].sqrt() * (1 - ab_prev[t]) / (1 - ab[t]))
         x = c0 * x0 + ct * x
         if t > 0:
-            x = x + float(var[t].sqrt()) * torch.randn(shape, generator=generator, device=device)
+            x = x + float(var[t].sqrt()) * noise.randn(shape)
         if progress is not None:
             progress.update(1)
     return x
@@ -93,7 +94,7 @@ def ddpm_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, predi
 
 @torch.no_grad()
 def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps: int = 50, eta: float = 0.0,
-                prediction: str = "epsilon", generator: torch.Generator, device: torch.device | str,
+                prediction: str = "epsilon", noise: ImageNoise, device: torch.device | str,
                 clip: bool = True, autocast_dtype: torch.dtype | None = None, progress=None,
                 spacing: str = "trailing") -> torch.Tensor:
     """DDIM over `steps` timesteps (ode_solvers.solver_timesteps). Returns images in [-1, 1], float32, shape `shape`."""
@@ -101,7 +102,7 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
     sched = schedule.to(device)
     ab = sched.float64("alpha_bar")
     ts = solver_timesteps(sched, steps, spacing)
-    x = torch.randn(shape, generator=generator, device=device)
+    x = noise.randn(shape)
     for i, t in enumerate(ts):
         out = _model_out(model, x, t, autocast_dtype)
         eps, x0 = _eps_x0(sched, prediction, out, x, t, clip)
@@ -110,7 +111,7 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
         sigma = eta * ((1 - a_prev) / (1 - a_t)).sqrt() * (1 - a_t / a_prev).sqrt()
         x = float(a_prev.sqrt()) * x0 + float((1 - a_prev - sigma**2).clamp(min=0).sqrt()) * eps
         if eta > 0 and i + 1 < len(ts):
-            x = x + float(sigma) * torch.randn(shape, generator=generator, device=device)
+            x = x + float(sigma) * noise.randn(shape)
         if progress is not None:
             progress.update(1)
     return x
@@ -118,16 +119,16 @@ def ddim_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, steps
 
 @torch.no_grad()
 def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver: str, steps: int,
-               spacing: str | None = None, prediction: str = "epsilon", generator: torch.Generator,
+               spacing: str | None = None, prediction: str = "epsilon", noise: ImageNoise,
                device: torch.device | str, clip: bool = True, autocast_dtype: torch.dtype | None = None,
                progress=None) -> torch.Tensor:
     """DPM-Solver++(2M), SDE-DPM-Solver++(2M), UniPC or Heun (fastddpm.diffusion.ode_solvers) over `steps`
-    timesteps. Returns images in [-1, 1], float32, shape `shape`; the SDE solver's noise comes from `generator`
+    timesteps. Returns images in [-1, 1], float32, shape `shape`; the SDE solver's noise comes from `noise`
     after the initial noise, one draw per step."""
     sched = schedule.to(device)
     ts = sampler_timesteps(sched, solver, steps, spacing)
     alpha, sigma, lam = noise_levels(sched, ts)
-    x = torch.randn(shape, generator=generator, device=device)
+    x = noise.randn(shape)
 
     def denoise(x_t: torch.Tensor, i: int) -> torch.Tensor:
         out = _model_out(model, x_t, ts[i], autocast_dtype)
@@ -141,7 +142,7 @@ def ode_sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, solver
         return dpmpp_2m(denoise, x, alpha, sigma, lam)
     if solver == "dpmpp-2m-sde":
         return dpmpp_2m_sde(denoise, x, alpha, sigma, lam,
-                            noise=lambda: torch.randn(shape, generator=generator, device=device))
+                            noise=lambda: noise.randn(shape))
     if solver == "unipc":
         return unipc_2(denoise, x, alpha, sigma, lam)
     if solver == "heun":
@@ -171,15 +172,17 @@ def sampler_timesteps(schedule: NoiseSchedule, sampler: str, steps: int, spacing
 
 
 def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: str = "ddim", steps: int = 50,
-           eta: float = 0.0, prediction: str = "epsilon", seed: int = 0, device: torch.device | str = "cpu",
-           autocast_dtype: torch.dtype | None = None, progress=None, labels: torch.Tensor | None = None,
-           guidance: float = 1.0, num_classes: int = 0, spacing: str | None = None,
-           clip: bool = True) -> torch.Tensor:
+           eta: float = 0.0, prediction: str = "epsilon", seed: int = 0, first_image: int = 0,
+           device: torch.device | str = "cpu", autocast_dtype: torch.dtype | None = None, progress=None,
+           labels: torch.Tensor | None = None, guidance: float = 1.0, num_classes: int = 0,
+           spacing: str | None = None, clip: bool = True) -> torch.Tensor:
     """Draw images with a sampler (SAMPLERS); the result is a function of (weights, seed, sampler settings, device
-    type): the noise comes from a torch.Generator on `device`, and torch's CPU and CUDA generators draw different
-    numbers for one seed. On one device the initial noise depends on the seed alone, so every sampler starts from
-    the same x_T. A conditional model samples `labels` ((B,) integer class ids, each in 0 .. num_classes, where
-    num_classes is the null class; None: unconditional) with classifier-free guidance W = `guidance` >= 0
+    type). Image i of the batch is image `first_image` + i of the draw seeded `seed`: its noise, the initial x_T
+    and every later draw, comes from its own generator (fastddpm.rng.ImageNoise), so it does not depend on the
+    batch it is drawn in nor on the batch size (up to float rounding in the network's batched arithmetic). Every
+    sampler starts from the same x_T. torch's CPU and CUDA generators draw different numbers for one seed. A
+    conditional model samples `labels` ((B,) integer class ids, each in 0 .. num_classes, where num_classes is the
+    null class; None: unconditional) with classifier-free guidance W = `guidance` >= 0
     (fastddpm.diffusion.guidance); `num_classes` is the model's. `eta` in [0, 1] is DDIM's (Song et al. eq. 16).
     `clip` clamps every x0 prediction to the data range [-1, 1]. `spacing` None: the sampler's own on this model's
     objective (config.default_spacing)."""
@@ -202,8 +205,10 @@ def sample(model, schedule: NoiseSchedule, shape: tuple[int, ...], *, sampler: s
             raise ValueError("class labels need a conditional model: num_classes is 0")
         check_labels(labels, shape[0], num_classes)
         model = guided(model, labels.to(device), guidance, num_classes)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    common = dict(prediction=prediction, generator=generator, device=device, clip=clip,
+    if first_image < 0:
+        raise ValueError(f"first_image={first_image} must be >= 0 (the index of the batch's first image in the draw)")
+    noise = ImageNoise(device, seed, first_image, shape[0])
+    common = dict(prediction=prediction, noise=noise, device=device, clip=clip,
                   autocast_dtype=autocast_dtype, progress=progress)
     if continuous:
         return continuous_sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, spacing=spacing,
@@ -236,7 +241,7 @@ def check_labels(labels: torch.Tensor, batch_size: int, num_classes: int) -> Non
 
 @torch.no_grad()
 def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...], *, sampler: str, steps: int,
-                      eta: float = 0.0, spacing: str, prediction: str = "epsilon", generator: torch.Generator,
+                      eta: float = 0.0, spacing: str, prediction: str = "epsilon", noise: ImageNoise,
                       device: torch.device | str, clip: bool = True, autocast_dtype: torch.dtype | None = None,
                       progress=None) -> torch.Tensor:
     """Any of CONTINUOUS_SAMPLERS on an EDM or flow-matching model (fastddpm.diffusion.continuous), over `steps`
@@ -248,8 +253,8 @@ def continuous_sample(model, process: ContinuousProcess, shape: tuple[int, ...],
     pairs = [process.alpha_sigma(float(v)) for v in levels]
     alpha, sigma = [float(a) for a, _ in pairs] + [1.0], [float(s) for _, s in pairs] + [0.0]
     lam = [math.log(a / s) for a, s in zip(alpha[:-1], sigma[:-1])] + [math.inf] if lambda_based else None
-    x = sigma[0] * torch.randn(shape, generator=generator, device=device)
-    draw = lambda: torch.randn(shape, generator=generator, device=device)  # noqa: E731
+    x = sigma[0] * noise.randn(shape)
+    draw = lambda: noise.randn(shape)  # noqa: E731
 
     def denoise(x_t: torch.Tensor, i: int) -> torch.Tensor:
         level_B = torch.full((x_t.shape[0],), levels[i], device=x_t.device, dtype=torch.float32)

@@ -76,8 +76,8 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     first_batch_s = None
     for i in range(num_batches):
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   spacing=spacing, seed=derive_seed(seed, "eval-sample", i), device=device,
-                   autocast_dtype=autocast_dtype,
+                   spacing=spacing, seed=derive_seed(seed, "eval-sample"), first_image=i * batch_size,
+                   device=device, autocast_dtype=autocast_dtype,
                    progress=bar, num_classes=m.num_classes, guidance=1.0 if guidance is None else guidance,
                    labels=labels[i * batch_size:(i + 1) * batch_size] if labels is not None else None)
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
