@@ -42,7 +42,9 @@ def test_train_names_a_field_it_cannot_place(tmp_path):
 
 
 def test_sample_is_the_clis_sample(api_run, tmp_path):
-    """Same seed, same batch size: the same images as `fastddpm sample`; deterministic; PIL on request."""
+    """Same seed: the same images as `fastddpm sample` (at the same batch size: bit for bit); deterministic; a
+    draw split with first_image / --first-image is the draw whole (equal where the batches are; elsewhere to a
+    pixel level of float rounding); PIL on request."""
     model = fastddpm.load(api_run.run_dir)
     images = model.sample(5, steps=3, seed=7, batch_size=2)
     assert images.dtype == np.uint8 and images.shape == (5, 1, 28, 28)
@@ -51,6 +53,17 @@ def test_sample_is_the_clis_sample(api_run, tmp_path):
                  "--batch-size", "2", "--no-progress", "--out", str(tmp_path)]) == 0
     cli = np.load(next(tmp_path.glob("*.npz")))["images"]
     assert np.array_equal(images, cli)
+    assert np.array_equal(model.sample(3, steps=3, seed=7, batch_size=2, first_image=2)[:2], images[2:4])
+    split = tmp_path / "split"
+    assert main(["sample", "--checkpoint", str(api_run.run_dir), "--num-images", "3", "--first-image", "2", "--steps",
+                 "3", "--seed", "7", "--batch-size", "3", "--no-progress", "--out", str(split)]) == 0
+    (npz,) = split.glob("*.npz")
+    assert "_n3_from2_seed7_" in npz.name
+    tail = np.load(npz)["images"].astype(int)
+    assert np.abs(tail - images[2:].astype(int)).max() <= 1 and (tail != images[2:]).mean() < 0.01
+    with pytest.raises(ConfigError, match="first_image=-1 must be >= 0"):
+        model.sample(1, steps=1, first_image=-1)
+    assert main(["sample", "--checkpoint", str(api_run.run_dir), "--first-image", "-3", "--no-progress"]) == 2
     pictures = model.sample(2, steps=2, output="pil")
     assert len(pictures) == 2 and pictures[0].size == (28, 28) and pictures[0].mode == "L"
     with pytest.raises(ConfigError, match="unconditional"):

@@ -83,11 +83,12 @@ class Model:
         m = self.cfg.model
         return tuple(m.class_names) if m.conditional and m.class_names else None
 
-    def sample(self, n: int, *, sampler: str = "auto", steps: int | None = None, seed: int = 0,
+    def sample(self, n: int, *, sampler: str = "auto", steps: int | None = None, seed: int = 0, first_image: int = 0,
                class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
-        `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k)).
+        `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k));
+        `first_image=K` draws images K .. K + n - 1 of the seed's sequence (a share of a draw split over processes).
         `class_`: a conditional model's class (name or id; "all" for n // classes of each, or with n below the class
         count one image each of n classes spread over the ids), guided with `guidance` (default: the run's
         train.sample_guidance).
@@ -101,6 +102,8 @@ class Model:
             raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
         if batch_size < 1:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
+        if first_image < 0:
+            raise ConfigError(f"sample: first_image={first_image} must be >= 0 (the index of the first image)")
         if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
             raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model
@@ -116,8 +119,8 @@ class Model:
         sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, guidance=scale if labels is not None else None)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
-                                   batch_size=batch_size, device=self.device, precision=precision, progress=progress,
-                                   labels=labels, guidance=scale)
+                                   first_image=first_image, batch_size=batch_size, device=self.device,
+                                   precision=precision, progress=progress, labels=labels, guidance=scale)
         if output == "uint8":
             return images
         from PIL import Image

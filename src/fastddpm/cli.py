@@ -139,10 +139,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "\n  fastddpm sample --checkpoint runs/fmnist/checkpoints/ckpt_000002000.pt --sampler ddpm\n"
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 2     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
-               "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>_seed<S>[_<class>_w<W>]_step<K>[_model].png (a\n"
-               "grid of up to 256 images; with --class all one row per class, named, of N // classes images each, or\n"
-               "with N below the number of classes one image each of N classes spread over the ids) and a matching\n"
-               ".npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,) and `guidance`.\n"
+               "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>[_from<F>]_seed<S>[_<class>_w<W>]_step<K>\n"
+               "[_model].png (a grid of up to 256 images; with --class all one row per class, named, of N // classes\n"
+               "images each, or with N below the number of classes one image each of N classes spread over the ids)\n"
+               "and a matching .npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,)\n"
+               "and `guidance`.\n"
                "The images are a function of the weights, the sampler's flags, --seed and the device type: image k\n"
                "draws its noise from (seed, k), so --batch-size does not change it (up to float rounding in the\n"
                "network), and a draw of more images begins with the images of a draw of fewer.",
@@ -161,6 +162,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--seed", type=int, default=0,
                     help="sampling seed (default 0): the same seed gives the same images; image k's noise comes "
                          "from (seed, k)")
+    sp.add_argument("--first-image", type=int, default=0, metavar="K",
+                    help="draw images K .. K+N-1 of the seed's sequence (default 0): split a large draw over "
+                         "processes or GPUs, each with its own range, and together they hold what one draw of all "
+                         "would (as EDM's --seeds)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N",
                     help="images per model call (default 256); memory and speed only: each image draws its own noise, "
                          "so another batch size draws the same images")
@@ -255,6 +260,8 @@ def cmd_sample(args) -> int:
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
+    if args.first_image < 0:
+        raise ConfigError(f"--first-image {args.first_image} must be >= 0 (the index of the first image to draw)")
     out = Path(args.out) if args.out else ckpt.run_dir.samples
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
@@ -276,7 +283,8 @@ def cmd_sample(args) -> int:
     # another eta or the raw weights writes beside the earlier files instead of over them
     tag = f"-{spacing}" if spacing != own_spacing else ""
     tag += f"-eta{args.eta:g}" if args.eta != 0 else ""
-    stem = f"{args.sampler}{steps}{tag}_n{num_images}_seed{args.seed}"
+    stem = f"{args.sampler}{steps}{tag}_n{num_images}" + (f"_from{args.first_image}" if args.first_image else "")
+    stem += f"_seed{args.seed}"
     if args.klass is not None:
         stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
     if ckpt.step is not None:  # the samples of two checkpoints of one run are two results, as in eval's names
@@ -287,8 +295,9 @@ def cmd_sample(args) -> int:
                                              "created and written, or an existing folder")  # before any sampling
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
-                                 spacing=args.spacing, eta=args.eta, seed=args.seed, batch_size=args.batch_size,
-                                 device=device, out_grid=out / f"{stem}.png", out_npz=out / f"{stem}.npz",
+                                 spacing=args.spacing, eta=args.eta, seed=args.seed, first_image=args.first_image,
+                                 batch_size=args.batch_size, device=device, out_grid=out / f"{stem}.png",
+                                 out_npz=out / f"{stem}.npz",
                                  precision=args.precision, progress=not args.no_progress, labels=labels,
                                  guidance=guidance, per_class_row=per_class)
     print(f"wrote {out / (stem + '.png')} and {out / (stem + '.npz')} ({images.shape[0]} images, "

@@ -117,12 +117,13 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[
 
 
 def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, seed: int, batch_size: int,
-                  device, precision: str = "auto", eta: float = 0.0, progress: bool = True,
+                  device, first_image: int = 0, precision: str = "auto", eta: float = 0.0, progress: bool = True,
                   labels: np.ndarray | None = None, guidance: float = 1.0, spacing: str | None = None) -> np.ndarray:
-    """`num_images` as uint8 (N, C, H, W), in batches of `batch_size`, image k from (seed, k) whatever the batch
-    size (diffusion.sample); or one per entry of `labels` (a conditional model's class ids), guided with scale
-    `guidance`. `fastddpm sample` and the Python API's Model.sample both draw here: the same seed gives the same
-    images, and a draw of more images begins with those of a draw of fewer."""
+    """`num_images` as uint8 (N, C, H, W): images `first_image` .. + N - 1 of the seed's sequence, in batches of
+    `batch_size`, image k from (seed, k) whatever the batch size (diffusion.sample); or one per entry of `labels`
+    (a conditional model's class ids), guided with scale `guidance`. `fastddpm sample` and the Python API's
+    Model.sample both draw here: the same seed gives the same images, and a draw of more images begins with those
+    of a draw of fewer."""
     device = torch.device(device)
     prec = resolve_precision(precision, device)
     schedule = schedule_from_config(cfg.diffusion)
@@ -139,7 +140,7 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
         shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
         y = torch.from_numpy(labels[start:start + n]) if labels is not None else None
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
-                   spacing=spacing, seed=derive_seed(seed, "sample"), first_image=start, device=device,
+                   spacing=spacing, seed=derive_seed(seed, "sample"), first_image=first_image + start, device=device,
                    autocast_dtype=prec.autocast_dtype,
                    progress=bar, labels=y, guidance=guidance, num_classes=model_cfg.num_classes)
         chunks.append(to_uint8(x).cpu().numpy())
@@ -149,15 +150,16 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
 
 
 def sample_to_files(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, eta: float, seed: int,
-                    batch_size: int, device, out_grid: Path, out_npz: Path | None, precision: str = "auto",
-                    progress: bool = True, labels: np.ndarray | None = None, guidance: float = 1.0,
-                    per_class_row: int | None = None, spacing: str | None = None) -> np.ndarray:
+                    batch_size: int, device, first_image: int = 0, out_grid: Path, out_npz: Path | None,
+                    precision: str = "auto", progress: bool = True, labels: np.ndarray | None = None,
+                    guidance: float = 1.0, per_class_row: int | None = None,
+                    spacing: str | None = None) -> np.ndarray:
     """sample_images, then a PNG grid (up to 256 images; with `per_class_row`, the images drawn class by class
     `per_class_row` at a time: one row per class, named, of its first images, as many as keep the grid near 256 but
     at least one) and an .npz of uint8 (N, C, H, W) with the labels beside them."""
     images = sample_images(model, cfg, num_images=num_images, sampler=sampler, steps=steps, seed=seed,
-                           batch_size=batch_size, device=device, precision=precision, eta=eta, progress=progress,
-                           labels=labels, guidance=guidance, spacing=spacing)
+                           first_image=first_image, batch_size=batch_size, device=device, precision=precision,
+                           eta=eta, progress=progress, labels=labels, guidance=guidance, spacing=spacing)
     model_cfg = cfg.model
     scale = grid_scale(model_cfg.image_size)
     if per_class_row:
