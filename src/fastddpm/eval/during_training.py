@@ -2,7 +2,8 @@
 
 Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps; `auto` resolved for the run's
 objective, and the resolved names recorded) from the EMA weights, with the same noise every time (seed derived from
-(run seed, "eval")), so successive points differ only by the weights.
+(run seed, "eval")), so successive points differ only by the weights. Under torchrun every rank draws a share of
+the samples and rank 0 gathers and scores them: the samples one process would draw, in 1/N of the time on N GPUs.
 It writes one record to metrics.jsonl ({"event": "eval", fid, precision, recall, wall_s, images_seen, ...}) and
 a fuller one to eval.jsonl, and redraws RUN_DIR/eval_curve.png (FID vs wall time and vs images seen).
 
@@ -25,7 +26,7 @@ import torch
 
 from fastddpm.config import RunConfig
 from fastddpm.eval.curve import write_curve
-from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
+from fastddpm.eval.evaluate import Evaluator, as_json_safe, sample_uint8, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
@@ -45,19 +46,28 @@ def evaluation_choices(cfg: RunConfig) -> dict:
 
 
 class TrainingEvaluator:
+    """The evaluations of one run. Under torchrun every rank makes one (`rank`, `world_size`): each draws its
+    share of the samples (an FSDP model's forward needs every rank), rank 0 gathers and scores them, alone holding
+    the feature network, the reference statistics and the logs."""
+
     def __init__(self, cfg: RunConfig, *, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, rank: int = 0, world_size: int = 1):
         t = cfg.train
         self.cfg, self.device, self.autocast_dtype, self.log = cfg, device, autocast_dtype, log
+        self.rank, self.world_size = rank, world_size
         self.every = t.eval_every_images
-        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
         self.choices = evaluation_choices(cfg)
+        self.sampler, self.steps = cfg.eval_sampling()  # `auto` resolved for the run's objective
+        self.evaluator = None  # rank 0's
+        if rank != 0:
+            return
+        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
         self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
         self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True
-        self.sampler, self.steps = cfg.eval_sampling()  # `auto` resolved for the run's objective
+        shared = f", shared by {world_size} processes" if world_size > 1 else ""
         log(f"eval: every {self.every:,} images, {t.eval_samples:,} {self.sampler}-{self.steps} samples from the "
-            f"EMA weights, in {self.evaluator.net.label}")
+            f"EMA weights{shared}, in {self.evaluator.net.label}")
 
     def due(self, images_seen: int, images_per_step: int) -> bool:
         """True on the step that crosses a multiple of eval_every_images."""
@@ -66,8 +76,9 @@ class TrainingEvaluator:
     def missed(self, images_seen: int, images_per_step: int, *, at_end: bool) -> bool:
         """On a resume: the step the checkpoint was saved at was due an evaluation (crossing a multiple of
         eval_every_images, or the run's last) that eval.jsonl does not hold. A stop signal skips that evaluation
-        and saves those very weights, so evaluating them now gives the record an uninterrupted run has."""
-        if images_seen <= 0 or not (at_end or self.due(images_seen, images_per_step)):
+        and saves those very weights, so evaluating them now gives the record an uninterrupted run has. Rank 0
+        reads the log; the other ranks answer False and take rank 0's answer (the loop shares it)."""
+        if self.rank != 0 or images_seen <= 0 or not (at_end or self.due(images_seen, images_per_step)):
             return False
         records = read_metrics(self.eval_log.path) if self.eval_log.path.is_file() else []
         return not any(r.get("images_seen") == images_seen for r in records)
@@ -80,8 +91,17 @@ class TrainingEvaluator:
         t_eval = time.perf_counter()
         wall_s = t_eval - t_start
         t = self.cfg.train
+        if self.evaluator is None:  # a rank other than 0: its share of the samples, gathered to rank 0
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                sample_uint8(ema_model, self.cfg, sampler=self.sampler, steps=self.steps, eta=0.0,
+                             device=self.device, autocast_dtype=self.autocast_dtype, rank=self.rank,
+                             world_size=self.world_size, **self.choices)
+            _reshard(ema_model)
+            return time.perf_counter() - t_eval
         result, _ = self.evaluator.evaluate(ema_model, self.cfg, sampler=self.sampler, steps=self.steps,
-                                            device=self.device, autocast_dtype=self.autocast_dtype, **self.choices)
+                                            device=self.device, autocast_dtype=self.autocast_dtype,
+                                            world_size=self.world_size, **self.choices)
+        _reshard(ema_model)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
@@ -103,3 +123,10 @@ class TrainingEvaluator:
                                      f"{t.eval_samples:,} samples, {self.sampler} {self.steps}")
             self.curve_ok = path is not None  # without matplotlib: say so once
         return time.perf_counter() - t_eval
+
+
+def _reshard(model) -> None:
+    """FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them, as
+    the training grids do, so that the next forward gathers the updated EMA shards."""
+    if hasattr(model, "reshard"):
+        model.reshard()

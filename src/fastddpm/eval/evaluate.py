@@ -4,8 +4,9 @@
     score          FID (exact Frechet distance, float64), precision/recall (k = 3), class coverage
     Evaluator      a feature network + the reference statistics, built once and reused (CLI and training)
 
-Sampling randomness comes from its own generators, seeded from (seed, "eval-sample", batch): an evaluation
-never touches the global RNG or the training streams, so it cannot change a run it is part of.
+Sampling randomness comes from its own generators, sample k's from (seed, "eval-sample", k): an evaluation never
+touches the global RNG or the training streams, so it cannot change a run it is part of, and its samples do not
+depend on the batch size nor on how many processes share the sampling (sample_uint8's `rank` and `world_size`).
 """
 
 from __future__ import annotations
@@ -54,27 +55,35 @@ def balanced_labels(num_images: int, num_classes: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
-                 progress: bool = False, guidance: float | None = None,
-                 spacing: str | None = None) -> tuple[torch.Tensor, dict]:
+                 progress: bool = False, guidance: float | None = None, spacing: str | None = None,
+                 rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor | None, dict]:
     """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
     last one is dropped), so a compiled model sees one shape. A conditional model samples every class equally
-    often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`."""
+    often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`.
+
+    Shared by `world_size` processes of a torch.distributed group (torchrun), each calls it with its `rank`: it
+    draws batches rank, rank + world_size, ...; every rank draws as many batches (an FSDP model's forward is a
+    collective), each of at most `batch_size`, and rank 0 gathers the samples, the same as one process draws
+    (sample k's noise is its own). Ranks other than 0 get None for the images."""
     schedule = schedule_from_config(cfg.diffusion).to(device)
     m = cfg.model
+    rounds = math.ceil(num_samples / (batch_size * world_size))  # batches a rank draws
+    if world_size > 1:  # the smallest batch that takes as many rounds: 12 samples on 2 ranks are 2 batches of 6
+        batch_size = math.ceil(num_samples / (rounds * world_size))
+    num_batches = rounds * world_size
     shape = (batch_size, m.image_channels, m.image_size, m.image_size)
-    num_batches = math.ceil(num_samples / batch_size)
     bar = None
-    if progress:
+    if progress and rank == 0:
         from fastddpm.progress import progress_bar
 
         per_batch = network_calls(sampler, steps, cfg.diffusion.num_timesteps, schedule=schedule, spacing=spacing)
-        bar = progress_bar(num_batches * per_batch, unit="model-call", desc="sampling")
+        bar = progress_bar(num_batches // world_size * per_batch, unit="model-call", desc="sampling")
     labels = balanced_labels(num_batches * batch_size, m.num_classes) if m.conditional else None
     chunks = []
     _sync(device)
     t0 = time.perf_counter()
     first_batch_s = None
-    for i in range(num_batches):
+    for i in range(rank, num_batches, world_size):
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
                    spacing=spacing, seed=derive_seed(seed, "eval-sample"), first_image=i * batch_size,
                    device=device, autocast_dtype=autocast_dtype,
@@ -83,17 +92,37 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t0
+    images = _gather_batches(torch.stack(chunks), num_batches, rank, world_size, device) if world_size > 1 \
+        else torch.cat(chunks)
     wall_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    images = torch.cat(chunks)[:num_samples]
     # per image drawn: every batch is full, so ceil(N / B) * B images took wall_s
     timing = {"wall_s": wall_s, "samples_per_s": num_batches * batch_size / max(wall_s, 1e-9),
               "first_batch_s": first_batch_s,
               "batches": num_batches, "batch_size": batch_size, "drawn": num_batches * batch_size}
-    if num_batches > 1:  # the first batch carries compile / warm-up time; the rest is the steady state
-        timing["steady_samples_per_s"] = (num_batches - 1) * batch_size / max(wall_s - first_batch_s, 1e-9)
-    return images, timing
+    if world_size > 1:
+        timing["processes"] = world_size
+    if rounds > 1:  # the first batch carries compile / warm-up time; the rest is the steady state
+        timing["steady_samples_per_s"] = (rounds - 1) * world_size * batch_size / max(wall_s - first_batch_s, 1e-9)
+    return (images[:num_samples] if images is not None else None), timing
+
+
+def _gather_batches(mine_NBCHW: torch.Tensor, num_batches: int, rank: int, world_size: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """Rank 0 receives every rank's batches (rank r holds batches r, r + world_size, ...) in batch order; the
+    others get None. NCCL moves CUDA tensors only, gloo CPU ones."""
+    import torch.distributed as dist
+
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = mine_NBCHW.to(on)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(mine, gathered, dst=0)
+    if rank != 0:
+        return None
+    # batch i is rank i % W's (i // W)-th
+    ordered = torch.stack(gathered, dim=1).reshape(num_batches, *mine.shape[1:]).cpu()
+    return ordered.reshape(-1, *mine.shape[2:])
 
 
 def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: int = DEFAULT_K,
@@ -203,15 +232,18 @@ class Evaluator:
     def evaluate(self, model, cfg: RunConfig, *, num_samples: int, sampler: str = "ddim", steps: int = 50,
                  eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
                  autocast_dtype: torch.dtype | None = None, progress: bool = False,
-                 guidance: float | None = None, spacing: str | None = None) -> tuple[dict, torch.Tensor]:
+                 guidance: float | None = None, spacing: str | None = None,
+                 world_size: int = 1) -> tuple[dict, torch.Tensor]:
         """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
-        classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too."""
+        classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too. With
+        `world_size` > 1 this is rank 0 of a group whose other ranks call sample_uint8 with the same arguments
+        and their rank (TrainingEvaluator): they draw their share of the samples, rank 0 scores them all."""
         m = cfg.model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
                                           autocast_dtype=autocast_dtype, progress=progress, guidance=guidance,
-                                          spacing=spacing)
+                                          spacing=spacing, world_size=world_size)
             labels = balanced_labels(images.shape[0], m.num_classes) if m.conditional else None
             metrics = score(images, self.net, self.ref, labels=labels, classifier=self.classifier,
                             classes=self.classes, class_names=m.class_names)

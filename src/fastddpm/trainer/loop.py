@@ -136,8 +136,8 @@ def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, lo
 
 def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainResult:
     train_cfg, state = run.cfg.train, run.state
-    if run.evaluator is not None and run.evaluator.missed(state.images_seen, run.images_per_step,
-                                                          at_end=state.step == run.total_steps):
+    if run.evaluator is not None and any_rank(int(run.evaluator.missed(
+            state.images_seen, run.images_per_step, at_end=state.step == run.total_steps)), run.dist, run.device):
         maybe_evaluate(run, out, done=True)  # a signal stopped the run on an evaluation's step: its weights now
     while state.step < run.total_steps:
         # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
@@ -392,8 +392,9 @@ def _crossed(images_seen: int, images_per_step: int, every: int | None) -> bool:
 
 
 def maybe_evaluate(run: Run, out: StepLog, done: bool) -> None:
-    """FID, precision/recall and coverage from the EMA weights (--eval-every, and after the last step), on rank 0;
-    the evaluation's seconds are taken out of the training clocks."""
+    """FID, precision/recall and coverage from the EMA weights (--eval-every, and after the last step): every rank
+    draws its share of the samples, rank 0 scores them; the evaluation's seconds are taken out of the training
+    clocks."""
     evaluator, state = run.evaluator, run.state
     if evaluator is None or not (done or evaluator.due(state.images_seen, run.images_per_step)):
         return

@@ -222,13 +222,13 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     opt = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast,
                        parallel=("fsdp" if fsdp else "ddp") if dist.enabled else None)
     evaluator = None
-    if train_cfg.eval_every_images and dist.is_main:
+    if train_cfg.eval_every_images:
         # Built before the clock starts: training the dataset's feature network (once, then cached) and the real
-        # data's statistics are set-up, not time-to-quality.
+        # data's statistics are set-up, not time-to-quality. Every rank samples its share; rank 0 scores.
         from fastddpm.eval.during_training import TrainingEvaluator
 
         evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
-                                      log=console)
+                                      log=console, rank=dist.rank, world_size=dist.world_size)
     state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
                        cpu_threads=cpu_threads)
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
@@ -340,10 +340,6 @@ def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_rea
                           "`torchrun --nproc-per-node N -m fastddpm train --parallel fsdp ...` (N=1 works too), or "
                           "drop --parallel fsdp for a single-process run")
     fsdp = dist.enabled and train_cfg.parallel == "fsdp"
-    if fsdp and train_cfg.eval_every_images:
-        raise ConfigError("--eval-every is not supported with --parallel fsdp yet (evaluation runs on rank 0 alone "
-                          "and cannot all-gather the sharded EMA): evaluate the run's ema.safetensors afterwards "
-                          "with `fastddpm eval --checkpoint RUN_DIR/ema.safetensors`")
     if fsdp and train_cfg.batch_size == "auto":
         raise ConfigError("batch_size=auto measures a full replica of the model, which --parallel fsdp exists to "
                           "avoid: set --batch-size (per device) or --global-batch-size")

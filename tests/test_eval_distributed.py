@@ -1,0 +1,103 @@
+"""Evaluation shared by the ranks of a torchrun job: each draws its share of the samples, rank 0 gathers them in
+order and scores them, and the samples are the ones a single process draws (sample k's noise is its own). Under
+FSDP (whose forward needs every rank) `--eval-every` runs now instead of being refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
+from fastddpm.eval.evaluate import sample_uint8
+from fastddpm.models import build_unet
+
+from eval_fixtures import fmnist_splits  # noqa: F401 - a session fixture (a real train/test slice)
+from test_distributed import torchrun, train_args
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo process groups on Linux and macOS")
+
+SAMPLING = dict(num_samples=10, sampler="dpmpp-2m-sde", steps=2, eta=0.0, seed=4, batch_size=3,
+                device=torch.device("cpu"), autocast_dtype=None, guidance=2.0)
+
+
+def _conditional_model():
+    cfg = apply_overrides(get_preset("tiny"), {"model.conditional": True})
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_classes=3, class_names=("a", "b", "c")))
+    cfg = resolve_model_shape(cfg, (1, 1, 12, 12))
+    torch.manual_seed(0)
+    return build_unet(cfg.model).eval(), cfg
+
+
+def _rank(rank: int, world_size: int, store_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                         world_size=world_size)
+    try:
+        model, cfg = _conditional_model()
+        images, timing = sample_uint8(model, cfg, rank=rank, world_size=world_size, **SAMPLING)
+        if rank == 0:
+            torch.save({"images": images, "timing": timing}, out_path)
+        else:
+            assert images is None
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_ranks_draw_the_samples_one_process_draws_in_order(tmp_path):
+    """10 samples in batches of 3 over 2 ranks: 4 batches (2 a rank, an FSDP forward needs every rank at each),
+    gathered in batch order; a conditional model, so that an image in the wrong place would carry another class's
+    noise and label."""
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    shared = torch.load(out)
+    model, cfg = _conditional_model()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the CPU's sums then run in the same order
+    try:
+        alone, timing = sample_uint8(model, cfg, **SAMPLING)
+    finally:
+        torch.set_num_threads(threads)
+    assert shared["images"].shape == alone.shape == (10, 1, 12, 12)
+    assert torch.equal(shared["images"], alone)
+    assert shared["timing"]["batches"] == 4 and shared["timing"]["drawn"] == 12 and shared["timing"]["processes"] == 2
+    assert timing["batches"] == 4 and "processes" not in timing  # one process: ceil(10 / 3) = 4 batches too
+
+
+@pytest.mark.slow
+def test_fsdp_evaluates_during_training_as_one_process_would(tmp_path, fmnist_splits):  # noqa: F811
+    """--eval-every under --parallel fsdp (it was refused: rank 0 alone could not run the sharded EMA): both ranks
+    sample, rank 0 scores; the last evaluation is the one a single process makes of the final EMA weights."""
+    from fastddpm.eval.during_training import evaluation_choices
+    from fastddpm.eval.evaluate import Evaluator
+    from fastddpm.sampling import load_for_sampling
+
+    out = tmp_path / "run"
+    r = torchrun(2, train_args(fmnist_splits, out, "--max-steps", "2", "--parallel", "fsdp", "--eval-every", "16",
+                               "--eval-samples", "12", "--eval-steps", "2"),
+                 env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "samples from the EMA weights, shared by 2 processes" in r.stdout
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [rec["images_seen"] for rec in records] == [16, 32]
+    assert records[-1]["sampling"]["processes"] == 2 and records[-1]["sampling"]["drawn"] == 12
+
+    model, cfg = load_for_sampling(out / "ema.safetensors")
+    evaluator = Evaluator.for_config(cfg, device=torch.device("cpu"), log=lambda *a: None)
+    sampler, steps = cfg.eval_sampling()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank
+    try:
+        alone, _ = evaluator.evaluate(model, cfg, sampler=sampler, steps=steps, device=torch.device("cpu"),
+                                      **evaluation_choices(cfg))
+    finally:
+        torch.set_num_threads(threads)
+    assert np.isclose(records[-1]["fid"], alone["fid"], rtol=1e-4), (records[-1]["fid"], alone["fid"])
+    assert np.isclose(records[-1]["precision"], alone["precision"]) and np.isclose(records[-1]["recall"],
+                                                                                    alone["recall"])
