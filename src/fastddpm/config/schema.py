@@ -457,9 +457,8 @@ class TrainConfig:
     eval_every_images: int | None = field(
         default=None,
         metadata=_doc("Evaluate FID, precision/recall and class coverage from the EMA weights every this many images "
-                      "(none = off): records in metrics.jsonl and eval.jsonl, a curve in eval_curve.png. Evaluation "
-                      "time is excluded from wall_s and images_per_s. Under torchrun each rank draws its share of "
-                      "the samples and rank 0 scores them.", cli="eval-every"),
+                      "(none = off): records in metrics.jsonl and eval.jsonl, a curve in eval_curve.png, its time "
+                      "excluded from wall_s and images_per_s; torchrun's ranks share the sampling.", cli="eval-every"),
     )
     eval_samples: int = field(
         default=1000, metadata=_doc("Images sampled per evaluation during training (FID is biased upward at small "
