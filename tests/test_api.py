@@ -53,6 +53,11 @@ def test_sample_is_the_clis_sample(api_run, tmp_path):
                  "--batch-size", "2", "--no-progress", "--out", str(tmp_path)]) == 0
     cli = np.load(next(tmp_path.glob("*.npz")))["images"]
     assert np.array_equal(images, cli)
+    wide = tmp_path / "wide"
+    assert main(["sample", "--checkpoint", str(api_run.run_dir), "--num-images", "5", "--steps", "3", "--seed", "7",
+                 "--batch-size", "5", "--no-progress", "--out", str(wide)]) == 0
+    one_batch = np.load(next(wide.glob("*.npz")))["images"].astype(int)
+    assert np.abs(one_batch - images.astype(int)).max() <= 1 and (one_batch != images).mean() < 0.01
     assert np.array_equal(model.sample(3, steps=3, seed=7, batch_size=2, first_image=2)[:2], images[2:4])
     split = tmp_path / "split"
     assert main(["sample", "--checkpoint", str(api_run.run_dir), "--num-images", "3", "--first-image", "2", "--steps",

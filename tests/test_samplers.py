@@ -246,14 +246,15 @@ def test_an_images_noise_is_its_own_whatever_the_batch():
 @pytest.mark.parametrize("objective", ["ddpm", "edm", "flow"])
 def test_every_sampler_draws_an_image_the_same_in_any_batch(objective):
     """A batch of 4 equals batches of 1 and 3 drawn as images 0 and 1-3, for every sampler of the objective, the
-    stochastic ones included (the network stand-in treats each image on its own)."""
+    stochastic ones included (the network stand-in treats each image on its own); 12 steps, so that the stochastic
+    ones draw past ImageNoise's first block of draws."""
     from fastddpm.diffusion.continuous import EDM, Flow
 
     schedule = {"ddpm": lambda: make_schedule("linear", 100), "edm": EDM, "flow": Flow}[objective]()
     names = SAMPLERS if objective == "ddpm" else CONTINUOUS_SAMPLERS
     shape = (4, 1, 4, 4)
     for name in names:
-        kw = dict(sampler=name, steps=6, seed=SEED, eta=1.0 if name == "ddim" else 0.0)
+        kw = dict(sampler=name, steps=12, seed=SEED, eta=1.0 if name == "ddim" else 0.0)
         whole = sample(smooth_model, schedule, shape, **kw)
         parts = torch.cat([sample(smooth_model, schedule, (1, 1, 4, 4), **kw),
                            sample(smooth_model, schedule, (3, 1, 4, 4), first_image=1, **kw)])
@@ -356,6 +357,30 @@ def test_cuda_graph_replayed_sampling_equals_eager(name):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = switches
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["dpmpp-2m-sde", "ddpm"])
+def test_cuda_images_are_the_same_in_any_batch(name):
+    """On a GPU too, image k's noise is its own: a batch of 8 equals batches of 3 and 5 drawn as images 0-2 and
+    3-7 (fp32 without TF32, so that only the batch shape differs between the two)."""
+    from fastddpm.models import UNet
+
+    torch.manual_seed(0)
+    model = UNet(resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model).cuda().eval()
+    schedule = make_schedule("linear", 100).to("cuda")
+    kw = dict(sampler=name, steps=12, seed=3, device="cuda")
+    switches = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            whole = sample(model, schedule, (8, 1, 28, 28), **kw)
+            parts = torch.cat([sample(model, schedule, (3, 1, 28, 28), **kw),
+                               sample(model, schedule, (5, 1, 28, 28), first_image=3, **kw)])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = switches
+    torch.testing.assert_close(parts, whole, rtol=1e-3, atol=1e-3)
 
 
 def _graphed_and_eager(model, schedule, kw):

@@ -87,7 +87,8 @@ class Model:
                class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
                precision: str = "auto", output: str = "uint8", progress: bool = False):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
-        `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k));
+        `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k); up
+        to float rounding in the network's batched arithmetic, bit for bit at the same batch size);
         `first_image=K` draws images K .. K + n - 1 of the seed's sequence (a share of a draw split over processes).
         `class_`: a conditional model's class (name or id; "all" for n // classes of each, or with n below the class
         count one image each of n classes spread over the ids), guided with `guidance` (default: the run's

@@ -146,7 +146,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "and `guidance`.\n"
                "The images are a function of the weights, the sampler's flags, --seed and the device type: image k\n"
                "draws its noise from (seed, k), so --batch-size does not change it (up to float rounding in the\n"
-               "network), and a draw of more images begins with the images of a draw of fewer.",
+               "network), and a draw of more images of one class (or none) begins with the images of a draw of\n"
+               "fewer (with --class all, N decides each image's class).",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
                     help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
@@ -165,7 +166,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--first-image", type=int, default=0, metavar="K",
                     help="draw images K .. K+N-1 of the seed's sequence (default 0): split a large draw over "
                          "processes or GPUs, each with its own range, and together they hold what one draw of all "
-                         "would (as EDM's --seeds)")
+                         "would (as EDM's --seeds; of one class or none: with --class all each range lays out its "
+                         "own classes)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N",
                     help="images per model call (default 256); memory and speed only: each image draws its own noise, "
                          "so another batch size draws the same images")

@@ -31,10 +31,12 @@ class ImageNoise:
     then the same whatever batch it is drawn in and whatever the batch size, as with EDM's per-seed generators
     (Karras et al. 2022, generate.py) and diffusers' list of generators, one per image.
 
-    The cost is a generator call per image instead of one per batch (a kernel launch each on a GPU), so the draws
-    after the first come DRAWS_PER_CALL at a time: a stochastic sampler's 20-1,000 draws make 1/8 as many calls,
-    and a deterministic one, which draws once, generates nothing it does not use. The calls' sizes depend on the
-    order of the draws alone, never on the batch, so neither do the numbers."""
+    The cost is a generator call per image instead of one per batch (a kernel launch each on a GPU), so each image's
+    draws after the first come DRAWS_PER_CALL at a time: a stochastic sampler's 20-1,000 draws take 1/8 as many
+    calls per image, and a deterministic one, which draws once, generates nothing it does not use. The calls' sizes
+    depend on the order of the draws alone, never on the batch, so neither do the numbers. The block of the next
+    draws, (count, DRAWS_PER_CALL, *image_shape), is 8 times the batch's noise: small next to the network's
+    activations for the same batch."""
 
     DRAWS_PER_CALL = 8
 
@@ -55,6 +57,7 @@ class ImageNoise:
                              "one ImageNoise draws for one image shape")
         if self._block is None or self._next == self._block.shape[1]:
             draws = 1 if self._calls == 0 else self.DRAWS_PER_CALL
+            self._block = None  # freed before the next one is made: never two blocks at once
             self._block = torch.empty((shape[0], draws, *shape[1:]), device=self.device)
             for x_DCHW, g in zip(self._block, self.generators):
                 x_DCHW.normal_(generator=g)

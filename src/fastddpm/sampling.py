@@ -122,8 +122,8 @@ def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps
     """`num_images` as uint8 (N, C, H, W): images `first_image` .. + N - 1 of the seed's sequence, in batches of
     `batch_size`, image k from (seed, k) whatever the batch size (diffusion.sample); or one per entry of `labels`
     (a conditional model's class ids), guided with scale `guidance`. `fastddpm sample` and the Python API's
-    Model.sample both draw here: the same seed gives the same images, and a draw of more images begins with those
-    of a draw of fewer."""
+    Model.sample both draw here: the same seed gives the same images, and a draw of more images with the same
+    labels begins with those of a draw of fewer."""
     device = torch.device(device)
     prec = resolve_precision(precision, device)
     schedule = schedule_from_config(cfg.diffusion)

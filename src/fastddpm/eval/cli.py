@@ -77,7 +77,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                     help="sampling seed (default 0); sample k's noise comes from (seed, k)")
     ev.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                     help="images per model call (default 1000 on a GPU, 250 on a CPU); memory and speed only: the "
-                         "samples, and so the scores, are the same at any batch size")
+                         "samples, and so the scores, are the same at any batch size (up to float rounding in the "
+                         "network's batched arithmetic)")
     ev.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     ev.add_argument("--data", default=None, metavar="SOURCE",
                     help="the real data (default: the checkpoint's data.source, with its resize/mode options)")
