@@ -177,7 +177,8 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
     compiled = m.compile is not None and m.compile.compiled_graphs > 0
     cudnn = (t.layout_format_share or 0.0) > 0.5
     layout = m.conv_layout
-    ev = [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() copies) take "
+    ev = [f"layout-conversion kernels (nchwToNhwc / nhwcToNchw / transposes / .contiguous() and other strided "
+          f"copies) take "
           f"{pct(t.layout_share)} of GPU busy time, {t.layout_kernels_per_step:.0f} per step"]
     if t.layout_format_share is not None:
         ev.append(f"{pct(t.layout_format_share)} of that time is cuDNN's NCHW <-> NHWC format conversions")
@@ -221,10 +222,25 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
             if layout is None else [])
     elif layout in ("channels_last", "mixed"):
         cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
-                 "calls, views that need NCHW), so every such op converts back and forth")
-        fixes = [Fix("--channels-last off", "drop .to(memory_format=torch.channels_last) from the model and its "
-                                            "inputs (measure both: the layout that wins depends on the GPU)")]
-        fixes += [] if compiled else [compile_fix]
+                 "calls, views that need NCHW), so every such op converts back and forth"
+                 + ("; compiled, Inductor's own tensors stayed NCHW (its layout optimization skips a graph with a "
+                    "convolution of at least twice as many input as output channels), so it copies between the "
+                    "layouts" if compiled else ""))
+        off = Fix("--channels-last off", "drop .to(memory_format=torch.channels_last) from the model and its "
+                                         "inputs (measure both: the layout that wins depends on the GPU)")
+        if compiled:
+            # The copies are between cuDNN's NHWC and Inductor's NCHW: forcing Inductor to NHWC removes them where
+            # it holds (a candidate: not yet measured on a GPU), while NCHW brings cuDNN's own conversions back (an
+            # H200: channels_last 1.09x NCHW on seed-1layer, 0.94x on ddpm-cifar10). Neither is predicted from the
+            # copies' share; `--try` measures the first.
+            fixes = [Fix("--channels-last on --inductor-layout channels-last",
+                         "keep channels_last and force Inductor's layout optimization, so its own tensors are "
+                         "channels_last too: torch.compile(model, options={'force_layout_optimization': True}) (a "
+                         "candidate, not yet measured)", unpredicted=True),
+                     Fix(off.fastddpm, off.code + "; under torch.compile NCHW brings cuDNN's format conversions "
+                         "back, so only a measurement (--try) says which costs less", unpredicted=True)]
+        else:
+            fixes = [off, compile_fix]
     elif layout == "nchw":
         cause = ("the model changes layout between its own ops: .contiguous() copies, transposes and permutes (an "
                  "attention's head split, a view that needs another order)")
