@@ -266,6 +266,10 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
     assert all(x.unpredicted for x in f.fixes) and "Inductor's own tensors stayed NCHW" in f.cause
     assert [(t.fix, t.predicted) for t in plan_trainer([f], 3)] == [
         ("--channels-last on --inductor-layout channels-last", None)]
+    # the layout already forced (fastddpm's --inductor-layout channels-last): only the other layout is left
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="channels_last",
+                                             compile=compiled, inductor_layout="channels-last"))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last off"] and "optimization forced" in f.cause
     # an NCHW model whose conversions are its own copies and transposes: no layout flag helps
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="nchw"))
     assert [x.fastddpm for x in f.fixes] == ["--compile on", None] and "its own ops" in f.cause

@@ -333,19 +333,24 @@ def test_layout_conversion_kernels_are_found_by_name_and_by_contiguous():
 
 
 def test_strided_copies_inside_a_cuda_graph_are_layout_conversions():
-    """A replayed graph has no aten::contiguous around its copies: aten's direct_copy_kernel (a copy_ of one dtype
-    between tensors not both contiguous) is found by its name, as in the compiled, graphed ddpm-cifar10 step with
-    channels_last on an H200 (76 a step, 12%); the vectorized contiguous copy and the fused kernels are not."""
+    """A replayed graph has no aten::contiguous around its copies: aten's direct_copy_kernel without a cast (its
+    gpu_kernel_impl_nocast kernel: one dtype, tensors not both contiguous) is found by its name, as in the
+    compiled, graphed ddpm-cifar10 step with channels_last on an H200 (76 a step, 12%); the vectorized contiguous
+    copy, the fused kernels and direct_copy's casts (autocast's fp32 upcasts before a GroupNorm) are not."""
     strided = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
                "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
                "{lambda()#10}::operator()() const::{lambda(c10::BFloat16)#1}> >(int, T3)")
+    cast = ("void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda("
+            "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::"
+            "{lambda(float)#1}, std::array<char*, 2ul> >(int, T2, T3)")
     tr = CudaTrace()
     for _ in range(6):
         tr.begin_step()
         with tr.cpu_op("aten::copy_", ["c10::BFloat16", "c10::BFloat16", ""], [[64, 3, 32, 32], [64, 3, 32, 32], []]):
             tr.launch(name="void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_copy>",
                       kernel_us=4.0, launch_us=6.0)
-        tr.graph_replay([10.0] * 100, names=[strided if i % 5 == 0 else f"triton_poi_fused_{i}" for i in range(100)])
+        tr.graph_replay([10.0] * 100, names=[strided if i % 5 == 0 else cast if i % 5 == 1 else f"triton_poi_fused_{i}"
+                                             for i in range(100)])
         tr.end_step()
     v, found, t = diagnose_trace(tr)
     assert t["layout_kernels_per_step"] == 20

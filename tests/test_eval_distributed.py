@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo process gr
 
 SAMPLING = dict(num_samples=10, sampler="dpmpp-2m-sde", steps=2, eta=0.0, seed=4, batch_size=3,
                 device=torch.device("cpu"), autocast_dtype=None, guidance=2.0)
+# 7 samples in batches of at most 500 over 2 ranks: one batch of 4 a rank, not one of 7 and one wasted
+SHRUNK = {**SAMPLING, "num_samples": 7, "batch_size": 500}
 
 
 def _conditional_model():
@@ -42,10 +44,12 @@ def _rank(rank: int, world_size: int, store_path: str, out_path: str) -> None:
     try:
         model, cfg = _conditional_model()
         images, timing = sample_uint8(model, cfg, rank=rank, world_size=world_size, **SAMPLING)
+        shrunk, shrunk_timing = sample_uint8(model, cfg, rank=rank, world_size=world_size, **SHRUNK)
         if rank == 0:
-            torch.save({"images": images, "timing": timing}, out_path)
+            torch.save({"images": images, "timing": timing, "shrunk": shrunk, "shrunk_timing": shrunk_timing},
+                       out_path)
         else:
-            assert images is None
+            assert images is None and shrunk is None
     finally:
         torch.distributed.destroy_process_group()
 
@@ -62,12 +66,18 @@ def test_two_ranks_draw_the_samples_one_process_draws_in_order(tmp_path):
     torch.set_num_threads(1)  # as each rank: the CPU's sums then run in the same order
     try:
         alone, timing = sample_uint8(model, cfg, **SAMPLING)
+        one_batch, _ = sample_uint8(model, cfg, **SHRUNK)
     finally:
         torch.set_num_threads(threads)
     assert shared["images"].shape == alone.shape == (10, 1, 12, 12)
     assert torch.equal(shared["images"], alone)
     assert shared["timing"]["batches"] == 4 and shared["timing"]["drawn"] == 12 and shared["timing"]["processes"] == 2
     assert timing["batches"] == 4 and "processes" not in timing  # one process: ceil(10 / 3) = 4 batches too
+    t = shared["shrunk_timing"]
+    assert (t["batches"], t["batch_size"], t["drawn"]) == (2, 4, 8) and shared["shrunk"].shape == (7, 1, 12, 12)
+    # batches of 4 against one of 7: the same samples up to float rounding in the network's batched sums
+    diff = (shared["shrunk"].int() - one_batch.int()).abs()
+    assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
 
 
 @pytest.mark.slow

@@ -191,6 +191,22 @@ def test_evals_samples_of_a_guided_model_do_not_depend_on_the_batch_size(runs):
     assert float((other != a).float().mean()) > 0.5
 
 
+def test_a_split_draw_of_every_class_is_refused_naming_what_to_do(runs, capsys):
+    """--class all lays its classes out over --num-images: ranges drawn with --first-image would not add up to the
+    draw whole (image k would get another class), so the pair is refused, in the CLI and the API; one class splits."""
+    import fastddpm
+    from fastddpm.config import ConfigError
+
+    assert main(["sample", "--checkpoint", str(runs["cond"]), "--class", "all", "--num-images", "10",
+                 "--first-image", "10", "--no-progress"]) == 2
+    assert "split it by class instead (--class NAME" in capsys.readouterr().err
+    model = fastddpm.load(runs["cond"])
+    with pytest.raises(ConfigError, match="first_image=10 with class_='all'"):
+        model.sample(10, first_image=10, class_="all")
+    one_class = model.sample(3, steps=2, first_image=2, class_=1)
+    assert one_class.shape == (3, 1, 28, 28)
+
+
 def test_the_samples_of_two_checkpoints_of_one_run_get_their_own_files(tmp_path, fmnist_npz):
     """Both write into the run's samples folder by default: the checkpoint's step in the name keeps the earlier
     one's images (they had been overwritten), as eval's names do."""

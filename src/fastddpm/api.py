@@ -89,7 +89,8 @@ class Model:
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k); up
         to float rounding in the network's batched arithmetic, bit for bit at the same batch size);
-        `first_image=K` draws images K .. K + n - 1 of the seed's sequence (a share of a draw split over processes).
+        `first_image=K` draws images K .. K + n - 1 of the seed's sequence (a share of a draw split over processes;
+        of one class or none, not with class_="all").
         `class_`: a conditional model's class (name or id; "all" for n // classes of each, or with n below the class
         count one image each of n classes spread over the ids), guided with `guidance` (default: the run's
         train.sample_guidance).
@@ -105,6 +106,10 @@ class Model:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
         if first_image < 0:
             raise ConfigError(f"sample: first_image={first_image} must be >= 0 (the index of the first image)")
+        if first_image and isinstance(class_, str) and class_.strip().lower() == "all":
+            raise ConfigError(f"sample: first_image={first_image} with class_='all': n decides each image's class, "
+                              "so the parts of a split draw would not add up to the draw whole; split it by class "
+                              "(class_=NAME), or draw it in one call")
         if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
             raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model

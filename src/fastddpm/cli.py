@@ -166,8 +166,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     sp.add_argument("--first-image", type=int, default=0, metavar="K",
                     help="draw images K .. K+N-1 of the seed's sequence (default 0): split a large draw over "
                          "processes or GPUs, each with its own range, and together they hold what one draw of all "
-                         "would (as EDM's --seeds; of one class or none: with --class all each range lays out its "
-                         "own classes)")
+                         "would (as EDM's --seeds), for one class or none (not with --class all)")
     sp.add_argument("--batch-size", type=int, default=256, metavar="N",
                     help="images per model call (default 256); memory and speed only: each image draws its own noise, "
                          "so another batch size draws the same images")
@@ -264,6 +263,10 @@ def cmd_sample(args) -> int:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     if args.first_image < 0:
         raise ConfigError(f"--first-image {args.first_image} must be >= 0 (the index of the first image to draw)")
+    if args.first_image and isinstance(args.klass, str) and args.klass.strip().lower() == "all":
+        raise ConfigError(f"--first-image {args.first_image} with --class all: --num-images decides each image's "
+                          "class, so the ranges of a split draw would not add up to the draw whole; split it by class "
+                          "instead (--class NAME, each with its own --first-image ranges), or draw it in one process")
     out = Path(args.out) if args.out else ckpt.run_dir.samples
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")

@@ -227,6 +227,9 @@ class Measurements:
     optimizer: OptimizerInfo | None = None
     # the memory format of the 2-D convolutions' weights: "nchw", "channels_last" or "mixed" (rule 11's cause)
     conv_layout: str | None = None
+    # "channels-last": the loop compiles with Inductor's layout optimization forced (fastddpm's --inductor-layout);
+    # None: not forced, or not known (a foreign script)
+    inductor_layout: str | None = None
     windows: dict = field(default_factory=dict)  # per window: planned and taken steps, seconds, cut by time
 
     @property
@@ -320,6 +323,8 @@ class Measurements:
             d["attention_sites"] = [dict(site) for site in self.attention_sites]
         if self.conv_layout is not None:
             d["conv_layout"] = self.conv_layout
+        if self.inductor_layout is not None:
+            d["inductor_layout"] = self.inductor_layout
         if self.windows:
             d["windows"] = self.windows
         return d
@@ -348,7 +353,7 @@ class Measurements:
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
                    attention_sites=[dict(site) for site in d.get("attention_sites") or []],
                    optimizer=_typed(OptimizerInfo, d.get("optimizer")), conv_layout=d.get("conv_layout"),
-                   windows=dict(d.get("windows") or {}))
+                   inductor_layout=d.get("inductor_layout"), windows=dict(d.get("windows") or {}))
 
 
 def _typed(cls, d: dict | None):

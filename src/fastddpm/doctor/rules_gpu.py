@@ -221,24 +221,27 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                  ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
             if layout is None else [])
     elif layout in ("channels_last", "mixed"):
+        forced = m.inductor_layout == "channels-last"
         cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
                  "calls, views that need NCHW), so every such op converts back and forth"
-                 + ("; compiled, Inductor's own tensors stayed NCHW (its layout optimization skips a graph with a "
-                    "convolution of at least twice as many input as output channels), so it copies between the "
-                    "layouts" if compiled else ""))
+                 + ("; compiled with Inductor's layout optimization forced, its copies remain" if compiled and forced
+                    else "; compiled, Inductor's own tensors stayed NCHW (its layout optimization skips a graph "
+                         "with a convolution of at least twice as many input as output channels), so it copies "
+                         "between the layouts" if compiled else ""))
         off = Fix("--channels-last off", "drop .to(memory_format=torch.channels_last) from the model and its "
                                          "inputs (measure both: the layout that wins depends on the GPU)")
         if compiled:
             # The copies are between cuDNN's NHWC and Inductor's NCHW: forcing Inductor to NHWC removes them where
             # it holds (a candidate: not yet measured on a GPU), while NCHW brings cuDNN's own conversions back (an
             # H200: channels_last 1.09x NCHW on seed-1layer, 0.94x on ddpm-cifar10). Neither is predicted from the
-            # copies' share; `--try` measures the first.
-            fixes = [Fix("--channels-last on --inductor-layout channels-last",
-                         "keep channels_last and force Inductor's layout optimization, so its own tensors are "
-                         "channels_last too: torch.compile(model, options={'force_layout_optimization': True}) (a "
-                         "candidate, not yet measured)", unpredicted=True),
-                     Fix(off.fastddpm, off.code + "; under torch.compile NCHW brings cuDNN's format conversions "
-                         "back, so only a measurement (--try) says which costs less", unpredicted=True)]
+            # copies' share; `--try` measures the first. Already forced: only the other layout is left to try.
+            force_nhwc = Fix("--channels-last on --inductor-layout channels-last",
+                             "keep channels_last and force Inductor's layout optimization, so its own tensors are "
+                             "channels_last too: torch.compile(model, options={'force_layout_optimization': True}) "
+                             "(a candidate, not yet measured)", unpredicted=True)
+            fixes = [] if forced else [force_nhwc]
+            fixes.append(Fix(off.fastddpm, off.code + "; under torch.compile NCHW brings cuDNN's format conversions "
+                             "back, so only a measurement (--try) says which costs less", unpredicted=True))
         else:
             fixes = [off, compile_fix]
     elif layout == "nchw":

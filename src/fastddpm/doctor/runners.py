@@ -343,6 +343,8 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     info = json.loads(RunDir(run_dir).info.read_text())
     precision = info["precision"]  # what autocast ran the matmuls in
     channels_last = str(info.get("fast_path", {}).get("channels_last", "off")).startswith("on")
+    forced = resolved.train.inductor_layout == "channels-last" and str(
+        info.get("fast_path", {}).get("compile", "off")).startswith("on")
     # the roofline's bytes counted on the model, as bench throughput and the ladder count them (eager autograd's
     # saved set: a compiled step replayed from a CUDA graph shows the profiler no saves of its own)
     moved = count_step_bytes(model.to(device), (m.image_channels, m.image_size, m.image_size),
@@ -356,7 +358,8 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     del model
     report = diagnose(session, context="fastddpm", flops_per_step=flops, command=sys.argv, matmul_dtype=precision,
                       seen={"batch_size": resolved.train.batch_size,
-                            "conv_layout": "channels_last" if channels_last else "nchw"},
+                            "conv_layout": "channels_last" if channels_last else "nchw",
+                            "inductor_layout": "channels-last" if forced else None},
                       step_bytes=step_bytes)
     if try_fixes:
         from fastddpm.doctor.trials import plan_trainer, run_trials

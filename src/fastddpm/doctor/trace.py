@@ -49,10 +49,12 @@ LAUNCH_RUNTIME = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKer
                             r"cuGraphLaunch|cudaMemcpy|cudaMemset)")
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")  # one call replays a whole captured graph
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-# aten's direct_copy_kernel_cuda is a copy_ between tensors of one dtype that are not both contiguous (a contiguous
-# pair is a cudaMemcpy): a strided, layout-changing copy, named so even inside a CUDA graph, where no
-# aten::contiguous op is around it (76 a step, 12% of compiled, graphed ddpm-cifar10 with channels_last on an H200)
-LAYOUT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose|direct_copy_kernel", re.IGNORECASE)
+# aten's direct_copy_kernel_cuda runs every device copy_ that is not a cudaMemcpy (one dtype, both contiguous),
+# casts included; its elementwise kernel is gpu_kernel_impl_nocast's where input and output share the dtype: that
+# one is a strided, layout-changing copy, named so even inside a CUDA graph, where no aten::contiguous op is around
+# it (76 a step, 12% of compiled, graphed ddpm-cifar10 with channels_last on an H200). A cast is not counted.
+LAYOUT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw|transpose|"
+                           r"gpu_kernel_impl_nocast<at::native::direct_copy_kernel", re.IGNORECASE)
 # the format conversions cuDNN runs around a convolution whose engine wants the other layout (on sm80+ its bf16 and
 # fp16 tensor-core engines run in NHWC, so NCHW tensors are converted in and the result back)
 FORMAT_KERNEL = re.compile(r"nchwToNhwc|nhwcToNchw|nchw2nhwc|nhwc2nchw", re.IGNORECASE)

@@ -92,9 +92,12 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t0
-    images = _gather_batches(torch.stack(chunks), num_batches, rank, world_size, device) if world_size > 1 \
-        else torch.cat(chunks)
-    wall_s = time.perf_counter() - t0
+    if world_size > 1:  # the gather is part of the sampling's time: rank 0 has the samples only after it
+        images = _gather_batches(torch.stack(chunks), num_batches, rank, world_size, device)
+        wall_s = time.perf_counter() - t0
+    else:
+        wall_s = time.perf_counter() - t0
+        images = torch.cat(chunks)
     if bar is not None:
         bar.close()
     # per image drawn: every batch is full, so ceil(N / B) * B images took wall_s
