@@ -96,7 +96,7 @@ class Model:
         train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
         W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler."""
-        from fastddpm.sampling import class_labels, resolve_sampler_args, sample_images
+        from fastddpm.sampling import check_first_image, class_labels, resolve_sampler_args, sample_images
 
         if n < 1:
             raise ConfigError(f"sample: n={n} must be at least 1")
@@ -104,12 +104,7 @@ class Model:
             raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
         if batch_size < 1:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
-        if first_image < 0:
-            raise ConfigError(f"sample: first_image={first_image} must be >= 0 (the index of the first image)")
-        if first_image and isinstance(class_, str) and class_.strip().lower() == "all":
-            raise ConfigError(f"sample: first_image={first_image} with class_='all': n decides each image's class, "
-                              "so the parts of a split draw would not add up to the draw whole; split it by class "
-                              "(class_=NAME), or draw it in one call")
+        check_first_image(first_image, class_, api=True)
         if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
             raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model

@@ -254,19 +254,15 @@ def cmd_sample(args) -> int:
     from fastddpm.device import resolve_device
     from fastddpm.rundir.files import make_writable_dir
     from fastddpm.rundir.locate import locate
-    from fastddpm.sampling import class_labels, load_for_sampling, resolve_sampler_args, sample_to_files
+    from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, resolve_sampler_args,
+                                   sample_to_files)
 
     device, _ = resolve_device(args.device)
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
-    if args.first_image < 0:
-        raise ConfigError(f"--first-image {args.first_image} must be >= 0 (the index of the first image to draw)")
-    if args.first_image and isinstance(args.klass, str) and args.klass.strip().lower() == "all":
-        raise ConfigError(f"--first-image {args.first_image} with --class all: --num-images decides each image's "
-                          "class, so the ranges of a split draw would not add up to the draw whole; split it by class "
-                          "instead (--class NAME, each with its own --first-image ranges), or draw it in one process")
+    check_first_image(args.first_image, args.klass)
     out = Path(args.out) if args.out else ckpt.run_dir.samples
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")

@@ -108,12 +108,32 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[
     (N,) int64 or None, images per class for an "all" grid's rows, or None where the rows are not classes)."""
     if wanted is None:
         return None, None
-    if isinstance(wanted, str) and wanted.strip().lower() == "all":
+    if _every_class(wanted):
         if not model_cfg.conditional:
             class_index(model_cfg, wanted)  # raises: an unconditional model has no classes
         labels, per_class = grid_labels(num_images, model_cfg.num_classes)
         return labels.numpy().astype(np.int64), per_class
     return np.full(num_images, class_index(model_cfg, wanted), dtype=np.int64), None
+
+
+def _every_class(wanted: str | int | None) -> bool:
+    return isinstance(wanted, str) and wanted.strip().lower() == "all"
+
+
+def check_first_image(first_image: int, wanted: str | int | None, *, api: bool = False) -> None:
+    """`fastddpm sample --first-image` (api: Model.sample's first_image) with the --class it is drawn for: a
+    ConfigError naming the fix. With --class all the image count lays the classes out, so the ranges of a split
+    draw would not add up to the draw whole."""
+    first = f"sample: first_image={first_image}" if api else f"--first-image {first_image}"
+    if first_image < 0:
+        raise ConfigError(f"{first} must be >= 0 (the index of the first image to draw)")
+    if first_image and _every_class(wanted):
+        every, count, by_class, whole = (("class_='all'", "n", "class_=NAME", "call") if api else
+                                         ("--class all", "--num-images",
+                                          "--class NAME, each with its own --first-image ranges", "process"))
+        raise ConfigError(f"{first} with {every}: {count} decides each image's class, so the ranges of a split "
+                          f"draw would not add up to the draw whole; split it by class instead ({by_class}), or "
+                          f"draw it in one {whole}")
 
 
 def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, seed: int, batch_size: int,
@@ -191,6 +211,14 @@ def grid_labels(num_images: int, num_classes: int) -> tuple[torch.Tensor, int | 
     return torch.arange(num_classes).repeat_interleave(per_class), per_class
 
 
+def reshard(model) -> None:
+    """After an FSDP model's forward outside training (a grid, an evaluation): FSDP keeps the root module's
+    gathered weights after a forward (it expects a backward next): free them, or the next forward would run on
+    this copy instead of re-gathering the updated EMA shards. Nothing for a plain module."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
 def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision, path: Path,
                save: bool = True) -> Path | None:
     """Sample a grid from the EMA weights with a fixed seed, so grids over a run are comparable. `save=False`:
@@ -206,10 +234,7 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
                autocast_dtype=precision.autocast_dtype, labels=labels, guidance=cfg.train.sample_guidance,
                num_classes=model_cfg.num_classes)
-    if hasattr(ema_model, "reshard"):
-        # FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them,
-        # or the next grid would run on this grid's copy instead of re-gathering the updated EMA shards.
-        ema_model.reshard()
+    reshard(ema_model)
     if not save:
         return None
     return save_grid(to_uint8(x).cpu().numpy(), path, nrow=per_class, scale=grid_scale(model_cfg.image_size),

@@ -4,9 +4,9 @@ For each sampler x step count (and DDPM over all T steps as the reference point)
 from the checkpoint's EMA weights and scores them like `fastddpm eval`: FID, precision / recall and, for a
 conditional model, class accuracy (class-balanced, at one guidance scale). Every point uses the same noise for
 the same seed (eval's: sample k's noise from (seed, k)), so samplers differ only by their steps. The cost is the
-network calls per image (NFE) and the wall time. FID at a few thousand samples has a seed-to-seed spread comparable to the
-differences between good samplers: `spread_points` are drawn again with `spread_seeds`, and the report gives
-each of them as mean and min-max, beside the single-seed points.
+network calls per image (NFE) and the wall time. FID at a few thousand samples has a seed-to-seed spread
+comparable to the differences between good samplers: `spread_points` are drawn again with `spread_seeds`, and
+the report gives each of them as mean and min-max, beside the single-seed points.
 
 Rows are written after every point (OUT/samplers.json, .csv, .md) and a run into the same folder reuses every
 point measured there with the same checkpoint, settings, device and torch (fastddpm.bench.store): a killed

@@ -30,6 +30,7 @@ from fastddpm.eval.evaluate import Evaluator, as_json_safe, sample_uint8, summar
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
+from fastddpm.sampling import reshard
 
 
 def evaluation_choices(cfg: RunConfig) -> dict:
@@ -96,12 +97,12 @@ class TrainingEvaluator:
                 sample_uint8(ema_model, self.cfg, sampler=self.sampler, steps=self.steps, eta=0.0,
                              device=self.device, autocast_dtype=self.autocast_dtype, rank=self.rank,
                              world_size=self.world_size, **self.choices)
-            _reshard(ema_model)
+            reshard(ema_model)
             return time.perf_counter() - t_eval
         result, _ = self.evaluator.evaluate(ema_model, self.cfg, sampler=self.sampler, steps=self.steps,
                                             device=self.device, autocast_dtype=self.autocast_dtype,
                                             world_size=self.world_size, **self.choices)
-        _reshard(ema_model)
+        reshard(ema_model)
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],
@@ -123,10 +124,3 @@ class TrainingEvaluator:
                                      f"{t.eval_samples:,} samples, {self.sampler} {self.steps}")
             self.curve_ok = path is not None  # without matplotlib: say so once
         return time.perf_counter() - t_eval
-
-
-def _reshard(model) -> None:
-    """FSDP keeps the root module's gathered weights after a forward (it expects a backward next): free them, as
-    the training grids do, so that the next forward gathers the updated EMA shards."""
-    if hasattr(model, "reshard"):
-        model.reshard()
