@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from fastddpm.config import ConfigError
 from fastddpm.rundir import sharded
-from fastddpm.trainer.distributed import init_distributed, shutdown
+from fastddpm.distributed import init_distributed, shutdown
 
 from test_distributed import train_args
 

@@ -80,20 +80,27 @@ def test_two_ranks_draw_the_samples_one_process_draws_in_order(tmp_path):
     assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
 
 
+@pytest.fixture(scope="session")
+def fsdp_run(tmp_path_factory, fmnist_splits):  # noqa: F811
+    """A 2-step FSDP run on 2 gloo ranks with --eval-every: (its run directory, torchrun's output)."""
+    out = tmp_path_factory.mktemp("fsdp-eval") / "run"
+    r = torchrun(2, train_args(fmnist_splits, out, "--max-steps", "2", "--parallel", "fsdp", "--eval-every", "16",
+                               "--eval-samples", "12", "--eval-steps", "2"),
+                 env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out, r.stdout
+
+
 @pytest.mark.slow
-def test_fsdp_evaluates_during_training_as_one_process_would(tmp_path, fmnist_splits):  # noqa: F811
+def test_fsdp_evaluates_during_training_as_one_process_would(fsdp_run):
     """--eval-every under --parallel fsdp (it was refused: rank 0 alone could not run the sharded EMA): both ranks
     sample, rank 0 scores; the last evaluation is the one a single process makes of the final EMA weights."""
     from fastddpm.eval.during_training import evaluation_choices
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.sampling import load_for_sampling
 
-    out = tmp_path / "run"
-    r = torchrun(2, train_args(fmnist_splits, out, "--max-steps", "2", "--parallel", "fsdp", "--eval-every", "16",
-                               "--eval-samples", "12", "--eval-steps", "2"),
-                 env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "samples from the EMA weights, shared by 2 processes" in r.stdout
+    out, stdout = fsdp_run
+    assert "samples from the EMA weights, shared by 2 processes" in stdout
     records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [rec["images_seen"] for rec in records] == [16, 32]
     assert records[-1]["sampling"]["processes"] == 2 and records[-1]["sampling"]["drawn"] == 12
@@ -111,3 +118,56 @@ def test_fsdp_evaluates_during_training_as_one_process_would(tmp_path, fmnist_sp
     assert np.isclose(records[-1]["fid"], alone["fid"], rtol=1e-4), (records[-1]["fid"], alone["fid"])
     assert np.isclose(records[-1]["precision"], alone["precision"]) and np.isclose(records[-1]["recall"],
                                                                                     alone["recall"])
+
+
+def _eval_args(checkpoint, out, *extra) -> list[str]:
+    return ["--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu", "--no-progress", "--compile",
+            "off", "--num-samples", "12", "--sampler", "ddim", "--steps", "2", *extra]
+
+
+@pytest.mark.slow
+def test_eval_under_torchrun_scores_the_samples_one_process_draws(fsdp_run, tmp_path, capsys):
+    """`torchrun -m fastddpm eval`: each rank samples half (batches of 6, rank r the r-th), rank 0 gathers, scores
+    and writes; the scores are the ones a single process gets from the same batches. The checkpoint is the FSDP
+    run's sharded one (.dcp), read by every rank without a collective."""
+    from fastddpm.cli import main
+
+    run, _ = fsdp_run
+    sharded = sorted((run / "checkpoints").glob("ckpt_*.dcp"))[-1]
+    env = {"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]}
+    r = torchrun(2, _eval_args(sharded, tmp_path / "shared"), env_extra=env, entry=["-m", "fastddpm", "eval"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "batch 6 on each of 2 processes" in r.stdout
+    assert r.stdout.count("wrote ") == 1, r.stdout  # rank 0 alone writes and reports
+    shared_json, = (tmp_path / "shared").glob("eval_*.json")
+    shared = json.loads(shared_json.read_text())
+    assert shared["sampling"]["processes"] == 2 and shared["sampling"]["drawn"] == 12
+    assert shared["checkpoint"]["file"].endswith(".dcp")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank
+    try:
+        assert main(["eval", *_eval_args(sharded, tmp_path / "alone", "--batch-size", "6")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+    alone_json, = (tmp_path / "alone").glob("eval_*.json")
+    assert alone_json.name == shared_json.name  # the same evaluation: how many processes is not part of its name
+    alone = json.loads(alone_json.read_text())
+    assert "processes" not in alone["sampling"]
+    for key in ("fid", "precision", "recall"):
+        assert np.isclose(shared[key], alone[key], rtol=1e-6), (key, shared[key], alone[key])
+
+
+def test_eval_under_torchrun_ends_every_rank_with_rank_0s_setup_error(fsdp_run, tmp_path):
+    """Rank 0 alone prepares the reference data; when it cannot (here, no such data), every rank stops with exit
+    code 2 and rank 0's message, instead of the others waiting for samples to gather."""
+    run, _ = fsdp_run
+    missing = tmp_path / "no-such-data.npz"
+    r = torchrun(2, _eval_args(run, tmp_path / "out", "--data", str(missing)), timeout=120,
+                 env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]}, entry=["-m", "fastddpm", "eval"])
+    assert r.returncode != 0
+    text = r.stdout + r.stderr
+    assert "FutureWarning" not in text  # the group's shutdown reads no deprecated object
+    assert str(missing) in text and "rank 1: stopped, since rank 0 could not set up the evaluation" in text, text
+    assert not (tmp_path / "out").exists()

@@ -112,7 +112,7 @@ def test_a_torchrun_restart_resumes_the_newest_checkpoint_not_the_one_first_give
     """Under torchrun --max-restarts, a run started with --resume ckpt_X that failed later restarts from its own
     newest checkpoint: X again would go back, setting aside every step trained since. Before its first save,
     the given checkpoint is still the one."""
-    from fastddpm.trainer.distributed import DistInfo
+    from fastddpm.distributed import DistInfo
     from fastddpm.trainer.setup import _join_ranks
 
     cfg, dist = get_preset("tiny"), DistInfo(rank=0, world_size=2, backend="gloo")

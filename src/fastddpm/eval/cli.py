@@ -46,6 +46,10 @@ examples:
   fastddpm eval --checkpoint runs/fmnist/ema.safetensors --num-samples 2000 --steps 20
   fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000   # published protocol
   fastddpm eval --checkpoint runs/cifar --inception ~/weights/pt_inception-2015-12-05-6726825d.pth
+  torchrun --nproc-per-node 8 -m fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000
+
+Under torchrun each process samples 1/N of the images on its own GPU (the same images one process draws: sample
+k's noise is its own); rank 0 gathers them, scores them and writes the files.
 
 Writes OUT/eval_<sampler><steps>_n<N>_seed<S>[_w<W>[-<W>...]]_step<K>.json (every number, the feature network, the
 environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
@@ -99,7 +103,13 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                     help="implies --features inception, with this local file: pytorch-fid's "
                          "pt_inception-2015-12-05-*.pth or a TorchScript extractor such as NVlabs' "
                          "inception-2015-12-05.pt (never downloaded)")
-    ev.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    ev.add_argument("--device", default="auto",
+                    help="auto (CUDA when present), cpu, cuda, cuda:N; under torchrun each process takes "
+                         "cuda:LOCAL_RANK")
+    ev.add_argument("--dist-timeout", type=float, default=1800.0, metavar="S",
+                    help="under torchrun: seconds a process waits for the others (default 1800; the first "
+                         "evaluation of a dataset prepares its reference statistics on rank 0 alone while the "
+                         "others wait)")
     ev.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
                          "native bf16, else fp32)")
@@ -169,24 +179,35 @@ class _FirstBatchTimer:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from fastddpm.device import resolve_device
+    from fastddpm.distributed import init_distributed, shutdown
+
+    device, _ = resolve_device(args.device)
+    # under torchrun: this process's device (cuda:LOCAL_RANK) in a group whose ranks share the sampling
+    dist, device = init_distributed(device, args.dist_timeout, command="eval", timeout_setting="--dist-timeout")
+    try:
+        return _run_eval(args, device, dist)
+    finally:
+        shutdown(dist)
+
+
+def _run_eval(args: argparse.Namespace, device, dist) -> int:
     import dataclasses
 
     import torch
 
     from fastddpm.config import ConfigError
-    from fastddpm.data import DataError
-    from fastddpm.device import resolve_device, resolve_precision
+    from fastddpm.device import resolve_precision
     from fastddpm.diffusion import network_calls, schedule_from_config
-    from fastddpm.eval.classifier import UnlabelledDataError
-    from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
+    from fastddpm.distributed import any_rank
+    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, sample_uint8, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import compile_for_sampling, load_for_sampling, resolve_sampler_args
 
-    log = print
+    log = print if dist.is_main else _quiet  # rank 0 speaks for the group
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
-    device, _ = resolve_device(args.device)
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
     if args.guidance is not None and not cfg.model.conditional:
@@ -221,50 +242,62 @@ def run_eval(args: argparse.Namespace) -> int:
     if inception is not None and args.num_samples < PUBLISHED_NUM_SAMPLES:
         log(f"note: published Inception FID uses {PUBLISHED_NUM_SAMPLES:,} samples against the training set; "
             f"{args.num_samples:,} samples give a higher FID, comparable only with evaluations at the same count")
-    try:
-        evaluator = Evaluator.for_config(cfg, device=device, inception=inception,
-                                         reference_split=args.reference_split, log=log,
-                                         progress=not args.no_progress)
-    except DataError as e:
-        if args.data is None and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
-            raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass --data SOURCE "
-                            "to evaluate against another copy of that data.)") from None
-        raise
-    net = evaluator.net
-    if net.num_classes is not None:
-        log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
-            f"{net.info['test_set']}")
-    else:
-        log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
-
-    if cfg.model.conditional:
-        log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by the "
-            f"dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
+    # Rank 0 alone holds the feature network and the reference statistics (it scores every sample); the others
+    # wait to learn whether it could, so that bad data ends every process with rank 0's error, not a hang.
+    evaluator = failure = None
+    if dist.is_main:
+        try:
+            evaluator = _evaluator(args, cfg, device, inception=inception, trained_on=trained_on, log=log)
+        except Exception as e:
+            failure = e
+    if any_rank(int(failure is not None), dist, device):
+        if failure is not None:
+            raise failure
+        print(f"rank {dist.rank}: stopped, since rank 0 could not set up the evaluation (its error says why); "
+              "nothing sampled", file=sys.stderr)
+        return 2
+    if evaluator is not None:
+        net = evaluator.net
+        if net.num_classes is not None:
+            log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
+                f"{net.info['test_set']}")
+        else:
+            log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
+        if cfg.model.conditional:
+            log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by "
+                f"the dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
     sampling_model = compile_for_sampling(model, device) if compile_on else model
     nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps,
                         schedule=schedule_from_config(cfg.diffusion), spacing=args.spacing)
     own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
     spacing = args.spacing or own_spacing
+    rounds, batch_size = batches_per_rank(args.num_samples, batch_size, dist.world_size)
+    shared = f" on each of {dist.world_size} processes" if dist.enabled else ""
     log(f"sampling {args.num_samples:,} images: {args.sampler}"
         f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}"
         f"{'' if args.sampler == 'ddpm' else f', {spacing} spacing'} = {nfe} network calls each, "
-        f"batch {batch_size}, {device}, "
+        f"batch {batch_size}{shared}, {device}, "
         f"{precision.name}, compile {'on' if compile_on else 'off'}, {args.weights} weights from {info['file']}")
-    batches = -(-args.num_samples // batch_size) * len(scales)
-    log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}; an estimate is printed after "
-        "the first batch" if batches > 1 else "sampling time: one batch, timed below")
+    batches = rounds * len(scales)  # this process's
+    log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}{shared}; an estimate is "
+        "printed after the first batch" if batches > 1 else "sampling time: one batch, timed below")
     timed_model = _FirstBatchTimer(sampling_model, calls_per_batch=nfe, batches=batches, log=log)
+    choices = dict(num_samples=args.num_samples, sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
+                   batch_size=batch_size, device=device, autocast_dtype=precision.autocast_dtype,
+                   spacing=args.spacing)
     per_scale = []
     for w in scales:
         with torch.inference_mode():
-            metrics, images = evaluator.evaluate(timed_model, cfg, num_samples=args.num_samples,
-                                                 sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
-                                                 batch_size=batch_size, device=device,
-                                                 autocast_dtype=precision.autocast_dtype,
-                                                 progress=not args.no_progress, guidance=w, spacing=args.spacing)
+            if evaluator is None:  # a rank other than 0: its share of the samples, gathered by rank 0
+                sample_uint8(timed_model, cfg, guidance=w, rank=dist.rank, world_size=dist.world_size, **choices)
+                continue
+            metrics, images = evaluator.evaluate(timed_model, cfg, progress=not args.no_progress, guidance=w,
+                                                 world_size=dist.world_size, **choices)
         per_scale.append((metrics, images))
         if len(scales) > 1:
             log(summary_line(metrics))
+    if evaluator is None:
+        return 0
     metrics, images = per_scale[0]
     out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
@@ -306,6 +339,27 @@ def run_eval(args: argparse.Namespace) -> int:
         + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of a rank other than 0."""
+
+
+def _evaluator(args: argparse.Namespace, cfg, device, *, inception: str | None, trained_on: str, log):
+    """The feature network and reference statistics for cfg.data; a DataError about the checkpoint's own data
+    names --data, the way to evaluate against another copy of it."""
+    from fastddpm.data import DataError
+    from fastddpm.eval.classifier import UnlabelledDataError
+    from fastddpm.eval.evaluate import Evaluator
+
+    try:
+        return Evaluator.for_config(cfg, device=device, inception=inception, reference_split=args.reference_split,
+                                    log=log, progress=not args.no_progress)
+    except DataError as e:
+        if args.data is None and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
+            raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass --data SOURCE "
+                            "to evaluate against another copy of that data.)") from None
+        raise
 
 
 def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained) -> str:

@@ -52,6 +52,16 @@ def balanced_labels(num_images: int, num_classes: int) -> torch.Tensor:
     return torch.arange(num_images) % num_classes
 
 
+def batches_per_rank(num_samples: int, batch_size: int, world_size: int = 1) -> tuple[int, int]:
+    """(batches each of `world_size` processes draws, the batch size they draw): `num_samples` in batches of at
+    most `batch_size`, every process as many. Shared, the batch shrinks to the smallest that takes as many
+    batches: 12 samples in batches of up to 500 on 2 processes are a batch of 6 each, not 2 of 12."""
+    rounds = math.ceil(num_samples / (batch_size * world_size))
+    if world_size > 1:
+        batch_size = math.ceil(num_samples / (rounds * world_size))
+    return rounds, batch_size
+
+
 @torch.no_grad()
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
@@ -67,9 +77,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     (sample k's noise is its own). Ranks other than 0 get None for the images."""
     schedule = schedule_from_config(cfg.diffusion).to(device)
     m = cfg.model
-    rounds = math.ceil(num_samples / (batch_size * world_size))  # batches a rank draws
-    if world_size > 1:  # the smallest batch that takes as many rounds: 12 samples on 2 ranks are 2 batches of 6
-        batch_size = math.ceil(num_samples / (rounds * world_size))
+    rounds, batch_size = batches_per_rank(num_samples, batch_size, world_size)
     num_batches = rounds * world_size
     shape = (batch_size, m.image_channels, m.image_size, m.image_size)
     bar = None
@@ -240,7 +248,8 @@ class Evaluator:
         """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
         classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too. With
         `world_size` > 1 this is rank 0 of a group whose other ranks call sample_uint8 with the same arguments
-        and their rank (TrainingEvaluator): they draw their share of the samples, rank 0 scores them all."""
+        and their rank (TrainingEvaluator, `fastddpm eval` under torchrun): they draw their share of the samples,
+        rank 0 scores them all."""
         m = cfg.model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,

@@ -10,7 +10,6 @@ backward, update, EMA) -> diffusion/objective.py (the loss). Around it:
     build.py           the U-Net and its Optimization (EMA, AdamW, scaler, the TrainStep), shared with bench
     fast_path.py       compile, CUDA graphs, channels_last, cuDNN autotuning: what auto turns on, and why
     batch_finder.py    --batch-size auto: the throughput knee
-    distributed.py     torchrun: the process group, this rank's device, the loop's few collectives
     fsdp.py            --parallel fsdp: fully_shard per U-Net block
     ema.py, loggers.py, compile_counters.py
 """

@@ -29,7 +29,7 @@ from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import write_grid
 from fastddpm.trainer.batch_finder import is_oom
 from fastddpm.trainer.compile_counters import CompileCounters
-from fastddpm.trainer.distributed import SINGLE, any_rank, barrier, mean_across_ranks, shutdown
+from fastddpm.distributed import SINGLE, any_rank, barrier, mean_across_ranks, shutdown
 from fastddpm.trainer.loggers import RunLoggers
 from fastddpm.trainer.setup import Run, TrainHooks, prepare_run
 from fastddpm.trainer.step import CudaGraphCaptureError

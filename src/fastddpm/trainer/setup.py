@@ -33,7 +33,7 @@ from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
 from fastddpm.trainer.build import Optimization, build_model
-from fastddpm.trainer.distributed import DistInfo, any_rank, barrier, init_distributed
+from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
 from fastddpm.trainer.state import TrainState
 

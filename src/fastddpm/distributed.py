@@ -1,8 +1,9 @@
 """Scale-out on PyTorch's own engine: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK, this module turns them
-into a process group and a device, and holds the few collectives the loop needs.
+into a process group and a device, and holds the few collectives training and evaluation need.
 
     torchrun --nproc-per-node 8 -m fastddpm train --data mnist --out runs/x          # one node, 8 GPUs
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m fastddpm train ...
+    torchrun --nproc-per-node 8 -m fastddpm eval --checkpoint runs/x --num-samples 50000  # 1/8 of the samples each
 
 One process per device. NCCL on CUDA, gloo on CPU (tests run 2 CPU processes on gloo). Rank 0 writes
 checkpoints, grids and logs; every rank computes. Nothing here is home-made communication: DDP
@@ -15,6 +16,7 @@ import datetime
 import gc
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,27 +50,30 @@ class DistInfo:
 SINGLE = DistInfo()
 
 
-def launched_by_torchrun() -> bool:
+def launched_by_torchrun(command: str = "train") -> bool:
     """RANK and WORLD_SIZE both set (torchrun sets both, as does any launcher of its env:// convention). One of them
     alone is a launcher set up half-way: a ConfigError (unless it says rank 0 / a world of 1), since every process
-    would otherwise train alone as rank 0 of 1, all of them writing the same run directory."""
+    would otherwise run alone as rank 0 of 1, all of them writing the same files. `command` (train, eval) is the
+    fastddpm command the error's fix names."""
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if (rank is None) == (world is None):
         return rank is not None
     given, missing, alone = ("RANK", "WORLD_SIZE", "0") if world is None else ("WORLD_SIZE", "RANK", "1")
     if os.environ[given].strip() == alone:
         return False
-    raise ConfigError(f"{given}={os.environ[given]} is set but {missing} is not: every process would train alone as "
-                      f"rank 0 of 1 into the same run directory. Launch with `torchrun --nproc-per-node N -m fastddpm "
-                      f"train ...` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), set {missing} "
-                      f"too, or unset {given} for a single process")
+    raise ConfigError(f"{given}={os.environ[given]} is set but {missing} is not: every process would run alone as "
+                      f"rank 0 of 1, writing the same files. Launch with `torchrun --nproc-per-node N -m fastddpm "
+                      f"{command} ...` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), set "
+                      f"{missing} too, or unset {given} for a single process")
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[DistInfo, torch.device]:
+def init_distributed(device: torch.device, timeout_s: float = 600.0, *, command: str = "train",
+                     timeout_setting: str = "train.dist_timeout_s") -> tuple[DistInfo, torch.device]:
     """Join the process group torchrun describes (if any). Returns (info, this rank's device).
 
-    `device` is what the config resolved to without distribution: a CUDA device becomes cuda:LOCAL_RANK."""
-    if not launched_by_torchrun():
+    `device` is what the config resolved to without distribution: a CUDA device becomes cuda:LOCAL_RANK.
+    `command` and `timeout_setting` (what sets `timeout_s`) are named by the errors."""
+    if not launched_by_torchrun(command):
         return SINGLE, device
     # Under torchrun even a world of 1 runs the distributed path (DDP included): that is how its overhead over
     # the plain path is measured (benchmarks/ddp_overhead.py).
@@ -104,10 +109,10 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> tuple[Di
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             where = f"MASTER_ADDR={os.environ.get('MASTER_ADDR')}, MASTER_PORT={os.environ.get('MASTER_PORT')}"
             raise ConfigError(
-                f"rank {rank} of {world} could not join the process group ({where}, train.dist_timeout_s="
+                f"rank {rank} of {world} could not join the process group ({where}, {timeout_setting}="
                 f"{timeout_s:g}): {type(e).__name__}: {first}. Rank 0 listens on MASTER_PORT at MASTER_ADDR, which "
                 f"every rank must reach; the port must be free there (torchrun --master-port / --rdzv-endpoint "
-                f"HOST:PORT), and every rank must start within train.dist_timeout_s") from e
+                f"HOST:PORT), and every rank must start within {timeout_setting}") from e
         owns = True
     else:  # the caller's group (fastddpm.train called inside a script that set one up): theirs to destroy
         owns = False
@@ -128,9 +133,13 @@ def shutdown(info: DistInfo) -> None:
         dist.destroy_process_group()
         mesh_module = sys.modules.get("torch.distributed.device_mesh")
         if mesh_module is not None:
-            for obj in gc.get_objects():
-                if isinstance(obj, mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
-                    obj._pg_registry.clear()
+            # (isinstance reads each object's class: torch.distributed's deprecated `reduce_op` warns when read)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                for obj in gc.get_objects():
+                    if isinstance(obj, mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None),
+                                                                              dict):
+                        obj._pg_registry.clear()
 
 
 def barrier(info: DistInfo) -> None:
