@@ -193,6 +193,11 @@ def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
     assert [(t.fix, t.finding, t.settings) for t in trials] == [
         ("--precision bf16", "fp32", {"train.precision": "bf16"}), ("--compile on", "eager-elementwise",
                                                                     {"train.compile": "on"})]
+    # every finding's first fix before any finding's second; a setting already planned is not tried twice
+    findings[1].fixes += [Fix("--compile on", "x"), Fix("--cuda-graphs capture", "y")]
+    assert [(t.fix, t.finding) for t in plan_trainer(findings, 3)] == [
+        ("--precision bf16", "fp32"), ("--compile on", "eager-elementwise"), ("--cuda-graphs capture", "fp32")]
+    assert [t.fix for t in plan_trainer(findings, 2)] == ["--precision bf16", "--compile on"]
 
 
 def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnist_npz, monkeypatch):

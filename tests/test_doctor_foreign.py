@@ -504,6 +504,13 @@ def test_two_flag_fixes_are_two_trials_and_the_same_flag_one():
     two = plan([finding("fp32", 0.3, ("--mixed_precision", "bf16")), finding("low-mfu", 0.1, ("--torch_compile",))],
                3)
     assert [t.fix for t in two] == ["flag --mixed_precision bf16", "flag --torch_compile"]
+    # a finding's second fix comes after every first fix and the channels-last candidate, while N allows
+    fp32 = Finding("fp32", (16,), "", 0.3, [], "", [Fix(None, "autocast", trial="autocast-bf16"),
+                                                    Fix(None, "compile too", trial="compile")])
+    loader = Finding("data-bound", (1,), "", 0.2, [], "", [Fix(None, "workers", trial="loader-workers:2")])
+    assert [t.fix for t in plan([fp32, loader], 4, convs=True)] == [
+        "autocast-bf16", "loader-workers:2", "channels-last", "compile"]
+    assert [t.fix for t in plan([fp32, loader], 2, convs=True)] == ["autocast-bf16", "loader-workers:2"]
 
 
 def test_the_models_own_convolutions_are_replayed_from_a_cpu_trace(tmp_path):

@@ -239,7 +239,10 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
     assert settings_of(f.fixes[1].fastddpm)[1] == {"train.channels_last": "on",
                                                    "train.inductor_layout": "channels-last"}
     assert [(t.fix, t.predicted) for t in plan([f], 3, convs=True)] == [("channels-last", None)]
-    assert [(t.fix, t.predicted) for t in plan_trainer([f], 3)] == [("--channels-last on", None)]
+    # --try N measures a finding's alternatives too while N allows, after every finding's first fix
+    assert [(t.fix, t.predicted) for t in plan_trainer([f], 3)] == [
+        ("--channels-last on", None), ("--channels-last on --inductor-layout channels-last", None)]
+    assert [t.fix for t in plan_trainer([f], 1)] == ["--channels-last on"]
     assert f.to_dict()["fixes"][0]["unpredicted"] and "expected_speedup" not in f.to_dict()["fixes"][0]
     assert "Inductor did not change the layout" in f.cause and "weights are NCHW" in f.evidence[-1]
     assert "90% of that time is cuDNN's" in f.evidence[1]
@@ -265,7 +268,7 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
                                              "--channels-last off"]
     assert all(x.unpredicted for x in f.fixes) and "Inductor's own tensors stayed NCHW" in f.cause
     assert [(t.fix, t.predicted) for t in plan_trainer([f], 3)] == [
-        ("--channels-last on --inductor-layout channels-last", None)]
+        ("--channels-last on --inductor-layout channels-last", None), ("--channels-last off", None)]
     # the layout already forced (fastddpm's --inductor-layout channels-last): only the other layout is left
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="channels_last",
                                              compile=compiled, inductor_layout="channels-last"))

@@ -59,9 +59,9 @@ def add_doctor_parser(sub, add_train_flags) -> None:
     _add_window_flags(dt)
     run = dt.add_argument_group("run")
     run.add_argument("--try", dest="try_fixes", type=int, default=0, metavar="N",
-                     help="then try the top N fixes that are fastddpm settings (--precision, --compile, ...), each "
-                          "in `fastddpm train` runs alternating with runs without it, and report the measured speedup "
-                          "beside the predicted one")
+                     help="then try the top N fixes that are fastddpm settings (--precision, --compile, ...): each "
+                          "finding's first, then their alternatives; each in `fastddpm train` runs alternating with "
+                          "runs without it, and report the measured speedup beside the predicted one")
     run.add_argument("--preset", help="starting configuration (as for train)")
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -74,8 +74,9 @@ def add_doctor_parser(sub, add_train_flags) -> None:
     dr.add_argument("--device", default=None, help="the device the script trains on (default: cuda if present)")
     dr.add_argument("--try", dest="try_fixes", type=int, default=0, metavar="N",
                     help="then try the top N fixes that can be applied from outside the script (autocast, compile, "
-                         "a fused optimizer, loader workers, channels_last), each in fresh runs alternating with "
-                         "runs without it, and report the measured speedup beside the predicted one")
+                         "a fused optimizer, loader workers, channels_last): each finding's first, then their "
+                         "alternatives; each in fresh runs alternating with runs without it, and report the measured "
+                         "speedup beside the predicted one")
     dr.add_argument("script", help="the training script (.py)")
     dr.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 

@@ -7,7 +7,8 @@ allocator and loader start-up), then times `steps` steps without the profiler, a
 report gives each fix's measured speedup (the median over rounds of base / fix step time, with the spread)
 beside the finding's prediction.
 
-Which fixes: the findings' own (each Fix names its `trial`), largest expected gain first. Each is applied by
+Which fixes: the findings' own (each Fix names its `trial`), each finding's first, largest expected gain first,
+then (while N allows) the findings' alternatives, after the channels-last candidate below. Each is applied by
 hooks in the trial process and reports what it changed (a fix that found nothing to change says so, and is not
 counted as measured):
     autocast-bf16 / autocast-fp16   the model's forward runs under torch.autocast (the loss's top module: the
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from fastddpm.doctor.findings import Finding
+from fastddpm.doctor.findings import Finding, Fix
 from fastddpm.doctor.system import usable_cores
 
 WHAT = {
@@ -99,33 +100,44 @@ def predicted_gain(finding: Finding, fix: Fix) -> float | None:
     return min(fix.gain, finding.speedup) if fix.gain is not None else finding.speedup
 
 
+def _ranked_fixes(findings: list[Finding], tryable) -> tuple[list[tuple[Finding, Fix]], list[tuple[Finding, Fix]]]:
+    """The fixes `tryable` accepts, as (finding, fix): each costed finding's first, largest expected gain first,
+    and then the findings' alternatives in the same order (so that `--try 2` on one finding with two fixes,
+    e.g. two layouts neither predicted, measures both)."""
+    ranked = [(f, [x for x in f.fixes if tryable(x)])
+              for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost)]
+    return ([(f, fixes[0]) for f, fixes in ranked if fixes],
+            [(f, x) for f, fixes in ranked for x in fixes[1:]])
+
+
 def plan(findings: list[Finding], n: int, *, convs: bool = False) -> list[Trial]:
     """The top `n` fixes to try: each costed finding's first fix that can be applied from outside (its `trial`;
     run as the script's own flag where the fix is one), largest expected gain first; then channels-last for a
-    model with 2-D convolutions."""
+    model with 2-D convolutions; then the findings' other fixes that can be applied."""
+    firsts, alternatives = _ranked_fixes(findings, lambda x: x.trial)
+    candidate = [(None, None)] if convs else []  # channels-last, which no rule costs
     trials: list[Trial] = []
-    for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
-        fix = next((x for x in f.fixes if x.trial), None)
+    for f, fix in firsts + candidate + alternatives:
         if fix is None:
-            continue
-        predicted = predicted_gain(f, fix)
-        trial = (Trial(f"flag {' '.join(_flag(list(fix.args)))}", f"the script's own flag: {fix.code}", f.id,
-                       predicted, args=list(fix.args)) if fix.args is not None else
-                 Trial(fix.trial, _what(fix.trial), f.id, predicted))
+            trial = Trial("channels-last", WHAT["channels-last"], None, None)
+        elif fix.args is not None:
+            trial = Trial(f"flag {' '.join(_flag(list(fix.args)))}", f"the script's own flag: {fix.code}", f.id,
+                          predicted_gain(f, fix), args=list(fix.args))
+        else:
+            trial = Trial(fix.trial, _what(fix.trial), f.id, predicted_gain(f, fix))
         if all((t.fix, t.args) != (trial.fix, trial.args) for t in trials):
             trials.append(trial)
-    if convs and all(t.fix != "channels-last" for t in trials):
-        trials.append(Trial("channels-last", WHAT["channels-last"], None, None))
     return trials[:n]
 
 
 def plan_trainer(findings: list[Finding], n: int) -> list[Trial]:
-    """`doctor train --try`: the top `n` costed findings' first fix that is a fastddpm setting with a value."""
+    """`doctor train --try`: the top `n` fixes that are fastddpm settings with values: each costed finding's
+    first, largest expected gain first, then the findings' alternatives."""
+    firsts, alternatives = _ranked_fixes(findings, lambda x: x.fastddpm and settings_of(x.fastddpm))
     trials: list[Trial] = []
-    for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost):
-        found = next(((x, s) for x in f.fixes if x.fastddpm and (s := settings_of(x.fastddpm))), None)
-        if found is not None and all(t.settings != found[1][1] for t in trials):
-            fix, (flags, settings) = found
+    for f, fix in firsts + alternatives:
+        flags, settings = settings_of(fix.fastddpm)
+        if all(t.settings != settings for t in trials):
             trials.append(Trial(flags, f"fastddpm's own setting: {flags}", f.id, predicted_gain(f, fix),
                                 settings=settings))
     return trials[:n]
