@@ -347,3 +347,36 @@ def test_images_of_a_format_not_read_are_named_in_the_notes(tmp_path: Path, cach
         assert data.num_images == 2
         assert ("left out 2 image file(s) of a format not read (.gif, .tif), e.g. a/scan.tif, b/anim.gif"
                 in " ".join(data.meta["notes"]))
+
+
+def test_a_class_folder_without_images_is_no_class_and_the_notes_say_so(tmp_path: Path, cache_dir: Path) -> None:
+    """An empty class folder (an interrupted copy) is not a class, as in a labelled zip; the class ids after it
+    shift, so the prepared data's notes name it (torchvision's ImageFolder refuses one)."""
+    from fastddpm.data.summary import describe
+
+    root = tmp_path / "root"
+    make_class_folder(root, {"0": rng_images(2, 4, 4), "2": rng_images(2, 4, 4)})
+    (root / "1").mkdir()
+    (root / "0" / "thumbs").mkdir()  # deeper than a class folder: not a class either way, not named
+    assert "note: 1 folder(s) hold no image read, so they are not classes: 1/" in info(root, cache_dir=cache_dir)
+    data = prepare(root, cache_dir=cache_dir, progress=False)
+    assert list(data.class_names) == ["0", "2"] and data.labels.tolist() == [0, 0, 1, 1]
+    note = "1 folder(s) hold no image read, so they are not classes: 1/ (if one should be a class, add its images)"
+    assert note in data.meta["notes"]
+    assert note in describe(data)
+    # under split folders: a class folder empty in one split is still a class (the other split has its images)
+    split_root = tmp_path / "splits"
+    make_class_folder(split_root / "train", {"0": rng_images(2, 4, 4), "1": rng_images(1, 4, 4)})
+    make_class_folder(split_root / "test", {"0": rng_images(1, 4, 4)})
+    (split_root / "test" / "1").mkdir()
+    (split_root / "test" / "7").mkdir()
+    test = prepare(split_root, split="test", cache_dir=cache_dir, progress=False)
+    assert list(test.class_names) == ["0", "1"]
+    assert "1 folder(s) hold no image read, so they are not classes: test/7/" in " ".join(test.meta["notes"])
+    bare = tmp_path / "bare"  # no images at all: the error names what it found instead
+    (bare / "a").mkdir(parents=True)
+    (bare / "b").mkdir()
+    (bare / "a" / "README.txt").write_text("no images here")
+    with pytest.raises(DataError, match=r"found 1 other files, e.g. a/README.txt, 2 folders without images, "
+                                        r"e.g. a/, b/\)"):
+        prepare(bare, cache_dir=cache_dir, progress=False)

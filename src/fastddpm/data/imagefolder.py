@@ -46,7 +46,9 @@ def is_image_name(name: str) -> bool:
 
 
 def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
-    """Every image file under `root` in sorted order, and the relative paths of the other files.
+    """Every image file under `root` in sorted order, and the relative paths of the other files, followed by the
+    folders of the first two levels (class folders, and class folders inside split folders) that hold no image
+    file, as `name/` (an empty class folder is no class: see `image_less_folders_note`).
 
     Symlinked files and directories are followed (class folders are often links to another disk), except
     a directory link back to one of its own ancestors, which would loop forever. A directory that cannot
@@ -62,6 +64,7 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
 
     # The real directories on the path from the root to each directory walked: a link to one of them is a loop.
     ancestors: dict[str, frozenset[tuple[int, int]]] = {}
+    shallow_dirs: list[str] = []  # relative paths of the folders one and two levels down
     for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
         st = os.stat(dirpath)
         parent = ancestors.get(os.path.dirname(dirpath), frozenset()) if dirpath != str(root) else frozenset()
@@ -80,6 +83,8 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
         # Plain strings, not Path objects: this loop runs once per file (60,000 for MNIST).
         rel_dir = Path(dirpath).relative_to(root).as_posix()
         prefix = "" if rel_dir == "." else rel_dir + "/"
+        if rel_dir != "." and rel_dir.count("/") < 2:
+            shallow_dirs.append(rel_dir)
         for name in sorted(filenames):
             if _skip_name(name):
                 continue
@@ -93,7 +98,21 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
             except OSError:
                 images.append(FileStat(rel=rel, size=-1, mtime_ns=0))  # reported as unreadable later
     images.sort(key=lambda s: s.rel)
-    return images, others
+    holding = {"/".join(parts[:k]) for parts in (s.rel.split("/") for s in images) for k in (1, 2)}
+    return images, others + [f"{d}/" for d in sorted(shallow_dirs) if d not in holding]
+
+
+def image_less_folders_note(others: list[str], layout: Layout) -> list[str]:
+    """A note naming the folders `walk_folder` found without images where class folders sit (in the split folder
+    under split folders) whose names are no class: a class folder left empty (an interrupted copy) changes the
+    class count and the ids after it, and torchvision's ImageFolder refuses one."""
+    depth = 1 if layout.split is None else 2
+    classes = set(layout.class_names)
+    empty = [o for o in others if o.endswith("/") and o.count("/") == depth and o.split("/")[-2] not in classes]
+    if not empty:
+        return []
+    return [f"{len(empty)} folder(s) hold no image read, so they are not classes: {', '.join(empty[:10])}"
+            f"{', ...' if len(empty) > 10 else ''} (if one should be a class, add its images)"]
 
 
 @dataclass(kw_only=True)
@@ -175,7 +194,12 @@ def _stray_bad(stray: list[str]) -> list[BadFile]:
 
 
 def no_images_error(where: str, others: list[str]) -> DataError:
-    seen = f" (found {len(others):,} other files, e.g. {', '.join(others[:3])})" if others else ""
+    files = [o for o in others if not o.endswith("/")]
+    folders = [o for o in others if o.endswith("/")]  # walk_folder's folders without images
+    seen = ", ".join(([f"{len(files):,} other files, e.g. {', '.join(files[:3])}"] if files else [])
+                     + ([f"{len(folders):,} folders without images, e.g. {', '.join(folders[:3])}"]
+                        if folders else []))
+    seen = f" (found {seen})" if seen else ""
     return DataError(f"no images found in {where}{seen}: {EXPECTED_LAYOUT}.")
 
 
@@ -203,7 +227,9 @@ def list_folder(root: Path, stats: list[FileStat], *, split: str, others: list[s
                           open=functools.partial(open, os.path.join(root_str, rel), "rb"))
                for rel, label in layout.items]
     return ImageListing(where=str(root), entries=entries, class_names=layout.class_names, labeled=layout.labeled,
-                        layout_bad=_stray_bad(layout.stray), notes=layout.notes + unread_images_note(list(others)))
+                        layout_bad=_stray_bad(layout.stray),
+                        notes=layout.notes + unread_images_note(list(others)) + image_less_folders_note(list(others),
+                                                                                                      layout))
 
 
 # ---------------------------------------------------------------------------------------------- zips
