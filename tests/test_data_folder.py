@@ -370,9 +370,14 @@ def test_a_class_folder_without_images_is_no_class_and_the_notes_say_so(tmp_path
     make_class_folder(split_root / "test", {"0": rng_images(1, 4, 4)})
     (split_root / "test" / "1").mkdir()
     (split_root / "test" / "7").mkdir()
+    (split_root / "train" / "8").mkdir()  # the other split's: not named when test/ is read
+    (split_root / "test" / "9").mkdir()
+    save_image(split_root / "test" / "9" / "scan.tif", rng_images(1, 4, 4)[0])  # the unread-format note's
     test = prepare(split_root, split="test", cache_dir=cache_dir, progress=False)
     assert list(test.class_names) == ["0", "1"]
-    assert "1 folder(s) hold no image read, so they are not classes: test/7/" in " ".join(test.meta["notes"])
+    notes = " ".join(test.meta["notes"])
+    assert "1 folder(s) hold no image read, so they are not classes: test/7/ (" in notes
+    assert "format not read (.tif), e.g. test/9/scan.tif" in notes
     bare = tmp_path / "bare"  # no images at all: the error names what it found instead
     (bare / "a").mkdir(parents=True)
     (bare / "b").mkdir()

@@ -375,11 +375,13 @@ def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, fmnist_n
     full, _ = fsdp_run
     # 2 ranks: 2 steps, then 2 more after a restart equal 4 uninterrupted (bit for bit); a half-written save
     # (what a SIGKILL mid-save leaves) is skipped
+    # (the global batch fixed at the 2 x 8 it is, for the resume on 1 rank below)
     out = tmp_path / "resumed"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp"))
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", "--global-batch-size", "16"))
     assert r.returncode == 0, r.stdout + r.stderr
     (out / "checkpoints" / ".ckpt_000000003.dcp.tmp").mkdir()
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--resume", "latest"))
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--global-batch-size", "16",
+                               "--resume", "latest"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from {_dcp(out, 2)}" in r.stdout and "incomplete sharded checkpoint" in r.stdout + r.stderr
     assert not (out / "checkpoints" / ".ckpt_000000003.dcp.tmp").exists()  # removed by the next save
@@ -392,27 +394,24 @@ def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, fmnist_n
     assert la == lb
 
     # written by 2 ranks, resumed by 1 (DCP reshards), with the global batch fixed; then back to 2
-    out = tmp_path / "moved"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", "--global-batch-size", "16"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = torchrun(1, train_args(fmnist_npz, out, "--max-steps", "3", "--parallel", "fsdp", "--global-batch-size", "16",
+    r = torchrun(1, train_args(fmnist_npz, out, "--max-steps", "5", "--parallel", "fsdp", "--global-batch-size", "16",
                                "--resume", "latest"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "written by 2 ranks" in r.stdout
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--global-batch-size", "16",
+    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "6", "--parallel", "fsdp", "--global-batch-size", "16",
                                "--resume", "latest"))
     assert r.returncode == 0, r.stdout + r.stderr
-    state = read_sharded_checkpoint(_dcp(out, 4))
-    assert state["step"] == 4 and state["world_size"] == 2 and state["images_seen"] == 64
-    assert sorted(p.name for p in _dcp(out, 3).iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    state = read_sharded_checkpoint(_dcp(out, 6))
+    assert state["step"] == 6 and state["world_size"] == 2 and state["images_seen"] == 96
+    assert sorted(p.name for p in _dcp(out, 5).iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
 
     # a sharded checkpoint cannot be resumed by the DDP / single-process path: the error says how
-    code = main(["train", *train_args(fmnist_npz, out, "--max-steps", "5", "--resume", "latest", "--parallel", "ddp")])
+    code = main(["train", *train_args(fmnist_npz, out, "--max-steps", "7", "--resume", "latest", "--parallel", "ddp")])
     assert code == 2
     assert "is a sharded checkpoint of an FSDP run: resume it under torchrun with --parallel fsdp" in \
         capsys.readouterr().err
     # without a preset the run's own config (parallel=fsdp) is used, and a plain process is told to use torchrun
-    code = main(["train", "--out", str(out), "--resume", "latest", "--max-steps", "5", "--no-progress"])
+    code = main(["train", "--out", str(out), "--resume", "latest", "--max-steps", "7", "--no-progress"])
     assert code == 2
     assert "launch with `torchrun --nproc-per-node N -m fastddpm train --parallel fsdp" in capsys.readouterr().err
 

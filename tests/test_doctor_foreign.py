@@ -356,11 +356,19 @@ def test_each_outside_fix_applies_itself_and_says_so(tmp_path, fix, applied, see
     assert trial.measured is not None and trial.measured > 0
     base_line, fix_line = log.read_text().splitlines()  # the base run, then the fix's
     assert (base_line, fix_line) == ("torch.float32 False None False", seen)
-    # where nothing matches, nothing is claimed: a foreach optimizer is left alone
-    script.write_text(MODEL_SCRIPT.replace("FOREACH", "True").replace("LOG", repr(str(tmp_path / "other.txt"))))
+
+
+def test_a_fix_that_finds_nothing_to_change_claims_nothing(tmp_path):
+    """Where nothing matches, nothing is claimed: the fused-optimizer fix leaves a foreach optimizer alone, says
+    it changed nothing, and is not measured."""
+    from fastddpm.doctor.trials import Trial, run_trials
+
+    script = tmp_path / "train.py"
+    script.write_text(MODEL_SCRIPT.replace("FOREACH", "True").replace("LOG", repr(str(tmp_path / "seen.txt"))))
     (none,) = run_trials(script, [], [Trial("fused-optimizer", "", None, None)], rounds=1, warmup=4, steps=3,
                          log=lambda *a: None)
-    assert none.applied == [] and none.measured is None
+    assert none.applied == [] and none.measured is None and none.failed is None
+    assert len((tmp_path / "seen.txt").read_text().splitlines()) == 2  # both runs ran the script
 
 
 def test_the_fp32_fix_turns_the_scripts_own_autocast_off_inside_the_model(tmp_path):

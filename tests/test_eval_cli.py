@@ -273,14 +273,15 @@ def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_split
 
 
 def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
-    """The EMA weights after 100 steps against the untrained initial weights: FID drops, precision rises."""
+    """The EMA weights after 100 steps against the untrained initial weights: FID drops, precision rises. (The
+    U-Net without attention, 70% of its CPU step at 28x28: the test is about the evaluation, not the model.)"""
     from fastddpm.config import resolve_model_shape
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.models import UNet
     from fastddpm.rng import derive_seed
     from fastddpm.sampling import load_for_sampling
 
-    cfg = tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50)
+    cfg = apply_overrides(tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50), {"model.attention": False})
     train(cfg, out_dir=tmp_path / "run", log=quiet)
     trained, cfg = load_for_sampling(tmp_path / "run")
     torch.manual_seed(derive_seed(cfg.train.seed, "init"))  # exactly the run's initial weights

@@ -159,6 +159,7 @@ def test_eval_under_torchrun_scores_the_samples_one_process_draws(fsdp_run, tmp_
         assert np.isclose(shared[key], alone[key], rtol=1e-6), (key, shared[key], alone[key])
 
 
+@pytest.mark.slow
 def test_eval_under_torchrun_ends_every_rank_with_rank_0s_setup_error(fsdp_run, tmp_path):
     """Rank 0 alone prepares the reference data; when it cannot (here, no such data), every rank stops with exit
     code 2 and rank 0's message, instead of the others waiting for samples to gather."""
@@ -169,5 +170,7 @@ def test_eval_under_torchrun_ends_every_rank_with_rank_0s_setup_error(fsdp_run, 
     assert r.returncode != 0
     text = r.stdout + r.stderr
     assert "FutureWarning" not in text  # the group's shutdown reads no deprecated object
-    assert str(missing) in text and "rank 1: stopped, since rank 0 could not set up the evaluation" in text, text
+    assert f"error: {missing}: no such file or folder" in text, text  # rank 0's, printed before the others stop
+    assert "rank 1: stopped, since rank 0 could not set up the evaluation" in text, text
+    assert "exitcode  : 2" in text  # torchrun's summary: the DataError's code, on both ranks
     assert not (tmp_path / "out").exists()

@@ -155,6 +155,15 @@ def mean_across_ranks(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return x
 
 
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's `obj` (anything picklable) on every rank. Note: a collective."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def any_rank(flag: int, info: DistInfo, device: torch.device) -> int:
     """The largest `flag` over ranks (e.g. a signal's exit code, 0 = none). Note: a collective and a host sync."""
     if not info.enabled:

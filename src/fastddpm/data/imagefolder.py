@@ -104,11 +104,14 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
 
 def image_less_folders_note(others: list[str], layout: Layout) -> list[str]:
     """A note naming the folders `walk_folder` found without images where class folders sit (in the split folder
-    under split folders) whose names are no class: a class folder left empty (an interrupted copy) changes the
-    class count and the ids after it, and torchvision's ImageFolder refuses one."""
-    depth = 1 if layout.split is None else 2
+    read, under split folders) whose names are no class: a class folder left empty (an interrupted copy) changes
+    the class count and the ids after it, and torchvision's ImageFolder refuses one. A folder of images in a
+    format not read is left to `unread_images_note`, which says what to do with them."""
+    where = "" if layout.split_dir is None else f"{layout.split_dir}/"
     classes = set(layout.class_names)
-    empty = [o for o in others if o.endswith("/") and o.count("/") == depth and o.split("/")[-2] not in classes]
+    unread = _unread_images(others)
+    empty = [o for o in others if o.endswith("/") and o.startswith(where) and o.count("/") == where.count("/") + 1
+             and o.split("/")[-2] not in classes and not any(u.startswith(o) for u in unread)]
     if not empty:
         return []
     return [f"{len(empty)} folder(s) hold no image read, so they are not classes: {', '.join(empty[:10])}"
@@ -119,7 +122,8 @@ def image_less_folders_note(others: list[str], layout: Layout) -> list[str]:
 class Layout:
     """How relative image paths map to (split, class, label)."""
 
-    split: str | None  # the split folder used; None when the source has no split folders
+    split: str | None  # the split read; None when the source has no split folders
+    split_dir: str | None  # the split folder read (e.g. testing/ for split test)
     class_names: list[str]
     labeled: bool
     items: list[tuple[str, int]]  # (original relative path, label) in training order
@@ -152,7 +156,7 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
         parts = {p: ps[1:] for p, ps in parts.items()}
         notes.append(f"ignored the common top-level folder {top}/")
 
-    chosen_split = None
+    chosen_split = chosen_dir = None
     split_classes: set[str] = set()  # class folders of every split: one class list, the same ids in each split
     top_dirs = {ps[0] for ps in parts.values() if len(ps) >= 2}
     if top_dirs and all(d.lower() in SPLIT_ALIASES for d in top_dirs):
@@ -163,7 +167,7 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
             available = sorted({SPLIT_ALIASES[d.lower()] for d in top_dirs})
             raise DataError(f"{where} has split folders {sorted(top_dirs)} but {problem}. "
                             f"Fix: pass --split {' or --split '.join(available)}.")
-        chosen_split = split
+        chosen_split, chosen_dir = split, wanted[0]
         split_classes = {ps[1] for ps in parts.values() if len(ps) >= 3}
         ignored = sum(1 for ps in parts.values() if len(ps) < 2 or ps[0] != wanted[0])
         parts = {p: ps[1:] for p, ps in parts.items() if len(ps) >= 2 and ps[0] == wanted[0]}
@@ -174,7 +178,8 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
     if not class_dirs:
         items = [(p, -1) for p in sorted(parts)]
         notes.append(f"no class folders: the {len(items):,} images are one unlabeled set (labels -1)")
-        return Layout(split=chosen_split, class_names=[], labeled=False, items=items, stray=[], notes=notes)
+        return Layout(split=chosen_split, split_dir=chosen_dir, class_names=[], labeled=False, items=items, stray=[],
+                      notes=notes)
     # A class that only the other splits have images of still takes its place: label k is the same class in
     # train/ and test/ (a model trained on one is evaluated on the other).
     missing = sorted(split_classes - class_dirs)
@@ -185,7 +190,8 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
     label_of = {name: i for i, name in enumerate(class_names)}
     items = sorted(((p, label_of[ps[0]]) for p, ps in parts.items() if len(ps) >= 2), key=lambda t: (t[1], t[0]))
     stray = sorted(p for p, ps in parts.items() if len(ps) == 1)
-    return Layout(split=chosen_split, class_names=class_names, labeled=True, items=items, stray=stray, notes=notes)
+    return Layout(split=chosen_split, split_dir=chosen_dir, class_names=class_names, labeled=True, items=items,
+                  stray=stray, notes=notes)
 
 
 def _stray_bad(stray: list[str]) -> list[BadFile]:
@@ -203,14 +209,19 @@ def no_images_error(where: str, others: list[str]) -> DataError:
     return DataError(f"no images found in {where}{seen}: {EXPECTED_LAYOUT}.")
 
 
-def unread_images_note(others: list[str]) -> list[str]:
-    """A note naming the files of an image format Pillow opens but the reader skips (.gif, .tif ...): without it
-    they were left out of the dataset without a word."""
+def _unread_images(others: list[str]) -> list[str]:
+    """The files among `others` whose format Pillow opens (.gif, .tif ...), sorted."""
     from PIL import Image
 
     Image.init()
     opened = {ext for ext, fmt in Image.EXTENSION.items() if fmt in Image.OPEN}
-    unread = sorted(o for o in others if os.path.splitext(o)[1].lower() in opened)
+    return sorted(o for o in others if os.path.splitext(o)[1].lower() in opened)
+
+
+def unread_images_note(others: list[str]) -> list[str]:
+    """A note naming the files of an image format Pillow opens but the reader skips (.gif, .tif ...): without it
+    they were left out of the dataset without a word."""
+    unread = _unread_images(others)
     if not unread:
         return []
     kinds = sorted({os.path.splitext(o)[1].lower() for o in unread})

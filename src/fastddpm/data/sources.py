@@ -43,7 +43,7 @@ class Source:
     split: str | None = None  # canonical split when the source has splits, else None
     files: tuple[Path, ...] = ()  # the files that will be read (all kinds but image folders)
     tree: tuple[imagefolder.FileStat, ...] = ()  # image folders: every image file
-    others: tuple[str, ...] = ()  # image folders: every other file (relative paths), for the notes
+    others: tuple[str, ...] = ()  # image folders: every other file, then the folders without images (x/), for notes
     backslash_paths: bool = False  # zips: member paths separated by backslashes (Windows tools), read as folders
     fingerprint: str | None = None  # changes when any file read changes; None when not local
 

@@ -234,7 +234,8 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
             # The copies are between cuDNN's NHWC and Inductor's NCHW: forcing Inductor to NHWC removes them where
             # it holds (a candidate: not yet measured on a GPU), while NCHW brings cuDNN's own conversions back (an
             # H200: channels_last 1.09x NCHW on seed-1layer, 0.94x on ddpm-cifar10). Neither is predicted from the
-            # copies' share; `--try` measures the first. Already forced: only the other layout is left to try.
+            # copies' share; `--try N` measures both where N leaves room. Already forced: only the other layout is
+            # left to try.
             force_nhwc = Fix("--channels-last on --inductor-layout channels-last",
                              "keep channels_last and force Inductor's layout optimization, so its own tensors are "
                              "channels_last too: torch.compile(model, options={'force_layout_optimization': True}) "

@@ -106,10 +106,10 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--device", default="auto",
                     help="auto (CUDA when present), cpu, cuda, cuda:N; under torchrun each process takes "
                          "cuda:LOCAL_RANK")
-    ev.add_argument("--dist-timeout", type=float, default=1800.0, metavar="S",
+    ev.add_argument("--dist-timeout-s", type=_seconds, default=1800.0, metavar="S",
                     help="under torchrun: seconds a process waits for the others (default 1800; the first "
                          "evaluation of a dataset prepares its reference statistics on rank 0 alone while the "
-                         "others wait)")
+                         "others wait: `fastddpm data prepare` beforehand shortens that wait)")
     ev.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
                          "native bf16, else fp32)")
@@ -123,6 +123,16 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     ev.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/eval)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ev
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, e.g. 1800, got {text!r}")
+    return value
 
 
 def _guidance_list(text: str) -> list[float]:
@@ -184,7 +194,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     device, _ = resolve_device(args.device)
     # under torchrun: this process's device (cuda:LOCAL_RANK) in a group whose ranks share the sampling
-    dist, device = init_distributed(device, args.dist_timeout, command="eval", timeout_setting="--dist-timeout")
+    dist, device = init_distributed(device, args.dist_timeout_s, command="eval", timeout_setting="--dist-timeout-s")
     try:
         return _run_eval(args, device, dist)
     finally:
@@ -199,8 +209,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     from fastddpm.config import ConfigError
     from fastddpm.device import resolve_precision
     from fastddpm.diffusion import network_calls, schedule_from_config
-    from fastddpm.distributed import any_rank
-    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, sample_uint8, summary_line
+    from fastddpm.distributed import any_rank, broadcast_object
+    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, evaluate_shared, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
@@ -208,6 +218,10 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
 
     log = print if dist.is_main else _quiet  # rank 0 speaks for the group
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
+    if dist.enabled:  # a run still training may save a newer checkpoint between two ranks' looks: rank 0's it is
+        chosen = broadcast_object(str(ckpt.path), dist)
+        if chosen != str(ckpt.path):
+            ckpt = locate(chosen, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     info = ckpt.info()
     if args.guidance is not None and not cfg.model.conditional:
@@ -246,16 +260,21 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     # wait to learn whether it could, so that bad data ends every process with rank 0's error, not a hang.
     evaluator = failure = None
     if dist.is_main:
+        if dist.world_size > 1:
+            log(f"rank 0 prepares the features and the reference statistics; the other {dist.world_size - 1} "
+                f"process(es) wait up to --dist-timeout-s {args.dist_timeout_s:g}")
         try:
             evaluator = _evaluator(args, cfg, device, inception=inception, trained_on=trained_on, log=log)
         except Exception as e:
+            if not dist.enabled:
+                raise
             failure = e
+            _say(e)  # now: once the others learn of it and exit, torchrun stops this process too
     if any_rank(int(failure is not None), dist, device):
-        if failure is not None:
-            raise failure
-        print(f"rank {dist.rank}: stopped, since rank 0 could not set up the evaluation (its error says why); "
-              "nothing sampled", file=sys.stderr)
-        return 2
+        if failure is None:
+            print(f"rank {dist.rank}: stopped, since rank 0 could not set up the evaluation (its error says why); "
+                  "nothing sampled", file=sys.stderr)
+        return 1 if failure is not None and not _user_error(failure) else 2
     if evaluator is not None:
         net = evaluator.net
         if net.num_classes is not None:
@@ -272,7 +291,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)
     spacing = args.spacing or own_spacing
     rounds, batch_size = batches_per_rank(args.num_samples, batch_size, dist.world_size)
-    shared = f" on each of {dist.world_size} processes" if dist.enabled else ""
+    shared = f" on each of {dist.world_size} processes" if dist.world_size > 1 else ""
     log(f"sampling {args.num_samples:,} images: {args.sampler}"
         f"{'' if args.sampler == 'ddpm' else f' {args.steps} steps'}"
         f"{'' if args.sampler == 'ddpm' else f', {spacing} spacing'} = {nfe} network calls each, "
@@ -282,20 +301,20 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}{shared}; an estimate is "
         "printed after the first batch" if batches > 1 else "sampling time: one batch, timed below")
     timed_model = _FirstBatchTimer(sampling_model, calls_per_batch=nfe, batches=batches, log=log)
-    choices = dict(num_samples=args.num_samples, sampler=args.sampler, steps=args.steps, eta=args.eta, seed=args.seed,
-                   batch_size=batch_size, device=device, autocast_dtype=precision.autocast_dtype,
-                   spacing=args.spacing)
     per_scale = []
     for w in scales:
         with torch.inference_mode():
-            if evaluator is None:  # a rank other than 0: its share of the samples, gathered by rank 0
-                sample_uint8(timed_model, cfg, guidance=w, rank=dist.rank, world_size=dist.world_size, **choices)
-                continue
-            metrics, images = evaluator.evaluate(timed_model, cfg, progress=not args.no_progress, guidance=w,
-                                                 world_size=dist.world_size, **choices)
-        per_scale.append((metrics, images))
+            # a rank other than 0 draws its share of the samples for rank 0 to gather, and gets None
+            result = evaluate_shared(evaluator, timed_model, cfg, rank=dist.rank, world_size=dist.world_size,
+                                     num_samples=args.num_samples, sampler=args.sampler, steps=args.steps,
+                                     eta=args.eta, seed=args.seed, batch_size=batch_size, device=device,
+                                     autocast_dtype=precision.autocast_dtype, spacing=args.spacing, guidance=w,
+                                     progress=not args.no_progress)
+        if result is None:
+            continue
+        per_scale.append(result)
         if len(scales) > 1:
-            log(summary_line(metrics))
+            log(summary_line(result[0]))
     if evaluator is None:
         return 0
     metrics, images = per_scale[0]
@@ -343,6 +362,27 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
 
 def _quiet(*args, **kwargs) -> None:
     """The log of a rank other than 0."""
+
+
+def _user_error(e: BaseException) -> bool:
+    """The errors the CLI answers with their message and exit code 2 (fastddpm.cli.main)."""
+    from fastddpm.config import ConfigError
+    from fastddpm.data import DataError
+    from fastddpm.rundir.files import CheckpointError
+
+    return isinstance(e, (ConfigError, DataError, CheckpointError))
+
+
+def _say(e: BaseException) -> None:
+    """Rank 0's setup error under torchrun, as fastddpm.cli.main would print it (the message, or the traceback of
+    an unexpected error)."""
+    import traceback
+
+    if _user_error(e):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exception(e, file=sys.stderr)
+        sys.stderr.flush()
 
 
 def _evaluator(args: argparse.Namespace, cfg, device, *, inception: str | None, trained_on: str, log):

@@ -26,7 +26,7 @@ import torch
 
 from fastddpm.config import RunConfig
 from fastddpm.eval.curve import write_curve
-from fastddpm.eval.evaluate import Evaluator, as_json_safe, sample_uint8, summary_line
+from fastddpm.eval.evaluate import Evaluator, as_json_safe, evaluate_shared, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
@@ -92,17 +92,13 @@ class TrainingEvaluator:
         t_eval = time.perf_counter()
         wall_s = t_eval - t_start
         t = self.cfg.train
-        if self.evaluator is None:  # a rank other than 0: its share of the samples, gathered to rank 0
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                sample_uint8(ema_model, self.cfg, sampler=self.sampler, steps=self.steps, eta=0.0,
-                             device=self.device, autocast_dtype=self.autocast_dtype, rank=self.rank,
-                             world_size=self.world_size, **self.choices)
-            reshard(ema_model)
-            return time.perf_counter() - t_eval
-        result, _ = self.evaluator.evaluate(ema_model, self.cfg, sampler=self.sampler, steps=self.steps,
-                                            device=self.device, autocast_dtype=self.autocast_dtype,
-                                            world_size=self.world_size, **self.choices)
+        shared = evaluate_shared(self.evaluator, ema_model, self.cfg, rank=self.rank, world_size=self.world_size,
+                                 sampler=self.sampler, steps=self.steps, eta=0.0, device=self.device,
+                                 autocast_dtype=self.autocast_dtype, **self.choices)
         reshard(ema_model)
+        if shared is None:  # a rank other than 0: it drew its share of the samples, gathered to rank 0
+            return time.perf_counter() - t_eval
+        result, _ = shared
         eval_s = time.perf_counter() - t_eval
         record = {"event": "eval", "step": step, "images_seen": images_seen, "epoch": epoch, "wall_s": wall_s,
                   "fid": result["fid"], "precision": result["precision"], "recall": result["recall"],

@@ -270,6 +270,19 @@ class Evaluator:
         return metrics, images
 
 
+def evaluate_shared(evaluator: Evaluator | None, model, cfg: RunConfig, *, rank: int, world_size: int,
+                    device: torch.device, **sampling) -> tuple[dict, torch.Tensor] | None:
+    """One evaluation shared by the `world_size` ranks of a torch.distributed group (`fastddpm eval` under
+    torchrun, `--eval-every`), each calling it with its `rank`: rank 0, which alone holds the `evaluator`, gets
+    (metrics, samples) as Evaluator.evaluate; every other rank draws its share of the samples for rank 0 to gather
+    and gets None. `sampling`: Evaluator.evaluate's other keywords (num_samples, sampler, steps, eta, seed, ...)."""
+    if evaluator is not None:
+        return evaluator.evaluate(model, cfg, device=device, world_size=world_size, **sampling)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        sample_uint8(model, cfg, device=device, rank=rank, world_size=world_size, **sampling)
+    return None
+
+
 def summary_line(metrics: dict) -> str:
     """One line for logs: FID, precision/recall, coverage (and guidance and class accuracy), and the features."""
     text = (f"FID {metrics['fid']:.3f}, precision {metrics['precision']:.3f}, recall {metrics['recall']:.3f} "
