@@ -82,10 +82,12 @@ def test_two_ranks_draw_the_samples_one_process_draws_in_order(tmp_path):
 
 @pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory, fmnist_splits):  # noqa: F811
-    """A 2-step FSDP run on 2 gloo ranks with --eval-every: (its run directory, torchrun's output)."""
+    """A 2-step FSDP run of a conditional model on 2 gloo ranks with --eval-every: (its run directory, torchrun's
+    output). Conditional, so that the scores depend on the order of the gathered samples and features (class
+    accuracy and per-class FID: sample i asks for class i % 10), which FID and precision/recall do not."""
     out = tmp_path_factory.mktemp("fsdp-eval") / "run"
     r = torchrun(2, train_args(fmnist_splits, out, "--max-steps", "2", "--parallel", "fsdp", "--eval-every", "16",
-                               "--eval-samples", "12", "--eval-steps", "2"),
+                               "--eval-samples", "12", "--eval-steps", "2", "--conditional"),
                  env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]})
     assert r.returncode == 0, r.stdout + r.stderr
     return out, r.stdout
@@ -118,6 +120,7 @@ def test_fsdp_evaluates_during_training_as_one_process_would(fsdp_run):
     assert np.isclose(records[-1]["fid"], alone["fid"], rtol=1e-4), (records[-1]["fid"], alone["fid"])
     assert np.isclose(records[-1]["precision"], alone["precision"]) and np.isclose(records[-1]["recall"],
                                                                                     alone["recall"])
+    assert records[-1]["class_accuracy"] == alone["class_accuracy"]
 
 
 def _eval_args(checkpoint, out, *extra) -> list[str]:
@@ -157,6 +160,11 @@ def test_eval_under_torchrun_scores_the_samples_one_process_draws(fsdp_run, tmp_
     assert "processes" not in alone["sampling"]
     for key in ("fid", "precision", "recall"):
         assert np.isclose(shared[key], alone[key], rtol=1e-6), (key, shared[key], alone[key])
+    (row,), (alone_row,) = shared["guidance"], alone["guidance"]  # in order: per class, as one process scores
+    assert row["class_accuracy_by_class"] == alone_row["class_accuracy_by_class"]
+    assert row["per_class_fid"].keys() == alone_row["per_class_fid"].keys()
+    for name, fid in row["per_class_fid"].items():
+        assert np.isclose(fid, alone_row["per_class_fid"][name], rtol=1e-6), (name, fid)
 
 
 @pytest.mark.slow

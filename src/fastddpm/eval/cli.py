@@ -49,7 +49,7 @@ examples:
   torchrun --nproc-per-node 8 -m fastddpm eval --checkpoint runs/cifar --features inception --num-samples 50000
 
 Under torchrun each process samples 1/N of the images on its own GPU (the same images one process draws: sample
-k's noise is its own); rank 0 gathers them, scores them and writes the files.
+k's noise is its own) and extracts their features; rank 0 gathers both, scores them and writes the files.
 
 Writes OUT/eval_<sampler><steps>_n<N>_seed<S>[_w<W>[-<W>...]]_step<K>.json (every number, the feature network, the
 environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/eval. A spacing other than the
@@ -210,7 +210,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     from fastddpm.device import resolve_precision
     from fastddpm.diffusion import network_calls, schedule_from_config
     from fastddpm.distributed import any_rank, broadcast_object
-    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, evaluate_shared, summary_line
+    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
@@ -256,8 +256,9 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if inception is not None and args.num_samples < PUBLISHED_NUM_SAMPLES:
         log(f"note: published Inception FID uses {PUBLISHED_NUM_SAMPLES:,} samples against the training set; "
             f"{args.num_samples:,} samples give a higher FID, comparable only with evaluations at the same count")
-    # Rank 0 alone holds the feature network and the reference statistics (it scores every sample); the others
-    # wait to learn whether it could, so that bad data ends every process with rank 0's error, not a hang.
+    # Rank 0 prepares the feature network and the reference statistics (it scores every sample); the others wait
+    # to learn whether it could, so that bad data ends every process with rank 0's error, not a hang, and then
+    # load the feature network it cached (each extracts its own samples' features).
     evaluator = failure = None
     if dist.is_main:
         if dist.world_size > 1:
@@ -275,7 +276,10 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
             print(f"rank {dist.rank}: stopped, since rank 0 could not set up the evaluation (its error says why); "
                   "nothing sampled", file=sys.stderr)
         return 1 if failure is not None and not _user_error(failure) else 2
-    if evaluator is not None:
+    if not dist.is_main:
+        evaluator = _evaluator(args, cfg, device, inception=inception, trained_on=trained_on, log=log,
+                               reference=False)
+    else:
         net = evaluator.net
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
@@ -304,18 +308,18 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     per_scale = []
     for w in scales:
         with torch.inference_mode():
-            # a rank other than 0 draws its share of the samples for rank 0 to gather, and gets None
-            result = evaluate_shared(evaluator, timed_model, cfg, rank=dist.rank, world_size=dist.world_size,
-                                     num_samples=args.num_samples, sampler=args.sampler, steps=args.steps,
-                                     eta=args.eta, seed=args.seed, batch_size=batch_size, device=device,
-                                     autocast_dtype=precision.autocast_dtype, spacing=args.spacing, guidance=w,
-                                     progress=not args.no_progress)
+            # a rank other than 0 draws and extracts its share of the samples for rank 0 to gather, and gets None
+            result = evaluator.evaluate(timed_model, cfg, rank=dist.rank, world_size=dist.world_size,
+                                        num_samples=args.num_samples, sampler=args.sampler, steps=args.steps,
+                                        eta=args.eta, seed=args.seed, batch_size=batch_size, device=device,
+                                        autocast_dtype=precision.autocast_dtype, spacing=args.spacing, guidance=w,
+                                        progress=not args.no_progress)
         if result is None:
             continue
         per_scale.append(result)
         if len(scales) > 1:
             log(summary_line(result[0]))
-    if evaluator is None:
+    if not dist.is_main:
         return 0
     metrics, images = per_scale[0]
     out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
@@ -385,16 +389,17 @@ def _say(e: BaseException) -> None:
         sys.stderr.flush()
 
 
-def _evaluator(args: argparse.Namespace, cfg, device, *, inception: str | None, trained_on: str, log):
-    """The feature network and reference statistics for cfg.data; a DataError about the checkpoint's own data
-    names --data, the way to evaluate against another copy of it."""
+def _evaluator(args: argparse.Namespace, cfg, device, *, inception: str | None, trained_on: str, log,
+               reference: bool = True):
+    """The feature network and reference statistics for cfg.data (`reference` False: the network alone); a
+    DataError about the checkpoint's own data names --data, the way to evaluate against another copy of it."""
     from fastddpm.data import DataError
     from fastddpm.eval.classifier import UnlabelledDataError
     from fastddpm.eval.evaluate import Evaluator
 
     try:
         return Evaluator.for_config(cfg, device=device, inception=inception, reference_split=args.reference_split,
-                                    log=log, progress=not args.no_progress)
+                                    log=log, progress=not args.no_progress, reference=reference)
     except DataError as e:
         if args.data is None and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
             raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass --data SOURCE "

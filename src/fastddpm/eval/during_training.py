@@ -3,7 +3,8 @@
 Each evaluation samples `eval_samples` images with `eval_sampler` (`eval_steps` steps; `auto` resolved for the run's
 objective, and the resolved names recorded) from the EMA weights, with the same noise every time (seed derived from
 (run seed, "eval")), so successive points differ only by the weights. Under torchrun every rank draws a share of
-the samples and rank 0 gathers and scores them: the samples one process would draw, in 1/N of the time on N GPUs.
+the samples and extracts their features, rank 0 gathers and scores them: the samples one process would draw, in
+1/N of the time on N GPUs.
 It writes one record to metrics.jsonl ({"event": "eval", fid, precision, recall, wall_s, images_seen, ...}) and
 a fuller one to eval.jsonl, and redraws RUN_DIR/eval_curve.png (FID vs wall time and vs images seen).
 
@@ -26,11 +27,15 @@ import torch
 
 from fastddpm.config import RunConfig
 from fastddpm.eval.curve import write_curve
-from fastddpm.eval.evaluate import Evaluator, as_json_safe, evaluate_shared, summary_line
+from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import reshard
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of a rank other than 0."""
 
 
 def evaluation_choices(cfg: RunConfig) -> dict:
@@ -48,8 +53,8 @@ def evaluation_choices(cfg: RunConfig) -> dict:
 
 class TrainingEvaluator:
     """The evaluations of one run. Under torchrun every rank makes one (`rank`, `world_size`): each draws its
-    share of the samples (an FSDP model's forward needs every rank), rank 0 gathers and scores them, alone holding
-    the feature network, the reference statistics and the logs."""
+    share of the samples (an FSDP model's forward needs every rank) and extracts their features, rank 0 gathers
+    and scores them, alone holding the reference statistics and the logs."""
 
     def __init__(self, cfg: RunConfig, *, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None,
                  log: Callable[[str], None] = print, rank: int = 0, world_size: int = 1):
@@ -59,10 +64,15 @@ class TrainingEvaluator:
         self.every = t.eval_every_images
         self.choices = evaluation_choices(cfg)
         self.sampler, self.steps = cfg.eval_sampling()  # `auto` resolved for the run's objective
-        self.evaluator = None  # rank 0's
         if rank != 0:
+            # the feature network rank 0 trained or found and cached (the barrier: once it has)
+            torch.distributed.barrier()
+            self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=_quiet,
+                                                  reference=False)
             return
         self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
+        if world_size > 1:
+            torch.distributed.barrier()
         self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
         self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True
@@ -92,11 +102,11 @@ class TrainingEvaluator:
         t_eval = time.perf_counter()
         wall_s = t_eval - t_start
         t = self.cfg.train
-        shared = evaluate_shared(self.evaluator, ema_model, self.cfg, rank=self.rank, world_size=self.world_size,
-                                 sampler=self.sampler, steps=self.steps, eta=0.0, device=self.device,
-                                 autocast_dtype=self.autocast_dtype, **self.choices)
+        shared = self.evaluator.evaluate(ema_model, self.cfg, rank=self.rank, world_size=self.world_size,
+                                         sampler=self.sampler, steps=self.steps, device=self.device,
+                                         autocast_dtype=self.autocast_dtype, **self.choices)
         reshard(ema_model)
-        if shared is None:  # a rank other than 0: it drew its share of the samples, gathered to rank 0
+        if shared is None:  # a rank other than 0: its share of the samples and features went to rank 0
             return time.perf_counter() - t_eval
         result, _ = shared
         eval_s = time.perf_counter() - t_eval

@@ -6,7 +6,8 @@
 
 Sampling randomness comes from its own generators, sample k's from (seed, "eval-sample", k): an evaluation never
 touches the global RNG or the training streams, so it cannot change a run it is part of, and its samples do not
-depend on the batch size nor on how many processes share the sampling (sample_uint8's `rank` and `world_size`).
+depend on the batch size nor on how many processes share the sampling and the feature extraction
+(Evaluator.evaluate's `rank` and `world_size`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from fastddpm.data import DataError
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.eval.features import (
     ClassReference,
+    Extracted,
     FeatureNet,
     ReferenceStats,
     build_feature_net,
     check_compatible,
     class_reference_stats,
     extract,
+    extracted_from,
     reference_stats,
 )
 from fastddpm.eval.classifier import UnlabelledDataError, num_classes_of
@@ -66,7 +69,7 @@ def batches_per_rank(num_samples: int, batch_size: int, world_size: int = 1) -> 
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
                  progress: bool = False, guidance: float | None = None, spacing: str | None = None,
-                 rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor | None, dict]:
+                 rank: int = 0, world_size: int = 1, gather: bool = True) -> tuple[torch.Tensor | None, dict]:
     """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
     last one is dropped), so a compiled model sees one shape. A conditional model samples every class equally
     often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`.
@@ -74,7 +77,9 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     Shared by `world_size` processes of a torch.distributed group (torchrun), each calls it with its `rank`: it
     draws batches rank, rank + world_size, ...; every rank draws as many batches (an FSDP model's forward is a
     collective), each of at most `batch_size`, and rank 0 gathers the samples, the same as one process draws
-    (sample k's noise is its own). Ranks other than 0 get None for the images."""
+    (sample k's noise is its own). Ranks other than 0 get None for the images. With `gather` False every rank
+    keeps its own batches instead (batches rank, rank + world_size, ..., one after the other), and the timings
+    are its own."""
     schedule = schedule_from_config(cfg.diffusion).to(device)
     m = cfg.model
     rounds, batch_size = batches_per_rank(num_samples, batch_size, world_size)
@@ -100,7 +105,7 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
         chunks.append(to_uint8(x).cpu())  # note: device -> host copy, a sync per batch
         if first_batch_s is None:
             first_batch_s = time.perf_counter() - t0
-    if world_size > 1:  # the gather is part of the sampling's time: rank 0 has the samples only after it
+    if world_size > 1 and gather:  # the gather is part of the sampling's time: rank 0 has the samples after it
         images = _gather_batches(torch.stack(chunks), num_batches, rank, world_size, device)
         wall_s = time.perf_counter() - t0
     else:
@@ -116,6 +121,8 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
         timing["processes"] = world_size
     if rounds > 1:  # the first batch carries compile / warm-up time; the rest is the steady state
         timing["steady_samples_per_s"] = (rounds - 1) * world_size * batch_size / max(wall_s - first_batch_s, 1e-9)
+    if world_size > 1 and not gather:
+        return images, timing
     return (images[:num_samples] if images is not None else None), timing
 
 
@@ -145,18 +152,29 @@ def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: i
     t0 = time.perf_counter()
     ex = extract(net, images_u8, batch_size=batch_size,
                  labels=labels.numpy() if labels is not None and classes is not None else None)
+    asked_pred = None
+    if labels is not None:
+        asked_pred = ex.pred if classifier is None or classifier is net else extract(classifier, images_u8).pred
+    out = _scores(ex, net, ref, k=k, labels=labels, asked_pred=asked_pred, classes=classes, class_names=class_names)
+    out["score_s"] = time.perf_counter() - t0
+    return out
+
+
+def _scores(ex: Extracted, net: FeatureNet, ref: ReferenceStats, *, k: int, labels: torch.Tensor | None,
+            asked_pred: np.ndarray | None, classes: ClassReference | None, class_names: tuple[str, ...]) -> dict:
+    """score's numbers from the samples' features `ex`, and (a conditional model) the dataset classifier's
+    predictions `asked_pred` of the samples asked for classes `labels`."""
     mu, sigma = ex.stats.mean_cov()
     fid = frechet_distance(mu, sigma, ref.mu, ref.sigma)
     # Equal-sized sets, as in Kynkaanniemi et al.: the reference subset is a random order, a prefix is random.
     m = min(ex.feats.shape[0], ref.pr_feats.shape[0])
     pr = precision_recall(ref.pr_feats[:m], ex.feats[:m], k=k, device=net.device)
     out = {"fid": fid, "precision": pr["precision"], "recall": pr["recall"], "pr_k": k, "pr_num_images": m,
-           "num_samples": int(images_u8.shape[0]), "features": net.name, "features_label": net.label}
+           "num_samples": int(ex.feats.shape[0]), "features": net.name, "features_label": net.label}
     if ex.pred is not None:
         out["coverage"] = class_coverage(ex.pred, net.num_classes)
     if labels is not None:
-        pred = ex.pred if classifier is None or classifier is net else extract(classifier, images_u8).pred
-        asked = labels.numpy()
+        pred, asked = asked_pred, labels.numpy()
         out["class_accuracy"] = float((pred == asked).mean())
         out["class_accuracy_by_class"] = {class_names[c] if c < len(class_names) else str(c):
                                           float((pred[asked == c] == c).mean()) for c in np.unique(asked)}
@@ -166,7 +184,6 @@ def score(images_u8: torch.Tensor, net: FeatureNet, ref: ReferenceStats, *, k: i
                 frechet_distance(*ex.class_stats[c].mean_cov(), classes.mu[c], classes.sigma[c])
                 for c in sorted(ex.class_stats)
                 if ex.class_stats[c].n >= 2 and c < len(classes.counts) and classes.counts[c] >= 2}
-    out["score_s"] = time.perf_counter() - t0
     return out
 
 
@@ -176,16 +193,17 @@ class Evaluator:
     dataset's classifier (class accuracy) and the per-class statistics (per-class FID)."""
 
     net: FeatureNet
-    ref: ReferenceStats
+    ref: ReferenceStats | None  # None: a rank other than 0 of a shared evaluation (it extracts, rank 0 scores)
     classifier: FeatureNet | None = None
     classes: ClassReference | None = None
 
     @classmethod
     def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
                    reference_split: str | None = None, log: Callable[[str], None] = print,
-                   progress: bool = False) -> "Evaluator":
+                   progress: bool = False, reference: bool = True) -> "Evaluator":
         """Feature net for cfg.data (trained once and cached, or Inception from a file) and the statistics of
-        the reference split (default: the split the model was trained on)."""
+        the reference split (default: the split the model was trained on). `reference` False: the feature
+        networks alone, for the ranks other than 0 of a shared evaluation (built after rank 0 has cached them)."""
         from pathlib import Path
 
         from fastddpm.data import prepare
@@ -229,6 +247,8 @@ class Evaluator:
                         "a labelled copy (an image folder root/<label>/*.png)") from None
             net = classifier if classifier is not None and not inception else build_feature_net(
                 d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress)
+            if not reference:
+                return cls(net=net, ref=None, classifier=classifier)
             ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
             if net.num_classes is not None and cfg.model.conditional:
                 # per-class covariances in the classifier's 128-d features only
@@ -244,21 +264,31 @@ class Evaluator:
                  eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
                  autocast_dtype: torch.dtype | None = None, progress: bool = False,
                  guidance: float | None = None, spacing: str | None = None,
-                 world_size: int = 1) -> tuple[dict, torch.Tensor]:
+                 rank: int = 0, world_size: int = 1) -> tuple[dict, torch.Tensor] | None:
         """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
-        classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too. With
-        `world_size` > 1 this is rank 0 of a group whose other ranks call sample_uint8 with the same arguments
-        and their rank (TrainingEvaluator, `fastddpm eval` under torchrun): they draw their share of the samples,
-        rank 0 scores them all."""
+        classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too.
+
+        Shared by the `world_size` ranks of a torch.distributed group (`fastddpm eval` under torchrun,
+        `--eval-every`), each calling it with its `rank` and the same arguments: each draws its share of the
+        samples and extracts their features, rank 0 gathers both and scores them (the numbers one process gets,
+        up to float rounding) and returns; the other ranks, whose Evaluator has no reference (for_config's
+        `reference` False), get None."""
         m = cfg.model
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
                                           autocast_dtype=autocast_dtype, progress=progress, guidance=guidance,
-                                          spacing=spacing, world_size=world_size)
-            labels = balanced_labels(images.shape[0], m.num_classes) if m.conditional else None
-            metrics = score(images, self.net, self.ref, labels=labels, classifier=self.classifier,
-                            classes=self.classes, class_names=m.class_names)
+                                          spacing=spacing, rank=rank, world_size=world_size, gather=False)
+            if world_size > 1:
+                shared = self._score_shared(images, timing, cfg, num_samples=num_samples, rank=rank,
+                                            world_size=world_size, device=device)
+                if shared is None:
+                    return None
+                metrics, images = shared
+            else:
+                labels = balanced_labels(images.shape[0], m.num_classes) if m.conditional else None
+                metrics = score(images, self.net, self.ref, labels=labels, classifier=self.classifier,
+                                classes=self.classes, class_names=m.class_names)
         T = cfg.diffusion.num_timesteps
         metrics["sampling"] = {"sampler": sampler, "steps": T if sampler == "ddpm" else steps,
                                "spacing": spacing or default_spacing(sampler, cfg.diffusion.objective),
@@ -269,18 +299,41 @@ class Evaluator:
             metrics["guidance"] = 1.0 if guidance is None else guidance
         return metrics, images
 
+    def _score_shared(self, mine: torch.Tensor, timing: dict, cfg: RunConfig, *, num_samples: int, rank: int,
+                      world_size: int, device: torch.device) -> tuple[dict, torch.Tensor] | None:
+        """Each rank's features of its own samples (`mine`, its batches one after the other), gathered with the
+        samples by rank 0 in batch order and scored there: the feature network's work is shared as the sampling
+        is (50,000 Inception passes on one GPU can take as long as the sampling on eight)."""
+        m = cfg.model
+        t0 = time.perf_counter()
+        ex = extract(self.net, mine)
+        asked = None  # the dataset classifier's predictions, where it is not the feature network itself
+        if m.conditional and self.classifier is not None and self.classifier is not self.net:
+            asked = extract(self.classifier, mine).pred
+        num_batches, batch = timing["batches"], timing["batch_size"]
 
-def evaluate_shared(evaluator: Evaluator | None, model, cfg: RunConfig, *, rank: int, world_size: int,
-                    device: torch.device, **sampling) -> tuple[dict, torch.Tensor] | None:
-    """One evaluation shared by the `world_size` ranks of a torch.distributed group (`fastddpm eval` under
-    torchrun, `--eval-every`), each calling it with its `rank`: rank 0, which alone holds the `evaluator`, gets
-    (metrics, samples) as Evaluator.evaluate; every other rank draws its share of the samples for rank 0 to gather
-    and gets None. `sampling`: Evaluator.evaluate's other keywords (num_samples, sampler, steps, eta, seed, ...)."""
-    if evaluator is not None:
-        return evaluator.evaluate(model, cfg, device=device, world_size=world_size, **sampling)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        sample_uint8(model, cfg, device=device, rank=rank, world_size=world_size, **sampling)
-    return None
+        def gathered(t: torch.Tensor | np.ndarray | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = torch.as_tensor(t)
+            return _gather_batches(t.reshape(num_batches // world_size, batch, *t.shape[1:]), num_batches, rank,
+                                   world_size, device)
+
+        images, feats, pred, asked = gathered(mine), gathered(ex.feats), gathered(ex.pred), gathered(asked)
+        if rank != 0:
+            return None
+        images, feats = images[:num_samples], feats[:num_samples]
+        pred = pred[:num_samples].numpy() if pred is not None else None
+        labels = balanced_labels(num_samples, m.num_classes) if m.conditional else None
+        all_ex = extracted_from(feats, pred, device=self.net.device,
+                                labels=labels.numpy() if labels is not None and self.classes is not None else None)
+        asked_pred = None
+        if labels is not None:
+            asked_pred = pred if asked is None else asked[:num_samples].numpy()
+        metrics = _scores(all_ex, self.net, self.ref, k=DEFAULT_K, labels=labels, asked_pred=asked_pred,
+                          classes=self.classes, class_names=m.class_names)
+        metrics["score_s"] = time.perf_counter() - t0  # this rank's features, the gather and the scores
+        return metrics, images
 
 
 def summary_line(metrics: dict) -> str:

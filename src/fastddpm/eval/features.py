@@ -119,6 +119,29 @@ class Extracted:
     class_stats: dict[int, FeatureStats] | None = None  # per label, when labels were given
 
 
+def _accumulate(stats: FeatureStats, class_stats: dict[int, FeatureStats] | None, feats: torch.Tensor,
+                labels: np.ndarray | None) -> None:
+    """One batch of features into the running statistics (and, with its `labels`, each class's)."""
+    stats.update(feats)
+    if class_stats is not None:
+        chunk_labels = torch.from_numpy(np.asarray(labels)).to(feats.device)
+        for c in torch.unique(chunk_labels).tolist():
+            class_stats.setdefault(c, FeatureStats(feats.shape[1], device=feats.device)).update(
+                feats[chunk_labels == c])
+
+
+def extracted_from(feats_ND: torch.Tensor, pred: np.ndarray | None, *, device: torch.device,
+                   labels: np.ndarray | None = None, batch_size: int = 500) -> Extracted:
+    """The Extracted of features computed elsewhere (the ranks of a torchrun evaluation extract their own
+    samples'), its statistics accumulated as `extract` accumulates them, in the same batches."""
+    stats = FeatureStats(feats_ND.shape[1], device=device)
+    class_stats: dict[int, FeatureStats] | None = {} if labels is not None else None
+    for s in range(0, feats_ND.shape[0], batch_size):
+        _accumulate(stats, class_stats, feats_ND[s:s + batch_size].to(device),
+                    labels[s:s + batch_size] if labels is not None else None)
+    return Extracted(stats=stats, feats=feats_ND.cpu(), pred=pred, class_stats=class_stats)
+
+
 def extract(net: FeatureNet, images_u8, *, batch_size: int = 500, keep: np.ndarray | None = None,
             progress=None, labels: np.ndarray | None = None) -> Extracted:
     """Features of uint8 images (numpy memmap or tensor, (N, C, H, W)): streaming stats over all of them (and per
@@ -137,12 +160,7 @@ def extract(net: FeatureNet, images_u8, *, batch_size: int = 500, keep: np.ndarr
         feats, logits = net(x)
         if stats is None:
             stats = FeatureStats(feats.shape[1], device=feats.device)
-        stats.update(feats)
-        if class_stats is not None:
-            chunk_labels = torch.from_numpy(np.asarray(labels[s:s + batch_size])).to(feats.device)
-            for c in torch.unique(chunk_labels).tolist():
-                class_stats.setdefault(c, FeatureStats(feats.shape[1], device=feats.device)).update(
-                    feats[chunk_labels == c])
+        _accumulate(stats, class_stats, feats, labels[s:s + batch_size] if labels is not None else None)
         feats_cpu = feats.cpu()  # note: device -> host copy (a sync), once per batch
         kept.append(feats_cpu if keep_mask is None else feats_cpu[torch.from_numpy(keep_mask[s:s + batch_size])])
         if logits is not None:
