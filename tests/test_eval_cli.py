@@ -155,6 +155,30 @@ def test_eval_resizes_and_converts_other_data_to_the_models_shape(evaluated_run,
     assert result["reference"]["num_images"] == 120 and result["fid"] > 0
 
 
+def test_eval_skips_bad_reference_files_when_told(evaluated_run, tmp_path, capsys):
+    """Bad files in the real data stop an evaluation with the data layer's fix, --skip-bad, which is one of eval's
+    own flags (it named a flag eval did not have); the result's name says the data was skipped into."""
+    from PIL import Image
+
+    from conftest import read_fmnist
+
+    images, labels = read_fmnist(120)
+    root = tmp_path / "folder"
+    for i, (image, label) in enumerate(zip(images, labels)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0]).save(root / str(label) / f"{i}.png")
+    Image.fromarray(images[0][0]).save(root / "stray.png")  # beside the class folders: no label
+    out = tmp_path / "out"
+    args = ["eval", "--checkpoint", str(evaluated_run), "--data", str(root), "--num-samples", "10", "--steps", "1",
+            "--out", str(out), "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "stray.png" in err and "--skip-bad" in err
+    assert main([*args, "--skip-bad"]) == 0
+    (result,) = out.glob("eval_*_skip-bad.json")
+    assert json.loads(result.read_text())["reference"]["num_images"] == 120
+
+
 def test_eval_refuses_reference_data_with_another_number_of_classes(fmnist_splits, tmp_path, capsys):
     from conftest import read_fmnist
 
@@ -178,15 +202,17 @@ def test_eval_names_every_choice_that_changes_its_result_and_refuses_non_finite_
 
     evaluator = SimpleNamespace(net=SimpleNamespace(name="inception-v3", identity="6726825d0a1b2c3d"),
                                 ref=SimpleNamespace(meta={"split": "test"}))
-    args = SimpleNamespace(weights="model", data="/data/other.npz", resize=32, resize_mode="stretch", image_mode="RGB")
+    args = SimpleNamespace(weights="model", data="/data/other.npz", resize=32, resize_mode="stretch", image_mode="RGB",
+                           skip_bad=True)
     suffix = _identity_suffix(args, {"step": 7}, evaluator, trained=DataConfig(source="fashion-mnist"))
-    assert suffix == "_step7_model_inception-v3_ref-test_data-other.npz_resize32_stretch_RGB"
+    assert suffix == "_step7_model_inception-v3_ref-test_data-other.npz_resize32_stretch_RGB_skip-bad"
     # another Inception file (a local --inception, NVlabs' TorchScript) gives other features: its hash joins the name
     other = SimpleNamespace(net=SimpleNamespace(name="inception-v3", identity="ab12cd34ef567890"),
                             ref=SimpleNamespace(meta={"split": "train"}))
-    plain_args = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None)
+    plain_args = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None,
+                                 skip_bad=None)
     assert _identity_suffix(plain_args, {"step": 7}, other, trained=DataConfig()) == "_step7_inception-v3-ab12cd34"
-    plain = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None)
+    plain = SimpleNamespace(weights="ema", data=None, resize=None, resize_mode=None, image_mode=None, skip_bad=None)
     own = SimpleNamespace(net=SimpleNamespace(name="fastddpm-features"), ref=SimpleNamespace(meta={"split": "train"}))
     assert _identity_suffix(plain, {"step": None}, own, trained=DataConfig()) == ""
     assert _guidance_list("0,1,2.5") == [0.0, 1.0, 2.5]

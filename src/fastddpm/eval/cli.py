@@ -56,7 +56,8 @@ environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/e
 sampler's own and an --eta other than 0 follow the steps (eval_ddim50-eta0.5_...); _w lists a conditional model's
 guidance scales (_w0-1-2). The name goes on with each choice that is not the default (_model weights, _inception-v3
 features, with the weights' hash when they are not pytorch-fid's file, _ref-test, _data-NAME, _resizeN, _stretch or
-_center-crop, _L or _RGB), so evaluating successive checkpoints, or one in two feature spaces, keeps every result.
+_center-crop, _L or _RGB, _skip-bad), so evaluating successive checkpoints, or one in two feature spaces, keeps every
+result.
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
 
@@ -93,6 +94,10 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                     help="how --resize fits the image (default: the checkpoint's, center-crop for new runs)")
     ev.add_argument("--image-mode", choices=("L", "RGB"), default=None,
                     help="convert the real data to grey (L) or RGB (default: the checkpoint's data.image_mode)")
+    ev.add_argument("--skip-bad", action="store_true", default=None,
+                    help="skip the real data's bad files (unreadable, stray, of another size or mode) as `data "
+                         "prepare --skip-bad` does, instead of stopping on them (default: the checkpoint's "
+                         "data.skip_bad)")
     ev.add_argument("--reference-split", choices=("train", "test"), default=None,
                     help="split of the real data to compare with (default: the one the model was trained on)")
     ev.add_argument("--features", choices=("fastddpm", "inception"), default=None,
@@ -243,7 +248,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     trained = cfg.data
     trained_on = trained.source
     data_options = {k: v for k, v in (("source", args.data), ("resize", args.resize),
-                                      ("resize_mode", args.resize_mode), ("image_mode", args.image_mode))
+                                      ("resize_mode", args.resize_mode), ("image_mode", args.image_mode),
+                                      ("skip_bad", args.skip_bad))
                     if v is not None}
     if data_options:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data_options))
@@ -434,6 +440,8 @@ def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained
         parts.append(args.resize_mode)
     if args.image_mode is not None and args.image_mode != trained.image_mode:
         parts.append(args.image_mode)
+    if args.skip_bad and not trained.skip_bad:
+        parts.append("skip-bad")
     return "".join(f"_{p}" for p in parts)
 
 
