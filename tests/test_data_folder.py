@@ -359,6 +359,14 @@ def test_a_class_folder_without_images_is_no_class_and_the_notes_say_so(tmp_path
     (root / "1").mkdir()
     (root / "0" / "thumbs").mkdir()  # deeper than a class folder: not a class either way, not named
     assert "note: 1 folder(s) hold no image read, so they are not classes: 1/" in info(root, cache_dir=cache_dir)
+    # before a build, `data info` also names what `data prepare` would stop on or leave out
+    save_image(root / "stray.png", rng_images(1, 4, 4)[0])
+    save_image(root / "2" / "anim.gif", rng_images(1, 4, 4)[0])
+    text = info(root, cache_dir=cache_dir)
+    assert "note: 1 image(s) beside the class folders have no label, e.g. stray.png: `data prepare` stops" in text
+    assert "left out 1 image file(s) of a format not read (.gif), e.g. 2/anim.gif" in text
+    (root / "stray.png").unlink()
+    (root / "2" / "anim.gif").unlink()
     data = prepare(root, cache_dir=cache_dir, progress=False)
     assert list(data.class_names) == ["0", "2"] and data.labels.tolist() == [0, 0, 1, 1]
     note = "1 folder(s) hold no image read, so they are not classes: 1/ (if one should be a class, add its images)"

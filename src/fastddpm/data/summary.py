@@ -13,7 +13,8 @@ import numpy as np
 from fastddpm.data import named
 from fastddpm.data.cache import PreparedData
 from fastddpm.data.errors import MAX_LISTED_BAD_FILES
-from fastddpm.data.imagefolder import image_less_folders_note, open_zip, plan_layout, zip_image_members
+from fastddpm.data.imagefolder import (image_less_folders_note, open_zip, plan_layout, unread_images_note,
+                                       zip_image_members)
 from fastddpm.data.options import PrepareOptions
 from fastddpm.data.sources import Source
 
@@ -135,7 +136,12 @@ def describe_source(src: Source, cache_root: Path) -> list[str]:
         classes = (f"{len(layout.class_names)} class folders ({', '.join(layout.class_names[:10])}"
                    f"{', ...' if len(layout.class_names) > 10 else ''})" if layout.labeled else "no class folders")
         lines.append(f"  {len(layout.items):,} image files, {classes}, {_mib(sum(s.size for s in src.tree))}")
-        lines += [f"  note: {n}" for n in image_less_folders_note(list(src.others), layout)]
+        if layout.stray:  # what `data prepare` would stop on, said before it builds
+            lines.append(f"  note: {len(layout.stray):,} image(s) beside the class folders have no label, e.g. "
+                         f"{', '.join(layout.stray[:3])}: `data prepare` stops on them (move them into a class "
+                         "folder or delete them, or pass --skip-bad)")
+        lines += [f"  note: {n}" for n in unread_images_note(list(src.others))
+                  + image_less_folders_note(list(src.others), layout)]
     elif src.kind == "zip":
         with open_zip(src.path) as zf:
             members, _ = zip_image_members(zf)
