@@ -392,3 +392,20 @@ def test_cuda_eval_compiled_bf16_and_eval_every(evaluated_run, fmnist_splits, tm
                             device="cuda"), out_dir=tmp_path / "run", log=quiet)
     evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "eval"]
     assert [r["images_seen"] for r in evals] == [160, 320] and result.step == 20
+
+
+def test_the_sampling_estimate_counts_a_guided_scales_batches_twice(monkeypatch):
+    """`eval --guidance 0,2`: the batches at W = 2 call the model on the conditional and the unconditional copy of
+    each image, so the estimate after the first (unguided) batch counts them twice."""
+    import time
+
+    from fastddpm.eval.cli import _FirstBatchTimer
+
+    clock = iter([0.0, 3.0])  # the first batch's first call, then the second batch's
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    lines = []
+    timer = _FirstBatchTimer(lambda *a: None, calls_per_batch=2, costs=[1, 1, 2, 2], log=lines.append)
+    for _ in range(3):
+        timer()
+    assert "the first of 4 batches took 3.0 s" in lines[0] and "the other 3 should take about 15 s" in lines[0]
+    assert "a guided scale's batches count twice" in lines[0]

@@ -171,10 +171,13 @@ def inception_choice(args: argparse.Namespace) -> str | None:
 class _FirstBatchTimer:
     """The sampling model, called through: at the first call of the second batch (calls_per_batch calls in) it
     logs how long the first batch took and the remaining time at that rate. The previous batch ended with a
-    device -> host copy (fastddpm.eval.evaluate.sample_uint8), so the clock read then includes its GPU work."""
+    device -> host copy (fastddpm.eval.evaluate.sample_uint8), so the clock read then includes its GPU work.
+    `costs`: each batch's work in model images per call (a guided scale's batch calls the model on the
+    conditional and the unconditional copy of every image: twice the first one's where that one is unguided)."""
 
-    def __init__(self, model, *, calls_per_batch: int, batches: int, log):
-        self.model, self.calls_per_batch, self.batches, self.log = model, calls_per_batch, batches, log
+    def __init__(self, model, *, calls_per_batch: int, costs: list[int], log):
+        self.model, self.calls_per_batch, self.costs, self.log = model, calls_per_batch, costs, log
+        self.batches = len(costs)
         self.calls = 0
         self.t0 = None
 
@@ -185,10 +188,12 @@ class _FirstBatchTimer:
             self.t0 = time.perf_counter()
         elif self.calls == self.calls_per_batch:
             first = time.perf_counter() - self.t0
-            rest = first * (self.batches - 1)
+            rest = first * sum(self.costs[1:]) / self.costs[0]
+            guided = " (a guided scale's batches count twice)" if len(set(self.costs)) > 1 else ""
             self.log(f"sampling: the first of {self.batches} batches took {first:.1f} s (compile and warm-up "
                      f"included); the other {self.batches - 1} should take about {rest:.0f} s "
-                     f"({rest / 60:.1f} min) at that rate, less where the first batch was slowed by compiling")
+                     f"({rest / 60:.1f} min) at that rate{guided}, less where the first batch was slowed by "
+                     "compiling")
         self.calls += 1
         return self.model(*args, **kwargs)
 
@@ -310,7 +315,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     batches = rounds * len(scales)  # this process's
     log(f"sampling time: {batches} batch{'es' if batches > 1 else ''} of {batch_size}{shared}; an estimate is "
         "printed after the first batch" if batches > 1 else "sampling time: one batch, timed below")
-    timed_model = _FirstBatchTimer(sampling_model, calls_per_batch=nfe, batches=batches, log=log)
+    costs = [1 if w in (None, 0.0, 1.0) else 2 for w in scales for _ in range(rounds)]  # see guided()
+    timed_model = _FirstBatchTimer(sampling_model, calls_per_batch=nfe, costs=costs, log=log)
     per_scale = []
     for w in scales:
         with torch.inference_mode():
@@ -363,9 +369,14 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         log(guidance_table(result["guidance"]))
     else:
         log(summary_line(metrics))
-    log(f"sampling: {s['samples_per_s']:,.1f} samples/s overall ({s['wall_s']:.1f} s"
-        + (f"; {steady:,.1f}/s after the first batch, which took {s['first_batch_s']:.1f} s" if steady else "")
-        + f"); scoring {metrics['score_s']:.1f} s")
+    if len(per_scale) > 1:  # each scale samples on its own: guided ones call the model on twice the images
+        log("sampling: " + "; ".join(f"guidance {m['guidance']:g} {m['sampling']['samples_per_s']:,.1f} samples/s "
+                                     f"({m['sampling']['wall_s']:.1f} s)" for m, _ in per_scale)
+            + f"; scoring {sum(m['score_s'] for m, _ in per_scale):.1f} s")
+    else:
+        log(f"sampling: {s['samples_per_s']:,.1f} samples/s overall ({s['wall_s']:.1f} s"
+            + (f"; {steady:,.1f}/s after the first batch, which took {s['first_batch_s']:.1f} s" if steady else "")
+            + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
 
