@@ -153,6 +153,10 @@ def _guidance_list(text: str) -> list[float]:
 
 
 PUBLISHED_NUM_SAMPLES = 50_000  # the published Inception FID protocol: 50,000 samples against the training set
+# Below either, the dataset's own classifier is too weak a feature space to trust its FID (it reached 87% on 2,000
+# Fashion-MNIST images, over 90% on the full set)
+WEAK_FEATURES_ACCURACY = 0.5
+WEAK_FEATURES_IMAGES = 1_000
 
 
 def inception_choice(args: argparse.Namespace) -> str | None:
@@ -295,6 +299,11 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
                 f"{net.info['test_set']}")
+            trained_images = net.info.get("train_images", WEAK_FEATURES_IMAGES)
+            if net.info["test_accuracy"] < WEAK_FEATURES_ACCURACY or trained_images < WEAK_FEATURES_IMAGES:
+                log(f"note: a weak feature network (test accuracy {net.info['test_accuracy']:.0%}, trained on "
+                    f"{trained_images:,} images): FIDs in its features rank models poorly; evaluate against more "
+                    "labelled data (--data SOURCE), or with --features inception")
         else:
             log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
         if cfg.model.conditional:
@@ -367,6 +376,13 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     steady = s.get("steady_samples_per_s")
     if cfg.model.conditional:
         log(guidance_table(result["guidance"]))
+        if evaluator.classes is not None:
+            per_class, dim = args.num_samples // cfg.model.num_classes, evaluator.classes.mu.shape[1]
+            if per_class <= dim:
+                log(f"note: per-class FID from {per_class} samples a class, no more than the features' {dim} "
+                    "dimensions: each class's covariance is singular and its FID moves with float rounding (two "
+                    f"runs can differ in the first digits); compare classes at --num-samples "
+                    f"{(dim + 1) * cfg.model.num_classes:,} or more")
     else:
         log(summary_line(metrics))
     if len(per_scale) > 1:  # each scale samples on its own: guided ones call the model on twice the images
