@@ -175,8 +175,11 @@ def test_eval_skips_bad_reference_files_when_told(evaluated_run, tmp_path, capsy
     err = capsys.readouterr().err
     assert "stray.png" in err and "--skip-bad" in err
     assert main([*args, "--skip-bad"]) == 0
-    # 120 images train a feature network too weak to trust: said beside its accuracy
-    assert "note: a weak feature network" in capsys.readouterr().out
+    # 120 images train a feature network too weak to trust: said beside its accuracy; the folder has no test
+    # split, said without the fix for a --split nobody passed
+    out_text = capsys.readouterr().out
+    assert "note: a weak feature network" in out_text
+    assert "feature network: no test split (" in out_text and "leave --split out" not in out_text
     (result,) = out.glob("eval_*_skip-bad.json")
     assert json.loads(result.read_text())["reference"]["num_images"] == 120
 
