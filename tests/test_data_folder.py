@@ -365,6 +365,7 @@ def test_a_class_folder_without_images_is_no_class_and_the_notes_say_so(tmp_path
     text = info(root, cache_dir=cache_dir)
     assert "note: 1 image(s) beside the class folders have no label, e.g. stray.png: `data prepare` stops" in text
     assert "left out 1 image file(s) of a format not read (.gif), e.g. 2/anim.gif" in text
+    assert "stray.png: --skip-bad skips them" in info(root, cache_dir=cache_dir, skip_bad=True)
     (root / "stray.png").unlink()
     (root / "2" / "anim.gif").unlink()
     data = prepare(root, cache_dir=cache_dir, progress=False)

@@ -217,7 +217,7 @@ def info(
         if src.path is None:
             text += "\n  note:        the downloaded files are gone; the prepared cache is complete without them"
         return text
-    lines = describe_source(src, cache_root)
+    lines = describe_source(src, cache_root, skip_bad=options.skip_bad)
     command = prepare_command(src.display, options, cache_dir)
     if current:
         lines.append(f"  STALE: the cache prepared at {data.meta['created']} was written {outdated}; "

@@ -119,8 +119,9 @@ def _npz_shapes(path: Path) -> str:
     return ", ".join(shapes)
 
 
-def describe_source(src: Source, cache_root: Path) -> list[str]:
-    """What the source is, from names and headers only (no decoding)."""
+def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) -> list[str]:
+    """What the source is, from names and headers only (no decoding); `skip_bad`: the build asked for skips bad
+    files instead of stopping on them."""
     split = f", {src.split} split" if src.split else ""
     if src.path is None:
         ds = named.DATASETS[src.name]
@@ -136,10 +137,11 @@ def describe_source(src: Source, cache_root: Path) -> list[str]:
         classes = (f"{len(layout.class_names)} class folders ({', '.join(layout.class_names[:10])}"
                    f"{', ...' if len(layout.class_names) > 10 else ''})" if layout.labeled else "no class folders")
         lines.append(f"  {len(layout.items):,} image files, {classes}, {_mib(sum(s.size for s in src.tree))}")
-        if layout.stray:  # what `data prepare` would stop on, said before it builds
+        if layout.stray:  # what `data prepare` would stop on (or skip), said before it builds
+            fate = ("--skip-bad skips them" if skip_bad else "`data prepare` stops on them (move them into a "
+                    "class folder or delete them, or pass --skip-bad)")
             lines.append(f"  note: {len(layout.stray):,} image(s) beside the class folders have no label, e.g. "
-                         f"{', '.join(layout.stray[:3])}: `data prepare` stops on them (move them into a class "
-                         "folder or delete them, or pass --skip-bad)")
+                         f"{', '.join(layout.stray[:3])}: {fate}")
         lines += [f"  note: {n}" for n in unread_images_note(list(src.others))
                   + image_less_folders_note(list(src.others), layout)]
     elif src.kind == "zip":

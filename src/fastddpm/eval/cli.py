@@ -94,10 +94,10 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                     help="how --resize fits the image (default: the checkpoint's, center-crop for new runs)")
     ev.add_argument("--image-mode", choices=("L", "RGB"), default=None,
                     help="convert the real data to grey (L) or RGB (default: the checkpoint's data.image_mode)")
-    ev.add_argument("--skip-bad", action="store_true", default=None,
+    ev.add_argument("--skip-bad", action=argparse.BooleanOptionalAction, default=None,
                     help="skip the real data's bad files (unreadable, stray, of another size or mode) as `data "
                          "prepare --skip-bad` does, instead of stopping on them (default: the checkpoint's "
-                         "data.skip_bad)")
+                         "data.skip_bad; --no-skip-bad stops on them)")
     ev.add_argument("--reference-split", choices=("train", "test"), default=None,
                     help="split of the real data to compare with (default: the one the model was trained on)")
     ev.add_argument("--features", choices=("fastddpm", "inception"), default=None,
@@ -294,14 +294,15 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if not dist.is_main:
         evaluator = _evaluator(args, cfg, device, inception=inception, trained_on=trained_on, log=log,
                                reference=False)
-    else:
+    evaluator.check_same_as_rank_0(dist.rank, dist.world_size)  # a rank that fails ends the job (torchrun)
+    if dist.is_main:
         net = evaluator.net
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
                 f"{net.info['test_set']}")
             trained_images = net.info.get("train_images", WEAK_FEATURES_IMAGES)
             if net.info["test_accuracy"] < WEAK_FEATURES_ACCURACY or trained_images < WEAK_FEATURES_IMAGES:
-                log(f"note: a weak feature network (test accuracy {net.info['test_accuracy']:.0%}, trained on "
+                log(f"note: a weak feature network (test accuracy {net.info['test_accuracy']:.1%}, trained on "
                     f"{trained_images:,} images): FIDs in its features rank models poorly; evaluate against more "
                     "labelled data (--data SOURCE), or with --features inception")
         else:
@@ -467,8 +468,8 @@ def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained
         parts.append(args.resize_mode)
     if args.image_mode is not None and args.image_mode != trained.image_mode:
         parts.append(args.image_mode)
-    if args.skip_bad and not trained.skip_bad:
-        parts.append("skip-bad")
+    if args.skip_bad is not None and args.skip_bad != trained.skip_bad:
+        parts.append("skip-bad" if args.skip_bad else "no-skip-bad")
     return "".join(f"_{p}" for p in parts)
 
 

@@ -69,10 +69,12 @@ class TrainingEvaluator:
             torch.distributed.barrier()
             self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=_quiet,
                                                   reference=False)
+            self.evaluator.check_same_as_rank_0(rank, world_size)
             return
         self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
         if world_size > 1:
             torch.distributed.barrier()
+            self.evaluator.check_same_as_rank_0(rank, world_size)
         self.eval_log = MetricsLog(RunDir(run_dir).eval_log)
         self.curve_path = RunDir(run_dir).eval_chart
         self.curve_ok = True

@@ -255,6 +255,23 @@ class Evaluator:
                 classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
         return cls(net=net, ref=ref, classifier=classifier, classes=classes)
 
+    def check_same_as_rank_0(self, rank: int, world_size: int) -> None:
+        """Under torchrun, on every rank once each has built its Evaluator (a collective): a ConfigError where
+        this rank's feature networks are not rank 0's. Each rank loads the network rank 0 trained or found and
+        cached; a rank that cannot see that cache (another node, a node-local FASTDDPM_CACHE) would train or
+        find its own, and rank 0 would score features from two networks."""
+        if world_size == 1:
+            return
+        import torch.distributed as dist
+
+        mine = (self.net.identity, None if self.classifier in (None, self.net) else self.classifier.identity)
+        box = [mine]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] != mine:
+            raise ConfigError(f"rank {rank}'s feature network {mine} is not rank 0's {box[0]}: each rank loads the "
+                              "one rank 0 cached, so every node must see rank 0's cache folder: a FASTDDPM_CACHE "
+                              "(or the run's data.cache_dir) on a filesystem every node shares")
+
     def describe(self) -> dict:
         info = {k: v for k, v in self.net.info.items() if k not in ("recipe", "train_data", "test_data")}
         return {"name": self.net.name, "label": self.net.label,
@@ -274,6 +291,7 @@ class Evaluator:
         up to float rounding) and returns; the other ranks, whose Evaluator has no reference (for_config's
         `reference` False), get None."""
         m = cfg.model
+        assert self.ref is not None or world_size > 1, "an Evaluator built with reference=False scores nothing"
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
