@@ -366,6 +366,9 @@ def test_a_class_folder_without_images_is_no_class_and_the_notes_say_so(tmp_path
     assert "note: 1 image(s) beside the class folders have no label, e.g. stray.png: `data prepare` stops" in text
     assert "left out 1 image file(s) of a format not read (.gif), e.g. 2/anim.gif" in text
     assert "stray.png: --skip-bad skips them" in info(root, cache_dir=cache_dir, skip_bad=True)
+    zip_folder(root, tmp_path / "root.zip")  # a zip of it says the same
+    text = info(tmp_path / "root.zip", cache_dir=cache_dir)
+    assert "image(s) beside the class folders have no label, e.g. stray.png" in text and "(.gif)" in text
     (root / "stray.png").unlink()
     (root / "2" / "anim.gif").unlink()
     data = prepare(root, cache_dir=cache_dir, progress=False)

@@ -13,8 +13,8 @@ import numpy as np
 from fastddpm.data import named
 from fastddpm.data.cache import PreparedData
 from fastddpm.data.errors import MAX_LISTED_BAD_FILES
-from fastddpm.data.imagefolder import (image_less_folders_note, open_zip, plan_layout, unread_images_note,
-                                       zip_image_members)
+from fastddpm.data.imagefolder import (image_less_folders_note, member_path, open_zip, plan_layout,
+                                       unread_images_note, zip_image_members)
 from fastddpm.data.options import PrepareOptions
 from fastddpm.data.sources import Source
 
@@ -119,6 +119,17 @@ def _npz_shapes(path: Path) -> str:
     return ", ".join(shapes)
 
 
+def _layout_notes(layout, others: list[str], *, skip_bad: bool) -> list[str]:
+    """What `data prepare` would stop on (or skip), or leave out, in an image folder or zip: said before it builds."""
+    lines = []
+    if layout.stray:
+        fate = ("--skip-bad skips them" if skip_bad else "`data prepare` stops on them (move them into a "
+                "class folder or delete them, or pass --skip-bad)")
+        lines.append(f"  note: {len(layout.stray):,} image(s) beside the class folders have no label, e.g. "
+                     f"{', '.join(layout.stray[:3])}: {fate}")
+    return lines + [f"  note: {n}" for n in unread_images_note(others) + image_less_folders_note(others, layout)]
+
+
 def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) -> list[str]:
     """What the source is, from names and headers only (no decoding); `skip_bad`: the build asked for skips bad
     files instead of stopping on them."""
@@ -137,17 +148,14 @@ def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) ->
         classes = (f"{len(layout.class_names)} class folders ({', '.join(layout.class_names[:10])}"
                    f"{', ...' if len(layout.class_names) > 10 else ''})" if layout.labeled else "no class folders")
         lines.append(f"  {len(layout.items):,} image files, {classes}, {_mib(sum(s.size for s in src.tree))}")
-        if layout.stray:  # what `data prepare` would stop on (or skip), said before it builds
-            fate = ("--skip-bad skips them" if skip_bad else "`data prepare` stops on them (move them into a "
-                    "class folder or delete them, or pass --skip-bad)")
-            lines.append(f"  note: {len(layout.stray):,} image(s) beside the class folders have no label, e.g. "
-                         f"{', '.join(layout.stray[:3])}: {fate}")
-        lines += [f"  note: {n}" for n in unread_images_note(list(src.others))
-                  + image_less_folders_note(list(src.others), layout)]
+        lines += _layout_notes(layout, list(src.others), skip_bad=skip_bad)
     elif src.kind == "zip":
         with open_zip(src.path) as zf:
-            members, _ = zip_image_members(zf)
+            members, others = zip_image_members(zf)
         lines.append(f"  {len(members):,} image members, {_mib(src.path.stat().st_size)} zip")
+        layout = plan_layout([member_path(m) for m in members], split=src.split or "train", where=str(src.path),
+                             strip_top=True)
+        lines += _layout_notes(layout, others, skip_bad=skip_bad)
     elif src.kind == "idx":
         lines += [f"  {f.name}: {_idx_count(f) if 'idx3' in f.name else 'labels'}" for f in src.files]
     elif src.kind == "npy":
