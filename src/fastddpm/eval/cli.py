@@ -224,13 +224,13 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     from fastddpm.device import resolve_precision
     from fastddpm.diffusion import network_calls, schedule_from_config
     from fastddpm.distributed import any_rank, broadcast_object
-    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, summary_line
+    from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, quiet, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import compile_for_sampling, load_for_sampling, resolve_sampler_args
 
-    log = print if dist.is_main else _quiet  # rank 0 speaks for the group
+    log = print if dist.is_main else quiet  # rank 0 speaks for the group
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     if dist.enabled:  # a run still training may save a newer checkpoint between two ranks' looks: rank 0's it is
         chosen = broadcast_object(str(ckpt.path), dist)
@@ -396,10 +396,6 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
             + f"); scoring {metrics['score_s']:.1f} s")
     log(f"wrote {json_path} and {grid}")
     return 0
-
-
-def _quiet(*args, **kwargs) -> None:
-    """The log of a rank other than 0."""
 
 
 def _user_error(e: BaseException) -> bool:

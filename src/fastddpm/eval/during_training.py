@@ -27,15 +27,11 @@ import torch
 
 from fastddpm.config import RunConfig
 from fastddpm.eval.curve import write_curve
-from fastddpm.eval.evaluate import Evaluator, as_json_safe, summary_line
+from fastddpm.eval.evaluate import Evaluator, as_json_safe, quiet, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import reshard
-
-
-def _quiet(*args, **kwargs) -> None:
-    """The log of a rank other than 0."""
 
 
 def evaluation_choices(cfg: RunConfig) -> dict:
@@ -67,7 +63,7 @@ class TrainingEvaluator:
         if rank != 0:
             # the feature network rank 0 trained or found and cached (the barrier: once it has)
             torch.distributed.barrier()
-            self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=_quiet,
+            self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=quiet,
                                                   reference=False)
             self.evaluator.check_same_as_rank_0(rank, world_size)
             return
