@@ -734,6 +734,23 @@ def test_kernel_names_are_cut_to_read():
     assert top[0]["share"] == pytest.approx(3 * top[1]["share"]) and top[0]["calls_per_step"] == 1
 
 
+def test_a_kernel_under_two_categories_is_one_top_entry_for_each():
+    # the same copy kernel: once a step inside a matmul op (large), 20 times a step from the data fetch (small)
+    tr = CudaTrace()
+    for _ in range(2):
+        tr.begin_step()
+        tr.data_wait(40.0, launches=[{"name": "copy_k", "kernel_us": 1.0}] * 20)
+        tr.op("aten::mm", 5.0, ["float", "float"], [[64, 64], [64, 64]],
+              launches=[{"name": "gemm", "kernel_us": 100.0}, {"name": "copy_k", "kernel_us": 50.0}])
+        tr.end_step()
+    t = analyze(tr.events)
+    top = {(o["name"], o["category"]): o for o in t.top_ops}
+    assert set(top) == {("gemm", "matmul"), ("copy_k", "matmul"), ("copy_k", "data")}
+    assert top["copy_k", "matmul"]["calls_per_step"] == 1 and top["copy_k", "data"]["calls_per_step"] == 20
+    assert top["copy_k", "matmul"]["share"] == pytest.approx(2.5 * top["copy_k", "data"]["share"])
+    assert [o["name"] for o in t.top_ops] == ["gemm", "copy_k", "copy_k"]  # by time
+
+
 def test_cpu_native_bf16_reads_the_flags():
     from fastddpm.device import cpu_native_bf16
 

@@ -275,7 +275,7 @@ def _host_breakdown(stats: TraceStats, tree: OpTree, total_step_us: float) -> No
     ops: dict[str, int] = {}
     by_dtype: dict[str, float] = {}
     by_impl: dict[str, float] = {}
-    by_name: dict[str, list] = {}
+    by_name: dict[tuple[str, str], list] = {}
     for n in tree.walk(tree.main_tid):
         self_us = max(0.0, (n.end - n.ts) - sum(c.end - c.ts for c in n.children))
         cat = n.cat or ("framework" if n.e.get("cat") == "cpu_op" else "python")
@@ -303,24 +303,25 @@ TOP_OPS = 8
 KERNEL_NAME_WIDTH = 90  # a kernel's name is shown cut here: templated names run to hundreds of characters
 
 
-def _add(by_name: dict[str, list], name: str, us: float, category: str) -> None:
-    entry = by_name.setdefault(name, [0.0, 0, {}])  # time, calls, time by category
+def _add(by_name: dict[tuple[str, str], list], name: str, us: float, category: str) -> None:
+    entry = by_name.setdefault((name, category), [0.0, 0])  # time, calls
     entry[0] += us
     entry[1] += 1
-    entry[2][category] = entry[2].get(category, 0.0) + us
 
 
-def _top(by_name: dict[str, list], total_us: float, steps: int, width: int | None = None) -> list[dict]:
-    """The TOP_OPS names with the most time; an op that runs in several categories (a copy in the optimizer and
-    in a cast) is shown in the one where it spends most. Grouped by the whole name, shown cut at `width`; a cut
-    name keeps its whole self in `full_name` (report.json), which is what tells one aten copy from another."""
+def _top(by_name: dict[tuple[str, str], list], total_us: float, steps: int, width: int | None = None) -> list[dict]:
+    """The TOP_OPS (name, category) pairs with the most time. An op that runs in several categories is one entry
+    for each: a conv backward's few large `aten::copy_` calls and a data loader's many small ones are different
+    costs with different fixes, and neither's calls or time may be shown under the other's category. Grouped by
+    the whole name, shown cut at `width`; a cut name keeps its whole self in `full_name` (report.json), which is
+    what tells one aten copy from another."""
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_OPS]
     def cut(name: str) -> bool:
         return width is not None and len(name) > width
 
     return [{"name": name[:width - 3] + "..." if cut(name) else name, **({"full_name": name} if cut(name) else {}),
              "share": us / (total_us or 1e-9), "calls_per_step": round(calls / max(steps, 1), 2),
-             "category": max(cats, key=cats.get)} for name, (us, calls, cats) in ranked]
+             "category": cat} for (name, cat), (us, calls) in ranked]
 
 
 def kernel_name(name: str) -> str:
@@ -340,7 +341,7 @@ def kernel_name(name: str) -> str:
 def _top_kernels(stats: TraceStats, kernels: list[dict], launches: dict, tree: OpTree) -> None:
     """The kernels that take most of the kernel span, each with the category of the op that launched it
     ("cuda graph" for a replay, whose kernels have no op of their own)."""
-    by_name: dict[str, list] = {}
+    by_name: dict[tuple[str, str], list] = {}
     for k in kernels:
         launch = launches[k["args"]["correlation"]]
         if "Graph" in launch.get("name", ""):
