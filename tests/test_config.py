@@ -321,6 +321,26 @@ def test_flags_are_spelt_whole_not_abbreviated(capsys, tmp_path):
     assert parser.parse_args(["train", "--out", str(tmp_path), "--out-block-channels", "32"]).out == str(tmp_path)
 
 
+@pytest.mark.parametrize("rank", ["0", "1", None])
+def test_under_torchrun_only_rank_0_prints_a_usage_error(capsys, monkeypatch, tmp_path, rank):
+    # every rank parses the same command line: eight copies of one error help nobody; the status is every rank's
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["eval", "--checkpoint", str(tmp_path), "--num-sample", "10"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    if rank == "1":
+        assert err == ""
+    else:
+        assert "unrecognized arguments: --num-sample" in err
+
+
 def test_docs_config_reference_is_current():
     from pathlib import Path
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import textwrap
@@ -94,6 +95,14 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        # Under torchrun every rank parses the same command line and would print the same usage error: rank 0
+        # says it, the others exit with the same status in silence (torchrun's summary lists every rank's exit).
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        if rank is not None and world is not None and rank.strip() != "0":
+            self.exit(2)
+        super().error(message)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
