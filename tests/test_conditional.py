@@ -291,6 +291,21 @@ def test_sample_a_class_by_name_and_all_classes_in_rows(tmp_path, fmnist_npz, ca
     assert "--guidance steers toward a class" in capsys.readouterr().err
 
 
+def test_a_class_has_one_spelling_in_file_names():
+    from fastddpm.cli import class_tag
+    from fastddpm.config import ModelConfig
+
+    names = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+    m = ModelConfig(conditional=True, num_classes=10, class_names=names)
+    assert {class_tag(m, c) for c in ("7", "sneaker", " Sneaker ")} == {"sneaker"}
+    assert class_tag(m, "0") == class_tag(m, "t-shirt/top") == "t-shirt-top"
+    assert class_tag(m, "Ankle boot") == "ankle-boot" and class_tag(m, "ALL") == "all"
+    unnamed = ModelConfig(conditional=True, num_classes=3, class_names=("猫", "犬", "鳥"))
+    assert class_tag(unnamed, "1") == class_tag(unnamed, "犬") == "1"  # no letter to keep: the id
+    with pytest.raises(ConfigError, match="not one of this model's classes"):
+        class_tag(m, "boots")
+
+
 def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_path, fmnist_splits, capsys):
     """`sample`, `eval`, the API and the grids resolve `auto` by the guidance the samples are drawn at: UniPC for a
     conditional flow model guided at W > 1, Heun for the same model at W = 1 or without --class. (Without

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from fastddpm import __version__
 from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
-                             RunConfig, TrainConfig, default_preset, default_spacing, flag_name, load_config_file,
-                             preset_summaries, resolve_config)
+                             RunConfig, TrainConfig, class_index, default_preset, default_spacing, flag_name,
+                             load_config_file, preset_summaries, resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -152,7 +152,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "[_model].png (a grid of up to 256 images; with --class all one row per class, named, of N // classes\n"
                "images each, or with N below the number of classes one image each of N classes spread over the ids)\n"
                "and a matching .npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,)\n"
-               "and `guidance`.\n"
+               "and `guidance`. <class> is the class's name however --class gave it (`--class 7` of Fashion-MNIST\n"
+               "writes `_sneaker_`), or `all`.\n"
                "The images are a function of the weights, the sampler's flags, --seed and the device type: image k\n"
                "draws its noise from (seed, k), so --batch-size does not change it (up to float rounding in the\n"
                "network), and a draw of more images of one class (or none) begins with the images of a draw of\n"
@@ -296,7 +297,7 @@ def cmd_sample(args) -> int:
     stem = f"{args.sampler}{steps}{tag}_n{num_images}" + (f"_from{args.first_image}" if args.first_image else "")
     stem += f"_seed{args.seed}"
     if args.klass is not None:
-        stem += f"_{re.sub(r'[^A-Za-z0-9]+', '-', args.klass.strip()).strip('-').lower()}_w{guidance:g}"
+        stem += f"_{class_tag(cfg.model, args.klass)}_w{guidance:g}"
     if ckpt.step is not None:  # the samples of two checkpoints of one run are two results, as in eval's names
         stem += f"_step{ckpt.step}"
     if args.weights != "ema":
@@ -313,6 +314,16 @@ def cmd_sample(args) -> int:
     print(f"wrote {out / (stem + '.png')} and {out / (stem + '.npz')} ({images.shape[0]} images, "
           f"{tuple(images.shape[1:])} uint8)")
     return 0
+
+
+def class_tag(model_cfg, wanted: str) -> str:
+    """The class of `--class` in a file name, one spelling per class: its name where the model has names
+    (`--class 7` and `--class sneaker` write the same files), else its id; `all` for every class."""
+    if wanted.strip().lower() == "all":
+        return "all"
+    i = class_index(model_cfg, wanted)
+    name = model_cfg.class_names[i] if i < len(model_cfg.class_names) else str(i)
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or str(i)
 
 
 def main(argv: list[str] | None = None) -> int:
