@@ -339,6 +339,20 @@ def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_pa
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
+def test_per_class_fid_notes_name_the_side_that_is_short():
+    from fastddpm.eval.cli import per_class_fid_notes
+
+    names = ("cat", "dog", "bird")
+    assert per_class_fid_notes(3 * 129, [500, 500, 500], 128, names) == []
+    samples_short, = per_class_fid_notes(30, [500, 500, 500], 128, names)
+    assert "from 10 samples a class" in samples_short and "--num-samples 387 or more" in samples_short
+    # a class with few training images: more samples cannot fix it; one image gets no per-class FID at all
+    real_short, = per_class_fid_notes(3 * 129, [500, 40, 1], 128, names)
+    assert "1 class(es)" in real_short and "dog (40)" in real_short and "cat" not in real_short
+    assert "at any --num-samples" in real_short
+    assert len(per_class_fid_notes(30, [500, 40, 500], 128, names)) == 2
+
+
 def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_path, fmnist_splits, capsys):
     """`fastddpm eval --guidance 0,1,3` on a conditional checkpoint: one row per scale with FID, precision/recall,
     class accuracy by the dataset's classifier and per-class FID; --guidance on an unconditional model refused."""

@@ -378,12 +378,9 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if cfg.model.conditional:
         log(guidance_table(result["guidance"]))
         if evaluator.classes is not None:
-            per_class, dim = args.num_samples // cfg.model.num_classes, evaluator.classes.mu.shape[1]
-            if per_class <= dim:
-                log(f"note: per-class FID from {per_class} samples a class, no more than the features' {dim} "
-                    "dimensions: each class's covariance is singular and its FID moves with float rounding (two "
-                    f"runs can differ in the first digits); compare classes at --num-samples "
-                    f"{(dim + 1) * cfg.model.num_classes:,} or more")
+            for note in per_class_fid_notes(args.num_samples, evaluator.classes.counts, evaluator.classes.mu.shape[1],
+                                            cfg.model.class_names):
+                log(note)
     else:
         log(summary_line(metrics))
     if len(per_scale) > 1:  # each scale samples on its own: guided ones call the model on twice the images
@@ -467,6 +464,27 @@ def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained
     if args.skip_bad is not None and args.skip_bad != trained.skip_bad:
         parts.append("skip-bad" if args.skip_bad else "no-skip-bad")
     return "".join(f"_{p}" for p in parts)
+
+
+def per_class_fid_notes(num_samples: int, real_counts, dim: int, class_names) -> list[str]:
+    """Where per-class FIDs cannot be trusted: a class's covariance from no more images than the features have
+    dimensions is singular, and its FID moves with float rounding. The samples' side is fixed by sampling more;
+    the real side (a class with few training images) is not."""
+    notes = []
+    k = len(real_counts)
+    per_class = num_samples // k
+    if per_class <= dim:
+        notes.append(f"note: per-class FID from {per_class} samples a class, no more than the features' {dim} "
+                     "dimensions: each class's covariance is singular and its FID moves with float rounding (two runs "
+                     f"can differ in the first digits); compare classes at --num-samples {(dim + 1) * k:,} or more")
+    few = [c for c, n in enumerate(real_counts) if 2 <= n <= dim]
+    if few:
+        named = ", ".join(f"{class_names[c] if c < len(class_names) else c} ({int(real_counts[c])})" for c in few[:8])
+        more = f" and {len(few) - 8} more" if len(few) > 8 else ""
+        notes.append(f"note: {len(few)} class(es) have no more real images than the features' {dim} dimensions: "
+                     f"{named}{more}; their reference covariance is singular, so their per-class FID stays unstable "
+                     "at any --num-samples: compare those classes by class accuracy")
+    return notes
 
 
 def _slug(text: str) -> str:
