@@ -184,6 +184,16 @@ def test_eval_skips_bad_reference_files_when_told(evaluated_run, tmp_path, capsy
     assert json.loads(result.read_text())["reference"]["num_images"] == 120
 
 
+def test_a_weak_classifier_is_named_with_why():
+    from fastddpm.eval.cli import weak_classifier
+
+    assert weak_classifier({"test_accuracy": 0.91, "train_images": 60_000}) is None
+    assert weak_classifier({"test_accuracy": 0.91}) is None  # a cache from before the count was recorded
+    assert weak_classifier({"test_accuracy": 0.42, "train_images": 60_000}) == (
+        "test accuracy 42.0%, trained on 60,000 images")
+    assert weak_classifier({"test_accuracy": 0.95, "train_images": 120}) == "test accuracy 95.0%, trained on 120 images"
+
+
 def test_eval_refuses_reference_data_with_another_number_of_classes(fmnist_splits, tmp_path, capsys):
     from conftest import read_fmnist
 

@@ -159,6 +159,15 @@ WEAK_FEATURES_ACCURACY = 0.5
 WEAK_FEATURES_IMAGES = 1_000
 
 
+def weak_classifier(info: dict) -> str | None:
+    """Why the dataset's classifier (fastddpm-features, and the judge of class accuracy) is too weak to trust, or
+    None: under WEAK_FEATURES_ACCURACY on its test images, or trained on fewer than WEAK_FEATURES_IMAGES."""
+    trained_images = info.get("train_images", WEAK_FEATURES_IMAGES)
+    if info["test_accuracy"] < WEAK_FEATURES_ACCURACY or trained_images < WEAK_FEATURES_IMAGES:
+        return f"test accuracy {info['test_accuracy']:.1%}, trained on {trained_images:,} images"
+    return None
+
+
 def inception_choice(args: argparse.Namespace) -> str | None:
     """What build_feature_net's `inception` gets: None (fastddpm-features), "auto" (find the weights) or a path."""
     from fastddpm.config import ConfigError
@@ -300,16 +309,20 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "
                 f"{net.info['test_set']}")
-            trained_images = net.info.get("train_images", WEAK_FEATURES_IMAGES)
-            if net.info["test_accuracy"] < WEAK_FEATURES_ACCURACY or trained_images < WEAK_FEATURES_IMAGES:
-                log(f"note: a weak feature network (test accuracy {net.info['test_accuracy']:.1%}, trained on "
-                    f"{trained_images:,} images): FIDs in its features rank models poorly; evaluate against more "
-                    "labelled data (--data SOURCE), or with --features inception")
+            weak = weak_classifier(net.info)
+            if weak:
+                log(f"note: a weak feature network ({weak}): FIDs in its features rank models poorly; evaluate "
+                    "against more labelled data (--data SOURCE), or with --features inception")
         else:
             log(f"features: {net.label} ({net.info['file']}); resize {net.info.get('resize')}")
         if cfg.model.conditional:
+            info_c = evaluator.classifier.info
             log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by "
-                f"the dataset's classifier ({evaluator.classifier.info['test_accuracy']:.2%} on real test images)")
+                f"the dataset's classifier ({info_c['test_accuracy']:.2%} on real test images)")
+            weak = weak_classifier(info_c)
+            if weak and net.num_classes is None:  # in its own features the note above said it
+                log(f"note: a weak classifier ({weak}): its class accuracy says little about the samples; "
+                    "evaluate against more labelled data (--data SOURCE)")
     sampling_model = compile_for_sampling(model, device) if compile_on else model
     nfe = network_calls(args.sampler, args.steps, cfg.diffusion.num_timesteps,
                         schedule=schedule_from_config(cfg.diffusion), spacing=args.spacing)
