@@ -133,6 +133,11 @@ def test_quick_run_markdown_has_the_table(quick_run):
     assert rows[0].startswith("| tiny | 8 |") and rows[1].startswith("| tiny | 16 |")
     assert all(" (fp32) |" in line for line in rows)  # the MFU names its peak's dtype
     assert all(line.count("|") == TABLE_HEADER.count("|") for line in rows)
+    # nothing compiled on this CPU: the warm-up's time is no compile time, and the table does not call it one
+    assert all(not r["fast_path"]["compile"].startswith("on") for r in json.loads(
+        (out / "throughput.json").read_text())["results"])
+    column = [c.strip() for c in TABLE_HEADER.split("|")].index("compile s")
+    assert [line.split("|")[column].strip() for line in rows] == ["-", "-"]
 
 
 def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):

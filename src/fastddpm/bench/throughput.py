@@ -369,7 +369,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
                 todo.append(i)
             if len(todo) > 1 and settings.cuda_graphs != "reduce-overhead":  # Inductor's graph trees: one at a time
                 log(f"{tag(todo[0])} ... {variants[todo[-1]].choice}: {len(todo)} choices, each warmed up "
-                    f"({settings.warmup_steps} steps: compile / capture), then {settings.repeats} rounds of "
+                    f"({settings.warmup_steps} steps: compiling and capturing where on), then {settings.repeats} rounds of "
                     f"{settings.steps} timed steps each, alternating")
                 got, left = measure_alternating([variants[i] for i in todo], source, device=device,
                                                 settings=settings, peaks=peaks)
@@ -381,7 +381,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
                 todo = [todo[k] for k in left]
             for i in todo:
                 v = variants[i]
-                log(f"{tag(i)}: warming up ({settings.warmup_steps} steps: compile / capture), then "
+                log(f"{tag(i)}: warming up ({settings.warmup_steps} steps: compiling and capturing where on), then "
                     f"{settings.repeats} x {settings.steps} timed steps")
                 record(i, run_variant(v, source, device=device, settings=settings,
                                       peak=peaks.matmul(peak_dtype(v.precision)), bandwidth=peaks.bandwidth()))

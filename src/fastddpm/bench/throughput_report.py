@@ -27,9 +27,25 @@ def progress_line(row: dict) -> str:
         row["fast_path"].get("cuda_graphs", "").startswith("capture") else ""
     warning = _share_warning(row)
     return (f"{row['images_per_s']:,.0f} img/s, step {s['median']:.2f} ms [{s['min']:.2f}-{s['max']:.2f}], "
-            f"compile {row['compile_s']:.1f} s, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak, "
+            f"{_warmup_text(row)}, MFU {row['mfu_pct']:.2f}% of the {row['mfu_dtype']} peak, "
             f"{_roofline(row)} of the roofline{mem}{rec}, "
             f"input wait {row['input_wait_pct']:.1f}%{graphs}" + (f"\n  WARNING: {warning}" if warning else ""))
+
+
+def _compiled(row: dict) -> bool:
+    """Whether the warm-up compiled or captured anything: only then is its time a compile time."""
+    fast = row.get("fast_path") or {}
+    return fast.get("compile", "on").startswith("on") or fast.get("cuda_graphs", "").startswith("capture")
+
+
+def _compile_cell(row: dict) -> str:
+    return f"{row['compile_s']:.2f}" if _compiled(row) else "-"
+
+
+def _warmup_text(row: dict) -> str:
+    if _compiled(row):
+        return f"compile {row['compile_s']:.1f} s"
+    return f"warm-up {row['compile_s']:.1f} s (nothing compiled)"
 
 
 def _share_warning(row: dict) -> str | None:
@@ -60,7 +76,7 @@ def table_markdown(rows: list[dict]) -> str:
         s = r["step_ms"]
         lines.append(
             f"{key} {r['images_per_s']:,.0f} | {store.fmt(r['ratio_to_first'], '.2f')} | "
-            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {r['compile_s']:.2f} | {r['mfu_pct']:.2f} "
+            f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}] | {_compile_cell(r)} | {r['mfu_pct']:.2f} "
             f"({r['mfu_dtype']}) | {_roofline(r)} | "
             f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd')} | "
             f"{store.fmt(r['graph_breaks'], 'd')} | {r['input_wait_pct']:.1f} | ok |"

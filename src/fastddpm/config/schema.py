@@ -35,8 +35,8 @@ def _check_choice(section: str, obj: Any, name: str) -> None:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The U-Net: the seed's (family seed; defaults are the public DDPM-Pytorch code's default config, 10.2M
-    parameters) or the DDPM / improved-diffusion one (family ddpm: base_channels, channel_mult, ...)."""
+    """The U-Net: the seed's (family seed, 10.2M parameters by default) or DDPM / improved-diffusion's (ddpm).
+    The seed family's defaults are the public DDPM-Pytorch code's config; ddpm reads base_channels, channel_mult."""
 
     family: str = field(
         default="seed",
