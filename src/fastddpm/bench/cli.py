@@ -37,14 +37,16 @@ accuracy (class-balanced, at one guidance scale). Every point starts from the sa
 the same seed, so samplers differ only by their steps. Cost: network calls per image (NFE)
 and samples/s. FID at a few thousand samples has a seed-to-seed spread as large as the gaps
 between good samplers: --spread-points are drawn again with --spread-seeds and reported as
-mean and min-max.
+mean and min-max. With --samplers or --steps and no --spread-points, only the default spread
+points inside the grid asked for are drawn again (maybe none).
 """
 
 _SAMPLERS_EPILOG = """\
 examples:
   fastddpm bench samplers runs/quickstart                    # the table of RESULTS.md: 2,000 samples a point
   fastddpm bench samplers runs/cond --guidance 2             # a conditional model, class accuracy too
-  fastddpm bench samplers runs/quickstart --samplers dpmpp-2m --steps 8,10,12 --no-ddpm
+  fastddpm bench samplers runs/quickstart --samplers dpmpp-2m --steps 8,10,12 --no-ddpm  # these 3 points
+  fastddpm bench samplers runs/quickstart --samplers dpmpp-2m --steps 8,10,12 --no-ddpm --spread-points dpmpp-2m-10
   fastddpm bench samplers runs/quickstart --quick            # 20 samples at 2 and 4 steps: a pipeline check
 
 Writes OUT/samplers.json, samplers.csv, samplers.md after every point and samplers.png (FID vs
@@ -333,8 +335,8 @@ def _add_samplers_parser(commands: argparse._SubParsersAction) -> argparse.Argum
     sp.add_argument("--num-samples", type=positive_int, default=None, metavar="N", help="per point (default 2000)")
     sp.add_argument("--seed", type=int, default=None, help="noise seed of every point (default 0)")
     sp.add_argument("--spread-points", type=_csv_list, default=None, metavar="S-K,..",
-                    help="points drawn again with --spread-seeds (default ddim-50,ddim-100,dpmpp-2m-10,dpmpp-2m-20; "
-                         "none: no spread)")
+                    help="points drawn again with --spread-seeds (default: those of ddim-50,ddim-100,dpmpp-2m-10,"
+                         "dpmpp-2m-20 in the grid asked, --quick's ddim-4; none: no spread)")
     sp.add_argument("--spread-seeds", type=_csvints, default=None, metavar="N,..", help="default 1,2")
     sp.add_argument("--guidance", type=float, default=None, metavar="W",
                     help="a conditional model's guidance scale (default: its train.sample_guidance)")

@@ -6,7 +6,9 @@ conditional model, class accuracy (class-balanced, at one guidance scale). Every
 the same seed (eval's: sample k's noise from (seed, k)), so samplers differ only by their steps. The cost is the
 network calls per image (NFE) and the wall time. FID at a few thousand samples has a seed-to-seed spread
 comparable to the differences between good samplers: `spread_points` are drawn again with `spread_seeds`, and
-the report gives each of them as mean and min-max, beside the single-seed points.
+the report gives each of them as mean and min-max, beside the single-seed points. Unless given, the spread points
+are the default ones (SPREAD_POINTS, --quick's QUICK_SPREAD_POINTS) that lie in the grid asked for: a run narrowed
+to `--samplers dpmpp-2m --steps 8,10,12` draws those points and no others.
 
 Rows are written after every point (OUT/samplers.json, .csv, .md) and a run into the same folder reuses every
 point measured there with the same checkpoint, settings, device and torch (fastddpm.bench.store): a killed
@@ -45,8 +47,10 @@ class SamplerBenchSettings:
     spacing: str | None = None  # None: each sampler's own (config.default_spacing: karras for heun and on EDM)
     num_samples: int = 2000
     seed: int = 0
-    spread_points: tuple[str, ...] = field(default=("ddim-50", "ddim-100", "dpmpp-2m-10", "dpmpp-2m-20"),
-                                           metadata={"help": "SAMPLER-STEPS points drawn with every spread seed"})
+    # None: the default ones that lie in the grid (spread_points_of)
+    spread_points: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "SAMPLER-STEPS points drawn with every spread seed (default: those of ddim-50, ddim-100, "
+                "dpmpp-2m-10, dpmpp-2m-20 in the grid)"})
     spread_seeds: tuple[int, ...] = (1, 2)
     guidance: float | None = None  # a conditional model's W (default: its training grids' train.sample_guidance)
     batch_size: int | None = None  # default: 1000 on a GPU, 250 on a CPU
@@ -57,6 +61,8 @@ class SamplerBenchSettings:
     quick: bool = False
 
     def __post_init__(self):
+        if not self.samplers:
+            raise ConfigError("--samplers: give at least one sampler")
         for s in self.samplers:
             if s not in SAMPLERS:
                 raise ConfigError(f"--samplers: unknown sampler {s!r}; choose from {', '.join(SAMPLERS)}")
@@ -66,14 +72,33 @@ class SamplerBenchSettings:
             raise ConfigError(f"--steps {self.steps}: give step counts >= 1")
         if self.num_samples < 10:
             raise ConfigError(f"--num-samples {self.num_samples}: at least 10 (2,000 for the table in RESULTS.md)")
-        for p in self.spread_points:
+        for p in self.spread_points or ():
             name, _, k = p.rpartition("-")
             if name not in SAMPLERS or not k.isdigit():
                 raise ConfigError(f"--spread-points: {p!r} is not SAMPLER-STEPS (e.g. ddim-50, dpmpp-2m-10)")
 
 
-QUICK = dict(samplers=("ddim", "dpmpp-2m", "unipc", "heun"), steps=(2, 4), ddpm=False, num_samples=20,
-             spread_points=("ddim-4",), spread_seeds=(1,))
+SPREAD_POINTS = ("ddim-50", "ddim-100", "dpmpp-2m-10", "dpmpp-2m-20")
+QUICK_SPREAD_POINTS = ("ddim-4",)
+# Every sampler here runs on all three objectives (CONTINUOUS_SAMPLERS): a default list that one objective refuses
+# would make --quick a flag error on that model. dpmpp-2m-sde is the auto sampler of DDPM and EDM models.
+QUICK = dict(samplers=("ddim", "dpmpp-2m", "dpmpp-2m-sde", "unipc", "heun"), steps=(2, 4), ddpm=False,
+             num_samples=20, spread_seeds=(1,))
+
+
+def _point(p: str) -> tuple[str, int]:
+    name, _, k = p.rpartition("-")
+    return name, int(k)
+
+
+def spread_points_of(settings: SamplerBenchSettings) -> tuple[str, ...]:
+    """The points drawn again with every spread seed: settings.spread_points when given (always honoured), else the
+    default ones (--quick's own) that lie in the grid asked for. The defaults all lie in the default grid; a grid
+    narrowed by --samplers or --steps keeps only those inside it, and none may remain."""
+    if settings.spread_points is not None:
+        return settings.spread_points
+    grid = {(s, k) for s in settings.samplers for k in settings.steps}
+    return tuple(p for p in (QUICK_SPREAD_POINTS if settings.quick else SPREAD_POINTS) if _point(p) in grid)
 
 
 def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = "ddpm") -> list[tuple[str, int, int]]:
@@ -84,7 +109,7 @@ def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = 
     if continuous:
         from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
 
-        wrong = [s for s in (*settings.samplers, *(p.rpartition("-")[0] for p in settings.spread_points))
+        wrong = [s for s in (*settings.samplers, *(_point(p)[0] for p in spread_points_of(settings)))
                  if s not in CONTINUOUS_SAMPLERS]
         if wrong:
             raise ConfigError(f"bench samplers: {', '.join(dict.fromkeys(wrong))} cannot sample this {objective} "
@@ -93,9 +118,9 @@ def points(settings: SamplerBenchSettings, num_timesteps: int, objective: str = 
     out = [(s, num_timesteps if s == "ddpm" else k, settings.seed) for s in settings.samplers for k in settings.steps]
     if settings.ddpm and not continuous:
         out.append(("ddpm", num_timesteps, settings.seed))
-    for p in settings.spread_points:
-        name, _, k = p.rpartition("-")
-        out += [(name, num_timesteps if name == "ddpm" else int(k), seed)
+    for p in spread_points_of(settings):
+        name, k = _point(p)
+        out += [(name, num_timesteps if name == "ddpm" else k, seed)
                 for seed in (settings.seed, *settings.spread_seeds)]
     return list(dict.fromkeys(out))
 
@@ -180,10 +205,15 @@ def check_points(todo: list[tuple[str, int, int]], settings: SamplerBenchSetting
     a DDPM model's samplers walk at most its T timesteps, the ODE solvers fewer (from the noisiest one with a finite
     half log-SNR), so the default grid's 100 and spread point ddim-100 do not fit a model trained with T = 50.
     Checked before the feature network is built (minutes, the first time) and before the first point, not left to
-    fail in the sampler mid-table. None left: a ConfigError naming the limit."""
+    fail in the sampler mid-table. None of the points asked for left (the grid's and --spread-points' own; not
+    the DDPM reference or a default spread point): a ConfigError naming them and the limit, so that a run never
+    measures only points the user did not ask for. Also said here, once: a narrowed grid that kept no default
+    spread point."""
     from fastddpm.diffusion import network_calls, schedule_from_config
 
     T, schedule = cfg.diffusion.num_timesteps, schedule_from_config(cfg.diffusion)
+    asked = {f"{s}-{T if s == 'ddpm' else k}" for s in settings.samplers for k in settings.steps}
+    asked.update(f"{name}-{T if name == 'ddpm' else k}" for name, k in map(_point, settings.spread_points or ()))
     fit, reasons = [], {}
     for sampler, steps, seed in todo:
         try:
@@ -194,9 +224,14 @@ def check_points(todo: list[tuple[str, int, int]], settings: SamplerBenchSetting
         fit.append((sampler, steps, seed))
     for point, why in reasons.items():
         log(f"bench samplers: {point} left out: {why} on this model")
-    if not fit:
-        raise ConfigError(f"bench samplers: no point left to draw on this model ({T} timesteps): "
-                          f"{'; '.join(f'{p}: {w}' for p, w in reasons.items())}. Give smaller --steps")
+    if not any(f"{sampler}-{steps}" in asked for sampler, steps, _ in fit):
+        raise ConfigError(f"bench samplers: no point asked for is left to draw on this model ({T} timesteps): "
+                          f"{'; '.join(f'{p}: {w}' for p, w in reasons.items() if p in asked)}. Give smaller "
+                          "--steps")
+    if settings.spread_points is None and settings.spread_seeds and not spread_points_of(settings):
+        defaults = QUICK_SPREAD_POINTS if settings.quick else SPREAD_POINTS
+        log(f"bench samplers: no seed spread measured: none of the default spread points ({', '.join(defaults)}) "
+            "lies in the grid asked for; add one with --spread-points SAMPLER-STEPS")
     return fit
 
 
@@ -319,7 +354,15 @@ def write_reports(result: dict, out_dir: Path) -> None:
 
 
 def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> Path | None:
-    """FID against network calls per image, one line per sampler (log x), DDPM as a marked point."""
+    """OUT/samplers.png: samplers_figure's chart."""
+    from fastddpm import charts
+
+    return charts.save(samplers_figure(result), path, dpi=120)
+
+
+def samplers_figure(result: dict):
+    """FID against network calls per image, one line per sampler (log x), DDPM as a marked point, a seed spread as a
+    vertical min-max bar. The feature space goes in the title: as the y label it is longer than the axis."""
     from fastddpm import charts
 
     summary = result.get("summary") or summarize(result["rows"])
@@ -338,12 +381,29 @@ def write_plot(result: dict, path: Path, log: Callable[[str], None] = print) -> 
                 ax.vlines(e["nfe"], e["fid_min"], e["fid_max"], color=line.get_color(), alpha=0.6)
     charts.log_x(ax)
     ax.set_xlabel("network calls per image (NFE)")
-    ax.set_ylabel(f"FID ({result['features']['label']})")
+    ax.set_ylabel("FID")
     ck = result["checkpoint"]
-    ax.set_title(f"samplers: {Path(ck['file']).name}, {result['settings']['num_samples']:,} samples", fontsize=10)
-    if all(math.isfinite(e["fid"]) and e["fid"] > 0 for e in summary) and summary:
-        charts.log_y(ax)
+    ax.set_title(f"samplers: {Path(ck['file']).name}, {result['settings']['num_samples']:,} samples\n"
+                 f"FID in {result['features']['label']}", fontsize=10)
+    fid_axis(ax, [v for e in summary for v in (e["fid"], e["fid_min"], e["fid_max"])])
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if summary:
+        ax.legend()
     fig.tight_layout()
-    return charts.save(fig, path, dpi=120)
+    return fig
+
+
+def fid_axis(ax, values: list[float]) -> None:
+    """The y axis over FIDs `values`, labelled in plain numbers over their whole range: linear under 10x (FID
+    85-147 has one decade's tick inside it, 100, so a log axis labels at most 90 and 100), else log with a label
+    at 1, 2 and 5 of every decade."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    values = [v for v in values if math.isfinite(v)]
+    if not values or min(values) <= 0 or max(values) < 10 * min(values):
+        return
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    ax.yaxis.set_minor_formatter(NullFormatter())
