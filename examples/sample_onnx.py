@@ -1,17 +1,21 @@
 """Sample from a `fastddpm export --format onnx` folder with onnxruntime and numpy alone: no torch, no fastddpm.
 
-    python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class ID] [--out onnx_samples.png]
+    python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class NAME|ID [--guidance W]]
+                                  [--out onnx_samples.png]
 
 DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or
-flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat); a
-conditional model draws class `--class` (default: its null class, i.e. unconditional). The grid is written as a
-PNG by the few lines of zlib below.
+flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat). A
+conditional model draws class `--class` (a name or an id from schedule.json's class_names; default: none, i.e.
+unconditional) with classifier-free guidance at scale `--guidance` W (default: the run's train.sample_guidance
+from config.json, as `fastddpm sample`; 1 where it records none): out = out(y = null) + W (out(y) - out(y = null)),
+the null class being id num_classes. The grid is written as a PNG by the few lines of zlib below.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import zlib
 from pathlib import Path
@@ -29,19 +33,36 @@ def trailing(T: int, steps: int) -> np.ndarray:
     return np.array([int(round(T - i * stride)) - 1 for i in range(steps)], dtype=np.int64)
 
 
-def ddim(session: ort.InferenceSession, schedule: dict, num: int, steps: int, seed: int,
-         label: int | None) -> np.ndarray:
-    """`num` images as float32 (N, C, H, W) in [-1, 1]."""
+def network(session: ort.InferenceSession, num: int, label: int | None, guidance: float, null_class: int):
+    """The model as the samplers call it, f(x (N, C, H, W) float32, t (N,)) -> its output as float64, with the class
+    and the guidance folded in as in fastddpm.diffusion.guidance: one call of the 2N batch [x; x] with labels
+    [label; null] when W is neither 0 nor 1."""
+    conditional = "y" in [i.name for i in session.get_inputs()]
+
+    def run(x, t, y):
+        feed = {"x": x, "t": t, **({"y": y} if conditional else {})}
+        return session.run(None, feed)[0].astype(np.float64)
+
+    if label is None or guidance in (0.0, 1.0):
+        y = np.full(num, null_class if label is None or guidance == 0.0 else label, dtype=np.int64)
+        return lambda x, t: run(x, t, y)
+    both = np.concatenate([np.full(num, label), np.full(num, null_class)]).astype(np.int64)
+
+    def guided(x, t):
+        cond, uncond = np.split(run(np.concatenate([x, x]), np.concatenate([t, t]), both), 2)
+        return uncond + guidance * (cond - uncond)
+
+    return guided
+
+
+def ddim(net, schedule: dict, num: int, steps: int, seed: int) -> np.ndarray:
+    """`num` images as float32 (N, C, H, W) in [-1, 1]; `net` as `network` returns it."""
     alpha_bar = np.cumprod(1.0 - np.asarray(schedule["betas"], dtype=np.float64))
     ts = trailing(schedule["num_timesteps"], steps)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((num, *schedule["image_shape"])).astype(np.float32)
-    names = [i.name for i in session.get_inputs()]
     for i, t in enumerate(ts):
-        feed = {"x": x, "t": np.full(num, t, dtype=np.int64)}
-        if "y" in names:
-            feed["y"] = np.full(num, schedule["num_classes"] if label is None else label, dtype=np.int64)
-        out = session.run(None, feed)[0].astype(np.float64)
+        out = net(x, np.full(num, t, dtype=np.int64))
         a, a_prev = alpha_bar[t], (alpha_bar[ts[i + 1]] if i + 1 < len(ts) else 1.0)
         if schedule["prediction"] == "v":  # v = sqrt(a) eps - sqrt(1 - a) x0
             x0 = np.sqrt(a) * x - np.sqrt(1 - a) * out
@@ -66,8 +87,7 @@ def continuous_levels(schedule: dict, steps: int) -> list[float]:
     return [shift(t) for t in 1.0 + frac * (shift(schedule["t_min"]) - 1.0)]
 
 
-def euler(session: ort.InferenceSession, schedule: dict, num: int, steps: int, seed: int,
-          label: int | None) -> np.ndarray:
+def euler(net, schedule: dict, num: int, steps: int, seed: int) -> np.ndarray:
     """EDM (x = x0 + sigma eps, x0_hat = c_skip x + c_out F(c_in x, 250 ln sigma)) or flow matching
     (x = (1 - t) x0 + t eps, x0_hat = x - t v(x, 1000 t)): `num` images as float32 (N, C, H, W) in [-1, 1]."""
     levels = continuous_levels(schedule, steps)
@@ -76,18 +96,14 @@ def euler(session: ort.InferenceSession, schedule: dict, num: int, steps: int, s
     sigma = list(levels) + [0.0]
     rng = np.random.default_rng(seed)
     x = (sigma[0] * rng.standard_normal((num, *schedule["image_shape"]))).astype(np.float64)
-    names = [i.name for i in session.get_inputs()]
     for i, level in enumerate(levels):
         if edm:
             sd = schedule["sigma_data"]
             norm = np.sqrt(level**2 + sd**2)
             c_skip, c_out, c_in = sd**2 / norm**2, level * sd / norm, 1 / norm
-            feed = {"x": (c_in * x).astype(np.float32), "t": np.full(num, 250 * np.log(level), dtype=np.float32)}
+            out = net((c_in * x).astype(np.float32), np.full(num, 250 * np.log(level), dtype=np.float32))
         else:
-            feed = {"x": x.astype(np.float32), "t": np.full(num, 1000 * level, dtype=np.float32)}
-        if "y" in names:
-            feed["y"] = np.full(num, schedule["num_classes"] if label is None else label, dtype=np.int64)
-        out = session.run(None, feed)[0].astype(np.float64)
+            out = net(x.astype(np.float32), np.full(num, 1000 * level, dtype=np.float32))
         x0 = np.clip(c_skip * x + c_out * out if edm else x - level * out, -1.0, 1.0)
         eps = (x - alpha[i] * x0) / sigma[i]
         x = alpha[i + 1] * x0 + sigma[i + 1] * eps
@@ -117,21 +133,53 @@ def write_png(path: Path, image: np.ndarray) -> None:
                      + chunk(b"IEND", b""))
 
 
+def class_id(schedule: dict, wanted: str) -> int:
+    """The id `--class` names: a class name (case-insensitive) or a number, as `fastddpm sample --class`."""
+    names, n = schedule.get("class_names") or [], schedule.get("num_classes", 0)
+    if not n:
+        raise SystemExit(f"--class {wanted}: this export's model is unconditional (trained without --conditional); "
+                         "sample without --class")
+    valid = ", ".join(f"{i} {name!r}" for i, name in enumerate(names)) or f"ids 0-{n - 1}"
+    for i, name in enumerate(names):
+        if name.lower() == wanted.strip().lower():
+            return i
+    if wanted.strip().lstrip("-").isdigit():
+        if 0 <= int(wanted) < n:
+            return int(wanted)
+        raise SystemExit(f"--class {wanted} is out of range: this model has classes 0-{n - 1} ({valid})")
+    raise SystemExit(f"--class {wanted!r} is not one of this model's classes: {valid} (a name or its number)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("export_dir", type=Path)
     p.add_argument("--num", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--class", dest="label", type=int, default=None)
+    p.add_argument("--class", dest="label", metavar="NAME|ID", default=None)
+    p.add_argument("--guidance", type=float, default=None, metavar="W")
     p.add_argument("--out", type=Path, default=Path("onnx_samples.png"))
     args = p.parse_args(argv)
+    if not (args.export_dir / "model.onnx").is_file():
+        raise SystemExit(f"{args.export_dir} holds no model.onnx: give the folder of a `fastddpm export --format onnx` "
+                         "(its README.md says how to sample an export of another format)")
     schedule = json.loads((args.export_dir / "schedule.json").read_text())
+    config = args.export_dir / "config.json"
+    run_guidance = json.loads(config.read_text()).get("train", {}).get("sample_guidance") if config.is_file() else None
+    label = None if args.label is None else class_id(schedule, args.label)
+    if args.guidance is not None and label is None:
+        raise SystemExit("--guidance steers toward a class: give --class NAME|ID with it")
+    guidance = args.guidance if args.guidance is not None else run_guidance if run_guidance is not None else 1.0
+    if not (math.isfinite(guidance) and guidance >= 0):
+        raise SystemExit(f"--guidance {guidance:g} must be a finite number >= 0 (1: plain conditional, 0: "
+                         "unconditional)")
     session = ort.InferenceSession(str(args.export_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    net = network(session, args.num, label, guidance, schedule.get("num_classes", 0))
     sampler = ddim if schedule.get("objective", "ddpm") == "ddpm" else euler
-    images = sampler(session, schedule, args.num, args.steps, args.seed, args.label)
+    images = sampler(net, schedule, args.num, args.steps, args.seed)
     write_png(args.out, grid_uint8(images, nrow=int(np.ceil(np.sqrt(args.num)))))
-    print(f"wrote {args.out}: {args.num} samples, {sampler.__name__.upper()} {args.steps} steps, "
+    drawn = "" if label is None else f", class {label} at guidance W = {guidance:g}"
+    print(f"wrote {args.out}: {args.num} samples{drawn}, {sampler.__name__.upper()} {args.steps} steps, "
           f"onnxruntime {ort.__version__}")
     return 0
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +61,9 @@ def test_torch_export_loads_back_and_matches(runs, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["uncond", "cond"])
-def test_onnx_runs_in_onnxruntime_like_pytorch(runs, tmp_path, name):
+def test_onnx_runs_in_onnxruntime_like_pytorch(runs, onnx_export, name):
     ort = pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
-    assert main(["export", str(runs[name]), "--format", "onnx", "--out", str(tmp_path)]) == 0
+    tmp_path = onnx_export(name)[0]
     inputs, want, cfg = reference(runs[name], 5)
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == (["x", "t", "y"] if name == "cond" else ["x", "t"])
@@ -151,9 +153,8 @@ def test_the_card_quotes_only_the_fid_of_the_exported_weights():
     assert "FID 12.00 at 480 images" in card
 
 
-def test_the_onnx_example_samples_without_torch(runs, tmp_path):
-    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
-    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "exp")]) == 0
+def test_the_onnx_example_samples_without_torch(onnx_export, tmp_path):
+    shutil.copytree(onnx_export("uncond")[0], tmp_path / "exp")
     # torch made unimportable: the example must get by with onnxruntime and numpy
     code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -225,7 +226,9 @@ def test_an_export_in_another_format_replaces_the_earlier_ones_files_and_keeps_t
     assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(out)]) == 0
     (out / "notes.txt").write_text("mine")
     assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(out)]) == 0
-    assert "removed the earlier export's model.safetensors" in capsys.readouterr().out
+    logged = capsys.readouterr().out
+    assert "removed the earlier export's model.safetensors" in logged
+    assert "to keep both, give each format its own --out" in logged  # why, and how to keep both
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "export.json", "model.pt2",
                                                      "notes.txt", "schedule.json"]
     assert json.loads((out / "export.json").read_text())["format"] == "torch-export"
@@ -246,3 +249,144 @@ def test_an_export_folder_loads_as_its_model_file_or_says_what_it_holds(runs, tm
     assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(tmp_path / "pt2")]) == 0
     with pytest.raises(CheckpointError, match=r"It holds an export \(model.pt2\)"):
         fastddpm.load(tmp_path / "pt2")
+
+
+@pytest.fixture(scope="session")
+def onnx_export(runs, tmp_path_factory):
+    """onnx_export(name): the ONNX export of runs[name], made once per session, and the warnings it raised."""
+    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    done = {}
+
+    def get(name: str) -> tuple[Path, list]:
+        if name not in done:
+            out = tmp_path_factory.mktemp(f"onnx-{name}") / "exp"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert main(["export", str(runs[name]), "--format", "onnx", "--out", str(out)]) == 0
+            done[name] = out, [f"{w.category.__name__}: {w.message}" for w in caught]
+        return done[name]
+
+    return get
+
+
+def card_code(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_each_card_names_only_ways_that_sample_its_folder(runs, onnx_export, tmp_path, capsys):
+    """The card's sampling instructions work on that folder: the safetensors card's command runs, the .pt2 card's
+    torch loop draws images, and only the ONNX card points at examples/sample_onnx.py (which reads model.onnx only)."""
+    folder = onnx_export("cond")[0]
+    onnx_card = (folder / "README.md").read_text()
+    assert f"python examples/sample_onnx.py {folder}" in onnx_card and "--class NAME|ID" in onnx_card
+    assert "`fastddpm sample` does not read ONNX" in onnx_card
+
+    st = tmp_path / "st"
+    assert main(["export", str(runs["cond"]), "--format", "safetensors", "--out", str(st)]) == 0
+    card = (st / "README.md").read_text()
+    assert "sample_onnx" not in card
+    command = card.split("Sample with `", 1)[1].split("`", 1)[0]
+    assert command == f"fastddpm sample --checkpoint {st}"
+    capsys.readouterr()
+    assert main([*command.split()[1:], "--num-images", "2", "--steps", "2", "--class", "7", "--no-progress"]) == 0
+    assert "2 images" in capsys.readouterr().out and list((st / "samples").glob("*.png"))
+
+    pt2 = tmp_path / "pt2"
+    assert main(["export", str(runs["cond"]), "--format", "torch-export", "--out", str(pt2)]) == 0
+    card = (pt2 / "README.md").read_text()
+    assert "sample_onnx" not in card and "torch.export.load" in card
+    scope: dict = {}
+    exec(card_code(card).replace("n, T, steps = 16,", "n, T, steps = 2,").replace(", 20  #", ", 3  #"), scope)
+    assert scope["images"].shape == (2, 1, 28, 28) and scope["images"].dtype == torch.uint8
+
+
+def test_out_holding_other_files_is_refused_naming_them(runs, tmp_path, capsys):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(full)]) == 2
+    err = capsys.readouterr().err
+    assert f"export --out {full} holds files an export did not write (notes.txt)" in err
+    assert "it would replace README.md" not in err and f"--out {full / 'export'}" in err
+    for i in range(5):
+        (full / f"f{i}.png").write_text("")
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(full)]) == 2
+    assert "(f0.png, f1.png, f2.png and 3 more)" in capsys.readouterr().err
+    assert sorted(p.name for p in full.iterdir()) == ["f0.png", "f1.png", "f2.png", "f3.png", "f4.png", "notes.txt"]
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(full / "export")]) == 0
+
+
+def test_the_onnx_exporters_known_warnings_are_silenced_and_no_others(recwarn):
+    import logging
+    import warnings
+
+    from fastddpm.export import _ONNX_NOISE_LOGGER, quiet_onnx_exporter
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger(_ONNX_NOISE_LOGGER)
+    logger.addHandler(handler)
+    try:
+        with quiet_onnx_exporter():
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
+            warnings.warn("# The axis name: batch will not be used, since it shares the same shape constraints with "
+                          "another axis: batch.", UserWarning)
+            logger.warning("torchvision is not installed. Skipping torchvision::nms")
+            warnings.warn("something else is deprecated", FutureWarning)
+            warnings.warn("# The axis name: batch is odd", UserWarning)
+            logger.warning("an unrelated registration problem")
+        logger.warning("torchvision is not installed. Skipping torchvision::nms")  # the filter is gone after
+    finally:
+        logger.removeHandler(handler)
+    assert [str(w.message) for w in recwarn] == ["something else is deprecated", "# The axis name: batch is odd"]
+    assert logged == ["an unrelated registration problem", "torchvision is not installed. Skipping torchvision::nms"]
+
+
+def test_a_real_onnx_export_warns_nothing(onnx_export):
+    assert onnx_export("cond")[1] == []  # it raised a FutureWarning and two UserWarnings of the exporter's own
+
+
+def test_the_onnx_example_takes_class_names_and_refuses_what_it_cannot_draw(onnx_export, tmp_path, capsys):
+    example = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))
+    # the test data's classes are named 0-9: give the copy Fashion-MNIST's names, which --class must read
+    cond, uncond = tmp_path / "cond", str(onnx_export("uncond")[0])
+    shutil.copytree(onnx_export("cond")[0], cond)
+    schedule = json.loads((cond / "schedule.json").read_text())
+    schedule["class_names"] = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                               "Bag", "Ankle boot"]
+    (cond / "schedule.json").write_text(json.dumps(schedule))
+    cond = str(cond)
+    small = ["--num", "2", "--steps", "2", "--out", str(tmp_path / "g.png")]
+    assert example["main"]([cond, "--class", "sneaker", *small]) == 0
+    # the run's train.sample_guidance, read from config.json, as fastddpm sample's default
+    assert "class 7 at guidance W = 2," in capsys.readouterr().out
+    assert example["main"]([cond, "--class", "7", "--guidance", "1", *small]) == 0
+    assert "class 7 at guidance W = 1," in capsys.readouterr().out
+    for argv, message in (([uncond, "--class", "3"], "this export's model is unconditional"),
+                          ([cond, "--class", "99"], "--class 99 is out of range: this model has classes 0-9 (0 "),
+                          ([cond, "--class", "zebra"], "'zebra' is not one of this model's classes: 0 'T-shirt/top'"),
+                          ([cond, "--guidance", "2"], "give --class NAME|ID with it"),
+                          ([cond, "--class", "1", "--guidance", "-1"], "--guidance -1 must be a finite number >= 0"),
+                          ([str(tmp_path), "--class", "1"], "holds no model.onnx")):
+        with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("|", r"\|")):
+            example["main"]([*argv, *small])
+
+
+def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):
+    """The example's guided network output is fastddpm's classifier-free guidance (the samplers' own function) on
+    the same inputs, at W = 2.5, 1 (the conditional output) and 0 (the null class's)."""
+    import onnxruntime as ort
+
+    from fastddpm.diffusion.guidance import guided
+
+    network = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))["network"]
+    session = ort.InferenceSession(str(onnx_export("cond")[0] / "model.onnx"), providers=["CPUExecutionProvider"])
+    model, cfg = load_for_sampling(runs["cond"])
+    x, t, _ = example_inputs(cfg, 3, seed=5)
+    labels = torch.full((3,), 4)
+    for w in (2.5, 1.0, 0.0):
+        with torch.no_grad():
+            want = guided(model, labels, w, cfg.model.num_classes)(x, t).numpy()
+        got = network(session, 3, 4, w, cfg.model.num_classes)(x.numpy(), t.numpy())
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"W = {w}")

@@ -20,10 +20,13 @@ README.md; see fastddpm.diffusers_io.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import shlex
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 FORMATS = ("onnx", "torch-export", "safetensors", "diffusers")
@@ -114,6 +117,31 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
     return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})", written
 
 
+# What torch.onnx.export (torch 2.9) prints on every export, none of it about the model: the torchvision ops it
+# would register, a deprecation inside torch's pytree, and the dynamic batch axis that x, t and y share. Matched by
+# message, so that any other warning still reaches the user.
+_ONNX_NOISE_WARNINGS = ((FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+                        (UserWarning, r"# The axis name: \w+ will not be used, since it shares the same shape"))
+_ONNX_NOISE_LOGGER, _ONNX_NOISE_LOG = "torch.onnx._internal.exporter._registration", "torchvision is not installed"
+
+
+@contextlib.contextmanager
+def quiet_onnx_exporter():
+    """Silence _ONNX_NOISE_WARNINGS and the torchvision log lines for the block; everything else still shows."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_ONNX_NOISE_LOG)
+
+    logger = logging.getLogger(_ONNX_NOISE_LOGGER)
+    logger.addFilter(keep)
+    try:
+        with warnings.catch_warnings():
+            for category, message in _ONNX_NOISE_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=category)
+            yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -189,7 +217,8 @@ def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
     return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
 
 
-def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str) -> str:
+def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str,
+               out: str | Path = "path/to/this/folder") -> str:
     m, d = cfg.model, cfg.diffusion
     inputs, sampler = _network_io(cfg)
     lines = [f"# fastddpm denoiser ({cfg.preset or 'custom'} preset)", "",
@@ -208,9 +237,56 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
               f"- inputs: x (B, {m.image_channels}, {m.image_size}, {m.image_size}), t"
               + (f", y int64 (B,) in [0, {m.num_classes}] ({m.num_classes} = no class)" if m.conditional else "")
               + f"; {inputs}; the output has x's shape",
-              f"- made by: `{command}`", "",
-              f"Sample with `examples/sample_onnx.py` (onnxruntime and numpy only), `fastddpm sample`, or {sampler}."]
+              f"- made by: `{command}`", "", *how_to_sample(cfg, fmt, out, sampler)]
     return "\n".join(lines) + "\n"
+
+
+def how_to_sample(cfg, fmt: str, out: str | Path, sampler: str) -> list[str]:
+    """The card's sampling instructions: only what loads this format's folder (fastddpm sample reads a safetensors
+    export but not ONNX or .pt2; examples/sample_onnx.py reads ONNX only)."""
+    m, d = cfg.model, cfg.diffusion
+    folder = shlex.quote(str(out))
+    guidance = cfg.train.sample_guidance
+    if fmt == "safetensors":
+        cls = (f" Add `--class NAME|ID|all` for one of the classes above (guided at W = {guidance:g} unless "
+               "`--guidance W`)." if m.conditional else "")
+        return [f"Sample with `fastddpm sample --checkpoint {folder}` (or its model.safetensors; the images go to "
+                f"its samples/ unless `--out DIR`), `fastddpm.load({str(out)!r})` in Python, or {sampler}.{cls}"]
+    if fmt == "onnx":
+        cls = (f" `--class NAME|ID` draws one of the classes above with classifier-free guidance at W = "
+               f"{guidance:g}, the run's, as `fastddpm sample` does (`--guidance W` to change it); without "
+               "`--class` it draws unconditionally." if m.conditional else "")
+        return [f"Sample with `python examples/sample_onnx.py {folder} --out grid.png` (the script is in fastddpm's "
+                "repository; it needs onnxruntime and numpy only: DDIM, or Euler's method for an EDM or flow model)"
+                f", or with {sampler}.{cls} `fastddpm sample` does not read ONNX: it samples the run this came "
+                "from (export.json names its checkpoint)."]
+    # torch-export: torch alone loads it; fastddpm sample and the ONNX example do not read .pt2
+    y = (f", torch.full((n,), {m.num_classes})" if m.conditional else "")
+    how = "Sample with torch alone" if d.objective == "ddpm" else f"Load it with torch alone and sample with {sampler}"
+    lines = [f"{how} (`fastddpm sample` does not read .pt2: it samples the run this came from, which export.json "
+             "names):", "", "```python",
+             "import json, torch", f"folder = {str(out)!r}",
+             'net = torch.export.load(f"{folder}/model.pt2").module()',
+             'schedule = json.load(open(f"{folder}/schedule.json"))']
+    if d.objective != "ddpm":
+        return lines + [f"out = net(x, t{', y' if m.conditional else ''})  # x, t (and y) as described above",
+                        "```"]
+    x0 = ("a.sqrt() * x - (1 - a).sqrt() * out" if d.prediction == "v" else "(x - (1 - a).sqrt() * out) / a.sqrt()")
+    return lines + [
+        'alpha_bar = torch.cumprod(1 - torch.tensor(schedule["betas"], dtype=torch.float64), 0)',
+        f"n, T, steps = 16, {d.num_timesteps}, 20  # DDIM (eta 0) over 20 evenly spaced timesteps",
+        "ts = [round(T - i * T / steps) - 1 for i in range(steps)]",
+        'x = torch.randn(n, *schedule["image_shape"], dtype=torch.float64)',
+        "with torch.no_grad():",
+        "    for i, t in enumerate(ts):",
+        f"        out = net(x.float(), torch.full((n,), t){y}).double()"
+        + (f"  # y: a class id, {m.num_classes} = none; guided: out(none) + W (out(y) - out(none))"
+           if m.conditional else ""),
+        "        a, a_next = alpha_bar[t], alpha_bar[ts[i + 1]] if i + 1 < steps else torch.tensor(1.0)",
+        f"        x0 = ({x0}).clamp(-1, 1)",
+        "        eps = (x - a.sqrt() * x0) / (1 - a).sqrt()",
+        "        x = a_next.sqrt() * x0 + (1 - a_next).sqrt() * eps",
+        "images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)  # (n, C, H, W)", "```"]
 
 
 def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: int = 18,
@@ -251,7 +327,8 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
     if fmt == "onnx":
         path = out / "model.onnx"
-        result["exporter"], result["opset"] = _export_onnx(net, cfg, path, opset)
+        with quiet_onnx_exporter():
+            result["exporter"], result["opset"] = _export_onnx(net, cfg, path, opset)
         result["max_abs_diff"] = _check_onnx(net, cfg, path)
     elif fmt == "torch-export":
         path = out / "model.pt2"
@@ -290,13 +367,14 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         if run_dir.metrics.is_file() else []
     command = command or f"fastddpm.export.export({str(run)!r}, {fmt!r})"
     files = [path.name, "schedule.json", "config.json", "README.md"]
-    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
+    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command,
+                                                out))
     result.update(out=str(out), files=files, torch=torch.__version__)
     removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
     log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md"
-        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
+        + removed_note(removed))
     return result
 
 
@@ -317,8 +395,13 @@ def check_out_dir(out: Path) -> None:
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     exported = "export.json" in names or (names <= _EXPORT_NAMES and bool(names & _MODEL_FILES))
     if names and not exported:
-        raise ConfigError(f"export --out {out} holds files an export did not write (it would replace README.md, "
-                          "config.json, schedule.json): give a new or empty folder")
+        # without a model file, even an export's names (README.md, config.json) may be a project's own
+        found = sorted(names - _EXPORT_NAMES) or sorted(names)
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(f"export --out {out} holds files an export did not write ({shown}): a folder of other "
+                          "files may have its own README.md, config.json or schedule.json, which an export would "
+                          "replace, so export into a new, empty or earlier export's folder instead, e.g. --out "
+                          f"{out / 'export'}")
 
 
 def remove_other_exports(out: Path, written: list[str]) -> list[str]:
@@ -340,6 +423,15 @@ def remove_other_exports(out: Path, written: list[str]) -> list[str]:
             continue
         removed.append(name)
     return removed
+
+
+def removed_note(removed: list[str]) -> str:
+    """The log's account of remove_other_exports: what went, why, and how to have kept it."""
+    if not removed:
+        return ""
+    return (f"; removed the earlier export's {', '.join(removed)} (a folder holds one export, the one its README.md "
+            "and export.json describe; to keep both, give each format its own --out, as the default "
+            "RUN_DIR/export-<format> does, and export the earlier one again)")
 
 
 def make_out_dir(out: Path) -> None:
@@ -370,8 +462,7 @@ def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> d
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = ("; diffusers is not installed here, so the folder was not loaded back" if result["max_abs_diff"] is None
             else f"; max |difference| of diffusers' UNet2DModel vs fastddpm {result['max_abs_diff']:.2e}")
-    log(f"exported {out} for diffusers (DDPMPipeline.from_pretrained){diff}"
-        + (f"; removed the earlier export's {', '.join(removed)}" if removed else ""))
+    log(f"exported {out} for diffusers (DDPMPipeline.from_pretrained){diff}" + removed_note(removed))
     return result
 
 
