@@ -10,7 +10,7 @@ from PIL import Image
 
 import fastddpm.sampling as sampling
 from fastddpm.cli import main
-from fastddpm.config import ModelConfig, RunConfig, apply_overrides, get_preset
+from fastddpm.config import ConfigError, ModelConfig, RunConfig, apply_overrides, get_preset
 from fastddpm.sampling import class_labels
 from fastddpm.trainer.loop import train
 
@@ -128,17 +128,33 @@ def test_spacing_with_ddpm_is_refused_not_ignored(runs, capsys):
     assert "--spacing karras: --sampler ddpm walks every one of the 1000 timesteps" in err and "drop --spacing" in err
 
 
+def test_steps_with_ddpm_are_refused_not_ignored(runs, capsys):
+    """--sampler ddpm --steps 5 ran all 1000 timesteps and said nothing (the CLI, eval and the API alike)."""
+    import fastddpm
+
+    assert main(["sample", "--checkpoint", str(runs["plain"]), "--sampler", "ddpm", "--steps", "5",
+                 "--num-images", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps 5: --sampler ddpm walks every one of the 1000 timesteps" in err and "drop --steps" in err
+    with pytest.raises(ConfigError, match="--sampler ddpm walks every one"):
+        fastddpm.load(runs["plain"], device="cpu").sample(1, sampler="ddpm", steps=5)
+
+
 def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
     """DDIM at eta 0 and eta 1, and the EMA and raw weights, draw different images: they were written to one file
     name, each run replacing the one before."""
     out = tmp_path / "s"
     base = ["sample", "--checkpoint", str(runs["plain"]), "--num-images", "2", "--sampler", "ddim", "--steps", "2",
             "--no-progress", "--out", str(out)]
-    for extra in ([], ["--eta", "1"], ["--eta", "0.5"], ["--weights", "model"]):
+    # bf16 too: the suite runs as on a CPU without native bf16, where auto picks fp32 (fp32 named: auto's own)
+    for extra in ([], ["--eta", "1"], ["--eta", "0.5"], ["--weights", "model"], ["--precision", "bf16"],
+                  ["--precision", "fp32"]):
         assert main([*base, *extra]) == 0
     names = sorted(p.name for p in out.glob("*.npz"))
     assert names == ["ddim2-eta0.5_n2_seed0_step2.npz", "ddim2-eta1_n2_seed0_step2.npz", "ddim2_n2_seed0_step2.npz",
-                     "ddim2_n2_seed0_step2_model.npz"]
+                     "ddim2_n2_seed0_step2_bf16.npz", "ddim2_n2_seed0_step2_model.npz"]
+    assert not np.array_equal(*(np.load(out / n)["images"] for n in ("ddim2_n2_seed0_step2.npz",
+                                                                     "ddim2_n2_seed0_step2_bf16.npz")))
     plain, eta1 = (np.load(out / n)["images"] for n in ("ddim2_n2_seed0_step2.npz", "ddim2-eta1_n2_seed0_step2.npz"))
     assert not np.array_equal(plain, eta1)
 

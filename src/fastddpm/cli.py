@@ -149,11 +149,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "  fastddpm sample --checkpoint runs/cond --class sneaker --guidance 2     # a conditional model\n"
                "  fastddpm sample --checkpoint runs/cond --class all --num-images 100    # one row per class\n\n"
                "Writes OUT/<sampler><steps>[-<spacing>][-eta<E>]_n<N>[_from<F>]_seed<S>[_<class>_w<W>]_step<K>\n"
-               "[_model].png (a grid of up to 256 images; with --class all one row per class, named, of N // classes\n"
+               "[_model][_<precision>].png (a grid of up to 256 images; with --class all one row per class, named, of N // classes\n"
                "images each, or with N below the number of classes one image each of N classes spread over the ids)\n"
                "and a matching .npz with `images`: uint8 (N, C, H, W), and for a conditional model `labels` (N,)\n"
                "and `guidance`. <class> is the class's name however --class gave it (`--class 7` of Fashion-MNIST\n"
-               "writes `_sneaker_`), or `all`.\n"
+               "writes `_sneaker_`), or `all`; <precision> is --precision where it is not what auto picks here.\n"
                "The images are a function of the weights, the sampler's flags, --seed and the device type: image k\n"
                "draws its noise from (seed, k), so --batch-size does not change it (up to float rounding in the\n"
                "network), and a draw of more images of one class (or none) begins with the images of a draw of\n"
@@ -181,7 +181,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     help="images per model call (default 256); memory and speed only: each image draws its own noise, "
                          "so another batch size draws the same images")
     sp.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
-    sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples, or ./samples)")
+    sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples; for a checkpoint or "
+                                                 "export outside a run directory, samples/ beside it)")
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
@@ -261,7 +262,7 @@ def cmd_train(args, dests) -> int:
 def cmd_sample(args) -> int:
     import torch
 
-    from fastddpm.device import resolve_device
+    from fastddpm.device import resolve_device, resolve_precision
     from fastddpm.rundir.files import make_writable_dir
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, resolve_sampler_args,
@@ -302,6 +303,9 @@ def cmd_sample(args) -> int:
         stem += f"_step{ckpt.step}"
     if args.weights != "ema":
         stem += f"_{args.weights}"
+    chosen, auto = resolve_precision(args.precision, device).name, resolve_precision("auto", device).name
+    if chosen != auto:  # bf16 and fp32 draw different images: side by side, not one over the other
+        stem += f"_{chosen}"
     make_writable_dir(out, flag="--out", fix="--out is the folder for the grid and the .npz: give one that can be "
                                              "created and written, or an existing folder")  # before any sampling
     with torch.inference_mode():

@@ -62,6 +62,10 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     guidance scale `guidance` (None: without class labels): `auto` and unset steps resolved for its objective and
     whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
     d = cfg.diffusion
+    if sampler == "ddpm" and steps is not None and steps != d.num_timesteps:
+        raise ConfigError(f"--steps {steps}: --sampler ddpm walks every one of the {d.num_timesteps} timesteps and "
+                          "takes no step count; drop --steps, or pick a few-step sampler (ddim, dpmpp-2m, "
+                          "dpmpp-2m-sde, unipc, heun)")
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
     check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance)
     if d.objective == "ddpm" and sampler != "ddpm":
