@@ -140,6 +140,16 @@ def test_quick_run_markdown_has_the_table(quick_run):
     assert [line.split("|")[column].strip() for line in rows] == ["-", "-"]
 
 
+def test_the_help_names_every_column_of_the_table(capsys):
+    from fastddpm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "throughput", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    columns = [c.strip() for c in TABLE_HEADER.split("|") if c.strip()]
+    assert [c for c in columns if f"| {c} |" not in text.replace("| |", "|")] == []
+
+
 def test_a_failing_variant_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
     from fastddpm.trainer import build
     from fastddpm.trainer.step import TrainStep

@@ -112,7 +112,8 @@ flags given explicitly still win.
 Writes OUT/throughput.json (every number, the environment and all settings) and
 OUT/throughput.md (the table below plus the environment), and prints the table:
   | preset | batch | images/s | x first | step ms median [min-max] | compile s |
-  | MFU % (peak dtype) | peak mem GiB | recompiles | graph breaks | input wait % | status |
+  | MFU % (peak dtype) | % of roofline (binds) | peak mem GiB | recompiles | graph breaks | input wait % |
+  | status |
 Exit codes: 0 at least one variant ran, 1 every variant failed, 2 bad flags or config.
 """
 
