@@ -198,6 +198,31 @@ def test_a_bit_flip_is_caught_and_latest_falls_back(tmp_path):
         locate(newest)
     with pytest.warns(UserWarning, match="skipping unusable checkpoint"):
         assert locate(tmp_path / "run").step == 1
+    # every checkpoint broken: the folder holds checkpoints, none usable (not "holds no checkpoint"), and the fix
+    oldest = list_checkpoints(saver.dir)[0]
+    oldest.write_bytes(oldest.read_bytes()[:-10])
+    with pytest.warns(UserWarning, match="skipping unusable checkpoint"):
+        assert locate(tmp_path / "run").kind == "safetensors"  # the EMA weights are still there to sample
+    (tmp_path / "run" / "ema.safetensors").unlink()
+    with pytest.warns(UserWarning, match="skipping unusable checkpoint"):
+        with pytest.raises(CheckpointError, match=r"none of its 2 checkpoint\(s\) loads \(ckpt_000000001.pt, "
+                                                  r"ckpt_000000002.pt: .*Restore a checkpoint"):
+            locate(tmp_path / "run")
+
+
+def test_fastddpms_own_warnings_print_as_one_line_and_others_as_python_does():
+    import warnings
+
+    import fastddpm.rundir.locate as ours
+    from fastddpm.cli import _plain_warnings
+
+    original = warnings.formatwarning
+    with _plain_warnings():
+        assert warnings.formatwarning("skipping unusable checkpoint: x", UserWarning, ours.__file__, 101) == (
+            "warning: skipping unusable checkpoint: x\n")
+        theirs = warnings.formatwarning("deprecated", FutureWarning, "/elsewhere/train.py", 7, "x = 1")
+        assert theirs == original("deprecated", FutureWarning, "/elsewhere/train.py", 7, "x = 1")
+    assert warnings.formatwarning is original
 
 
 def test_find_resume_reads_latest_a_run_and_refuses_weights_only(tmp_path):

@@ -7,6 +7,7 @@ and a line of help, and nothing here can drift from what the trainer reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import textwrap
 import types
 import typing
+import warnings
 from pathlib import Path
 
 from fastddpm import __version__
@@ -339,6 +341,31 @@ def main(argv: list[str] | None = None) -> int:
     from fastddpm.data import DataError
     from fastddpm.rundir.files import CheckpointError
 
+    with _plain_warnings():
+        return _run(parser, args, dests, (ConfigError, DataError, CheckpointError))
+
+
+@contextlib.contextmanager
+def _plain_warnings():
+    """fastddpm's own warnings (a checkpoint skipped, ...) printed as one line, `warning: ...`, as its errors are:
+    Python's default form adds the file, line and source of the warn() call, which tell a user nothing. Warnings
+    from elsewhere (torch, the user's own script under the doctor) keep that form: the place is theirs to find."""
+    original = warnings.formatwarning
+    package = str(Path(__file__).resolve().parent) + os.sep
+
+    def one_line(message, category, filename, lineno, line=None):
+        if str(Path(filename).resolve()).startswith(package):
+            return f"warning: {message}\n"
+        return original(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+def _run(parser, args, dests: dict, user_errors: tuple[type[Exception], ...]) -> int:
     try:
         if args.command == "train":
             return cmd_train(args, dests)
@@ -364,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             from fastddpm.export import run_export
 
             return run_export(args)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except user_errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:

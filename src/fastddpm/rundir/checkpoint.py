@@ -88,8 +88,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         expected = digest_file.read_text().strip()
         if hashlib.sha256(data).hexdigest() != expected:
             raise CheckpointError(
-                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); "
-                "resume from an earlier checkpoint in the same folder, or with --resume latest"
+                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); use an earlier "
+                "checkpoint of the same folder, or pass the run directory (to train on: --resume latest), which "
+                "takes the newest one that verifies"
             )
     # torch.save writes a zip archive (the legacy format a pickle); anything else is some other file, which
     # torch.load would report as an unpickling error about load keys.
@@ -103,7 +104,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(
             f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             "fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
-            "resume from an earlier checkpoint"
+            "use an earlier checkpoint"
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})")

@@ -130,6 +130,12 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
             path = run.ema
         elif exported.is_file():
             path = exported
+        elif saved(run.checkpoints):  # every one is broken: saying "no checkpoint" would contradict the folder
+            broken = saved(run.checkpoints)
+            raise CheckpointError(
+                f"{named}: none of its {len(broken)} checkpoint(s) loads ({', '.join(p.name for p in broken[-3:])}"
+                f"{', ...' if len(broken) > 3 else ''}: the warnings above say why) and it has no ema.safetensors. "
+                "Restore a checkpoint (each .pt has its .sha256 beside it), or train again")
         else:
             other = next((p.name for p in (path / "model.onnx", path / "model.pt2", path / "unet") if p.exists()), None)
             hint = (f" It holds an export ({other}), which other runtimes load; fastddpm loads the run it came from "
