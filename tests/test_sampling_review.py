@@ -157,6 +157,18 @@ def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
                                                                      "ddim2_n2_seed0_step2_bf16.npz")))
     plain, eta1 = (np.load(out / n)["images"] for n in ("ddim2_n2_seed0_step2.npz", "ddim2-eta1_n2_seed0_step2.npz"))
     assert not np.array_equal(plain, eta1)
+    # the Python API takes eta and spacing as the command line does, and draws the same images
+    import fastddpm
+
+    model = fastddpm.load(runs["plain"], device="cpu")
+    assert np.array_equal(model.sample(2, sampler="ddim", steps=2, eta=1.0), eta1)
+    assert main([*base, "--spacing", "karras"]) == 0
+    assert np.array_equal(model.sample(2, sampler="ddim", steps=2, spacing="karras"),
+                          np.load(out / "ddim2-karras_n2_seed0_step2.npz")["images"])
+    with pytest.raises(ConfigError, match="spacing='linear' is not one of trailing, karras, logsnr"):
+        model.sample(1, spacing="linear")
+    with pytest.raises(ConfigError, match="--eta is DDIM's"):
+        model.sample(1, sampler="heun", eta=0.5)
 
 
 # ------------------------------------------------------------------------------------------ seeds and batches

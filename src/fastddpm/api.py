@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, apply_overrides, default_preset, load_config_file, resolve_config
+from fastddpm.config import (SPACINGS, ConfigError, RunConfig, apply_overrides, default_preset, load_config_file,
+                             resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -85,7 +86,8 @@ class Model:
 
     def sample(self, n: int, *, sampler: str = "auto", steps: int | None = None, seed: int = 0, first_image: int = 0,
                class_: str | int | None = None, guidance: float | None = None, batch_size: int = 256,
-               precision: str = "auto", output: str = "uint8", progress: bool = False):
+               precision: str = "auto", output: str = "uint8", progress: bool = False, eta: float = 0.0,
+               spacing: str | None = None):
         """`n` images: uint8 numpy (n, C, H, W), or a list of PIL images with output="pil". The same images as
         `fastddpm sample` with the same seed, whatever either batch size (image k's noise comes from (seed, k); up
         to float rounding in the network's batched arithmetic, bit for bit at the same batch size);
@@ -95,7 +97,9 @@ class Model:
         count one image each of n classes spread over the ids), guided with `guidance` (default: the run's
         train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
-        W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler."""
+        W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler. `eta`: DDIM's
+        (0 deterministic, 1 DDPM-like); `spacing`: the timesteps (trailing, karras, logsnr; None: the sampler's
+        own), as `fastddpm sample --eta/--spacing`."""
         from fastddpm.sampling import check_first_image, class_labels, resolve_sampler_args, sample_images
 
         if n < 1:
@@ -115,13 +119,21 @@ class Model:
         if guidance is not None and class_ is None:
             raise ConfigError(f"sample: guidance={guidance} steers toward a class: give class_ (a name, an id or "
                               f"'all') with it; without class_ the model samples its null class, unguided")
+        if spacing is not None and spacing not in SPACINGS:
+            raise ConfigError(f"sample: spacing={spacing!r} is not one of {', '.join(SPACINGS)} (or None: the "
+                              "sampler's own)")
+        if spacing is not None and sampler == "ddpm":
+            raise ConfigError(f"sample: spacing={spacing!r}: sampler='ddpm' walks every one of the "
+                              f"{self.cfg.diffusion.num_timesteps} timesteps; drop spacing, or pick a few-step sampler")
         labels, _ = class_labels(m, class_, n)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
-        sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, guidance=scale if labels is not None else None)
+        sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, eta,
+                                              guidance=scale if labels is not None else None)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
                                    first_image=first_image, batch_size=batch_size, device=self.device,
-                                   precision=precision, progress=progress, labels=labels, guidance=scale)
+                                   precision=precision, progress=progress, labels=labels, guidance=scale, eta=eta,
+                                   spacing=spacing)
         if output == "uint8":
             return images
         from PIL import Image
