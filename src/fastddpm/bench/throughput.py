@@ -369,8 +369,8 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
                 todo.append(i)
             if len(todo) > 1 and settings.cuda_graphs != "reduce-overhead":  # Inductor's graph trees: one at a time
                 log(f"{tag(todo[0])} ... {variants[todo[-1]].choice}: {len(todo)} choices, each warmed up "
-                    f"({settings.warmup_steps} steps: compiling and capturing where on), then {settings.repeats} rounds of "
-                    f"{settings.steps} timed steps each, alternating")
+                    f"({settings.warmup_steps} steps: compiling and capturing where on), then {settings.repeats} "
+                    f"rounds of {settings.steps} timed steps each, alternating")
                 got, left = measure_alternating([variants[i] for i in todo], source, device=device,
                                                 settings=settings, peaks=peaks)
                 for k, row in got.items():
