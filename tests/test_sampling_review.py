@@ -140,6 +140,19 @@ def test_steps_with_ddpm_are_refused_not_ignored(runs, capsys):
         fastddpm.load(runs["plain"], device="cpu").sample(1, sampler="ddpm", steps=5)
 
 
+def test_a_large_draw_says_what_it_holds_and_how_to_split_it(runs, tmp_path, monkeypatch, capsys):
+    import fastddpm.cli as cli
+
+    monkeypatch.setattr(cli, "LARGE_DRAW_GIB", 2 * 784 / 2**30)  # 2 images of 28x28 count as large here
+    args = ["sample", "--checkpoint", str(runs["plain"]), "--sampler", "ddim", "--steps", "1", "--no-progress",
+            "--out", str(tmp_path / "s")]
+    assert main([*args, "--num-images", "1"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert main([*args, "--num-images", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 2 images are 0.0 GiB of uint8, held in memory" in err and "--first-image K" in err
+
+
 def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
     """DDIM at eta 0 and eta 1, and the EMA and raw weights, draw different images: they were written to one file
     name, each run replacing the one before."""

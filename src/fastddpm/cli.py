@@ -262,6 +262,9 @@ def cmd_train(args, dests) -> int:
     return 0
 
 
+LARGE_DRAW_GIB = 1.0  # `fastddpm sample` says what a draw this large costs before it starts
+
+
 def cmd_sample(args) -> int:
     import torch
 
@@ -311,6 +314,12 @@ def cmd_sample(args) -> int:
         stem += f"_{chosen}"
     make_writable_dir(out, flag="--out", fix="--out is the folder for the grid and the .npz: give one that can be "
                                              "created and written, or an existing folder")  # before any sampling
+    m = cfg.model
+    gib = num_images * m.image_channels * m.image_size ** 2 / 2**30
+    if gib >= LARGE_DRAW_GIB:  # held in memory whole, then written once: a killed draw keeps nothing
+        print(f"note: {num_images:,} images are {gib:,.1f} GiB of uint8, held in memory and written at the end; a "
+              "draw stopped before then keeps nothing: split it with --first-image K --num-images N, each range "
+              "its own files", file=sys.stderr)
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  spacing=args.spacing, eta=args.eta, seed=args.seed, first_image=args.first_image,
