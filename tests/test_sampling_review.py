@@ -153,6 +153,15 @@ def test_a_large_draw_says_what_it_holds_and_how_to_split_it(runs, tmp_path, mon
     assert "note: 2 images are 0.0 GiB of uint8, held in memory" in err and "--first-image K" in err
 
 
+def test_a_bad_device_is_named_as_the_command_or_the_call_gave_it(runs, capsys):
+    import fastddpm
+
+    assert main(["sample", "--checkpoint", str(runs["plain"]), "--device", "cdua", "--no-progress"]) == 2
+    assert "error: --device cdua is not a device: use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"fastddpm.load: device='cdua' is not a device"):
+        fastddpm.load(runs["plain"], device="cdua")
+
+
 def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
     """DDIM at eta 0 and eta 1, and the EMA and raw weights, draw different images: they were written to one file
     name, each run replacing the one before."""

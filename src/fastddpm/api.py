@@ -150,7 +150,7 @@ def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Mod
     from fastddpm.sampling import load_for_sampling
 
     ckpt = locate(path, weights=weights, what="fastddpm.load:")
-    dev, _ = resolve_device(device)
+    dev, _ = resolve_device(device, setting="fastddpm.load: device")
     net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
     return Model(net=net, cfg=cfg, device=dev)
 

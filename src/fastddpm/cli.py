@@ -274,7 +274,7 @@ def cmd_sample(args) -> int:
     from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, resolve_sampler_args,
                                    sample_to_files)
 
-    device, _ = resolve_device(args.device)
+    device, _ = resolve_device(args.device, setting="--device")
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
     if args.num_images < 1 or args.batch_size < 1:

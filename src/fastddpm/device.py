@@ -36,17 +36,20 @@ class Precision:
         return autocast(device.type, self.autocast_dtype, cache)
 
 
-def resolve_device(spec: str) -> tuple[torch.device, str]:
+def resolve_device(spec: str, *, setting: str = "train.device") -> tuple[torch.device, str]:
+    """The torch.device `spec` names (auto: CUDA when present), and why. `setting` is what gave it, as the error
+    names it: a config field (train.device), a flag (--device) or a keyword (device)."""
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda"), f"auto: CUDA is available ({torch.cuda.get_device_name(0)})"
         return torch.device("cpu"), "auto: no CUDA device, using the CPU"
+    named = f"{setting} {spec}" if setting.startswith("--") else f"{setting}={spec!r}"
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise ConfigError(f"train.device={spec!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+        raise ConfigError(f"{named} is not a device: use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={spec!r} but CUDA is not available here: use --device cpu or auto")
+        raise ConfigError(f"{named}, but CUDA is not available here: use cpu or auto")
     return device, "requested"
 
 

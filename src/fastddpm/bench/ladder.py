@@ -305,7 +305,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
                log: Callable[[str], None] = print) -> dict:
     from fastddpm.bench.mlp import MLP_RUNGS, fill_mlp_speedups, run_mlp_rung
 
-    device, device_reason = resolve_device(settings.device)
+    device, device_reason = resolve_device(settings.device, setting="--device")
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment_record(device, argv)

@@ -296,7 +296,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     from fastddpm.device import resolve_device
     from fastddpm.measure import environment_record
 
-    device, _ = resolve_device(s.device)
+    device, _ = resolve_device(s.device, setting="--device")
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     env = environment_record(device, argv)

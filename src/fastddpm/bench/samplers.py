@@ -133,7 +133,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     from fastddpm.rundir.state_dicts import weights_digest
     from fastddpm.sampling import compile_for_sampling, load_for_sampling
 
-    device, _ = resolve_device(settings.device)
+    device, _ = resolve_device(settings.device, setting="--device")
     ckpt = locate(settings.checkpoint, what="bench samplers:")
     model, cfg = load_for_sampling(ckpt, device=device)
     info = ckpt.info()

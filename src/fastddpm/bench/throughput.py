@@ -276,7 +276,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
     variant; return the result. Variants already measured in `out_dir` with the same identity are reused
     (unless settings.remeasure). Config errors (a bad preset, graphs without CUDA) raise ConfigError before
     any timing."""
-    device, device_reason = resolve_device(settings.device)
+    device, device_reason = resolve_device(settings.device, setting="--device")
     settings = settings.for_device(device)
     precision = resolve_precision(settings.precision, device)  # the flags' own; a choice sets each variant's
     variants = plan_variants(settings)
