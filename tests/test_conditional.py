@@ -304,6 +304,9 @@ def test_a_class_has_one_spelling_in_file_names():
     assert class_tag(unnamed, "1") == class_tag(unnamed, "犬") == "1"  # no letter to keep: the id
     with pytest.raises(ConfigError, match="not one of this model's classes"):
         class_tag(m, "boots")
+    # names of one spelling in a file name keep their ids, so that neither class's files replace the other's
+    alike = ModelConfig(conditional=True, num_classes=3, class_names=("Cat", "cat!", "dog"))
+    assert [class_tag(alike, str(i)) for i in range(3)] == ["cat-0", "cat-1", "dog"]
 
 
 def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_path, fmnist_splits, capsys):

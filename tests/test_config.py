@@ -321,24 +321,26 @@ def test_flags_are_spelt_whole_not_abbreviated(capsys, tmp_path):
     assert parser.parse_args(["train", "--out", str(tmp_path), "--out-block-channels", "32"]).out == str(tmp_path)
 
 
-@pytest.mark.parametrize("rank", ["0", "1", None])
-def test_under_torchrun_only_rank_0_prints_a_usage_error(capsys, monkeypatch, tmp_path, rank):
-    # every rank parses the same command line: eight copies of one error help nobody; the status is every rank's
-    if rank is None:
-        monkeypatch.delenv("RANK", raising=False)
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("RANK", rank)
-        monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("rank, local_rank, prints", [("0", None, True), ("1", None, False), (None, None, True),
+                                                      ("", None, True), ("8", "0", True), ("9", "1", False)])
+def test_under_torchrun_one_process_a_node_prints_a_usage_error(capsys, monkeypatch, tmp_path, rank, local_rank,
+                                                                prints):
+    # every rank parses the same command line: eight copies of one error help nobody; the status is every rank's.
+    # The first process of each node prints it (rank 8 of a second node: LOCAL_RANK 0); an empty RANK is rank 0.
+    for name, value in (("RANK", rank), ("WORLD_SIZE", None if rank is None else "16"), ("LOCAL_RANK", local_rank)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     parser, _ = build_parser()
     with pytest.raises(SystemExit) as exit_:
         parser.parse_args(["eval", "--checkpoint", str(tmp_path), "--num-sample", "10"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    if rank == "1":
-        assert err == ""
-    else:
+    if prints:
         assert "unrecognized arguments: --num-sample" in err
+    else:
+        assert err == ""
 
 
 def test_docs_config_reference_is_current():

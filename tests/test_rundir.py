@@ -220,6 +220,8 @@ def test_fastddpms_own_warnings_print_as_one_line_and_others_as_python_does():
     with _plain_warnings():
         assert warnings.formatwarning("skipping unusable checkpoint: x", UserWarning, ours.__file__, 101) == (
             "warning: skipping unusable checkpoint: x\n")
+        assert warnings.formatwarning("torch.load is changing", FutureWarning, ours.__file__, 9) == (
+            "warning (FutureWarning): torch.load is changing\n")  # a deprecation keeps its kind
         theirs = warnings.formatwarning("deprecated", FutureWarning, "/elsewhere/train.py", 7, "x = 1")
         assert theirs == original("deprecated", FutureWarning, "/elsewhere/train.py", 7, "x = 1")
     assert warnings.formatwarning is original

@@ -151,6 +151,10 @@ def test_a_large_draw_says_what_it_holds_and_how_to_split_it(runs, tmp_path, mon
     assert main([*args, "--num-images", "2"]) == 0
     err = capsys.readouterr().err
     assert "note: 2 images are 0.0 GiB of uint8, held in memory" in err and "--first-image K" in err
+    # --class all refuses --first-image: such a draw is split by class
+    args[2] = str(runs["cond"])
+    assert main([*args, "--class", "all", "--num-images", "20"]) == 0
+    assert "split it by class (--class NAME" in capsys.readouterr().err
 
 
 def test_a_bad_device_is_named_as_the_command_or_the_call_gave_it(runs, capsys):

@@ -99,10 +99,12 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        # Under torchrun every rank parses the same command line and would print the same usage error: rank 0
-        # says it, the others exit with the same status in silence (torchrun's summary lists every rank's exit).
+        # Under torchrun every rank parses the same command line and would print the same usage error: the first
+        # process of each node says it (whoever reads one node's log sees why it stopped), the others exit with the
+        # same status in silence (torchrun's summary lists every rank's exit). An empty RANK is rank 0, as in
+        # rundir.files.warn_on_rank_0.
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank is not None and world is not None and rank.strip() != "0":
+        if rank is not None and world is not None and os.environ.get("LOCAL_RANK", rank).strip() not in ("", "0"):
             self.exit(2)
         super().error(message)
 
@@ -317,9 +319,10 @@ def cmd_sample(args) -> int:
     m = cfg.model
     gib = num_images * m.image_channels * m.image_size ** 2 / 2**30
     if gib >= LARGE_DRAW_GIB:  # held in memory whole, then written once: a killed draw keeps nothing
+        split = ("by class (--class NAME, each with its own --first-image ranges)" if per_class is not None else
+                 "with --first-image K --num-images N, each range its own files")
         print(f"note: {num_images:,} images are {gib:,.1f} GiB of uint8, held in memory and written at the end; a "
-              "draw stopped before then keeps nothing: split it with --first-image K --num-images N, each range "
-              "its own files", file=sys.stderr)
+              f"draw stopped before then keeps nothing: split it {split}", file=sys.stderr)
     with torch.inference_mode():
         images = sample_to_files(model, cfg, num_images=num_images, sampler=args.sampler, steps=steps,
                                  spacing=args.spacing, eta=args.eta, seed=args.seed, first_image=args.first_image,
@@ -338,8 +341,16 @@ def class_tag(model_cfg, wanted: str) -> str:
     if wanted.strip().lower() == "all":
         return "all"
     i = class_index(model_cfg, wanted)
-    name = model_cfg.class_names[i] if i < len(model_cfg.class_names) else str(i)
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower() or str(i)
+
+    def slug(name: str) -> str:
+        return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+    names = model_cfg.class_names
+    tag = slug(names[i]) if i < len(names) else ""
+    if not tag:
+        return str(i)
+    # two names of one spelling ("Cat" and "cat!") would write one file: each then keeps its id too
+    return tag if [slug(n) for n in names].count(tag) == 1 else f"{tag}-{i}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,8 +375,8 @@ def _plain_warnings():
     package = str(Path(__file__).resolve().parent) + os.sep
 
     def one_line(message, category, filename, lineno, line=None):
-        if str(Path(filename).resolve()).startswith(package):
-            return f"warning: {message}\n"
+        if str(Path(filename).resolve()).startswith(package):  # a torch deprecation raised there keeps its kind
+            return f"warning: {message}\n" if category is UserWarning else f"warning ({category.__name__}): {message}\n"
         return original(message, category, filename, lineno, line)
 
     warnings.formatwarning = one_line

@@ -133,8 +133,8 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
         elif saved(run.checkpoints):  # every one is broken: saying "no checkpoint" would contradict the folder
             broken = saved(run.checkpoints)
             raise CheckpointError(
-                f"{named}: none of its {len(broken)} checkpoint(s) loads ({', '.join(p.name for p in broken[-3:])}"
-                f"{', ...' if len(broken) > 3 else ''}: the warnings above say why) and it has no ema.safetensors. "
+                f"{named}: none of its {len(broken)} checkpoint(s) loads ({'..., ' if len(broken) > 3 else ''}"
+                f"{', '.join(p.name for p in broken[-3:])}: the warnings above say why) and it has no ema.safetensors. "
                 "Restore a checkpoint (each .pt has its .sha256 beside it), or train again")
         else:
             other = next((p.name for p in (path / "model.onnx", path / "model.pt2", path / "unet") if p.exists()), None)
