@@ -295,9 +295,25 @@ def test_each_card_names_only_ways_that_sample_its_folder(runs, onnx_export, tmp
     assert main(["export", str(runs["cond"]), "--format", "torch-export", "--out", str(pt2)]) == 0
     card = (pt2 / "README.md").read_text()
     assert "sample_onnx" not in card and "torch.export.load" in card
-    scope: dict = {}
-    exec(card_code(card).replace("n, T, steps = 16,", "n, T, steps = 2,").replace(", 20  #", ", 3  #"), scope)
+    # the card's loop from a fixed x_T, against fastddpm's own DDIM on the same network (the null class: the card
+    # calls it unguided): the same timesteps, x0 and update, up to float rounding
+    x_T = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(3))
+    code = card_code(card).replace("n, T, steps = 16,", "n, T, steps = 2,").replace(", 20  #", ", 3  #")
+    assert code.count("x = torch.randn(") == 1
+    scope: dict = {"x_T": x_T}
+    exec(code.replace("x = torch.randn(", "x = x_T.double() if True else torch.randn("), scope)
     assert scope["images"].shape == (2, 1, 28, 28) and scope["images"].dtype == torch.uint8
+    from fastddpm.diffusion.samplers import ddim_sample
+
+    class Fixed:
+        def randn(self, shape):
+            return x_T.clone()
+
+    cfg = locate(runs["cond"]).config
+    net, K = scope["net"], cfg.model.num_classes
+    ours = ddim_sample(lambda x, t: net(x, t, torch.full((2,), K)), schedule_from_config(cfg.diffusion),
+                       (2, 1, 28, 28), steps=3, prediction=cfg.diffusion.prediction, noise=Fixed(), device="cpu")
+    torch.testing.assert_close(scope["x"].float(), ours, atol=1e-4, rtol=0)
 
 
 def test_out_holding_other_files_is_refused_naming_them(runs, tmp_path, capsys):
