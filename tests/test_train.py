@@ -164,17 +164,18 @@ def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
     assert json.loads(meta["step"]) == 12
 
     # sampling from the run directory, the checkpoint, and the safetensors file
-    # (DDPM runs all 1,000 steps: 2 images, one batch, keep it the cheap one)
+    # (DDPM runs all 1,000 steps and takes no --steps: 2 images, one batch, keep it the cheap one)
     for ckpt, sampler, steps, n in ((run, "ddim", 5, 6), (run / "ema.safetensors", "ddim", 3, 6),
-                                    (list_checkpoints(run / "checkpoints")[-1], "ddpm", 5, 2)):
+                                    (list_checkpoints(run / "checkpoints")[-1], "ddpm", None, 2)):
         out = tmp_path / f"s_{sampler}_{steps}"
         assert main(["sample", "--checkpoint", str(ckpt), "--num-images", str(n), "--sampler", sampler,
-                     "--steps", str(steps), "--out", str(out), "--no-progress", "--batch-size", "4"]) == 0
+                     *(["--steps", str(steps)] if steps else []), "--out", str(out), "--no-progress",
+                     "--batch-size", "4"]) == 0
         npz = next(out.glob("*.npz"))
         images = np.load(npz)["images"]
         assert images.shape == (n, 1, 28, 28) and images.dtype == np.uint8
         assert next(out.glob("*.png")).is_file()
-    assert "ddpm1000_n2_seed0_step12.npz" in [p.name for p in (tmp_path / "s_ddpm_5").iterdir()]
+    assert "ddpm1000_n2_seed0_step12.npz" in [p.name for p in (tmp_path / "s_ddpm_None").iterdir()]
 
 
 def test_sample_cli_is_deterministic_for_a_seed(tmp_path, fmnist_npz):
