@@ -136,7 +136,7 @@ def test_steps_with_ddpm_are_refused_not_ignored(runs, capsys):
                  "--num-images", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--steps 5: --sampler ddpm walks every one of the 1000 timesteps" in err and "drop --steps" in err
-    with pytest.raises(ConfigError, match="--sampler ddpm walks every one"):
+    with pytest.raises(ConfigError, match="steps=5: sampler='ddpm' walks every one"):
         fastddpm.load(runs["plain"], device="cpu").sample(1, sampler="ddpm", steps=5)
 
 
@@ -193,7 +193,7 @@ def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
                           np.load(out / "ddim2-karras_n2_seed0_step2.npz")["images"])
     with pytest.raises(ConfigError, match="spacing='linear' is not one of trailing, karras, logsnr"):
         model.sample(1, spacing="linear")
-    with pytest.raises(ConfigError, match="--eta is DDIM's"):
+    with pytest.raises(ConfigError, match="eta is DDIM's: sampler='heun' is deterministic"):
         model.sample(1, sampler="heun", eta=0.5)
 
 
@@ -259,6 +259,35 @@ def test_a_split_draw_of_every_class_is_refused_naming_what_to_do(runs, capsys):
         model.sample(10, first_image=10, class_="all")
     one_class = model.sample(3, steps=2, first_image=2, class_=1)
     assert one_class.shape == (3, 1, 28, 28)
+
+
+@pytest.mark.parametrize("kwargs, api_says, cli_flags, cli_says", [
+    (dict(sampler="dpmpp-2m", eta=0.5), "eta is DDIM's: sampler='dpmpp-2m' is deterministic (use sampler='ddim' "
+     "for eta)", ["--sampler", "dpmpp-2m", "--eta", "0.5"], "(use --sampler ddim for --eta)"),
+    (dict(sampler="ddim", steps=0), "steps=0 must be between 1 and", ["--sampler", "ddim", "--steps", "0"],
+     "--steps 0 must be between 1 and"),
+    (dict(class_=3), "class_=3: this model is unconditional", ["--class", "3"], "--class 3: this model is uncond"),
+])
+def test_errors_name_the_arguments_as_the_caller_spelt_them(runs, capsys, kwargs, api_says, cli_flags, cli_says):
+    """The same mistake is told in the API's parameter names to a Python caller (`steps=5`, `class_=3`) and in
+    flags to a command's user: a Python user has no `--steps` to change."""
+    import fastddpm
+
+    model = fastddpm.load(runs["plain"])
+    with pytest.raises(ConfigError) as caught:
+        model.sample(2, **kwargs)
+    assert api_says in str(caught.value) and "--" not in str(caught.value).replace("--conditional", "")
+    assert main(["sample", "--checkpoint", str(runs["plain"]), "--no-progress", *cli_flags]) == 2
+    assert cli_says in capsys.readouterr().err
+
+
+def test_an_unknown_sampler_in_the_api_is_a_config_error_naming_the_choices(runs):
+    import fastddpm
+
+    with pytest.raises(ConfigError, match="sampler='dpm' is not one of auto, ddpm, ddim, euler"):
+        fastddpm.load(runs["plain"]).sample(2, sampler="dpm")
+    with pytest.raises(ConfigError, match="sampler='dpm' is not one of"):
+        fastddpm.evaluate(runs["plain"], num_samples=10, sampler="dpm")
 
 
 def test_the_samples_of_two_checkpoints_of_one_run_get_their_own_files(tmp_path, fmnist_npz):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (SPACINGS, ConfigError, RunConfig, apply_overrides, default_preset, load_config_file,
+from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, apply_overrides, default_preset, load_config_file,
                              resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
@@ -108,7 +108,7 @@ class Model:
             raise ConfigError(f"sample: output={output!r} is not one of uint8, pil")
         if batch_size < 1:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
-        check_first_image(first_image, class_, api=True)
+        check_first_image(first_image, class_, said=API)
         if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
             raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model
@@ -125,10 +125,10 @@ class Model:
         if spacing is not None and sampler == "ddpm":
             raise ConfigError(f"sample: spacing={spacing!r}: sampler='ddpm' walks every one of the "
                               f"{self.cfg.diffusion.num_timesteps} timesteps; drop spacing, or pick a few-step sampler")
-        labels, _ = class_labels(m, class_, n)
+        labels, _ = class_labels(m, class_, n, said=API)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, eta,
-                                              guidance=scale if labels is not None else None)
+                                              guidance=scale if labels is not None else None, said=API)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
                                    first_image=first_image, batch_size=batch_size, device=self.device,
@@ -182,7 +182,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
 
     # a conditional model at the run's own scale unless told, as `fastddpm eval`
     scale = (cfg.train.sample_guidance if guidance is None else guidance) if cfg.model.conditional else None
-    sampler, steps = resolve_sampler_args(cfg, sampler, steps, guidance=scale)
+    sampler, steps = resolve_sampler_args(cfg, sampler, steps, guidance=scale, said=API)
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, class_index, resolve_sampling
+from fastddpm.config import CLI, SAMPLERS, ConfigError, RunConfig, Spelling, class_index, resolve_sampling
 from fastddpm.device import Precision, resolve_precision
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.diffusion.continuous import CONTINUOUS_SAMPLERS
@@ -32,50 +32,56 @@ from fastddpm.rundir.state_dicts import load_model_state
 
 
 def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int, objective: str = "ddpm", *,
-                       guidance: float | None = None) -> None:
+                       guidance: float | None = None, said: Spelling = CLI) -> None:
     """`sample`'s and `eval`'s sampler flags against the model, and the classifier-free guidance scale `guidance`
-    (None: none given): a ConfigError naming the flag and the fix."""
+    (None: none given): a ConfigError naming the argument as `said` spells it (the flag, or the API's parameter)
+    and the fix."""
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"{said('sampler', sampler)} is not one of auto, {', '.join(SAMPLERS)}")
     if not (math.isfinite(eta) and 0.0 <= eta <= 1.0):
-        raise ConfigError(f"--eta {eta} must be a number in [0, 1] (0: deterministic DDIM, 1: DDPM's variance; "
+        raise ConfigError(f"{said('eta', eta)} must be a number in [0, 1] (0: deterministic DDIM, 1: DDPM's variance; "
                           "Song et al. 2021, eq. 16)")
     if guidance is not None and not (math.isfinite(guidance) and guidance >= 0):
-        raise ConfigError(f"--guidance {guidance} must be a finite number >= 0 (0: unconditional, 1: plain "
+        raise ConfigError(f"{said('guidance', guidance)} must be a finite number >= 0 (0: unconditional, 1: plain "
                           "conditional, above 1: guided)")
     if objective != "ddpm":
         if sampler not in CONTINUOUS_SAMPLERS:
-            raise ConfigError(f"--sampler {sampler} walks DDPM's discrete timesteps; this {objective} model samples "
-                              f"with {', '.join(CONTINUOUS_SAMPLERS)} (ancestral sampling: ddim with --eta 1)")
+            raise ConfigError(f"{said('sampler', sampler)} walks DDPM's discrete timesteps; this {objective} model "
+                              f"samples with {', '.join(CONTINUOUS_SAMPLERS)} (ancestral sampling: "
+                              f"{said('sampler', 'ddim')} with {said('eta', 1)})")
         if steps < 1:
-            raise ConfigError(f"--steps {steps} must be >= 1")
+            raise ConfigError(f"{said('steps', steps)} must be >= 1")
     elif sampler != "ddpm" and not 1 <= steps <= num_timesteps:
-        raise ConfigError(f"--steps {steps} must be between 1 and {num_timesteps}")
+        raise ConfigError(f"{said('steps', steps)} must be between 1 and {num_timesteps}")
     if eta != 0.0 and sampler != "ddim":
         kind = {"dpmpp-2m-sde": "stochastic by construction (the reverse SDE)",
                 "ddpm": "ancestral, stochastic by construction (DDIM's eta 1 on every timestep)"}.get(
                     sampler, "deterministic")
-        raise ConfigError(f"--eta is DDIM's: --sampler {sampler} is {kind} (use --sampler ddim for eta)")
+        raise ConfigError(f"{said('eta')} is DDIM's: {said('sampler', sampler)} is {kind} (use "
+                          f"{said('sampler', 'ddim')} for {said('eta')})")
 
 
 def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0, *,
-                         guidance: float | None = None) -> tuple[str, int]:
+                         guidance: float | None = None, said: Spelling = CLI) -> tuple[str, int]:
     """`sample`'s, `eval`'s and the API's sampler and steps for this model, its samples drawn at classifier-free
     guidance scale `guidance` (None: without class labels): `auto` and unset steps resolved for its objective and
-    whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args)."""
+    whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args; errors spell the
+    arguments as `said` does)."""
     d = cfg.diffusion
     if sampler == "ddpm" and steps is not None and steps != d.num_timesteps:
-        raise ConfigError(f"--steps {steps}: --sampler ddpm walks every one of the {d.num_timesteps} timesteps and "
-                          "takes no step count; drop --steps, or pick a few-step sampler (ddim, dpmpp-2m, "
-                          "dpmpp-2m-sde, unipc, heun)")
+        raise ConfigError(f"{said('steps', steps)}: {said('sampler', 'ddpm')} walks every one of the "
+                          f"{d.num_timesteps} timesteps and takes no step count; drop {said('steps')}, or pick a "
+                          "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
-    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance)
+    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance, said=said)
     if d.objective == "ddpm" and sampler != "ddpm":
         limit = max_steps(schedule_from_config(d), sampler)
         if steps > limit:
             raise ConfigError(
-                f"--steps {steps}: --sampler {sampler} takes at most {limit} steps on this {d.schedule} "
-                f"schedule: it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN} (a "
-                f"step in log-SNR or sigma from the later ones is ill-conditioned); ddim and euler walk all "
-                f"{d.num_timesteps}")
+                f"{said('steps', steps)}: {said('sampler', sampler)} takes at most {limit} steps on this "
+                f"{d.schedule} schedule: it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= "
+                f"{LAMBDA_MIN} (a step in log-SNR or sigma from the later ones is ill-conditioned); ddim and euler "
+                f"walk all {d.num_timesteps}")
     return sampler, steps
 
 
@@ -104,7 +110,8 @@ def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | st
     return model.to(device).eval(), cfg
 
 
-def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[np.ndarray | None, int | None]:
+def class_labels(model_cfg, wanted: str | int | None, num_images: int, *,
+                 said: Spelling = CLI) -> tuple[np.ndarray | None, int | None]:
     """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
     null class), one class (a name or an id, see class_index), or "all": num_images // num_classes images of every
     class, class by class; with fewer images than classes, num_images classes spread evenly over the ids, one image
@@ -114,30 +121,28 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int) -> tuple[
         return None, None
     if _every_class(wanted):
         if not model_cfg.conditional:
-            class_index(model_cfg, wanted)  # raises: an unconditional model has no classes
+            class_index(model_cfg, wanted, said=said)  # raises: an unconditional model has no classes
         labels, per_class = grid_labels(num_images, model_cfg.num_classes)
         return labels.numpy().astype(np.int64), per_class
-    return np.full(num_images, class_index(model_cfg, wanted), dtype=np.int64), None
+    return np.full(num_images, class_index(model_cfg, wanted, said=said), dtype=np.int64), None
 
 
 def _every_class(wanted: str | int | None) -> bool:
     return isinstance(wanted, str) and wanted.strip().lower() == "all"
 
 
-def check_first_image(first_image: int, wanted: str | int | None, *, api: bool = False) -> None:
-    """`fastddpm sample --first-image` (api: Model.sample's first_image) with the --class it is drawn for: a
+def check_first_image(first_image: int, wanted: str | int | None, *, said: Spelling = CLI) -> None:
+    """`fastddpm sample --first-image` (the API: Model.sample's first_image) with the --class it is drawn for: a
     ConfigError naming the fix. With --class all the image count lays the classes out, so the ranges of a split
     draw would not add up to the draw whole."""
-    first = f"sample: first_image={first_image}" if api else f"--first-image {first_image}"
+    first = said("first-image", first_image)
     if first_image < 0:
         raise ConfigError(f"{first} must be >= 0 (the index of the first image to draw)")
     if first_image and _every_class(wanted):
-        every, count, by_class, whole = (("class_='all'", "n", "class_=NAME", "call") if api else
-                                         ("--class all", "--num-images",
-                                          "--class NAME, each with its own --first-image ranges", "process"))
-        raise ConfigError(f"{first} with {every}: {count} decides each image's class, so the ranges of a split "
-                          f"draw would not add up to the draw whole; split it by class instead ({by_class}), or "
-                          f"draw it in one {whole}")
+        by_class = said("class", "NAME") + ("" if said.api else f", each with its own {said('first-image')} ranges")
+        raise ConfigError(f"{first} with {said('class', 'all')}: {said('num-images')} decides each image's class, so "
+                          f"the ranges of a split draw would not add up to the draw whole; split it by class instead "
+                          f"({by_class}), or draw it in one {'call' if said.api else 'process'}")
 
 
 def sample_images(model, cfg: RunConfig, *, num_images: int, sampler: str, steps: int, seed: int, batch_size: int,

@@ -8,7 +8,7 @@ run directory as config.json, and `fastddpm train --help` and docs/config.md are
 
     schema.py      ModelConfig, DiffusionConfig, DataConfig, TrainConfig, RunConfig
     model_checks.py  the U-Net options' checks per family, and the fields only one family reads
-    errors.py      ConfigError
+    errors.py      ConfigError, and Spelling: an argument named as the command line or the Python API spells it
     sampling.py    sampler names, spacings and defaults: what `auto` samples each objective with
     presets.py     the presets, one function each
     overrides.py   files, flags and keyword arguments coerced and layered: resolve_config, apply_overrides
@@ -19,6 +19,7 @@ run directory as config.json, and `fastddpm train --help` and docs/config.md are
 No module here imports any other part of fastddpm: every package may import the config.
 """
 
+from fastddpm.config.errors import API, CLI, Spelling
 from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, field_types, from_dict,
                                        load_config_file, positive_int, qualify, resolve_config, save_config)
 from fastddpm.config.presets import PRESETS, default_preset, get_preset, preset_summaries
@@ -30,7 +31,8 @@ from fastddpm.config.schema import (LOGGERS, SECTIONS, ConfigError, DataConfig, 
 from fastddpm.config.shape import check_same_architecture, class_index, resolve_classes, resolve_model_shape
 
 __all__ = [
-    "ConfigError", "RunConfig", "ModelConfig", "DiffusionConfig", "DataConfig", "TrainConfig", "SECTIONS",
+    "ConfigError", "Spelling", "CLI", "API",
+    "RunConfig", "ModelConfig", "DiffusionConfig", "DataConfig", "TrainConfig", "SECTIONS",
     "SAMPLERS", "SAMPLER_CHOICES", "SAMPLER_HELP", "STEPS_HELP", "SPACINGS", "LOGGERS", "DEFAULT_SAMPLER",
     "DEFAULT_SAMPLER_STEPS", "default_spacing", "resolve_sampling",
     "PRESETS", "default_preset", "get_preset", "preset_summaries",

@@ -9,3 +9,23 @@ class ConfigError(ValueError):
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+class Spelling:
+    """How an error names an argument, as its reader passed it: `--steps 5` to the user of a command, `steps=5` to
+    the user of the Python API (Model.sample, fastddpm.evaluate), whose parameters are the flags' names but for
+    these."""
+
+    _API_NAMES = {"class": "class_", "num-images": "n"}
+
+    def __init__(self, *, api: bool = False):
+        self.api = api
+
+    def __call__(self, name: str, *value) -> str:
+        """`name` as a flag is spelt (`num-images`), with its value when one is given."""
+        if not self.api:
+            return f"--{name}" + (f" {value[0]}" if value else "")
+        return self._API_NAMES.get(name, name.replace("-", "_")) + (f"={value[0]!r}" if value else "")
+
+
+CLI, API = Spelling(), Spelling(api=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fastddpm.config.diffusers_unet import read_unet_config
+from fastddpm.config.errors import CLI, Spelling
 from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.config.schema import ConfigError, ModelConfig, RunConfig
 
@@ -66,14 +67,14 @@ def _folder_is_conditional(folder: str) -> bool:
         return False
 
 
-def class_index(model_cfg: ModelConfig, name_or_id: str | int) -> int:
+def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling = CLI) -> int:
     """The class id that `--class` names: a class name (case-insensitive) or a number; a Python int is always an
     id (class folders named 1/, 2/, 3/ are ids 0, 1, 2: the string "2" is the folder, the int 2 the id). Refused
-    naming the valid ones."""
+    naming the valid ones, the argument spelt as `said` (the command's flag or the API's parameter)."""
     names = model_cfg.class_names
     if not model_cfg.conditional:
-        raise ConfigError(f"--class {name_or_id}: this model is unconditional (trained without --conditional); "
-                          f"sample without --class")
+        raise ConfigError(f"{said('class', name_or_id)}: this model is unconditional (trained without "
+                          f"--conditional); sample without {said('class')}")
     if not isinstance(name_or_id, str):  # an int or a numpy integer
         name_or_id = operator.index(name_or_id)
         if 0 <= name_or_id < model_cfg.num_classes:
@@ -88,10 +89,11 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int) -> int:
         i = int(wanted)
         if 0 <= i < model_cfg.num_classes:
             return i
-        raise ConfigError(f"--class {i} is out of range: this model has classes 0-{model_cfg.num_classes - 1} "
-                          f"({_list_classes(names)})")
-    raise ConfigError(f"--class {name_or_id!r} is not one of this model's classes: {_list_classes(names)} (a name or "
-                      f"its number, or all)")
+        raise ConfigError(f"{said('class', wanted)} is out of range: this model has classes 0-"
+                          f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
+    shown = name_or_id if said.api else repr(name_or_id)  # the API's spelling quotes it already
+    raise ConfigError(f"{said('class', shown)} is not one of this model's classes: {_list_classes(names)} (a name "
+                      f"or its number, or all)")
 
 
 def _list_classes(names: tuple[str, ...]) -> str:
