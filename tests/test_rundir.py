@@ -194,9 +194,13 @@ def test_a_bit_flip_is_caught_and_latest_falls_back(tmp_path):
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="corrupted.*SHA-256"):
+    with pytest.raises(CheckpointError, match="corrupted.*SHA-256.*use an earlier checkpoint of the same folder, or "
+                                              "pass the run directory"):
         locate(newest)
-    with pytest.warns(UserWarning, match="skipping unusable checkpoint"):
+    # the run directory given, the warning says what was wrong and not the fix ("pass the run directory"): the
+    # fallback to an earlier checkpoint is the fix
+    with pytest.warns(UserWarning, match=r"skipping unusable checkpoint: checkpoint .*ckpt_000000002.pt is corrupted "
+                                         r"\(its SHA-256 does not match ckpt_000000002.sha256\)$"):
         assert locate(tmp_path / "run").step == 1
     # every checkpoint broken: the folder holds checkpoints, none usable (not "holds no checkpoint"), and the fix
     oldest = list_checkpoints(saver.dir)[0]

@@ -88,24 +88,22 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         expected = digest_file.read_text().strip()
         if hashlib.sha256(data).hexdigest() != expected:
             raise CheckpointError(
-                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name}); use an earlier "
-                "checkpoint of the same folder, or pass the run directory (to train on: --resume latest), which "
-                "takes the newest one that verifies"
-            )
+                f"checkpoint {path} is corrupted (its SHA-256 does not match {digest_file.name})",
+                "; use an earlier checkpoint of the same folder, or pass the run directory (to train on: --resume "
+                "latest), which takes the newest one that verifies")
     # torch.save writes a zip archive (the legacy format a pickle); anything else is some other file, which
     # torch.load would report as an unpickling error about load keys.
     if not (data.startswith(b"PK\x03\x04") or data.startswith(b"\x80")):
         kind = "empty" if not data else f"it starts with {data[:8]!r}"
-        raise CheckpointError(f"{path} is not a PyTorch checkpoint file ({kind}; torch.save writes a zip archive). "
-                              "Pass a run directory, a checkpoints/ckpt_*.pt file or an ema.safetensors export")
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint file ({kind}; torch.save writes a zip archive)",
+                              ". Pass a run directory, a checkpoints/ckpt_*.pt file or an ema.safetensors export")
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:
         raise CheckpointError(
-            f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-            "fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
-            "use an earlier checkpoint"
-        ) from None
+            f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            ". fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
+            "use an earlier checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})")
     return state
@@ -119,7 +117,7 @@ def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tup
         try:
             return path, load_checkpoint(path, map_location)
         except CheckpointError as e:
-            warn_on_rank_0(f"skipping unusable checkpoint: {e}")
+            warn_on_rank_0(f"skipping unusable checkpoint: {e.problem}")  # its fix is what happens next
     return None
 
 

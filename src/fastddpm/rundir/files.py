@@ -17,7 +17,13 @@ import torch
 
 
 class CheckpointError(ValueError):
-    """A checkpoint or weights file that cannot be used; the message names the file and what to do."""
+    """A checkpoint or weights file that cannot be used; the message names the file and what to do. `problem` is
+    the message without the fix `fix` (its separator included), for a caller that already does what the fix says
+    (rundir.checkpoint.load_latest, which takes an earlier checkpoint itself)."""
+
+    def __init__(self, problem: str, fix: str = ""):
+        super().__init__(problem + fix)
+        self.problem = problem
 
 
 def warn_on_rank_0(message: str, stacklevel: int = 2) -> None:
