@@ -300,6 +300,7 @@ def test_bench_samplers_writes_the_table_and_resumes(tmp_path, fmnist_splits, ca
     result = json.loads((out / "samplers.json").read_text())
     points = [(r["sampler"], r["steps"], r["seed"], r["nfe"]) for r in result["rows"]]
     assert points == [("ddim", 2, 0, 2), ("ddim", 4, 0, 4), ("heun", 2, 0, 3), ("heun", 4, 0, 7), ("ddim", 4, 1, 4)]
+    assert result["settings"]["spread_points"] == ["ddim-4"]  # --quick's default, recorded as drawn (not null)
     assert all(r["status"] == "ok" and r["fid"] > 0 and 0 <= r["recall"] <= 1 for r in result["rows"])
     ddim4 = next(e for e in result["summary"] if (e["sampler"], e["steps"]) == ("ddim", 4))
     assert ddim4["seeds"] == 2 and ddim4["fid_min"] <= ddim4["fid"] <= ddim4["fid_max"]

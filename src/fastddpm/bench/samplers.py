@@ -172,7 +172,9 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     if rows:
         log(f"carried {len(rows)} point(s) of the same checkpoint and settings from {json_path}")
     previous.finish_matching()
-    result = {"schema": SCHEMA, "settings": asdict(settings), "checkpoint": info, "environment": env,
+    # the spread points drawn, also where the defaults were (settings.spread_points None)
+    settings_record = {**asdict(settings), "spread_points": list(spread_points_of(settings))}
+    result = {"schema": SCHEMA, "settings": settings_record, "checkpoint": info, "environment": env,
               "features": evaluator.describe(), "conditional": cfg.model.conditional, "guidance": guidance,
               "objective": cfg.diffusion.objective, "rows": rows}
     log(f"bench samplers: {len(todo)} points x {settings.num_samples:,} samples from {info['file']} "
