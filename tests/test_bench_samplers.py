@@ -150,3 +150,22 @@ def test_the_chart_labels_its_fid_axis_readably_over_the_whole_range():
     fig = samplers_figure(_summary({3: 480.0, 10: 60.0, 50: 6.0}))
     ax, labels = _drawn(fig)
     assert ax.get_yscale() == "log" and {text for _, text in labels} >= {"10", "20", "50", "100", "200"}
+
+
+def test_the_nfe_axis_is_labelled_at_the_points_measured():
+    """matplotlib's log axis labelled NFE 5-20 at 6, 10 and 20 (5 unlabelled, 6 never measured); the chart labels
+    the network-call counts drawn, thinned where the labels would overlap."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from fastddpm.charts import spaced_log_ticks
+
+    fig = samplers_figure(_summary({5: 147.0, 10: 101.0, 20: 88.0}))
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    shown = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert ax.get_xscale() == "log" and shown == ["5", "10", "20"]
+    assert spaced_log_ticks([4, 2, 2, 8]) == [2, 4, 8]
+    # a DDPM point at 1000 calls beside few-step samplers: about 14 labels at most, the ends always
+    many = [2, 3, 4, 5, 7, 9, 10, 19, 20, 39, 40, 49, 50, 99, 100, 1000]
+    kept = spaced_log_ticks(many)
+    assert kept[0] == 2 and kept[-1] == 1000 and len(kept) <= 14 and 19 in kept and 20 not in kept

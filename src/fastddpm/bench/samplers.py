@@ -381,7 +381,7 @@ def samplers_figure(result: dict):
         for e in es:
             if e["seeds"] > 1:
                 ax.vlines(e["nfe"], e["fid_min"], e["fid_max"], color=line.get_color(), alpha=0.6)
-    charts.log_x(ax)
+    charts.log_x(ax, ticks=[e["nfe"] for e in summary])
     ax.set_xlabel("network calls per image (NFE)")
     ax.set_ylabel("FID")
     ck = result["checkpoint"]
