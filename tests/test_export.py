@@ -1,12 +1,11 @@
 """`fastddpm export`: ONNX (checked in onnxruntime), torch.export (.pt2, loaded back) and safetensors, each against
 PyTorch on the same inputs and a batch size the export never saw; the folder's schedule, config and model card;
-and examples/sample_onnx.py, which samples with onnxruntime and numpy alone."""
+and sample_onnx.py, which each ONNX folder holds and samples with onnxruntime and numpy alone."""
 
 from __future__ import annotations
 
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -153,21 +152,51 @@ def test_the_card_quotes_only_the_fid_of_the_exported_weights():
     assert "FID 12.00 at 480 images" in card
 
 
-def test_the_onnx_example_samples_without_torch(onnx_export, tmp_path):
-    shutil.copytree(onnx_export("uncond")[0], tmp_path / "exp")
-    # torch made unimportable: the example must get by with onnxruntime and numpy
-    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
+def test_the_onnx_folder_samples_itself_without_torch_or_fastddpm(onnx_export, tmp_path):
+    """The folder copied elsewhere (an upload, another machine): its own sample_onnx.py, run from the folder as the
+    card says, with torch unimportable and fastddpm not on the path, draws the grid and the .npz."""
+    folder = tmp_path / "elsewhere" / "exp"
+    shutil.copytree(onnx_export("uncond")[0], folder)
+    assert (folder / "sample_onnx.py").read_bytes() == (ROOT / "src" / "fastddpm" / "sample_onnx.py").read_bytes()
+    code = ("import runpy, sys; sys.modules['torch'] = sys.modules['fastddpm'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "sample_onnx.py"), str(tmp_path / "exp"),
-                        "--num", "6", "--steps", "3", "--out", str(tmp_path / "grid.png")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, "sample_onnx.py", ".", "--num", "6", "--steps", "3", "--out",
+                        "grid.png"], capture_output=True, text=True, timeout=300, cwd=folder)
     assert r.returncode == 0, r.stderr
     from PIL import Image
 
-    with Image.open(tmp_path / "grid.png") as im:  # 3 x 2 images of 28 px with 2 px borders
+    with Image.open(folder / "grid.png") as im:  # 3 x 2 images of 28 px with 2 px borders
         assert im.mode == "L" and im.size == (3 * 30 + 2, 2 * 30 + 2)
         pixels = np.asarray(im)
     assert pixels.std() > 0  # not a blank image
+    images = np.load(folder / "grid.npz")["images"]
+    assert images.shape == (6, 1, 28, 28) and images.dtype == np.uint8
+
+
+def test_the_onnx_sampler_draws_the_same_images_at_any_batch_size(onnx_export, tmp_path, capsys):
+    """Noise for every image first, then --batch-size images per onnxruntime call: a guided draw of more than 2,048
+    images (4,096 rows, the export's batch axis) is split, not refused by onnxruntime, and the split changes no
+    image; the grid shows the first 256, the .npz holds all."""
+    from fastddpm.sample_onnx import main as sample_onnx
+
+    folder = str(onnx_export("cond")[0])
+    base = ["--class", "3", "--guidance", "2", "--steps", "2"]
+    for b in (7, 2048):
+        assert sample_onnx([folder, *base, "--num", "300", "--batch-size", str(b),
+                            "--out", str(tmp_path / f"b{b}.png")]) == 0
+    a, b = np.load(tmp_path / "b7.npz"), np.load(tmp_path / "b2048.npz")
+    assert a["images"].shape == (300, 1, 28, 28) and a["labels"].tolist() == [3] * 300 and float(a["guidance"]) == 2
+    diff = np.abs(a["images"].astype(int) - b["images"].astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01  # float rounding of another batch size in onnxruntime
+    assert "b7.png (256 images)" in capsys.readouterr().out
+    from PIL import Image
+
+    with Image.open(tmp_path / "b7.png") as im:  # 16 x 16 of the 300
+        assert im.size == (16 * 30 + 2, 16 * 30 + 2)
+    with pytest.raises(SystemExit, match="--batch-size 2049: between 1 and 2048 .* a guided call doubles the batch"):
+        sample_onnx([folder, *base, "--batch-size", "2049"])
+    with pytest.raises(SystemExit, match="--num 0 and --steps 2 must both be >= 1"):
+        sample_onnx([folder, *base, "--num", "0"])
 
 
 def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
@@ -176,7 +205,7 @@ def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
     pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
     from fastddpm.diffusion.ode_solvers import trailing_timesteps
 
-    trailing = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))["trailing"]
+    from fastddpm.sample_onnx import trailing
     for T in (10, 100, 1000, 4000):
         for steps in range(1, min(T, 300) + 1):
             assert trailing(T, steps).tolist() == trailing_timesteps(T, steps), (T, steps)
@@ -273,21 +302,27 @@ def card_code(card: str) -> str:
     return card.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_each_card_names_only_ways_that_sample_its_folder(runs, onnx_export, tmp_path, capsys):
+def test_each_card_names_only_ways_that_sample_its_folder(runs, onnx_export, tmp_path, capsys, monkeypatch):
     """The card's sampling instructions work on that folder: the safetensors card's command runs, the .pt2 card's
-    torch loop draws images, and only the ONNX card points at examples/sample_onnx.py (which reads model.onnx only)."""
+    torch loop draws images, and only the ONNX card points at the folder's sample_onnx.py (which reads model.onnx
+    only). Every command runs from the folder, moved after the export: the path it was exported to is gone."""
     folder = onnx_export("cond")[0]
     onnx_card = (folder / "README.md").read_text()
-    assert f"python examples/sample_onnx.py {folder}" in onnx_card and "--class NAME|ID" in onnx_card
-    assert "`fastddpm sample` does not read ONNX" in onnx_card
+    assert "Sample from this folder with `python sample_onnx.py . --out grid.png`" in onnx_card
+    assert "--class NAME|ID" in onnx_card and "`fastddpm sample` does not read ONNX" in onnx_card
+    assert "sample_onnx.py" in onnx_card.split("; files: ", 1)[1].splitlines()[0]
 
-    st = tmp_path / "st"
-    assert main(["export", str(runs["cond"]), "--format", "safetensors", "--out", str(st)]) == 0
+    made = tmp_path / "st"
+    assert main(["export", str(runs["cond"]), "--format", "safetensors", "--out", str(made)]) == 0
+    st = tmp_path / "uploaded" / "st"
+    shutil.copytree(made, st)
+    shutil.rmtree(made)
     card = (st / "README.md").read_text()
-    assert "sample_onnx" not in card
-    command = card.split("Sample with `", 1)[1].split("`", 1)[0]
-    assert command == f"fastddpm sample --checkpoint {st}"
+    assert "sample_onnx" not in card and str(made) not in card.split("- made by:", 1)[1].split("\n", 1)[1]
+    command = card.split("Sample from this folder with `", 1)[1].split("`", 1)[0]
+    assert command == "fastddpm sample --checkpoint ."
     capsys.readouterr()
+    monkeypatch.chdir(st)
     assert main([*command.split()[1:], "--num-images", "2", "--steps", "2", "--class", "7", "--no-progress"]) == 0
     assert "2 images" in capsys.readouterr().out and list((st / "samples").glob("*.png"))
 
@@ -301,6 +336,8 @@ def test_each_card_names_only_ways_that_sample_its_folder(runs, onnx_export, tmp
     code = card_code(card).replace("n, T, steps = 16,", "n, T, steps = 2,").replace(", 20  #", ", 3  #")
     assert code.count("x = torch.randn(") == 1
     scope: dict = {"x_T": x_T}
+    assert 'folder = "."  # this folder' in code
+    monkeypatch.chdir(pt2)
     exec(code.replace("x = torch.randn(", "x = x_T.double() if True else torch.randn("), scope)
     assert scope["images"].shape == (2, 1, 28, 28) and scope["images"].dtype == torch.uint8
     from fastddpm.diffusion.samplers import ddim_sample
@@ -364,7 +401,8 @@ def test_a_real_onnx_export_warns_nothing(onnx_export):
 
 
 def test_the_onnx_example_takes_class_names_and_refuses_what_it_cannot_draw(onnx_export, tmp_path, capsys):
-    example = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))
+    from fastddpm import sample_onnx as example
+
     # the test data's classes are named 0-9: give the copy Fashion-MNIST's names, which --class must read
     cond, uncond = tmp_path / "cond", str(onnx_export("uncond")[0])
     shutil.copytree(onnx_export("cond")[0], cond)
@@ -374,10 +412,10 @@ def test_the_onnx_example_takes_class_names_and_refuses_what_it_cannot_draw(onnx
     (cond / "schedule.json").write_text(json.dumps(schedule))
     cond = str(cond)
     small = ["--num", "2", "--steps", "2", "--out", str(tmp_path / "g.png")]
-    assert example["main"]([cond, "--class", "sneaker", *small]) == 0
+    assert example.main([cond, "--class", "sneaker", *small]) == 0
     # the run's train.sample_guidance, read from config.json, as fastddpm sample's default
     assert "class 7 at guidance W = 2," in capsys.readouterr().out
-    assert example["main"]([cond, "--class", "7", "--guidance", "1", *small]) == 0
+    assert example.main([cond, "--class", "7", "--guidance", "1", *small]) == 0
     assert "class 7 at guidance W = 1," in capsys.readouterr().out
     for argv, message in (([uncond, "--class", "3"], "this export's model is unconditional"),
                           ([cond, "--class", "99"], "--class 99 is out of range: this model has classes 0-9 (0 "),
@@ -386,7 +424,7 @@ def test_the_onnx_example_takes_class_names_and_refuses_what_it_cannot_draw(onnx
                           ([cond, "--class", "1", "--guidance", "-1"], "--guidance -1 must be a finite number >= 0"),
                           ([str(tmp_path), "--class", "1"], "holds no model.onnx")):
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("|", r"\|")):
-            example["main"]([*argv, *small])
+            example.main([*argv, *small])
 
 
 def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):
@@ -396,7 +434,7 @@ def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):
 
     from fastddpm.diffusion.guidance import guided
 
-    network = runpy.run_path(str(ROOT / "examples" / "sample_onnx.py"))["network"]
+    from fastddpm.sample_onnx import network
     session = ort.InferenceSession(str(onnx_export("cond")[0] / "model.onnx"), providers=["CPUExecutionProvider"])
     model, cfg = load_for_sampling(runs["cond"])
     x, t, _ = example_inputs(cfg, 3, seed=5)

@@ -313,16 +313,13 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
     assert main(["export", str(run), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
     schedule = json.loads((tmp_path / "onnx" / "schedule.json").read_text())
     assert schedule["objective"] == "flow" and schedule["network_input"] == "v(x_t, 1000 t)"
-    # the onnxruntime example samples it with numpy alone, at the levels fastddpm's Euler uses
-    import importlib.util
+    # the folder's sampler samples it with numpy alone, at the levels fastddpm's Euler uses
     import subprocess
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "sample_onnx.py"
-    spec = importlib.util.spec_from_file_location("sample_onnx", example)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from fastddpm import sample_onnx as mod
+
+    example = tmp_path / "onnx" / "sample_onnx.py"
     assert mod.continuous_levels(schedule, 5) == pytest.approx(Flow().sampling_levels(5, "trailing",
                                                                                        finite_lambda=False))
     edm_schedule = {"objective": "edm", "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0}

@@ -4,7 +4,9 @@
 
 The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights), schedule.json (the betas
 and what the network predicts: everything a sampler needs), config.json (the resolved config) and README.md (a model
-card: data, images seen, FID where the run measured one, the command that made it). The network is the U-Net alone,
+card: data, images seen, FID where the run measured one, the command that made it, and how to sample, in commands
+run from the folder itself, so that they hold wherever it is copied or uploaded); an ONNX folder also holds
+sample_onnx.py, a sampler that needs onnxruntime and numpy only (fastddpm.sample_onnx). The network is the U-Net alone,
 eps_theta(x (B, C, H, W) float32 in [-1, 1], t (B,) int64) -> (B, C, H, W), plus y (B,) int64 for a conditional
 model (its last id is the null class); for --objective edm or flow t is a float32 noise input and the output is
 EDM's F or the velocity (schedule.json and the card say which, and how the network's input is made); the batch
@@ -47,7 +49,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         epilog="Examples:\n  fastddpm export runs/fmnist --format onnx\n"
                "  fastddpm export runs/fmnist --format torch-export --out exports/fmnist-pt2\n"
                "  fastddpm export runs/cifar --format diffusers --out exports/cifar-diffusers   # DDPMPipeline\n"
-               "  python examples/sample_onnx.py exports/fmnist-onnx --out grid.png   # onnxruntime + numpy only")
+               "  python exports/fmnist-onnx/sample_onnx.py exports/fmnist-onnx --out grid.png   # onnxruntime, numpy")
     ep.add_argument("run", metavar="RUN", help="a run directory, a checkpoint (.pt) or an ema.safetensors")
     ep.add_argument("--format", choices=FORMATS, required=True)
     ep.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/export-<format>)")
@@ -217,8 +219,7 @@ def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
     return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
 
 
-def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str,
-               out: str | Path = "path/to/this/folder") -> str:
+def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str) -> str:
     m, d = cfg.model, cfg.diffusion
     inputs, sampler = _network_io(cfg)
     lines = [f"# fastddpm denoiser ({cfg.preset or 'custom'} preset)", "",
@@ -237,35 +238,36 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
               f"- inputs: x (B, {m.image_channels}, {m.image_size}, {m.image_size}), t"
               + (f", y int64 (B,) in [0, {m.num_classes}] ({m.num_classes} = no class)" if m.conditional else "")
               + f"; {inputs}; the output has x's shape",
-              f"- made by: `{command}`", "", *how_to_sample(cfg, fmt, out, sampler)]
+              f"- made by: `{command}`", "", *how_to_sample(cfg, fmt, sampler)]
     return "\n".join(lines) + "\n"
 
 
-def how_to_sample(cfg, fmt: str, out: str | Path, sampler: str) -> list[str]:
+def how_to_sample(cfg, fmt: str, sampler: str) -> list[str]:
     """The card's sampling instructions: only what loads this format's folder (fastddpm sample reads a safetensors
-    export but not ONNX or .pt2; examples/sample_onnx.py reads ONNX only)."""
+    export but not ONNX or .pt2; the folder's sample_onnx.py reads ONNX only), each run from the folder itself (the
+    path it was exported to is the exporter's: a copied or uploaded folder is elsewhere)."""
     m, d = cfg.model, cfg.diffusion
-    folder = shlex.quote(str(out))
     guidance = cfg.train.sample_guidance
     if fmt == "safetensors":
         cls = (f" Add `--class NAME|ID|all` for one of the classes above (guided at W = {guidance:g} unless "
                "`--guidance W`)." if m.conditional else "")
-        return [f"Sample with `fastddpm sample --checkpoint {folder}` (or its model.safetensors; the images go to "
-                f"its samples/ unless `--out DIR`), `fastddpm.load({str(out)!r})` in Python, or {sampler}.{cls}"]
+        return [f"Sample from this folder with `fastddpm sample --checkpoint .` (or `--checkpoint model.safetensors`; "
+                f"the images go to samples/ here unless `--out DIR`), `fastddpm.load('.')` in Python, or "
+                f"{sampler}.{cls}"]
     if fmt == "onnx":
         cls = (f" `--class NAME|ID` draws one of the classes above with classifier-free guidance at W = "
                f"{guidance:g}, the run's, as `fastddpm sample` does (`--guidance W` to change it); without "
                "`--class` it draws unconditionally." if m.conditional else "")
-        return [f"Sample with `python examples/sample_onnx.py {folder} --out grid.png` (the script is in fastddpm's "
-                "repository; it needs onnxruntime and numpy only: DDIM, or Euler's method for an EDM or flow model)"
-                f", or with {sampler}.{cls} `fastddpm sample` does not read ONNX: it samples the run this came "
-                "from (export.json names its checkpoint)."]
+        return [f"Sample from this folder with `python sample_onnx.py . --out grid.png` (fastddpm's sampler for ONNX "
+                "exports, copied here: it needs onnxruntime and numpy only: DDIM, or Euler's method for an EDM or "
+                f"flow model; `--help` lists its options), or with {sampler}.{cls} `fastddpm sample` does not read "
+                "ONNX: it samples the run this came from (export.json names its checkpoint)."]
     # torch-export: torch alone loads it; fastddpm sample and the ONNX example do not read .pt2
     y = (f", torch.full((n,), {m.num_classes})" if m.conditional else "")
     how = "Sample with torch alone" if d.objective == "ddpm" else f"Load it with torch alone and sample with {sampler}"
     lines = [f"{how} (`fastddpm sample` does not read .pt2: it samples the run this came from, which export.json "
              "names):", "", "```python",
-             "import json, torch", f"folder = {str(out)!r}",
+             "import json, torch", 'folder = "."  # this folder',
              'net = torch.export.load(f"{folder}/model.pt2").module()',
              'schedule = json.load(open(f"{folder}/schedule.json"))']
     if d.objective != "ddpm":
@@ -367,21 +369,23 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         if run_dir.metrics.is_file() else []
     command = command or f"fastddpm.export.export({str(run)!r}, {fmt!r})"
     files = [path.name, "schedule.json", "config.json", "README.md"]
-    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command,
-                                                out))
+    if fmt == "onnx":  # the folder samples wherever it goes, with no fastddpm installed
+        shutil.copyfile(Path(__file__).with_name("sample_onnx.py"), out / "sample_onnx.py")
+        files.append("sample_onnx.py")
+    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
     result.update(out=str(out), files=files, torch=torch.__version__)
     removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
-    log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/schedule.json, config.json, README.md"
+    log(f"exported {path} ({result['exporter']}){diff}; wrote {out}/{', '.join(files[1:])}"
         + removed_note(removed))
     return result
 
 
 # what an export writes (model.onnx.data: the ONNX exporter's external weights of a large model)
 _MODEL_FILES = {"model.onnx", "model.pt2", "model.safetensors", "unet"}
-_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", "schedule.json", "config.json", "README.md", "export.json",
-                                "scheduler", "model_index.json"}
+_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", "sample_onnx.py", "schedule.json", "config.json", "README.md",
+                                "export.json", "scheduler", "model_index.json"}
 
 
 def check_out_dir(out: Path) -> None:

@@ -1,14 +1,18 @@
 """Sample from a `fastddpm export --format onnx` folder with onnxruntime and numpy alone: no torch, no fastddpm.
 
-    python examples/sample_onnx.py EXPORT_DIR [--num 64] [--steps 20] [--seed 0] [--class NAME|ID [--guidance W]]
-                                  [--out onnx_samples.png]
+Every ONNX export folder holds a copy of this file, so the folder samples wherever it is copied or uploaded:
 
-DDIM (Song et al. 2021, eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or
-flow-matching export Euler's method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat). A
-conditional model draws class `--class` (a name or an id from schedule.json's class_names; default: none, i.e.
-unconditional) with classifier-free guidance at scale `--guidance` W (default: the run's train.sample_guidance
-from config.json, as `fastddpm sample`; 1 where it records none): out = out(y = null) + W (out(y) - out(y = null)),
-the null class being id num_classes. The grid is written as a PNG by the few lines of zlib below.
+    cd EXPORT_DIR && python sample_onnx.py . [--num 64] [--steps 20] [--seed 0] [--class NAME|ID [--guidance W]]
+                                            [--batch-size 256] [--out onnx_samples.png]
+
+(with fastddpm installed, `python -m fastddpm.sample_onnx EXPORT_DIR ...` is the same). DDIM (Song et al. 2021,
+eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or flow-matching export Euler's
+method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat). A conditional model draws class
+`--class` (a name or an id from schedule.json's class_names; default: none, i.e. unconditional) with
+classifier-free guidance at scale `--guidance` W (default: the run's train.sample_guidance from config.json, as
+`fastddpm sample`; 1 where it records none): out = out(y = null) + W (out(y) - out(y = null)), the null class
+being id num_classes. The images are drawn `--batch-size` at a time from noise drawn for all of them first, so the
+batch size does not change them. The grid is written as a PNG by the few lines of zlib below.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+MAX_BATCH = 4096  # the export's batch axis: torch.export.Dim("batch", min=1, max=4096) in fastddpm.export
 
 
 def trailing(T: int, steps: int) -> np.ndarray:
@@ -55,12 +61,12 @@ def network(session: ort.InferenceSession, num: int, label: int | None, guidance
     return guided
 
 
-def ddim(net, schedule: dict, num: int, steps: int, seed: int) -> np.ndarray:
-    """`num` images as float32 (N, C, H, W) in [-1, 1]; `net` as `network` returns it."""
+def ddim(net, schedule: dict, x: np.ndarray, steps: int) -> np.ndarray:
+    """Images as float32 (N, C, H, W) in [-1, 1] from the noise x_T `x` (N, C, H, W); `net` as `network` returns
+    it for N images."""
     alpha_bar = np.cumprod(1.0 - np.asarray(schedule["betas"], dtype=np.float64))
     ts = trailing(schedule["num_timesteps"], steps)
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((num, *schedule["image_shape"])).astype(np.float32)
+    x, num = x.astype(np.float32), len(x)
     for i, t in enumerate(ts):
         out = net(x, np.full(num, t, dtype=np.int64))
         a, a_prev = alpha_bar[t], (alpha_bar[ts[i + 1]] if i + 1 < len(ts) else 1.0)
@@ -87,15 +93,16 @@ def continuous_levels(schedule: dict, steps: int) -> list[float]:
     return [shift(t) for t in 1.0 + frac * (shift(schedule["t_min"]) - 1.0)]
 
 
-def euler(net, schedule: dict, num: int, steps: int, seed: int) -> np.ndarray:
+def euler(net, schedule: dict, noise: np.ndarray, steps: int) -> np.ndarray:
     """EDM (x = x0 + sigma eps, x0_hat = c_skip x + c_out F(c_in x, 250 ln sigma)) or flow matching
-    (x = (1 - t) x0 + t eps, x0_hat = x - t v(x, 1000 t)): `num` images as float32 (N, C, H, W) in [-1, 1]."""
+    (x = (1 - t) x0 + t eps, x0_hat = x - t v(x, 1000 t)): images as float32 (N, C, H, W) in [-1, 1] from unit
+    Gaussian `noise` (N, C, H, W)."""
     levels = continuous_levels(schedule, steps)
     edm = schedule["objective"] == "edm"
     alpha = [1.0 if edm else 1.0 - v for v in levels] + [1.0]
     sigma = list(levels) + [0.0]
-    rng = np.random.default_rng(seed)
-    x = (sigma[0] * rng.standard_normal((num, *schedule["image_shape"]))).astype(np.float64)
+    num = len(noise)
+    x = sigma[0] * noise.astype(np.float64)
     for i, level in enumerate(levels):
         if edm:
             sd = schedule["sigma_data"]
@@ -110,13 +117,17 @@ def euler(net, schedule: dict, num: int, steps: int, seed: int) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def grid_uint8(images: np.ndarray, nrow: int, pad: int = 2) -> np.ndarray:
-    """(N, C, H, W) in [-1, 1] -> one (rows, cols, C) uint8 image, `nrow` per row."""
-    n, c, h, w = images.shape
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> uint8 (N, C, H, W), as fastddpm writes its samples."""
+    return np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8)
+
+
+def grid_uint8(u8: np.ndarray, nrow: int, pad: int = 2) -> np.ndarray:
+    """uint8 (N, C, H, W) -> one (rows, cols, C) uint8 image, `nrow` per row."""
+    n, c, h, w = u8.shape
     rows = -(-n // nrow)
     out = np.zeros((rows * (h + pad) + pad, nrow * (w + pad) + pad, c), dtype=np.uint8)
-    u8 = np.clip(np.round((images + 1) * 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1)
-    for k, im in enumerate(u8):
+    for k, im in enumerate(u8.transpose(0, 2, 3, 1)):
         r, q = divmod(k, nrow)
         out[pad + r * (h + pad):pad + r * (h + pad) + h, pad + q * (w + pad):pad + q * (w + pad) + w] = im
     return out
@@ -158,11 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--class", dest="label", metavar="NAME|ID", default=None)
     p.add_argument("--guidance", type=float, default=None, metavar="W")
-    p.add_argument("--out", type=Path, default=Path("onnx_samples.png"))
+    p.add_argument("--batch-size", type=int, default=256, metavar="B",
+                   help="images per onnxruntime call (guided: 2B; the export takes at most 4096)")
+    p.add_argument("--out", type=Path, default=Path("onnx_samples.png"),
+                   help="the grid (up to 256 images); every image goes to the .npz beside it")
     args = p.parse_args(argv)
+    if args.num < 1 or args.steps < 1:
+        raise SystemExit(f"--num {args.num} and --steps {args.steps} must both be >= 1")
     if not (args.export_dir / "model.onnx").is_file():
-        raise SystemExit(f"{args.export_dir} holds no model.onnx: give the folder of a `fastddpm export --format onnx` "
-                         "(its README.md says how to sample an export of another format)")
+        raise SystemExit(f"{args.export_dir} holds no model.onnx: give the folder of a `fastddpm export --format "
+                         "onnx` (its README.md says how to sample an export of another format)")
     schedule = json.loads((args.export_dir / "schedule.json").read_text())
     config = args.export_dir / "config.json"
     run_guidance = json.loads(config.read_text()).get("train", {}).get("sample_guidance") if config.is_file() else None
@@ -173,14 +189,26 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(guidance) and guidance >= 0):
         raise SystemExit(f"--guidance {guidance:g} must be a finite number >= 0 (1: plain conditional, 0: "
                          "unconditional)")
+    most = MAX_BATCH // 2 if label is not None and guidance not in (0.0, 1.0) else MAX_BATCH
+    if not 1 <= args.batch_size <= most:
+        doubled = ", and a guided call doubles the batch" if most < MAX_BATCH else ""
+        raise SystemExit(f"--batch-size {args.batch_size}: between 1 and {most} (the export's batch axis takes at "
+                         f"most {MAX_BATCH} images{doubled})")
     session = ort.InferenceSession(str(args.export_dir / "model.onnx"), providers=["CPUExecutionProvider"])
-    net = network(session, args.num, label, guidance, schedule.get("num_classes", 0))
     sampler = ddim if schedule.get("objective", "ddpm") == "ddpm" else euler
-    images = sampler(net, schedule, args.num, args.steps, args.seed)
-    write_png(args.out, grid_uint8(images, nrow=int(np.ceil(np.sqrt(args.num)))))
+    noise = np.random.default_rng(args.seed).standard_normal((args.num, *schedule["image_shape"]))
+    images = to_uint8(np.concatenate([
+        sampler(network(session, len(chunk), label, guidance, schedule.get("num_classes", 0)), schedule, chunk,
+                args.steps)
+        for chunk in np.split(noise, range(args.batch_size, args.num, args.batch_size))]))
+    shown = images[:256]
+    write_png(args.out, grid_uint8(shown, nrow=int(np.ceil(np.sqrt(len(shown))))))
+    npz = args.out.with_suffix(".npz")
+    np.savez(npz, images=images, **({} if label is None else {"labels": np.full(args.num, label, dtype=np.int64),
+                                                               "guidance": np.float64(guidance)}))
     drawn = "" if label is None else f", class {label} at guidance W = {guidance:g}"
-    print(f"wrote {args.out}: {args.num} samples{drawn}, {sampler.__name__.upper()} {args.steps} steps, "
-          f"onnxruntime {ort.__version__}")
+    print(f"wrote {args.out} ({len(shown)} images) and {npz} (all {args.num}, uint8 (N, C, H, W)){drawn}, "
+          f"{sampler.__name__.upper()} {args.steps} steps, onnxruntime {ort.__version__}")
     return 0
 
 
