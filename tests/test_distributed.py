@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,13 +145,14 @@ def test_ddp_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, fmni
 
 
 @pytest.mark.slow
-def test_checkpoint_moves_between_world_sizes(tmp_path, fmnist_npz):
+def test_checkpoint_moves_between_world_sizes(tmp_path, fmnist_npz, two_rank_runs):
     from fastddpm.cli import main
 
-    # written by 2 ranks, resumed by 1
+    # written by 2 ranks (the DDP run of test_no_process_group_thread_outlives_the_run, copied), resumed by 1
     out = tmp_path / "a"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2"))
+    first, r = two_rank_runs("ddp")
     assert r.returncode == 0, r.stdout + r.stderr
+    shutil.copytree(first, out)
     assert main(["train", *train_args(fmnist_npz, out, "--max-steps", "4", "--resume", "latest")]) == 0
     _, state = load_latest(out / "checkpoints")
     assert state["step"] == 4 and state["world_size"] == 1 and state["images_seen"] == 2 * 16 + 2 * 8
@@ -182,19 +184,39 @@ sys.exit(code)
 """
 
 
+@pytest.fixture(scope="session")
+def two_rank_runs(tmp_path_factory, fmnist_npz):
+    """The 2-rank, 2-step run of each parallel mode, launched once per session through the exit probe: a
+    torchrun launch costs seconds of process start-up, and test_checkpoint_moves_between_world_sizes and
+    test_fsdp_resume_is_exact_and_reshards_across_world_sizes begin from these same runs (they resume copies).
+    FSDP's fixes the global batch (16, 8 per rank) as the resumes on 1 rank need. Returns (run dir, result)."""
+    runs = {}
+
+    def get(parallel: str):
+        if parallel not in runs:
+            root = tmp_path_factory.mktemp(f"two-ranks-{parallel}")
+            probe = root / "exit_probe.py"
+            probe.write_text(_EXIT_PROBE)
+            batch = ("--global-batch-size", "16") if parallel == "fsdp" else ()
+            out = root / "run"
+            r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", parallel, *batch),
+                         entry=[str(probe)])
+            runs[parallel] = out, r
+        return runs[parallel]
+
+    return get
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc (Linux)")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_no_process_group_thread_outlives_the_run(tmp_path, fmnist_npz, parallel):
+def test_no_process_group_thread_outlives_the_run(two_rank_runs, parallel):
     """When `train` returns under torchrun the process group is gone, its threads with it. A group that outlives
     the run tears its threads down during interpreter shutdown, which aborted rank 1 at random on exit
     ("terminate called without an active exception", SIGABRT). Three holders kept it alive: torch.distributed.nn,
     imported by torch._dynamo after init_process_group, binds the live group as a default argument; the DDP
     wrapper, caught in a reference cycle, waited for a cyclic GC that came only at interpreter shutdown; and
     FSDP's device meshes, kept for the life of the process by DTensor's caches, hold their groups."""
-    probe = tmp_path / "exit_probe.py"
-    probe.write_text(_EXIT_PROBE)
-    r = torchrun(2, train_args(fmnist_npz, tmp_path / "run", "--max-steps", "2", "--parallel", parallel),
-                 entry=[str(probe)])
+    _, r = two_rank_runs(parallel)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rank 0 exits with backend threads []" in r.stdout and "rank 1 exits with backend threads []" in r.stdout, \
         r.stdout + r.stderr
@@ -368,17 +390,20 @@ def test_fsdp_grids_sample_the_current_ema(fsdp_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, fmnist_npz, tmp_path, capsys):
+def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, two_rank_runs, fmnist_npz, tmp_path,
+                                                              capsys):
     from fastddpm.cli import main
     from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     full, _ = fsdp_run
     # 2 ranks: 2 steps, then 2 more after a restart equal 4 uninterrupted (bit for bit); a half-written save
     # (what a SIGKILL mid-save leaves) is skipped
-    # (the global batch fixed at the 2 x 8 it is, for the resume on 1 rank below)
+    # (the global batch fixed at the 2 x 8 it is, for the resume on 1 rank below). The 2 steps are the FSDP run of
+    # test_no_process_group_thread_outlives_the_run, copied: this test writes into its run.
     out = tmp_path / "resumed"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", "fsdp", "--global-batch-size", "16"))
+    first, r = two_rank_runs("fsdp")
     assert r.returncode == 0, r.stdout + r.stderr
+    shutil.copytree(first, out)
     (out / "checkpoints" / ".ckpt_000000003.dcp.tmp").mkdir()
     r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--global-batch-size", "16",
                                "--resume", "latest"))

@@ -235,22 +235,40 @@ def _same_draws(a, b):
         assert torch.equal(ia, ib) and torch.equal(ta, tb) and torch.equal(na, nb)
 
 
+def _no_replay_cfg(src, resume_at):
+    from fastddpm.config import apply_overrides
+
+    return apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,
+                                                "train.max_steps": 20, "train.checkpoint_every": resume_at,
+                                                "train.num_sample_images": 1, "train.sample_steps": 1})
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_draws(fmnist_npz, tmp_path_factory):
+    """The batch draws of the 20-step run that is never stopped, recorded once for every resume point below (it
+    was run again for each). It writes no checkpoint before its end, so a checkpoint that consumed a draw would
+    fail the comparison too."""
+    from fastddpm.trainer.loop import train
+
+    with pytest.MonkeyPatch.context() as mp:
+        seen = _recording(mp)
+        train(_no_replay_cfg(fmnist_npz, None), out_dir=tmp_path_factory.mktemp("no-replay") / "full",
+              log=lambda *a: None)
+    assert [m for m, *_ in seen] == list(range(20))
+    return seen
+
+
 @pytest.mark.parametrize("resume_at", [1, 7, 16], ids=["after-step-1", "mid-epoch", "epoch-boundary"])
-def test_no_replay_no_skip_across_a_resume(tmp_path, fmnist_npz, monkeypatch, resume_at):
+def test_no_replay_no_skip_across_a_resume(tmp_path, fmnist_npz, monkeypatch, resume_at, uninterrupted_draws):
     """256 images at batch 16 = 16 steps per epoch; 20 steps cross the boundary."""
     from fastddpm.config import apply_overrides
     from fastddpm.trainer.loop import train
 
-    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
-                                               "train.max_steps": 20, "train.checkpoint_every": resume_at,
-                                               "train.num_sample_images": 1, "train.sample_steps": 1})
+    cfg = _no_replay_cfg(fmnist_npz, resume_at)
     seen = _recording(monkeypatch)
-    train(cfg, out_dir=tmp_path / "full", log=lambda *a: None)
-    full = list(seen)
-    seen.clear()
     train(apply_overrides(cfg, {"train.max_steps": resume_at}), out_dir=tmp_path / "split", log=lambda *a: None)
     train(cfg, out_dir=tmp_path / "split", resume="latest", log=lambda *a: None)
-    _same_draws(full, seen)
+    _same_draws(uninterrupted_draws, seen)
     assert [m for m, *_ in seen] == list(range(20))
 
 
