@@ -22,7 +22,7 @@ from fastddpm.trainer.state import TrainState
 
 # The keys of a .pt checkpoint, as every fastddpm version has written them: loaders elsewhere rely on them.
 PT_KEYS = {"format", "model", "ema", "optimizer", "scaler", "step", "images_seen", "config", "world_size",
-           "global_batch", "micro_split", "cpu_threads", "train_s", "rng"}
+           "global_batch", "micro_split", "cpu_threads", "train_s", "data", "rng"}
 
 
 def _checkpointer(run_dir: Path, *, seed: int = 0, scaler: bool = False):

@@ -145,3 +145,61 @@ def test_the_planned_run_length_counts_the_global_batch_where_one_is_given():
     plain = apply_overrides(get_preset("tiny"), {"train.max_steps": 100, "train.batch_size": 16,
                                                  "train.accum_steps": 2})
     assert _planned_images(plain, 60_000, world=2) == 100 * 16 * 2 * 2
+
+
+# ------------------------------------------------------------------------------------------ what a resume reads
+def _npz(path, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    np.savez(path, images=rng.integers(0, 256, size=(n, 1, 16, 16), dtype=np.uint8),
+             labels=rng.integers(0, 2, size=n))
+    return path
+
+
+def test_a_relative_data_path_is_kept_absolute_so_a_resume_from_elsewhere_reads_the_same_data(tmp_path,
+                                                                                                  monkeypatch):
+    """`--data imgs.npz` typed in one folder was kept as typed: a resume started in another folder found no data
+    there, or another folder's file of that name (and trained on it)."""
+    from fastddpm.cli import main
+
+    (tmp_path / "project").mkdir()
+    _npz(tmp_path / "project" / "imgs.npz")
+    monkeypatch.chdir(tmp_path / "project")
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--no-progress", "--num-sample-images", "2",
+            "--sample-steps", "2"]
+    assert main([*args, "--data", "imgs.npz", "--max-steps", "2"]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"]["source"] == str(tmp_path / "project" / "imgs.npz")
+    (tmp_path / "elsewhere").mkdir()
+    _npz(tmp_path / "elsewhere" / "imgs.npz", seed=1)  # another file of the same name where the resume starts
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-progress", "--resume", "latest", "--max-steps", "3"]) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["source"] == config["data"]["source"]
+
+
+def test_a_resume_on_other_data_or_another_seed_is_refused_and_the_same_data_moved_is_not(tmp_path, capsys):
+    """Step k's batch is drawn from the data by (seed, k): a resume on another dataset, or another resize of it,
+    or with another seed, would silently be another run (it was accepted without a word). The same images moved
+    to another path continue the run, with a note."""
+    src = _npz(tmp_path / "a.npz")
+    cfg = _cfg(src, max_steps=2, checkpoint_every=2)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    other = _npz(tmp_path / "b.npz", seed=1)
+    with pytest.raises(ConfigError, match=r"its run trained on .*a\.npz \(64 images \(1, 16, 16\), classes 0, 1\), "
+                                          r"this one's data is .*b\.npz .*Resume on its data \(--data .*a\.npz"):
+        train(apply_overrides(cfg, {"data.source": str(other), "train.max_steps": 3}), out_dir=tmp_path / "run",
+              resume="latest", log=quiet)
+    with pytest.raises(ConfigError, match=r"64 images \(1, 16, 16\).*64 images \(1, 8, 8\)"):
+        train(apply_overrides(cfg, {"data.resize": 8, "train.max_steps": 3}), out_dir=tmp_path / "run",
+              resume="latest", log=quiet)
+    with pytest.raises(ConfigError, match="train.seed was 0 in the checkpoint but is 5 now"):
+        train(apply_overrides(cfg, {"train.seed": 5, "train.max_steps": 3}), out_dir=tmp_path / "run",
+              resume="latest", log=quiet)
+    moved = tmp_path / "moved" / "a.npz"
+    moved.parent.mkdir()
+    src.rename(moved)
+    lines = []
+    result = train(apply_overrides(cfg, {"data.source": str(moved), "train.max_steps": 3}), out_dir=tmp_path / "run",
+                   resume="latest", log=lines.append)
+    assert result.step == 3
+    assert any(line.startswith(f"note: the checkpoint's run read its data from {src}, this run from {moved}: the "
+                               "same images") for line in lines), lines

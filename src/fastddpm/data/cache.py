@@ -70,6 +70,17 @@ class PreparedData:
     def width(self) -> int:
         return int(self.images.shape[3])
 
+    def identity(self, samples: int = 1024) -> dict:
+        """What a resumed run must train on again: the image count and shape, the class names, and a SHA-256 of the
+        pixels and labels of up to `samples` images spread evenly over the set. The same for the same images read
+        from anywhere (a moved folder, another cache); another dataset, another resize or image mode differ. The
+        samples keep it to a few milliseconds on a set of any size."""
+        index = np.unique(np.linspace(0, self.num_images - 1, min(samples, self.num_images)).round().astype(np.int64))
+        h = hashlib.sha256(np.ascontiguousarray(self.images[index]).tobytes())
+        h.update(np.ascontiguousarray(self.labels[index], dtype=np.int64).tobytes())
+        return {"num_images": self.num_images, "image_shape": [self.channels, self.height, self.width],
+                "class_names": list(self.class_names), "sample_sha256": h.hexdigest()[:16]}
+
     @property
     def built(self) -> str | None:
         """When these pixels were first written (meta.json's `pixels_built`; `created` for a cache written before

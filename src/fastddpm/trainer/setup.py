@@ -195,9 +195,10 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     data = _load_data(cfg, dist)
-    cfg = resolve_classes(resolve_model_shape(cfg, data.images.shape, new_model=False), data.labels,
-                          data.class_names, cfg.data.source)
-    resumed = _find_resume(rd, resume, cfg, data.images.shape, dist, device, fsdp, console)
+    cfg = _absolute_source(cfg, data)
+    identity = data.identity()
+    resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
+    cfg = _resolve_from_data(cfg, data)
     if resumed is None:  # a new model (`--resume latest` with no checkpoint too); a resumed run keeps its own
         check_attention_levels(cfg.model)
 
@@ -230,7 +231,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
         evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
                                       log=console, rank=dist.rank, world_size=dist.world_size)
     state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
-                       cpu_threads=cpu_threads)
+                       cpu_threads=cpu_threads, data={"source": cfg.data.source, **identity})
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
                                 train_state=state, config=cfg.to_dict(), sharded=fsdp,
                                 keep=train_cfg.keep_checkpoints, is_main=dist.is_main)
@@ -361,6 +362,48 @@ def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_rea
     return cfg, device_reason, resume
 
 
+def _absolute_source(cfg: RunConfig, data) -> RunConfig:
+    """data.source as config.json keeps it: a path made absolute (`--data imgs` typed in one folder is another
+    folder, or none, to a resume or an evaluation started elsewhere); a named dataset (fashion-mnist) as named."""
+    if data.meta.get("name") is not None:
+        return cfg
+    path = str(Path(cfg.data.source).expanduser().resolve())
+    return cfg if path == cfg.data.source else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=path))
+
+
+def _describe_data(identity: dict) -> str:
+    classes = identity.get("class_names") or []
+    return (f"{identity.get('num_images', 0):,} images {tuple(identity.get('image_shape') or ())}"
+            + (f", classes {', '.join(classes[:4])}{', ...' if len(classes) > 4 else ''}" if classes else ""))
+
+
+def _check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) -> None:
+    """Step k's batch, timesteps and noise are drawn from the data by (seed, k): a resume on other data or with
+    another seed would be another run, not this one continued. Refused naming what changed and the ways on; the
+    same images read from another path (a moved folder) are the same run, said in a note. A checkpoint written
+    before the data was recorded in it is not checked for the data."""
+    was_seed = resumed.config.train.seed
+    if was_seed != cfg.train.seed:
+        raise ConfigError(
+            f"cannot resume from {resumed.path}: train.seed was {was_seed} in the checkpoint but is {cfg.train.seed} "
+            f"now; every step's data order, timesteps and noise come from the seed: drop --seed (or pass --seed "
+            f"{was_seed}), or start a new run directory")
+    saved = resumed.meta.get("data")
+    if not saved:
+        return
+    if {k: saved.get(k) for k in identity} != identity:
+        raise ConfigError(
+            f"cannot resume from {resumed.path}: its run trained on {saved.get('source')} ({_describe_data(saved)}), "
+            f"this one's data is {cfg.data.source} ({_describe_data(identity)}); each step's batch is drawn from the "
+            f"data, so this would be another run, not this one continued. Resume on its data (--data "
+            f"{saved.get('source')}, with its --resize and --image-mode), or train on this data in a new --out "
+            f"(from these weights: export a ddpm-family model with `fastddpm export --format diffusers` and pass "
+            f"--init-from that folder)")
+    if saved.get("source") != cfg.data.source:
+        log(f"note: the checkpoint's run read its data from {saved.get('source')}, this run from {cfg.data.source}: "
+            f"the same images (count, shape, classes and sampled pixels), so the run continues")
+
+
 def _load_data(cfg: RunConfig, dist: DistInfo):
     """The dataset's uint8 cache (fastddpm.data.prepare): built once by rank 0, then read by every rank."""
     from fastddpm.data import prepare
@@ -413,10 +456,18 @@ def _set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, 
                 f"{metrics.abandoned(path).name}")
 
 
-def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInfo, device: torch.device,
+def _resolve_from_data(cfg: RunConfig, data) -> RunConfig:
+    """The model's image shape and classes from the data (config.resolve_model_shape, resolve_classes)."""
+    return resolve_classes(resolve_model_shape(cfg, data.images.shape, new_model=False), data.labels,
+                           data.class_names, cfg.data.source)
+
+
+def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist: DistInfo, device: torch.device,
                  fsdp: bool, log) -> Checkpoint | None:
     """The checkpoint to resume (None: a new run). Every rank looks for itself, and all must find the same one
-    (2 tiny collectives); it must be in the format this run writes and of the same architecture."""
+    (2 tiny collectives); it must be in the format this run writes, of the same data and seed (checked before
+    the model's shape is taken from the data: other data would otherwise be blamed on a model setting) and of the
+    same architecture."""
     resumed = find_resume(rd.path, resume)
     held = saved(rd.checkpoints)
     if resume is None and held:
@@ -441,7 +492,9 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, images_shape, dist: DistInf
                 f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
     if resumed is not None:
         resumed.check_resumable(sharded_run=fsdp)
-        check_same_architecture(resolve_model_shape(resumed.config, images_shape, new_model=False), cfg, resumed.path)
+        _check_same_inputs(resumed, cfg, identity, log)
+        check_same_architecture(resolve_model_shape(resumed.config, data.images.shape, new_model=False),
+                                _resolve_from_data(cfg, data), resumed.path)
     return resumed
 
 
@@ -501,9 +554,11 @@ def _run_record(cfg: RunConfig, choices: Choices, model: UNet, data, dist: DistI
 def _describe(run: Run) -> None:
     """The run's choices, one line each, as run.json records them."""
     cfg, info, log = run.cfg, run.info.record, run.log
-    classes = f", conditional on {cfg.model.num_classes} classes" if cfg.model.conditional else ""
+    n = cfg.model.num_classes
+    classes = f", conditional on {n} class{'es' if n != 1 else ''}" if cfg.model.conditional else ""
     log(f"model: U-Net, {info['parameters']:,} parameters{classes} ({cfg.preset or 'custom'} preset)")
-    log(f"data: {run.data.images.shape[0]:,} images {tuple(run.data.images.shape[1:])} from {cfg.data.source}; "
+    count = run.data.images.shape[0]
+    log(f"data: {count:,} image{'s' if count != 1 else ''} {tuple(run.data.images.shape[1:])} from {cfg.data.source}; "
         f"placement {run.choices.placement} ({run.choices.placement_reason})")
     for line in run.choices.lines(run.dist.world_size, run.images_per_step, cfg.train.accum_steps,
                                   run.steps_per_epoch):

@@ -18,7 +18,8 @@ class TrainState:
     """step and images_seen: where the run is. micro_split: each batch cut into this many micro-batches after an
     out-of-memory step (the same data and result, a slower step), kept across a resume. world_size,
     global_batch and cpu_threads: what this run computes with, saved so that a resume under others can say what
-    stops being bit-exact (`resume_notes`)."""
+    stops being bit-exact (`resume_notes`). data: the dataset's identity (PreparedData.identity, with its source),
+    saved so that a resume on other data is refused (trainer.setup)."""
 
     device: torch.device
     world_size: int
@@ -28,6 +29,7 @@ class TrainState:
     images_seen: int = 0
     micro_split: int = 1
     train_s: float = 0.0  # training wall time up to `step`, evaluations excluded, over every process of the run
+    data: dict[str, Any] | None = None
     saved_by: dict[str, Any] = field(default_factory=dict)  # the loaded checkpoint's world and threads
 
     def advance(self) -> None:
@@ -38,7 +40,7 @@ class TrainState:
         cuda = self.device.type == "cuda"
         return {"step": self.step, "images_seen": self.images_seen, "world_size": self.world_size,
                 "global_batch": self.global_batch, "micro_split": self.micro_split, "cpu_threads": self.cpu_threads,
-                "train_s": self.train_s,
+                "train_s": self.train_s, "data": self.data,
                 "rng": {"torch_cpu": torch.get_rng_state(),
                         "torch_cuda": torch.cuda.get_rng_state(self.device) if cuda else None}}
 
