@@ -396,3 +396,21 @@ def test_help_answers_without_importing_torch():
     r = subprocess.run([sys.executable, "-c", code, repr(commands)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("usage: fastddpm") == len(commands)
+
+
+def test_a_conditional_setting_on_an_unconditional_run_is_refused_not_ignored():
+    """`--cond-drop-prob 0.3` or `--sample-guidance 4` without --conditional trained an unconditional model without
+    a word (a user who forgot --conditional); with --conditional, or on a conditional preset, they are kept."""
+    from fastddpm.api import _config
+
+    for given, match in ((["--cond-drop-prob", "0.3"], r"train.cond_drop_prob='0.3' \(command line\) is a "
+                                                         r"conditional model's setting"),
+                         (["--set", "train.sample_guidance=4"], r"train.sample_guidance='4' \(--set\)")):
+        with pytest.raises(ConfigError, match=match) as err:
+            resolve_train_config(*_args(["--out", "r", "--preset", "tiny", *given]))
+        assert "add --conditional (on labelled data)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"train.sample_guidance=3 \(fastddpm.train\) is a conditional model's"):
+        _config("cpu-demo", {"sample_guidance": 3})
+    args = _args(["--out", "r", "--preset", "tiny", "--conditional", "--cond-drop-prob", "0.3"])
+    assert resolve_train_config(*args).train.cond_drop_prob == 0.3
+    assert _config("cpu-demo-cond", {"sample_guidance": 3}).train.sample_guidance == 3

@@ -243,7 +243,26 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     _refuse_other_objectives(cfg, layers)
     _refuse_unread_betas(cfg, layers)
     _refuse_other_families(cfg, layers)
+    _refuse_conditional_only(cfg, layers)
     return cfg
+
+
+# the train fields that only a class-conditional model reads
+_CONDITIONAL_ONLY = ("cond_drop_prob", "sample_guidance")
+
+
+def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """Label dropout and the guidance scale given explicitly to an unconditional run would be ignored without a
+    word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant."""
+    if cfg.model.conditional:
+        return
+    for source, values in layers:
+        for name in _CONDITIONAL_ONLY:
+            if f"train.{name}" in values:
+                raise ConfigError(
+                    f"train.{name}={values[f'train.{name}']!r} ({source}) is a conditional model's setting, and this "
+                    f"run's model is unconditional, so it would be ignored: add --conditional (on labelled data) to "
+                    f"train a class-conditional model with it, or leave it out")
 
 
 def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
