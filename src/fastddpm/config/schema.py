@@ -434,8 +434,8 @@ class TrainConfig:
     )
     num_sample_images: int = field(default=64, metadata=_doc("Images in each sample grid."))
     sampler: str = field(default="auto", metadata=_doc(
-        f"Sampler for the grids (auto: heun for a flow model, unipc for a guided one, {DEFAULT_SAMPLER} for the "
-        "others, the best of each on the CPU demo).", choices=SAMPLER_CHOICES))
+        f"Sampler for the grids (auto: heun for a flow model, unipc for one guided at W > 1, {DEFAULT_SAMPLER} for "
+        "DDPM and EDM models, guided or not: the best of each on the CPU demo).", choices=SAMPLER_CHOICES))
     sample_steps: int | None = field(default=None, metadata=_doc(
         f"Sampler steps for the grids (none: 10 where auto picks heun or unipc, else {DEFAULT_SAMPLER_STEPS}; DDPM "
         "always uses T)."))

@@ -267,10 +267,11 @@ def choose_placement(images_NCHW: np.ndarray, device: torch.device, requested: s
     the reason."""
     nbytes = int(np.prod(images_NCHW.shape)) // world_size
     mib = nbytes / 2**20
+    size = f"{mib:,.0f} MiB" if mib >= 1 else f"{nbytes / 2**10:,.0f} KiB"  # a small set is not "0 MiB"
     if requested != "auto":
-        return requested, f"requested ({mib:,.0f} MiB of uint8 images)"
+        return requested, f"requested ({size} of uint8 images)"
     if device.type != "cuda":
-        return "device", f"{device.type}: the {mib:,.0f} MiB dataset is held in RAM"
+        return "device", f"{device.type}: the {size} dataset is held in RAM"
     free, _ = torch.cuda.mem_get_info(device)
     budget = budget_fraction * free
     if nbytes <= budget:
