@@ -172,7 +172,8 @@ def test_a_relative_data_path_is_kept_absolute_so_a_resume_from_elsewhere_reads_
     (tmp_path / "elsewhere").mkdir()
     _npz(tmp_path / "elsewhere" / "imgs.npz", seed=1)  # another file of the same name where the resume starts
     monkeypatch.chdir(tmp_path / "elsewhere")
-    assert main(["train", "--out", str(tmp_path / "run"), "--no-progress", "--resume", "latest", "--max-steps", "3"]) == 0
+    assert main(["train", "--out", str(tmp_path / "run"), "--no-progress", "--resume", "latest",
+                 "--max-steps", "3"]) == 0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["source"] == config["data"]["source"]
 
 
