@@ -359,3 +359,22 @@ def test_unlabelled_data_names_inception_features_as_the_fix():
     with pytest.raises(UnlabelledDataError, match=r"--features inception.*--inception PATH.*--eval-inception auto"):
         num_classes_of(SimpleNamespace(labels=np.full(4, -1), class_names=[]), "pictures/")
     assert issubclass(UnlabelledDataError, DataError)
+
+
+def test_one_class_trains_no_feature_network(tmp_path):
+    """A classifier of one class has zero cross-entropy whatever its weights: it would keep its random ones."""
+    from conftest import read_fmnist
+
+    from fastddpm.eval.classifier import TooFewClassesError, train_classifier
+
+    images, labels = read_fmnist(200)
+    src = tmp_path / "shirts.npz"
+    np.savez(src, images=images[labels == 0], labels=np.zeros(int((labels == 0).sum()), np.int64),
+             class_names=np.array(["tshirt"]))
+    data = prepare(str(src), progress=False)
+    says = r"shirts.npz has one class \('tshirt'\).*--features inception.*--inception PATH"
+    with pytest.raises(TooFewClassesError, match=says):
+        load_or_train_classifier(data, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST, log=quiet)
+    assert not (tmp_path / "c").exists()  # refused before the cache is looked at or written
+    with pytest.raises(TooFewClassesError, match=says):
+        train_classifier(data, None, device=CPU, recipe=FAST, log=quiet)

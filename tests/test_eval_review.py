@@ -10,6 +10,7 @@ import pytest
 
 from fastddpm.cli import main
 from fastddpm.config import apply_overrides, get_preset
+from fastddpm.data import DataError, prepare
 from fastddpm.trainer.loop import train
 
 
@@ -120,3 +121,114 @@ def test_a_conditional_model_against_unlabelled_data_is_not_sent_to_inception_fe
         err = capsys.readouterr().err
         assert "the model is conditional" in err and "unlabelled.npz, which has none" in err, err
         assert "--data SOURCE" in err and "`fastddpm eval --features inception`" not in err
+
+
+def _class_folder(root, counts: dict[str, int]):
+    """root/<name>/*.png of real Fashion-MNIST images, `counts[name]` of them in each class folder."""
+    from conftest import read_fmnist
+    from data_fixtures import make_class_folder
+
+    images, _ = read_fmnist(sum(counts.values()))
+    parts, start = {}, 0
+    for name, n in counts.items():
+        parts[name] = images[start:start + n, 0]
+        start += n
+    make_class_folder(root, parts)
+    return root
+
+
+@pytest.fixture(scope="module")
+def named_conditional_run(tmp_path_factory):
+    """A tiny conditional run trained one step on a folder of classes pullover/trouser/tshirt."""
+    base = tmp_path_factory.mktemp("named-run")
+    data = _class_folder(base / "garments", {"pullover": 30, "trouser": 34, "tshirt": 38})
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(data), "train.progress": False,
+                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
+                                               "train.sample_steps": 2, "train.max_steps": 1,
+                                               "model.conditional": True})
+    train(cfg, out_dir=base / "run", log=quiet)
+    return base / "run"
+
+
+def test_a_conditional_model_against_data_with_other_class_names_is_refused(named_conditional_run, tmp_path,
+                                                                             capsys):
+    """Class accuracy and per-class FID pair the model's classes with the data's by id: other names (or the same
+    names under other ids) are refused naming both lists and the fix, before a classifier is trained."""
+    other = _class_folder(tmp_path / "fruit", {"apple": 30, "mango": 34, "zebra": 38})
+    reordered = tmp_path / "reordered.npz"
+    prepared = prepare(str(other), progress=False)
+    np.savez(reordered, images=np.asarray(prepared.images), labels=prepared.labels,
+             class_names=np.array(["tshirt", "trouser", "pullover"]))
+    for data, says in ((other, "other classes"), (reordered, "the same class names with other ids")):
+        assert main(["eval", "--checkpoint", str(named_conditional_run), "--data", str(data), "--num-samples", "10",
+                     "--steps", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err, captured.err
+        assert "['pullover', 'trouser', 'tshirt']" in captured.err and "--data SOURCE" in captured.err
+        assert "feature network" not in captured.out  # refused before a classifier is trained
+        assert ("['apple', 'mango', 'zebra']" if data == other else "['tshirt', 'trouser', 'pullover']") in captured.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_class_names_are_compared_only_where_both_sides_have_names():
+    """Integer names ("0", "1", ...: data without names, or folders 1/, 2/, 3/) are never compared."""
+    from fastddpm.config import ConfigError
+    from fastddpm.eval.evaluate import check_class_names
+
+    check_class_names(("0", "1", "2"), ("pullover", "trouser", "tshirt"), where="x")
+    check_class_names(("pullover", "trouser", "tshirt"), ("1", "2", "3"), where="x")
+    check_class_names(("pullover", "trouser", "tshirt"), ("pullover", "trouser", "tshirt"), where="x")
+    with pytest.raises(ConfigError, match=r"other classes: .*\['a', 'b'\].*\(x\) \['a', 'c'\]"):
+        check_class_names(("a", "b"), ("a", "c"), where="x")
+
+
+def test_a_one_class_dataset_trains_no_feature_classifier(tmp_path, capsys):
+    """One class folder: the classifier's cross-entropy is zero whatever its weights, so its features would be
+    random. Refused naming the data and Inception features, by eval and by --eval-every before training starts."""
+    one = _class_folder(tmp_path / "one", {"pullover": 40})
+    run = tmp_path / "run"
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(one), "train.progress": False,
+                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
+                                               "train.sample_steps": 2, "train.max_steps": 1})
+    with pytest.raises(DataError, match=r"one class \('pullover'\).*--features inception.*--inception PATH"):
+        train(apply_overrides(cfg, {"train.eval_every_images": 16, "train.eval_samples": 10}),
+              out_dir=tmp_path / "eval-every", log=quiet)
+    assert not list((tmp_path / "eval-every").glob("**/ckpt_*"))  # failed before training, nothing saved
+    train(cfg, out_dir=run, log=quiet)
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--steps", "1",
+                 "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "has one class ('pullover')" in captured.err and "--features inception" in captured.err, captured.err
+    assert "feature network: trained" not in captured.out
+
+
+def test_per_class_notes_and_the_label_histogram_name_the_reference_datas_classes(tmp_path, capsys, monkeypatch):
+    """A model with integer class names (an .npz without class_names) evaluated against named class folders
+    whose counts all differ: the per-class note pairs each count with the name of the class it counts, and the
+    JSON's reference.label_histogram is the real labels' (the classifier's predictions are recorded apart)."""
+    counts = {"pullover": 30, "trouser": 34, "tshirt": 38}
+    named = _class_folder(tmp_path / "garments", counts)
+    prepared = prepare(str(named), progress=False)
+    unnamed = tmp_path / "unnamed.npz"
+    np.savez(unnamed, images=np.asarray(prepared.images), labels=prepared.labels)
+    run = tmp_path / "run"
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(unnamed), "train.progress": False,
+                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
+                                               "train.sample_steps": 2, "train.max_steps": 1,
+                                               "model.conditional": True})
+    train(cfg, out_dir=run, log=quiet)
+    from functools import partial
+
+    from fastddpm.eval import features
+    from fastddpm.eval.classifier import ClassifierRecipe
+
+    # what is checked is which name each count gets, not the classifier's accuracy: 20 steps, not 200 (~20 s here)
+    monkeypatch.setattr(features, "ClassifierRecipe", partial(ClassifierRecipe, min_steps=20, epochs=1.0))
+    out = tmp_path / "out"
+    assert main(["eval", "--checkpoint", str(run), "--data", str(named), "--num-samples", "12", "--steps", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "pullover (30), trouser (34), tshirt (38)" in said, said
+    reference = json.loads(next(out.glob("eval_*.json")).read_text())["reference"]
+    assert reference["label_histogram"] == [30, 34, 38]
+    assert sum(reference["predicted_label_histogram"]) == 102

@@ -95,6 +95,28 @@ class UnlabelledDataError(DataError):
     """The data has no labels to train the feature classifier on: the fix is Inception features, not other data."""
 
 
+class TooFewClassesError(UnlabelledDataError):
+    """The data's labels name one class: a classifier of one class learns nothing (its cross-entropy is zero
+    whatever its weights), so its features are its random initial ones. The fix is the same: Inception features."""
+
+
+def check_classes_to_learn(data: PreparedData, where: str) -> None:
+    """A TooFewClassesError where the labelled images of `data` hold fewer than 2 classes (after the
+    UnlabelledDataError of data without labels)."""
+    num_classes_of(data, where)
+    labels = np.asarray(data.labels)
+    present = np.unique(labels[labels >= 0])
+    if len(present) < 2:
+        names = list(data.class_names)
+        name = names[present[0]] if present[0] < len(names) else str(present[0])
+        raise TooFewClassesError(
+            f"{where} has one class ({name!r}), so fastddpm cannot train its feature network (a classifier) for "
+            "it: a classifier of one class learns nothing, and its features would be random. Fix: evaluate with "
+            "Inception features: `fastddpm eval --features inception` (finds or downloads pytorch-fid's weights), "
+            "--inception PATH (a local pt_inception-2015-12-05 weights file or a TorchScript feature extractor), "
+            "or in training --eval-inception auto; or evaluate against data of 2 or more classes")
+
+
 def num_classes_of(data: PreparedData, where: str) -> int:
     labels = np.asarray(data.labels)
     if labels.size == 0 or (labels < 0).all():
@@ -157,7 +179,9 @@ def accuracy(model: FeatureClassifier, images_u8: torch.Tensor, labels: torch.Te
 def train_classifier(train: PreparedData, test: PreparedData | None, *, recipe: ClassifierRecipe,
                      device: torch.device, log: Callable[[str], None] = print) -> tuple[FeatureClassifier, dict]:
     """Train the feature network from scratch; returns (model in eval mode, info with test accuracy)."""
-    num_classes = num_classes_of(train, f"the dataset {train.meta.get('source', train.cache_path)}")
+    where = f"the dataset {train.meta.get('source', train.cache_path)}"
+    check_classes_to_learn(train, where)
+    num_classes = num_classes_of(train, where)
     train_x, train_y, test_x, test_y, test_where = _split(train, test, recipe)
     n = train_x.shape[0]
     batch = min(recipe.batch_size, n)
@@ -213,6 +237,8 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
     from fastddpm.data.cache import build_lock
     from fastddpm.rundir.files import load_safetensors, save_safetensors
 
+    # before the cache too: a network cached by a version that trained on one class is as random
+    check_classes_to_learn(train, f"the dataset {train.meta.get('source', train.cache_path)}")
     path = cache_file(train, test, recipe, cache_root)
     with build_lock(path.with_suffix(""), say=log):  # one trainer per dataset across processes
         built = {"train": train.built, "test": test.built if test is not None else None}

@@ -375,8 +375,12 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         "coverage": metrics.get("coverage"),
         "guidance": [_scale_record(mw) for mw, _ in per_scale] if cfg.model.conditional else None,
         "features": {**evaluator.describe(), "protocol": _protocol(net, args.num_samples, evaluator.ref.meta)},
-        "reference": {k: evaluator.ref.meta.get(k) for k in ("source", "split", "cache", "fingerprint", "num_images",
-                                                             "label_histogram", "cached", "file")},
+        # label_histogram: the real images' labels; predicted_label_histogram: the feature classifier's predicted
+        # classes of the same images (None in Inception features), which the reference statistics record
+        "reference": {**{k: evaluator.ref.meta.get(k) for k in ("source", "split", "cache", "fingerprint",
+                                                                "num_images", "cached", "file")},
+                      "label_histogram": evaluator.label_histogram,
+                      "predicted_label_histogram": evaluator.ref.meta.get("label_histogram")},
         "checkpoint": {**info, "weights": args.weights, "preset": cfg.preset, "trained_on": trained_on},
         "sampling": {**s, "num_samples": args.num_samples, "precision": precision.name, "compile": compile_on,
                      "device": str(device)},
@@ -391,8 +395,9 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if cfg.model.conditional:
         log(guidance_table(result["guidance"]))
         if evaluator.classes is not None:
+            # the counts are the reference data's, by its class ids: named by its names
             for note in per_class_fid_notes(args.num_samples, evaluator.classes.counts, evaluator.classes.mu.shape[1],
-                                            cfg.model.class_names):
+                                            evaluator.class_names):
                 log(note)
     else:
         log(summary_line(metrics))

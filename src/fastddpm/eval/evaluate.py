@@ -35,7 +35,7 @@ from fastddpm.eval.features import (
     extracted_from,
     reference_stats,
 )
-from fastddpm.eval.classifier import UnlabelledDataError, num_classes_of
+from fastddpm.eval.classifier import TooFewClassesError, UnlabelledDataError, num_classes_of
 from fastddpm.eval.frechet import frechet_distance
 from fastddpm.eval.precision_recall import DEFAULT_K, class_coverage, precision_recall
 from fastddpm.rng import derive_seed
@@ -191,6 +191,30 @@ def _scores(ex: Extracted, net: FeatureNet, ref: ReferenceStats, *, k: int, labe
     return out
 
 
+def data_class_names(data, num_classes: int) -> tuple[str, ...]:
+    """The data's class names by id, "0", "1", ... where it has none (as training names a model's classes)."""
+    names = tuple(str(n) for n in data.class_names)[:num_classes]
+    return names + tuple(str(i) for i in range(len(names), num_classes))
+
+
+def check_class_names(model_names, data_names, *, where: str) -> None:
+    """A ConfigError where the model's class names and the reference data's differ. Class accuracy and per-class
+    FID pair the two by id, so other names under the same ids score the wrong classes. Integer names ("0", "1",
+    ... or folders 1/, 2/, 3/: the names of data without names) say nothing, and are never compared."""
+    model_names, data_names = tuple(model_names), tuple(data_names)
+    if (model_names == data_names or all(n.isdigit() for n in model_names)
+            or all(n.isdigit() for n in data_names)):
+        return
+    shown = f"the model's classes by id are {list(model_names)}, the reference data's ({where}) {list(data_names)}"
+    if sorted(model_names) == sorted(data_names):
+        raise ConfigError(f"the same class names with other ids: {shown}; class accuracy and per-class FID pair "
+                          "classes by id, so they would score each class against another: evaluate against the "
+                          "data the model was trained on (--data SOURCE), or data that numbers its classes as it did")
+    raise ConfigError(f"other classes: {shown}; class accuracy and per-class FID pair classes by id, so they would "
+                      "be meaningless: evaluate against the data the model was trained on (--data SOURCE), or a "
+                      f"folder whose class folders have the model's names ({', '.join(model_names)})")
+
+
 @dataclass(kw_only=True)
 class Evaluator:
     """A feature network and the reference statistics of the real data in it; for a conditional model also the
@@ -200,6 +224,11 @@ class Evaluator:
     ref: ReferenceStats | None  # None: a rank other than 0 of a shared evaluation (it extracts, rank 0 scores)
     classifier: FeatureNet | None = None
     classes: ClassReference | None = None
+    # The reference data's classes: its names by id (the model's where the data's are integers: after
+    # check_class_names, names on both sides are the same), and its true labels' histogram (None: no labels).
+    # ref.label_histogram is the classifier's predictions on the same images, not the labels.
+    class_names: tuple[str, ...] = ()
+    label_histogram: list[int] | None = None
 
     @classmethod
     def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
@@ -224,7 +253,13 @@ class Evaluator:
                 f"covariance and precision/recall each image's {DEFAULT_K} nearest neighbours, so at least "
                 f"{MIN_REFERENCE_IMAGES} (thousands for a meaningful FID); evaluate against the data the model was "
                 "trained on (--data SOURCE)")
-        if cfg.model.conditional and (np.asarray(data.labels) >= 0).any():  # before a classifier trains on it
+        labels = np.asarray(data.labels)
+        labelled = labels[labels >= 0]
+        label_histogram = np.bincount(labelled, minlength=len(data.class_names)).tolist() if labelled.size else None
+        class_names = data_class_names(data, len(label_histogram or ()))
+        if all(n.isdigit() for n in class_names) and len(cfg.model.class_names) == len(class_names):
+            class_names = tuple(cfg.model.class_names)
+        if cfg.model.conditional and labelled.size:  # before a classifier trains on it
             num_classes = num_classes_of(data, f"{d.source}, split {split}")
             if num_classes != cfg.model.num_classes:
                 # class accuracy and per-class FID would score ids the classifier cannot predict
@@ -232,6 +267,8 @@ class Evaluator:
                     f"the model is conditional on {cfg.model.num_classes} classes but the reference data "
                     f"({d.source}, split {split}) has {num_classes}: evaluate against the data the model was "
                     "trained on (--data SOURCE)")
+            check_class_names(cfg.model.class_names, data_class_names(data, num_classes),
+                              where=f"{d.source}, split {split}")
         # Building modules draws their initial weights from the global RNG: fork it, so that setting up an
         # evaluation inside a training run leaves the run's RNG state (saved in its checkpoints) as it was.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -241,23 +278,29 @@ class Evaluator:
                 try:
                     classifier = build_feature_net(d, device=device, inception=None, cache_root=cache_root,
                                                    log=log, progress=progress)
-                except UnlabelledDataError:
+                except UnlabelledDataError as e:
                     # UnlabelledDataError's own fix, Inception features, would not help: class accuracy needs the
                     # dataset's classifier whatever the feature space of FID
+                    one = isinstance(e, TooFewClassesError)
+                    has = "only one class" if one else "none"
+                    fix = ("labelled data of 2 or more classes" if one
+                           else "a labelled copy (an image folder root/<label>/*.png)")
                     raise DataError(
                         f"the model is conditional: its class accuracy is measured by a classifier trained on the "
-                        f"labels of {d.source}, which has none (--features inception does not change that): "
-                        "evaluate against the labelled data the model was trained on (--data SOURCE), or prepare "
-                        "a labelled copy (an image folder root/<label>/*.png)") from None
+                        f"labels of {d.source}, which has {has} (--features inception does not change that): "
+                        f"evaluate against the labelled data the model was trained on (--data SOURCE), or prepare "
+                        f"{fix}") from None
             net = classifier if classifier is not None and not inception else build_feature_net(
                 d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress)
             if not reference:
-                return cls(net=net, ref=None, classifier=classifier)
+                return cls(net=net, ref=None, classifier=classifier, class_names=class_names,
+                           label_histogram=label_histogram)
             ref = reference_stats(data, net, cache_root=cache_root, log=log, progress=progress)
             if net.num_classes is not None and cfg.model.conditional:
                 # per-class covariances in the classifier's 128-d features only
                 classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
-        return cls(net=net, ref=ref, classifier=classifier, classes=classes)
+        return cls(net=net, ref=ref, classifier=classifier, classes=classes, class_names=class_names,
+                   label_histogram=label_histogram)
 
     def check_same_as_rank_0(self, rank: int, world_size: int) -> None:
         """Under torchrun, on every rank once each has built its Evaluator (a collective): a ConfigError where
