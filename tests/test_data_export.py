@@ -62,3 +62,49 @@ def test_export_images_cli(tmp_path, capsys):
     (tmp_path / "other" / "keep.txt").write_text("x")
     assert data_main(["data", "export-images", str(src), str(tmp_path / "other")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_export_images_takes_prepares_reading_options(tmp_path, capsys):
+    """A folder with a bad file, another size and another mode: export-images refuses it naming --skip-bad, as
+    prepare does, and with --skip-bad --resize --image-mode (prepare's options) exports it."""
+    from data_fixtures import make_class_folder, save_image
+
+    images, labels = real_fashion_slice(12)
+    src = tmp_path / "src"
+    make_class_folder(src, {"a": images[:6], "b": images[6:]})
+    save_image(src / "a" / "big.png", np.zeros((32, 32, 3), np.uint8))  # a minority size and mode
+    (src / "b" / "broken.png").write_bytes(b"not a png")
+    out = tmp_path / "out"
+    assert data_main(["data", "export-images", str(src), str(out)]) == 2
+    assert "--skip-bad" in capsys.readouterr().err
+    assert data_main(["data", "export-images", str(src), str(out), "--skip-bad"]) == 0
+    assert len(list(out.glob("*/*.png"))) == 12  # the 32x32 RGB image is a minority size: skipped too
+    out2 = tmp_path / "out2"
+    assert data_main(["data", "export-images", str(src), str(out2), "--skip-bad", "--resize", "16",
+                      "--image-mode", "RGB"]) == 0
+    back = prepare(out2, progress=False)
+    assert back.num_images == 13 and (back.channels, back.height, back.width) == (3, 16, 16)
+
+
+def test_export_keeps_class_names_where_they_read_back_as_the_same_ids(tmp_path):
+    """Named class folders (or an .npz's class_names) come back with their names and ids; names the reader would
+    sort into other ids keep integer folders, which read back as the same ids."""
+    from data_fixtures import make_class_folder
+
+    images, labels = real_fashion_slice(30)
+    src = tmp_path / "named"
+    make_class_folder(src, {"pullover": images[:7], "trouser": images[7:16], "tshirt": images[16:]})
+    first = prepare(src, progress=False)
+    assert data_main(["data", "export-images", str(src), str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["pullover", "trouser", "tshirt"]
+    back = prepare(tmp_path / "out", progress=False)
+    assert list(back.class_names) == list(first.class_names) == ["pullover", "trouser", "tshirt"]
+    assert np.array_equal(back.labels, first.labels) and np.array_equal(back.images, first.images)
+    assert data_main(["data", "export-images", str(src), str(tmp_path / "out")]) == 0  # reused, not refused
+    # names not in sorted order: sorted folders would swap the ids, so the folders are the integer labels
+    y = np.arange(30) % 2
+    unsorted = tmp_path / "unsorted.npz"
+    np.savez(unsorted, images=images, labels=y, class_names=np.array(["zebra", "apple"]))
+    assert data_main(["data", "export-images", str(unsorted), str(tmp_path / "out2")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir() if p.is_dir()) == ["0", "1"]
+    assert np.array_equal(np.bincount(prepare(tmp_path / "out2", progress=False).labels), np.bincount(y))

@@ -56,6 +56,10 @@ _EXPORT_EPILOG = """\
 examples:
   fastddpm data export-images fashion-mnist ~/data/fmnist_png
   fastddpm data export-images fashion-mnist ~/data/fmnist_png_test --split test --limit 1000
+  fastddpm data export-images ~/data/faces ~/data/faces_png --resize 64 --image-mode RGB --skip-bad
+
+Class folders take the source's class names where reading OUT back gives the same class ids (names that sort
+in id order and are plain folder names); otherwise they are the integer labels 0..K-1.
 """
 
 
@@ -64,6 +68,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="train",
                         help="train (default) or test (alias t10k); val for split folders. Sources without "
                              "splits (a plain folder, .npy) accept only the default")
+    _add_reading_options(parser)
+    parser.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                        help="cache root (default: $FASTDDPM_CACHE or ~/.cache/fastddpm)")
+
+
+def _add_reading_options(parser: argparse.ArgumentParser) -> None:
+    """How the images are read: the same for prepare, info and export-images (their errors name these flags)."""
     parser.add_argument("--resize", type=positive_int, default=None, metavar="N",
                         help="make every image NxN (default: keep the source size; all images must match)")
     parser.add_argument("--resize-mode", choices=("center-crop", "stretch"), default="center-crop",
@@ -74,8 +85,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "dropped (default: keep L/RGB as is; anything else is reported)")
     parser.add_argument("--skip-bad", action="store_true",
                         help="skip unreadable/mismatched files (recorded in meta.json) instead of stopping")
-    parser.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
-                        help="cache root (default: $FASTDDPM_CACHE or ~/.cache/fastddpm)")
 
 
 def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -104,6 +113,7 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     exp.add_argument("--split", default="train", help="train (default) or test")
     exp.add_argument("--limit", type=positive_int, default=None, metavar="N", help="export only the first N images")
     exp.add_argument("--overwrite", action="store_true", help="replace the PNGs of a previous, different export in OUT")
+    _add_reading_options(exp)
     exp.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                      help="cache root (default: $FASTDDPM_CACHE or ~/.cache/fastddpm)")
     data.set_defaults(func=run_data)
@@ -118,7 +128,9 @@ def run_data(args: argparse.Namespace) -> int:
 
         try:
             result = export_source(args.source, args.out, split=args.split, limit=args.limit,
-                                   overwrite=args.overwrite, cache_dir=args.cache_dir)
+                                   overwrite=args.overwrite, cache_dir=args.cache_dir, resize=args.resize,
+                                   resize_mode=args.resize_mode, image_mode=args.image_mode,
+                                   skip_bad=args.skip_bad)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -2,10 +2,13 @@
 
 This is the form the seed notebook trained from (one small PNG per image, decoded per item in a Dataset), and
 the form rung 0 of `fastddpm bench ladder` reads. Reading the folder back with `prepare(ROOT)` gives the same
-pixels and labels, ordered by (label, index): files are named by their zero-padded index in the source, and
-class folders are the integer labels (read back in numeric order, as class ids 0..K-1: labels with gaps, e.g.
-a slice holding only classes 0 and 2, come back as 0 and 1, with class names "0" and "2"). Unlabeled images
-(label -1) go straight into ROOT, which `prepare` reads as one unlabeled set.
+pixels and labels, ordered by (label, index): files are named by their zero-padded index in the source. Class
+folders carry the source's class names where the image-folder reader gives them back as the same ids: it sorts
+names (numeric order when all are integers), so names already in that order, each a valid folder name, are
+written as they are; otherwise (Fashion-MNIST's "T-shirt/top", "Trouser", ... are neither) the folders are the
+integer labels, read back in numeric order as class ids 0..K-1 (labels with gaps, e.g. a slice holding only
+classes 0 and 2, come back as 0 and 1, with class names "0" and "2"). Unlabeled images (label -1) go straight
+into ROOT, which `prepare` reads as one unlabeled set.
 
 An export is reused only when ROOT/export.json records the same pixels and labels (a SHA-256 of both) and every
 PNG is still there: a source rebuilt under the same cache path, or a folder someone pruned, is written again.
@@ -34,10 +37,34 @@ class ExportResult:
     reused: bool  # True: an identical, complete export was already there
 
 
+def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
+    """The class folder of each class id, from the source's class names; None (integer folders) where reading
+    the folders back would not give the same ids and names: a name that is no plain folder name, two names a
+    case-insensitive file system would merge, or names whose sorted order (the reader's) is not the id order."""
+    from fastddpm.data.imagefolder import _class_order
+
+    k = int(labels.max()) + 1 if labels.size and labels.max() >= 0 else 0
+    names = [str(n) for n in class_names]
+    if k == 0 or len(names) < k:
+        return None
+    names = names[:k]
+    if all(n.isdigit() for n in names):  # integer folders already; "1", "2", "3" would read back as ids 0-2
+        return None
+    plain = all(n and n.strip() == n and n not in (".", "..") and not any(ch in n for ch in '/\\:*?"<>|')
+                and n.isprintable() for n in names)
+    if not plain or len({n.lower() for n in names}) < k or _class_order(set(names)) != names:
+        return None
+    return names
+
+
 def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path, *, identity: dict | None = None,
                   overwrite: bool = False, compress_level: int = 1,
-                  progress: Callable[[int, int], None] | None = None) -> ExportResult:
+                  progress: Callable[[int, int], None] | None = None,
+                  class_names=()) -> ExportResult:
     """Write uint8 (N, C, H, W) images (C in {1, 3}) as ROOT/<label>/<index>.png.
+
+    <label> is the class's name where `class_names` (by id) read back as the same ids (see folder_names), else
+    the integer label.
 
     `identity` (any JSON-able dict, e.g. the prepared cache's path and the count) is stored in ROOT/export.json;
     a complete export with the same identity is reused. A non-empty ROOT holding anything else is an error
@@ -55,13 +82,17 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
     content.update(np.ascontiguousarray(labels).data)
     record = {"format": "fastddpm-png-folder-1", "num_images": n, "shape_CHW": list(images_NCHW.shape[1:]),
               "content_sha256": content.hexdigest(), "identity": identity or {}}
+    names = folder_names(class_names, labels)
+    if names is not None:  # recorded only then: an export with integer folders keeps the record earlier ones have
+        record["class_folders"] = names
     marker = root / MARKER
+    earlier: dict = {}
     if marker.is_file():
         try:
             earlier = json.loads(marker.read_text())
         except json.JSONDecodeError:
             earlier = {}
-        if earlier == record and _count_pngs(root) == n:
+        if earlier == record and _count_pngs(root, names or []) == n:
             return ExportResult(root=root, num_images=n, reused=True)
         # an export by a version that recorded no content digest: what it holds cannot be checked, and the folder
         # holds only what an export writes, so it is written again rather than refused
@@ -72,14 +103,15 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
                     else "no export of these images")
             raise DataError(f"export-images: {root} is not empty and holds {what}; choose an empty folder or pass "
                             "--overwrite (its PNG files and class folders are replaced)")
-        _clear_export(root)
+        _clear_export(root, earlier.get("class_folders") or [])
     root.mkdir(parents=True, exist_ok=True)
     width = max(6, len(str(n - 1)))
+    folder_of = names or [str(c) for c in range(int(labels.max()) + 1 if n else 0)]
     for label in np.unique(labels):
         if label >= 0:
-            (root / str(int(label))).mkdir(exist_ok=True)
+            (root / folder_of[label]).mkdir(exist_ok=True)
     for i in range(n):
-        folder = root / str(int(labels[i])) if labels[i] >= 0 else root
+        folder = root / folder_of[labels[i]] if labels[i] >= 0 else root
         array_to_image(images_NCHW[i]).save(folder / f"{i:0{width}d}.png", compress_level=compress_level)
         if progress is not None and (i + 1) % 1000 == 0:
             progress(i + 1, n)
@@ -87,18 +119,24 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
     return ExportResult(root=root, num_images=n, reused=False)
 
 
-def _count_pngs(root: Path) -> int:
-    """The PNG files an export wrote: in ROOT (unlabeled) and in its integer class folders."""
-    folders = [root] + [p for p in root.iterdir() if p.is_dir() and p.name.lstrip("-").isdigit()]
+def _ours(path: Path, class_folders: list[str]) -> bool:
+    """Whether `path` is a class folder an export writes: an integer one, or one its record names."""
+    return path.is_dir() and (path.name.lstrip("-").isdigit() or path.name in class_folders)
+
+
+def _count_pngs(root: Path, class_folders: list[str]) -> int:
+    """The PNG files an export wrote: in ROOT (unlabeled) and in its class folders."""
+    folders = [root] + [p for p in root.iterdir() if _ours(p, class_folders)]
     return sum(1 for folder in folders for f in folder.iterdir() if f.suffix.lower() == ".png" and f.is_file())
 
 
-def _clear_export(root: Path) -> None:
-    """Remove what an export writes (PNG files, integer class folders of PNGs, the marker), nothing else."""
+def _clear_export(root: Path, class_folders: list[str]) -> None:
+    """Remove what an export writes (PNG files, class folders of PNGs: integer ones and those its record names,
+    the marker), nothing else."""
     for path in root.iterdir():
         if path.is_file() and path.suffix.lower() == ".png" or path.name == MARKER:
             path.unlink()
-        elif path.is_dir() and path.name.lstrip("-").isdigit():
+        elif _ours(path, class_folders):
             for f in path.iterdir():
                 if f.is_file() and f.suffix.lower() == ".png":
                     f.unlink()
@@ -109,11 +147,15 @@ def _clear_export(root: Path) -> None:
 
 
 def export_source(source: str, root: str | Path, *, split: str = "train", limit: int | None = None,
-                  overwrite: bool = False, cache_dir: Path | None = None, progress: bool = True) -> ExportResult:
-    """prepare(SOURCE) (decode once into the uint8 cache), then export its first `limit` images to ROOT."""
+                  overwrite: bool = False, cache_dir: Path | None = None, progress: bool = True,
+                  resize: int | None = None, resize_mode: str = "center-crop", image_mode: str | None = None,
+                  skip_bad: bool = False) -> ExportResult:
+    """prepare(SOURCE) (decode once into the uint8 cache, with prepare's data-reading options), then export its
+    first `limit` images to ROOT."""
     from fastddpm.data.prepare import prepare
 
-    prepared = prepare(source, split=split, cache_dir=cache_dir, progress=progress)
+    prepared = prepare(source, split=split, cache_dir=cache_dir, progress=progress, resize=resize,
+                       resize_mode=resize_mode, image_mode=image_mode, skip_bad=skip_bad)
     n = prepared.num_images if limit is None else min(limit, prepared.num_images)
     identity = {"cache": str(prepared.cache_path), "num_images": n}
 
@@ -122,4 +164,4 @@ def export_source(source: str, root: str | Path, *, split: str = "train", limit:
             print(f"export-images: {done:,}/{total:,} PNGs", flush=True)
 
     return export_images(np.asarray(prepared.images[:n]), prepared.labels[:n], root, identity=identity,
-                         overwrite=overwrite, progress=say)
+                         overwrite=overwrite, progress=say, class_names=prepared.class_names)
