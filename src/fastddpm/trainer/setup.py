@@ -386,8 +386,8 @@ def _check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log)
     if was_seed != cfg.train.seed:
         raise ConfigError(
             f"cannot resume from {resumed.path}: train.seed was {was_seed} in the checkpoint but is {cfg.train.seed} "
-            f"now; every step's data order, timesteps and noise come from the seed: drop --seed (or pass --seed "
-            f"{was_seed}), or start a new run directory")
+            f"now (a --seed, or a --preset's own); every step's data order, timesteps and noise come from the seed: "
+            f"pass --seed {was_seed} (or resume without --preset and --seed), or start a new run directory")
     saved = resumed.meta.get("data")
     if not saved:
         return
