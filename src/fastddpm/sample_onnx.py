@@ -28,6 +28,7 @@ import numpy as np
 import onnxruntime as ort
 
 MAX_BATCH = 4096  # the export's batch axis: torch.export.Dim("batch", min=1, max=4096) in fastddpm.export
+GRID_IMAGES = 256  # the grid's: as `fastddpm sample`'s; the .npz holds every image
 
 
 def trailing(T: int, steps: int) -> np.ndarray:
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler(network(session, len(chunk), label, guidance, schedule.get("num_classes", 0)), schedule, chunk,
                 args.steps)
         for chunk in np.split(noise, range(args.batch_size, args.num, args.batch_size))]))
-    shown = images[:256]
+    shown = images[:GRID_IMAGES]
     write_png(args.out, grid_uint8(shown, nrow=int(np.ceil(np.sqrt(len(shown))))))
     npz = args.out.with_suffix(".npz")
     np.savez(npz, images=images, **({} if label is None else {"labels": np.full(args.num, label, dtype=np.int64),
