@@ -107,11 +107,7 @@ def test_a_conditional_model_against_unlabelled_data_is_not_sent_to_inception_fe
     from conftest import read_fmnist
 
     run = tmp_path / "run"
-    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
-                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
-                                               "train.sample_steps": 2, "train.max_steps": 1,
-                                               "model.conditional": True})
-    train(cfg, out_dir=run, log=quiet)
+    _one_step_conditional_run(fmnist_npz, run)
     images, _ = read_fmnist(64)
     unlabelled = tmp_path / "unlabelled.npz"
     np.savez(unlabelled, images=images)
@@ -121,6 +117,15 @@ def test_a_conditional_model_against_unlabelled_data_is_not_sent_to_inception_fe
         err = capsys.readouterr().err
         assert "the model is conditional" in err and "unlabelled.npz, which has none" in err, err
         assert "--data SOURCE" in err and "`fastddpm eval --features inception`" not in err
+
+
+def _one_step_conditional_run(source, run) -> None:
+    """A conditional tiny model trained one step on `source`, into `run`: a checkpoint for eval to refuse or score."""
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(source), "train.progress": False,
+                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
+                                               "train.sample_steps": 2, "train.max_steps": 1,
+                                               "model.conditional": True})
+    train(cfg, out_dir=run, log=quiet)
 
 
 def _class_folder(root, counts: dict[str, int]):
@@ -142,11 +147,7 @@ def named_conditional_run(tmp_path_factory):
     """A tiny conditional run trained one step on a folder of classes pullover/trouser/tshirt."""
     base = tmp_path_factory.mktemp("named-run")
     data = _class_folder(base / "garments", {"pullover": 30, "trouser": 34, "tshirt": 38})
-    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(data), "train.progress": False,
-                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
-                                               "train.sample_steps": 2, "train.max_steps": 1,
-                                               "model.conditional": True})
-    train(cfg, out_dir=base / "run", log=quiet)
+    _one_step_conditional_run(data, base / "run")
     return base / "run"
 
 
@@ -212,11 +213,7 @@ def test_per_class_notes_and_the_label_histogram_name_the_reference_datas_classe
     unnamed = tmp_path / "unnamed.npz"
     np.savez(unnamed, images=np.asarray(prepared.images), labels=prepared.labels)
     run = tmp_path / "run"
-    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(unnamed), "train.progress": False,
-                                               "train.checkpoint_every": None, "train.num_sample_images": 4,
-                                               "train.sample_steps": 2, "train.max_steps": 1,
-                                               "model.conditional": True})
-    train(cfg, out_dir=run, log=quiet)
+    _one_step_conditional_run(unnamed, run)
     from functools import partial
 
     from fastddpm.eval import features
