@@ -68,6 +68,20 @@ def test_a_field_or_section_out_of_place_is_named_with_the_fix(tmp_path):
         resolve_config("tiny", layers=[("--set", {"trian.lr": "0.01"})])
 
 
+@pytest.mark.parametrize("text, match", [
+    ("train: {lrr: 0.1}\n", r"config file .*bad.yaml: unknown config field train.lrr \(did you mean 'lr'\?\)"),
+    ("train: {lr: abc}\n", r"config file .*bad.yaml: train.lr='abc' is not a valid float"),
+    ("train: {lr: -1}\n", r"config file .*bad.yaml: train.lr=-1.0 must be > 0"),
+])
+def test_a_bad_field_or_value_in_a_config_file_names_the_file(tmp_path, text, match):
+    """A misspelt field or a bad value inside a config file was named without the file it came from, which a run
+    configured from a preset, a file and flags leaves the user to guess."""
+    f = tmp_path / "bad.yaml"
+    f.write_text("preset: tiny\n" + text)
+    with pytest.raises(ConfigError, match=match):
+        resolve_config(file=f)
+
+
 def test_a_beta_given_with_the_cosine_schedule_is_refused_not_ignored():
     """The cosine schedule computes its own betas: ddpm-rgb64 is cosine, so `--beta-end 0.01` on it changed
     nothing. With --schedule linear (or set to none) it is a setting again."""

@@ -238,7 +238,10 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
                               f"U-Net), so model.family={family!r} cannot take its weights: drop --family {family} "
                               f"(the folder sets the architecture)")
         cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
-    cfg = apply_overrides(cfg, file_values, source=str(file))
+    try:
+        cfg = apply_overrides(cfg, file_values, source=str(file))
+    except ConfigError as e:  # a field's or a value's error names the file it is in
+        raise (e if str(e).startswith(str(file)) else ConfigError(f"config file {file}: {e}")) from None
     cfg = _layered(cfg, layers)
     _refuse_other_objectives(cfg, layers)
     _refuse_unread_betas(cfg, layers)
