@@ -301,6 +301,22 @@ def test_print_config(capsys, tmp_path):
     assert cfg["train"]["lr"] == 0.01 and cfg["preset"] == "tiny"
 
 
+def test_print_config_needs_no_run_directory_and_training_does(capsys, tmp_path, monkeypatch):
+    """--print-config only shows the config, and was refused without --out; a run still needs one, as does
+    `--print-config --resume latest`, which reads the run in it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "--lr", "0.01", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["train"]["lr"] == 0.01
+    assert main(["train", "--preset", "tiny", "--max-steps", "1"]) == 2
+    assert "train needs --out RUN_DIR" in capsys.readouterr().err
+    assert main(["train", "--print-config", "--resume", "latest"]) == 2
+    assert "--print-config --resume latest reads the run in --out: give --out RUN_DIR" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written where it was run
+    assert main(["train", "--data", "fashion-mnist", "--print-config"]) == 0  # the preset picked is said on stderr
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["data"]["source"] == "fashion-mnist" and "no --preset given" in printed.err
+
+
 def test_cli_config_error_exit_code(capsys, tmp_path):
     assert main(["train", "--out", str(tmp_path), "--preset", "tiny", "--ema-decay", "1.5"]) == 2
     assert "train.ema_decay=1.5 must be in [0, 1)" in capsys.readouterr().err

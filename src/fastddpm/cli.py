@@ -38,7 +38,7 @@ Examples:
   fastddpm train --data mnist --out runs/mnist --preset seed-1layer --batch-size 256
   fastddpm train --data ./my_images.zip --out runs/mine --resize 32 --max-images 2000000
   fastddpm train --out runs/fmnist --resume latest                      # continue exactly where it stopped
-  fastddpm train --data fashion-mnist --out runs/x --print-config       # show the resolved config and exit
+  fastddpm train --data fashion-mnist --print-config                    # show the resolved config and exit
 
 Run directory: config.json, run.json, metrics.jsonl, checkpoints/ckpt_<step>.pt (+ .sha256),
 ema.safetensors (EMA weights), samples/grid_<images>.png and samples/final.png.
@@ -124,7 +124,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         epilog=_train_epilog(),
     )
     run = tr.add_argument_group("run")
-    run.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (created if missing)")
+    run.add_argument("--out", metavar="RUN_DIR", help="run directory (created if missing; required but with "
+                                                       "--print-config)")
     run.add_argument("--preset", choices=list(PRESETS), help="starting configuration (see below)")
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file, applied over the preset")
     run.add_argument("--resume", metavar="latest|PATH",
@@ -229,7 +230,8 @@ def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) ->
     else:
         if preset is None:
             preset, why = default_preset(torch.cuda.is_available())
-            print(f"preset: {preset} (no --preset given; {why})")
+            print(f"preset: {preset} (no --preset given; {why})",  # stdout holds only the JSON of --print-config
+                  file=sys.stderr if getattr(args, "print_config", False) else sys.stdout)
         base = preset
     sets = {}
     for item in args.overrides:
@@ -250,8 +252,13 @@ def cmd_train(args, dests) -> int:
     from fastddpm.trainer.loop import TrainingInterrupted, train
     from fastddpm.trainer.step import CudaGraphCaptureError
 
-    run_dir = Path(args.out)
-    resumed = find_resume(run_dir, args.resume)
+    if args.out is None and not (args.print_config and str(args.resume) != "latest"):
+        raise ConfigError("train needs --out RUN_DIR, the folder for the run's checkpoints, metrics and grids "
+                          "(created if missing; an existing run's folder with --resume latest)"
+                          if not args.print_config else
+                          "--print-config --resume latest reads the run in --out: give --out RUN_DIR")
+    run_dir = Path(args.out) if args.out is not None else None
+    resumed = find_resume(run_dir if run_dir is not None else Path.cwd(), args.resume)
     cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
