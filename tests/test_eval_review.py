@@ -181,6 +181,9 @@ def test_class_names_are_compared_only_where_both_sides_have_names():
     check_class_names(("pullover", "trouser", "tshirt"), ("pullover", "trouser", "tshirt"), where="x")
     with pytest.raises(ConfigError, match=r"other classes: .*\['a', 'b'\].*\(x\) \['a', 'c'\]"):
         check_class_names(("a", "b"), ("a", "c"), where="x")
+    check_class_names(("Cat", "dog"), ("cat", "Dog"), where="x")  # case aside, as --class matches names
+    with pytest.raises(ConfigError, match=r"the same class names with other ids: .*\['B', 'a'\].*\['a', 'b'\]"):
+        check_class_names(("B", "a"), ("a", "b"), where="x")
 
 
 def test_a_one_class_dataset_trains_no_feature_classifier(tmp_path, capsys):

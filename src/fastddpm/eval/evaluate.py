@@ -200,13 +200,15 @@ def data_class_names(data, num_classes: int) -> tuple[str, ...]:
 def check_class_names(model_names, data_names, *, where: str) -> None:
     """A ConfigError where the model's class names and the reference data's differ. Class accuracy and per-class
     FID pair the two by id, so other names under the same ids score the wrong classes. Integer names ("0", "1",
-    ... or folders 1/, 2/, 3/: the names of data without names) say nothing, and are never compared."""
+    ... or folders 1/, 2/, 3/: the names of data without names) say nothing, and are never compared. Names are
+    compared ignoring case, as --class matches them ("Cat" and "cat" are one class)."""
     model_names, data_names = tuple(model_names), tuple(data_names)
-    if (model_names == data_names or all(n.isdigit() for n in model_names)
+    folded, data_folded = [n.casefold() for n in model_names], [n.casefold() for n in data_names]
+    if (folded == data_folded or all(n.isdigit() for n in model_names)
             or all(n.isdigit() for n in data_names)):
         return
     shown = f"the model's classes by id are {list(model_names)}, the reference data's ({where}) {list(data_names)}"
-    if sorted(model_names) == sorted(data_names):
+    if sorted(folded) == sorted(data_folded):
         raise ConfigError(f"the same class names with other ids: {shown}; class accuracy and per-class FID pair "
                           "classes by id, so they would score each class against another: evaluate against the "
                           "data the model was trained on (--data SOURCE), or data that numbers its classes as it did")
