@@ -41,7 +41,7 @@ def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
     """The class folder of each class id, from the source's class names; None (integer folders) where reading
     the folders back would not give the same ids and names: a name that is no plain folder name, two names a
     case-insensitive file system would merge, or names whose sorted order (the reader's) is not the id order."""
-    from fastddpm.data.imagefolder import _class_order
+    from fastddpm.data.imagefolder import class_order
 
     k = int(labels.max()) + 1 if labels.size and labels.max() >= 0 else 0
     names = [str(n) for n in class_names]
@@ -52,7 +52,7 @@ def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
         return None
     plain = all(n and n.strip() == n and n not in (".", "..") and not any(ch in n for ch in '/\\:*?"<>|')
                 and n.isprintable() for n in names)
-    if not plain or len({n.lower() for n in names}) < k or _class_order(set(names)) != names:
+    if not plain or len({n.lower() for n in names}) < k or class_order(set(names)) != names:
         return None
     return names
 

@@ -131,7 +131,7 @@ class Layout:
     notes: list[str]
 
 
-def _class_order(names: set[str]) -> list[str]:
+def class_order(names: set[str]) -> list[str]:
     """Numeric order when every class folder is an integer (so '10' follows '9'), else sorted names."""
     if all(re.fullmatch(r"\d+", n, re.ASCII) for n in names):
         return sorted(names, key=lambda n: (int(n), n))
@@ -186,7 +186,7 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
     if missing:
         notes.append(f"{len(missing)} class(es) have images only in the other splits: "
                      f"{', '.join(missing[:10])}{', ...' if len(missing) > 10 else ''} (0 images here)")
-    class_names = _class_order(class_dirs | split_classes)
+    class_names = class_order(class_dirs | split_classes)
     label_of = {name: i for i, name in enumerate(class_names)}
     items = sorted(((p, label_of[ps[0]]) for p, ps in parts.items() if len(ps) >= 2), key=lambda t: (t[1], t[0]))
     stray = sorted(p for p, ps in parts.items() if len(ps) == 1)
