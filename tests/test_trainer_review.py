@@ -204,3 +204,21 @@ def test_a_resume_on_other_data_or_another_seed_is_refused_and_the_same_data_mov
     assert result.step == 3
     assert any(line.startswith(f"note: the checkpoint's run read its data from {src}, this run from {moved}: the "
                                "same images") for line in lines), lines
+
+
+def test_a_resume_with_a_length_that_ends_before_its_step_is_refused_and_another_end_is_said(tmp_path):
+    """A shorter --max-steps on resume ended the run where it stood without a word, and config.json kept the
+    shorter length, so a later plain `--resume latest` took the run for done."""
+    cfg = _cfg(_npz(tmp_path / "a.npz"), max_steps=3, checkpoint_every=3)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    config = (tmp_path / "run" / "config.json").read_text()
+    for length, says in (({"train.max_steps": 2}, "--max-steps 2 ends this run at step 2"),
+                         ({"train.max_steps": None, "train.max_images": 1}, "--max-images 1 ends this run at step 3")):
+        with pytest.raises(ConfigError, match=rf"{says}, and .*ckpt_000000003\.pt is at step 3, so nothing would "
+                                              rf"be trained \(the run was to train to step 3, --max-steps 3\)"):
+            train(apply_overrides(cfg, length), out_dir=tmp_path / "run", resume="latest", log=quiet)
+    assert (tmp_path / "run" / "config.json").read_text() == config  # the refusal changed nothing
+    lines = []
+    assert train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest",
+                 log=lines.append).step == 5
+    assert "note: this run now ends at step 5 (--max-steps 5); it was to end at step 3 (--max-steps 3)" in lines

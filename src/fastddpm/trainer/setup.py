@@ -35,6 +35,7 @@ from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step
 from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
+from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs
 from fastddpm.trainer.state import TrainState
 
 
@@ -237,6 +238,11 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                                 keep=train_cfg.keep_checkpoints, is_main=dist.is_main)
     if resumed is not None:
         changed = checkpointer.load(resumed)  # weights, EMA, optimizer, scaler, counters; the global RNG last
+        changed += check_run_length(  # before anything in the run directory moves
+            resumed, cfg, step=state.step, end_step=total_steps_for(cfg, steps_per_epoch, images_per_step,
+                                                                   step=state.step, images_seen=state.images_seen),
+            was_end_step=total_steps_for(resumed.config, steps_per_epoch, images_per_step, step=state.step,
+                                         images_seen=state.images_seen))
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
         for note in [*changed, *state.resume_notes(batch_fixed)]:
             console(note)
@@ -371,39 +377,6 @@ def _absolute_source(cfg: RunConfig, data) -> RunConfig:
     return cfg if path == cfg.data.source else dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=path))
 
 
-def _describe_data(identity: dict) -> str:
-    classes = identity.get("class_names") or []
-    return (f"{identity.get('num_images', 0):,} images {tuple(identity.get('image_shape') or ())}"
-            + (f", classes {', '.join(classes[:4])}{', ...' if len(classes) > 4 else ''}" if classes else ""))
-
-
-def _check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) -> None:
-    """Step k's batch, timesteps and noise are drawn from the data by (seed, k): a resume on other data or with
-    another seed would be another run, not this one continued. Refused naming what changed and the ways on; the
-    same images read from another path (a moved folder) are the same run, said in a note. A checkpoint written
-    before the data was recorded in it is not checked for the data."""
-    was_seed = resumed.config.train.seed
-    if was_seed != cfg.train.seed:
-        raise ConfigError(
-            f"cannot resume from {resumed.path}: train.seed was {was_seed} in the checkpoint but is {cfg.train.seed} "
-            f"now (a --seed, or a --preset's own); every step's data order, timesteps and noise come from the seed: "
-            f"pass --seed {was_seed} (or resume without --preset and --seed), or start a new run directory")
-    saved = resumed.meta.get("data")
-    if not saved:
-        return
-    if {k: saved.get(k) for k in identity} != identity:
-        raise ConfigError(
-            f"cannot resume from {resumed.path}: its run trained on {saved.get('source')} ({_describe_data(saved)}), "
-            f"this one's data is {cfg.data.source} ({_describe_data(identity)}); each step's batch is drawn from the "
-            f"data, so this would be another run, not this one continued. Resume on its data (--data "
-            f"{saved.get('source')}, with its --resize and --image-mode), or train on this data in a new --out "
-            f"(from these weights: export a ddpm-family model with `fastddpm export --format diffusers` and pass "
-            f"--init-from that folder)")
-    if saved.get("source") != cfg.data.source:
-        log(f"note: the checkpoint's run read its data from {saved.get('source')}, this run from {cfg.data.source}: "
-            f"the same images (count, shape, classes and sampled pixels), so the run continues")
-
-
 def _load_data(cfg: RunConfig, dist: DistInfo):
     """The dataset's uint8 cache (fastddpm.data.prepare): built once by rank 0, then read by every rank."""
     from fastddpm.data import prepare
@@ -492,7 +465,7 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist:
                 f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
     if resumed is not None:
         resumed.check_resumable(sharded_run=fsdp)
-        _check_same_inputs(resumed, cfg, identity, log)
+        check_same_inputs(resumed, cfg, identity, log)
         check_same_architecture(resolve_model_shape(resumed.config, data.images.shape, new_model=False),
                                 _resolve_from_data(cfg, data), resumed.path)
     return resumed
