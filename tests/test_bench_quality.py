@@ -102,10 +102,11 @@ def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="fast_max_images"):
         run_quality(QualitySettings(**{**base, "fast_max_images": 1024}, fast_from=earlier, options=("lr-x2",)),
                     tmp_path / "x", log=lambda m: None)
+    # a result that recorded no data identity (written before it was): compared by the dataset's name
+    monkeypatch.setattr(quality, "_data_source", lambda s, out, log: (s.data, None))  # (no data is read here)
     with pytest.raises(ConfigError, match=r"measured on --data fashion-mnist, this run has --data mnist"):
         run_quality(QualitySettings(**{**base, "data": "mnist"}, fast_from=earlier, options=("lr-x2",)),
                     tmp_path / "y", log=lambda m: None)
-    monkeypatch.setattr(quality, "_data_source", lambda s, out, log: s.data)  # (the copy is not read here)
     run_quality(QualitySettings(**{**base, "data": ".data/fashion-mnist"}, fast_from=earlier, options=("lr-x2",)),
                 tmp_path / "z", log=lambda m: None)  # the same dataset through a local copy
     with pytest.raises(ConfigError, match="--options"):
@@ -165,3 +166,31 @@ def test_an_objective_is_scored_again_only_where_auto_samples_it_with_another_sa
     assert option(base, "heun", 10, **{"diffusion.objective": "flow"}) is None
     assert option(base, "ddim", 50, **{"diffusion.objective": "flow"}) == ("heun", 10)
     assert option(base, "ddim", 50, **{"diffusion.objective": "edm"}) is None  # sampled as the fast recipe is
+
+
+def test_a_reused_result_is_compared_by_its_images_not_its_folder_name(tmp_path, monkeypatch):
+    """Two folders both named train/ (as absolute paths now keep them) compared as one dataset by name; the same
+    images under another name were refused. Results record the images' identity, and are compared by it."""
+    import numpy as np
+
+    monkeypatch.setattr(quality, "_train_run", _fake_train_run([]))
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        np.savez(tmp_path / name / "train.npz", x_train=rng.integers(0, 256, (80, 1, 16, 16), dtype=np.uint8),
+                 y_train=rng.integers(0, 2, 80).astype(np.int64))
+    base = dict(QUICK, device="cpu", quick=True, num_images=None)
+    a, b = str(tmp_path / "a" / "train.npz"), str(tmp_path / "b" / "train.npz")
+    earlier = run_quality(QualitySettings(**{**base, "data": a}, reference_from=_earlier(tmp_path, QualitySettings(
+        **{**base, "data": a}))), tmp_path / "ref", log=lambda m: None)  # (its reference has no identity: by name)
+    assert earlier["data_identity"]["num_images"] == 80
+    reference = str(tmp_path / "ref" / "quality.json")
+    with pytest.raises(ConfigError, match=r"measured on --data .*a/train.npz \(80 images \(1, 16, 16\), classes 0, "
+                                          r"1\), this run's --data .*b/train.npz holds other images"):
+        run_quality(QualitySettings(**{**base, "data": b}, reference_from=reference), tmp_path / "x",
+                    log=lambda m: None)
+    copy = tmp_path / "copy-of-a.npz"
+    copy.write_bytes((tmp_path / "a" / "train.npz").read_bytes())
+    result = run_quality(QualitySettings(**{**base, "data": str(copy)}, reference_from=reference), tmp_path / "y",
+                         log=lambda m: None)  # the same images under another name: one dataset
+    assert result["data_identity"] == earlier["data_identity"]

@@ -64,9 +64,9 @@ def test_quality_capped_data_of_two_sources_gets_two_files(tmp_path):
         sources.append(path)
     out = tmp_path / "out"
     out.mkdir()
-    got = [quality._data_source(QualitySettings(data=str(p), num_images=64), out, lambda m: None) for p in sources]
+    got = [quality._data_source(QualitySettings(data=str(p), num_images=64), out, lambda m: None)[0] for p in sources]
     assert got[0] != got[1]
-    again = quality._data_source(QualitySettings(data=str(sources[0]), num_images=64), out, lambda m: None)
+    again = quality._data_source(QualitySettings(data=str(sources[0]), num_images=64), out, lambda m: None)[0]
     assert again == got[0]
     with np.load(got[0]) as a, np.load(sources[0]) as src:
         assert np.array_equal(a["x_train"], src["x_train"][:64])

@@ -39,6 +39,7 @@ from typing import Callable
 
 from fastddpm.bench import store
 from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
+from fastddpm.data.cache import describe_identity
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -113,15 +114,16 @@ def _overrides(items) -> dict[str, str]:
     return out
 
 
-def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
-    """The source the runs train on: s.data, or the first num_images of it (and of its test split) as an .npz."""
-    if s.num_images is None:
-        return s.data
+def _data_source(s: QualitySettings, out_dir: Path, log) -> tuple[str, dict]:
+    """The source the runs train on: s.data, or the first num_images of it (and of its test split) as an .npz; and
+    the identity of s.data's training images (PreparedData.identity), by which a reused result's data is compared."""
     import numpy as np
 
     from fastddpm.data import DataError, prepare
 
     train = prepare(s.data, split="train", progress=False)
+    if s.num_images is None:
+        return s.data, train.identity()
     n = min(s.num_images, train.num_images)
     arrays = {"x_train": np.array(train.images[:n]), "y_train": np.asarray(train.labels[:n])}
     try:
@@ -140,7 +142,7 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> str:
     path = out_dir / f"data-n{n}-{digest.hexdigest()[:12]}.npz"
     np.savez(path, **arrays)
     log(f"data: the first {n:,} images of {s.data} -> {path}")
-    return str(path)
+    return str(path), train.identity()
 
 
 def _read_earlier(path: str, flag: str) -> dict:
@@ -160,11 +162,20 @@ def _read_earlier(path: str, flag: str) -> dict:
     return data
 
 
-def _check_same_data(previous: dict, s: QualitySettings, given: str) -> None:
+def _check_same_data(previous: dict, s: QualitySettings, given: str, identity: dict | None) -> None:
     """A reused reference or fast run must have trained on the same dataset: FIDs of two datasets do not compare.
-    Compared by the dataset's name (the last part of the path: a named dataset reached through a local copy, e.g.
-    .data/fashion-mnist, is fashion-mnist)."""
+    Compared by the images (`identity`, PreparedData.identity: count, shape, classes, sampled pixels) where the
+    earlier result recorded them: the same images at any path are one dataset, two folders both named train/ are
+    two. A result written before that is compared by the dataset's name (the last part of the path: a named
+    dataset reached through a local copy, e.g. .data/fashion-mnist, is fashion-mnist)."""
     theirs = previous.get("settings", {}).get("data")
+    recorded = previous.get("data_identity")
+    if recorded and identity:
+        if {k: recorded.get(k) for k in identity} != identity:
+            raise ConfigError(f"bench quality: {given} was measured on --data {theirs} ({describe_identity(recorded)}),"
+                              f" this run's --data {s.data} holds other images ({describe_identity(identity)}): FIDs "
+                              "compare only on one dataset; pass its --data, or measure a reference on this one")
+        return
     if theirs is not None and Path(str(theirs)).name.lower() != Path(s.data).name.lower():
         raise ConfigError(f"bench quality: {given} was measured on --data {theirs}, this run has --data {s.data}: "
                           "FIDs compare only on one dataset; pass its --data, or measure a reference on this one")
@@ -305,10 +316,10 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         "per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
+    source, identity = _data_source(s, out, log)
     for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
-        if given is not None:  # before any data is read or trained on
-            _check_same_data(_read_earlier(given, flag), s, given)
-    source = _data_source(s, out, log)
+        if given is not None:  # before anything is trained
+            _check_same_data(_read_earlier(given, flag), s, given, identity)
     finished = FinishedRuns(out, env, log, remeasure=s.remeasure)
 
     def train_run(name: str, cfg: RunConfig, **done) -> dict:
@@ -358,7 +369,8 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     target = float(reference["final_fid"])
     if s.reference_only:
         result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
-                  "data_source": source, "target_fid": target, "reference": reference, "fast": None, "options": [],
+                  "data_source": source, "data_identity": identity, "target_fid": target, "reference": reference,
+                  "fast": None, "options": [],
                   "features": reference["evals"][-1]["features_label"], "speedup_vs_reference": None}
         store.write_json(out / "quality.json", result)
         finished.partial.unlink(missing_ok=True)
@@ -406,8 +418,8 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         finished.save(env, s, reference=reference, fast=fast, options=option_rows)
 
     result = {"schema": SCHEMA, "benchmark": "quality", "environment": env, "settings": dataclasses.asdict(s),
-              "data_source": source, "target_fid": target, "reference": reference, "fast": fast,
-              "options": option_rows,
+              "data_source": source, "data_identity": identity, "target_fid": target, "reference": reference,
+              "fast": fast, "options": option_rows,
               "features": fast["evals"][0]["features_label"] if fast["evals"] else None}
     ref_wall = reference.get("train_wall_s")
     result["speedup_vs_reference"] = (ref_wall / hit["wall_s"] if hit and ref_wall and hit["wall_s"] > 0 else None)

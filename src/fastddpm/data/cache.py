@@ -103,6 +103,13 @@ class PreparedData:
         return derived.stat().st_mtime >= built_s
 
 
+def describe_identity(identity: dict) -> str:
+    """A PreparedData.identity() as a reader compares two: "60,000 images (1, 28, 28), classes a, b, c, d, ..."."""
+    classes = identity.get("class_names") or []
+    return (f"{identity.get('num_images', 0):,} images {tuple(identity.get('image_shape') or ())}"
+            + (f", classes {', '.join(classes[:4])}{', ...' if len(classes) > 4 else ''}" if classes else ""))
+
+
 def cache_dir_name(*, slug: str, identity: dict, split: str | None, transform: dict) -> str:
     """<slug>-<16 hex>: readable in `ls`, unique per (source identity, split, pixel-changing options)."""
     blob = json.dumps({"source": identity, "split": split, "transform": transform}, sort_keys=True)
