@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,6 +199,74 @@ def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
     assert [(t.fix, t.finding) for t in plan_trainer(findings, 3)] == [
         ("--precision bf16", "fp32"), ("--compile on", "eager-elementwise"), ("--cuda-graphs capture", "fp32")]
     assert [t.fix for t in plan_trainer(findings, 2)] == ["--precision bf16", "--compile on"]
+
+
+def test_try_fits_its_rounds_and_steps_to_try_seconds_at_the_diagnosed_step_time():
+    """--try ran 3 rounds of 5 + 20 steps per run whatever a step cost: a 3.9 s step made `--try 1` take about ten
+    minutes past a 60 s diagnosis, with no way to bound it."""
+    from fastddpm.doctor.trials import MIN_ROUNDS, MIN_STEPS, STARTUP_S, fit_shape
+
+    shape = fit_shape(3900.0, 2, 300.0)  # fewer timed steps first, all three rounds kept
+    assert (shape.rounds, shape.warmup, shape.steps) == (3, 5, 6)
+    assert shape.estimate_s == pytest.approx(3 * 2 * (STARTUP_S + 11 * 3.9)) and shape.estimate_s <= 300
+    assert "3 rounds of 2 runs, each 5 warm-up + 6 timed steps, about 4.8 min" == shape.describe(2)
+    floor = fit_shape(20000.0, 2, 300.0)  # no shape fits: the floor, said as it is
+    assert (floor.rounds, floor.steps) == (MIN_ROUNDS, MIN_STEPS) and floor.estimate_s > 300
+    assert (fit_shape(10.0, 3, 300.0).rounds, fit_shape(10.0, 3, 300.0).steps) == (3, 20)  # fits as asked
+    assert fit_shape(3900.0, 2, None).steps == 20 and fit_shape(None, 2, 300.0).estimate_s is None
+
+
+def test_try_starts_no_round_that_would_end_past_its_budget(monkeypatch):
+    from fastddpm.doctor import trials as trials_mod
+    from fastddpm.doctor.trials import Trial, run_trials
+
+    clock = [0.0]
+
+    def run(script, args, fix, warmup, steps, out, timeout_s):  # each run takes 10 s of the fake clock
+        clock[0] += 10.0
+        return {"step_ms": 10.0 if fix is None else 5.0, "applied": ["x"]}
+
+    monkeypatch.setattr(trials_mod, "_run", run)
+    monkeypatch.setattr(trials_mod.time, "perf_counter", lambda: clock[0])
+    lines = []
+    (trial,) = run_trials(Path("s.py"), [], [Trial("compile", "c", None, None)], rounds=5, budget_s=50.0,
+                          log=lines.append)
+    assert len(trial.speedups) == 2 and trial.measured == 2.0  # rounds of 20 s: a third would end at 60 s
+    assert "doctor --try: stopped after round 2 of 5: another would end past --try-seconds 50 (40 s spent)" in lines
+    clock[0] = 0.0
+    (trial,) = run_trials(Path("s.py"), [], [Trial("compile", "c", None, None)], rounds=1, budget_s=1.0,
+                          log=lines.append)
+    assert len(trial.speedups) == 1  # the first round always runs
+
+
+def test_try_says_why_it_tries_fewer_fixes_than_asked_and_what_each_measured_means():
+    from fastddpm.doctor.report import trial_line
+    from fastddpm.doctor.runners import try_plan_line
+    from fastddpm.doctor.trials import Trial, fit_shape
+
+    line = try_plan_line([Trial("channels-last", "w", None, None)], 2, fit_shape(300.0, 2, 300.0), what="fix",
+                         against="the script without it", none="")
+    assert line.startswith("doctor --try: 1 fix of the 2 asked (no other can be tried), each against the script "
+                           "without it, alternating: channels-last; 3 rounds of 2 runs, each 5 warm-up + 20 timed")
+    t = {"fix": "channels-last", "what": "channels_last weights and inputs", "failed": None, "predicted": None,
+         "applied": ["channels_last weights and inputs: SmallUNet.forward"], "measured": 0.95, "spread": [0.88, 0.97],
+         "rounds": 3}
+    assert trial_line(t) == ("channels-last: measured 0.95x [0.88-0.97] over 3 alternating rounds (slower here: "
+                             "leave it out); channels_last weights and inputs: SmallUNet.forward")
+    assert "(no gain beyond the runs' spread)" in trial_line({**t, "measured": 1.02, "spread": [0.97, 1.1]})
+    assert "(faster in every round)" in trial_line({**t, "measured": 1.3, "spread": [1.2, 1.4], "predicted": 1.5,
+                                                    "applied": ["other words"]})
+    assert trial_line({**t, "applied": ["other words"]}).startswith("channels-last (channels_last weights and "
+                                                                    "inputs): measured")
+
+
+def test_try_seconds_is_checked_and_is_a_doctor_option(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    assert main(["doctor", "run", "--try", "1", "--try-seconds", "-5", str(script)]) == 2
+    assert "--try-seconds -5: a number of seconds > 0 (0 = no bound)" in capsys.readouterr().err
+    assert main(["doctor", "run", str(script), "--try-seconds", "60"]) == 2
+    assert "--try-seconds comes after the script name" in capsys.readouterr().err
 
 
 def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnist_npz, monkeypatch):

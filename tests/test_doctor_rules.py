@@ -72,6 +72,7 @@ def test_drift_with_falling_clocks_is_called_throttling():
     assert "throttling" in found["drift"].cause and found["drift"].kind == "note"
     _, found, unavailable = run(steps(), step_stats=ss)  # a CPU: no clocks to read, and the report says so
     assert found["drift"].cause.startswith("no clocks are read on a CPU") and "GPU" not in found["drift"].cause
+    assert "from other work on the machine or from state that grows" in found["drift"].title  # the text shows it
     assert "15 (GPU clocks: throttling or growth)" in unavailable
     _, found, unavailable = run(steps(), device="cuda:0", step_stats=ss)  # a GPU whose clocks could not be read
     assert "cannot tell throttling" in found["drift"].cause
@@ -413,7 +414,10 @@ def test_unprofiled_share_takes_the_profilers_per_op_cost_out():
         .unprofiled_share("optimizer") == 0.5
     assert record(trace=t).unprofiled_share("optimizer") == 0.5  # no watched steps to compare with
     # a healthy CPU verdict quotes the share the rules read: 99% of the step in matmuls, not the profiled 50%
-    assert "(99% of the step in matmuls and attention)" in verdict([], m)["title"]
+    assert "(99% of the step in matmuls and convolutions)" in verdict([], m)["title"]  # no attention in it
+    with_attention = record(trace=cpu_trace(split={"matmul": 0.6, "attention": 0.3}),
+                            step_stats=StepStats(steps=20, median_ms=10.0))
+    assert "of the step in matmuls, convolutions and attention)" in verdict([], with_attention)["title"]
 
 
 def test_a_timed_optimizer_step_is_its_share_and_the_rest_share_what_it_leaves():
@@ -571,7 +575,7 @@ def test_cpu_healthy_needs_the_step_to_be_the_math():
     found, _ = evaluate(thin)
     v = verdict(found, thin)
     assert v["id"] == "low-mfu" and v["kind"] == "compute"
-    assert "matmuls and attention take 30% of the step" in {f.id: f for f in found}["low-mfu"].evidence[1]
+    assert "matmuls and convolutions take 30% of the step" in {f.id: f for f in found}["low-mfu"].evidence[1]
 
 
 def test_rule_low_mfu():

@@ -47,6 +47,13 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the text one")
 
 
+def _add_try_seconds(p) -> None:
+    p.add_argument("--try-seconds", type=float, default=300.0, metavar="S",
+                   help="bound --try to about S seconds: its rounds (up to 3) and timed steps (up to 20, after 5 "
+                        "warm-up steps, in each fresh run) are fitted to S at the diagnosed step time, and no round "
+                        "starts that would end past it (default 300; 0 = no bound)")
+
+
 def add_doctor_parser(sub, add_train_flags) -> None:
     """`add_train_flags(parser)` adds the trainer's config flags and returns their dests (fastddpm.cli)."""
     dp = sub.add_parser("doctor", help="profile a training loop, name its bottleneck, prescribe the fix",
@@ -62,6 +69,7 @@ def add_doctor_parser(sub, add_train_flags) -> None:
                      help="then try the top N fixes that are fastddpm settings (--precision, --compile, ...): each "
                           "finding's first, then their alternatives; each in `fastddpm train` runs alternating with "
                           "runs without it, and report the measured speedup beside the predicted one")
+    _add_try_seconds(run)
     run.add_argument("--preset", help="starting configuration (as for train)")
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -77,13 +85,15 @@ def add_doctor_parser(sub, add_train_flags) -> None:
                          "a fused optimizer, loader workers, channels_last): each finding's first, then their "
                          "alternatives; each in fresh runs alternating with runs without it, and report the measured "
                          "speedup beside the predicted one")
+    _add_try_seconds(dr)
     dr.add_argument("script", help="the training script (.py)")
     dr.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
 
 # Options no training script is expected to take: after the script's name they are a misplaced doctor option.
 # (--steps, --warmup, --device and --json are common script options too: those go to the script as written.)
-DOCTOR_ONLY_OPTIONS = ("--report-dir", "--profile-steps", "--max-seconds", "--loader-probe-s", "--save-trace", "--try")
+DOCTOR_ONLY_OPTIONS = ("--report-dir", "--profile-steps", "--max-seconds", "--loader-probe-s", "--save-trace", "--try",
+                       "--try-seconds")
 
 
 def script_arguments(script: str, given: list[str]) -> list[str]:
@@ -152,6 +162,9 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
                           "`fastddpm doctor run SCRIPT [ARGS]` (see fastddpm doctor --help)")
     if args.try_fixes < 0:
         raise DoctorError(f"--try {args.try_fixes}: the number of fixes to try, 0 (none) or more")
+    if not args.try_seconds >= 0 or args.try_seconds == float("inf"):
+        raise DoctorError(f"--try-seconds {args.try_seconds:g}: a number of seconds > 0 (0 = no bound)")
+    try_seconds = args.try_seconds or None
     try:
         cfg = DoctorConfig(warmup_steps=args.warmup, steps=args.steps, profile_steps=args.profile_steps,
                            loader_probe_s=args.loader_probe_s, out_dir=Path(args.report_dir),
@@ -167,12 +180,14 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
 
             args.resume = None
             train_cfg = resolve_train_config(args, args.train_dests)
-            report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes, try_log=_stderr)
+            report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes,
+                                 try_seconds=try_seconds, try_log=_stderr)
         else:
             from fastddpm.doctor.runners import run_script
 
             report = run_script(args.script, script_arguments(args.script, args.script_args), cfg,
-                                device=args.device, try_fixes=args.try_fixes, log=_stderr)
+                                device=args.device, try_fixes=args.try_fixes, try_seconds=try_seconds,
+                                log=_stderr)
     if args.json:
         import json
 

@@ -63,6 +63,11 @@ def pct(x: float) -> str:
     return f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.1f}%"
 
 
+def math_words(breakdown: dict[str, float]) -> str:
+    """What the step's math is, named by what the trace holds: "matmuls and convolutions", "... and attention"."""
+    return "matmuls, convolutions and attention" if breakdown.get("attention") else "matmuls and convolutions"
+
+
 def watched_time(steps: list[StepRecord]) -> tuple[float, float]:
     """(the watched steps' total host time, their median), ms."""
     return sum(s.host_ms for s in steps) or 1e-9, statistics.median(s.host_ms for s in steps)

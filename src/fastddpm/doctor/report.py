@@ -287,8 +287,13 @@ def trial_line(t: dict) -> str:
         return f"{t['fix']}: not measured ({t['failed'] or 'the fix found nothing to change in this script'})"
     pred = f"; predicted {t['predicted']:.2f}x" if t["predicted"] else ""
     lo, hi = t["spread"]
-    return (f"{t['fix']} ({t['what']}): measured {t['measured']:.2f}x [{lo:.2f}-{hi:.2f}] over {t['rounds']} "
-            f"alternating rounds{pred}; {'; '.join(t['applied'])}")
+    # the trial process names what it changed, starting with the fix's own words: those are not said twice
+    what = "" if all(a.startswith(t["what"]) for a in t["applied"]) else f" ({t['what']})"
+    rounds = f"{t['rounds']} alternating round{'s' if t['rounds'] != 1 else ''}"
+    said = ("slower here: leave it out" if hi < 1 else
+            "no gain beyond the runs' spread" if lo <= 1 else "faster in every round")
+    return (f"{t['fix']}{what}: measured {t['measured']:.2f}x [{lo:.2f}-{hi:.2f}] over {rounds}{pred} ({said}); "
+            f"{'; '.join(t['applied'])}")
 
 
 def render_html(r: Report) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastddpm.doctor.findings import Finding, pct
+from fastddpm.doctor.findings import Finding, math_words, pct
 from fastddpm.doctor.measurements import Measurements
 from fastddpm.doctor.rules_compute import (attention_weights, eager_elementwise, low_mfu, per_tensor_optimizer,
                                            precision, small_batch)
@@ -81,7 +81,7 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
         math = ""
         if m.trace is not None and m.trace.breakdown:  # unprofiled shares, as the rules read them
             share = m.unprofiled_share("matmul") + m.unprofiled_share("attention")
-            math = f" ({pct(share)} of the step in matmuls and attention)"
+            math = f" ({pct(share)} of the step in {math_words(m.trace.breakdown)})"
         text = ("HEALTHY for a CPU run: the step is the model's math" + math + ", with no data, epoch, compile, "
                 "precision or overhead problem costing 5% or more; the GPU-level rules need a CUDA device")
     return {"healthy": True, "id": "healthy", "title": text, "cost": 0.0}

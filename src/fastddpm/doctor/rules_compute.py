@@ -4,7 +4,7 @@ eager elementwise work (18), a per-tensor optimizer (19), a small batch (20)."""
 
 from __future__ import annotations
 
-from fastddpm.doctor.findings import Finding, Fix, pct
+from fastddpm.doctor.findings import Finding, Fix, math_words, pct
 from fastddpm.doctor.measurements import Measurements
 from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_SAVES, COMPILE_SAVES, CPU_LOW_MFU,
                                         CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES, FP32_GEMM_SHARE,
@@ -374,7 +374,7 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
         "low-mfu", (13,), "LOW MFU: most of the step is not matmul work", HEALTHY_FLOOR,
         [f"MFU {pct(mf.mfu)}: {mf.flops_per_step / 1e9:.2f} GFLOP per step in {mf.step_ms:.1f} ms against a "
          f"measured {mf.peak_dtype} matmul peak of {mf.peak_tflops * 1e3:.3g} GFLOP/s",
-         f"matmuls and attention take {pct(math_share)} of the step; the other {pct(rest)}: " +
+         f"{math_words(m.trace.breakdown)} take {pct(math_share)} of the step; the other {pct(rest)}: " +
          ", ".join(f"{label} {pct(v)}" for v, label in top[:4]), *_roofline_evidence(m)],
         "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
         [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops",

@@ -85,7 +85,11 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     else:
         cause = ("no clocks are read on a CPU: a busy or throttled machine slows the steps as state that grows "
                  "does; run it again to tell them apart")
-    return Finding("drift", (15,), "DRIFT: steps get slower over the run", drift_share, ev, cause,
+    # a CPU reads no clocks, so the title itself says that the machine's load is as likely as the loop
+    title = ("DRIFT: steps get slower over the run" if m.cuda else
+             "DRIFT: steps got slower over the watch, from other work on the machine or from state that grows (a "
+             "CPU has no clocks to tell which)")
+    return Finding("drift", (15,), title, drift_share, ev, cause,
                    [Fix(None, "check for state that grows per step; for throttling, improve "
                               "cooling or compare at fixed clocks")],
                    kind="note")

@@ -26,6 +26,9 @@ from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
 from fastddpm.doctor.watchers import AttentionWatch, batch_size, conv_layout, optimizer_info
 
+# --try's default bound (--try-seconds): the trials' rounds and steps are fitted to it
+TRY_SECONDS = 300.0
+
 
 class _TimedIterator:
     """A DataLoader iterator whose every `next` is timed as a wait for data, and told to the hooks (which loader
@@ -168,10 +171,10 @@ class ScriptHooks:
 
 def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
                device: torch.device | str | None = None, try_fixes: int = 0, try_rounds: int = 3,
-               log=print) -> Report:
+               try_seconds: float | None = TRY_SECONDS, log=print) -> Report:
     """Run `script` with `args` under the doctor; returns the Report (and writes it under config.out_dir).
-    `try_fixes`: then measure the top N fixes that can be applied from outside, each in `try_rounds` rounds
-    alternating with the script unchanged (fastddpm.doctor.trials)."""
+    `try_fixes`: then measure the top N fixes that can be applied from outside, each in up to `try_rounds` rounds
+    alternating with the script unchanged, all within about `try_seconds` (fastddpm.doctor.trials)."""
     path = Path(script)
     if not path.is_file():
         raise DoctorError(f"doctor run: no script at {path}; give the path of the .py file that trains")
@@ -227,7 +230,7 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
                       seen=hooks.seen(), params=params)
     in_script_terms(report, context, optimizer=hooks.optimizer, loader=session.loader)
     if try_fixes:
-        try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, log=log)
+        try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, budget_s=try_seconds, log=log)
     elif report.files.get("json"):
         report.save(Path(report.files["json"]).parent)
     return report
@@ -251,15 +254,33 @@ def in_script_terms(report: Report, script: ScriptContext, *, optimizer=None, lo
     report.script = script.to_dict()
 
 
-def try_top_fixes(report: Report, path: Path, args: list[str], n: int, *, rounds: int = 3, log=print) -> None:
-    """`--try N`: the top N fixes tried on the script, measured against its runs without them (report.trials)."""
-    from fastddpm.doctor.trials import plan, run_trials
+def try_plan_line(trials: list, n: int, shape, *, what: str, against: str, none: str) -> str:
+    """`doctor --try: 1 fix of the 2 asked (...): channels-last; 3 rounds of 2 runs, ...`: what --try will run
+    and for how long, and why fewer than N fixes where there are."""
+    if not trials:
+        return f"doctor --try: {none}"
+    fewer = f" of the {n} asked (no other can be tried)" if len(trials) < n else ""
+    return (f"doctor --try: {len(trials)} {what}{'s' if len(trials) != 1 else ''}{fewer}, each against {against}, "
+            f"alternating: {', '.join(t.fix for t in trials)}; {shape.describe(1 + len(trials))}")
+
+
+def _median_step_ms(report: Report) -> float | None:
+    return (report.measurements.get("step_stats") or {}).get("median_ms") or None
+
+
+def try_top_fixes(report: Report, path: Path, args: list[str], n: int, *, rounds: int = 3,
+                  budget_s: float | None = None, log=print) -> None:
+    """`--try N`: the top N fixes tried on the script, measured against its runs without them (report.trials),
+    in rounds that fit `budget_s` (--try-seconds) at the diagnosed step time."""
+    from fastddpm.doctor.trials import fit_shape, plan, run_trials
 
     convs = bool((report.measurements.get("optimizer") or {}).get("conv_weights"))
     trials = plan(report.findings, n, convs=convs)
-    log(f"doctor --try: {len(trials)} fix(es), each against the script without it, alternating: "
-        + (", ".join(t.fix for t in trials) or "no finding has a fix the doctor can apply from outside the script"))
-    run_trials(path, args, trials, rounds=rounds, log=log)
+    shape = fit_shape(_median_step_ms(report), 1 + len(trials), budget_s, rounds=rounds)
+    log(try_plan_line(trials, n, shape, what="fix", against="the script without it",
+                      none="no finding has a fix the doctor can apply from outside the script"))
+    run_trials(path, args, trials, rounds=shape.rounds, warmup=shape.warmup, steps=shape.steps, budget_s=budget_s,
+               log=log)
     report.trials = [t.to_dict() for t in trials]
     if report.files.get("json"):
         report.save(Path(report.files["json"]).parent)
@@ -302,7 +323,7 @@ def _step_done(session: Session) -> bool:
 
 
 def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try_rounds: int = 3,
-                try_log=print) -> Report:
+                try_seconds: float | None = TRY_SECONDS, try_log=print) -> Report:
     """fastddpm's trainer for config.total_steps steps under the doctor (its lines to `log`). `cfg` is a
     RunConfig. `try_fixes`: then measure the top N fixes that are fastddpm settings, `fastddpm train` with and
     without each, alternating (their progress to `try_log`)."""
@@ -362,13 +383,15 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
                             "inductor_layout": "channels-last" if forced else None},
                       step_bytes=step_bytes)
     if try_fixes:
-        from fastddpm.doctor.trials import plan_trainer, run_trials
+        from fastddpm.doctor.trials import fit_shape, plan_trainer, run_trials
 
         trials = plan_trainer(report.findings, try_fixes)
-        try_log(f"doctor --try: {len(trials)} setting(s), each against the config without it, alternating: "
-                + (", ".join(t.fix for t in trials) or "no finding has a fastddpm setting to try"))
-        report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=try_rounds,
-                                                         log=try_log)]
+        shape = fit_shape(_median_step_ms(report), 1 + len(trials), try_seconds, rounds=try_rounds)
+        try_log(try_plan_line(trials, try_fixes, shape, what="setting", against="the config without it",
+                              none="no finding has a fastddpm setting to try"))
+        report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=shape.rounds,
+                                                         warmup=shape.warmup, steps=shape.steps,
+                                                         budget_s=try_seconds, log=try_log)]
         if report.files.get("json"):
             report.save(Path(report.files["json"]).parent)
     return report

@@ -160,12 +160,50 @@ def settings_of(text: str) -> tuple[str, dict[str, str]] | None:
     return " ".join(words), {by_flag[flag]: value for flag, value in pairs}
 
 
+# A trial process's start before its first step (Python, torch, the script's imports), as estimates count it
+STARTUP_S = 5.0
+MIN_STEPS, MIN_ROUNDS = 5, 2  # fewer timed steps or rounds measure noise, not the fix
+
+
+@dataclass(frozen=True)
+class TrialShape:
+    rounds: int
+    warmup: int
+    steps: int
+    estimate_s: float | None  # the whole --try, from the diagnosed step time (None: no step time)
+
+    def describe(self, runs_per_round: int) -> str:
+        about = f", about {self.estimate_s / 60:.1f} min" if self.estimate_s is not None else ""
+        return (f"{self.rounds} rounds of {runs_per_round} runs, each {self.warmup} warm-up + {self.steps} timed "
+                f"steps{about}")
+
+
+def fit_shape(step_ms: float | None, runs_per_round: int, budget_s: float | None, *, rounds: int = 3,
+              warmup: int = 5, steps: int = 20) -> TrialShape:
+    """The rounds and steps of a --try that fits `budget_s` (--try-seconds) at the diagnosed median step: fewer
+    timed steps first (down to MIN_STEPS), then fewer rounds (down to MIN_ROUNDS); what still does not fit runs
+    at that floor, and run_trials stops at a round's end once the budget is spent."""
+    if not step_ms:
+        return TrialShape(rounds, warmup, steps, None)
+
+    def cost(r: int, s: int) -> float:
+        return r * runs_per_round * (STARTUP_S + (warmup + s) * step_ms / 1e3)
+
+    while budget_s is not None and steps > MIN_STEPS and cost(rounds, steps) > budget_s:
+        steps -= 1
+    while budget_s is not None and rounds > MIN_ROUNDS and cost(rounds, steps) > budget_s:
+        rounds -= 1
+    return TrialShape(rounds, warmup, steps, cost(rounds, steps))
+
+
 def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
-               steps: int = 20, timeout_s: float = 300.0, log=print) -> list[Trial]:
+               steps: int = 20, timeout_s: float = 300.0, budget_s: float | None = None, log=print) -> list[Trial]:
     """Alternate base and fix runs `rounds` times (each a fresh process), filling each Trial in place. `script`: a
-    script (with its `args`), or a fastddpm config (its dict form) for `doctor train`."""
+    script (with its `args`), or a fastddpm config (its dict form) for `doctor train`. `budget_s`: no round starts
+    once the rounds so far, at their mean time, say the next would end past it (the first round always runs)."""
     if not trials:
         return trials
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastddpm-doctor-try-") as tmp:
         def run(t: Trial | None, r: int) -> dict:
             out = Path(tmp) / f"{'base' if t is None else trials.index(t)}-{r}"  # one file per run
@@ -177,6 +215,11 @@ def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rou
 
         for r in range(rounds):
             if all(t.failed for t in trials):
+                break
+            spent = time.perf_counter() - started
+            if r and budget_s is not None and spent + spent / r > budget_s:
+                log(f"doctor --try: stopped after round {r} of {rounds}: another would end past --try-seconds "
+                    f"{budget_s:g} ({spent:.0f} s spent)")
                 break
             base = run(None, r)
             # each round in another order: no fix always runs right after the base (a warm page cache, a cool CPU)
