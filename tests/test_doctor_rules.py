@@ -99,6 +99,19 @@ def test_low_mfu_names_the_dtype_of_the_peak_it_divides_by():
     assert "measured tf32 matmul peak of 50 TFLOP/s" in found["low-mfu"].evidence[0]
 
 
+def test_an_mfu_against_an_emulated_peak_says_so_and_gives_fp32s():
+    """bf16 on a CPU without bf16 instructions: MFU 26% against its (emulated) peak read as fair for a step ten
+    times slower than in fp32."""
+    from fastddpm.doctor.report import _mfu_text
+
+    mfu = {"mfu": 0.261, "peak_tflops": 0.0102, "peak_dtype": "bf16"}
+    emulated = {"dtype": "bf16", "native": False, "fp32_peak_tflops": 0.102}
+    assert _mfu_text(mfu, emulated) == ("MFU 26.1% (bf16 peak 0.0102 TFLOP/s, emulated by this device; 2.6% of the "
+                                        "fp32 peak)")
+    assert _mfu_text(mfu, {**emulated, "native": True}) == "MFU 26.1% (bf16 peak 0.0102 TFLOP/s)"
+    assert _mfu_text(mfu) == "MFU 26.1% (bf16 peak 0.0102 TFLOP/s)"
+
+
 # ---- one test per rule function, on typed measurements built by hand: the rule fires, and does not
 
 

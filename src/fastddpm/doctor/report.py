@@ -108,7 +108,7 @@ class Report:
                 parts.append(f"GPU idle {100 * tr['idle_share']:.0f}%")
                 parts.append(f"kernels/step {tr['kernels_per_step']:.0f}")
         if m.get("mfu"):
-            parts.append(_mfu_text(m["mfu"]))
+            parts.append(_mfu_text(m["mfu"], m.get("low_precision")))
         lines.append("measured: " + "; ".join(parts))
         if m.get("roofline"):
             lines.append(f"roofline: {roofline_text(m['roofline'])}")
@@ -185,9 +185,15 @@ def top_ops_text(top: list[dict], n: int = 5) -> str:
                      for o in top[:n])
 
 
-def _mfu_text(mf: dict) -> str:
-    """MFU with the dtype of the peak it divides by: the same run reads ~2x apart against bf16 and fp32 peaks."""
-    return f"MFU {100 * mf['mfu']:.1f}% ({mf['peak_dtype']} peak {mf['peak_tflops']:.3g} TFLOP/s)"
+def _mfu_text(mf: dict, lowp: dict | None = None) -> str:
+    """MFU with the dtype of the peak it divides by: the same run reads ~2x apart against bf16 and fp32 peaks.
+    A peak in a dtype the device emulates (bf16 on a CPU without bf16 instructions) is said so: a step many times
+    slower than in fp32 reads as a fair MFU against it."""
+    emulated = bool(lowp and not lowp.get("native") and lowp.get("dtype") == mf["peak_dtype"])
+    fp32 = (f"; {100 * mf['mfu'] * mf['peak_tflops'] / lowp['fp32_peak_tflops']:.1f}% of the fp32 peak"
+            if emulated and lowp.get("fp32_peak_tflops") else "")
+    return (f"MFU {100 * mf['mfu']:.1f}% ({mf['peak_dtype']} peak {mf['peak_tflops']:.3g} TFLOP/s"
+            f"{', emulated by this device' if emulated else ''}{fp32})")
 
 
 def _jsonable(x):
@@ -445,7 +451,8 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
                      ", ".join(f"{k} {v / 1e9:.2f}" for k, v in tr["gemm_flops_per_step"].items())))
     if m.get("mfu"):
         mf = m["mfu"]
-        rows.append(("MFU", f"{_mfu_text(mf)}: {mf['flops_per_step'] / 1e9:.2f} GFLOP/step; {mf['peak_dtype']} is "
+        rows.append(("MFU", f"{_mfu_text(mf, m.get('low_precision'))}: {mf['flops_per_step'] / 1e9:.2f} GFLOP/step; "
+                            f"{mf['peak_dtype']} is "
                             f"{mf['peak_dtype_basis']}; peak {mf['peak_label']}"))
     if m.get("roofline"):
         r = m["roofline"]
