@@ -222,3 +222,42 @@ def test_a_resume_with_a_length_that_ends_before_its_step_is_refused_and_another
     assert train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest",
                  log=lines.append).step == 5
     assert "note: this run now ends at step 5 (--max-steps 5); it was to end at step 3 (--max-steps 3)" in lines
+
+
+def test_an_unconditional_resume_compares_pixels_and_a_changed_file_is_named_as_changed(tmp_path):
+    """An unconditional model reads no labels: the same images with other labels or class names (Fashion-MNIST by
+    name and its IDX files by path) were refused as other data. Pixels changed under the same path were described
+    as two identical datasets, with the advice to pass the path already in use."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(64, 1, 16, 16), dtype=np.uint8)
+    np.savez(tmp_path / "a.npz", images=images, labels=rng.integers(0, 2, size=64))
+    np.savez(tmp_path / "relabelled.npz", images=images, labels=rng.integers(0, 3, size=64))
+    cfg = _cfg(tmp_path / "a.npz", max_steps=2, checkpoint_every=2)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    lines = []
+    result = train(apply_overrides(cfg, {"data.source": str(tmp_path / "relabelled.npz"), "train.max_steps": 3}),
+                   out_dir=tmp_path / "run", resume="latest", log=lines.append)
+    assert result.step == 3
+    assert any("the same images (count, shape and sampled pixels), so the run continues" in line for line in lines)
+    conditional = apply_overrides(cfg, {"model.conditional": True})
+    train(conditional, out_dir=tmp_path / "cond", log=quiet)
+    with pytest.raises(ConfigError, match=r"64 images \(1, 16, 16\), classes 0, 1\), this one's data is "
+                                          r".*relabelled\.npz \(64 images \(1, 16, 16\), classes 0, 1, 2\)"):
+        train(apply_overrides(conditional, {"data.source": str(tmp_path / "relabelled.npz"), "train.max_steps": 3}),
+              out_dir=tmp_path / "cond", resume="latest", log=quiet)
+    train(apply_overrides(cfg, {"train.max_steps": 4}), out_dir=tmp_path / "run", resume="latest", log=quiet)
+    images[5, 0, 3, 3] ^= 1  # one bit of one sampled image, under the path the last checkpoint recorded
+    np.savez(tmp_path / "a.npz", images=images, labels=rng.integers(0, 2, size=64))
+    with pytest.raises(ConfigError, match=r"the images at .*a\.npz changed since the checkpoint was written \(the "
+                                          r"same count, shape and classes; sampled pixels or labels differ") as e:
+        train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest", log=quiet)
+    assert "--data" not in str(e.value) and "--init-from" not in str(e.value)  # no export route for this family
+
+
+def test_a_seed_changed_by_a_preset_on_resume_says_the_preset_replaces_the_config(tmp_path):
+    cfg = _cfg(_npz(tmp_path / "a.npz"), max_steps=2, checkpoint_every=2, seed=5)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    with pytest.raises(ConfigError, match=r"train.seed was 5 in the checkpoint but is 0 now.*A --preset \(here "
+                                          r"cpu-demo, .*replaces the run's whole config on resume"):
+        train(apply_overrides(cfg, {"preset": "cpu-demo", "train.seed": 0, "train.max_steps": 3}),
+              out_dir=tmp_path / "run", resume="latest", log=quiet)

@@ -39,7 +39,7 @@ from typing import Callable
 
 from fastddpm.bench import store
 from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
-from fastddpm.data.cache import describe_identity
+from fastddpm.data.cache import describe_identity, same_images
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -171,7 +171,7 @@ def _check_same_data(previous: dict, s: QualitySettings, given: str, identity: d
     theirs = previous.get("settings", {}).get("data")
     recorded = previous.get("data_identity")
     if recorded and identity:
-        if {k: recorded.get(k) for k in identity} != identity:
+        if not same_images(recorded, identity, labels=True):  # FID's feature network is trained on the labels
             raise ConfigError(f"bench quality: {given} was measured on --data {theirs} ({describe_identity(recorded)}),"
                               f" this run's --data {s.data} holds other images ({describe_identity(identity)}): FIDs "
                               "compare only on one dataset; pass its --data, or measure a reference on this one")

@@ -5,36 +5,52 @@ step's batch, timesteps and noise are drawn from them by (seed, step)), and a ru
 from __future__ import annotations
 
 from fastddpm.config import RUN_LENGTHS, ConfigError, RunConfig
-from fastddpm.data.cache import describe_identity
+from fastddpm.data.cache import describe_identity, same_images
 from fastddpm.rundir.locate import Checkpoint
 
 
 def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) -> None:
     """Step k's batch, timesteps and noise are drawn from the data by (seed, k): a resume on other data or with
     another seed would be another run, not this one continued. Refused naming what changed and the ways on; the
-    same images read from another path (a moved folder) are the same run, said in a note. A checkpoint written
-    before the data was recorded in it is not checked for the data."""
+    same images read from another path (a moved folder, a named dataset's own files) are the same run, said in a
+    note. An unconditional model reads no labels, so only its pixels are compared. A checkpoint written before the
+    data was recorded in it is not checked for the data."""
     was_seed = resumed.config.train.seed
     if was_seed != cfg.train.seed:
+        preset = cfg.preset is not None and cfg.preset != resumed.config.preset
         raise ConfigError(
             f"cannot resume from {resumed.path}: train.seed was {was_seed} in the checkpoint but is {cfg.train.seed} "
-            f"now (a --seed, or a --preset's own); every step's data order, timesteps and noise come from the seed: "
-            f"pass --seed {was_seed} (or resume without --preset and --seed), or start a new run directory")
+            f"now; every step's data order, timesteps and noise come from the seed. "
+            + (f"A --preset (here {cfg.preset}, from the command line or a config file) replaces the run's whole "
+               f"config on resume, its seed and data included: resume without it, or start a new run directory"
+               if preset else
+               f"Pass --seed {was_seed} (or resume without --seed), or start a new run directory"))
     saved = resumed.meta.get("data")
-    if not saved:
+    if not saved or same_images(saved, identity, labels=cfg.model.conditional):
+        if saved and saved.get("source") != cfg.data.source:
+            log(f"note: the checkpoint's run read its data from {saved.get('source')}, this run from "
+                f"{cfg.data.source}: the same images (count, shape and sampled pixels"
+                f"{', classes and labels' if cfg.model.conditional else ''}), so the run continues")
         return
-    if {k: saved.get(k) for k in identity} != identity:
-        raise ConfigError(
-            f"cannot resume from {resumed.path}: its run trained on {saved.get('source')} "
-            f"({describe_identity(saved)}), this one's data is {cfg.data.source} ({describe_identity(identity)}); "
-            f"each step's batch is drawn from the data, so this would be another run, not this one continued. "
-            f"Resume on its data (--data "
-            f"{saved.get('source')}, with its --resize and --image-mode), or train on this data in a new --out "
-            f"(from these weights: export a ddpm-family model with `fastddpm export --format diffusers` and pass "
-            f"--init-from that folder)")
-    if saved.get("source") != cfg.data.source:
-        log(f"note: the checkpoint's run read its data from {saved.get('source')}, this run from {cfg.data.source}: "
-            f"the same images (count, shape, classes and sampled pixels), so the run continues")
+    was = resumed.config.data
+    options = " ".join(f"--{flag} {value}" for flag, value in (("resize", was.resize), ("resize-mode",
+                       was.resize_mode if was.resize else None), ("image-mode", was.image_mode),
+                       ("split", was.split if was.split != "train" else None)) if value is not None)
+    if saved.get("source") == cfg.data.source and all(saved.get(k) == identity.get(k) for k in
+                                                       ("num_images", "image_shape", "class_names")):
+        what = (f"the images at {cfg.data.source} changed since the checkpoint was written (the same count, shape "
+                f"and classes; sampled pixels or labels differ: files edited or replaced, or the cache rebuilt by "
+                f"another decoder)")
+        ways = "Put its images back, or train on these in a new --out"
+    else:
+        what = (f"its run trained on {saved.get('source')} ({describe_identity(saved)}), this one's data is "
+                f"{cfg.data.source} ({describe_identity(identity)})")
+        ways = (f"Resume on its data (--data {saved.get('source')}{' ' + options if options else ''}), or train on "
+                f"this data in a new --out")
+    if cfg.model.family == "ddpm" and cfg.diffusion.objective == "ddpm":
+        ways += (" (from these weights: `fastddpm export --format diffusers`, then --init-from that folder)")
+    raise ConfigError(f"cannot resume from {resumed.path}: {what}; each step's batch is drawn from the data, so "
+                      f"this would be another run, not this one continued. {ways}")
 
 
 def run_length(cfg: RunConfig) -> str:
