@@ -429,4 +429,25 @@ def test_a_conditional_setting_on_an_unconditional_run_is_refused_not_ignored():
         _config("cpu-demo", {"sample_guidance": 3})
     args = _args(["--out", "r", "--preset", "tiny", "--conditional", "--cond-drop-prob", "0.3"])
     assert resolve_train_config(*args).train.cond_drop_prob == 0.3
+    assert _config("tiny", {"cond_drop_prob": 0.1}).model.conditional is False  # the default: no setting
     assert _config("cpu-demo-cond", {"sample_guidance": 3}).train.sample_guidance == 3
+
+
+def test_a_conditional_setting_in_a_config_file_of_an_unconditional_run_is_refused(tmp_path):
+    """The refusal saw flags, --set and API keywords, not a config file; a saved config.json of an unconditional
+    run (every field, at its default) still loads."""
+    from fastddpm.config import resolve_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\ntrain: {cond_drop_prob: 0.3}\n")
+    with pytest.raises(ConfigError, match=r"train.cond_drop_prob=0.3 \(config file .*c.yaml\) is a conditional "
+                                          r"model's setting"):
+        resolve_config(file=f)
+    f.write_text("preset: tiny\ntrain.sample_guidance: 4\n")
+    with pytest.raises(ConfigError, match=r"train.sample_guidance=4 \(config file"):
+        resolve_config(file=f)
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(get_preset("tiny").to_dict()))
+    assert resolve_config(file=saved) == get_preset("tiny")
+    f.write_text("preset: tiny\nmodel: {conditional: true}\ntrain: {cond_drop_prob: 0.3}\n")
+    assert resolve_config(file=f).train.cond_drop_prob == 0.3

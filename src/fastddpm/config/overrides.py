@@ -246,7 +246,7 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     _refuse_other_objectives(cfg, layers)
     _refuse_unread_betas(cfg, layers)
     _refuse_other_families(cfg, layers)
-    _refuse_conditional_only(cfg, layers)
+    _refuse_conditional_only(cfg, layers, file, file_values)
     return cfg
 
 
@@ -254,18 +254,29 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
 _CONDITIONAL_ONLY = ("cond_drop_prob", "sample_guidance")
 
 
-def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
+def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]], file=None,
+                             file_values: dict | None = None) -> None:
     """Label dropout and the guidance scale given explicitly to an unconditional run would be ignored without a
-    word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant."""
+    word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
+    Given by a layer or a config file; a value equal to the default (what a saved config.json holds, or a sweep's
+    explicit 0 for its unconditional baseline) changes nothing and is no setting."""
     if cfg.model.conditional:
         return
-    for source, values in layers:
+    defaults = RunConfig().train
+    given = list(layers)
+    if file is not None and file_values:
+        given.append((f"config file {file}", {f"train.{name}": _last_given(file_values, [], "train", name)
+                                              for name in _CONDITIONAL_ONLY
+                                              if _last_given(file_values, [], "train", name, _NOT_GIVEN)
+                                              is not _NOT_GIVEN}))
+    for source, values in given:
         for name in _CONDITIONAL_ONLY:
-            if f"train.{name}" in values:
+            key = f"train.{name}"
+            if key in values and coerce(values[key], float, key) != getattr(defaults, name):
                 raise ConfigError(
-                    f"train.{name}={values[f'train.{name}']!r} ({source}) is a conditional model's setting, and this "
-                    f"run's model is unconditional, so it would be ignored: add --conditional (on labelled data) to "
-                    f"train a class-conditional model with it, or leave it out")
+                    f"{key}={values[key]!r} ({source}) is a conditional model's setting, and this run's model is "
+                    f"unconditional, so it would be ignored: add --conditional (on labelled data) to train a "
+                    f"class-conditional model with it, or leave it out")
 
 
 def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
