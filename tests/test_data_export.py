@@ -108,3 +108,25 @@ def test_export_keeps_class_names_where_they_read_back_as_the_same_ids(tmp_path)
     assert data_main(["data", "export-images", str(unsorted), str(tmp_path / "out2")]) == 0
     assert sorted(p.name for p in (tmp_path / "out2").iterdir() if p.is_dir()) == ["0", "1"]
     assert np.array_equal(np.bincount(prepare(tmp_path / "out2", progress=False).labels), np.bincount(y))
+
+
+def test_names_the_reader_would_skip_or_merge_keep_integer_folders_and_an_older_export_is_renamed(tmp_path):
+    """`.a` and `__MACOSX` folders are skipped by the reader (their images were lost on read-back without a word),
+    names that are all split names read as split folders, and names one file system takes as one merge; an
+    export written before names were kept (integer folders, same images) was refused as 'other images'."""
+    from fastddpm.data.export import export_images, folder_names
+
+    labels = np.array([0, 0, 1, 1])
+    for names in ([".a", "b"], ["__MACOSX", "b"], ["test", "train"], ["caf\u00e9", "cafe\u0301"], ["aux", "b"],
+                  ["a.", "b"]):
+        assert folder_names(names, labels) is None, names
+    assert folder_names(["cat", "dog"], labels) == ["cat", "dog"]
+    images = real_fashion_slice(4)[0][:, None]  # (N, 1, 28, 28)
+    export_images(images, labels, tmp_path / "out")  # an older export: integer folders, no names recorded
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["0", "1"]
+    export_images(images, labels, tmp_path / "out", class_names=["cat", "dog"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["cat", "dog"]
+    back = prepare(tmp_path / "out", progress=False)
+    assert list(back.class_names) == ["cat", "dog"] and np.array_equal(back.images, images)
+    with pytest.raises(DataError, match="holds an export of other images"):  # other pixels still need --overwrite
+        export_images(images[::-1].copy(), labels, tmp_path / "out", class_names=["cat", "dog"])

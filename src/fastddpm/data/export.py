@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,11 +38,15 @@ class ExportResult:
     reused: bool  # True: an identical, complete export was already there
 
 
+_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+
+
 def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
     """The class folder of each class id, from the source's class names; None (integer folders) where reading
     the folders back would not give the same ids and names: a name that is no plain folder name, two names a
     case-insensitive file system would merge, or names whose sorted order (the reader's) is not the id order."""
-    from fastddpm.data.imagefolder import class_order
+    from fastddpm.data.imagefolder import class_order, skip_name
+    from fastddpm.data.options import SPLIT_ALIASES
 
     k = int(labels.max()) + 1 if labels.size and labels.max() >= 0 else 0
     names = [str(n) for n in class_names]
@@ -50,9 +55,14 @@ def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
     names = names[:k]
     if all(n.isdigit() for n in names):  # integer folders already; "1", "2", "3" would read back as ids 0-2
         return None
-    plain = all(n and n.strip() == n and n not in (".", "..") and not any(ch in n for ch in '/\\:*?"<>|')
-                and n.isprintable() for n in names)
-    if not plain or len({n.lower() for n in names}) < k or class_order(set(names)) != names:
+    # a folder the reader skips (.hidden, __MACOSX), or names that all read as split folders (train/, test/), or
+    # names a file system would take as one (case, Unicode normalisation) or refuse (Windows' reserved names)
+    plain = all(n and n.strip() == n and not n.endswith(".") and not skip_name(n) and n.isprintable()
+                and not any(ch in n for ch in '/\\:*?"<>|') and n.split(".")[0].upper() not in _RESERVED
+                for n in names)
+    folded = {unicodedata.normalize("NFC", n).casefold() for n in names}
+    if (not plain or len(folded) < k or all(n.lower() in SPLIT_ALIASES for n in names)
+            or class_order(set(names)) != names):
         return None
     return names
 
@@ -97,6 +107,10 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
         # an export by a version that recorded no content digest: what it holds cannot be checked, and the folder
         # holds only what an export writes, so it is written again rather than refused
         overwrite = overwrite or (earlier.get("format") == record["format"] and "content_sha256" not in earlier)
+        # the same images exported under other class folder names (integer folders, by a version that kept no
+        # names): what it holds is this export's, so it is written again under the names
+        overwrite = overwrite or (earlier.get("content_sha256") == record["content_sha256"]
+                                  and earlier.get("class_folders") != record.get("class_folders"))
     if root.exists() and any(root.iterdir()):
         if not overwrite:
             what = ("an export of other images, or one missing files" if marker.is_file()

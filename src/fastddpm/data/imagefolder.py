@@ -36,7 +36,7 @@ class FileStat:
     mtime_ns: int
 
 
-def _skip_name(name: str) -> bool:
+def skip_name(name: str) -> bool:
     """Dot-files (.DS_Store, ._x.png AppleDouble) and macOS zip metadata are never data."""
     return name.startswith(".") or name == "__MACOSX"
 
@@ -71,7 +71,7 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
         chain = ancestors[dirpath] = parent | {(st.st_dev, st.st_ino)}
         kept = []
         for d in sorted(dirnames):
-            if _skip_name(d):
+            if skip_name(d):
                 continue
             try:
                 dst = os.stat(os.path.join(dirpath, d))
@@ -86,7 +86,7 @@ def walk_folder(root: Path) -> tuple[list[FileStat], list[str]]:
         if rel_dir != "." and rel_dir.count("/") < 2:
             shallow_dirs.append(rel_dir)
         for name in sorted(filenames):
-            if _skip_name(name):
+            if skip_name(name):
                 continue
             rel = prefix + name
             if not is_image_name(name):
@@ -285,7 +285,7 @@ def zip_image_members(zf: zipfile.ZipFile) -> tuple[list[zipfile.ZipInfo], list[
     images, others = [], []
     for info in zf.infolist():
         path = member_path(info)
-        if info.is_dir() or path.endswith("/") or any(_skip_name(part) for part in path.split("/")):
+        if info.is_dir() or path.endswith("/") or any(skip_name(part) for part in path.split("/")):
             continue
         (images if is_image_name(path) else others).append(info)
     images.sort(key=member_path)
