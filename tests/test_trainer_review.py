@@ -261,3 +261,14 @@ def test_a_seed_changed_by_a_preset_on_resume_says_the_preset_replaces_the_confi
                                           r"cpu-demo, .*replaces the run's whole config on resume"):
         train(apply_overrides(cfg, {"preset": "cpu-demo", "train.seed": 0, "train.max_steps": 3}),
               out_dir=tmp_path / "run", resume="latest", log=quiet)
+
+
+def test_hflip_switched_on_resume_is_said(tmp_path):
+    """Flips change every step's batch from there; a resume that switches them on or off goes on, saying so."""
+    cfg = _cfg(_npz(tmp_path / "a.npz"), max_steps=2, checkpoint_every=2)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    lines = []
+    train(apply_overrides(cfg, {"data.hflip": True, "train.max_steps": 3}), out_dir=tmp_path / "run",
+          resume="latest", log=lines.append)
+    assert ("note: data.hflip was off in the checkpoint's run and is on now: the steps from here see other flips "
+            "than an uninterrupted run would (--no-hflip keeps its own)") in lines

@@ -25,6 +25,11 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
                f"config on resume, its seed and data included: resume without it, or start a new run directory"
                if preset else
                f"Pass --seed {was_seed} (or resume without --seed), or start a new run directory"))
+    was_flip = resumed.config.data.hflip
+    if was_flip != cfg.data.hflip:  # an augmentation switched on or off: the run goes on, no longer as it began
+        log(f"note: data.hflip was {'on' if was_flip else 'off'} in the checkpoint's run and is "
+            f"{'on' if cfg.data.hflip else 'off'} now: the steps from here see other flips than an uninterrupted "
+            f"run would (--{'hflip' if was_flip else 'no-hflip'} keeps its own)")
     saved = resumed.meta.get("data")
     if not saved or same_images(saved, identity, labels=cfg.model.conditional):
         if saved and saved.get("source") != cfg.data.source:
