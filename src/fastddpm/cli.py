@@ -124,7 +124,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         epilog=_train_epilog(),
     )
     run = tr.add_argument_group("run")
-    run.add_argument("--out", metavar="RUN_DIR", help="run directory (created if missing; required but with "
+    run.add_argument("--out", metavar="RUN_DIR", help="run directory (created if missing; required except with "
                                                        "--print-config)")
     run.add_argument("--preset", choices=list(PRESETS), help="starting configuration (see below)")
     run.add_argument("--config", metavar="FILE", help="YAML or JSON config file, applied over the preset")
