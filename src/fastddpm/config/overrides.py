@@ -263,12 +263,9 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
     if cfg.model.conditional:
         return
     defaults = RunConfig().train
-    given = list(layers)
-    if file is not None and file_values:
-        given.append((f"config file {file}", {f"train.{name}": _last_given(file_values, [], "train", name)
-                                              for name in _CONDITIONAL_ONLY
-                                              if _last_given(file_values, [], "train", name, _NOT_GIVEN)
-                                              is not _NOT_GIVEN}))
+    in_file = {f"train.{name}": _last_given(file_values or {}, [], "train", name, _NOT_GIVEN)
+               for name in _CONDITIONAL_ONLY}
+    given = [*layers, (f"config file {file}", {k: v for k, v in in_file.items() if v is not _NOT_GIVEN})]
     for source, values in given:
         for name in _CONDITIONAL_ONLY:
             key = f"train.{name}"
