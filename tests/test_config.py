@@ -451,3 +451,16 @@ def test_a_conditional_setting_in_a_config_file_of_an_unconditional_run_is_refus
     assert resolve_config(file=saved) == get_preset("tiny")
     f.write_text("preset: tiny\nmodel: {conditional: true}\ntrain: {cond_drop_prob: 0.3}\n")
     assert resolve_config(file=f).train.cond_drop_prob == 0.3
+
+
+def test_a_conditional_setting_in_the_apis_config_dict_of_an_unconditional_run_is_refused():
+    """fastddpm.train({...}) takes a RunConfig's dict form, nested or dotted: label dropout in it was ignored on an
+    unconditional model; a whole saved config (every field at its default) and a conditional one still load."""
+    from fastddpm.api import _config
+
+    for given in ({"train": {"cond_drop_prob": 0.2}}, {"train.sample_guidance": 4.0}):
+        with pytest.raises(ConfigError, match=r"\(config dict\) is a conditional model's setting"):
+            _config(given, {})
+    assert _config(get_preset("tiny").to_dict(), {}) == get_preset("tiny")
+    cond = {"model": {"conditional": True, "num_classes": 10}, "train": {"cond_drop_prob": 0.2}}
+    assert _config(cond, {}).train.cond_drop_prob == 0.2

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, apply_overrides, default_preset, load_config_file,
+from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, default_preset, load_config_file,
                              resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
@@ -41,8 +41,7 @@ def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, A
         config, why = default_preset(torch.cuda.is_available())
         log(f"preset: {config} (no config given; {why})")
     if isinstance(config, dict):
-        return resolve_config(apply_overrides(RunConfig(), config, source="config dict"), layers=layers,
-                              resumed=resumed)
+        return resolve_config(config, layers=layers, resumed=resumed)
     if isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
         base = resumed if resumed is not None and not load_config_file(config).get("preset") else None
         return resolve_config(base, file=config, layers=layers, resumed=resumed)

@@ -205,12 +205,12 @@ def qualify(key: str, source: str) -> str:
     return f"{owners[0]}.{key}"
 
 
-def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | None = None,
+def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Path | None = None,
                    layers: Iterable[tuple[str, dict[str, Any]]] = (), resumed: RunConfig | None = None
                    ) -> RunConfig:
-    """A run's config from its layers, later ones winning: `base` (a RunConfig, or a preset's name; None: the
-    config file's own `preset`, else the defaults) < the config `file` (YAML or JSON) < each (source, {key:
-    value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
+    """A run's config from its layers, later ones winning: `base` (a RunConfig, its dict form as config.json
+    holds it, or a preset's name; None: the config file's own `preset`, else the defaults) < the config `file`
+    (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
     names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
 
     When the file, a layer or `base` sets train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the
@@ -221,7 +221,11 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     data = load_config_file(file) if file is not None else {}
     if base is None and data.get("preset"):
         base = data["preset"]
-    cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
+    base_values = base if isinstance(base, dict) else {}
+    if isinstance(base, dict):
+        cfg = apply_overrides(RunConfig(), base, source="config dict")
+    else:
+        cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
     layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
     file_values = _file_length_replaces(file, {k: v for k, v in data.items() if k != "preset"})
     folder = _init_from(cfg, file_values, layers)
@@ -246,7 +250,7 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
     _refuse_other_objectives(cfg, layers)
     _refuse_unread_betas(cfg, layers)
     _refuse_other_families(cfg, layers)
-    _refuse_conditional_only(cfg, layers, file, file_values)
+    _refuse_conditional_only(cfg, layers, [("config dict", base_values), (f"config file {file}", file_values)])
     return cfg
 
 
@@ -254,18 +258,20 @@ def resolve_config(base: RunConfig | str | None = None, *, file: str | Path | No
 _CONDITIONAL_ONLY = ("cond_drop_prob", "sample_guidance")
 
 
-def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]], file=None,
-                             file_values: dict | None = None) -> None:
+def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]],
+                             files: list[tuple[str, dict[str, Any]]] = ()) -> None:
     """Label dropout and the guidance scale given explicitly to an unconditional run would be ignored without a
     word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
-    Given by a layer or a config file; a value equal to the default (what a saved config.json holds, or a sweep's
+    Given by a layer, or by one of `files`: (source, values nested by section or dotted), a config file's or
+    the Python API's config dict. A value equal to the default (what a saved config.json holds, or a sweep's
     explicit 0 for its unconditional baseline) changes nothing and is no setting."""
     if cfg.model.conditional:
         return
     defaults = RunConfig().train
-    in_file = {f"train.{name}": _last_given(file_values or {}, [], "train", name, _NOT_GIVEN)
-               for name in _CONDITIONAL_ONLY}
-    given = [*layers, (f"config file {file}", {k: v for k, v in in_file.items() if v is not _NOT_GIVEN})]
+    given = list(layers)
+    for source, file_values in files:
+        found = {f"train.{name}": _last_given(file_values, [], "train", name, _NOT_GIVEN) for name in _CONDITIONAL_ONLY}
+        given.append((source, {k: v for k, v in found.items() if v is not _NOT_GIVEN}))
     for source, values in given:
         for name in _CONDITIONAL_ONLY:
             key = f"train.{name}"
