@@ -222,6 +222,20 @@ def test_a_resume_with_a_length_that_ends_before_its_step_is_refused_and_another
     assert train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest",
                  log=lines.append).step == 5
     assert "note: this run now ends at step 5 (--max-steps 5); it was to end at step 3 (--max-steps 3)" in lines
+    with pytest.raises(ConfigError, match=r"give a length beyond step 5, the run is done"):
+        train(apply_overrides(cfg, {"train.max_steps": 4}), out_dir=tmp_path / "run", resume="latest", log=quiet)
+    # from a checkpoint before the run's end: a shorter length is refused with the way to finish it; the same end in
+    # other units is no change, and no note
+    run = tmp_path / "unfinished"
+    train(_cfg(tmp_path / "a.npz", max_steps=4, checkpoint_every=2), out_dir=run, log=quiet)
+    at_2 = str(run / "checkpoints" / "ckpt_000000002.pt")
+    with pytest.raises(ConfigError, match=r"give a length beyond step 2, or resume without this length \(from a "
+                                          r"flag or a config file\) to finish the run as it began"):
+        train(apply_overrides(cfg, {"train.max_steps": 1}), out_dir=run, resume=at_2, log=quiet)
+    lines = []
+    same_end = {"train.max_steps": None, "train.max_images": 4 * cfg.train.batch_size}
+    assert train(apply_overrides(cfg, same_end), out_dir=run, resume=at_2, log=lines.append).step == 4
+    assert not any("now ends at step" in line for line in lines), lines
 
 
 def test_an_unconditional_resume_compares_pixels_and_a_changed_file_is_named_as_changed(tmp_path):
@@ -249,9 +263,23 @@ def test_an_unconditional_resume_compares_pixels_and_a_changed_file_is_named_as_
     images[5, 0, 3, 3] ^= 1  # one bit of one sampled image, under the path the last checkpoint recorded
     np.savez(tmp_path / "a.npz", images=images, labels=rng.integers(0, 2, size=64))
     with pytest.raises(ConfigError, match=r"the images at .*a\.npz changed since the checkpoint was written \(the "
-                                          r"same count, shape and classes; sampled pixels or labels differ") as e:
+                                          r"same count and shape; sampled pixels differ") as e:
         train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest", log=quiet)
     assert "--data" not in str(e.value) and "--init-from" not in str(e.value)  # no export route for this family
+    # an image added, or a class folder renamed, under the same path: said as changed with what changed, not as
+    # other data with the advice to pass the path already given
+    np.savez(tmp_path / "a.npz", images=np.concatenate([images, images[:1]]), labels=rng.integers(0, 3, size=65))
+    for model, changed in ((cfg, r"\(64 images then, 65 now: files added"),
+                           (conditional, r"\(64 images then, 65 now; classes 0, 1 then, 0, 1, 2 now: files added")):
+        with pytest.raises(ConfigError, match=r"the images at .*a\.npz changed since the checkpoint was written "
+                           + changed) as e:
+            train(apply_overrides(model, {"data.source": str(tmp_path / "a.npz"), "train.max_steps": 5}),
+                  out_dir=tmp_path / ("run" if model is cfg else "cond"), resume="latest", log=quiet)
+        assert "Put its images back" in str(e.value) and "--data" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"its run trained on .*a\.npz .*Resume on its data \(--data .*a\.npz, "
+                                          r"without --resize\)"):  # other options at the same path: other data asked for
+        train(apply_overrides(cfg, {"data.resize": 8, "train.max_steps": 5}), out_dir=tmp_path / "run",
+              resume="latest", log=quiet)
 
 
 def test_a_seed_changed_by_a_preset_on_resume_says_the_preset_replaces_the_config(tmp_path):
@@ -260,6 +288,12 @@ def test_a_seed_changed_by_a_preset_on_resume_says_the_preset_replaces_the_confi
     with pytest.raises(ConfigError, match=r"train.seed was 5 in the checkpoint but is 0 now.*A --preset \(here "
                                           r"cpu-demo, .*replaces the run's whole config on resume"):
         train(apply_overrides(cfg, {"preset": "cpu-demo", "train.seed": 0, "train.max_steps": 3}),
+              out_dir=tmp_path / "run", resume="latest", log=quiet)
+    # the run's own preset given again replaces its config too (the preset's seed 0): "resume without --seed" alone
+    # was advice already followed
+    with pytest.raises(ConfigError, match=r"Pass --seed 5 \(or resume without --seed and without --preset tiny: a "
+                                          r"preset given on resume replaces the run's whole config"):
+        train(apply_overrides(cfg, {"preset": "tiny", "train.seed": 0, "train.max_steps": 3}),
               out_dir=tmp_path / "run", resume="latest", log=quiet)
 
 

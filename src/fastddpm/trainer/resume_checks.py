@@ -24,7 +24,9 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
             + (f"A --preset (here {cfg.preset}, from the command line or a config file) replaces the run's whole "
                f"config on resume, its seed and data included: resume without it, or start a new run directory"
                if preset else
-               f"Pass --seed {was_seed} (or resume without --seed), or start a new run directory"))
+               f"Pass --seed {was_seed} (or resume without --seed"
+               + (f" and without --preset {cfg.preset}: a preset given on resume replaces the run's whole config, its "
+                  f"seed included" if cfg.preset is not None else "") + "), or start a new run directory"))
     was_flip = resumed.config.data.hflip
     if was_flip != cfg.data.hflip:  # an augmentation switched on or off: the run goes on, no longer as it began
         log(f"note: data.hflip was {'on' if was_flip else 'off'} in the checkpoint's run and is "
@@ -41,21 +43,44 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
     options = " ".join(f"--{flag} {value}" for flag, value in (("resize", was.resize), ("resize-mode",
                        was.resize_mode if was.resize else None), ("image-mode", was.image_mode),
                        ("split", was.split if was.split != "train" else None)) if value is not None)
-    if saved.get("source") == cfg.data.source and all(saved.get(k) == identity.get(k) for k in
-                                                       ("num_images", "image_shape", "class_names")):
-        what = (f"the images at {cfg.data.source} changed since the checkpoint was written (the same count, shape "
-                f"and classes; sampled pixels or labels differ: files edited or replaced, or the cache rebuilt by "
-                f"another decoder)")
+    dropped = [f"--{k.replace('_', '-')}" for k in ("resize", "image_mode") if getattr(was, k) is None
+               and getattr(cfg.data, k) is not None]  # options this resume added that the run did not have
+    if saved.get("source") == cfg.data.source and all(getattr(was, k) == getattr(cfg.data, k) for k in _READ_AS):
+        what = (f"the images at {cfg.data.source} changed since the checkpoint was written "
+                f"({_changes(saved, identity, labels=cfg.model.conditional)}: files added, removed, edited or "
+                f"replaced, or the cache rebuilt by another decoder)")
         ways = "Put its images back, or train on these in a new --out"
     else:
         what = (f"its run trained on {saved.get('source')} ({describe_identity(saved)}), this one's data is "
                 f"{cfg.data.source} ({describe_identity(identity)})")
-        ways = (f"Resume on its data (--data {saved.get('source')}{' ' + options if options else ''}), or train on "
-                f"this data in a new --out")
+        ways = (f"Resume on its data (--data {saved.get('source')}{' ' + options if options else ''}"
+                f"{', without ' + ' and '.join(dropped) if dropped else ''}), or train on this data in a new --out")
     if cfg.model.family == "ddpm" and cfg.diffusion.objective == "ddpm":
         ways += (" (from these weights: `fastddpm export --format diffusers`, then --init-from that folder)")
     raise ConfigError(f"cannot resume from {resumed.path}: {what}; each step's batch is drawn from the data, so "
                       f"this would be another run, not this one continued. {ways}")
+
+
+# the data options that change what is read from a source: with the same source and these, other images are the
+# source's files changed, not other data asked for
+_READ_AS = ("split", "resize", "resize_mode", "image_mode")
+
+
+def _changes(saved: dict, now: dict, *, labels: bool) -> str:
+    """What differs between two PreparedData.identity() records of one source, as said to a user; the classes only
+    where `labels` (a conditional model reads them)."""
+    said = []
+    if saved.get("num_images") != now.get("num_images"):
+        said.append(f"{saved.get('num_images')} images then, {now.get('num_images')} now")
+    if saved.get("image_shape") != now.get("image_shape"):
+        said.append(f"shape {tuple(saved.get('image_shape') or ())} then, {tuple(now.get('image_shape') or ())} now")
+    if labels and saved.get("class_names") != now.get("class_names"):
+        said.append(f"classes {', '.join(saved.get('class_names') or ()) or 'none'} then, "
+                    f"{', '.join(now.get('class_names') or ()) or 'none'} now")
+    if said:
+        return "; ".join(said)
+    return ("the same count, shape and classes; sampled pixels or labels differ" if labels else
+            "the same count and shape; sampled pixels differ")
 
 
 def run_length(cfg: RunConfig) -> str:
@@ -70,13 +95,17 @@ def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step
     """A resume that sets another length: `end_step` is the step the run now ends at, `was_end_step` the one its
     checkpoint's run was to end at (both at this run's batch). A length that ends the run at or before the
     checkpoint's `step` would train nothing and leave the shorter length in config.json, where a later plain resume
-    reads it as the run being done: refused. Otherwise a note says the end moved."""
+    reads it as the run being done: refused. Otherwise a note says where the end moved, if it did."""
     if all(getattr(resumed.config.train, name) == getattr(cfg.train, name) for name in RUN_LENGTHS):
         return []
     was, now = run_length(resumed.config), run_length(cfg)
     if end_step <= step:
+        finish = (f"the run is done: its weights are in the checkpoint" if was_end_step <= step else
+                  f"or resume without this length (from a flag or a config file) to finish the run as it began")
         raise ConfigError(
             f"{now} ends this run at step {end_step:,}, and {resumed.path} is at step {step:,}, so nothing would be "
-            f"trained (the run was to train to step {was_end_step:,}, {was}): give a length beyond step {step:,}, or "
-            f"resume without {now.split()[0]} to finish the run as it began; its weights are in the checkpoint")
+            f"trained (the run was to train to step {was_end_step:,}, {was}): give a length beyond step {step:,}, "
+            f"{finish}")
+    if end_step == was_end_step:  # the same end, given in other units
+        return []
     return [f"note: this run now ends at step {end_step:,} ({now}); it was to end at step {was_end_step:,} ({was})"]
