@@ -222,7 +222,7 @@ def test_a_resume_with_a_length_that_ends_before_its_step_is_refused_and_another
     assert train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=tmp_path / "run", resume="latest",
                  log=lines.append).step == 5
     assert "note: this run now ends at step 5 (--max-steps 5); it was to end at step 3 (--max-steps 3)" in lines
-    with pytest.raises(ConfigError, match=r"give a length beyond step 5, the run is done"):
+    with pytest.raises(ConfigError, match=r"give a length beyond step 5 \(the run as it began is done; "):
         train(apply_overrides(cfg, {"train.max_steps": 4}), out_dir=tmp_path / "run", resume="latest", log=quiet)
     # from a checkpoint before the run's end: a shorter length is refused with the way to finish it; the same end in
     # other units is no change, and no note
@@ -277,7 +277,7 @@ def test_an_unconditional_resume_compares_pixels_and_a_changed_file_is_named_as_
                   out_dir=tmp_path / ("run" if model is cfg else "cond"), resume="latest", log=quiet)
         assert "Put its images back" in str(e.value) and "--data" not in str(e.value)
     with pytest.raises(ConfigError, match=r"its run trained on .*a\.npz .*Resume on its data \(--data .*a\.npz, "
-                                          r"without --resize\)"):  # other options at the same path: other data asked for
+                                          r"without --resize\)"):  # other options at the same path: other data
         train(apply_overrides(cfg, {"data.resize": 8, "train.max_steps": 5}), out_dir=tmp_path / "run",
               resume="latest", log=quiet)
 

@@ -100,11 +100,11 @@ def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step
         return []
     was, now = run_length(resumed.config), run_length(cfg)
     if end_step <= step:
-        finish = (f"the run is done: its weights are in the checkpoint" if was_end_step <= step else
-                  f"or resume without this length (from a flag or a config file) to finish the run as it began")
+        finish = (" (the run as it began is done; its weights are in the checkpoint)" if was_end_step <= step else
+                  ", or resume without this length (from a flag or a config file) to finish the run as it began")
         raise ConfigError(
             f"{now} ends this run at step {end_step:,}, and {resumed.path} is at step {step:,}, so nothing would be "
-            f"trained (the run was to train to step {was_end_step:,}, {was}): give a length beyond step {step:,}, "
+            f"trained (the run was to train to step {was_end_step:,}, {was}): give a length beyond step {step:,}"
             f"{finish}")
     if end_step == was_end_step:  # the same end, given in other units
         return []
