@@ -430,6 +430,8 @@ def test_a_conditional_setting_on_an_unconditional_run_is_refused_not_ignored():
     args = _args(["--out", "r", "--preset", "tiny", "--conditional", "--cond-drop-prob", "0.3"])
     assert resolve_train_config(*args).train.cond_drop_prob == 0.3
     assert _config("tiny", {"cond_drop_prob": 0.1}).model.conditional is False  # the default: no setting
+    for zero in (["--cond-drop-prob", "0"], ["--set", "train.sample_guidance=0"]):  # what unconditional does anyway
+        assert resolve_train_config(*_args(["--out", "r", "--preset", "tiny", *zero])).model.conditional is False
     assert _config("cpu-demo-cond", {"sample_guidance": 3}).train.sample_guidance == 3
 
 

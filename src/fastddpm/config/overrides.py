@@ -263,8 +263,9 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
     """Label dropout and the guidance scale given explicitly to an unconditional run would be ignored without a
     word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
     Given by a layer, or by one of `files`: (source, values nested by section or dotted), a config file's or
-    the Python API's config dict. A value equal to the default (what a saved config.json holds, or a sweep's
-    explicit 0 for its unconditional baseline) changes nothing and is no setting."""
+    the Python API's config dict. The default (what a saved config.json holds) and 0 (no label dropout, no
+    guidance: what an unconditional model does anyway, as a sweep's unconditional baseline may spell it) are no
+    setting."""
     if cfg.model.conditional:
         return
     defaults = RunConfig().train
@@ -275,7 +276,7 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
     for source, values in given:
         for name in _CONDITIONAL_ONLY:
             key = f"train.{name}"
-            if key in values and coerce(values[key], float, key) != getattr(defaults, name):
+            if key in values and coerce(values[key], float, key) not in (getattr(defaults, name), 0.0):
                 raise ConfigError(
                     f"{key}={values[key]!r} ({source}) is a conditional model's setting, and this run's model is "
                     f"unconditional, so it would be ignored: add --conditional (on labelled data) to train a "
