@@ -216,6 +216,25 @@ def test_try_fits_its_rounds_and_steps_to_try_seconds_at_the_diagnosed_step_time
     assert fit_shape(3900.0, 2, None).steps == 20 and fit_shape(None, 2, 300.0).estimate_s is None
 
 
+def test_a_trainer_trial_runs_the_steps_its_plan_says(tmp_path, monkeypatch):
+    """`doctor train --try` runs fastddpm train, which logs (and so times) whole intervals of the warm-up's length:
+    the plan said 5 + 6 steps and the trial ran 5 + 10, past --try-seconds; its start (data, model, the final
+    checkpoint) is longer than a script's, and its final grid is one image."""
+    from fastddpm.doctor import trials as trials_mod
+    from fastddpm.doctor.trials import TRAINER_STARTUP_S, fit_shape
+
+    shape = fit_shape(3900.0, 2, 300.0, trainer=True)
+    assert shape.steps % shape.warmup == 0 and shape.estimate_s <= 300
+    assert shape.estimate_s == pytest.approx(3 * 2 * (TRAINER_STARTUP_S + (shape.warmup + shape.steps) * 3.9))
+    commands = []
+    monkeypatch.setattr(trials_mod.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or
+                        type("Done", (), {"returncode": 1, "stderr": "stub", "stdout": ""})())
+    trials_mod._run_trainer({}, None, shape.warmup, shape.steps, tmp_path / "t", 10.0)
+    cmd = commands[0]
+    assert int(cmd[cmd.index("--max-steps") + 1]) == shape.warmup + shape.steps
+    assert cmd[cmd.index("--num-sample-images") + 1] == "1" and cmd[cmd.index("--sample-steps") + 1] == "1"
+
+
 def test_try_starts_no_round_that_would_end_past_its_budget(monkeypatch):
     from fastddpm.doctor import trials as trials_mod
     from fastddpm.doctor.trials import Trial, run_trials

@@ -386,7 +386,7 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
         from fastddpm.doctor.trials import fit_shape, plan_trainer, run_trials
 
         trials = plan_trainer(report.findings, try_fixes)
-        shape = fit_shape(_median_step_ms(report), 1 + len(trials), try_seconds, rounds=try_rounds)
+        shape = fit_shape(_median_step_ms(report), 1 + len(trials), try_seconds, rounds=try_rounds, trainer=True)
         try_log(try_plan_line(trials, try_fixes, shape, what="setting", against="the config without it",
                               none="no finding has a fastddpm setting to try"))
         report.trials = [t.to_dict() for t in run_trials(cfg.to_dict(), [], trials, rounds=shape.rounds,

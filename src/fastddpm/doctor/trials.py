@@ -160,8 +160,10 @@ def settings_of(text: str) -> tuple[str, dict[str, str]] | None:
     return " ".join(words), {by_flag[flag]: value for flag, value in pairs}
 
 
-# A trial process's start before its first step (Python, torch, the script's imports), as estimates count it
-STARTUP_S = 5.0
+# A trial process's time outside its steps (Python, torch, the script's imports), as estimates count it; a
+# `fastddpm train` trial also loads the data cache, builds the model and writes a checkpoint at its end (a 1-step
+# tiny run took 11 s on a shared 2-core CPU)
+STARTUP_S, TRAINER_STARTUP_S = 5.0, 10.0
 MIN_STEPS, MIN_ROUNDS = 5, 2  # fewer timed steps or rounds measure noise, not the fix
 
 
@@ -179,21 +181,30 @@ class TrialShape:
 
 
 def fit_shape(step_ms: float | None, runs_per_round: int, budget_s: float | None, *, rounds: int = 3,
-              warmup: int = 5, steps: int = 20) -> TrialShape:
+              warmup: int = 5, steps: int = 20, trainer: bool = False) -> TrialShape:
     """The rounds and steps of a --try that fits `budget_s` (--try-seconds) at the diagnosed median step: fewer
     timed steps first (down to MIN_STEPS), then fewer rounds (down to MIN_ROUNDS); what still does not fit runs
-    at that floor, and run_trials stops at a round's end once the budget is spent."""
+    at that floor, and run_trials stops at a round's end once the budget is spent. `trainer`: the runs are
+    `fastddpm train` processes (TRAINER_STARTUP_S each, timed steps in whole log intervals, _trainer_steps)."""
+    timed = (lambda s: _trainer_steps(warmup, s)) if trainer else (lambda s: s)
     if not step_ms:
-        return TrialShape(rounds, warmup, steps, None)
+        return TrialShape(rounds, warmup, timed(steps), None)
 
     def cost(r: int, s: int) -> float:
-        return r * runs_per_round * (STARTUP_S + (warmup + s) * step_ms / 1e3)
+        startup_s = TRAINER_STARTUP_S if trainer else STARTUP_S
+        return r * runs_per_round * (startup_s + (warmup + timed(s)) * step_ms / 1e3)
 
-    while budget_s is not None and steps > MIN_STEPS and cost(rounds, steps) > budget_s:
-        steps -= 1
+    while budget_s is not None and timed(steps) > MIN_STEPS and cost(rounds, steps) > budget_s:
+        steps = timed(steps) - (warmup if trainer else 1)
     while budget_s is not None and rounds > MIN_ROUNDS and cost(rounds, steps) > budget_s:
         rounds -= 1
-    return TrialShape(rounds, warmup, steps, cost(rounds, steps))
+    return TrialShape(rounds, warmup, timed(steps), cost(rounds, steps))
+
+
+def _trainer_steps(warmup: int, steps: int) -> int:
+    """A `fastddpm train` trial's timed steps: `steps` rounded up to whole log intervals (it logs every `warmup`
+    steps, and its step time is read from those lines)."""
+    return warmup * max(1, -(-steps // warmup))
 
 
 def run_trials(script: Path | dict, args: list[str], trials: list[Trial], *, rounds: int = 3, warmup: int = 5,
@@ -249,11 +260,13 @@ def _run_trainer(cfg: dict, settings: dict[str, str] | None, warmup: int, steps:
     metrics.jsonl."""
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(cfg))
-    n = warmup * max(1, -(-steps // warmup))  # timed steps: a multiple of the logging interval
+    n = _trainer_steps(warmup, steps)
     sets = [a for k, v in (settings or {}).items() for a in ("--set", f"{k}={v}")]
+    # the final grid as small as it can be (one image, one sampler step): 64 images took half a tiny trial's time
     cmd = [sys.executable, "-m", "fastddpm", "train", "--config", str(out / "config.json"), "--out", str(out / "run"),
            "--max-steps", str(warmup + n), "--log-every", str(warmup), "--checkpoint-every", "none",
-           "--sample-every-images", "none", "--eval-every", "none", "--no-progress", *sets]
+           "--sample-every-images", "none", "--eval-every", "none", "--num-sample-images", "1", "--sample-steps", "1",
+           "--no-progress", *sets]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
