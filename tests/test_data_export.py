@@ -121,6 +121,12 @@ def test_names_the_reader_would_skip_or_merge_keep_integer_folders_and_an_older_
                   ["a.", "b"]):
         assert folder_names(names, labels) is None, names
     assert folder_names(["cat", "dog"], labels) == ["cat", "dog"]
+    # only the classes with images are folders the reader sees: "test" and "train" alone read as split folders
+    # (one of them lost) though "cat" has none; an absent class's odd name ("T-shirt/top") is written nowhere
+    assert folder_names(["cat", "test", "train"], np.array([1, 1, 2, 2])) is None
+    assert folder_names(["T-shirt/top", "bag", "coat"], np.array([1, 2])) == ["T-shirt/top", "bag", "coat"]
+    # apple, b read back as ids 0 and 1, as integer folders 1 and 2 would (docstring): the names at least are kept
+    assert folder_names(["zebra", "apple", "b"], np.array([1, 2])) == ["zebra", "apple", "b"]
     images = real_fashion_slice(4)[0][:, None]  # (N, 1, 28, 28)
     export_images(images, labels, tmp_path / "out")  # an older export: integer folders, no names recorded
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["0", "1"]

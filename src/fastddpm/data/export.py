@@ -43,8 +43,9 @@ _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f
 
 def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
     """The class folder of each class id, from the source's class names; None (integer folders) where reading
-    the folders back would not give the same ids and names: a name that is no plain folder name, two names a
-    case-insensitive file system would merge, or names whose sorted order (the reader's) is not the id order."""
+    the folders back would not give the same names in the same order: a name that is no plain folder name, two
+    names a case-insensitive file system would merge, or names whose sorted order (the reader's) is not the id
+    order. Only the classes that have images count: the reader sees no other folder."""
     from fastddpm.data.imagefolder import class_order, skip_name
     from fastddpm.data.options import SPLIT_ALIASES
 
@@ -53,16 +54,17 @@ def folder_names(class_names, labels: np.ndarray) -> list[str] | None:
     if k == 0 or len(names) < k:
         return None
     names = names[:k]
-    if all(n.isdigit() for n in names):  # integer folders already; "1", "2", "3" would read back as ids 0-2
+    used = [names[c] for c in np.unique(labels[labels >= 0])]  # the folders written, in id order
+    if all(n.isdigit() for n in used):  # integer folders already; "1", "2", "3" would read back as ids 0-2
         return None
     # a folder the reader skips (.hidden, __MACOSX), or names that all read as split folders (train/, test/), or
     # names a file system would take as one (case, Unicode normalisation) or refuse (Windows' reserved names)
     plain = all(n and n.strip() == n and not n.endswith(".") and not skip_name(n) and n.isprintable()
                 and not any(ch in n for ch in '/\\:*?"<>|') and n.split(".")[0].upper() not in _RESERVED
-                for n in names)
-    folded = {unicodedata.normalize("NFC", n).casefold() for n in names}
-    if (not plain or len(folded) < k or all(n.lower() in SPLIT_ALIASES for n in names)
-            or class_order(set(names)) != names):
+                for n in used)
+    folded = {unicodedata.normalize("NFC", n).casefold() for n in used}
+    if (not plain or len(folded) < len(used) or all(n.lower() in SPLIT_ALIASES for n in used)
+            or class_order(set(used)) != used):
         return None
     return names
 
