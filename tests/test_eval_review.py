@@ -184,6 +184,10 @@ def test_class_names_are_compared_only_where_both_sides_have_names():
     check_class_names(("Cat", "dog"), ("cat", "Dog"), where="x")  # case aside, as --class matches names
     with pytest.raises(ConfigError, match=r"the same class names with other ids: .*\['B', 'a'\].*\['a', 'b'\]"):
         check_class_names(("B", "a"), ("a", "b"), where="x")
+    # where case tells two classes apart it is compared: "Cat" and "cat" swapped are other ids, not one class
+    with pytest.raises(ConfigError, match=r"the same class names with other ids: .*\['Cat', 'cat'\]"):
+        check_class_names(("Cat", "cat"), ("cat", "Cat"), where="x")
+    check_class_names(("Cat", "cat"), ("Cat", "cat"), where="x")
 
 
 def test_a_one_class_dataset_trains_no_feature_classifier(tmp_path, capsys):
