@@ -210,8 +210,8 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
                    ) -> RunConfig:
     """A run's config from its layers, later ones winning: `base` (a RunConfig, its dict form as config.json
     holds it, or a preset's name; None: the config file's own `preset`, else the defaults) < the config `file`
-    (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key is "section.field" or a field name of one section, and `source`
-    names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
+    (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key is "section.field" or a field
+    name of one section, and `source` names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
 
     When the file, a layer or `base` sets train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the
     folder's architecture and schedule (config.diffusers_unet.folder_fields) are a layer right above `base`:
@@ -271,7 +271,8 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
     defaults = RunConfig().train
     given = list(layers)
     for source, file_values in files:
-        found = {f"train.{name}": _last_given(file_values, [], "train", name, _NOT_GIVEN) for name in _CONDITIONAL_ONLY}
+        found = {f"train.{name}": _last_given(file_values, [], "train", name, _NOT_GIVEN)
+                 for name in _CONDITIONAL_ONLY}
         given.append((source, {k: v for k, v in found.items() if v is not _NOT_GIVEN}))
     for source, values in given:
         for name in _CONDITIONAL_ONLY:
