@@ -360,7 +360,7 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
     """`fastddpm eval --guidance 0,1,3` on a conditional checkpoint: one row per scale with FID, precision/recall,
     class accuracy by the dataset's classifier and per-class FID; --guidance on an unconditional model refused."""
     run = tmp_path / "run"
-    train(tiny_cond_cfg(fmnist_splits, max_steps=3), out_dir=run, log=quiet)
+    train(tiny_cond_cfg(fmnist_splits, max_steps=3, sample_guidance=3.0), out_dir=run, log=quiet)
     args = ["eval", "--checkpoint", str(run), "--num-samples", "20", "--steps", "2", "--no-progress"]
     assert main([*args, "--guidance", "0,1,3"]) == 0
     out = capsys.readouterr().out
@@ -375,7 +375,10 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
         assert 0.0 <= r["class_accuracy"] <= 1.0 and r["fid"] > 0
         assert set(r["per_class_fid"]) == {str(i) for i in range(10)}
         assert set(r["class_accuracy_by_class"]) == {str(i) for i in range(10)}
-    assert result["fid"] == rows[0]["fid"]  # the top-level numbers are the first scale's
+    # the top-level numbers and the grid are the model's own scale's (3, what `fastddpm sample` draws at), not the
+    # first listed (0: unconditional samples), and say so
+    assert result["fid"] == rows[2]["fid"] != rows[0]["fid"] and result["headline_guidance"] == 3.0
+    assert "(top-level numbers and grid: guidance 3)" in out
     plain = tmp_path / "plain"
     train(apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_splits), "train.progress": False,
                                                "train.max_steps": 1, "train.num_sample_images": 2,

@@ -123,7 +123,7 @@ def test_eval_cli_end_to_end(evaluated_run, capsys):
     assert result["environment"]["torch"] == torch.__version__
 
 
-def test_each_checkpoint_and_choice_gets_its_own_eval_files(fmnist_splits, tmp_path):
+def test_each_checkpoint_and_choice_gets_its_own_eval_files(fmnist_splits, tmp_path, capsys):
     """Successive checkpoints of one run, and the raw weights beside the EMA, are kept side by side: the file name
     carries the step and each non-default choice."""
     run = tmp_path / "run"
@@ -138,6 +138,15 @@ def test_each_checkpoint_and_choice_gets_its_own_eval_files(fmnist_splits, tmp_p
                      "eval_dpmpp-2m-sde1_n10_seed0_step4_model.json"]
     steps = [json.loads((run / "eval" / n).read_text())["checkpoint"] for n in names]
     assert [(c["step"], c["weights"]) for c in steps] == [(2, "ema"), (4, "ema"), (4, "model")]
+    # another precision samples other floats: beside the default's file, not over it; a file as --out is refused
+    # before anything is sampled (it failed after sampling and scoring, losing the result)
+    assert main(["eval", "--checkpoint", str(run), "--precision", "bf16", *base]) == 0
+    assert (run / "eval" / "eval_dpmpp-2m-sde1_n10_seed0_step4_bf16.json").is_file()
+    (tmp_path / "a-file").write_text("x")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--out", str(tmp_path / "a-file"), *base]) == 2
+    err = capsys.readouterr()
+    assert "error: --out " in err.err and "a-file: is a file" in err.err and "sampling" not in err.out
 
 
 def test_eval_resizes_and_converts_other_data_to_the_models_shape(evaluated_run, tmp_path):

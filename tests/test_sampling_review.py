@@ -104,7 +104,8 @@ def test_an_out_that_is_a_file_is_refused_before_any_sampling(runs, tmp_path, ca
         assert main(["sample", "--checkpoint", str(runs["plain"]), "--num-images", "2", "--sampler", "ddim",
                      "--steps", "2", "--no-progress", "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert f"--out {out}: cannot create the folder" in err and "give one that can be created" in err
+        said = "is a file, not a folder" if out == taken else "cannot create the folder"
+        assert f"--out {out}: {said}" in err and "give one that can be created" in err
     assert taken.read_text() == "mine"
 
 

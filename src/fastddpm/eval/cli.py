@@ -56,8 +56,9 @@ environment) and a .png grid of the first 256 samples; OUT defaults to RUN_DIR/e
 sampler's own and an --eta other than 0 follow the steps (eval_ddim50-eta0.5_...); _w lists a conditional model's
 guidance scales (_w0-1-2). The name goes on with each choice that is not the default (_model weights, _inception-v3
 features, with the weights' hash when they are not pytorch-fid's file, _ref-test, _data-NAME, _resizeN, _stretch or
-_center-crop, _L or _RGB, _skip-bad), so evaluating successive checkpoints, or one in two feature spaces, keeps every
-result.
+_center-crop, _L or _RGB, _skip-bad, and a --precision other than the device's own, _bf16), so evaluating
+successive checkpoints, or one in two feature spaces, keeps every result. With several guidance scales the top-level
+numbers and the grid are the model's own scale's where it is among them, else the first's (headline_guidance).
 Exit codes: 0 done, 2 bad input (missing checkpoint, data that does not match the model).
 """
 
@@ -276,6 +277,11 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     batch_size = args.batch_size or (1000 if device.type == "cuda" else 250)
     batch_size = min(batch_size, args.num_samples)
 
+    if args.out and dist.is_main:  # before any sampling: a result computed for minutes has somewhere to go
+        from fastddpm.rundir.files import make_writable_dir
+
+        make_writable_dir(Path(args.out), flag="--out", fix="--out is the folder for the result's .json and grid: "
+                                                             "give one that can be created and written")
     inception = inception_choice(args)
     if inception is not None and args.num_samples < PUBLISHED_NUM_SAMPLES:
         log(f"note: published Inception FID uses {PUBLISHED_NUM_SAMPLES:,} samples against the training set; "
@@ -356,7 +362,11 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
             log(summary_line(result[0]))
     if not dist.is_main:
         return 0
-    metrics, images = per_scale[0]
+    # the top-level numbers and the grid: the model's own scale (what `fastddpm sample` draws at) where it was
+    # evaluated, else the first scale given; "headline_guidance" says which
+    head = next((i for i, (mw, _) in enumerate(per_scale) if mw.get("guidance") == cfg.train.sample_guidance), 0) \
+        if cfg.model.conditional else 0
+    metrics, images = per_scale[head]
     out = Path(args.out) if args.out else ckpt.run_dir.eval_dir
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     tag = f"-{spacing}" if spacing != own_spacing else ""
@@ -366,6 +376,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if cfg.model.conditional:
         stem += "_w" + "-".join(f"{w:g}" for w in scales)
     stem += _identity_suffix(args, info, evaluator, trained=trained)
+    if precision.name != resolve_precision("auto", device).name:  # as `fastddpm sample`: other floats, other images
+        stem += f"_{precision.name}"
     m = cfg.model
     grid = save_grid(images[:256].numpy(), out / f"{stem}.png", scale=min(4, max(1, 128 // m.image_size)))
     s = metrics["sampling"]
@@ -374,6 +386,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         "fid": metrics["fid"], "precision": metrics["precision"], "recall": metrics["recall"],
         "coverage": metrics.get("coverage"),
         "guidance": [_scale_record(mw) for mw, _ in per_scale] if cfg.model.conditional else None,
+        "headline_guidance": metrics.get("guidance") if cfg.model.conditional else None,
         "features": {**evaluator.describe(), "protocol": _protocol(net, args.num_samples, evaluator.ref.meta)},
         # label_histogram: the real images' labels; predicted_label_histogram: the feature classifier's predicted
         # classes of the same images (None in Inception features), which the reference statistics record
@@ -409,7 +422,9 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         log(f"sampling: {s['samples_per_s']:,.1f} samples/s overall ({s['wall_s']:.1f} s"
             + (f"; {steady:,.1f}/s after the first batch, which took {s['first_batch_s']:.1f} s" if steady else "")
             + f"); scoring {metrics['score_s']:.1f} s")
-    log(f"wrote {json_path} and {grid}")
+    headline = (f" (top-level numbers and grid: guidance {metrics['guidance']:g})"
+                if cfg.model.conditional and len(per_scale) > 1 else "")
+    log(f"wrote {json_path} and {grid}{headline}")
     return 0
 
 

@@ -40,6 +40,8 @@ def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
     `fix`: found after the work, it would be a traceback, and the work lost."""
     from fastddpm.config import ConfigError
 
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a file, not a folder: {fix}")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
