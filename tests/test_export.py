@@ -199,6 +199,13 @@ def test_the_onnx_sampler_draws_the_same_images_at_any_batch_size(onnx_export, t
         sample_onnx([folder, *base, "--batch-size", "2049"])
     with pytest.raises(SystemExit, match="--num 0 and --steps 1 must both be >= 1"):
         sample_onnx([folder, *base, "--num", "0"])
+    # --out in a folder not there yet is created (a traceback after sampling before); under a file it is refused
+    assert sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "new" / "deeper" / "g.png")]) == 0
+    assert (tmp_path / "new" / "deeper" / "g.npz").is_file()
+    with pytest.raises(SystemExit, match=r"--out .*b7\.png/g\.png: cannot create its folder"):
+        sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "b7.png" / "g.png")])
+    with pytest.raises(SystemExit, match=r"--out .*new is a folder: give the grid's file name"):
+        sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "new")])
 
 
 def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
