@@ -107,15 +107,21 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
         first = f"it wrote opset {written}, not {opset}"
     except Exception as e:  # noqa: BLE001 - any exporter failure: try the other one, and say which ran
         first = _first_line(e)
-    try:
-        torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
-                          dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
+    try:  # its tracer's warnings are answered by _check_onnx (other batch sizes against PyTorch's outputs), and
+        # on a failure it dumps the whole TorchScript graph to stdout from C++: both kept from the terminal
+        with warnings.catch_warnings(), _fd_stdout_dropped():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+            torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
+                              dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
     except Exception as e:  # noqa: BLE001 - both exporters failed: say what each said
+        path.unlink(missing_ok=True)  # the dynamo exporter's file in the wrong opset: no model of this export
         raise ExportError(f"export --opset {opset}: neither ONNX exporter wrote the model (the dynamo exporter: "
                           f"{first}; the TorchScript one: {_first_line(e)}); try the default --opset 18") from None
     written = onnx_opset(path)
     if written != opset:
-        raise ExportError(f"export --opset {opset}: {path} declares opset {written}; try the default --opset 18")
+        path.unlink(missing_ok=True)
+        raise ExportError(f"export --opset {opset}: the TorchScript exporter wrote opset {written}; try the default "
+                          "--opset 18")
     return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})", written
 
 
@@ -125,16 +131,24 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
 _ONNX_NOISE_WARNINGS = ((FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
                         (UserWarning, r"# The axis name: \w+ will not be used, since it shares the same shape"))
 _ONNX_NOISE_LOGGER, _ONNX_NOISE_LOG = "torch.onnx._internal.exporter._registration", "torchvision is not installed"
+# An --opset other than the dynamo exporter's own (18) is converted by onnxscript, which logs each step of it (and
+# a failed conversion's traceback) as warnings: the file's opset is read back and checked instead (_export_onnx)
+_ONNX_CONVERSION_LOGGERS = ("onnxscript.version_converter", "torch.onnx._internal.exporter._compat")
 
 
 @contextlib.contextmanager
 def quiet_onnx_exporter():
-    """Silence _ONNX_NOISE_WARNINGS and the torchvision log lines for the block; everything else still shows."""
+    """Silence _ONNX_NOISE_WARNINGS, the torchvision log lines and the opset conversion's log for the block;
+    everything else still shows."""
     def keep(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(_ONNX_NOISE_LOG)
 
     logger = logging.getLogger(_ONNX_NOISE_LOGGER)
     logger.addFilter(keep)
+    converters = [logging.getLogger(name) for name in _ONNX_CONVERSION_LOGGERS]
+    levels = [c.level for c in converters]
+    for c in converters:
+        c.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             for category, message in _ONNX_NOISE_WARNINGS:
@@ -142,6 +156,25 @@ def quiet_onnx_exporter():
             yield
     finally:
         logger.removeFilter(keep)
+        for c, level in zip(converters, levels):
+            c.setLevel(level)
+
+
+@contextlib.contextmanager
+def _fd_stdout_dropped():
+    """Drop what is written to file descriptor 1 in the block (C++ prints that Python's sys.stdout never sees)."""
+    import os
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _first_line(e: Exception) -> str:
