@@ -289,6 +289,10 @@ def test_an_export_folder_loads_as_its_model_file_or_says_what_it_holds(runs, tm
     assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(tmp_path / "pt2")]) == 0
     with pytest.raises(CheckpointError, match=r"It holds an export \(model.pt2\)"):
         fastddpm.load(tmp_path / "pt2")
+    # the export's own file, not its folder: said as an export too (it was "corrupted ... use an earlier checkpoint")
+    with pytest.raises(CheckpointError, match=r"model\.pt2 is an export \(PT2\), which other runtimes load; "
+                                              r"fastddpm loads the run it came from"):
+        fastddpm.load(tmp_path / "pt2" / "model.pt2")
 
 
 @pytest.fixture(scope="session")

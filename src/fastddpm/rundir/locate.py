@@ -143,6 +143,10 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
             raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors.{hint} Pass {WHAT_TO_PASS}")
     if path.is_dir():
         return Checkpoint(path, "dcp", sharded.read_meta(path))
+    if path.suffix.lower() in (".onnx", ".pt2"):  # not a checkpoint, corrupted or not: an export's model
+        raise CheckpointError(f"{named} is an export ({path.suffix.lstrip('.').upper()}), which other runtimes "
+                              f"load; fastddpm loads the run it came from (export.json beside it names its "
+                              f"checkpoint) or a --format safetensors export. Pass {WHAT_TO_PASS}")
     if path.suffix == ".safetensors":
         return _safetensors(path)
     return _pt(path, checkpoint.load_checkpoint(path))
