@@ -156,6 +156,17 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     plain = resolve_model_shape(get_preset("tiny"), (1, 1, 28, 28)).model
     with pytest.raises(ConfigError, match="unconditional"):
         class_index(plain, "sneaker")
+    # as the file names spell them (sample_..._ankle-boot_w2...), where one class alone matches
+    assert class_index(cfg, "ankle-boot") == 9 and class_index(cfg, "t-shirt-top") == 0
+    # what is no name and no id: a clear refusal (a list or a float was a TypeError, True was class 1)
+    from fastddpm.config.errors import API
+
+    for bad in (True, 7.0, [1, 2]):
+        with pytest.raises(ConfigError, match=r"one class per call, as a name, an id \(an int\) or 'all'"):
+            class_index(cfg, bad, said=API)
+    two = resolve_classes(resolve_model_shape(apply_overrides(get_preset("tiny"), {"model.conditional": True}),
+                                              (1, 1, 28, 28)), np.arange(2), ["Cat", "cat"], "folders").model
+    assert class_index(two, "cat") == 1 and class_index(two, "Cat") == 0  # as written first: case tells them apart
 
 
 def test_an_int_class_is_an_id_and_a_string_names_a_folder_first():
@@ -183,6 +194,8 @@ def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
         model.sample(2, class_="sneaker", guidance=-1.0)
     with pytest.raises(ConfigError, match=r"batch_size=0 must be at least 1"):
         model.sample(2, class_=1, batch_size=0)
+    with pytest.raises(ConfigError, match=r"class_=\[1, 2\]: one class per call"):  # per-image labels: a TypeError
+        model.sample(2, class_=[1, 2])
     assert model.sample(2, class_=7, guidance=2.0, steps=2, sampler="ddim").shape == (2, 1, 28, 28)
 
 
@@ -334,6 +347,8 @@ def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_pa
     metrics = fastddpm.evaluate(run, num_samples=20, device="cpu", log=quiet)  # at the run's W, as `eval`
     assert metrics["guidance"] == 2.0
     assert (metrics["sampling"]["sampler"], metrics["sampling"]["steps"]) == ("unipc", 10)
+    with pytest.raises(ConfigError, match=r"guidance=\[1, 2\]: one scale, a number; for several, call once"):
+        fastddpm.evaluate(run, num_samples=20, device="cpu", guidance=[1, 2], log=quiet)  # a TypeError before
     model = fastddpm.load(run, device="cpu")
     guided, plain = model.sample(2, class_=1), model.sample(2, class_=1, guidance=1.0)
     assert guided.shape == plain.shape == (2, 1, 28, 28)

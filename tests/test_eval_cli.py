@@ -243,6 +243,8 @@ def test_eval_names_every_choice_that_changes_its_result_and_refuses_non_finite_
     for bad in ("2,nan", "inf", "-1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="finite numbers >= 0"):
             _guidance_list(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="each guidance scale once, got '2,1,2.0'"):
+        _guidance_list("2,1,2.0")
 
 
 def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, capsys):

@@ -288,8 +288,9 @@ def test_the_command_line_samples_evaluates_benches_and_exports_a_flow_model(tmp
                  "--no-progress"]) == 0
     assert np.load(run / "samples" / "euler3_n4_seed0_step4.npz")["images"].shape == (4, 1, 28, 28)
     capsys.readouterr()
-    assert main(["sample", "--checkpoint", str(run), "--sampler", "ddpm", "--num-images", "2"]) == 2
-    assert "this flow model samples with euler, ddim, dpmpp-2m" in capsys.readouterr().err
+    for steps in ([], ["--steps", "3"]):  # with --steps too: not "drop --steps", after which this would follow
+        assert main(["sample", "--checkpoint", str(run), "--sampler", "ddpm", "--num-images", "2", *steps]) == 2
+        assert "this flow model samples with euler, ddim, dpmpp-2m" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(run), "--sampler", "heun", "--steps", "3", "--num-samples", "20",
                  "--no-progress"]) == 0
     s = json.loads((run / "eval" / "eval_heun3_n20_seed0_step4.json").read_text())["sampling"]

@@ -171,6 +171,9 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
     if num_samples < 10:
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
+    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))):
+        raise ConfigError(f"evaluate: guidance={guidance!r}: one scale, a number; for several, call once per scale "
+                          "(as `fastddpm eval --guidance 0,1,2` does)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
     if guidance is not None and guidance < 0:

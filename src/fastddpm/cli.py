@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import re
 import sys
 import textwrap
 import types
@@ -20,8 +19,8 @@ from pathlib import Path
 
 from fastddpm import __version__
 from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
-                             RunConfig, TrainConfig, class_index, default_preset, default_spacing, flag_name,
-                             load_config_file, preset_summaries, resolve_config)
+                             RunConfig, TrainConfig, class_index, class_slug, default_preset, default_spacing,
+                             flag_name, load_config_file, preset_summaries, resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -350,16 +349,12 @@ def class_tag(model_cfg, wanted: str) -> str:
     if wanted.strip().lower() == "all":
         return "all"
     i = class_index(model_cfg, wanted)
-
-    def slug(name: str) -> str:
-        return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-
     names = model_cfg.class_names
-    tag = slug(names[i]) if i < len(names) else ""
+    tag = class_slug(names[i]) if i < len(names) else ""
     if not tag:
         return str(i)
     # two names of one spelling ("Cat" and "cat!") would write one file: each then keeps its id too
-    return tag if [slug(n) for n in names].count(tag) == 1 else f"{tag}-{i}"
+    return tag if [class_slug(n) for n in names].count(tag) == 1 else f"{tag}-{i}"
 
 
 def main(argv: list[str] | None = None) -> int:

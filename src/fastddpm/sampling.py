@@ -68,6 +68,8 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args; errors spell the
     arguments as `said` does)."""
     d = cfg.diffusion
+    if sampler == "ddpm" and d.objective != "ddpm":  # said first: dropping --steps would not make it run
+        check_sampler_args(sampler, d.num_timesteps, eta, d.num_timesteps, d.objective, guidance=guidance, said=said)
     if sampler == "ddpm" and steps is not None and steps != d.num_timesteps:
         raise ConfigError(f"{said('steps', steps)}: {said('sampler', 'ddpm')} walks every one of the "
                           f"{d.num_timesteps} timesteps and takes no step count; drop {said('steps')}, or pick a "

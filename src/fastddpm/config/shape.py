@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,10 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
     if not model_cfg.conditional:
         raise ConfigError(f"{said('class', name_or_id)}: this model is unconditional (trained without "
                           f"--conditional); sample without {said('class')}")
+    if isinstance(name_or_id, bool) or not isinstance(name_or_id, str) and not hasattr(name_or_id, "__index__"):
+        raise ConfigError(f"{said('class', name_or_id)}: one class per call, as a "
+                          f"name, an id (an int) or 'all' ({_list_classes(names)}); for several classes, call once "
+                          f"per class or draw 'all'")
     if not isinstance(name_or_id, str):  # an int or a numpy integer
         name_or_id = operator.index(name_or_id)
         if 0 <= name_or_id < model_cfg.num_classes:
@@ -82,9 +87,12 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
         raise ConfigError(f"class id {name_or_id} is out of range: this model has classes 0-"
                           f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
     wanted = str(name_or_id).strip()
-    for i, name in enumerate(names):
-        if name.lower() == wanted.lower():
-            return i
+    # the name as written, else ignoring case, else as file names spell it (class_slug: "ankle-boot"), where one
+    # class alone matches
+    for same in (lambda n: n, str.casefold, class_slug):
+        found = [i for i, name in enumerate(names) if same(name) == same(wanted)]
+        if len(found) == 1:
+            return found[0]
     if wanted.lstrip("-").isdigit():
         i = int(wanted)
         if 0 <= i < model_cfg.num_classes:
@@ -94,6 +102,12 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
     shown = name_or_id if said.api else repr(name_or_id)  # the API's spelling quotes it already
     raise ConfigError(f"{said('class', shown)} is not one of this model's classes: {_list_classes(names)} (a name "
                       f"or its number, or all)")
+
+
+def class_slug(name: str) -> str:
+    """A class name as file names spell it: lower case, each run of other characters one hyphen ("T-shirt/top"
+    -> "t-shirt-top", "Ankle boot" -> "ankle-boot")."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
 def _list_classes(names: tuple[str, ...]) -> str:

@@ -150,6 +150,8 @@ def _guidance_list(text: str) -> list[float]:
     if not scales or not all(math.isfinite(w) and w >= 0 for w in scales):
         raise argparse.ArgumentTypeError(f"guidance scales are finite numbers >= 0 (1 = plain conditional), got "
                                          f"{text!r}")
+    if len(set(scales)) < len(scales):  # the same samples twice: minutes for a row the table already has
+        raise argparse.ArgumentTypeError(f"each guidance scale once, got {text!r}")
     return scales
 
 
