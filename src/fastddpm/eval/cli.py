@@ -180,6 +180,9 @@ def inception_choice(args: argparse.Namespace) -> str | None:
         if args.features == "fastddpm":
             raise ConfigError(f"--features fastddpm and --inception {args.inception} contradict each other: drop "
                               "--inception for the dataset's own features, or --features for Inception from the file")
+        from fastddpm.eval.inception import inception_file
+
+        inception_file(args.inception)  # a missing file, before anything else is said or done
         return args.inception
     return FIND if args.features == "inception" else None
 

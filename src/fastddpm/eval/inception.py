@@ -274,14 +274,20 @@ def _is_torchscript(path: Path) -> bool:
         return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
 
 
-def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
-    """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file."""
+def inception_file(path: str | Path) -> Path:
+    """The --inception file, or a ConfigError that says what to pass where there is none."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"--inception {path}: no such file. Pass a local copy of pytorch-fid's "
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
                           "fastddpm never downloads a file named by --inception (--features inception instead finds "
                           "or downloads pytorch-fid's file)")
+    return path
+
+
+def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
+    """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file."""
+    path = inception_file(path)
     if path.name == inception_weights.FID_HELPER_FILE:  # needs its package's preprocessing, not the bare graph's
         return load_fid_helper(path, device)
     digest = sha256_of(path)
