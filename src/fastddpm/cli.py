@@ -196,8 +196,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                          "native bf16, else fp32)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--class", dest="klass", metavar="NAME|ID|all",
-                    help="a conditional model's class: its name (e.g. sneaker) or number, or all (one row per class); "
-                         "default: unconditional")
+                    help="a conditional model's class: its name (e.g. sneaker; 'ankle boot' also as file names spell "
+                         "it, ankle-boot) or number, or all (one row per class); default: unconditional")
     sp.add_argument("--guidance", type=float, default=None, metavar="W",
                     help="classifier-free guidance scale with --class (default: the model's train.sample_guidance, "
                          f"{TrainConfig().sample_guidance:g} for new runs, the best FID measured on the CPU demo): 1 = "
