@@ -101,13 +101,18 @@ def test_opset_is_what_the_file_declares_or_a_clear_failure(runs, tmp_path, capf
     assert onnx_opset(tmp_path / "17" / "model.onnx") == 17
     assert json.loads((tmp_path / "17" / "export.json").read_text())["opset"] == 17
     capfd.readouterr()
-    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "13"), "--opset",
-                 "13"]) == 1
-    got = capfd.readouterr()
-    assert "error: export --opset 13: neither ONNX exporter wrote the model" in got.err and "opset 18, not 13" in got.err
-    # one line: not the opset converter's log and traceback, nor the TorchScript graph dumped from C++ (~380 lines)
-    assert "Traceback" not in got.err and "Torch IR graph" not in got.out and len(got.err.splitlines()) <= 3, got
+    for folder in ("13", "17"):  # a new folder, and the opset 17 export's: a failure leaves that one whole
+        assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / folder), "--opset",
+                     "13"]) == 1
+        got = capfd.readouterr()
+        assert "error: export --opset 13: neither ONNX exporter wrote the model" in got.err
+        assert "opset 18, not 13" in got.err
+        # one line: not the opset converter's log and traceback, nor the TorchScript graph dumped from C++
+        assert "Traceback" not in got.err and "Torch IR graph" not in got.out and len(got.err.splitlines()) <= 3, got
+        assert not (tmp_path / folder / "model.onnx.partial").exists()
     assert not (tmp_path / "13" / "export.json").exists() and not (tmp_path / "13" / "model.onnx").exists()
+    assert onnx_opset(tmp_path / "17" / "model.onnx") == 17
+    assert json.loads((tmp_path / "17" / "export.json").read_text())["opset"] == 17
     # the retry the message suggests, into the same folder
     assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "13")]) == 0
 
@@ -459,3 +464,12 @@ def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):
             want = guided(model, labels, w, cfg.model.num_classes)(x, t).numpy()
         got = network(session, 3, 4, w, cfg.model.num_classes)(x.numpy(), t.numpy())
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"W = {w}")
+
+
+def test_the_exporters_dropped_stdout_works_where_there_is_none():
+    """The TorchScript exporter's C++ graph dump is dropped at file descriptor 1; a process whose stdout is closed
+    (`>&-`) has none to redirect: the export runs as it is (it failed on sys.stdout being None)."""
+    code = ("import os, sys\nos.close(1)\nsys.stdout = None\nfrom fastddpm.export import _fd_stdout_dropped\n"
+            "with _fd_stdout_dropped():\n    done = True\nprint('ran', done, file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ran True" in r.stderr, r.stderr

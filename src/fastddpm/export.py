@@ -88,7 +88,24 @@ def example_inputs(cfg, batch: int, seed: int = 0):
 
 
 def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
-    """Write the ONNX file; returns (which exporter wrote it, the opset the file declares)."""
+    """Write the ONNX file; returns (which exporter wrote it, the opset the file declares). Written beside `path`
+    and moved onto it once its opset is the one asked for: a failed export leaves an earlier one whole."""
+    import os
+
+    partial = path.with_name(PARTIAL_ONNX)
+    try:
+        exporter, written = _write_onnx(net, cfg, partial, opset)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return exporter, written
+
+
+PARTIAL_ONNX = "model.onnx.partial"
+
+
+def _write_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
     import torch
 
     inputs = example_inputs(cfg, 2)
@@ -114,12 +131,10 @@ def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
             torch.onnx.export(net, inputs, str(path), dynamo=False, input_names=names, output_names=["eps"],
                               dynamic_axes={n: {0: "batch"} for n in [*names, "eps"]}, opset_version=opset)
     except Exception as e:  # noqa: BLE001 - both exporters failed: say what each said
-        path.unlink(missing_ok=True)  # the dynamo exporter's file in the wrong opset: no model of this export
         raise ExportError(f"export --opset {opset}: neither ONNX exporter wrote the model (the dynamo exporter: "
                           f"{first}; the TorchScript one: {_first_line(e)}); try the default --opset 18") from None
     written = onnx_opset(path)
     if written != opset:
-        path.unlink(missing_ok=True)
         raise ExportError(f"export --opset {opset}: the TorchScript exporter wrote opset {written}; try the default "
                           "--opset 18")
     return f"torch.onnx.export(dynamo=False) (the dynamo exporter: {first})", written
@@ -162,17 +177,24 @@ def quiet_onnx_exporter():
 
 @contextlib.contextmanager
 def _fd_stdout_dropped():
-    """Drop what is written to file descriptor 1 in the block (C++ prints that Python's sys.stdout never sees)."""
+    """Drop what is written to file descriptor 1 in the block (C++ prints that Python's sys.stdout never sees);
+    where there is no descriptor 1 (stdout closed), the block runs as it is."""
     import os
 
-    sys.stdout.flush()
-    saved = os.dup(1)
+    if sys.stdout is not None:
+        sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:
+        yield
+        return
     try:
         with open(os.devnull, "wb") as null:
             os.dup2(null.fileno(), 1)
         yield
     finally:
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
 
@@ -417,8 +439,8 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
 
 # what an export writes (model.onnx.data: the ONNX exporter's external weights of a large model)
 _MODEL_FILES = {"model.onnx", "model.pt2", "model.safetensors", "unet"}
-_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", "sample_onnx.py", "schedule.json", "config.json", "README.md",
-                                "export.json", "scheduler", "model_index.json"}
+_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", PARTIAL_ONNX, "sample_onnx.py", "schedule.json", "config.json",
+                                "README.md", "export.json", "scheduler", "model_index.json"}
 
 
 def check_out_dir(out: Path) -> None:
