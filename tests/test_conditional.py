@@ -161,12 +161,20 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     # what is no name and no id: a clear refusal (a list or a float was a TypeError, True was class 1)
     from fastddpm.config.errors import API
 
-    for bad in (True, 7.0, [1, 2]):
+    for bad in (True, 7.0, [1, 2], np.array([1, 2]), torch.tensor([1, 2])):
         with pytest.raises(ConfigError, match=r"one class per call, as a name, an id \(an int\) or 'all'"):
             class_index(cfg, bad, said=API)
-    two = resolve_classes(resolve_model_shape(apply_overrides(get_preset("tiny"), {"model.conditional": True}),
-                                              (1, 1, 28, 28)), np.arange(2), ["Cat", "cat"], "folders").model
+    assert class_index(cfg, torch.tensor(7)) == 7
+    base = resolve_model_shape(apply_overrides(get_preset("tiny"), {"model.conditional": True}), (1, 1, 28, 28))
+    two = resolve_classes(base, np.arange(3), ["Cat", "cat", "?"], "folders").model
     assert class_index(two, "cat") == 1 and class_index(two, "Cat") == 0  # as written first: case tells them apart
+    with pytest.raises(ConfigError, match=r"--class 'CAT' matches 2 classes ignoring case \(0 'Cat', 1 'cat'\)"):
+        class_index(two, "CAT")
+    with pytest.raises(ConfigError, match="is not one of this model's classes"):  # no letters: no file-name spelling
+        class_index(two, "!")
+    folders = resolve_classes(base, np.arange(3), ["1", "2", "3"], "folders").model
+    with pytest.raises(ConfigError, match=r"--class -1 is out of range"):  # a number, not the spelling of "1"
+        class_index(folders, "-1")
 
 
 def test_an_int_class_is_an_id_and_a_string_names_a_folder_first():
@@ -196,7 +204,13 @@ def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
         model.sample(2, class_=1, batch_size=0)
     with pytest.raises(ConfigError, match=r"class_=\[1, 2\]: one class per call"):  # per-image labels: a TypeError
         model.sample(2, class_=[1, 2])
-    assert model.sample(2, class_=7, guidance=2.0, steps=2, sampler="ddim").shape == (2, 1, 28, 28)
+    drawn = model.sample(2, class_=7, guidance=2.0, steps=2, sampler="ddim")
+    assert drawn.shape == (2, 1, 28, 28)
+    # a numpy or torch scalar is a number; a list of scales is one call each
+    for same in (np.float32(2.0), np.int64(2), torch.tensor(2.0)):
+        assert np.array_equal(model.sample(2, class_=7, guidance=same, steps=2, sampler="ddim"), drawn)
+    with pytest.raises(ConfigError, match=r"sample: guidance=\[1, 2\]: one scale, a number"):
+        model.sample(2, class_=7, guidance=[1, 2])
 
 
 def test_data_without_labels_is_refused_with_the_fix(tmp_path, capsys):

@@ -25,6 +25,20 @@ __all__ = ["train", "load", "evaluate", "Model"]
 SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --precision`
 
 
+def _one_scale(guidance, where: str, several: str = "") -> float | None:
+    """A guidance scale as a float (a Python, numpy or 0-d torch number), or a ConfigError for what is none: a list
+    of scales (one call each), a bool, a string."""
+    if guidance is None:
+        return None
+    try:
+        if isinstance(guidance, (bool, str)):
+            raise TypeError
+        return float(guidance)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: guidance={guidance!r}: one scale, a number; for several, call once per scale"
+                          + (f" {several}" if several else "")) from None
+
+
 def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, Any], *,
             resumed: RunConfig | None = None, log=print) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
@@ -111,6 +125,7 @@ class Model:
         if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
             raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model
+        guidance = _one_scale(guidance, "sample")
         if guidance is not None and not m.conditional:
             raise ConfigError("sample: guidance steers toward a class; this model is unconditional (drop guidance)")
         if guidance is not None and guidance < 0:
@@ -171,9 +186,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
     if num_samples < 10:
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
-    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))):
-        raise ConfigError(f"evaluate: guidance={guidance!r}: one scale, a number; for several, call once per scale "
-                          "(as `fastddpm eval --guidance 0,1,2` does)")
+    guidance = _one_scale(guidance, "evaluate", several="(as `fastddpm eval --guidance 0,1,2` does)")
     if guidance is not None and not cfg.model.conditional:
         raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
     if guidance is not None and guidance < 0:

@@ -69,37 +69,51 @@ def _folder_is_conditional(folder: str) -> bool:
 
 
 def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling = CLI) -> int:
-    """The class id that `--class` names: a class name (case-insensitive) or a number; a Python int is always an
+    """The class id that `--class` names: a class name (as written, else ignoring case, else as file names spell
+    it, where one class alone matches) or a number; a Python int is always an
     id (class folders named 1/, 2/, 3/ are ids 0, 1, 2: the string "2" is the folder, the int 2 the id). Refused
     naming the valid ones, the argument spelt as `said` (the command's flag or the API's parameter)."""
     names = model_cfg.class_names
     if not model_cfg.conditional:
         raise ConfigError(f"{said('class', name_or_id)}: this model is unconditional (trained without "
                           f"--conditional); sample without {said('class')}")
-    if isinstance(name_or_id, bool) or not isinstance(name_or_id, str) and not hasattr(name_or_id, "__index__"):
-        raise ConfigError(f"{said('class', name_or_id)}: one class per call, as a "
-                          f"name, an id (an int) or 'all' ({_list_classes(names)}); for several classes, call once "
-                          f"per class or draw 'all'")
-    if not isinstance(name_or_id, str):  # an int or a numpy integer
-        name_or_id = operator.index(name_or_id)
+
+    def not_one_class() -> ConfigError:
+        return ConfigError(f"{said('class', name_or_id)}: one class per call, as a name, an id (an int) or 'all' "
+                           f"({_list_classes(names)}); for several classes, call once per class or draw 'all'")
+
+    if isinstance(name_or_id, bool):
+        raise not_one_class()
+    if not isinstance(name_or_id, str):  # an int, a numpy integer or a 0-d integer tensor
+        try:
+            name_or_id = operator.index(name_or_id)
+        except TypeError:  # a float, a list or an array of labels
+            raise not_one_class() from None
         if 0 <= name_or_id < model_cfg.num_classes:
             return name_or_id
         raise ConfigError(f"class id {name_or_id} is out of range: this model has classes 0-"
                           f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
     wanted = str(name_or_id).strip()
-    # the name as written, else ignoring case, else as file names spell it (class_slug: "ankle-boot"), where one
-    # class alone matches
-    for same in (lambda n: n, str.casefold, class_slug):
+    shown = name_or_id if said.api else repr(name_or_id)  # the API's spelling quotes it already
+    # the name as written, else ignoring case, else as file names spell it (class_slug: "ankle-boot"; not for a
+    # number, nor for what has no letters or digits to spell)
+    numeric = re.fullmatch(r"[+-]?\d+", wanted) is not None
+    for same, how in ((lambda n: n, ""), (str.casefold, " ignoring case"), (class_slug, " as file names spell them")):
+        if same is class_slug and (numeric or not class_slug(wanted)):
+            break
         found = [i for i, name in enumerate(names) if same(name) == same(wanted)]
         if len(found) == 1:
             return found[0]
+        if len(found) > 1:
+            raise ConfigError(f"{said('class', shown)} matches {len(found)} classes{how} "
+                              f"({', '.join(f'{i} {names[i]!r}' for i in found)}): give the name as written, or its "
+                              f"number")
     if wanted.lstrip("-").isdigit():
         i = int(wanted)
         if 0 <= i < model_cfg.num_classes:
             return i
         raise ConfigError(f"{said('class', wanted)} is out of range: this model has classes 0-"
                           f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
-    shown = name_or_id if said.api else repr(name_or_id)  # the API's spelling quotes it already
     raise ConfigError(f"{said('class', shown)} is not one of this model's classes: {_list_classes(names)} (a name "
                       f"or its number, or all)")
 
