@@ -306,3 +306,24 @@ def test_hflip_switched_on_resume_is_said(tmp_path):
           resume="latest", log=lines.append)
     assert ("note: data.hflip was off in the checkpoint's run and is on now: the steps from here see other flips "
             "than an uninterrupted run would (--no-hflip keeps its own)") in lines
+
+
+def test_the_resume_refusals_advice_names_what_this_command_changed():
+    """Another --split of the same source was advised as `--data fashion-mnist`, the data already given; a seed
+    given without a preset was told to drop a --preset the command did not have (the run's own, read back)."""
+    from types import SimpleNamespace
+
+    from fastddpm.trainer.resume_checks import check_same_inputs
+
+    run_cfg = apply_overrides(get_preset("tiny"), {"data.source": "fashion-mnist", "train.seed": 5})
+    saved = {"source": "fashion-mnist", "num_images": 60000, "image_shape": [1, 28, 28], "class_names": ["a", "b"],
+             "sample_sha256": "s1", "pixels_sha256": "p1"}
+    resumed = SimpleNamespace(config=run_cfg, meta={"data": saved}, path="ckpt_000000002.pt")
+    test_split = {**saved, "num_images": 10000, "sample_sha256": "s2", "pixels_sha256": "p2"}
+    with pytest.raises(ConfigError, match=r"Resume on its data \(--data fashion-mnist --split train\)"):
+        check_same_inputs(resumed, apply_overrides(run_cfg, {"data.split": "test"}), test_split, quiet)
+    with pytest.raises(ConfigError, match=r"Pass --seed 5 \(or resume without --seed\), or start") as e:
+        check_same_inputs(resumed, apply_overrides(run_cfg, {"train.seed": 7}), saved, quiet)
+    assert "--preset" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"without --seed and without --preset tiny"):  # the preset's own seed 0
+        check_same_inputs(resumed, get_preset("tiny"), saved, quiet)

@@ -4,7 +4,7 @@ step's batch, timesteps and noise are drawn from them by (seed, step)), and a ru
 
 from __future__ import annotations
 
-from fastddpm.config import RUN_LENGTHS, ConfigError, RunConfig
+from fastddpm.config import RUN_LENGTHS, ConfigError, DataConfig, RunConfig, get_preset
 from fastddpm.data.cache import describe_identity, same_images
 from fastddpm.rundir.locate import Checkpoint
 
@@ -26,7 +26,7 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
                if preset else
                f"Pass --seed {was_seed} (or resume without --seed"
                + (f" and without --preset {cfg.preset}: a preset given on resume replaces the run's whole config, its "
-                  f"seed included" if cfg.preset is not None else "") + "), or start a new run directory"))
+                  f"seed included" if _presets_seed(cfg) else "") + "), or start a new run directory"))
     was_flip = resumed.config.data.hflip
     if was_flip != cfg.data.hflip:  # an augmentation switched on or off: the run goes on, no longer as it began
         log(f"note: data.hflip was {'on' if was_flip else 'off'} in the checkpoint's run and is "
@@ -40,9 +40,10 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
                 f"{', classes and labels' if cfg.model.conditional else ''}), so the run continues")
         return
     was = resumed.config.data
-    options = " ".join(f"--{flag} {value}" for flag, value in (("resize", was.resize), ("resize-mode",
-                       was.resize_mode if was.resize else None), ("image-mode", was.image_mode),
-                       ("split", was.split if was.split != "train" else None)) if value is not None)
+    # the run's own reading options: those it set, and those this resume changed (--split train for a --split test)
+    options = " ".join(f"--{k.replace('_', '-')} {getattr(was, k)}" for k in _READ_AS
+                       if getattr(was, k) is not None and (k != "resize_mode" or was.resize)
+                       and (getattr(was, k) != getattr(DataConfig(), k) or getattr(was, k) != getattr(cfg.data, k)))
     dropped = [f"--{k.replace('_', '-')}" for k in ("resize", "image_mode") if getattr(was, k) is None
                and getattr(cfg.data, k) is not None]  # options this resume added that the run did not have
     if saved.get("source") == cfg.data.source and all(getattr(was, k) == getattr(cfg.data, k) for k in _READ_AS):
@@ -61,9 +62,18 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
                       f"this would be another run, not this one continued. {ways}")
 
 
+def _presets_seed(cfg: RunConfig) -> bool:
+    """Whether cfg's seed is its preset's own: the mark of a --preset given on resume (which replaces the run's
+    config); without one, a seed other than the run's was given as such."""
+    try:
+        return cfg.preset is not None and get_preset(cfg.preset).train.seed == cfg.train.seed
+    except ConfigError:  # a preset this version no longer has
+        return False
+
+
 # the data options that change what is read from a source: with the same source and these, other images are the
 # source's files changed, not other data asked for
-_READ_AS = ("split", "resize", "resize_mode", "image_mode")
+_READ_AS = ("resize", "resize_mode", "image_mode", "split")
 
 
 def _changes(saved: dict, now: dict, *, labels: bool) -> str:
