@@ -460,7 +460,8 @@ def test_a_conditional_setting_in_the_apis_config_dict_of_an_unconditional_run_i
     unconditional model; a whole saved config (every field at its default) and a conditional one still load."""
     from fastddpm.api import _config
 
-    for given in ({"train": {"cond_drop_prob": 0.2}}, {"train.sample_guidance": 4.0}):
+    for given in ({"train": {"cond_drop_prob": 0.2}}, {"train.sample_guidance": 4.0},
+                  {"train": {"cond-drop-prob": 0.2}}, {"train.cond-drop-prob": 0.2}):  # hyphens as flags spell them
         with pytest.raises(ConfigError, match=r"\(config dict\) is a conditional model's setting"):
             _config(given, {})
     assert _config(get_preset("tiny").to_dict(), {}) == get_preset("tiny")

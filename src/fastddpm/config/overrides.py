@@ -271,8 +271,10 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
     defaults = RunConfig().train
     given = list(layers)
     for source, file_values in files:
-        found = {f"train.{name}": _last_given(file_values, [], "train", name, _NOT_GIVEN)
-                 for name in _CONDITIONAL_ONLY}
+        # spelt with hyphens too (cond-drop-prob), as apply_overrides reads them
+        spelt = {k.replace("-", "_"): ({n.replace("-", "_"): v for n, v in value.items()} if isinstance(value, dict)
+                                       else value) for k, value in file_values.items()}
+        found = {f"train.{name}": _last_given(spelt, [], "train", name, _NOT_GIVEN) for name in _CONDITIONAL_ONLY}
         given.append((source, {k: v for k, v in found.items() if v is not _NOT_GIVEN}))
     for source, values in given:
         for name in _CONDITIONAL_ONLY:
