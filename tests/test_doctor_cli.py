@@ -225,6 +225,7 @@ def test_a_trainer_trial_runs_the_steps_its_plan_says(tmp_path, monkeypatch):
 
     shape = fit_shape(3900.0, 2, 300.0, trainer=True)
     assert shape.steps % shape.warmup == 0 and shape.estimate_s <= 300
+    assert fit_shape(3900.0, 2, 10.0, trainer=True, warmup=10).steps == 10  # one interval: the floor (it looped)
     assert shape.estimate_s == pytest.approx(3 * 2 * (TRAINER_STARTUP_S + (shape.warmup + shape.steps) * 3.9))
     commands = []
     monkeypatch.setattr(trials_mod.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or

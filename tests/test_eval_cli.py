@@ -253,9 +253,10 @@ def test_eval_cli_errors_name_the_value_and_the_fix(evaluated_run, tmp_path, cap
     assert str(tmp_path / "nope") in err and "run directory" in err
     # a missing --inception file is the first and only thing said (not after a note on the sample count)
     assert main(["eval", "--checkpoint", str(evaluated_run), "--inception", str(tmp_path / "no.pth"),
-                 "--num-samples", "10"]) == 2
+                 "--num-samples", "10", "--out", str(tmp_path / "new")]) == 2
     said = capsys.readouterr()
     assert "no.pth: no such file" in said.err and "50,000" not in said.out + said.err
+    assert not (tmp_path / "new").exists()  # nothing made for an evaluation that did not start
     rgb = tmp_path / "rgb.npz"
     np.savez(rgb, images=np.zeros((16, 32, 32, 3), np.uint8), labels=np.arange(16) % 2)
     assert main(["eval", "--checkpoint", str(evaluated_run), "--data", str(rgb), "--num-samples", "16",

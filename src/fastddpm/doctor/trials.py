@@ -195,7 +195,10 @@ def fit_shape(step_ms: float | None, runs_per_round: int, budget_s: float | None
         return r * runs_per_round * (startup_s + (warmup + timed(s)) * step_ms / 1e3)
 
     while budget_s is not None and timed(steps) > MIN_STEPS and cost(rounds, steps) > budget_s:
-        steps = timed(steps) - (warmup if trainer else 1)
+        fewer = timed(steps) - (warmup if trainer else 1)
+        if timed(fewer) >= timed(steps):  # one log interval already (a warm-up longer than MIN_STEPS)
+            break
+        steps = fewer
     while budget_s is not None and rounds > MIN_ROUNDS and cost(rounds, steps) > budget_s:
         rounds -= 1
     return TrialShape(rounds, warmup, timed(steps), cost(rounds, steps))
