@@ -188,6 +188,7 @@ def test_class_names_are_compared_only_where_both_sides_have_names():
     with pytest.raises(ConfigError, match=r"the same class names with other ids: .*\['Cat', 'cat'\]"):
         check_class_names(("Cat", "cat"), ("cat", "Cat"), where="x")
     check_class_names(("Cat", "cat"), ("Cat", "cat"), where="x")
+    check_class_names(("Cat", "cat", "dog"), ("Cat", "cat", "DOG"), where="x")  # the other names still ignore case
 
 
 def test_a_one_class_dataset_trains_no_feature_classifier(tmp_path, capsys):

@@ -201,12 +201,15 @@ def check_class_names(model_names, data_names, *, where: str) -> None:
     """A ConfigError where the model's class names and the reference data's differ. Class accuracy and per-class
     FID pair the two by id, so other names under the same ids score the wrong classes. Integer names ("0", "1",
     ... or folders 1/, 2/, 3/: the names of data without names) say nothing, and are never compared. Names are
-    compared ignoring case, as --class matches them ("Cat" and "cat" are one class), where neither side has two
-    names that differ only in case (then case tells the classes apart, and is compared)."""
+    compared ignoring case, as --class matches them ("Cat" and "cat" are one class), but for names that differ
+    from another of their side only in case (there case tells the classes apart, and is compared)."""
     model_names, data_names = tuple(model_names), tuple(data_names)
-    folded, data_folded = [n.casefold() for n in model_names], [n.casefold() for n in data_names]
-    if len(set(folded)) < len(folded) or len(set(data_folded)) < len(data_folded):
-        folded, data_folded = list(model_names), list(data_names)
+
+    def keys(names: tuple[str, ...]) -> list[str]:
+        folded = [n.casefold() for n in names]
+        return [f if folded.count(f) == 1 else n for n, f in zip(names, folded)]
+
+    folded, data_folded = keys(model_names), keys(data_names)
     if (folded == data_folded or all(n.isdigit() for n in model_names)
             or all(n.isdigit() for n in data_names)):
         return
