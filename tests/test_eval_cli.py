@@ -147,6 +147,8 @@ def test_each_checkpoint_and_choice_gets_its_own_eval_files(fmnist_splits, tmp_p
     assert main(["eval", "--checkpoint", str(run), "--out", str(tmp_path / "a-file"), *base]) == 2
     err = capsys.readouterr()
     assert "error: --out " in err.err and "a-file: is a file" in err.err and "sampling" not in err.out
+    assert main(["eval", "--checkpoint", str(run), "--out", str(tmp_path / "a-file" / "under"), *base]) == 2
+    assert "a-file is a file)" in capsys.readouterr().err
 
 
 def test_eval_resizes_and_converts_other_data_to_the_models_shape(evaluated_run, tmp_path):

@@ -227,10 +227,15 @@ def _eval_parser():
                                             (["--features", "inception"], iw.FIND),
                                             (["--inception", "w.pth"], "w.pth"),
                                             (["--features", "inception", "--inception", "w.pth"], "w.pth")])
-def test_the_features_flag(argv, expected):
+def test_the_features_flag(argv, expected, tmp_path, monkeypatch):
     from fastddpm.eval.cli import inception_choice
 
+    monkeypatch.chdir(tmp_path)
     args = _eval_parser().parse_args(["eval", "--checkpoint", "run", *argv])
+    if expected == "w.pth":  # a file named by --inception is checked first: missing, it is refused
+        with pytest.raises(ConfigError, match="--inception w.pth: no such file"):
+            inception_choice(args)
+        (tmp_path / "w.pth").write_bytes(b"weights")
     assert inception_choice(args) == expected
 
 

@@ -283,11 +283,12 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     batch_size = min(batch_size, args.num_samples)
 
     inception = inception_choice(args)
-    if args.out and dist.is_main:  # before any sampling: a result computed for minutes has somewhere to go
-        from fastddpm.rundir.files import make_writable_dir
+    if args.out and dist.is_main:  # before any sampling: a result computed for minutes has somewhere to go (the
+        # folder itself is made with the result: an evaluation refused on its data leaves none)
+        from fastddpm.rundir.files import check_writable_dir
 
-        make_writable_dir(Path(args.out), flag="--out", fix="--out is the folder for the result's .json and grid: "
-                                                             "give one that can be created and written")
+        check_writable_dir(Path(args.out), flag="--out", fix="--out is the folder for the result's .json and grid: "
+                                                              "give one that can be created and written")
     if inception is not None and args.num_samples < PUBLISHED_NUM_SAMPLES:
         log(f"note: published Inception FID uses {PUBLISHED_NUM_SAMPLES:,} samples against the training set; "
             f"{args.num_samples:,} samples give a higher FID, comparable only with evaluations at the same count")

@@ -51,6 +51,23 @@ def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
                           f"{fix}")
 
 
+def check_writable_dir(path: Path, *, flag: str, fix: str) -> None:
+    """make_writable_dir's refusals without creating anything: `path` is a writable folder, or its nearest existing
+    parent is one it can be made in. For work that may still be refused after this check (its inputs are read
+    later), so that a refused run leaves no empty folder behind."""
+    from fastddpm.config import ConfigError
+
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a file, not a folder: {fix}")
+    parent = path
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: cannot create the folder ({parent} is a file): {fix}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {parent} is not writable here (permissions, or a read-only disk): {fix}")
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside `path` durable (best effort: some filesystems cannot open a directory)."""
     try:
