@@ -30,13 +30,14 @@ def _one_scale(guidance, where: str, several: str = "") -> float | None:
     of scales (one call each), a bool, a string."""
     if guidance is None:
         return None
+    error = ConfigError(f"{where}: guidance={guidance!r}: one scale, a number; for several, call once per scale"
+                        + (f" {several}" if several else ""))
+    if isinstance(guidance, (bool, str)):  # float() would read True as 1 and "2" as 2
+        raise error
     try:
-        if isinstance(guidance, (bool, str)):
-            raise TypeError
         return float(guidance)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: guidance={guidance!r}: one scale, a number; for several, call once per scale"
-                          + (f" {several}" if several else "")) from None
+        raise error from None
 
 
 def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, Any], *,
