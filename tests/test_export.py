@@ -109,12 +109,63 @@ def test_opset_is_what_the_file_declares_or_a_clear_failure(runs, tmp_path, capf
         assert "opset 18, not 13" in got.err
         # one line: not the opset converter's log and traceback, nor the TorchScript graph dumped from C++
         assert "Traceback" not in got.err and "Torch IR graph" not in got.out and len(got.err.splitlines()) <= 3, got
-        assert not (tmp_path / folder / "model.onnx.partial").exists()
+        assert not (tmp_path / folder / "export.partial").exists()
     assert not (tmp_path / "13" / "export.json").exists() and not (tmp_path / "13" / "model.onnx").exists()
     assert onnx_opset(tmp_path / "17" / "model.onnx") == 17
     assert json.loads((tmp_path / "17" / "export.json").read_text())["opset"] == 17
     # the retry the message suggests, into the same folder
     assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(tmp_path / "13")]) == 0
+
+
+def test_a_file_that_differs_from_pytorch_leaves_the_earlier_export_whole(runs, tmp_path, capsys, monkeypatch):
+    """The model file is checked before it replaces the earlier export's, which its export.json describes; the
+    failed one is kept for inspection, and a retry (or a killed export's leftover) is written over."""
+    import fastddpm.export as export
+
+    out = tmp_path / "e"
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(out)]) == 0
+    before = (out / "model.pt2").read_bytes(), (out / "export.json").read_text()
+    monkeypatch.setattr(export, "_check_pt2", lambda *a: 1.0)  # what an exporter's numeric bug would measure
+    assert main(["export", str(runs["cond"]), "--format", "torch-export", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "differs from PyTorch by 1" in err and f"kept for inspection as {out / 'export.partial' / 'model.pt2'}" \
+        in err, err
+    assert ((out / "model.pt2").read_bytes(), (out / "export.json").read_text()) == before
+    assert (out / "export.partial" / "model.pt2").is_file()
+    monkeypatch.undo()
+    assert main(["export", str(runs["cond"]), "--format", "torch-export", "--out", str(out)]) == 0
+    assert not (out / "export.partial").exists()
+    assert json.loads((out / "config.json").read_text())["model"]["conditional"] is True
+    # a folder holding only what a killed export left is an export's, written over
+    (tmp_path / "killed" / "export.partial").mkdir(parents=True)
+    (tmp_path / "killed" / "export.partial" / "model.pt2").write_bytes(b"half")
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(tmp_path / "killed")]) == 0
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [
+        "README.md", "config.json", "export.json", "model.safetensors", "schedule.json"]
+
+
+def test_a_large_models_external_weights_are_named_for_the_file_they_sit_beside(runs, tmp_path, monkeypatch):
+    """Past 1.5 GB the ONNX exporter writes the weights beside the model as model.onnx.data, named inside
+    model.onnx: they move with it, and the folder samples with them (here with the size threshold at 0)."""
+    ort = pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    import onnx
+    from torch.onnx._internal.exporter import _onnx_program
+
+    monkeypatch.setattr(_onnx_program, "_LARGE_MODEL_THRESHOLD", 0)
+    out = tmp_path / "big"
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(out)]) == 0
+    assert {"model.onnx", "model.onnx.data"} <= {p.name for p in out.iterdir()}
+    assert not (out / "export.partial").exists()
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    locations = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    inputs, want, _ = reference(runs["uncond"], 2)
+    np.testing.assert_allclose(session.run(None, {"x": inputs[0].numpy(), "t": inputs[1].numpy()})[0], want,
+                               atol=1e-4)
+    monkeypatch.undo()  # a small model into the same folder: the large one's weights go with it
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(out)]) == 0
+    assert not (out / "model.onnx.data").exists()
 
 
 def test_out_must_be_an_exports_folder_and_onnx_needs_its_packages_before_anything_is_written(runs, tmp_path,

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -87,22 +88,22 @@ def example_inputs(cfg, batch: int, seed: int = 0):
     return (x, t, torch.randint(0, m.num_classes + 1, (batch,), generator=g))
 
 
-def _export_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
-    """Write the ONNX file; returns (which exporter wrote it, the opset the file declares). Written beside `path`
-    and moved onto it once its opset is the one asked for: a failed export leaves an earlier one whole."""
-    import os
-
-    partial = path.with_name(PARTIAL_ONNX)
-    try:
-        exporter, written = _write_onnx(net, cfg, partial, opset)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, path)
-    return exporter, written
+# The folder an export writes its model file into, inside --out, and checks it in before moving it onto the earlier
+# export's (whose export.json describes it): a failed export leaves the earlier one whole. Kept for inspection when
+# the file differs from PyTorch; removed by the next export.
+STAGING = "export.partial"
 
 
-PARTIAL_ONNX = "model.onnx.partial"
+def _staged_model(net, cfg, fmt: str, stage: Path, opset: int) -> tuple[Path, str, int | None, float | None]:
+    """Write the model file of `fmt` into `stage` and check it against PyTorch: (its path, which exporter wrote
+    it, the ONNX opset the file declares, the largest difference from PyTorch's outputs)."""
+    if fmt == "onnx":
+        path = stage / "model.onnx"
+        with quiet_onnx_exporter():
+            exporter, written = _write_onnx(net, cfg, path, opset)
+        return path, exporter, written, _check_onnx(net, cfg, path)
+    path = stage / "model.pt2"
+    return path, _export_pt2(net, cfg, path), None, _check_pt2(net, cfg, path)
 
 
 def _write_onnx(net, cfg, path: Path, opset: int) -> tuple[str, int]:
@@ -147,7 +148,7 @@ _ONNX_NOISE_WARNINGS = ((FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is 
                         (UserWarning, r"# The axis name: \w+ will not be used, since it shares the same shape"))
 _ONNX_NOISE_LOGGER, _ONNX_NOISE_LOG = "torch.onnx._internal.exporter._registration", "torchvision is not installed"
 # An --opset other than the dynamo exporter's own (18) is converted by onnxscript, which logs each step of it (and
-# a failed conversion's traceback) as warnings: the file's opset is read back and checked instead (_export_onnx)
+# a failed conversion's traceback) as warnings: the file's opset is read back and checked instead (_write_onnx)
 _ONNX_CONVERSION_LOGGERS = ("onnxscript.version_converter", "torch.onnx._internal.exporter._compat")
 
 
@@ -179,8 +180,6 @@ def quiet_onnx_exporter():
 def _fd_stdout_dropped():
     """Drop what is written to file descriptor 1 in the block (C++ prints that Python's sys.stdout never sees);
     where there is no descriptor 1 (stdout closed), the block runs as it is."""
-    import os
-
     if sys.stdout is not None:
         sys.stdout.flush()
     try:
@@ -382,25 +381,35 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
                                  f"{fmt!r})", log)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
-    if fmt == "onnx":
-        path = out / "model.onnx"
-        with quiet_onnx_exporter():
-            result["exporter"], result["opset"] = _export_onnx(net, cfg, path, opset)
-        result["max_abs_diff"] = _check_onnx(net, cfg, path)
-    elif fmt == "torch-export":
-        path = out / "model.pt2"
-        result["exporter"] = _export_pt2(net, cfg, path)
-        result["max_abs_diff"] = _check_pt2(net, cfg, path)
+    if fmt in ("onnx", "torch-export"):
+        stage = out / STAGING
+        shutil.rmtree(stage, ignore_errors=True)  # a killed or failed export's
+        stage.mkdir()
+        try:
+            staged, result["exporter"], opset_written, result["max_abs_diff"] = _staged_model(net, cfg, fmt, stage,
+                                                                                             opset)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        if fmt == "onnx":
+            result["opset"] = opset_written
+        if not result["max_abs_diff"] <= TOLERANCE:
+            raise ExportError(f"export: the exported model differs from PyTorch by {result['max_abs_diff']:.3g} "
+                              f"(more than {TOLERANCE:g}) on the same inputs, so {out} keeps what it held; the "
+                              f"file is kept for inspection as {staged}. Another format (--format torch-export or "
+                              "safetensors) or, for ONNX, another --opset may export it exactly")
+        if fmt == "onnx" and not (stage / "model.onnx.data").exists():  # an earlier, larger model's weights
+            (out / "model.onnx.data").unlink(missing_ok=True)
+        for name in sorted(p.name for p in stage.iterdir()):  # the model and its external weights, if any
+            os.replace(stage / name, out / name)
+        stage.rmdir()
+        path = out / staged.name
     else:
         path = out / "model.safetensors"
         save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
                          {"config": cfg.to_dict(), "step": info.get("step"), "images_seen": info.get("images_seen"),
                           "format": EMA_EXPORT_FORMAT})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
-    if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= TOLERANCE:
-        raise ExportError(f"export: {path} differs from PyTorch by {result['max_abs_diff']:.3g} (more than "
-                          f"{TOLERANCE:g}) on the same inputs; the file is kept for inspection. Another format "
-                          "(--format torch-export or safetensors) or, for ONNX, another --opset may export it exactly")
     d = cfg.diffusion
     if d.objective == "ddpm":
         # the float64 betas the schedule derives everything from (its .betas is their float32 copy: 1e-4 as
@@ -439,7 +448,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
 
 # what an export writes (model.onnx.data: the ONNX exporter's external weights of a large model)
 _MODEL_FILES = {"model.onnx", "model.pt2", "model.safetensors", "unet"}
-_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", PARTIAL_ONNX, "sample_onnx.py", "schedule.json", "config.json",
+_EXPORT_NAMES = _MODEL_FILES | {"model.onnx.data", STAGING, "sample_onnx.py", "schedule.json", "config.json",
                                 "README.md", "export.json", "scheduler", "model_index.json"}
 
 
@@ -452,7 +461,7 @@ def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export --out {out} is a file: give a folder (new, empty, or an earlier export's)")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
-    exported = "export.json" in names or (names <= _EXPORT_NAMES and bool(names & _MODEL_FILES))
+    exported = "export.json" in names or (names <= _EXPORT_NAMES and bool(names & (_MODEL_FILES | {STAGING})))
     if names and not exported:
         # without a model file, even an export's names (README.md, config.json) may be a project's own
         found = sorted(names - _EXPORT_NAMES) or sorted(names)
