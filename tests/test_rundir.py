@@ -377,3 +377,29 @@ def test_only_rank_0_warns_that_it_skips_an_unusable_checkpoint(tmp_path, monkey
         path, _ = checkpoint.load_latest(d)
     assert path.name == "ckpt_000000001.pt"
     assert any("skipping unusable checkpoint" in str(w.message) for w in caught) == warns
+
+
+@pytest.mark.parametrize("check", ["make_writable_dir", "check_writable_dir"])
+@pytest.mark.parametrize("below", [False, True])
+def test_an_out_folder_through_a_link_to_nothing_is_refused_naming_the_link(tmp_path, check, below):
+    """A link whose target is gone exists() as False, so an output folder at or below it passed the early check
+    and failed after the work (an evaluation's sampling and scoring) with FileExistsError."""
+    from fastddpm.config import ConfigError
+    from fastddpm.rundir import files
+
+    link = tmp_path / "results"
+    link.symlink_to(tmp_path / "gone")
+    out = link / "eval" if below else link
+    with pytest.raises(ConfigError) as e:
+        getattr(files, check)(out, flag="--out", fix="give a folder that can be created")
+    assert str(e.value) == (f"--out {out}: {link} is a link to {tmp_path / 'gone'}, which does not exist (make that "
+                            "folder): give a folder that can be created")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"] and not (tmp_path / "gone").exists()
+
+
+def test_a_run_directory_through_a_link_to_nothing_is_refused_before_the_run_starts(tmp_path):
+    from fastddpm.config import ConfigError
+
+    (tmp_path / "runs").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match=r"runs is a link to .*gone, which does not exist \(make that folder\)"):
+        find_resume(tmp_path / "runs" / "a", None)

@@ -42,6 +42,7 @@ def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
 
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path}: is a file, not a folder: {fix}")
+    refuse_dangling_link(path, flag=flag, fix=fix)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -49,6 +50,16 @@ def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: the folder is not writable here (permissions, or a read-only disk): "
                           f"{fix}")
+
+
+def refuse_dangling_link(path: Path, *, flag: str, fix: str) -> None:
+    """A link to nothing, at `path` or above it, exists() as False, yet no folder can be made there."""
+    from fastddpm.config import ConfigError
+
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            raise ConfigError(f"{flag} {path}: {p} is a link to {os.readlink(p)}, which does not exist (make that "
+                              f"folder): {fix}")
 
 
 def check_writable_dir(path: Path, *, flag: str, fix: str) -> None:
@@ -59,6 +70,7 @@ def check_writable_dir(path: Path, *, flag: str, fix: str) -> None:
 
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path}: is a file, not a folder: {fix}")
+    refuse_dangling_link(path, flag=flag, fix=fix)
     parent = path
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

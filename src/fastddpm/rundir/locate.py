@@ -15,7 +15,7 @@ import torch
 
 from fastddpm.config import ConfigError
 from fastddpm.rundir import checkpoint, sharded
-from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata
+from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata, refuse_dangling_link
 from fastddpm.rundir.layout import RunDir
 
 EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
@@ -174,6 +174,8 @@ def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None) -> 
     if in_the_way is not None and not in_the_way.is_dir():
         raise ConfigError(f"--out {run_dir}: {in_the_way} is a file, and a run directory is a folder: pass a new "
                           f"folder (or a run directory, to continue its run) as --out")
+    refuse_dangling_link(run_dir, flag="--out", fix="pass a new folder (or a run directory, to continue its run) "
+                                                   "as --out")
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     if str(resume) == "latest":
