@@ -327,3 +327,7 @@ def test_the_resume_refusals_advice_names_what_this_command_changed():
     assert "--preset" not in str(e.value)
     with pytest.raises(ConfigError, match=r"without --seed and without --preset tiny"):  # the preset's own seed 0
         check_same_inputs(resumed, get_preset("tiny"), saved, quiet)
+    # a resize mode without a resize reads the same images: a changed folder is still said as changed
+    changed = {**saved, "num_images": 60001, "sample_sha256": "s3", "pixels_sha256": "p3"}
+    with pytest.raises(ConfigError, match=r"the images at fashion-mnist changed .*60000 images then, 60001 now"):
+        check_same_inputs(resumed, apply_overrides(run_cfg, {"data.resize_mode": "stretch"}), changed, quiet)

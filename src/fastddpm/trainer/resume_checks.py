@@ -46,7 +46,7 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
                        and (getattr(was, k) != getattr(DataConfig(), k) or getattr(was, k) != getattr(cfg.data, k)))
     dropped = [f"--{k.replace('_', '-')}" for k in ("resize", "image_mode") if getattr(was, k) is None
                and getattr(cfg.data, k) is not None]  # options this resume added that the run did not have
-    if saved.get("source") == cfg.data.source and all(getattr(was, k) == getattr(cfg.data, k) for k in _READ_AS):
+    if saved.get("source") == cfg.data.source and _read_as(was) == _read_as(cfg.data):
         what = (f"the images at {cfg.data.source} changed since the checkpoint was written "
                 f"({_changes(saved, identity, labels=cfg.model.conditional)}: files added, removed, edited or "
                 f"replaced, or the cache rebuilt by another decoder)")
@@ -74,6 +74,11 @@ def _presets_seed(cfg: RunConfig) -> bool:
 # the data options that change what is read from a source: with the same source and these, other images are the
 # source's files changed, not other data asked for
 _READ_AS = ("resize", "resize_mode", "image_mode", "split")
+
+
+def _read_as(data: DataConfig) -> dict:
+    """The _READ_AS options that change what is read: the resize mode only with a resize."""
+    return {k: getattr(data, k) for k in _READ_AS if k != "resize_mode" or data.resize is not None}
 
 
 def _changes(saved: dict, now: dict, *, labels: bool) -> str:
