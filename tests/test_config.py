@@ -467,3 +467,16 @@ def test_a_conditional_setting_in_the_apis_config_dict_of_an_unconditional_run_i
     assert _config(get_preset("tiny").to_dict(), {}) == get_preset("tiny")
     cond = {"model": {"conditional": True, "num_classes": 10}, "train": {"cond_drop_prob": 0.2}}
     assert _config(cond, {}).train.cond_drop_prob == 0.2
+
+
+def test_a_config_dict_that_names_a_preset_starts_from_it_as_a_config_file_does():
+    """{"preset": "cpu-demo-cond", ...} was the defaults labelled cpu-demo-cond: an unconditional model, whose
+    guidance setting was then refused as a conditional model's."""
+    from fastddpm.api import _config
+
+    cfg = _config({"preset": "cpu-demo-cond", "train": {"sample_guidance": 3.0}}, {})
+    want = apply_overrides(get_preset("cpu-demo-cond"), {"train.sample_guidance": 3.0})
+    assert cfg == want and cfg.model.conditional
+    assert _config({"preset": "tiny"}, {}) == get_preset("tiny")
+    with pytest.raises(ConfigError, match="no-such"):
+        _config({"preset": "no-such"}, {})

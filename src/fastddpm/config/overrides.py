@@ -209,7 +209,7 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
                    layers: Iterable[tuple[str, dict[str, Any]]] = (), resumed: RunConfig | None = None
                    ) -> RunConfig:
     """A run's config from its layers, later ones winning: `base` (a RunConfig, its dict form as config.json
-    holds it, or a preset's name; None: the config file's own `preset`, else the defaults) < the config `file`
+    holds it, over the preset the dict names, or a preset's name; None: the config file's own `preset`, else the defaults) < the config `file`
     (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key is "section.field" or a field
     name of one section, and `source` names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
 
@@ -222,8 +222,9 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
     if base is None and data.get("preset"):
         base = data["preset"]
     base_values = base if isinstance(base, dict) else {}
-    if isinstance(base, dict):
-        cfg = apply_overrides(RunConfig(), base, source="config dict")
+    if isinstance(base, dict):  # over the preset it names, as a config file's values are
+        cfg = apply_overrides(get_preset(base["preset"]) if base.get("preset") else RunConfig(), base,
+                              source="config dict")
     else:
         cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
     layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
