@@ -161,10 +161,11 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     # what is no name and no id: a clear refusal (a list or a float was a TypeError, True was class 1)
     from fastddpm.config.errors import API
 
-    for bad in (True, 7.0, [1, 2], np.array([1, 2]), torch.tensor([1, 2])):
+    for bad in (True, 7.0, [1, 2], np.array([1, 2]), torch.tensor([1, 2]), np.True_, torch.tensor(True),
+                torch.tensor([2]), np.array([2]), b"2"):  # a bool of numpy or torch, a batch of one label, bytes
         with pytest.raises(ConfigError, match=r"one class per call, as a name, an id \(an int\) or 'all'"):
             class_index(cfg, bad, said=API)
-    assert class_index(cfg, torch.tensor(7)) == 7
+    assert class_index(cfg, torch.tensor(7)) == 7 and class_index(cfg, np.int64(7)) == 7
     base = resolve_model_shape(apply_overrides(get_preset("tiny"), {"model.conditional": True}), (1, 1, 28, 28))
     two = resolve_classes(base, np.arange(3), ["Cat", "cat", "?"], "folders").model
     assert class_index(two, "cat") == 1 and class_index(two, "Cat") == 0  # as written first: case tells them apart
@@ -209,8 +210,9 @@ def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
     # a numpy or torch scalar is a number; a list of scales is one call each
     for same in (np.float32(2.0), np.int64(2), torch.tensor(2.0)):
         assert np.array_equal(model.sample(2, class_=7, guidance=same, steps=2, sampler="ddim"), drawn)
-    with pytest.raises(ConfigError, match=r"sample: guidance=\[1, 2\]: one scale, a number"):
-        model.sample(2, class_=7, guidance=[1, 2])
+    for bad in ([1, 2], True, np.True_, torch.tensor(True), torch.tensor([2.0]), np.array([2.0]), "2", b"2"):
+        with pytest.raises(ConfigError, match=r"sample: guidance=.*: one scale, a number"):
+            model.sample(2, class_=7, guidance=bad)
 
 
 def test_data_without_labels_is_refused_with_the_fix(tmp_path, capsys):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, default_preset, load_config_file,
-                             resolve_config)
+                             not_a_number, resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -27,12 +27,12 @@ SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --pr
 
 def _one_scale(guidance, where: str, several: str = "") -> float | None:
     """A guidance scale as a float (a Python, numpy or 0-d torch number), or a ConfigError for what is none: a list
-    of scales (one call each), a bool, a string."""
+    of scales (one call each), a bool, text, an array of one scale."""
     if guidance is None:
         return None
     error = ConfigError(f"{where}: guidance={guidance!r}: one scale, a number; for several, call once per scale"
                         + (f" {several}" if several else ""))
-    if isinstance(guidance, (bool, str)):  # float() would read True as 1 and "2" as 2
+    if not_a_number(guidance):  # float() would read True as 1, "2" as 2 and torch.tensor([2.0]) as 2
         raise error
     try:
         return float(guidance)

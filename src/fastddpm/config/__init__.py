@@ -28,8 +28,8 @@ from fastddpm.config.sampling import (DEFAULT_SAMPLER, DEFAULT_SAMPLER_STEPS, SA
                                       SPACINGS, STEPS_HELP, default_spacing, resolve_sampling)
 from fastddpm.config.schema import (LOGGERS, SECTIONS, ConfigError, DataConfig, DiffusionConfig, ModelConfig,
                                     RunConfig, TrainConfig)
-from fastddpm.config.shape import (check_same_architecture, class_index, class_slug, resolve_classes,
-                                   resolve_model_shape)
+from fastddpm.config.shape import (check_same_architecture, class_index, class_slug, not_a_number,
+                                   resolve_classes, resolve_model_shape)
 
 __all__ = [
     "ConfigError", "Spelling", "CLI", "API",
@@ -39,6 +39,7 @@ __all__ = [
     "PRESETS", "default_preset", "get_preset", "preset_summaries",
     "resolve_config", "apply_overrides", "qualify", "RUN_LENGTHS", "coerce", "field_types", "load_config_file",
     "from_dict", "save_config", "positive_int",
-    "resolve_model_shape", "resolve_classes", "class_index", "class_slug", "check_same_architecture",
+    "resolve_model_shape", "resolve_classes", "class_index", "class_slug", "not_a_number",
+    "check_same_architecture",
     "flag_name", "reference_markdown",
 ]

@@ -82,7 +82,7 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
         return ConfigError(f"{said('class', name_or_id)}: one class per call, as a name, an id (an int) or 'all' "
                            f"({_list_classes(names)}); for several classes, call once per class or draw 'all'")
 
-    if isinstance(name_or_id, bool):
+    if not isinstance(name_or_id, str) and not_a_number(name_or_id):
         raise not_one_class()
     if not isinstance(name_or_id, str):  # an int, a numpy integer or a 0-d integer tensor
         try:
@@ -116,6 +116,18 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
                           f"{model_cfg.num_classes - 1} ({_list_classes(names)})")
     raise ConfigError(f"{said('class', shown)} is not one of this model's classes: {_list_classes(names)} (a name "
                       f"or its number, or all)")
+
+
+def not_a_number(value) -> bool:
+    """Whether `value`, which float() or operator.index() may read as a number, is none: a bool (Python's, numpy's,
+    a bool tensor: True would be 1), text (str, bytes: "2" would be 2), or an array or tensor that is not 0-d
+    (torch.tensor([2]) is a batch of one label, read as 2)."""
+    if isinstance(value, (bool, str, bytes)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and str(dtype) in ("bool", "torch.bool"):
+        return True
+    return getattr(value, "ndim", 0) != 0
 
 
 def class_slug(name: str) -> str:
