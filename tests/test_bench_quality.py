@@ -194,3 +194,60 @@ def test_a_reused_result_is_compared_by_its_images_not_its_folder_name(tmp_path,
     result = run_quality(QualitySettings(**{**base, "data": str(copy)}, reference_from=reference), tmp_path / "y",
                          log=lambda m: None)  # the same images under another name: one dataset
     assert result["data_identity"] == earlier["data_identity"]
+
+
+def _sorted_by_class(tmp_path, fmnist_npz, *, names: bool = True):
+    """fmnist_npz as class folders read: class by class, with its class names."""
+    import numpy as np
+
+    data = np.load(fmnist_npz)
+    order = np.argsort(data["labels"], kind="stable")
+    path = tmp_path / "by-class.npz"
+    extra = {"class_names": np.array([f"c{i}" for i in range(10)])} if names else {}
+    np.savez(path, images=data["images"][order], labels=data["labels"][order], **extra)
+    return path, len(np.unique(data["labels"]))
+
+
+def test_a_capped_dataset_is_drawn_across_it_with_its_class_names(tmp_path, fmnist_npz):
+    """--num-images took the first N: of data read class by class (folders), all one class, on which the feature
+    network cannot train (an error about an internal .npz followed)."""
+    import numpy as np
+
+    source, classes = _sorted_by_class(tmp_path, fmnist_npz)
+    s = QualitySettings(**dict(QUICK, num_images=64), data=str(source), device="cpu", quick=True)
+    path, identity = quality._data_source(s, tmp_path / "out", log=lambda m: None)
+    subset = np.load(path)
+    assert len(subset["y_train"]) == 64 and len(np.unique(subset["y_train"])) >= classes - 2
+    assert list(subset["class_names"]) == [f"c{i}" for i in range(10)]
+    assert identity["num_images"] == 256
+    again, _ = quality._data_source(s, tmp_path / "out", log=lambda m: None)
+    assert again == path  # the same draw: a rerun reuses its finished runs
+
+
+def test_bad_settings_are_refused_before_any_run_trains(tmp_path, fmnist_npz, monkeypatch):
+    import numpy as np
+
+    trained = []
+    monkeypatch.setattr(quality, "_train_run", _fake_train_run(trained))
+    base = dict(QUICK, device="cpu", quick=True, data=str(fmnist_npz))
+    with pytest.raises(ConfigError, match=r"train.lr='abc' is not a valid float"):
+        run_quality(QualitySettings(**{**base, "fast_overrides": ("train.lr=abc",)}), tmp_path / "a",
+                    log=lambda m: None)
+    for bad in ({"target_fid": -1.0}, {"target_fid": 0.0}, {"reference_epochs": 0.0}):
+        with pytest.raises(ConfigError, match=r"must be > 0"):
+            QualitySettings(**{**base, **bad})
+    unlabelled = tmp_path / "unlabelled.npz"
+    np.savez(unlabelled, images=np.load(fmnist_npz)["images"])
+    with pytest.raises(ConfigError, match=rf"--data {unlabelled}: its images have no labels, and FID here"):
+        run_quality(QualitySettings(**{**base, "data": str(unlabelled)}), tmp_path / "b", log=lambda m: None)
+    assert trained == [] and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("bench", ["throughput", "ladder", "quality"])
+def test_an_out_that_is_a_file_is_one_error_line(tmp_path, capsys, bench):
+    from fastddpm.cli import main
+
+    (tmp_path / "taken").write_text("mine")
+    assert main(["bench", bench, "--quick", "--device", "cpu", "--out", str(tmp_path / "taken")]) == 2
+    assert f"bench {bench} --out {tmp_path / 'taken'}: is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "taken").read_text() == "mine"

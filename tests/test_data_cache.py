@@ -167,20 +167,22 @@ def test_failed_rebuild_keeps_the_old_cache_byte_identical(tmp_path: Path, cache
     assert again.meta["created"] == old.meta["created"]  # still the old, loadable cache
 
 
+@pytest.mark.parametrize("code, said", [(errno.ENOSPC, "no space left on device"),
+                                        (errno.EFBIG, "file too large")])  # EFBIG: FAT32's 4 GiB, `ulimit -f`
 def test_disk_full_while_writing_is_a_teaching_error_and_cleans_up(tmp_path: Path, cache_dir: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch, code, said) -> None:
     make_idx_folder(tmp_path / "m")
     old = prepare(tmp_path / "m", cache_dir=cache_dir, progress=False)
     before = _snapshot(old.cache_path)
 
-    def enospc(path: Path, obj: dict) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full(path: Path, obj: dict) -> None:
+        raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(cache_module, "_write_json", enospc)
+    monkeypatch.setattr(cache_module, "_write_json", full)
     with pytest.raises(DataError) as err:
         prepare(tmp_path / "m", rebuild=True, cache_dir=cache_dir, progress=False)
-    assert "no space left" in str(err.value) and "--cache-dir" in str(err.value)
-    assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC
+    assert str(err.value).startswith(f"{said} while writing the cache in") and "--cache-dir" in str(err.value)
+    assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == code
     assert leftovers(cache_dir) == [old.cache_path.name]
     assert _snapshot(old.cache_path) == before
 

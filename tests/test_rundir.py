@@ -249,17 +249,20 @@ def test_find_resume_reads_latest_a_run_and_refuses_weights_only(tmp_path):
         find_resume(tmp_path / "run", "latest").check_resumable(sharded_run=True)
 
 
-def _full_disk_on(monkeypatch, hit) -> None:
-    """Checkpoint writes of the paths `hit` picks fail as a full disk does (ENOSPC); the others go through."""
+def _full_disk_on(monkeypatch, hit, code: int | None = None) -> None:
+    """Checkpoint writes of the paths `hit` picks fail as a full disk does (ENOSPC, or `code`); the others go
+    through."""
     import errno
+    import os
 
     from fastddpm.rundir import checkpoint
 
     real_write = checkpoint.atomic_write_bytes
+    code = errno.ENOSPC if code is None else code
 
     def write(path, data):
         if hit(path):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         real_write(path, data)
 
     monkeypatch.setattr(checkpoint, "atomic_write_bytes", write)
@@ -311,19 +314,25 @@ def test_a_checkpoint_set_aside_with_an_abandoned_branch_belongs_to_its_run(tmp_
     assert RunDir.of(tmp_path / "abandoned-after-x" / "ema.safetensors").path == tmp_path / "abandoned-after-x"
 
 
-def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path, fmnist_npz, capsys, monkeypatch):
+@pytest.mark.parametrize("errname", ["ENOSPC", "EFBIG"])  # EFBIG: a file past FAT32's 4 GiB or `ulimit -f`
+def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path, fmnist_npz, capsys, monkeypatch,
+                                                                       errname):
     """ENOSPC while writing step 2's checkpoint: `fastddpm train` stops with one error line naming the folder, the
     checkpoint that is intact (step 1) and the way on, not an OSError traceback; step 1 still resumes."""
+    import errno
+    import os
+
     from fastddpm.cli import main
 
-    _full_disk_on(monkeypatch, lambda path: path.name == "ckpt_000000002.pt")
+    _full_disk_on(monkeypatch, lambda path: path.name == "ckpt_000000002.pt", getattr(errno, errname))
     run = tmp_path / "run"
     code = main(["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--no-progress",
                  "--set", "train.max_steps=3", "--set", "train.checkpoint_every=1",
                  "--set", "train.num_sample_images=4", "--set", "train.sample_steps=2"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert f"could not write the checkpoint of step 2 in {run / 'checkpoints'}: No space left on device (ENOSPC)" in err
+    said = os.strerror(getattr(errno, errname))
+    assert f"could not write the checkpoint of step 2 in {run / 'checkpoints'}: {said} ({errname})" in err
     assert "ckpt_000000001.pt (step 1), is intact" in err and "--resume latest" in err
     assert find_resume(run, "latest").step == 1
 

@@ -269,7 +269,8 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
     qp.add_argument("--data", default=None, metavar="SOURCE", help="labelled data (default fashion-mnist)")
     qp.add_argument("--preset", default=None, choices=tuple(PRESETS), help="the model and reference recipe "
                     "(default seed-1layer)")
-    qp.add_argument("--num-images", type=positive_int, default=None, metavar="N", help="cap the dataset")
+    qp.add_argument("--num-images", type=positive_int, default=None, metavar="N",
+                    help="cap the dataset: N images drawn across it (and a quarter as many test images)")
     qp.add_argument("--eval-samples", type=positive_int, default=None, metavar="N",
                     help="samples per evaluation (default 5000)")
     qp.add_argument("--eval-sampler", default=None, choices=SAMPLERS,

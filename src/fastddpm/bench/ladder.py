@@ -35,6 +35,7 @@ from fastddpm.data import DataError
 from fastddpm.device import resolve_device
 from fastddpm.measure import (Peaks, environment_record, free_device_memory, model_roofline, peak_memory_bytes,
                               reset_peak_memory, share_warning, summarize, time_steps, time_wall_s)
+from fastddpm.rundir.files import make_writable_dir
 from fastddpm.trainer.batch_finder import is_oom
 from fastddpm.trainer.compile_counters import CompileCounters
 
@@ -307,7 +308,7 @@ def run_ladder(settings: LadderSettings, out_dir: str | Path | None = None, *, a
 
     device, device_reason = resolve_device(settings.device, setting="--device")
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_writable_dir(out_dir, flag="bench ladder --out", fix=store.OUT_FIX)
     env = environment_record(device, argv)
     workers = settings.resolved_workers()
     log(f"bench ladder: {settings.preset} on {env['device_name']} ({device}; {device_reason}); torch {env['torch']}; "

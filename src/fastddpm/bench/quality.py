@@ -40,6 +40,7 @@ from typing import Callable
 from fastddpm.bench import store
 from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
 from fastddpm.data.cache import describe_identity, same_images
+from fastddpm.rundir.files import check_writable_dir, make_writable_dir
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -90,6 +91,10 @@ class QualitySettings:
         if unknown:
             raise ConfigError(f"bench quality: unknown option(s) {', '.join(unknown)}; "
                               f"choose from {', '.join(OPTIONS)}")
+        for name in ("target_fid", "reference_epochs"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # an FID is > 0; a target of 0 or less is never reached
+                raise ConfigError(f"bench quality: --{name.replace('_', '-')} {value} must be > 0")
         if self.reference_from is not None and self.target_fid is not None:
             raise ConfigError("bench quality: give --reference-from or --target-fid, not both")
         if self.reference_only and (self.reference_from is not None or self.target_fid is not None):
@@ -115,21 +120,37 @@ def _overrides(items) -> dict[str, str]:
 
 
 def _data_source(s: QualitySettings, out_dir: Path, log) -> tuple[str, dict]:
-    """The source the runs train on: s.data, or the first num_images of it (and of its test split) as an .npz; and
-    the identity of s.data's training images (PreparedData.identity), by which a reused result's data is compared."""
+    """The source the runs train on: s.data, or num_images of it (and a quarter as many of its test split, at
+    least 64), drawn across it, as an .npz; and the identity of s.data's training images (PreparedData.identity),
+    by which a reused result's data is compared."""
     import numpy as np
 
     from fastddpm.data import DataError, prepare
 
     train = prepare(s.data, split="train", progress=False)
+    classes = np.unique(train.labels[train.labels >= 0])
+    if len(classes) < 2:
+        raise ConfigError(f"bench quality --data {s.data}: "
+                          + ("its images have no labels" if not len(classes) else "its images are all one class")
+                          + ", and FID here is measured in fastddpm-features, a classifier trained on the data's "
+                          "classes: give data of two or more classes (class folders, an .npz with labels)")
     if s.num_images is None:
         return s.data, train.identity()
+
+    def subset(data, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        # drawn across the whole set, in its order: the first n of class folders (read class by class) are one
+        # class, whose feature network cannot be trained
+        index = np.sort(np.random.default_rng(seed).choice(data.num_images, n, replace=False))
+        return np.array(data.images[index]), np.asarray(data.labels[index])
+
     n = min(s.num_images, train.num_images)
-    arrays = {"x_train": np.array(train.images[:n]), "y_train": np.asarray(train.labels[:n])}
+    arrays = dict(zip(("x_train", "y_train"), subset(train, n, seed=0)))
+    if train.class_names:
+        arrays["class_names"] = np.array(train.class_names)
     try:
         test = prepare(s.data, split="test", progress=False)
         k = min(max(n // 4, 64), test.num_images)
-        arrays.update(x_test=np.array(test.images[:k]), y_test=np.asarray(test.labels[:k]))
+        arrays.update(zip(("x_test", "y_test"), subset(test, k, seed=1)))
     except DataError:
         pass
     # Named by its content: a run's config names its data by this path, and the runs an earlier call finished in
@@ -139,9 +160,10 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> tuple[str, dict]:
     for key in sorted(arrays):
         digest.update(f"{key}{arrays[key].dtype}{arrays[key].shape}".encode())
         digest.update(np.ascontiguousarray(arrays[key]).tobytes())
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"data-n{n}-{digest.hexdigest()[:12]}.npz"
     np.savez(path, **arrays)
-    log(f"data: the first {n:,} images of {s.data} -> {path}")
+    log(f"data: {n:,} images of {s.data}, drawn across it -> {path}")
     return str(path), train.identity()
 
 
@@ -309,14 +331,17 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
 
     device, _ = resolve_device(s.device, setting="--device")
     out = Path(out_dir) if out_dir is not None else default_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable_dir(out, flag="bench quality --out", fix=store.OUT_FIX)  # made once the data is checked
     env = environment_record(device, argv)
     log(f"bench quality: {s.preset} on {env['device_name']} ({device}); torch {env['torch']}; "
         f"commit {str(env['git_commit'])[:12]}; {s.eval_samples:,} {s.eval_sampler}-{s.eval_steps} samples "
         "per evaluation")
     if device.type != "cuda":
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
+    for extra in (s.fast_overrides, *(OPTIONS[name] for name in s.options)):  # refused before any work
+        _config(s, s.data, {**_overrides(s.fast_overrides), **_overrides(extra)})
     source, identity = _data_source(s, out, log)
+    make_writable_dir(out, flag="bench quality --out", fix=store.OUT_FIX)
     for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
         if given is not None:  # before anything is trained
             _check_same_data(_read_earlier(given, flag), s, given, identity)

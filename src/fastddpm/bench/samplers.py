@@ -33,6 +33,7 @@ import torch
 from fastddpm.bench import store
 from fastddpm.config import SAMPLERS, SPACINGS, ConfigError
 from fastddpm.measure import environment_record
+from fastddpm.rundir.files import make_writable_dir
 
 SCHEMA = "fastddpm-bench-samplers-1"
 
@@ -147,7 +148,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     elif settings.guidance is not None:
         raise ConfigError("--guidance needs a conditional model; this checkpoint is unconditional")
     out_dir = Path(out_dir) if out_dir else Path(info["file"]).parent.parent / "bench-samplers"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_writable_dir(out_dir, flag="bench samplers --out", fix=store.OUT_FIX)
     env = environment_record(device)
     todo = check_points(points(settings, T, cfg.diffusion.objective), settings, cfg, log)
     evaluator = Evaluator.for_config(cfg, device=device, log=log)

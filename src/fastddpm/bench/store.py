@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Callable
 
 
+# what a bench's --out must be, said when it is not (a file, a folder that cannot be made or written)
+OUT_FIX = "give a folder that can be created and written (new, or an earlier bench's, whose results it reuses)"
+
+
 def fmt(value, spec: str, missing: str = "n/a") -> str:
     """A number for a report table: `format(value, spec)`, or `missing` for None, NaN and inf."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):

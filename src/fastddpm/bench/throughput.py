@@ -47,6 +47,7 @@ from fastddpm.config.schema import ATTENTION_HEAD_PADS
 from fastddpm.device import resolve_device, resolve_precision
 from fastddpm.measure import Peaks, environment_record, free_device_memory
 from fastddpm.rng import derive_seed
+from fastddpm.rundir.files import make_writable_dir
 from fastddpm.trainer.fast_path import resolve_fast_path
 
 SCHEMA = "fastddpm-bench-throughput-2"  # 2: per-row MFU peak dtype, identity and run; written after every variant
@@ -284,7 +285,7 @@ def run_throughput(settings: ThroughputSettings, out_dir: str | Path | None = No
         v.precision = resolve_precision(v.cfg.train.precision, device)
         v.fast_reasons = resolve_fast_path(v.cfg.train, device, v.precision, model_family=v.cfg.model.family).reasons
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_writable_dir(out_dir, flag="bench throughput --out", fix=store.OUT_FIX)
 
     env = environment_record(device, argv)
     if device.type == "cuda":

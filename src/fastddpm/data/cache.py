@@ -366,9 +366,11 @@ class CacheBuilder:
             self._writer.abort()
         if not self._committed:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            # a full disk or quota, or a file larger than the file system or `ulimit -f` allows
             raise DataError(
-                f"no space left on the device while writing the cache in {self.final_dir.parent}; nothing was "
-                "kept. Fix: free some space, or pass --cache-dir / set FASTDDPM_CACHE to a bigger disk."
+                f"{(exc.strerror or 'no space left on the device').lower()} while writing the cache in "
+                f"{self.final_dir.parent}; nothing was kept. Fix: free some space, or pass --cache-dir / set "
+                "FASTDDPM_CACHE to a bigger disk."
             ) from exc
         return False

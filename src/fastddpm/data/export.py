@@ -120,7 +120,11 @@ def export_images(images_NCHW: np.ndarray, labels: np.ndarray, root: str | Path,
             raise DataError(f"export-images: {root} is not empty and holds {what}; choose an empty folder or pass "
                             "--overwrite (its PNG files and class folders are replaced)")
         _clear_export(root, earlier.get("class_folders") or [])
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"export-images: cannot create {root} ({e.strerror or e}): give a folder that can be created "
+                        "and written") from None
     width = max(6, len(str(n - 1)))
     folder_of = names or [str(c) for c in range(int(labels.max()) + 1 if n else 0)]
     for label in np.unique(labels):
@@ -169,7 +173,10 @@ def export_source(source: str, root: str | Path, *, split: str = "train", limit:
     """prepare(SOURCE) (decode once into the uint8 cache, with prepare's data-reading options), then export its
     first `limit` images to ROOT."""
     from fastddpm.data.prepare import prepare
+    from fastddpm.rundir.files import check_writable_dir
 
+    check_writable_dir(Path(root), flag="export-images", fix="give a folder that can be created and written: new, "
+                       "empty, or an earlier export's")  # before the source is decoded
     prepared = prepare(source, split=split, cache_dir=cache_dir, progress=progress, resize=resize,
                        resize_mode=resize_mode, image_mode=image_mode, skip_bad=skip_bad)
     n = prepared.num_images if limit is None else min(limit, prepared.num_images)

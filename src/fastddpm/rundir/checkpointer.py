@@ -28,8 +28,9 @@ from fastddpm.rundir.state_dicts import (clean_state_dict, configured_optimizer_
                                          restore_optimizer_settings, with_current_optimizer_flags)
 
 
-# A full disk, an exhausted quota, a disk remounted read-only: the run cannot go on here, nothing is wrong with it.
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+# A full disk, an exhausted quota, a disk remounted read-only, a file larger than the file system (FAT32: 4 GiB) or
+# the process (ulimit -f) allows: the run cannot go on here, nothing is wrong with it.
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
 class Stateful(Protocol):

@@ -28,6 +28,7 @@ from fastddpm.models import UNet, count_parameters
 from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import step_of
 from fastddpm.rundir.checkpointer import Checkpointer
+from fastddpm.rundir.files import make_writable_dir
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
@@ -183,7 +184,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
     _check_before_loading(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or a run "
+                                                 "directory, to continue its run)")
     rd = RunDir(run_dir)
     device, device_reason = resolve_device(cfg.train.device)
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
