@@ -298,6 +298,48 @@ def test_an_evaluation_a_stop_signal_skipped_runs_on_resume_from_the_same_weight
     assert evals["split"] == evals["straight"]
 
 
+def test_a_stop_signal_during_an_evaluation_stops_it_between_batches_and_it_runs_on_resume(fmnist_splits, tmp_path,
+                                                                                          monkeypatch):
+    """SIGINT while an --eval-every evaluation samples was heard only after it (minutes on a large one), then one
+    more step trained: the evaluation stops before its next batch, the run at that step, and the resumed run
+    evaluates those weights (again cut short by a second signal, then whole), so the records equal an uninterrupted
+    run's."""
+    import os
+    import signal
+
+    from fastddpm.eval import evaluate as evaluate_module
+    from fastddpm.trainer.loop import TrainingInterrupted
+
+    cfg = tiny_cfg(fmnist_splits, max_steps=12, eval_every_images=96, eval_samples=64, eval_steps=2)  # 2 batches
+    train(cfg, out_dir=tmp_path / "straight", log=quiet)
+    real_sample, batches = evaluate_module.sample, []
+
+    def interrupted_sample(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "sample", interrupted_sample)
+    lines = []
+    for _ in range(2):  # during the step-6 evaluation, then during that evaluation on resume
+        batches.clear()
+        with pytest.raises(TrainingInterrupted) as e:
+            train(cfg, out_dir=tmp_path / "split", resume="latest", log=lines.append)
+        assert e.value.exit_code == 130 and len(batches) == 1 and e.value.checkpoint.name == "ckpt_000000006.pt"
+        assert not (tmp_path / "split" / "eval.jsonl").exists()
+        assert "evaluation at 96 images stopped by the signal: it runs on resume, from this step's weights" in lines
+    monkeypatch.setattr(evaluate_module, "sample", real_sample)
+    train(cfg, out_dir=tmp_path / "split", resume="latest", log=quiet)
+    evals = {run: [(r["step"], r["images_seen"], r["fid"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")
+                   if r.get("event") == "eval"] for run in ("straight", "split")}
+    assert [e[:2] for e in evals["straight"]] == [(6, 96), (12, 192)]
+    assert evals["split"] == evals["straight"]
+    losses = {run: [r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r]
+              for run in ("straight", "split")}
+    assert losses["split"][-1] == losses["straight"][-1]
+
+
 def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_splits, tmp_path, monkeypatch):
     """Same losses, weights and RNG state with and without --eval-every; a planted 1000-second evaluation (on the
     clock the loop reads, so the test does not depend on how busy the CPU is) shows up in neither wall_s nor

@@ -93,8 +93,9 @@ class TrainingEvaluator:
         return not any(r.get("images_seen") == images_seen for r in records)
 
     def run(self, ema_model, *, step: int, images_seen: int, epoch: float, t_start: float,
-            metrics: MetricsLog) -> float:
-        """Evaluate now; returns the seconds it took (for the loop to take out of its training clocks)."""
+            metrics: MetricsLog, should_stop: Callable[[], bool] | None = None) -> float:
+        """Evaluate now; returns the seconds it took (for the loop to take out of its training clocks).
+        `should_stop` (one process): asked before each sample batch; True ends it with EvaluationStopped."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # note: sync, so wall_s includes the queued training steps
         t_eval = time.perf_counter()
@@ -102,7 +103,8 @@ class TrainingEvaluator:
         t = self.cfg.train
         shared = self.evaluator.evaluate(ema_model, self.cfg, rank=self.rank, world_size=self.world_size,
                                          sampler=self.sampler, steps=self.steps, device=self.device,
-                                         autocast_dtype=self.autocast_dtype, **self.choices)
+                                         autocast_dtype=self.autocast_dtype, should_stop=should_stop,
+                                         **self.choices)
         reshard(ema_model)
         if shared is None:  # a rank other than 0: its share of the samples and features went to rank 0
             return time.perf_counter() - t_eval

@@ -69,11 +69,16 @@ def batches_per_rank(num_samples: int, batch_size: int, world_size: int = 1) -> 
     return rounds, batch_size
 
 
+class EvaluationStopped(Exception):
+    """A stop signal arrived while an evaluation was sampling (sample_uint8's `should_stop`): nothing was scored."""
+
+
 @torch.no_grad()
 def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps: int, eta: float, seed: int,
                  batch_size: int, device: torch.device, autocast_dtype: torch.dtype | None,
                  progress: bool = False, guidance: float | None = None, spacing: str | None = None,
-                 rank: int = 0, world_size: int = 1, gather: bool = True) -> tuple[torch.Tensor | None, dict]:
+                 rank: int = 0, world_size: int = 1, gather: bool = True,
+                 should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor | None, dict]:
     """`num_samples` images as uint8 (N, C, H, W) on the CPU, and timings. Every batch is full (the tail of the
     last one is dropped), so a compiled model sees one shape. A conditional model samples every class equally
     often (image i has class i % K, see balanced_labels) with classifier-free guidance `guidance`.
@@ -83,7 +88,8 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     collective), each of at most `batch_size`, and rank 0 gathers the samples, the same as one process draws
     (sample k's noise is its own). Ranks other than 0 get None for the images. With `gather` False every rank
     keeps its own batches instead (batches rank, rank + world_size, ..., one after the other), and the timings
-    are its own."""
+    are its own. `should_stop` is asked before each batch: True ends the sampling with EvaluationStopped (one
+    process only: ranks that stopped apart would wait for each other's batches)."""
     schedule = schedule_from_config(cfg.diffusion).to(device)
     m = cfg.model
     rounds, batch_size = batches_per_rank(num_samples, batch_size, world_size)
@@ -101,6 +107,10 @@ def sample_uint8(model, cfg: RunConfig, *, num_samples: int, sampler: str, steps
     t0 = time.perf_counter()
     first_batch_s = None
     for i in range(rank, num_batches, world_size):
+        if should_stop is not None and should_stop():
+            if bar is not None:
+                bar.close()
+            raise EvaluationStopped(f"stopped after {len(chunks)} of {num_batches} sample batches")
         x = sample(model, schedule, shape, sampler=sampler, steps=steps, eta=eta, prediction=cfg.diffusion.prediction,
                    spacing=spacing, seed=derive_seed(seed, "eval-sample"), first_image=i * batch_size,
                    device=device, autocast_dtype=autocast_dtype,
@@ -336,7 +346,8 @@ class Evaluator:
                  eta: float = 0.0, seed: int = 0, batch_size: int = 500, device: torch.device,
                  autocast_dtype: torch.dtype | None = None, progress: bool = False,
                  guidance: float | None = None, spacing: str | None = None,
-                 rank: int = 0, world_size: int = 1) -> tuple[dict, torch.Tensor] | None:
+                 rank: int = 0, world_size: int = 1, should_stop: Callable[[], bool] | None = None
+                 ) -> tuple[dict, torch.Tensor] | None:
         """(metrics + sampling timings, the uint8 samples). A conditional model is sampled class-balanced with
         classifier-free guidance `guidance` (default 1: plain conditional) and scored for its classes too.
 
@@ -351,7 +362,8 @@ class Evaluator:
             images, timing = sample_uint8(model, cfg, num_samples=num_samples, sampler=sampler, steps=steps, eta=eta,
                                           seed=seed, batch_size=batch_size, device=device,
                                           autocast_dtype=autocast_dtype, progress=progress, guidance=guidance,
-                                          spacing=spacing, rank=rank, world_size=world_size, gather=False)
+                                          spacing=spacing, rank=rank, world_size=world_size, gather=False,
+                                          should_stop=should_stop)
             if world_size > 1:
                 shared = self._score_shared(images, timing, cfg, num_samples=num_samples, rank=rank,
                                             world_size=world_size, device=device)

@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -138,7 +138,10 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
     train_cfg, state = run.cfg.train, run.state
     if run.evaluator is not None and any_rank(int(run.evaluator.missed(
             state.images_seen, run.images_per_step, at_end=state.step == run.total_steps)), run.dist, run.device):
-        maybe_evaluate(run, out, done=True)  # a signal stopped the run on an evaluation's step: its weights now
+        # a signal stopped the run on an evaluation's step: its weights, now. Another during it stops the run
+        # again before any step, that evaluation still due.
+        if maybe_evaluate(run, out, True, stop):
+            _stopped(run, out, stop.exit_code, run.checkpointer.save())
     while state.step < run.total_steps:
         # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
         micro = run.micro_batches()
@@ -168,8 +171,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
         done = state.step == run.total_steps
         if _crossed(state.images_seen, run.images_per_step, train_cfg.sample_every_images) and not done:
             out.grid(f"grid_{state.images_seen:09d}.png")
-        if stop_code is None:
-            maybe_evaluate(run, out, done)
+        if stop_code is None and maybe_evaluate(run, out, done, stop):
+            stop_code = stop.exit_code  # it came during the evaluation: the checkpoint's evaluation runs on resume
         every = train_cfg.checkpoint_every
         if done or (every and state.step % every == 0) or stop_code is not None:
             if not (logging_step or run.device.type == "cpu"):
@@ -177,13 +180,16 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
             state.train_s = time.perf_counter() - out.t_start
             out.checkpoint = run.checkpointer.save()
         if stop_code is not None:
-            barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
-            out.close_bar()
-            run.log(f"stopped by signal at step {state.step:,}; checkpoint {out.checkpoint}; resume with "
-                    f"--resume latest")
-            raise TrainingInterrupted(stop_code, out.checkpoint)
+            _stopped(run, out, stop_code, out.checkpoint)
     out.close_bar()
     return _finish(run, out, stop, hooks)
+
+
+def _stopped(run: Run, out: StepLog, stop_code: int, checkpoint: Path) -> NoReturn:
+    barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
+    out.close_bar()
+    run.log(f"stopped by signal at step {run.state.step:,}; checkpoint {checkpoint}; resume with --resume latest")
+    raise TrainingInterrupted(stop_code, checkpoint)
 
 
 def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
@@ -391,13 +397,24 @@ def _crossed(images_seen: int, images_per_step: int, every: int | None) -> bool:
     return bool(every) and images_seen // every > (images_seen - images_per_step) // every
 
 
-def maybe_evaluate(run: Run, out: StepLog, done: bool) -> None:
+def maybe_evaluate(run: Run, out: StepLog, done: bool, stop: _StopFlag) -> bool:
     """FID, precision/recall and coverage from the EMA weights (--eval-every, and after the last step): every rank
     draws its share of the samples, rank 0 scores them; the evaluation's seconds are taken out of the training
-    clocks."""
+    clocks. True when a stop signal cut it short: in one process the signal is heard between sample batches (an
+    evaluation takes up to minutes); under torchrun, where the ranks share the batches, after it."""
     evaluator, state = run.evaluator, run.state
     if evaluator is None or not (done or evaluator.due(state.images_seen, run.images_per_step)):
-        return
-    out.exclude(evaluator.run(run.opt.ema.model, step=state.step, images_seen=state.images_seen,
-                              epoch=run.epochs_done, t_start=out.t_start,
-                              metrics=out.metrics))
+        return False
+    from fastddpm.eval.evaluate import EvaluationStopped
+
+    t_eval = time.perf_counter()
+    try:
+        out.exclude(evaluator.run(run.opt.ema.model, step=state.step, images_seen=state.images_seen,
+                                  epoch=run.epochs_done, t_start=out.t_start, metrics=out.metrics,
+                                  should_stop=None if run.dist.enabled else lambda: stop.exit_code is not None))
+    except EvaluationStopped:
+        out.exclude(time.perf_counter() - t_eval)
+        run.log(f"evaluation at {state.images_seen:,} images stopped by the signal: it runs on resume, from this "
+                "step's weights")
+        return True
+    return False
