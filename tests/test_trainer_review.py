@@ -308,6 +308,23 @@ def test_hflip_switched_on_resume_is_said(tmp_path):
             "than an uninterrupted run would (--no-hflip keeps its own)") in lines
 
 
+def test_a_learning_rate_or_ema_decay_changed_on_resume_is_said_with_the_old_value(tmp_path):
+    """--lr and --ema-decay on resume went on silently, and config.json, rewritten, kept no trace of the old ones."""
+    cfg = _cfg(_npz(tmp_path / "a.npz"), max_steps=2, checkpoint_every=2)
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    lines = []
+    train(apply_overrides(cfg, {"train.lr": 5e-3, "train.ema_decay": 0.5, "train.max_steps": 3}),
+          out_dir=tmp_path / "run", resume="latest", log=lines.append)
+    said = [line for line in lines if line.startswith("note: this resume changes")]
+    assert said == [f"note: this resume changes train.lr {cfg.train.lr!r} -> 0.005; train.ema_decay "
+                    f"{cfg.train.ema_decay!r} -> 0.5: the steps from here train with the new values (config.json now "
+                    f"holds them; {tmp_path / 'run' / 'checkpoints' / 'ckpt_000000002.pt'} keeps the run's own)"]
+    lines.clear()
+    train(apply_overrides(cfg, {"train.lr": 5e-3, "train.ema_decay": 0.5, "train.max_steps": 4}),
+          out_dir=tmp_path / "run", resume="latest", log=lines.append)
+    assert not [line for line in lines if "this resume changes" in line]  # the run's values now
+
+
 def test_the_resume_refusals_advice_names_what_this_command_changed():
     """Another --split of the same source was advised as `--data fashion-mnist`, the data already given; a seed
     given without a preset was told to drop a --preset the command did not have (the run's own, read back)."""

@@ -98,6 +98,24 @@ def _changes(saved: dict, now: dict, *, labels: bool) -> str:
             "the same count and shape; sampled pixels differ")
 
 
+# the train settings a resume may change that change the weights from there on (the batch size has its own note,
+# the seed and the data are refused, the run length is check_run_length's)
+RECIPE = ("lr", "adam_betas", "weight_decay", "warmup_images", "grad_clip", "ema_decay", "ema_warmup", "ema_every",
+          "cond_drop_prob", "min_snr_gamma")
+
+
+def recipe_changes(resumed: Checkpoint, cfg: RunConfig) -> list[str]:
+    """A note naming each RECIPE setting this resume changed, was and now: the run goes on with the new values
+    (a schedule changed by hand is common), and config.json, rewritten, keeps only those."""
+    was, now = resumed.config.train, cfg.train
+    changed = [f"train.{k} {getattr(was, k)!r} -> {getattr(now, k)!r}" for k in RECIPE
+               if getattr(was, k) != getattr(now, k)]
+    if not changed:
+        return []
+    return [f"note: this resume changes {'; '.join(changed)}: the steps from here train with the new value"
+            f"{'s' if len(changed) > 1 else ''} (config.json now holds them; {resumed.path} keeps the run's own)"]
+
+
 def run_length(cfg: RunConfig) -> str:
     """The run's length as its flag spells it: "--max-steps 500", "--max-images 60,000", "--max-epochs 2.5"."""
     name = next(name for name in RUN_LENGTHS if getattr(cfg.train, name) is not None)

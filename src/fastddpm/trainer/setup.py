@@ -36,7 +36,7 @@ from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step
 from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
-from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs
+from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, recipe_changes
 from fastddpm.trainer.state import TrainState
 
 
@@ -246,7 +246,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
             was_end_step=total_steps_for(resumed.config, steps_per_epoch, images_per_step, step=state.step,
                                          images_seen=state.images_seen))
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
-        for note in [*changed, *state.resume_notes(batch_fixed)]:
+        for note in [*changed, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
         if dist.is_main:
             _set_aside_the_abandoned(rd, checkpointer, state.step, console)
