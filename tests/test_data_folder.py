@@ -177,6 +177,32 @@ def test_zip_reads_same_pixels_as_folder_without_extracting(tmp_path: Path, cach
     assert data.cache_path.parent == cache_dir / "prepared"
 
 
+def _without_utf8_flags(zip_path: Path) -> None:
+    """Clear the UTF-8 flag (general purpose bit 11) of every member, as Info-ZIP's `zip` on Linux writes UTF-8
+    names: in each local header (flags at byte 6) and central directory entry (byte 8)."""
+    data = bytearray(zip_path.read_bytes())
+    for signature, at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        start = data.find(signature)
+        while start != -1:
+            data[start + at + 1] &= ~0x08  # bit 11 is bit 3 of the flags' high byte
+            start = data.find(signature, start + 4)
+    zip_path.write_bytes(bytes(data))
+
+
+def test_a_zip_of_utf8_names_without_the_flag_reads_the_folders_class_names(tmp_path: Path, cache_dir: Path) -> None:
+    """`zip -r` on Linux stores `ç/` as its UTF-8 bytes without the UTF-8 flag, which zipfile reads as code page
+    437 (`├º`): the zip's classes differed from its folder's, and `--class ç` matched none."""
+    make_class_folder(tmp_path / "root", {"ç": rng_images(2, 6, 6, seed=1), "dog": rng_images(2, 6, 6, seed=2)})
+    zip_path = zip_folder(tmp_path / "root", tmp_path / "data.zip")
+    _without_utf8_flags(zip_path)
+    with zipfile.ZipFile(zip_path) as zf:
+        assert any(n.startswith("├º/") for n in zf.namelist())  # as zipfile reads it
+    folder = prepare(tmp_path / "root", cache_dir=cache_dir, progress=False)
+    zipped = prepare(zip_path, cache_dir=cache_dir, progress=False)
+    assert zipped.class_names == folder.class_names == ["dog", "ç"]
+    np.testing.assert_array_equal(np.asarray(zipped.images), np.asarray(folder.images))
+
+
 def test_a_zipped_folder_of_unlabeled_images_stays_unlabeled(tmp_path: Path, cache_dir: Path) -> None:
     """`zip -r faces.zip faces/` of a folder of images (no class folders): unlabeled, as the folder itself reads,
     not one class named "faces". A lone split folder (train/*.png) stays a split: --split test finds nothing."""

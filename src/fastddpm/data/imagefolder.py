@@ -276,8 +276,16 @@ def open_zip(path: Path) -> zipfile.ZipFile:
 def member_path(info: zipfile.ZipInfo) -> str:
     """A member's path with '/' separators. Zips written on Windows by PowerShell 5's Compress-Archive (and .NET
     before 4.6.1) separate with backslashes, against the zip spec; read as they are, `cat\\1.png` is a file at the
-    top, and a whole labeled dataset came out as one unlabeled set."""
-    return info.filename.replace("\\", "/")
+    top, and a whole labeled dataset came out as one unlabeled set. A name without the zip's UTF-8 flag is read as
+    code page 437 (the spec's default), but Info-ZIP's `zip` on Linux writes its UTF-8 bytes without the flag: a
+    name whose bytes are valid UTF-8 is read as UTF-8 (`ç/`, not `├º/`, the class the unzipped folder has)."""
+    name = info.filename
+    if not info.flag_bits & 0x800:
+        try:
+            name = name.encode("cp437").decode("utf-8")
+        except UnicodeError:  # not UTF-8: a name in code page 437 after all
+            pass
+    return name.replace("\\", "/")
 
 
 def zip_image_members(zf: zipfile.ZipFile) -> tuple[list[zipfile.ZipInfo], list[str]]:
