@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fastddpm.cli import build_parser, main, resolve_train_config
-from fastddpm.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, get_preset
+from fastddpm.config import ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict, get_preset, qualify
 
 
 def _args(argv):
@@ -50,6 +50,9 @@ def test_the_api_and_the_command_line_resolve_alike():
     assert api.train.max_steps == 3 and api.train.max_images is None and api.train.lr == 1e-3
     with pytest.raises(ConfigError, match=r"'max_stepz' is in no config section: did you mean max_steps"):
         _config("cpu-demo", {"max_stepz": 3})
+    with pytest.raises(ConfigError, match=r"'eval_every' is in no config section: did you mean eval_every_images "
+                                          r"\(train.eval_every_images\)"):
+        qualify("eval_every", "--set")
     with pytest.raises(ConfigError, match=r"give only one of"):  # one layer cannot ask for two lengths
         _config("cpu-demo", {"max_steps": 3, "max_images": 100})
 
@@ -150,6 +153,8 @@ def test_a_setting_of_the_other_model_family_is_refused_not_ignored(tmp_path):
     ({"diffusion.schedule": "sigmoid"}, r"diffusion.schedule='sigmoid' is not one of"),
     ({"train.max_steps": 5, "train.max_images": 10}, r"give only one of"),
     ({"modle.attention": False}, r"did you mean 'model'"),
+    # a field spelt as its flag (--eval-every): the field, not the closest spelling (ema_every)
+    ({"train.eval_every": 100}, r"unknown config field train.eval_every \(did you mean 'eval_every_images'\?\)"),
     # checked before the channel counts are divided by them
     ({"model.norm_groups": 0}, r"model.norm_groups=0 must be >= 1"),
     ({"model.num_heads": 0}, r"model.num_heads=0 must be >= 1"),

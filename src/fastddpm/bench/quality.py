@@ -40,7 +40,6 @@ from typing import Callable
 from fastddpm.bench import store
 from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
 from fastddpm.data.cache import describe_identity, same_images
-from fastddpm.rundir.files import check_writable_dir, make_writable_dir
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -328,6 +327,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
                 log: Callable[[str], None] = print) -> dict:
     from fastddpm.device import resolve_device
     from fastddpm.measure import environment_record
+    from fastddpm.rundir.files import check_writable_dir, make_writable_dir
 
     device, _ = resolve_device(s.device, setting="--device")
     out = Path(out_dir) if out_dir is not None else default_out_dir()

@@ -82,8 +82,19 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def _field_of_flag(key: str) -> tuple[str, str] | None:
+    """(section, field) of a field whose flag is spelt `key` (eval_every: --eval-every sets train.eval_every_images),
+    or None."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") and f.metadata["cli"].replace("-", "_") == key.replace("-", "_"):
+                return section, f.name
+    return None
+
+
 def _unknown_key(section: str, key: str, valid) -> ConfigError:
-    hint = difflib.get_close_matches(key, list(valid), n=1)
+    flag = _field_of_flag(key)
+    hint = [flag[1]] if flag and flag[0] == section else difflib.get_close_matches(key, list(valid), n=1)
     return ConfigError(
         f"unknown config field {section}.{key}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
         + f"; valid fields: {', '.join(valid)}"
@@ -195,7 +206,8 @@ def qualify(key: str, source: str) -> str:
     owners = [sec for sec, names in fields.items() if key in names]
     if not owners:
         known = {name: sec for sec, names in fields.items() for name in names}
-        close = difflib.get_close_matches(key, known, n=1)
+        flag = _field_of_flag(key)
+        close = [flag[1]] if flag else difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean {close[0]} ({known[close[0]]}.{close[0]})?" if close else \
             "docs/config.md lists every field"
         raise ConfigError(f"{source}: {key!r} is in no config section: {hint}")
