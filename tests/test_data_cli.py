@@ -108,3 +108,20 @@ def test_fastddpm_cache_env_is_used_by_the_cli(tmp_path: Path, cache_dir: Path) 
     make_idx_folder(tmp_path / "m")
     assert main(["data", "prepare", str(tmp_path / "m")]) == 0
     assert os.environ["FASTDDPM_CACHE"] == str(cache_dir) and any((cache_dir / "prepared").iterdir())
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path, cache_dir: Path) -> None:
+    """`fastddpm data info X | head -1` ended in a BrokenPipeError traceback once head had left."""
+    import subprocess
+    import sys
+
+    make_class_folder(tmp_path / "root", {"a": rng_images(2, 6, 6, seed=1)})
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        r = subprocess.run([sys.executable, "-m", "fastddpm", "data", "info", str(tmp_path / "root")], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=120,
+                           env={**os.environ, "FASTDDPM_CACHE": str(cache_dir)})
+    finally:
+        os.close(write)
+    assert r.returncode == 141 and r.stderr == "", r.stderr

@@ -366,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     from fastddpm.data import DataError
     from fastddpm.rundir.files import CheckpointError
 
-    with _plain_warnings():
-        return _run(parser, args, dests, (ConfigError, DataError, CheckpointError))
+    try:
+        with _plain_warnings():
+            return _run(parser, args, dests, (ConfigError, DataError, CheckpointError))
+    except BrokenPipeError:  # `fastddpm data info X | head`: the reader left; end quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
 
 
 @contextlib.contextmanager
