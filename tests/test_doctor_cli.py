@@ -278,6 +278,14 @@ def test_try_says_why_it_tries_fewer_fixes_than_asked_and_what_each_measured_mea
                                                     "applied": ["other words"]})
     assert trial_line({**t, "applied": ["other words"]}).startswith("channels-last (channels_last weights and "
                                                                     "inputs): measured")
+    # --try-seconds spent after one round: no spread, and no "faster in every round" from one pair of runs
+    one = trial_line({**t, "measured": 1.34, "spread": [1.34, 1.34], "rounds": 1, "predicted": 1.2})
+    assert one.startswith("channels-last: measured 1.34x in 1 round; predicted 1.20x (not conclusive") and \
+        "[1.34" not in one and "every round" not in one
+    two = try_plan_line([Trial("compile", "w", None, None), Trial("channels-last", "w", None, None)], 2,
+                        fit_shape(300.0, 3, 300.0), what="fix", against="the script without it", none="")
+    assert two.startswith("doctor --try: 2 fixes, each against") and \
+        two.endswith("(and torch.compile's own time in its runs' first steps)")
 
 
 def test_try_seconds_is_checked_and_is_a_doctor_option(tmp_path, capsys):

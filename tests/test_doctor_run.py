@@ -180,3 +180,46 @@ def test_a_device_this_machine_lacks_is_refused_before_the_script_runs(tmp_path,
     assert "train.py raised" not in err and not marker.exists()
     assert main(["doctor", "run", "--device", "cdua", "--report-dir", str(tmp_path / "rep"), str(script)]) == 2
     assert "'cdua' is not a device torch knows" in capsys.readouterr().err and not marker.exists()
+
+
+STALLING_SCRIPT = textwrap.dedent("""
+    import time
+    import torch
+
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1000):
+        loss = model(torch.randn(8, 16)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 5:
+            time.sleep(100000)  # a deadlocked loader worker, a collective waiting for a peer
+""")
+
+
+def test_a_script_that_stops_making_steps_is_ended_and_reported_with_where_it_was_stuck(tmp_path):
+    """The time budget was checked only as a step ended: a loop stuck between two steps held the doctor forever
+    (killed after minutes, no report). Once no step ends for the longer of the budget and 10 of the slowest steps,
+    it is ended where it stands, and the report says so, naming the line."""
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(STALLING_SCRIPT)
+    cfg = DoctorConfig(warmup_steps=2, steps=20, profile_steps=1, loader_probe_s=0, out_dir=tmp_path / "rep",
+                       time_budget_s=2.0)
+    t0 = time.perf_counter()
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    assert time.perf_counter() - t0 < 30
+    said = report.text()
+    assert "the doctor ended it: no step ended for" in said, said
+    assert f"stuck at train.py:{_line(STALLING_SCRIPT, 'time.sleep')} in <module> (time.sleep(100000)" in said, said
+    assert report.verdict["id"] == "stalled" and report.verdict["title"].startswith(
+        "STALLED: the loop made no step for") and report.verdict["title"].endswith("s after step 6")
+    assert "look at train.py:" in report.findings[0].fixes[0].code
+
+
+def test_a_folder_given_as_the_script_is_said_to_be_a_folder(tmp_path, capsys):
+    assert main(["doctor", "run", str(tmp_path)]) == 2
+    assert f"doctor run: {tmp_path} is a folder; give the path of the .py file in it that trains" in \
+        capsys.readouterr().err

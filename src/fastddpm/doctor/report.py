@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fastddpm.doctor.rules import Finding
 from fastddpm.doctor.trace import BREAKDOWN, BREAKDOWN_LABELS
+from fastddpm.doctor.trials import MIN_ROUNDS
 
 
 @dataclass
@@ -295,11 +296,14 @@ def trial_line(t: dict) -> str:
     lo, hi = t["spread"]
     # the trial process names what it changed, starting with the fix's own words: those are not said twice
     what = "" if all(a.startswith(t["what"]) for a in t["applied"]) else f" ({t['what']})"
-    rounds = f"{t['rounds']} alternating round{'s' if t['rounds'] != 1 else ''}"
+    if t["rounds"] < MIN_ROUNDS:  # --try-seconds ran out after one: no spread, and one pair of runs is noise
+        return (f"{t['fix']}{what}: measured {t['measured']:.2f}x in 1 round{pred} (not conclusive: one pair of runs "
+                f"measures the machine's noise as much as the fix; give --try-seconds more time for "
+                f"{MIN_ROUNDS}+ rounds); {'; '.join(t['applied'])}")
     said = ("slower here: leave it out" if hi < 1 else
             "no gain beyond the runs' spread" if lo <= 1 else "faster in every round")
-    return (f"{t['fix']}{what}: measured {t['measured']:.2f}x [{lo:.2f}-{hi:.2f}] over {rounds}{pred} ({said}); "
-            f"{'; '.join(t['applied'])}")
+    return (f"{t['fix']}{what}: measured {t['measured']:.2f}x [{lo:.2f}-{hi:.2f}] over {t['rounds']} alternating "
+            f"rounds{pred} ({said}); {'; '.join(t['applied'])}")
 
 
 def render_html(r: Report) -> str:

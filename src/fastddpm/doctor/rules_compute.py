@@ -231,23 +231,25 @@ def eager_elementwise(m: Measurements, unavailable: dict[str, str]) -> Finding |
 
 
 def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
-    """Rule 19: the optimizer updates one tensor at a time (torch's default on a CPU), issuing >= 300 ops and
-    taking > 5% of the step: foreach (multi-tensor) or fused kernels update all parameters in a few ops."""
+    """Rule 19: the optimizer updates one tensor at a time (torch's default on a CPU) and takes > 5% of the step:
+    a fused kernel updates every parameter in one pass over its memory (foreach, in a few ops). Over hundreds of
+    tensors (>= 300 ops per step) the cost is the per-op overhead; over a few big ones it is the passes, one per
+    update term (AdamW: about ten), which only fused=True removes."""
     t = m.trace
     if t is None or t.optimizer_kind != "per-tensor" or not t.breakdown:
         return None
-    if (t.optimizer_ops_per_step or 0) < OPTIMIZER_OPS:
-        return None
     opt = m.optimizer
     name = opt.name if opt is not None else "the optimizer"
+    ops = t.optimizer_ops_per_step or 0
+    many = ops >= OPTIMIZER_OPS
     waiting = t.has_gpu and (t.idle_share or 0.0) > GPU_IDLE_SHARE  # a GPU that waits for launches
-    launches = per_tensor_launch_share(t) if waiting else 0.0
+    launches = per_tensor_launch_share(t) if waiting and many else 0.0
     if launches:
         # on a GPU the optimizer's kernels are tiny: its cost is the launches, while the GPU waits for them
         share = t.host_wait_by_cause.get("host", 0.0)
         cost = share * launches
         ev = [f"{pct(launches)} of the step's {t.kernels_per_step:.0f} kernels are launched by {name}.step, "
-              f"{t.optimizer_ops_per_step:.0f} ops per step: one op per parameter tensor per update term",
+              f"{ops:.0f} ops per step: one op per parameter tensor per update term",
               f"the GPU waits for the host to launch work {pct(share)} of the span; those launches are "
               f"{pct(cost)} of it"]
     else:
@@ -255,21 +257,26 @@ def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Findin
         if share <= OPTIMIZER_SHARE:
             return None
         cost = FOREACH_SAVES * share
-        ev = [f"{name}.step takes {pct(share)} of the step, {t.optimizer_ops_per_step:.0f} ops per step: one op "
-              "per parameter tensor per update term"]
+        ev = [f"{name}.step takes {pct(share)} of the step, {ops:.0f} ops per step: one op per parameter tensor "
+              "per update term" + ("" if many else ", each a pass over that tensor's memory")]
     if opt is not None:
         ev.append(f"{opt.param_tensors} parameter tensors; foreach={opt.foreach}, fused={opt.fused} "
                   "(None: torch picks per-tensor on a CPU, foreach on CUDA)")
     if not launches:
-        ev.append(f"estimate: multi-tensor kernels save at least half of it, {pct(cost)} of the step")
+        ev.append(f"estimate: a fused update saves at least half of it, {pct(cost)} of the step")
     cls = opt.name if opt is not None else "AdamW"
+    why = ("the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
+           "the per-op overhead (on a GPU, a kernel launch each) outweighs the arithmetic" if many else
+           "the optimizer's update runs term by term, each a pass over every parameter's memory (AdamW: about "
+           "ten): a fused kernel reads and writes each parameter, gradient and moment once")
+    code = (f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True" if many
+            else f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD; foreach=True would "
+                 "save little over a few tensors)")
     return Finding(
-        "per-tensor-optimizer", (19,), "PER-TENSOR OPTIMIZER: one small op per parameter per update", cost, ev,
-        "the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
-        "the per-op overhead (on a GPU, a kernel launch each) outweighs the arithmetic",
-        [Fix("fastddpm's AdamW is foreach (fused on CUDA) already",
-             f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True",
-             trial="fused-optimizer")],
+        "per-tensor-optimizer", (19,), "PER-TENSOR OPTIMIZER: " + ("one small op per parameter per update" if many
+                                                                  else "one pass over memory per update term"),
+        cost, ev, why,
+        [Fix("fastddpm's AdamW is foreach (fused on CUDA) already", code, trial="fused-optimizer")],
         group="pipeline" if launches else "compute")  # launches are the pipeline's problem, not the math's
 
 

@@ -22,8 +22,10 @@ import torch
 
 from fastddpm.doctor.api import diagnose
 from fastddpm.doctor.report import Report
+from fastddpm.doctor.rules import verdict
 from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
+from fastddpm.doctor.stall import STALL_STEPS, Stalled, StallWatch, stalled
 from fastddpm.doctor.watchers import AttentionWatch, batch_size, conv_layout, optimizer_info
 
 # --try's default bound (--try-seconds): the trials' rounds and steps are fitted to it
@@ -176,6 +178,8 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     `try_fixes`: then measure the top N fixes that can be applied from outside, each in up to `try_rounds` rounds
     alternating with the script unchanged, all within about `try_seconds` (fastddpm.doctor.trials)."""
     path = Path(script)
+    if path.is_dir():
+        raise DoctorError(f"doctor run: {path} is a folder; give the path of the .py file in it that trains")
     if not path.is_file():
         raise DoctorError(f"doctor run: no script at {path}; give the path of the .py file that trains")
     try:
@@ -191,11 +195,19 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     hooks = ScriptHooks(session)
     context = ScriptContext(path)  # what the script drives, to word the fixes in its own terms
     ended = "the script returned"
+    watch = StallWatch(path, config.time_budget_s, lambda: hooks.optimizer_steps, log=log)
     try:
-        with hooks, context:
+        with hooks, context, watch:
             runpy.run_path(str(path), run_name="__main__")
     except DoctorDone:
         ended = None
+    except Stalled:
+        stall = (f"no step ended for {watch.idle_s:.0f} s (the limit: {watch.limit_s:.0f} s, the longer of the time "
+                 f"budget and {STALL_STEPS} of its slowest steps); it was stuck at {watch.where}")
+        if not session.records:
+            raise DoctorError(f"doctor run: {path} stopped after {hooks.optimizer_steps} optimizer steps, before the "
+                              f"doctor measured one: {stall}") from None
+        ended = f"the doctor ended it: {stall}"
     except (ImportError, SyntaxError) as e:
         if session.step_index:
             raise
@@ -228,6 +240,9 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     params = [p for g in opt.param_groups for p in g["params"]] if opt is not None else None
     report = diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
                       seen=hooks.seen(), params=params)
+    if watch.where is not None:  # rule 21: the loop itself stopped; nothing else it does matters until it moves
+        report.findings.insert(0, stalled(watch, hooks.optimizer_steps))
+        report.verdict = verdict(report.findings, report.measurements)
     in_script_terms(report, context, optimizer=hooks.optimizer, loader=session.loader)
     if try_fixes:
         try_top_fixes(report, path, args, try_fixes, rounds=try_rounds, budget_s=try_seconds, log=log)
@@ -260,8 +275,11 @@ def try_plan_line(trials: list, n: int, shape, *, what: str, against: str, none:
     if not trials:
         return f"doctor --try: {none}"
     fewer = f" of the {n} asked (no other can be tried)" if len(trials) < n else ""
-    return (f"doctor --try: {len(trials)} {what}{'s' if len(trials) != 1 else ''}{fewer}, each against {against}, "
-            f"alternating: {', '.join(t.fix for t in trials)}; {shape.describe(1 + len(trials))}")
+    plural = what + ("es" if what.endswith(("s", "x", "sh", "ch")) else "s")
+    compiled = any(t.fix == "compile" or (t.settings or {}).get("train.compile") == "on" for t in trials)
+    return (f"doctor --try: {len(trials)} {what if len(trials) == 1 else plural}{fewer}, each against {against}, "
+            f"alternating: {', '.join(t.fix for t in trials)}; {shape.describe(1 + len(trials))}"
+            + (" (and torch.compile's own time in its runs' first steps)" if compiled else ""))
 
 
 def _median_step_ms(report: Report) -> float | None:

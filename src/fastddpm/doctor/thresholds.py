@@ -29,9 +29,10 @@ ATTENTION_WEIGHTS_SHARE = 0.03  # materialised attention over this share of the 
 FUSED_ATTENTION_SAVES = 0.5  # of the materialised attention's time: the fused kernel's usual gain, halved
 ELEMENTWISE_SHARE = 0.25  # eager elementwise + norm over this share of the step fires rule 18
 COMPILE_SAVES = 0.3  # of that time: fusion removes the memory round trips, not the math (conservative)
-OPTIMIZER_SHARE = 0.05  # a per-tensor optimizer over this share of the step fires rule 19 ...
-OPTIMIZER_OPS = 300  # ... with this many ops per step (~25 tensors for AdamW): a few big tensors are memory-bound
-FOREACH_SAVES = 0.5  # of the optimizer's time: multi-tensor kernels replace one op per tensor per update
+OPTIMIZER_SHARE = 0.05  # a per-tensor optimizer over this share of the step fires rule 19
+OPTIMIZER_OPS = 300  # from this many ops per step (~25 tensors for AdamW) the per-op overhead is the cost, and on a
+# waiting GPU the launches; under it, a few big tensors, the memory passes (one per update term), which fused removes
+FOREACH_SAVES = 0.5  # of the optimizer's time: a fused (or multi-tensor) update replaces one op per tensor per term
 SMALL_BATCH = 32  # rule 20: at or under this batch, the per-step overhead is a large share of each image's cost
 OVERHEAD_SHARE = 0.2  # ... when Python, framework and optimizer time take this share of the step
 BATCH_DOUBLING_SAVES = 0.5  # doubling the batch spreads the per-step overhead over twice the images
