@@ -484,6 +484,11 @@ def test_rule_attention_weights():
     # hand-written attention (no nn.MultiheadAttention seen): the SDPA fix alone
     f, _ = check(rules.attention_weights, record(trace=t))
     assert len(f.fixes) == 1 and "scaled_dot_product_attention" in f.fixes[0].code
+    # two instances of one class (a block used twice) are one place to edit, said once
+    sites = [{"module": f"Net.blocks.{i}.attn", "cls": "ManualAttn", "forward_at": "train.py:18", "tokens": 64}
+             for i in range(2)]
+    f, _ = check(rules.attention_weights, record(trace=t, attention_sites=sites))
+    assert f.fixes[0].code.startswith("in ManualAttn.forward (train.py:18): replace softmax")
     fused = cpu_trace(attention_share_by_impl={"SDPA flash (CPU)": 0.5})
     assert check(rules.attention_weights, record(trace=fused)) == (None, {})
     small = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.02})

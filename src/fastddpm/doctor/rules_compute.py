@@ -194,8 +194,9 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
                         "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
              if mha else [])
     if sites or not mha:
-        where = ("in " + ", ".join(f"{s['cls']}.forward ({s.get('forward_at') or s['module']})" for s in sites)
-                 + ": " if sites else "")
+        # one place per class and line: the instances of one class (a block used twice) are one edit
+        places = dict.fromkeys(f"{s['cls']}.forward ({s.get('forward_at') or s['module']})" for s in sites)
+        where = "in " + ", ".join(places) + ": " if sites else ""
         fixes.append(Fix("fastddpm's U-Net already calls F.scaled_dot_product_attention",
                          f"{where}replace softmax(q @ k.transpose(-2, -1) * scale) @ v with "
                          "F.scaled_dot_product_attention(q, k, v) (flash / memory-efficient kernels, no L x L "
