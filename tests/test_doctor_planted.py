@@ -66,11 +66,18 @@ def test_fp32_case_says_why_fp32_stays_where_bf16_is_not_native(cpu_case):
 def test_mha_case_counts_the_calls_that_asked_for_weights(cpu_case):
     report, _ = cpu_case("mha-need-weights")
     calls = report.measurements["attention_calls"]
-    assert calls == {"calls_per_step": 1.0, "need_weights_per_step": 1.0, "modules": 1}
+    import inspect
+
+    from fastddpm.doctor import planted as planted_module
+
+    line = inspect.getsource(planted_module).splitlines().index(
+        "        h, _weights = self.attn(x, x, x)  # need_weights=True by default: the planted fault") + 1
+    assert calls == {"calls_per_step": 1.0, "need_weights_per_step": 1.0, "modules": 1,
+                     "call_sites": [f"planted.py:{line} in forward"]}  # the line to change, not torch's own
     impl = report.measurements["trace"]["attention_share_by_impl"]
     assert list(impl) == ["softmax(QK^T)V (materialised)"]
     finding = report.finding("attention-weights")
-    assert "need_weights=False" in finding.fixes[0].code
+    assert f"need_weights=False) at planted.py:{line} in forward" in finding.fixes[0].code
     # the module that built the weights is the nn.MultiheadAttention itself: its fix is need_weights, and there is
     # no hand-written softmax to replace
     sites = report.measurements["attention_sites"]

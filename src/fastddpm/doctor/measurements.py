@@ -183,6 +183,8 @@ class AttentionCalls:
     calls_per_step: float
     need_weights_per_step: float
     modules: int  # distinct nn.MultiheadAttention modules seen
+    call_sites: list[str] = field(default_factory=list)  # where the loop's own code calls those
+    # with need_weights=True (up to 3)
 
 
 @dataclass(kw_only=True)

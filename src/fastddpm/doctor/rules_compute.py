@@ -190,7 +190,8 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
     ev.append(f"estimate: a fused kernel (scaled_dot_product_attention) saves at least half of it, "
               f"{pct(cost)} of the step")
     mha = calls is not None and calls.need_weights_per_step > 0
-    fixes = ([Fix(None, "attn(x, x, x, need_weights=False): nn.MultiheadAttention then runs "
+    at = f" at {', '.join(calls.call_sites)}" if mha and calls.call_sites else ""
+    fixes = ([Fix(None, f"attn(x, x, x, need_weights=False){at}: nn.MultiheadAttention then runs "
                         "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
              if mha else [])
     if sites or not mha:

@@ -29,6 +29,7 @@ class AttentionWatch:
         self.calls = 0
         self.need_weights = 0
         self.modules: set[int] = set()
+        self.sites: dict[str, None] = {}  # where the loop's code calls a module with need_weights=True, in order
         self._orig = None
 
     def __enter__(self) -> AttentionWatch:
@@ -39,9 +40,11 @@ class AttentionWatch:
         def forward(module, *args, **kwargs):
             if watch.counting():
                 watch.calls += 1
-                watch.modules.add(id(module))
                 need = kwargs.get("need_weights", args[_NEED_WEIGHTS_ARG] if len(args) > _NEED_WEIGHTS_ARG else True)
                 watch.need_weights += bool(need)
+                if need and id(module) not in watch.modules and len(watch.sites) < 3:
+                    watch.sites[_caller_outside_torch()] = None  # the line to add need_weights=False to
+                watch.modules.add(id(module))
             return orig(module, *args, **kwargs)
 
         forward.__wrapped__ = orig
@@ -59,7 +62,23 @@ class AttentionWatch:
         if not self.calls or steps <= 0:
             return None
         return AttentionCalls(calls_per_step=self.calls / steps, need_weights_per_step=self.need_weights / steps,
-                              modules=len(self.modules))
+                              modules=len(self.modules), call_sites=list(self.sites))
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _caller_outside_torch() -> str:
+    """`train.py:31 in forward`: the innermost frame of the caller's stack outside torch (nn.Module.__call__ and
+    its hooks sit between the call and the wrapped forward)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
