@@ -45,6 +45,11 @@ def test_outputs_exist_and_parse(quick_run):
     md = (out / "ladder.md").read_text()
     assert "## DDPM ladder" in md and "## MLP ladder" in md and "% of roofline (binds)" in md
     assert (out / "ladder.png").stat().st_size > 1000  # matplotlib is a dependency: every install draws it
+    # the bars name the batch each rung ran (--quick: the seed's 192 / 4), not the seed's
+    from fastddpm.bench.ladder_report import rung_label
+
+    rung4 = next(r for r in data["rungs"] if r["rung"] == "4")
+    assert rung4["batch_size"] == 48 and rung_label(rung4) == "4\nbatch 48"
 
 
 def test_rows_are_sane(quick_run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -98,8 +99,11 @@ def write_results(result: dict, out_dir: Path, log: Callable[[str], None] = prin
         fields = ["rung", "name", "status", "total_s", "epoch_s", "speedup", "accuracy", "final_loss", "error"]
         store.atomic_write_text(out_dir / "mlp.csv", _csv_text(fields, [{k: r.get(k) for k in fields}
                                                                         for r in mlp_rows]))
-    chart_path = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"], log) \
-        if chart else None
+    settings = result.get("settings") or {}
+    quick = (f" (--quick: every batch / {settings.get('batch_divisor', 1)}, a pipeline check)"
+             if settings.get("quick") else "")
+    chart_path = write_chart(result["rungs"], out_dir / "ladder.png", result["environment"]["device_name"] + quick,
+                             log) if chart else None
     env = result["environment"]
     md = ["# fastddpm bench ladder", ""]
     if not result.get("complete", True):
@@ -145,13 +149,20 @@ def write_results(result: dict, out_dir: Path, log: Callable[[str], None] = prin
     return chart_path
 
 
+def rung_label(r: dict) -> str:
+    """A rung's bar label: its number and title, the title's batch the one it ran (rung 4 is "batch 192", the
+    seed's; --quick runs it at 48)."""
+    title = re.sub(r"batch \d+", f"batch {r['batch_size']}", r["title"]) if r.get("batch_size") else r["title"]
+    return f"{r['rung']}\n{title}"
+
+
 def write_chart(rows: list[dict], path: Path, device_name: str, log) -> str | None:
     from fastddpm import charts
 
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return None
-    labels = [f"{r['rung']}\n{r['title']}" for r in rows]
+    labels = [rung_label(r) for r in rows]
     values = [r["images_per_s"] if r["status"] == "ok" else 0 for r in rows]
     fig = charts.figure(max(8, 1.1 * len(rows)), 5)
     ax = fig.subplots()
