@@ -21,6 +21,22 @@ def test_info_on_an_unprepared_source_says_what_it_is_and_builds_nothing(tmp_pat
     assert not cache_dir.exists()
 
 
+def test_info_names_the_options_a_source_was_prepared_with(tmp_path: Path, cache_dir: Path) -> None:
+    """Prepared with --resize only (its sizes differ), `data info X` said "not prepared yet: run data prepare X",
+    a command that fails on it."""
+    make_class_folder(tmp_path / "mixed", {"a": rng_images(3, 8, 8), "b": rng_images(2, 12, 12)})
+    prepare(tmp_path / "mixed", resize=8, image_mode="L", cache_dir=cache_dir, progress=False)
+    make_class_folder(tmp_path / "other", {"a": rng_images(3, 8, 8)})
+    prepare(tmp_path / "other", resize=4, cache_dir=cache_dir, progress=False)  # another source: not named
+    text = info(tmp_path / "mixed", cache_dir=cache_dir)
+    assert f"not prepared yet: run `fastddpm data prepare {tmp_path / 'mixed'} --cache-dir" in text
+    others = [line for line in text.splitlines() if "prepared with other options" in line]
+    assert others == [f"  prepared with other options: `fastddpm data prepare {tmp_path / 'mixed'} --resize 8 "
+                      f"--image-mode L --cache-dir {cache_dir}` (`data info` with them describes it)"]
+    assert "prepared with other options" not in info(tmp_path / "mixed", resize=8, image_mode="L",
+                                                     cache_dir=cache_dir)
+
+
 def test_info_on_a_prepared_source_summarises_the_cache(tmp_path: Path, cache_dir: Path) -> None:
     make_idx_folder(tmp_path / "m", n_train=12)
     data = prepare(tmp_path / "m", cache_dir=cache_dir, progress=False)

@@ -228,4 +228,28 @@ def info(
                      f"run `{command}` to rebuild {final_dir}")
     else:
         lines.append(f"  not prepared yet: run `{command}`")
+        for other in _other_preparations(src, cache_root, options):  # the same source read with other options
+            lines.append(f"  prepared with other options: `{prepare_command(src.display, other, cache_dir)}` "
+                         "(`data info` with them describes it)")
     return "\n".join(lines)
+
+
+def _other_preparations(src: Source, cache_root: Path, options: PrepareOptions) -> list[PrepareOptions]:
+    """The reading options of the caches of `src` (its split) prepared with other options than `options`."""
+    import json
+
+    found = []
+    for meta_path in sorted((cache_root / "prepared").glob("*/meta.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (meta.get("name"), meta.get("source_path"), meta.get("split")) != (src.name, str(src.path), src.split):
+            continue
+        t = meta.get("transform") or {}
+        other = PrepareOptions(split=options.split, resize=t.get("resize"),
+                               resize_mode=t.get("resize_mode") or "center-crop", image_mode=t.get("image_mode"),
+                               skip_bad=bool(meta.get("skipped")))
+        if other.transform_key() != options.transform_key():
+            found.append(other)
+    return found
