@@ -417,3 +417,16 @@ def test_eval_reports_class_accuracy_and_per_class_fid_per_guidance_scale(tmp_pa
     assert main(["eval", "--checkpoint", str(plain), "--num-samples", "20", "--steps", "2", "--no-progress",
                  "--guidance", "2"]) == 2
     assert "--guidance needs a conditional model" in capsys.readouterr().err
+
+
+def test_row_labels_with_accented_letters_are_drawn_not_boxes():
+    """Pillow's default font has no accented letters: a class named "Ünïcode" was written as "□n□code"."""
+    from fastddpm.grid import label_rows
+
+    grid = np.zeros((30, 30, 3), dtype=np.uint8)
+
+    def strip(text):
+        return label_rows(grid, [text], row_pitch=30, first_row=0)
+
+    assert not np.array_equal(strip("Ü"), strip("\uffff"))  # U+FFFF: no font has it, the missing-glyph box
+    assert not np.array_equal(strip("ï"), strip("\uffff"))

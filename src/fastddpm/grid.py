@@ -55,7 +55,16 @@ def label_rows(grid_HWC: np.ndarray, labels: list[str], *, row_pitch: int, first
     """The grid with a white strip on its left holding one label per row, vertically centred on the row."""
     from PIL import ImageDraw, ImageFont
 
-    font = ImageFont.load_default(size=max(10, min(20, row_pitch // 3)))
+    size = max(10, min(20, row_pitch // 3))
+    font = ImageFont.load_default(size=size)
+    if not all(text.isascii() for text in labels):
+        # Pillow's default font (Aileron) has no accented letters: "Ünïcode" came out as boxes. matplotlib, a
+        # dependency, ships DejaVu Sans (Latin, Greek, Cyrillic; CJK needs a font of its own)
+        import matplotlib
+
+        dejavu = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"
+        if dejavu.is_file():
+            font = ImageFont.truetype(str(dejavu), size)
     measure = ImageDraw.Draw(Image.new("L", (1, 1)))
     width = 8 + max(int(measure.textlength(text, font=font)) for text in labels)
     h, w, c = grid_HWC.shape
