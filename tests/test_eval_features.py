@@ -185,6 +185,25 @@ def test_an_unlabelled_test_split_measures_the_classifier_on_held_out_train_imag
     assert info["test_accuracy"] > 0
 
 
+def test_a_feature_network_near_chance_is_said_to_measure_little(tmp_path):
+    """Labels that are noise (random images, 3 classes): the network scored below chance and the evaluation went
+    on without a word, its FID and coverage meaning little. Said when trained and when read from the cache."""
+    from fastddpm.eval.classifier import weak_features
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "noise.npz"
+    np.savez(src, images=rng.integers(0, 256, (300, 28, 28), dtype=np.uint8), labels=rng.integers(0, 3, 300))
+    data = prepare(str(src), progress=False)
+    for cached in (False, True):
+        said = []
+        _, info, _ = load_or_train_classifier(data, None, device=CPU, cache_root=tmp_path / "c", recipe=FAST,
+                                              log=said.append)
+        assert info["cached"] is cached and info["test_accuracy"] < 0.5
+        assert [s for s in said if s.startswith("warning: the feature network recognises")] == [weak_features(info)]
+        assert "near chance (33.3% for 3 classes)" in weak_features(info) and "--features inception" in said[-1]
+    assert weak_features({"num_classes": 10, "test_accuracy": 0.9, "test_set": "t"}) is None
+
+
 def test_unlabelled_data_says_how_to_evaluate(tmp_path):
     from conftest import read_fmnist
 

@@ -252,12 +252,36 @@ def load_or_train_classifier(train: PreparedData, test: PreparedData | None, *, 
                                       feature_dim=info["recipe"]["feature_dim"])
             model.load_state_dict(state)
             log(f"feature network: {path} (test accuracy {info['test_accuracy']:.2%} on {info['test_set']})")
+            _say_if_weak(info, log)
             return model.to(device).eval(), {**info, "cached": True}, path
         log(f"feature network: none cached for {train.cache_path.name}; training one (once per dataset)")
         model, info = train_classifier(train, test, recipe=recipe, device=device, log=log)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_safetensors(model.state_dict(), path, {"info": info, "format": CLASSIFIER_FORMAT, "data_built": built})
+        _say_if_weak(info, log)
         return model, {**info, "cached": False}, path
+
+
+# a feature network whose held-out accuracy is under this multiple of chance separates the classes little
+WEAK_FEATURES = 1.5
+
+
+def weak_features(info: dict) -> str | None:
+    """A warning when the feature network barely recognises the data's classes (images that do not look like
+    their labels, labels that are noise): FID in its features then says little; None when it does its job."""
+    k, acc = info["num_classes"], info["test_accuracy"]
+    if acc >= WEAK_FEATURES / k:
+        return None
+    return (f"warning: the feature network recognises {acc:.1%} of {info['test_set']}'s images, near chance "
+            f"({1 / k:.1%} for {k} classes): its features tell these classes apart little, so FID, precision/recall "
+            "and class accuracy measured in them say little; --features inception (or --inception PATH) measures "
+            "in Inception-v3's")
+
+
+def _say_if_weak(info: dict, log) -> None:
+    said = weak_features(info)
+    if said:
+        log(said)
 
 
 def _built_from(path: Path, built: dict, train: PreparedData, test: PreparedData | None) -> bool:
