@@ -162,7 +162,7 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     from fastddpm.config.errors import API
 
     for bad in (True, 7.0, [1, 2], np.array([1, 2]), torch.tensor([1, 2]), np.True_, torch.tensor(True),
-                torch.tensor([2]), np.array([2]), b"2"):  # a bool of numpy or torch, a batch of one label, bytes
+                torch.tensor([2]), np.array([2]), b"2", np.array("2")):  # numpy/torch bools, a batch of one, text
         with pytest.raises(ConfigError, match=r"one class per call, as a name, an id \(an int\) or 'all'"):
             class_index(cfg, bad, said=API)
     assert class_index(cfg, torch.tensor(7)) == 7 and class_index(cfg, np.int64(7)) == 7
@@ -210,7 +210,8 @@ def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
     # a numpy or torch scalar is a number; a list of scales is one call each
     for same in (np.float32(2.0), np.int64(2), torch.tensor(2.0)):
         assert np.array_equal(model.sample(2, class_=7, guidance=same, steps=2, sampler="ddim"), drawn)
-    for bad in ([1, 2], True, np.True_, torch.tensor(True), torch.tensor([2.0]), np.array([2.0]), "2", b"2"):
+    for bad in ([1, 2], True, np.True_, torch.tensor(True), torch.tensor([2.0]), np.array([2.0]), "2", b"2",
+                np.array("2"), np.array(b"2")):
         with pytest.raises(ConfigError, match=r"sample: guidance=.*: one scale, a number"):
             model.sample(2, class_=7, guidance=bad)
 

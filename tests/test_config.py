@@ -485,3 +485,6 @@ def test_a_config_dict_that_names_a_preset_starts_from_it_as_a_config_file_does(
     assert _config({"preset": "tiny"}, {}) == get_preset("tiny")
     with pytest.raises(ConfigError, match="no-such"):
         _config({"preset": "no-such"}, {})
+    # a whole saved config of a preset this version no longer has: its own values, as before
+    saved = {**get_preset("tiny").to_dict(), "preset": "renamed-since"}
+    assert _config(saved, {}).train == get_preset("tiny").train

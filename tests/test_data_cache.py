@@ -182,6 +182,7 @@ def test_disk_full_while_writing_is_a_teaching_error_and_cleans_up(tmp_path: Pat
     with pytest.raises(DataError) as err:
         prepare(tmp_path / "m", rebuild=True, cache_dir=cache_dir, progress=False)
     assert str(err.value).startswith(f"{said} while writing the cache in") and "--cache-dir" in str(err.value)
+    assert ("ulimit -f" in str(err.value)) == (code == errno.EFBIG)  # a size limit, not a full disk
     assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == code
     assert leftovers(cache_dir) == [old.cache_path.name]
     assert _snapshot(old.cache_path) == before

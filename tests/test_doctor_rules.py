@@ -512,11 +512,16 @@ def test_rule_per_tensor_optimizer():
     # a few big tensors (few ops): each update term a pass over their memory, which fused=True (not foreach)
     # removes (an AdamW over 8 tensors, 1.3M parameters, took 34% of a CPU step; fused=True: 1.25-1.96x)
     few = dataclasses.replace(t, optimizer_ops_per_step=72.0)
-    f, _ = check(rules.per_tensor_optimizer, record(trace=few, optimizer=opt))
+    big = OptimizerInfo(name="AdamW", param_tensors=8, foreach=False, fused=None, param_count=1_300_000)
+    f, _ = check(rules.per_tensor_optimizer, record(trace=few, optimizer=big))
     assert f.id == "per-tensor-optimizer" and f.cost == pytest.approx(0.2) and "one pass over memory" in f.title
     assert "fused=True" in f.fixes[0].code and "foreach=True would save little" in f.fixes[0].code
     small = dataclasses.replace(few, breakdown={**few.breakdown, "optimizer": 0.04})  # 4%: under the threshold
-    assert check(rules.per_tensor_optimizer, record(trace=small)) == (None, {})
+    assert check(rules.per_tensor_optimizer, record(trace=small, optimizer=big)) == (None, {})
+    # a few small tensors (a Linear(16, 4)): its optimizer share is overhead, not memory passes
+    tiny = dataclasses.replace(big, param_tensors=2, param_count=68)
+    assert check(rules.per_tensor_optimizer, record(trace=few, optimizer=tiny)) == (None, {})
+    assert check(rules.per_tensor_optimizer, record(trace=few)) == (None, {})  # no optimizer seen: not known
     assert check(rules.per_tensor_optimizer, record(trace=dataclasses.replace(t, optimizer_kind="foreach"))) == (
         None, {})
 

@@ -214,9 +214,50 @@ def test_a_script_that_stops_making_steps_is_ended_and_reported_with_where_it_wa
     said = report.text()
     assert "the doctor ended it: no step ended for" in said, said
     assert f"stuck at train.py:{_line(STALLING_SCRIPT, 'time.sleep')} in <module> (time.sleep(100000)" in said, said
-    assert report.verdict["id"] == "stalled" and report.verdict["title"].startswith(
-        "STALLED: the loop made no step for") and report.verdict["title"].endswith("s after step 6")
+    assert report.verdict["id"] == "stalled" and report.verdict["title"].startswith("STALLED: no step for") and \
+        report.verdict["title"].endswith("s after step 6, the process idle")
     assert "look at train.py:" in report.findings[0].fixes[0].code
+
+
+def test_work_between_steps_and_a_signal_from_outside_are_no_stall(tmp_path):
+    """A validation pass between steps (the CPU busy, the lines moving) outlasts the limit and is no stall; a
+    SIGUSR1 sent from outside goes to the script's own handler, and a faulthandler registered for it stays."""
+    import faulthandler
+    import signal
+    import time
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        import torch
+
+        got = []
+        signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+        model = torch.nn.Linear(16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(30):
+            loss = model(torch.randn(8, 16)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                assert got == [1], got
+                t0 = time.time()
+                while time.time() - t0 < 5:  # a validation pass: 5 s of work, longer than the 2 s limit
+                    with torch.no_grad():
+                        model(torch.randn(256, 16))
+    """))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        cfg = DoctorConfig(warmup_steps=2, steps=20, profile_steps=1, loader_probe_s=0, out_dir=None,
+                           time_budget_s=2.0)
+        t0 = time.perf_counter()
+        report = run_script(script, [], cfg, log=lambda *a: None)
+        assert report.verdict["id"] != "stalled" and "doctor ended it" not in report.text()
+        assert time.perf_counter() - t0 > 5
+    finally:
+        assert faulthandler.unregister(signal.SIGUSR1)  # still registered after the doctor
 
 
 def test_a_folder_given_as_the_script_is_said_to_be_a_folder(tmp_path, capsys):

@@ -310,7 +310,8 @@ def test_a_stop_signal_during_an_evaluation_stops_it_between_batches_and_it_runs
     from fastddpm.eval import evaluate as evaluate_module
     from fastddpm.trainer.loop import TrainingInterrupted
 
-    cfg = tiny_cfg(fmnist_splits, max_steps=12, eval_every_images=96, eval_samples=64, eval_steps=2)  # 2 batches
+    cfg = tiny_cfg(fmnist_splits, max_steps=12, eval_every_images=96, eval_samples=64, eval_steps=2,  # 2 batches
+                   log_every=4)
     train(cfg, out_dir=tmp_path / "straight", log=quiet)
     real_sample, batches = evaluate_module.sample, []
 
@@ -335,9 +336,12 @@ def test_a_stop_signal_during_an_evaluation_stops_it_between_batches_and_it_runs
                    if r.get("event") == "eval"] for run in ("straight", "split")}
     assert [e[:2] for e in evals["straight"]] == [(6, 96), (12, 192)]
     assert evals["split"] == evals["straight"]
-    losses = {run: [r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r]
+    losses = {run: {r["step"]: r["loss"] for r in read_metrics(tmp_path / run / "metrics.jsonl") if "loss" in r}
               for run in ("straight", "split")}
-    assert losses["split"][-1] == losses["straight"][-1]
+    # logged every 4 steps: the stop at step 6 writes steps 5-6's line, the step-8 line holds 7-8, none is lost
+    assert sorted(losses["straight"]) == [4, 8, 12] and sorted(losses["split"]) == [4, 6, 8, 12]
+    assert losses["split"][4] == losses["straight"][4] and losses["split"][12] == losses["straight"][12]
+    assert (losses["split"][6] + losses["split"][8]) / 2 == pytest.approx(losses["straight"][8], rel=1e-5)
 
 
 def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_splits, tmp_path, monkeypatch):

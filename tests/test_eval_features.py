@@ -202,6 +202,8 @@ def test_a_feature_network_near_chance_is_said_to_measure_little(tmp_path):
         assert [s for s in said if s.startswith("warning: the feature network recognises")] == [weak_features(info)]
         assert "near chance (33.3% for 3 classes)" in weak_features(info) and "--features inception" in said[-1]
     assert weak_features({"num_classes": 10, "test_accuracy": 0.9, "test_set": "t"}) is None
+    assert weak_features({"num_classes": 2, "test_accuracy": 0.74, "test_set": "t"}) is None  # 2 classes: 50%
+    assert weak_features({"num_classes": 10, "test_accuracy": 0.3, "test_set": "t"}) is not None
 
 
 def test_unlabelled_data_says_how_to_evaluate(tmp_path):

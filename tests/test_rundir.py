@@ -334,6 +334,7 @@ def test_a_full_disk_ends_the_run_with_what_is_intact_and_how_to_go_on(tmp_path,
     said = os.strerror(getattr(errno, errname))
     assert f"could not write the checkpoint of step 2 in {run / 'checkpoints'}: {said} ({errname})" in err
     assert "ckpt_000000001.pt (step 1), is intact" in err and "--resume latest" in err
+    assert ("ulimit -f" in err) == (errname == "EFBIG") and ("free space" in err) == (errname == "ENOSPC")
     assert find_resume(run, "latest").step == 1
 
 
@@ -404,6 +405,15 @@ def test_an_out_folder_through_a_link_to_nothing_is_refused_naming_the_link(tmp_
     assert str(e.value) == (f"--out {out}: {link} is a link to {tmp_path / 'gone'}, which does not exist (make that "
                             "folder): give a folder that can be created")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results"] and not (tmp_path / "gone").exists()
+
+
+def test_a_link_loop_is_said_to_be_one(tmp_path):
+    from fastddpm.config import ConfigError
+    from fastddpm.rundir.files import make_writable_dir
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"loop is a link that leads back to itself \(a loop\): give"):
+        make_writable_dir(tmp_path / "loop" / "run", flag="--out", fix="give another")
 
 
 def test_a_run_directory_through_a_link_to_nothing_is_refused_before_the_run_starts(tmp_path):

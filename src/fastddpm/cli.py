@@ -370,8 +370,22 @@ def main(argv: list[str] | None = None) -> int:
         with _plain_warnings():
             return _run(parser, args, dests, (ConfigError, DataError, CheckpointError))
     except BrokenPipeError:  # `fastddpm data info X | head`: the reader left; end quietly, as `cat` does
+        if not _stdout_closed():
+            raise  # another pipe (a subprocess's) broke: not the reader of this command's output
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader is gone (poll says POLLERR on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll, no descriptor: not known to be closed
+        return False
 
 
 @contextlib.contextmanager

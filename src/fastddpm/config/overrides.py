@@ -235,8 +235,7 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
         base = data["preset"]
     base_values = base if isinstance(base, dict) else {}
     if isinstance(base, dict):  # over the preset it names, as a config file's values are
-        cfg = apply_overrides(get_preset(base["preset"]) if base.get("preset") else RunConfig(), base,
-                              source="config dict")
+        cfg = apply_overrides(_preset_of(base), base, source="config dict")
     else:
         cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
     layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
@@ -265,6 +264,19 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
     _refuse_other_families(cfg, layers)
     _refuse_conditional_only(cfg, layers, [("config dict", base_values), (f"config file {file}", file_values)])
     return cfg
+
+
+def _preset_of(values: dict) -> RunConfig:
+    """The preset a config dict names, what its values go over: the defaults where it names none, or where it is
+    a whole saved config (every section) of a preset this version no longer has."""
+    if not values.get("preset"):
+        return RunConfig()
+    try:
+        return get_preset(values["preset"])
+    except ConfigError:
+        if set(SECTIONS) <= set(values):
+            return RunConfig()
+        raise
 
 
 # the train fields that only a class-conditional model reads

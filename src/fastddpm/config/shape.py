@@ -125,8 +125,8 @@ def not_a_number(value) -> bool:
     if isinstance(value, (bool, str, bytes)):
         return True
     dtype = getattr(value, "dtype", None)
-    if dtype is not None and str(dtype) in ("bool", "torch.bool"):
-        return True
+    if dtype is not None and (str(dtype) == "torch.bool" or getattr(dtype, "kind", "") in ("b", "U", "S", "O")):
+        return True  # numpy's bool, text and object arrays (np.array("2") is text)
     return getattr(value, "ndim", 0) != 0
 
 

@@ -368,9 +368,11 @@ class CacheBuilder:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             # a full disk or quota, or a file larger than the file system or `ulimit -f` allows
+            fix = ("raise the file size limit (`ulimit -f`), or pass --cache-dir / set FASTDDPM_CACHE to a file "
+                   "system that takes larger files (FAT32 stops at 4 GiB)" if exc.errno == errno.EFBIG else
+                   "free some space, or pass --cache-dir / set FASTDDPM_CACHE to a bigger disk")
             raise DataError(
                 f"{(exc.strerror or 'no space left on the device').lower()} while writing the cache in "
-                f"{self.final_dir.parent}; nothing was kept. Fix: free some space, or pass --cache-dir / set "
-                "FASTDDPM_CACHE to a bigger disk."
+                f"{self.final_dir.parent}; nothing was kept. Fix: {fix}."
             ) from exc
         return False

@@ -196,6 +196,7 @@ class OptimizerInfo:
     foreach: bool | None
     fused: bool | None
     conv_weights: int = 0  # 4-D parameters (2-D convolutions): channels_last is a candidate
+    param_count: int = 0  # elements in all: a few big tensors' update is memory passes, a few small ones' overhead
 
 
 @dataclass(kw_only=True)

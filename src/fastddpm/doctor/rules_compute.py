@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from fastddpm.doctor.findings import Finding, Fix, math_words, pct
 from fastddpm.doctor.measurements import Measurements
-from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_SAVES, COMPILE_SAVES, CPU_LOW_MFU,
-                                        CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES, FP32_GEMM_SHARE,
-                                        FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR, LAYOUT_SHARE,
-                                        LOW_MFU_SHARE, LOW_PRECISION_MAX_SPEEDUP, LOW_PRECISION_MIN_RATIO,
-                                        MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS, OPTIMIZER_SHARE, OVERHEAD_SHARE,
-                                        SMALL_BATCH)
+from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_SAVES, BIG_PARAMS, COMPILE_SAVES,
+                                        CPU_LOW_MFU, CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES,
+                                        FP32_GEMM_SHARE, FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR,
+                                        LAYOUT_SHARE, LOW_MFU_SHARE, LOW_PRECISION_MAX_SPEEDUP,
+                                        LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS,
+                                        OPTIMIZER_SHARE, OVERHEAD_SHARE, SMALL_BATCH)
 from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 
@@ -244,6 +244,8 @@ def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Findin
     name = opt.name if opt is not None else "the optimizer"
     ops = t.optimizer_ops_per_step or 0
     many = ops >= OPTIMIZER_OPS
+    if not many and (opt is None or opt.param_count < BIG_PARAMS):  # neither many tensors nor big ones
+        return None
     waiting = t.has_gpu and (t.idle_share or 0.0) > GPU_IDLE_SHARE  # a GPU that waits for launches
     launches = per_tensor_launch_share(t) if waiting and many else 0.0
     if launches:
@@ -269,8 +271,9 @@ def per_tensor_optimizer(m: Measurements, unavailable: dict[str, str]) -> Findin
     cls = opt.name if opt is not None else "AdamW"
     why = ("the optimizer's for-loop over parameters issues several ops for every tensor: with hundreds of tensors "
            "the per-op overhead (on a GPU, a kernel launch each) outweighs the arithmetic" if many else
-           "the optimizer's update runs term by term, each a pass over every parameter's memory (AdamW: about "
-           "ten): a fused kernel reads and writes each parameter, gradient and moment once")
+           f"the optimizer's update runs term by term, each a pass over the memory of all {opt.param_count:,} "
+           "parameters (AdamW makes about ten): a fused kernel reads and writes each parameter, gradient and moment "
+           "once")
     code = (f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD), or foreach=True" if many
             else f"torch.optim.{cls}(params, ..., fused=True) (CPU and CUDA, Adam/AdamW/SGD; foreach=True would "
                  "save little over a few tensors)")

@@ -15,6 +15,7 @@ import json
 import runpy
 import shutil
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import verdict
 from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
-from fastddpm.doctor.stall import STALL_STEPS, Stalled, StallWatch, stalled
+from fastddpm.doctor.stall import Stalled, StallWatch, stalled
 from fastddpm.doctor.watchers import AttentionWatch, batch_size, conv_layout, optimizer_info
 
 # --try's default bound (--try-seconds): the trials' rounds and steps are fitted to it
@@ -78,6 +79,7 @@ class ScriptHooks:
         self._first_batch = weakref.WeakKeyDictionary()  # loader -> its first batch's size
         self._iterated = weakref.WeakSet()  # loaders with an iterator made before the training loader was known
         self.optimizer_steps = 0
+        self.step_thread: int | None = None  # the thread whose optimizer steps are the boundaries
         self.batch_size: int | None = None  # of the training loader's first batch
         self.optimizer_info = None
         self.attention = AttentionWatch(lambda: session.phase == "watch")
@@ -134,6 +136,7 @@ class ScriptHooks:
             if hooks._train_loader is None:
                 hooks._choose_train_loader()
             hooks.optimizer_steps += 1
+            hooks.step_thread = threading.get_ident()  # the thread that trains: where a stall is looked for
             session.step()
             if session.done:
                 raise DoctorDone()
@@ -195,17 +198,19 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     hooks = ScriptHooks(session)
     context = ScriptContext(path)  # what the script drives, to word the fixes in its own terms
     ended = "the script returned"
-    watch = StallWatch(path, config.time_budget_s, lambda: hooks.optimizer_steps, log=log)
+    watch = StallWatch(path, config.time_budget_s, lambda: hooks.optimizer_steps, lambda: hooks.step_thread, log=log)
+    stuck = False
     try:
         with hooks, context, watch:
             runpy.run_path(str(path), run_name="__main__")
     except DoctorDone:
         ended = None
     except Stalled:
-        stall = (f"no step ended for {watch.idle_s:.0f} s (the limit: {watch.limit_s:.0f} s, the longer of the time "
-                 f"budget and {STALL_STEPS} of its slowest steps); it was stuck at {watch.where}")
+        stuck = True
+        stall = (f"no step ended for {watch.idle_s:.0f} s, the process idle (the limit: {watch.limit_s:.0f} s); it "
+                 f"was stuck at {watch.where}")
         if not session.records:
-            raise DoctorError(f"doctor run: {path} stopped after {hooks.optimizer_steps} optimizer steps, before the "
+            raise DoctorError(f"doctor run: {path} stopped after {watch.steps_at_stall} optimizer steps, before the "
                               f"doctor measured one: {stall}") from None
         ended = f"the doctor ended it: {stall}"
     except (ImportError, SyntaxError) as e:
@@ -240,8 +245,8 @@ def run_script(script: str | Path, args: list[str], config: DoctorConfig, *,
     params = [p for g in opt.param_groups for p in g["params"]] if opt is not None else None
     report = diagnose(session, context="user", command=["fastddpm", "doctor", "run", str(path), *args],
                       seen=hooks.seen(), params=params)
-    if watch.where is not None:  # rule 21: the loop itself stopped; nothing else it does matters until it moves
-        report.findings.insert(0, stalled(watch, hooks.optimizer_steps))
+    if stuck:  # rule 21: the loop itself stopped; nothing else it does matters until it moves
+        report.findings.insert(0, stalled(watch))
         report.verdict = verdict(report.findings, report.measurements)
     in_script_terms(report, context, optimizer=hooks.optimizer, loader=session.loader)
     if try_fixes:

@@ -1,12 +1,17 @@
 """A script that stops making steps under `doctor run`: the time budget is checked as each step ends, so a loop stuck
-between two steps (a deadlocked DataLoader worker, a collective waiting for a peer, a sleep) would hold the doctor
-forever. StallWatch watches the clock from a thread: once no step has ended for the longer of the time budget
-(--max-seconds, or STALL_MIN_S without one) and STALL_STEPS of the slowest step so far, it notes where the script
-is stuck and ends it with a signal, and the doctor reports what it measured. Set-up before the first step is not
-bounded (a dataset read may take minutes); it is said every SETUP_NOTE_S instead."""
+between two steps (a deadlocked DataLoader worker, a wait on a queue nobody feeds, a sleep) would hold the doctor
+forever. StallWatch watches from a thread. The loop is stuck when, for the limit, no step has ended, the process has
+used no CPU (under 5% of a core) and the training thread has stood at the same line: a validation pass, a checkpoint
+save or a slow step compute, and move. The limit is the longer of the time budget (--max-seconds, or STALL_MIN_S
+without one) and STALL_STEPS of the slowest step so far; before the first step, SETUP_FACTOR times that (a dataset
+read may take minutes; the wait is said every SETUP_NOTE_S). Then it notes where the thread stands and ends the
+script with SIGUSR1, raising Stalled in it, and the doctor reports what it measured. The signal is the doctor's only
+while it runs: one sent from outside goes to the handler there was before (or ends the process, as by default), a
+faulthandler registration is put back after, and a script that takes the signal over is said to, not ended."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -18,80 +23,118 @@ from typing import Callable
 
 from fastddpm.doctor.findings import Finding, Fix
 
-STALL_MIN_S = 60.0  # without a time budget: no step for this long is a stall
-STALL_STEPS = 10  # ... nor for this many of the slowest step so far (a step that compiles is slow, not stuck)
-SETUP_NOTE_S = 30.0  # before the first step: said this often, so a long set-up is not mistaken for a hang
+STALL_MIN_S = 60.0  # without a time budget: the shortest stall
+STALL_STEPS = 10  # ... and never under this many of the slowest step so far
+SETUP_FACTOR = 3  # before the first step the limit is this many times longer
+SETUP_NOTE_S = 30.0  # before the first step: the wait is said this often
+IDLE_CPU = 0.05  # of one core: a process waiting, not working
 
 
 class Stalled(BaseException):
-    """Raised in the script's thread when it made no step for StallWatch's limit (a BaseException: the script's
-    own `except Exception` must not swallow it)."""
+    """Raised in the script's main thread when StallWatch found it stuck (a BaseException: the script's own
+    `except Exception` must not swallow it)."""
 
 
 class StallWatch:
-    """Polls `steps()`, the count of steps ended so far; `where` and `idle_s` say the stall once Stalled was
-    raised."""
+    """Polls `steps()` (the steps ended so far) and `thread()` (the thread they end in, None before the first);
+    once Stalled was raised, `where`, `idle_s`, `limit_s` and `steps_at_stall` say the stall."""
 
-    def __init__(self, script: Path, budget_s: float | None, steps: Callable[[], int], *, log=print,
-                 poll_s: float = 1.0):
-        self.script, self.budget_s, self.steps, self.log, self.poll_s = script, budget_s, steps, log, poll_s
+    def __init__(self, script: Path, budget_s: float | None, steps: Callable[[], int],
+                 thread: Callable[[], int | None] = lambda: None, *, log=print, poll_s: float = 1.0):
+        self.script, self.budget_s, self.steps, self.thread = script, budget_s, steps, thread
+        self.log, self.poll_s = log, poll_s
         self.where: str | None = None
-        self.idle_s = 0.0
-        self.limit_s = 0.0
-        self._last: float | None = None
+        self.idle_s = self.limit_s = 0.0
+        self.steps_at_stall = 0
         self._longest = 0.0
-        self._armed = False
+        self._fired = False  # the watch sent the signal (an outside SIGUSR1 is not a stall)
+        self._lock = threading.Lock()  # the watch fires only while the script runs
+        self._running = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._old_handler = None
-        self._main = threading.main_thread().ident
+        self._faulthandler = False
 
-    def limit(self) -> float:
-        return max(self.budget_s or STALL_MIN_S, STALL_STEPS * self._longest)
+    def limit(self, started: bool) -> float:
+        limit = max(self.budget_s or STALL_MIN_S, STALL_STEPS * self._longest)
+        return limit if started else SETUP_FACTOR * limit
 
     def __enter__(self) -> StallWatch:
-        # a signal is what wakes a thread blocked in a sleep or a wait; only the main thread receives one
+        # a signal is what wakes a thread blocked in a sleep or a wait; only the main thread can take one
         if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
             return self
+        self._faulthandler = faulthandler.unregister(signal.SIGUSR1)  # put back after
         self._old_handler = signal.signal(signal.SIGUSR1, self._handle)
-        self._armed = True
+        self._running = True
         self._thread = threading.Thread(target=self._watch, name="fastddpm-doctor-stall-watch", daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> bool:
-        self._armed = False
+        with self._lock:
+            self._running = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             signal.signal(signal.SIGUSR1, self._old_handler)
+            if self._faulthandler:
+                faulthandler.register(signal.SIGUSR1, all_threads=True)
         return False
 
     def _handle(self, signum, frame) -> None:
-        if self._armed:
-            self._armed = False
+        if self._fired:
             raise Stalled()
+        old = self._old_handler  # a SIGUSR1 from outside: what it would have done without the doctor
+        if callable(old):
+            old(signum, frame)
+        elif old != signal.SIG_IGN:
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGUSR1)
 
     def _watch(self) -> None:
-        t0, said, seen = time.perf_counter(), 0, 0
+        t0 = time.perf_counter()
+        seen, last_step, said = 0, None, 0
+        last_cpu, busy_at = time.process_time(), t0
+        spot, still_since = None, t0
         while not self._stop.wait(self.poll_s):
-            now, count = time.perf_counter(), self.steps()
-            if count != seen:  # steps ended since the last look: the longest gap is known to a poll
-                if self._last is not None:
-                    self._longest = max(self._longest, (now - self._last) / (count - seen))
-                self._last, seen = now, count
-            if self._last is None:  # set-up: not bounded, said
-                if int((now - t0) // SETUP_NOTE_S) > said:
-                    said = int((now - t0) // SETUP_NOTE_S)
-                    self.log(f"doctor run: waiting for {self.script.name}'s first optimizer.step() "
-                             f"({now - t0:.0f} s; its imports and set-up are not timed)")
+            now, count, cpu = time.perf_counter(), self.steps(), time.process_time()
+            if count != seen:
+                if last_step is not None:  # the longest gap between steps, to a poll
+                    self._longest = max(self._longest, (now - last_step) / (count - seen))
+                last_step, seen = now, count
+            if cpu - last_cpu > IDLE_CPU * self.poll_s:
+                busy_at = now
+            last_cpu = cpu
+            ident = self.thread() or threading.main_thread().ident
+            here = _innermost(ident)
+            if here != spot:
+                spot, still_since = here, now
+            if last_step is None and int((now - t0) // SETUP_NOTE_S) > said:
+                said = int((now - t0) // SETUP_NOTE_S)
+                self.log(f"doctor run: waiting for {self.script.name}'s first optimizer.step() ({now - t0:.0f} s; "
+                         "its imports and set-up are not timed)")
+            limit = self.limit(last_step is not None)
+            quiet_since = max(last_step or t0, busy_at, still_since)
+            if now - quiet_since <= limit:
                 continue
-            if now - self._last > self.limit():
-                self.idle_s, self.limit_s = now - self._last, self.limit()
-                self.where = stuck_at(self._main, self.script)
-                if self._armed:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-                return
+            with self._lock:
+                if not self._running:
+                    return
+                if signal.getsignal(signal.SIGUSR1) != self._handle:
+                    self.log(f"doctor run: {self.script.name} has made no step for {now - (last_step or t0):.0f} s "
+                             f"and stands at {stuck_at(ident, self.script)}, but it handles SIGUSR1 itself, so "
+                             "the doctor cannot end it: stop it yourself (Ctrl-C)")
+                    return
+                self.where, self.steps_at_stall = stuck_at(ident, self.script), count
+                self.idle_s, self.limit_s = now - (last_step or t0), limit
+                self._fired = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+            still_since = busy_at = now  # swallowed by the script (a bare except): fired again after another limit
+
+
+def _innermost(ident: int | None) -> tuple | None:
+    frame = sys._current_frames().get(ident)
+    return None if frame is None else (frame.f_code, frame.f_lineno)
 
 
 def stuck_at(thread_id: int | None, script: Path) -> str:
@@ -114,14 +157,17 @@ def stuck_at(thread_id: int | None, script: Path) -> str:
     return where
 
 
-def stalled(watch: StallWatch, steps: int) -> Finding:
-    """Rule 21: the finding of a loop that stopped making steps (StallWatch ended it): the whole step, and more."""
+def stalled(watch: StallWatch) -> Finding:
+    """Rule 21: the finding of a loop that stopped making steps (StallWatch ended it)."""
     return Finding(
-        "stalled", (21,), f"STALLED: the loop made no step for {watch.idle_s:.0f} s after step {steps}", 1.0,
-        [f"no step ended for {watch.idle_s:.0f} s after step {steps}, against a limit of {watch.limit_s:.0f} s (the "
-         f"longer of the time budget and {STALL_STEPS} of the slowest step so far)",
+        "stalled", (21,), f"STALLED: no step for {watch.idle_s:.0f} s after step {watch.steps_at_stall}, the "
+        "process idle", 1.0,
+        [f"no step ended for {watch.idle_s:.0f} s after step {watch.steps_at_stall}, while the process used no CPU and "
+         f"its training thread stood at one line, against a limit of {watch.limit_s:.0f} s (the longer of the time "
+         f"budget and {STALL_STEPS} of the slowest step so far)",
          f"the script was stuck at {watch.where}"],
         "the loop waits on something that does not come: a DataLoader worker that died or deadlocked (a fork after "
-        "threads, a lock in the dataset), a collective waiting for another rank, a queue or input() nobody feeds",
-        [Fix(None, f"look at {watch.where.split(',')[0]}: rerun with DataLoader(num_workers=0) to see a worker's own "
-                   "traceback, or run the script alone and send it SIGINT where it hangs to see the stack")])
+        "threads, a lock in the dataset), a queue or input() nobody feeds, a sleep",
+        [Fix(None, f"look at {(watch.where or '').split(',')[0]}: rerun with DataLoader(num_workers=0) to see a "
+                   "worker's own traceback, or run the script alone and send it SIGINT where it hangs to see the "
+                   "stack")])

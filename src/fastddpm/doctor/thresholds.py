@@ -32,6 +32,8 @@ COMPILE_SAVES = 0.3  # of that time: fusion removes the memory round trips, not 
 OPTIMIZER_SHARE = 0.05  # a per-tensor optimizer over this share of the step fires rule 19
 OPTIMIZER_OPS = 300  # from this many ops per step (~25 tensors for AdamW) the per-op overhead is the cost, and on a
 # waiting GPU the launches; under it, a few big tensors, the memory passes (one per update term), which fused removes
+BIG_PARAMS = 500_000  # under OPTIMIZER_OPS, rule 19 needs this many parameters (2 MB a pass in fp32): a tiny
+# model's optimizer share is overhead no fused kernel removes
 FOREACH_SAVES = 0.5  # of the optimizer's time: a fused (or multi-tensor) update replaces one op per tensor per term
 SMALL_BATCH = 32  # rule 20: at or under this batch, the per-step overhead is a large share of each image's cost
 OVERHEAD_SHARE = 0.2  # ... when Python, framework and optimizer time take this share of the step

@@ -158,7 +158,7 @@ def optimizer_info(optimizer: torch.optim.Optimizer) -> OptimizerInfo:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return OptimizerInfo(name=type(optimizer).__name__, param_tensors=len(params),
                          foreach=d.get("foreach"), fused=d.get("fused"),
-                         conv_weights=sum(p.dim() == 4 for p in params))
+                         conv_weights=sum(p.dim() == 4 for p in params), param_count=sum(p.numel() for p in params))
 
 
 def conv_layout(params) -> str | None:

@@ -106,8 +106,10 @@ class Checkpointer:
                 f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)}). "
                 + (f"The newest checkpoint, {kept.path.name} (step {kept.step:,}), is intact: " if kept else
                    "No checkpoint was written before: ")
-                + "free space (fewer --keep-checkpoints, or --out on another disk), then continue "
-                  "with --resume latest") from e
+                + ("raise the file size limit (`ulimit -f`), or give --out on a file system that takes larger files "
+                   "(FAT32 stops at 4 GiB)" if e.errno == errno.EFBIG else
+                   "free space (fewer --keep-checkpoints, or --out on another disk)")
+                + ", then continue with --resume latest") from e
 
     def _save(self) -> Path | None:
         state = self.train_state.state_dict()

@@ -7,6 +7,7 @@ safetensors (tensors and JSON metadata, no code), readable by any framework.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -58,6 +59,12 @@ def refuse_dangling_link(path: Path, *, flag: str, fix: str) -> None:
 
     for p in (path, *path.parents):
         if p.is_symlink() and not p.exists():
+            try:
+                os.stat(p)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise ConfigError(f"{flag} {path}: {p} is a link that leads back to itself (a loop): {fix}") \
+                        from None
             raise ConfigError(f"{flag} {path}: {p} is a link to {os.readlink(p)}, which does not exist (make that "
                               f"folder): {fix}")
 

@@ -173,6 +173,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
             out.grid(f"grid_{state.images_seen:09d}.png")
         if stop_code is None and maybe_evaluate(run, out, done, stop):
             stop_code = stop.exit_code  # it came during the evaluation: the checkpoint's evaluation runs on resume
+            if not logging_step:
+                out.write(lr)  # the losses since the last line, as any stop writes them
         every = train_cfg.checkpoint_every
         if done or (every and state.step % every == 0) or stop_code is not None:
             if not (logging_step or run.device.type == "cpu"):
