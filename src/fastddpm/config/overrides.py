@@ -222,8 +222,9 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
                    ) -> RunConfig:
     """A run's config from its layers, later ones winning: `base` (a RunConfig, its dict form as config.json
     holds it, over the preset the dict names, or a preset's name; None: the config file's own `preset`, else the
-    defaults) < the config `file` (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key is "section.field" or a field
-    name of one section, and `source` names the layer in errors (e.g. "--set", "command line", "fastddpm.train").
+    defaults) < the config `file` (YAML or JSON) < each (source, {key: value}) of `layers`, in order, where a key
+    is "section.field" or a field name of one section, and `source` names the layer in errors (e.g. "--set",
+    "command line", "fastddpm.train").
 
     When the file, a layer or `base` sets train.init_from (a diffusers UNet2DModel or DDPMPipeline folder), the
     folder's architecture and schedule (config.diffusers_unet.folder_fields) are a layer right above `base`:
