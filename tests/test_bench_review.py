@@ -68,5 +68,8 @@ def test_quality_capped_data_of_two_sources_gets_two_files(tmp_path):
     assert got[0] != got[1]
     again = quality._data_source(QualitySettings(data=str(sources[0]), num_images=64), out, lambda m: None)[0]
     assert again == got[0]
-    with np.load(got[0]) as a, np.load(sources[0]) as src:
-        assert np.array_equal(a["x_train"], src["x_train"][:64])
+    with np.load(got[0]) as a, np.load(sources[0]) as src:  # 64 of the source's images and labels, in its order
+        rows = {img.tobytes(): i for i, img in enumerate(src["x_train"])}
+        index = [rows[img.tobytes()] for img in a["x_train"]]
+        assert len(set(index)) == 64 and index == sorted(index)
+        assert np.array_equal(a["y_train"], src["y_train"][index])
