@@ -13,7 +13,11 @@ import torch
 from conftest import TINY_DDPM, flags
 from fastddpm.cli import main
 from fastddpm.config import ConfigError, DiffusionConfig, ModelConfig, RunConfig
-from fastddpm.diffusers_io import check_exportable, from_diffusers_state_dict, to_diffusers_state_dict, write_folder
+from fastddpm.diffusers_io import (check_exportable, from_diffusers_state_dict, to_diffusers_state_dict, trailing_gaps,
+                                   write_folder)
+from fastddpm.diffusion import sample, sampler_timesteps, schedule_from_config
+from fastddpm.diffusion.ode_solvers import first_timestep, trailing_timesteps
+from fastddpm.rng import ImageNoise
 from fastddpm.models import build_unet
 
 diffusers = pytest.importorskip("diffusers")
@@ -67,6 +71,66 @@ def test_a_random_ddpm_unet_and_its_diffusers_export_compute_the_same_function(t
         assert config["num_class_embeds"] is None
 
 
+@pytest.mark.parametrize("schedule,prediction,T", [("linear", "epsilon", 1000), ("cosine", "v", 1000),
+                                                   ("linear", "epsilon", 100)])
+def test_diffusers_schedulers_built_from_the_export_draw_fastddpms_few_step_images(tmp_path, schedule, prediction, T):
+    """The export's scheduler config gives diffusers' DDIM, DPM-Solver++(2M) and UniPC fastddpm's timesteps and its
+    clamped x0: from the same noise, the same uint8 images (a config with linspace spacing that clamped only
+    DDIM's x0, without re-deriving its noise, drew images up to 204 levels apart at 20 DDIM steps)."""
+    cfg = _run_config()
+    cfg = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, schedule=schedule,
+                                                                 prediction=prediction, num_timesteps=T))
+    model = _randomised(cfg)
+    write_folder(model, cfg, tmp_path)
+    config = diffusers.DDPMPipeline.from_pretrained(str(tmp_path)).scheduler.config
+    ours_schedule = schedule_from_config(cfg.diffusion)
+    shape, seed = (2, 3, 32, 32), 3
+    for name, cls, steps in (("ddim", diffusers.DDIMScheduler, 20), ("unipc", diffusers.UniPCMultistepScheduler, 10),
+                             ("dpmpp-2m", diffusers.DPMSolverMultistepScheduler, 10)):
+        theirs = cls.from_config(config)
+        theirs.set_timesteps(steps)
+        ours_ts = sampler_timesteps(ours_schedule, name, steps)
+        if name != "ddim" and first_timestep(ours_schedule) != T - 1:  # the card's "near, not the same": fastddpm's
+            # solvers start below the schedule's last timesteps and divide the rest evenly; DPM-Solver starts there
+            # too (lambda_min_clipped) at diffusers' stride T / K, UniPC at T - 1
+            assert theirs.timesteps[0] == (ours_ts[0] if name == "dpmpp-2m" else T - 1) and ours_ts[0] < T - 1
+            continue
+        assert theirs.timesteps.tolist() == ours_ts, name
+        want = sample(model, ours_schedule, shape, sampler=name, steps=steps, prediction=prediction, seed=seed)
+        x = ImageNoise("cpu", seed, 0, shape[0]).randn(shape)
+        with torch.no_grad():
+            for t in theirs.timesteps:
+                out = model(x, t.expand(shape[0]))
+                x = theirs.step(out, t, x, **({"use_clipped_model_output": True} if name == "ddim" else {})).prev_sample
+        levels = ((want - x).abs().max() * 127.5).item()
+        assert want.std() > 0.1 and levels < 1.0, (name, levels)
+
+
+@pytest.mark.parametrize("schedule,T", [("linear", 1000), ("linear", 100)])
+def test_the_cards_python_runs_as_written_and_says_which_schedulers_are_fastddpms(tmp_path, schedule, T):
+    from fastddpm.diffusers_io import model_card
+
+    cfg = _run_config()
+    cfg = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, schedule=schedule, num_timesteps=T))
+    write_folder(_randomised(cfg), cfg, tmp_path)
+    card = model_card(cfg, {"step": 1, "images_seen": 8}, "cmd")
+    if T == 1000:  # every timestep kept: all three, and the counts where diffusers' stride adds t = -1
+        assert "as do `DPMSolverMultistepScheduler` (`dpmpp-2m`) and `UniPCMultistepScheduler`" in card
+        assert "at 61, 103, 121, 122," in card
+        return  # the code is T = 100's but for its step count (1000 DDPM steps: 15 s)
+    # T = 100's scaled linear betas end below lambda = -5.1: the solvers start at 96
+    assert "start at timestep 96" in card and "near fastddpm's `dpmpp-2m` and `unipc`, not the same" in card
+    blocks = [b.split("\n", 1)[1] for b in card.split("```")[1::2]]
+    assert len(blocks) == 2 and all(b.startswith("from diffusers import") for b in blocks)
+    namespace: dict = {}
+    with torch.no_grad():
+        for code in blocks:
+            exec(code.replace("path/to/this/folder", str(tmp_path)).replace("batch_size=4", "batch_size=1"), namespace)
+    assert isinstance(namespace["pipe"].scheduler, diffusers.DPMSolverMultistepScheduler)
+    assert namespace["pipe"].scheduler.timesteps[0] == first_timestep(schedule_from_config(cfg.diffusion))
+    assert len(namespace["images"]) == 1 and namespace["images"][0].size == (32, 32)
+
+
 def test_the_diffusers_names_map_back_to_the_same_fastddpm_weights():
     cfg = _run_config(conditional=True, num_classes=2, class_names=("a", "b"))
     model = _randomised(cfg)
@@ -115,10 +179,15 @@ def test_export_diffusers_from_the_cli_loads_in_ddpm_pipeline_and_samples(tmp_pa
     s = pipe.scheduler
     assert torch.allclose(s.betas.double(), cfg_betas(cfg), atol=1e-6)
     T = cfg.diffusion.num_timesteps
-    for steps in (10, 61, 103):  # fewer steps than trained: from the noisiest step down, none below 0, as many as asked
-        s.set_timesteps(steps)  # (diffusers' "trailing" gives 62 at 61, the last t = -1)
+    gaps = trailing_gaps(T)
+    for steps in range(1, 130):  # fewer steps than trained: fastddpm's, from the noisiest step down
+        s.set_timesteps(steps)
         got = s.timesteps.tolist()
-        assert len(got) == steps and got[0] == T - 1 and min(got) >= 0 and got == sorted(got, reverse=True)
+        if steps in gaps:  # the counts the card names: diffusers' float stride adds t = -1
+            assert got[:-1] == trailing_timesteps(T, steps) and got[-1] == -1
+        else:
+            assert got == trailing_timesteps(T, steps), steps
+    assert gaps[:4] == [61, 103, 121, 122]
     images = pipe(batch_size=2, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
                   output_type="np").images
     assert images.shape == (2, 32, 32, 3) and np.isfinite(images).all()

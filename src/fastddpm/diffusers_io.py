@@ -36,6 +36,7 @@ import json
 from pathlib import Path
 
 from fastddpm.config import ConfigError
+from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
                                             read_unet_config, unet_config, weights_file)
 
@@ -44,8 +45,8 @@ from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_ex
 TOLERANCE = 1e-4
 
 __all__ = ["TOLERANCE", "check_exportable", "unet_config", "scheduler_config", "write_folder", "check_folder",
-           "model_card", "load_init", "read_weights", "to_diffusers_state_dict", "from_diffusers_state_dict",
-           "example_inputs"]
+           "model_card", "trailing_gaps", "load_init", "read_weights", "to_diffusers_state_dict",
+           "from_diffusers_state_dict", "example_inputs"]
 
 
 def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
@@ -66,16 +67,25 @@ def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
         "beta_end": beta_end,
         "trained_betas": None,
         "variance_type": "fixed_small",  # beta_tilde_t, Ho et al. 2020 eq. 7
-        "clip_sample": True,  # x0_hat clamped to the data's [-1, 1], as fastddpm's samplers do by default
+        # fastddpm's samplers clamp x0_hat to the data's [-1, 1] (and DDIM re-derives eps from it; diffusers' DDIM
+        # does with step(use_clipped_model_output=True)). DDPM/DDIM read clip_sample; DPM-Solver and UniPC read
+        # only thresholding, Saharia et al. 2022's dynamic threshold, whose scale is clamped to [1, sample_max_value]:
+        # at 1.0 it is the same clamp, for every scheduler built from this config.
+        "clip_sample": True,
         "clip_sample_range": 1.0,
+        "thresholding": True,
+        "dynamic_thresholding_ratio": 0.995,
+        "sample_max_value": 1.0,
         "prediction_type": "epsilon" if d.prediction == "epsilon" else "v_prediction",
-        "thresholding": False,
-        # fewer inference steps than training steps start at the noisiest one, t = T - 1, as fastddpm's samplers do
-        # (Lin et al. 2024, arXiv:2305.08891; "leading" starts below it). Not diffusers' "trailing": it takes its
-        # steps from np.arange(T, 0, -T / steps), whose float stride adds a step at t = -1 for some counts (61 of
-        # 1000), the noisiest alpha_bar read for the last step; "linspace" rounds evenly spaced points, T - 1 to 0
-        "timestep_spacing": "linspace",
+        # fewer inference steps than training steps: evenly spaced from the noisiest one down, as fastddpm samples
+        # (Lin et al. 2024, arXiv:2305.08891, table 2; ode_solvers.trailing_timesteps takes diffusers' arithmetic).
+        # diffusers' own "trailing" adds a step at t = -1 for some counts (61, 103, 121, ... of 1000: np.arange's
+        # float stride), which the model card says.
+        "timestep_spacing": "trailing",
         "steps_offset": 0,
+        # the few-step solvers start at the noisiest timestep with lambda >= LAMBDA_MIN, as diffusers' DPM-Solver
+        # does with lambda_min_clipped (DDPMScheduler ignores it: a key of a compatible scheduler)
+        "lambda_min_clipped": LAMBDA_MIN,
         "rescale_betas_zero_snr": False,
     }
 
@@ -287,7 +297,54 @@ def model_card(cfg, info: dict, command: str) -> str:
                   "        out = unet(x, t, class_labels=labels).sample",
                   "    x = scheduler.step(out, t, x).prev_sample",
                   "images = (x / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]", "```"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _few_step_section(cfg)) + "\n"
+
+
+def trailing_gaps(num_timesteps: int, up_to: int = 250) -> list[int]:
+    """The step counts <= up_to at which diffusers' "trailing" spacing walks one step more than asked, the last at
+    t = -1: np.arange(T, 0, -T / steps)'s float stride falls short of 0 (61, 103, 121, 122, ... for T = 1000)."""
+    import numpy as np
+
+    T = num_timesteps
+    return [k for k in range(1, min(up_to, T) + 1) if len(np.arange(T, 0, -T / k)) > k]
+
+
+def _few_step_section(cfg) -> list[str]:
+    """The card's few-step part: which diffusers schedulers, built from the folder's scheduler config, take fastddpm's
+    timesteps and clipping (tests/test_diffusers_io.py draws the same images with both from the same noise)."""
+    from fastddpm.diffusion import schedule_from_config
+    from fastddpm.diffusion.ode_solvers import first_timestep
+
+    T = cfg.diffusion.num_timesteps
+    first = first_timestep(schedule_from_config(cfg.diffusion))
+    gaps = trailing_gaps(T)
+    lines = ["", "## Fewer steps", "",
+             "The scheduler config is fastddpm's: trailing timesteps and x0 predictions clamped to [-1, 1]. Built "
+             "from it, `DDIMScheduler` walks the timesteps of `fastddpm sample --sampler ddim --steps K` and from the "
+             "same starting noise draws its images (pass `use_clipped_model_output=True` to `DDIMPipeline`: "
+             "fastddpm re-derives the noise from the clamped x0)"]
+    if first == T - 1:
+        lines[-1] += (", as do `DPMSolverMultistepScheduler` (`dpmpp-2m`) and `UniPCMultistepScheduler` (`unipc`).")
+    else:
+        lines[-1] += (f". On this schedule fastddpm's few-step solvers start at timestep {first} (half log-SNR >= "
+                      f"{LAMBDA_MIN}), below its last, clipped betas, and divide the rest evenly: diffusers' "
+                      "DPM-Solver starts there too (`lambda_min_clipped`) but steps by T / K, and UniPC starts at "
+                      f"{T - 1}, so their images are near fastddpm's `dpmpp-2m` and `unipc`, not the same.")
+    lines += ["", "```python", "from diffusers import DDIMPipeline, DPMSolverMultistepScheduler"]
+    if not cfg.model.conditional:
+        lines += ["ddim = DDIMPipeline(unet=pipe.unet, scheduler=pipe.scheduler)  # the scheduler config as a DDIM's",
+                  "images = ddim(batch_size=4, num_inference_steps=20, eta=0.0, use_clipped_model_output=True).images",
+                  "pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)",
+                  "images = pipe(batch_size=4, num_inference_steps=20).images"]
+    else:
+        lines += ["scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)",
+                  "# then the loop above, with scheduler.set_timesteps(20)"]
+    lines += ["```"]
+    if gaps:
+        lines += ["", f"diffusers' trailing spacing adds a last step at t = -1, which spoils the images, at "
+                  f"{', '.join(map(str, gaps[:8]))}{', ...' if len(gaps) > 8 else ''} steps (np.arange's float "
+                  "stride): choose another count."]
+    return lines
 
 
 def load_init(model, cfg, folder: str | Path) -> str:

@@ -32,12 +32,12 @@ GRID_IMAGES = 256  # the grid's: as `fastddpm sample`'s; the .npz holds every im
 
 
 def trailing(T: int, steps: int) -> np.ndarray:
-    """`steps` timesteps from T - 1 down, evenly spaced (trailing spacing, Lin et al. 2024, table 2). Each one is
-    computed from its index: np.arange(T, 0, -T / steps) gains a step, t = -1, where the float stride falls short."""
+    """`steps` timesteps from T - 1 down, evenly spaced (trailing spacing, Lin et al. 2024, table 2), as fastddpm
+    and diffusers compute them; only the first `steps`: np.arange(T, 0, -T / steps) gains a step, t = -1, where the
+    float stride falls short."""
     if not 1 <= steps <= T:
         raise SystemExit(f"--steps {steps}: between 1 and the model's {T} timesteps")
-    stride = T / steps
-    return np.array([int(round(T - i * stride)) - 1 for i in range(steps)], dtype=np.int64)
+    return np.round(np.arange(T, 0, -T / steps))[:steps].astype(np.int64) - 1
 
 
 def network(session: ort.InferenceSession, num: int, label: int | None, guidance: float, null_class: int):

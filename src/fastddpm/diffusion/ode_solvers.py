@@ -74,8 +74,9 @@ def trailing_timesteps(num_timesteps: int, steps: int, first: int | None = None)
     first = num_timesteps - 1 if first is None else first
     if not 1 <= steps <= first + 1:
         raise ValueError(f"steps={steps} must be between 1 and the number of diffusion timesteps ({first + 1})")
-    ratio = (first + 1) / steps
-    return [int(round(first + 1 - i * ratio)) - 1 for i in range(steps)]
+    # diffusers' arithmetic (a float stride, rounded half to even), so that its "trailing" schedulers walk the same
+    # timesteps to the last rounding tie; less the step at t = -1 that its stride adds for some counts
+    return (np.round(np.arange(first + 1, 0, -(first + 1) / steps))[:steps].astype(np.int64) - 1).tolist()
 
 
 def first_timestep(schedule: NoiseSchedule, lambda_min: float = LAMBDA_MIN) -> int:
