@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -286,6 +287,38 @@ def test_init_from_a_diffusers_folder_starts_a_run_from_its_weights(tmp_path, rg
                  *flags({**TINY_DDPM, "model.base_channels": 32}), "--max-steps", "1", "--no-progress",
                  "--init-from", str(tmp_path / "theirs")]) == 2
     assert "block_out_channels is [16, 32] there and [32, 64] in this run's model" in capsys.readouterr().err
+
+
+def test_init_from_keeps_the_folders_dropout_says_another_task_and_is_not_used_on_resume(tmp_path, rgb_npz, capsys):
+    """The folder's recorded dropout starts the run (it trained at 0.0 before, silently); weights that learned
+    epsilon trained for v are said to be; on a resume --init-from is said to be unused and config.json keeps the
+    folder the run began from (it held the new one); a missing path, a file and a refused model say so and leave
+    no empty run folder."""
+    run, out = tmp_path / "run", tmp_path / "export"
+    _train(run, rgb_npz, "--dropout", "0.1")
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+    new = tmp_path / "new"
+    capsys.readouterr()
+    _train(new, rgb_npz, "--init-from", str(out), "--prediction", "v")
+    said = capsys.readouterr().out
+    assert "says these weights learned prediction 'epsilon'; this run trains them for 'v' (as given)" in said
+    saved = json.loads((new / "config.json").read_text())
+    assert saved["model"]["dropout"] == 0.1 and saved["train"]["init_from"] == str(out)
+    import shutil
+
+    other = shutil.copytree(out, tmp_path / "other")
+    assert main(["train", "--data", str(rgb_npz), "--out", str(new), "--resume", "latest", "--init-from",
+                 str(other), "--max-steps", "3", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert f"--init-from {other} is not used when resuming: the run started from {out}" in said
+    assert json.loads((new / "config.json").read_text())["train"]["init_from"] == str(out)
+    for init, extra, error in ((tmp_path / "nothere", [], "no such folder"),
+                               (out / "unet" / "config.json", [], f"a file, not a folder (.*give {out / 'unet'})"),
+                               (out, ["--base-channels", "32"], "block_out_channels is")):
+        assert main(["train", "--data", str(rgb_npz), "--out", str(tmp_path / "a" / "b"), "--preset", "tiny",
+                     "--init-from", str(init), *extra, "--max-steps", "1", "--no-progress"]) == 2
+        assert re.search(error, capsys.readouterr().err)
+        assert not (tmp_path / "a").exists()
 
 
 # google/ddpm-cifar10-32's unet/config.json as the Hub has it (written by diffusers 0.0.4: the keys it leaves out take

@@ -422,3 +422,15 @@ def test_a_run_directory_through_a_link_to_nothing_is_refused_before_the_run_sta
     (tmp_path / "runs").symlink_to(tmp_path / "gone")
     with pytest.raises(ConfigError, match=r"runs is a link to .*gone, which does not exist \(make that folder\)"):
         find_resume(tmp_path / "runs" / "a", None)
+
+
+def test_the_folders_made_for_a_refused_command_are_removed_only_while_empty(tmp_path):
+    from fastddpm.rundir.files import make_writable_dir, remove_if_empty
+
+    (tmp_path / "kept").mkdir()
+    created = make_writable_dir(tmp_path / "kept" / "a" / "b", flag="--out", fix="give another")
+    assert created == [tmp_path / "kept" / "a", tmp_path / "kept" / "a" / "b"]  # the outermost new one first
+    (tmp_path / "kept" / "a" / "note.txt").write_text("written meanwhile")
+    remove_if_empty(created)
+    assert not (tmp_path / "kept" / "a" / "b").exists() and (tmp_path / "kept" / "a" / "note.txt").is_file()
+    assert make_writable_dir(tmp_path / "kept", flag="--out", fix="give another") == []

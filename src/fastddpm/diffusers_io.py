@@ -369,7 +369,20 @@ def load_init(model, cfg, folder: str | Path) -> str:
         raise ConfigError(f"--init-from {unet / 'config.json'}: {differs}{hint}; the two would not compute the same "
                           f"function ({fix})")
     model.load_state_dict(from_diffusers_state_dict(model, read_weights(weights_file(unet))))
-    return f"init: weights of the diffusers UNet2DModel in {unet}"
+    return "\n".join([f"init: weights of the diffusers UNet2DModel in {unet}", *_other_task(cfg, folder)])
+
+
+def _other_task(cfg, folder: str | Path) -> list[str]:
+    """A note for each diffusion setting in which this run (its command line or config file) trains the weights
+    for another task than the folder's scheduler_config.json says they learned: allowed (a fine-tune from epsilon
+    to v is one), but the first steps relearn the output rather than go on."""
+    from fastddpm.config.diffusers_unet import folder_fields
+
+    theirs = {k.split(".", 1)[1]: v for k, v in folder_fields(folder).items() if k.startswith("diffusion.")}
+    return [f"note: {folder}'s scheduler_config.json says these weights learned {key} {theirs[key]!r}; this run "
+            f"trains them for {getattr(cfg.diffusion, key)!r} (as given): expect the loss to start higher"
+            for key in ("prediction", "schedule", "num_timesteps") if key in theirs and
+            theirs[key] != getattr(cfg.diffusion, key)]
 
 
 def read_weights(path: Path) -> dict:

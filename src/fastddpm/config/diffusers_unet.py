@@ -42,8 +42,8 @@ UNET2D_DEFAULTS = {
 }
 
 # the config.json entries that decide the function a UNet2DModel computes; the others (versions, sample_size,
-# dropout, num_train_timesteps) do not have to match for its weights to start a run (dropout is the new run's
-# choice: a config.json need not record what its weights were trained with)
+# dropout, num_train_timesteps) do not have to match for its weights to start a run (dropout only acts in training:
+# the folder's starts the run where its config.json records one, and the command line may change it)
 FUNCTION_KEYS = ("in_channels", "out_channels", "block_out_channels", "layers_per_block", "down_block_types",
                  "mid_block_type", "up_block_types", "attention_head_dim", "norm_num_groups", "attn_norm_num_groups",
                  "norm_eps", "time_embedding_type", "time_embedding_dim", "freq_shift", "flip_sin_to_cos",
@@ -152,6 +152,14 @@ def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
     """(the UNet2DModel folder, its config.json with UNet2DModel's defaults filled in) for FOLDER (a DDPMPipeline
     folder, with unet/, or a UNet2DModel folder); a ConfigError naming the file when it is not one."""
     folder = Path(folder).expanduser()
+    if not folder.exists():
+        raise ConfigError(f"--init-from {folder}: no such folder (give a diffusers DDPMPipeline folder, or its unet/ "
+                          "folder: config.json and the weights)")
+    if not folder.is_dir():
+        hint = (f"; this is one of its files: give {folder.parent}" if folder.name in ("config.json", WEIGHTS,
+                                                                                        WEIGHTS_BIN) else "")
+        raise ConfigError(f"--init-from {folder}: a file, not a folder (a diffusers DDPMPipeline folder or its unet/ "
+                          f"folder holds config.json and the weights{hint})")
     unet = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
     path = unet / "config.json"
     if not path.is_file() or weights_file(unet) is None:
@@ -270,6 +278,9 @@ def folder_fields(folder: str | Path) -> dict:
     scheduler_fields of its scheduler/scheduler_config.json."""
     unet, theirs = read_unet_config(folder)
     fields = model_fields(theirs, str(unet / "config.json"))
+    given = json.loads((unet / "config.json").read_text())  # read_unet_config filled in the defaults
+    if "dropout" in given:  # a folder that records its dropout keeps it (google/ddpm-* record none)
+        fields["model.dropout"] = given["dropout"]
     path = Path(folder).expanduser() / "scheduler" / "scheduler_config.json"
     if unet != Path(folder).expanduser() and path.is_file():
         try:

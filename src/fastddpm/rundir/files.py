@@ -35,15 +35,17 @@ def warn_on_rank_0(message: str, stacklevel: int = 2) -> None:
         warnings.warn(message, stacklevel=stacklevel + 1)
 
 
-def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
+def make_writable_dir(path: Path, *, flag: str, fix: str) -> list[Path]:
     """Create the output folder `path` (parents too) before any work that writes there, or a ConfigError naming
     `flag` (e.g. "--out"), the path and the reason (a file on its path, no permission, a read-only disk), then
-    `fix`: found after the work, it would be a traceback, and the work lost."""
+    `fix`: found after the work, it would be a traceback, and the work lost. Returns the folders it created, the
+    outermost first (for remove_if_empty when what follows is refused)."""
     from fastddpm.config import ConfigError
 
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{flag} {path}: is a file, not a folder: {fix}")
     refuse_dangling_link(path, flag=flag, fix=fix)
+    created = [p for p in reversed((path, *path.parents)) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -51,6 +53,17 @@ def make_writable_dir(path: Path, *, flag: str, fix: str) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: the folder is not writable here (permissions, or a read-only disk): "
                           f"{fix}")
+    return created
+
+
+def remove_if_empty(folders: list[Path]) -> None:
+    """Remove the folders make_writable_dir created, innermost first, while they are empty: a command refused
+    after making its output folder leaves no empty folder behind (one that holds anything is kept)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def refuse_dangling_link(path: Path, *, flag: str, fix: str) -> None:

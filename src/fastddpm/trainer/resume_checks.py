@@ -116,6 +116,17 @@ def recipe_changes(resumed: Checkpoint, cfg: RunConfig) -> list[str]:
             f"{'s' if len(changed) > 1 else ''} (config.json now holds them; {resumed.path} keeps the run's own)"]
 
 
+def init_from_note(resumed: Checkpoint, cfg: RunConfig) -> list[str]:
+    """--init-from on a resume: the weights are the checkpoint's, whatever folder it names. A note when it names
+    another folder than the run started from (config.json keeps the run's own)."""
+    given, own = cfg.train.init_from, resumed.config.train.init_from
+    if not given or given == own:
+        return []
+    began = f"started from {own}" if own else "started from fresh weights"
+    return [f"note: --init-from {given} is not used when resuming: the run {began}, and its weights are in "
+            f"{resumed.path} (to start a new run from {given}, give another --out)"]
+
+
 def run_length(cfg: RunConfig) -> str:
     """The run's length as its flag spells it: "--max-steps 500", "--max-images 60,000", "--max-epochs 2.5"."""
     name = next(name for name in RUN_LENGTHS if getattr(cfg.train, name) is not None)

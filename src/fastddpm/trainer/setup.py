@@ -28,7 +28,7 @@ from fastddpm.models import UNet, count_parameters
 from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import step_of
 from fastddpm.rundir.checkpointer import Checkpointer
-from fastddpm.rundir.files import make_writable_dir
+from fastddpm.rundir.files import make_writable_dir, remove_if_empty
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
@@ -36,7 +36,7 @@ from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step
 from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
-from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, recipe_changes
+from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, init_from_note, recipe_changes
 from fastddpm.trainer.state import TrainState
 
 
@@ -184,8 +184,17 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
     _check_before_loading(cfg)
-    make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or a run "
-                                                 "directory, to continue its run)")
+    created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or a "
+                                                           "run directory, to continue its run)")
+    try:
+        return _prepare(cfg, run_dir, resume, stop=stop, log=log, hooks=hooks)
+    except BaseException:  # refused in set-up (data, model, --init-from, batch): no empty run folder left behind
+        remove_if_empty(created)
+        raise
+
+
+def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, *, stop,
+             log: Callable[..., None], hooks: TrainHooks) -> Run:
     rd = RunDir(run_dir)
     device, device_reason = resolve_device(cfg.train.device)
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
@@ -201,6 +210,9 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     cfg = _absolute_source(cfg, data)
     identity = data.identity()
     resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
+    init_note = init_from_note(resumed, cfg) if resumed is not None else []
+    if resumed is not None:  # where the run's weights began, whatever a resume's --init-from says
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=resumed.config.train.init_from))
     cfg = _resolve_from_data(cfg, data)
     if resumed is None:  # a new model (`--resume latest` with no checkpoint too); a resumed run keeps its own
         check_attention_levels(cfg.model)
@@ -246,7 +258,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
             was_end_step=total_steps_for(resumed.config, steps_per_epoch, images_per_step, step=state.step,
                                          images_seen=state.images_seen))
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
-        for note in [*changed, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
+        for note in [*changed, *init_note, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
         if dist.is_main:
             _set_aside_the_abandoned(rd, checkpointer, state.step, console)
