@@ -85,6 +85,24 @@ def test_sample_refuses_a_precision_it_does_not_know(api_run):
             model.sample(1, steps=1, precision=name)
 
 
+def test_counts_and_seeds_are_whole_numbers_and_eta_a_number(api_run):
+    """2.5 steps, a bool or text as a count ended in a TypeError deep in sampling (steps=2.5: "slice indices must
+    be integers"), and seed=1.5 or "a" sampled without a word; numpy ints and whole floats are counts."""
+    model = fastddpm.load(api_run.run_dir, device="cpu")
+    want = model.sample(2, steps=2, seed=3)
+    assert np.array_equal(model.sample(np.int64(2), steps=2.0, seed=np.int32(3), batch_size=torch.tensor(2)), want)
+    for kw, shown in ((dict(n=2.5), "n=2.5"), (dict(n=True), "n=True"), (dict(n=2, steps=2.5), "steps=2.5"),
+                      (dict(n=2, steps="3"), "steps='3'"), (dict(n=2, seed=1.5), "seed=1.5"),
+                      (dict(n=2, seed="a"), "seed='a'"), (dict(n=2, batch_size=1.5), "batch_size=1.5"),
+                      (dict(n=2, first_image=0.5), "first_image=0.5"), (dict(n=2, steps=float("nan")), "steps=nan")):
+        with pytest.raises(ConfigError, match=rf"^sample: {re.escape(shown)} must be a whole number$"):
+            model.sample(**kw)
+    with pytest.raises(ConfigError, match=r"^sample: eta='0' must be a number$"):
+        model.sample(2, sampler="ddim", steps=2, eta="0")
+    with pytest.raises(ConfigError, match=r"^evaluate: num_samples=1000.5 must be a whole number$"):
+        fastddpm.evaluate(api_run.run_dir, num_samples=1000.5)
+
+
 def test_a_resume_without_a_config_continues_the_run_with_its_own(tmp_path, fmnist_npz):
     """As `fastddpm train --resume latest` without --preset: the run's own config, not cpu-demo's (whose U-Net
     does not fit a tiny run's checkpoint) nor one that drops the settings the run was started with; a config file
@@ -149,3 +167,20 @@ def test_without_a_config_the_api_starts_from_the_clis_default_preset(monkeypatc
     assert lines == [f"preset: {preset} (no config given; {'CUDA is available' if cuda else 'no CUDA device'})"]
     parser, dests = build_parser()
     assert resolve_train_config(parser.parse_args(["train", "--out", "x"]), dests).preset == preset
+
+
+def test_sample_out_may_name_the_grid_and_may_not_be_empty(api_run, tmp_path, capsys):
+    """--out x/grid.png made a folder named grid.png; --out "" wrote into RUN_DIR/samples without a word."""
+    args = ["sample", "--checkpoint", str(api_run.run_dir), "--num-images", "2", "--steps", "2", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "x" / "grid.png")]) == 0
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["grid.npz", "grid.png"]
+    assert np.load(tmp_path / "x" / "grid.npz")["images"].shape == (2, 1, 28, 28)
+    (tmp_path / "shots.png").mkdir()  # a folder of that name stays a folder
+    assert main([*args, "--out", str(tmp_path / "shots.png")]) == 0
+    assert len(list((tmp_path / "shots.png").glob("*_n2_seed0_*.npz"))) == 1
+    samples = Path(api_run.run_dir) / "samples"
+    before = sorted(samples.glob("*"))
+    capsys.readouterr()
+    assert main([*args, "--out", ""]) == 2
+    assert '--out "": give the folder for the grid and the .npz' in capsys.readouterr().err
+    assert sorted(samples.glob("*")) == before

@@ -25,6 +25,34 @@ __all__ = ["train", "load", "evaluate", "Model"]
 SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --precision`
 
 
+def _whole(value, name: str, where: str) -> int:
+    """An integer argument as an int (a Python or numpy int, a 0-d integer tensor, or a float with no fraction), or
+    a ConfigError naming it: 2.5 steps, "3" (text) and True (a bool) are no count."""
+    import operator
+
+    if not not_a_number(value):
+        try:
+            return operator.index(value)
+        except TypeError:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = None
+            if number is not None and number.is_integer():
+                return int(number)
+    raise ConfigError(f"{where}: {name}={value!r} must be a whole number")
+
+
+def _real(value, name: str, where: str) -> float:
+    """A number argument as a float, or a ConfigError naming it (a bool or text is none)."""
+    try:
+        if not not_a_number(value):
+            return float(value)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{where}: {name}={value!r} must be a number")
+
+
 def _one_scale(guidance, where: str, several: str = "") -> float | None:
     """A guidance scale as a float (a Python, numpy or 0-d torch number), or a ConfigError for what is none: a list
     of scales (one call each), a bool, text, an array of one scale."""
@@ -116,6 +144,10 @@ class Model:
         own), as `fastddpm sample --eta/--spacing`."""
         from fastddpm.sampling import check_first_image, class_labels, resolve_sampler_args, sample_images
 
+        n, seed, first_image, batch_size = (_whole(v, name, "sample") for v, name in (
+            (n, "n"), (seed, "seed"), (first_image, "first_image"), (batch_size, "batch_size")))
+        steps = None if steps is None else _whole(steps, "steps", "sample")
+        eta = _real(eta, "eta", "sample")
         if n < 1:
             raise ConfigError(f"sample: n={n} must be at least 1")
         if output not in ("uint8", "pil"):
@@ -181,6 +213,9 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     in Model.sample."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
 
+    num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
+    steps = None if steps is None else _whole(steps, "steps", "evaluate")
+    batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
     model = load(path, device=device)
     cfg = model.cfg
     if data is not None:

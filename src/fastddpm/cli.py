@@ -188,8 +188,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                     help="images per model call (default 256); memory and speed only: each image draws its own noise, "
                          "so another batch size draws the same images")
     sp.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
-    sp.add_argument("--out", metavar="DIR", help="output folder (default: RUN_DIR/samples; for a checkpoint or "
-                                                 "export outside a run directory, samples/ beside it)")
+    sp.add_argument("--out", metavar="DIR", help="output folder, its files named by the settings (default: "
+                                                 "RUN_DIR/samples; for a checkpoint or export outside a run "
+                                                 "directory, samples/ beside it); or NAME.png: the grid, with "
+                                                 "NAME.npz beside it")
     sp.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     sp.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                     help="sampling autocast (default auto: bf16 on GPUs that have it; on a CPU bf16 where it has "
@@ -290,7 +292,13 @@ def cmd_sample(args) -> int:
     if args.num_images < 1 or args.batch_size < 1:
         raise ConfigError("--num-images and --batch-size must be >= 1")
     check_first_image(args.first_image, args.klass)
+    if args.out is not None and not args.out.strip():
+        raise ConfigError('--out "": give the folder for the grid and the .npz (or leave --out out: '
+                          f"{ckpt.run_dir.samples})")
     out = Path(args.out) if args.out else ckpt.run_dir.samples
+    named = out.suffix.lower() in (".png", ".npz") and not out.is_dir()  # --out grid.png: the files' own name
+    if named:
+        out, named = out.parent, out.stem
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
     if args.guidance is not None and args.klass is None:
@@ -322,6 +330,7 @@ def cmd_sample(args) -> int:
     chosen, auto = resolve_precision(args.precision, device).name, resolve_precision("auto", device).name
     if chosen != auto:  # bf16 and fp32 draw different images: side by side, not one over the other
         stem += f"_{chosen}"
+    stem = named or stem
     make_writable_dir(out, flag="--out", fix="--out is the folder for the grid and the .npz: give one that can be "
                                              "created and written, or an existing folder")  # before any sampling
     m = cfg.model
