@@ -90,6 +90,16 @@ def test_safetensors_rebuilds_the_unet(runs, tmp_path):
     assert (again.step, again.images_seen) == (3, 48)
 
 
+def test_export_json_names_the_weights_and_the_folder_wherever_it_is_read_from(runs, tmp_path, monkeypatch):
+    """An export made from a relative path recorded "run/checkpoints/ckpt_...pt": true only where it ran."""
+    monkeypatch.chdir(tmp_path)
+    run = Path(os.path.relpath(runs["uncond"], tmp_path))
+    assert main(["export", str(run), "--format", "safetensors", "--out", "exp"]) == 0
+    record = json.loads((tmp_path / "exp" / "export.json").read_text())
+    assert Path(record["checkpoint"]["file"]).is_absolute() and Path(record["checkpoint"]["file"]).is_file()
+    assert record["out"] == str(tmp_path / "exp")
+
+
 def test_opset_is_what_the_file_declares_or_a_clear_failure(runs, tmp_path, capfd):
     """The dynamo exporter writes opset 18 where it cannot convert (a warning said so, export.json did not):
     export.json records the file's own opset, and one nobody can write fails naming both exporters' reasons."""

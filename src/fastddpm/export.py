@@ -437,7 +437,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         shutil.copyfile(Path(__file__).with_name("sample_onnx.py"), out / "sample_onnx.py")
         files.append("sample_onnx.py")
     (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
-    result.update(out=str(out), files=files, torch=torch.__version__)
+    result.update(out=str(Path(out).absolute()), files=files, torch=torch.__version__)
     removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     diff = "" if result["max_abs_diff"] is None else f"; max |difference| vs PyTorch {result['max_abs_diff']:.2e}"
@@ -521,7 +521,8 @@ def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> d
     files.append("README.md")
     result = {"format": "diffusers", "checkpoint": info, "exporter": "fastddpm.diffusers_io (UNet2DModel, "
               "DDPMScheduler, DDPMPipeline)", "max_abs_diff": diffusers_io.check_folder(model, cfg, out),
-              "tolerance": diffusers_io.TOLERANCE, "out": str(out), "files": files, "torch": torch.__version__}
+              "tolerance": diffusers_io.TOLERANCE, "out": str(out.absolute()), "files": files,
+              "torch": torch.__version__}
     if result["max_abs_diff"] is not None and not result["max_abs_diff"] <= diffusers_io.TOLERANCE:
         raise ExportError(f"export: diffusers' UNet2DModel from {out / 'unet'} differs from fastddpm's model by "
                           f"{result['max_abs_diff']:.3g} (more than {diffusers_io.TOLERANCE:g}) on the same inputs; "

@@ -57,8 +57,9 @@ class Checkpoint:
         return RunDir.of(self.path)
 
     def info(self) -> dict[str, Any]:
-        """File, step and images seen: what a result names as the weights it came from."""
-        return {"file": str(self.path), "step": self.step, "images_seen": self.images_seen}
+        """File (absolute: a result is read from elsewhere than where it was made), step and images seen: what a
+        result names as the weights it came from."""
+        return {"file": str(self.path.absolute()), "step": self.step, "images_seen": self.images_seen}
 
     def weights(self, which: str = "ema") -> dict[str, torch.Tensor]:
         """The EMA ("ema") or raw ("model") weights as a full state dict on the CPU."""
