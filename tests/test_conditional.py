@@ -337,6 +337,11 @@ def test_a_class_has_one_spelling_in_file_names():
     # names of one spelling in a file name keep their ids, so that neither class's files replace the other's
     alike = ModelConfig(conditional=True, num_classes=3, class_names=("Cat", "cat!", "dog"))
     assert [class_tag(alike, str(i)) for i in range(3)] == ["cat-0", "cat-1", "dog"]
+    # and that spelling names the class again (the file's name was refused as --class)
+    assert [class_index(alike, t) for t in ("cat-0", "cat-1", "Cat", "cat!")] == [0, 1, 0, 1]
+    for other in ("dog-2", "cat-2", "cat-7"):  # a tag only where two names spell alike, with one of their ids
+        with pytest.raises(ConfigError, match="not one of this model's classes"):
+            class_index(alike, other)
 
 
 def test_auto_picks_unipc_where_a_flow_model_is_guided_and_heun_where_not(tmp_path, fmnist_splits, capsys):

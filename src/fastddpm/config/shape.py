@@ -108,6 +108,11 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
             raise ConfigError(f"{said('class', shown)} matches {len(found)} classes{how} "
                               f"({', '.join(f'{i} {names[i]!r}' for i in found)}): give the name as written, or its "
                               f"number")
+    tagged = re.fullmatch(r"(.+)-(\d+)", wanted)  # the file names' spelling where two names spell alike: cat-1
+    if tagged and int(tagged[2]) < len(names) and class_slug(names[int(tagged[2])]) == tagged[1]:
+        i = int(tagged[2])
+        if [class_slug(n) for n in names].count(tagged[1]) > 1:
+            return i
     if wanted.lstrip("-").isdigit():
         i = int(wanted)
         if 0 <= i < model_cfg.num_classes:
