@@ -276,6 +276,16 @@ def test_the_onnx_sampler_draws_the_same_images_at_any_batch_size(onnx_export, t
         sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "new")])
 
 
+def test_the_onnx_example_says_a_model_file_that_does_not_load_and_makes_no_folder(onnx_export, tmp_path):
+    from fastddpm.sample_onnx import main as sample_onnx
+
+    folder = shutil.copytree(onnx_export("uncond")[0], tmp_path / "exp")
+    (folder / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(SystemExit, match=r"model\.onnx: onnxruntime cannot load it \(.+\): export it again"):
+        sample_onnx([str(folder), "--num", "2", "--steps", "1", "--out", str(tmp_path / "new" / "g.png")])
+    assert not (tmp_path / "new").exists()
+
+
 def test_the_onnx_examples_timesteps_are_fastddpms_trailing_ones():
     """Every (T, steps) pair: as many timesteps as steps, from T - 1 down to >= 0, equal to fastddpm's DDIM's (a
     float stride once added a step at t = -1, which reads alpha_bar[-1], the noisiest, and ruined every image)."""

@@ -195,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         doubled = ", and a guided call doubles the batch" if most < MAX_BATCH else ""
         raise SystemExit(f"--batch-size {args.batch_size}: between 1 and {most} (the export's batch axis takes at "
                          f"most {MAX_BATCH} images{doubled})")
+    model = args.export_dir / "model.onnx"
+    try:  # before the grid's folder is made: a file that does not load leaves nothing behind
+        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's own error classes (InvalidProtobuf, Fail, ...) live in its C++ module
+        raise SystemExit(f"{model}: onnxruntime cannot load it ({str(e).strip() or type(e).__name__}): export it "
+                         "again with fastddpm export --format onnx") from None
     try:  # the grid's folder, before any sampling
         args.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -202,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                          "path in a folder that can be created and written") from None
     if args.out.is_dir():
         raise SystemExit(f"--out {args.out} is a folder: give the grid's file name, e.g. {args.out / 'samples.png'}")
-    session = ort.InferenceSession(str(args.export_dir / "model.onnx"), providers=["CPUExecutionProvider"])
     sampler = ddim if schedule.get("objective", "ddpm") == "ddpm" else euler
     noise = np.random.default_rng(args.seed).standard_normal((args.num, *schedule["image_shape"]))
     images = to_uint8(np.concatenate([
