@@ -436,3 +436,43 @@ def test_row_labels_with_accented_letters_are_drawn_not_boxes():
 
     assert not np.array_equal(strip("Ü"), strip("\uffff"))  # U+FFFF: no font has it, the missing-glyph box
     assert not np.array_equal(strip("ï"), strip("\uffff"))
+
+
+def test_a_model_trained_without_label_dropout_draws_only_classes_at_guidance_1(tmp_path, fmnist_splits, capsys):
+    """cond_drop_prob 0 leaves the null class untrained: guided (W != 1) and class-free samples drew from it without
+    a word. Training asks for --sample-guidance 1; sample, eval and the API refuse the draws that would read it."""
+    import fastddpm
+
+    run = tmp_path / "run"
+    base = ["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--conditional",
+            "--cond-drop-prob", "0", "--max-steps", "1", "--no-progress", "--num-sample-images", "10",
+            "--sample-steps", "2"]
+    assert main(base) == 2
+    assert "--cond-drop-prob 0 trains no unconditional prediction" in capsys.readouterr().err
+    assert not run.exists()
+    assert main([*base, "--sample-guidance", "1"]) == 0
+    args = ["sample", "--checkpoint", str(run), "--num-images", "2", "--steps", "2", "--no-progress"]
+    assert main([*args, "--class", "1"]) == 0  # the run's own W = 1
+    for extra, says in ((["--class", "1", "--guidance", "2"], "guidance W = 2: this model was trained with "
+                                                              "cond_drop_prob 0"),
+                        ([], "samples without a class: this model was trained with cond_drop_prob 0")):
+        capsys.readouterr()
+        assert main([*args, *extra]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--guidance", "1,0", "--no-progress"]) == 2
+    assert "guidance W = 0: this model was trained with cond_drop_prob 0" in capsys.readouterr().err
+    model = fastddpm.load(run, device="cpu")
+    assert model.sample(2, class_=1, steps=2).shape == (2, 1, 28, 28)
+    with pytest.raises(ConfigError, match=r"draw a class_ at guidance=1 \(train with cond_drop_prob 0.1"):
+        model.sample(2, class_=1, guidance=3.0, steps=2)
+
+
+def test_guidance_on_an_unconditional_model_is_said_to_be_the_model_s_not_the_missing_class(tmp_path, fmnist_splits,
+                                                                                            capsys):
+    run = tmp_path / "plain"
+    assert main(["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
+                 "--no-progress", "--num-sample-images", "4", "--sample-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(run), "--guidance", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err  # it said to give --class, which was then refused as unconditional
+    assert "--guidance 2 steers toward a class; this model is unconditional" in err and "--class" not in err

@@ -3,6 +3,7 @@ cannot hold the files refused before any sampling, flags that would be ignored r
 choice that changes the images, and what the seed and the batch size decide."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -165,6 +166,15 @@ def test_a_bad_device_is_named_as_the_command_or_the_call_gave_it(runs, capsys):
     assert "error: --device cdua is not a device: use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"fastddpm.load: device='cdua' is not a device"):
         fastddpm.load(runs["plain"], device="cdua")
+    # devices torch parses and fastddpm does not run on ended in a RuntimeError traceback
+    for device in ("mps", "meta", "xpu"):
+        assert main(["sample", "--checkpoint", str(runs["plain"]), "--device", device, "--no-progress"]) == 2
+        assert (f"error: --device {device}: fastddpm runs on CUDA GPUs and on the CPU, not on {device} devices"
+                in capsys.readouterr().err)
+    from fastddpm.device import resolve_device
+
+    with pytest.raises(ConfigError, match=r"train.device='cuda:7', but"):
+        resolve_device("cuda:7")  # CUDA is not available here, or has fewer devices
 
 
 def test_eta_and_the_raw_weights_get_their_own_files(runs, tmp_path):
@@ -308,3 +318,20 @@ def test_the_samples_of_two_checkpoints_of_one_run_get_their_own_files(tmp_path,
                      "--no-progress"]) == 0
     names = sorted(p.name for p in (run / "samples").glob("ddim2_*.npz"))
     assert names == ["ddim2_n1_seed0_step1.npz", "ddim2_n1_seed0_step2.npz"]
+
+
+def test_the_default_step_count_fits_a_short_schedule_and_an_explicit_one_is_told_its_limit():
+    """A 15-timestep cosine model could not be sampled without --steps: the default 20 was refused as "--steps 20
+    must be between 1 and 15", and --steps 15 then as "takes at most 14"."""
+    from fastddpm.config import ConfigError, apply_overrides, get_preset
+    from fastddpm.sampling import resolve_sampler_args
+
+    cfg = apply_overrides(get_preset("tiny"), {"diffusion.num_timesteps": 15, "diffusion.schedule": "cosine"})
+    assert resolve_sampler_args(cfg, "auto", None) == ("dpmpp-2m-sde", 14)
+    assert resolve_sampler_args(cfg, "ddim", None) == ("ddim", 15)
+    assert resolve_sampler_args(cfg, "dpmpp-2m", 5) == ("dpmpp-2m", 5)
+    for sampler, steps, says in (("dpmpp-2m-sde", 20, "--steps 20: --sampler dpmpp-2m-sde takes at most 14 steps"),
+                                 ("unipc", 15, "--steps 15: --sampler unipc takes at most 14 steps"),
+                                 ("ddim", 20, "--steps 20 must be between 1 and 15, the model's timesteps")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            resolve_sampler_args(cfg, sampler, steps)

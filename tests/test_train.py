@@ -262,8 +262,22 @@ def test_resume_with_changed_architecture_names_the_field(tmp_path, fmnist_npz):
     cfg = tiny_cfg(fmnist_npz, max_steps=2)
     train(cfg, out_dir=run, log=quiet)
     changed = apply_overrides(cfg, {"model.time_emb_dim": 64, "train.max_steps": 4})
-    with pytest.raises(ConfigError, match="model.time_emb_dim was 32 in the checkpoint but is 64"):
+    with pytest.raises(ConfigError, match="model.time_emb_dim was 32 in the checkpoint but is 64 now; drop"):
         train(changed, out_dir=run, resume="latest", log=quiet)
+
+
+def test_a_resume_given_the_preset_is_told_a_difference_is_the_presets(tmp_path, fmnist_npz, capsys):
+    """A flow run resumed with its --preset read "objective was 'flow' ... but is 'ddpm' now; drop the change", a
+    change never typed: the preset's value."""
+    run = tmp_path / "run"
+    args = ["train", "--data", str(fmnist_npz), "--out", str(run), "--no-progress", "--num-sample-images", "4",
+            "--sample-steps", "2"]
+    assert main([*args, "--preset", "tiny", "--objective", "flow", "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--preset", "tiny", "--resume", "latest", "--max-steps", "2"]) == 2
+    assert ("diffusion.objective was 'flow' in the checkpoint but is 'ddpm' now ('ddpm' is the tiny preset's: a "
+            "resume given --preset starts from the preset's values") in capsys.readouterr().err
+    assert main([*args, "--resume", "latest", "--max-steps", "2"]) == 0  # without --preset: the run's own config
 
 
 def test_state_dict_keys_are_clean():

@@ -4,7 +4,7 @@
 
     result = fastddpm.train("cpu-demo", out="runs/demo", max_images=20_000)
     model = fastddpm.load(result.run_dir)             # a run directory, a checkpoint or an ema.safetensors
-    images = model.sample(16, seed=0)                  # uint8 (16, 1, 28, 28): SDE-DPM-Solver++, 20 calls
+    images = model.sample(16, seed=0)                  # uint8 (16, 1, 28, 28): a flow model, Heun 10 steps
     pictures = model.sample(4, output="pil")           # or PIL images
     fastddpm.evaluate(result.run_dir, num_samples=2_000)["fid"]
 """

@@ -301,6 +301,9 @@ def cmd_sample(args) -> int:
         out, named = out.parent, out.stem
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
+    if args.guidance is not None and not cfg.model.conditional:
+        raise ConfigError(f"--guidance {args.guidance:g} steers toward a class; this model is unconditional (trained "
+                          "without --conditional): drop --guidance")
     if args.guidance is not None and args.klass is None:
         raise ConfigError("--guidance steers toward a class: give --class NAME|ID|all with it")
     guidance = cfg.train.sample_guidance if args.guidance is None else args.guidance

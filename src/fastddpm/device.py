@@ -48,8 +48,14 @@ def resolve_device(spec: str, *, setting: str = "train.device") -> tuple[torch.d
         device = torch.device(spec)
     except RuntimeError:
         raise ConfigError(f"{named} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta...: torch parses them; fastddpm runs on neither
+        raise ConfigError(f"{named}: fastddpm runs on CUDA GPUs and on the CPU, not on {device.type} devices: use "
+                          "auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{named}, but CUDA is not available here: use cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{named}, but this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device, "requested"
 
 

@@ -61,6 +61,18 @@ def check_sampler_args(sampler: str, steps: int, eta: float, num_timesteps: int,
                           f"{said('sampler', 'ddim')} for {said('eta')})")
 
 
+def check_null_class_trained(cfg: RunConfig, guidance: float | None, said: Spelling = CLI) -> None:
+    """A conditional model trained with cond_drop_prob 0 never saw its null class: its unconditional prediction is
+    that of an untrained embedding row, so samples without a class (`guidance` None) and guided ones (W != 1, which
+    mix in that prediction; Ho & Salimans 2022, eq. 6) draw from it. Refused, naming what draws well."""
+    if not (cfg.model.conditional and cfg.train.cond_drop_prob == 0) or guidance == 1:
+        return
+    asked = "samples without a class" if guidance is None else f"guidance W = {guidance:g}"
+    raise ConfigError(f"{asked}: this model was trained with cond_drop_prob 0, so its null class (no class), which "
+                      f"{'they draw' if guidance is None else 'guidance mixes in'}, learned nothing: draw a "
+                      f"{said('class')} at {said('guidance', 1)} (train with cond_drop_prob 0.1 for guidance)")
+
+
 def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0, *,
                          guidance: float | None = None, said: Spelling = CLI) -> tuple[str, int]:
     """`sample`'s, `eval`'s and the API's sampler and steps for this model, its samples drawn at classifier-free
@@ -68,22 +80,28 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     whether it is guided (fastddpm.config.resolve_sampling), then checked (check_sampler_args; errors spell the
     arguments as `said` does)."""
     d = cfg.diffusion
+    check_null_class_trained(cfg, guidance, said)
     if sampler == "ddpm" and d.objective != "ddpm":  # said first: dropping --steps would not make it run
         check_sampler_args(sampler, d.num_timesteps, eta, d.num_timesteps, d.objective, guidance=guidance, said=said)
     if sampler == "ddpm" and steps is not None and steps != d.num_timesteps:
         raise ConfigError(f"{said('steps', steps)}: {said('sampler', 'ddpm')} walks every one of the "
                           f"{d.num_timesteps} timesteps and takes no step count; drop {said('steps')}, or pick a "
                           "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
+    given = steps
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
-    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance, said=said)
-    if d.objective == "ddpm" and sampler != "ddpm":
+    if d.objective == "ddpm" and sampler in SAMPLERS and sampler != "ddpm":  # the schedule's limit, said first
         limit = max_steps(schedule_from_config(d), sampler)
+        if given is None:  # the default count, on a schedule too short for it: as many as it takes
+            steps = min(steps, limit)
+        if steps > limit == d.num_timesteps:
+            raise ConfigError(f"{said('steps', steps)} must be between 1 and {d.num_timesteps}, the model's timesteps")
         if steps > limit:
             raise ConfigError(
                 f"{said('steps', steps)}: {said('sampler', sampler)} takes at most {limit} steps on this "
                 f"{d.schedule} schedule: it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= "
                 f"{LAMBDA_MIN} (a step in log-SNR or sigma from the later ones is ill-conditioned); ddim and euler "
                 f"walk all {d.num_timesteps}")
+    check_sampler_args(sampler, steps, eta, d.num_timesteps, d.objective, guidance=guidance, said=said)
     return sampler, steps
 
 

@@ -31,8 +31,8 @@ SAMPLER_CHOICES = ("auto", *SAMPLERS)
 SAMPLER_HELP = (f"default auto: the model's objective's best on the CPU demo, heun for flow (unipc when guided, "
                 f"W > 1), {DEFAULT_SAMPLER} for ddpm and edm")
 STEPS_HELP = (f"sampler steps (default: 10 where --sampler auto picks heun or unipc, else {DEFAULT_SAMPLER_STEPS}, a "
-              "sampler named by --sampler included; DDPM uses all T and takes no --steps; Heun makes 2K-1 network "
-              "calls)")
+              "sampler named by --sampler included, or as many as a short schedule takes; DDPM uses all T and takes "
+              "no --steps; Heun makes 2K-1 network calls)")
 SPACINGS = ("trailing", "karras", "logsnr")
 
 

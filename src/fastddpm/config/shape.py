@@ -156,8 +156,24 @@ def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) ->
             if a[key] != b[key]:
                 raise ConfigError(
                     f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
-                    f"now; drop the change, or start a new run directory"
+                    f"now{_preset_says(current, section, key)}; drop the change, or start a new run directory"
                 )
+
+
+def _preset_says(current: RunConfig, section: str, key: str) -> str:
+    """Where the new value is the preset's: a resume given --preset starts from the preset, not from the run's own
+    config, so a value the user never typed differs (the run's --objective flow against the preset's ddpm)."""
+    from fastddpm.config.presets import PRESETS
+
+    make = PRESETS.get(current.preset or "")
+    value = getattr(getattr(make(), section), key, _NOWHERE) if make is not None else _NOWHERE
+    if value is _NOWHERE or value != getattr(getattr(current, section), key):
+        return ""
+    return (f" ({value!r} is the {current.preset} preset's: a resume given --preset starts from the preset's values, "
+            "not the run's; resume without --preset to go on with the run's own)")
+
+
+_NOWHERE = object()
 
 
 def _check_same_betas(saved, current, path: Path) -> None:

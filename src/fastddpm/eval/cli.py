@@ -243,7 +243,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
-    from fastddpm.sampling import compile_for_sampling, load_for_sampling, resolve_sampler_args
+    from fastddpm.sampling import (check_null_class_trained, compile_for_sampling, load_for_sampling,
+                                   resolve_sampler_args)
 
     log = print if dist.is_main else quiet  # rank 0 speaks for the group
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
@@ -257,6 +258,8 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
                           "unconditional: drop --guidance")
     scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
+    for scale in scales:
+        check_null_class_trained(cfg, scale)
     # one sampler for every scale, so that a trade-off table compares scales alone: `auto` picks the guided
     # model's sampler where any scale guides (W > 1)
     args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,

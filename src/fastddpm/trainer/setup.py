@@ -310,6 +310,11 @@ def _check_before_loading(cfg: RunConfig) -> None:
     if all(getattr(cfg.train, name) is None for name in RUN_LENGTHS):
         raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a "
                           "--preset)")
+    t = cfg.train
+    if cfg.model.conditional and t.cond_drop_prob == 0 and t.sample_guidance != 1:
+        raise ConfigError(f"--cond-drop-prob 0 trains no unconditional prediction (the null class), which the grids' "
+                          f"and evaluations' guidance W = {t.sample_guidance:g} (--sample-guidance) mixes in: add "
+                          "--sample-guidance 1 (plain conditional), or keep a label dropout (0.1, Ho & Salimans 2022)")
     check_sampling_steps(cfg)
 
 
