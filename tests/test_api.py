@@ -184,3 +184,26 @@ def test_sample_out_may_name_the_grid_and_may_not_be_empty(api_run, tmp_path, ca
     assert main([*args, "--out", ""]) == 2
     assert '--out "": give the folder for the grid and the .npz' in capsys.readouterr().err
     assert sorted(samples.glob("*")) == before
+
+
+def test_the_api_spells_its_own_arguments_and_takes_log_none(api_run, tmp_path, capsys):
+    """Errors named flags (--weights ema, --resume, --inception), a bare ValueError came after the checkpoint was
+    read, preset= was pointed to the resize field, and log=None was a TypeError after config.json was written."""
+    model = fastddpm.load(api_run.run_dir, device="cpu")
+    with pytest.raises(ConfigError, match=r"^fastddpm.load: weights='raw' is not one of ema, model$"):
+        fastddpm.load(api_run.run_dir, weights="raw")
+    ema = Path(api_run.run_dir) / "ema.safetensors"
+    with pytest.raises(ConfigError, match=r"holds only the EMA weights: load it with weights='ema'"):
+        fastddpm.load(ema, weights="model")
+    with pytest.raises(ConfigError, match=r"^evaluate: inception='/nowhere.pth': no such file.*inception='auto'"):
+        fastddpm.evaluate(api_run.run_dir, inception="/nowhere.pth")
+    with pytest.raises(Exception, match=r"^resume='/nowhere.pt' does not exist\. Pass latest \(the newest "
+                                        r"checkpoint in out\)"):
+        fastddpm.train("tiny", out=tmp_path / "r", resume="/nowhere.pt")
+    with pytest.raises(ConfigError, match=r"preset='tiny': the preset is the first argument, fastddpm.train\('tiny'"):
+        fastddpm.train(out=tmp_path / "r", preset="tiny")
+    capsys.readouterr()
+    result = fastddpm.train("tiny", out=tmp_path / "quiet", data=model.cfg.data.source, max_steps=1, progress=False,
+                            log=None)
+    assert result.step == 1 and capsys.readouterr().out == ""
+    assert "train" in dir(fastddpm) and "evaluate" in dir(fastddpm)  # tab completion lists the lazy names

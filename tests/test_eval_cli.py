@@ -193,6 +193,12 @@ def test_eval_skips_bad_reference_files_when_told(evaluated_run, tmp_path, capsy
     assert "feature network: no test split (" in out_text and "leave --split out" not in out_text
     (result,) = out.glob("eval_*_skip-bad.json")
     assert json.loads(result.read_text())["reference"]["num_images"] == 120
+    import fastddpm  # the API says it too (it returned the FID without a word)
+
+    (root / "stray.png").unlink()
+    said = []
+    fastddpm.evaluate(evaluated_run, data=str(root), num_samples=10, steps=1, device="cpu", log=said.append)
+    assert any(line.startswith("note: a weak feature network (") and "inception='auto'" in line for line in said)
 
 
 def test_a_weak_classifier_is_named_with_why():

@@ -14,3 +14,8 @@ def __getattr__(name: str):
 
         return getattr(api, name)
     raise AttributeError(f"module 'fastddpm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the lazy names too, for tab completion in a notebook
+    return sorted(set(globals()) | set(__all__))

@@ -25,6 +25,10 @@ __all__ = ["train", "load", "evaluate", "Model"]
 SAMPLE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # as `fastddpm sample --precision`
 
 
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
 def _whole(value, name: str, where: str) -> int:
     """An integer argument as an int (a Python or numpy int, a 0-d integer tensor, or a float with no fraction), or
     a ConfigError naming it: 2.5 steps, "3" (text) and True (a bool) are no count."""
@@ -97,15 +101,20 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     """Train as `fastddpm train` does and return its TrainResult (run_dir, step, images_seen, last_loss,
     checkpoint, grid). `config`: a preset name, a YAML/JSON file, or a RunConfig (default: as `fastddpm train`,
     seed-1layer where CUDA is available, else cpu-demo-cond; a resumed run, its own config); `data`: any data
-    source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `overrides`: config fields,
-    e.g. max_images=20_000, lr=1e-3, precision="bf16" (or "train.lr"-style keys)."""
+    source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `log`: where the run's
+    lines go (print; None: nowhere); `overrides`: config fields, e.g. max_images=20_000, lr=1e-3,
+    precision="bf16" (or "train.lr"-style keys)."""
     from fastddpm.trainer.loop import train as train_loop
 
+    log = log or _silent
+    if "preset" in overrides:  # a config field nowhere: the closest field's name would be the hint
+        raise ConfigError(f"fastddpm.train: preset={overrides['preset']!r}: the preset is the first argument, "
+                          f"fastddpm.train({overrides['preset']!r}, out=...)")
     if data is not None:
         overrides = {"data.source": data, **overrides}
     from fastddpm.rundir.locate import find_resume
 
-    resumed = find_resume(out, resume)
+    resumed = find_resume(out, resume, said=API)
     cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None, log=log)
     # the checkpoint found above, not a second search (which could find another and warns twice)
     return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
@@ -191,12 +200,17 @@ class Model:
 def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Model:
     """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file, or an ema.safetensors or
     `fastddpm export --format safetensors` export (the file or its folder), ready to sample on `device` (auto: CUDA
-    when present)."""
+    when present), with its EMA (`weights="ema"`) or raw ("model") weights."""
     from fastddpm.device import resolve_device
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import load_for_sampling
 
+    if weights not in ("ema", "model"):
+        raise ConfigError(f"fastddpm.load: weights={weights!r} is not one of ema, model")
     ckpt = locate(path, weights=weights, what="fastddpm.load:")
+    if ckpt.kind == "safetensors" and weights != "ema":
+        raise ConfigError(f"fastddpm.load: {ckpt.path} holds only the EMA weights: load it with weights='ema', or "
+                          "load a checkpoints/ckpt_*.pt file for the raw ones")
     dev, _ = resolve_device(device, setting="fastddpm.load: device")
     net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
     return Model(net=net, cfg=cfg, device=dev)
@@ -210,8 +224,15 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
     fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
     guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler` and `steps` as
-    in Model.sample."""
+    in Model.sample; `inception`: "auto" (find or download pytorch-fid's weights) or a local weights file; `log`:
+    where its lines go (print; None: nowhere)."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
+
+    log = log or _silent
+    if inception not in (None, "auto") and not Path(inception).expanduser().is_file():
+        raise ConfigError(f"evaluate: inception={str(inception)!r}: no such file. Pass a local copy of pytorch-fid's "
+                          "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt, or "
+                          "inception='auto', which finds or downloads pytorch-fid's file")
 
     num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
     steps = None if steps is None else _whole(steps, "steps", "evaluate")
@@ -237,6 +258,12 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
+    from fastddpm.eval.cli import weak_classifier
+
+    weak = weak_classifier(evaluator.net.info) if evaluator.net.num_classes is not None else None
+    if weak:  # as `fastddpm eval` says it
+        log(f"note: a weak feature network ({weak}): FIDs in its features rank models poorly; evaluate against "
+            "more labelled data (data=SOURCE), or with inception='auto'")
     batch = min(batch_size or (1000 if model.device.type == "cuda" else 250), num_samples)
     with torch.inference_mode():
         metrics, _ = evaluator.evaluate(model.net, cfg, num_samples=num_samples, sampler=sampler, steps=steps,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import ConfigError
+from fastddpm.config import CLI, ConfigError, Spelling
 from fastddpm.rundir import checkpoint, sharded
 from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata, refuse_dangling_link
 from fastddpm.rundir.layout import RunDir
@@ -165,30 +165,34 @@ def _safetensors(path: Path) -> Checkpoint:
     return Checkpoint(path, "safetensors", meta)
 
 
-def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None) -> Checkpoint | None:
+def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None, *,
+                said: Spelling = CLI) -> Checkpoint | None:
     """What `--resume` means for a run in `run_dir`: None (a new run); "latest" (the newest checkpoint that
-    verifies, None if there is none yet); a Checkpoint, as it is; or a path (a run directory: its newest)."""
+    verifies, None if there is none yet); a Checkpoint, as it is; or a path (a run directory: its newest). Errors
+    spell the arguments as `said` does (the command's flags, or fastddpm.train's parameters)."""
     # Checked here, where `train` and fastddpm.train first look at --out: the run's mkdir would otherwise end in a
     # FileExistsError or NotADirectoryError traceback.
     run_dir = Path(run_dir)
+    out = said("out", str(run_dir))
     in_the_way = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
     if in_the_way is not None and not in_the_way.is_dir():
-        raise ConfigError(f"--out {run_dir}: {in_the_way} is a file, and a run directory is a folder: pass a new "
-                          f"folder (or a run directory, to continue its run) as --out")
-    refuse_dangling_link(run_dir, flag="--out", fix="pass a new folder (or a run directory, to continue its run) "
-                                                   "as --out")
+        raise ConfigError(f"{out}: {in_the_way} is a file, and a run directory is a folder: pass a new "
+                          f"folder (or a run directory, to continue its run) as {said('out')}")
+    refuse_dangling_link(run_dir, flag=said("out"), fix="pass a new folder (or a run directory, to continue its run) "
+                                                        f"as {said('out')}")
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     if str(resume) == "latest":
         return newest(RunDir(Path(run_dir)).checkpoints)
     path = Path(resume)
+    what = said("resume", str(path))
     if not path.exists():
-        raise CheckpointError(f"--resume {path} does not exist. Pass {WHAT_TO_RESUME}")
+        raise CheckpointError(f"{what} does not exist. Pass {WHAT_TO_RESUME.replace('--out', said('out'))}")
     if path.is_dir() and path.suffix != ".dcp":
         searched = RunDir.of(path).checkpoints
         found = newest(searched)
         if found is None:
-            raise CheckpointError(f"--resume {path}: no usable checkpoint in {searched}: start without --resume, or "
+            raise CheckpointError(f"{what}: no usable checkpoint in {searched}: start without {said('resume')}, or "
                                   f"pass a checkpoints/ckpt_*.pt file of another run")
         return found
-    return locate(path, what="--resume")
+    return locate(path, what=said("resume"))
