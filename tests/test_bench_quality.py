@@ -3,6 +3,7 @@ spread the options over several calls); the reference and fast run are not train
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -222,6 +223,13 @@ def test_a_capped_dataset_is_drawn_across_it_with_its_class_names(tmp_path, fmni
     assert identity["num_images"] == 256
     again, _ = quality._data_source(s, tmp_path / "out", log=lambda m: None)
     assert again == path  # the same draw: a rerun reuses its finished runs
+    # a quality.json of another draw of the same data (an earlier version took the first N) does not compare
+    earlier = {"settings": {"data": str(source)}, "data_identity": identity,
+               "data_source": "x/data-n64-0123456789ab.npz"}
+    with pytest.raises(ConfigError, match=r"ref.json trained on data-n64-0123456789ab.npz .*other images, so its FIDs "
+                                          r"do not compare"):
+        quality._check_same_data(earlier, s, "ref.json", identity, path)
+    quality._check_same_data({**earlier, "data_source": "elsewhere/" + Path(path).name}, s, "ref.json", identity, path)
 
 
 def test_bad_settings_are_refused_before_any_run_trains(tmp_path, fmnist_npz, monkeypatch):

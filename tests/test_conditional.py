@@ -161,8 +161,9 @@ def test_a_wrong_class_name_or_id_is_refused_naming_the_valid_ones():
     # what is no name and no id: a clear refusal (a list or a float was a TypeError, True was class 1)
     from fastddpm.config.errors import API
 
+    # numpy/torch bools, a batch of one, text, a complex number
     for bad in (True, 7.0, [1, 2], np.array([1, 2]), torch.tensor([1, 2]), np.True_, torch.tensor(True),
-                torch.tensor([2]), np.array([2]), b"2", np.array("2")):  # numpy/torch bools, a batch of one, text
+                torch.tensor([2]), np.array([2]), b"2", np.array("2"), bytearray(b"2"), np.complex128(7)):
         with pytest.raises(ConfigError, match=r"one class per call, as a name, an id \(an int\) or 'all'"):
             class_index(cfg, bad, said=API)
     assert class_index(cfg, torch.tensor(7)) == 7 and class_index(cfg, np.int64(7)) == 7
@@ -211,7 +212,7 @@ def test_the_api_refuses_guidance_it_would_ignore_and_bad_batch_sizes():
     for same in (np.float32(2.0), np.int64(2), torch.tensor(2.0)):
         assert np.array_equal(model.sample(2, class_=7, guidance=same, steps=2, sampler="ddim"), drawn)
     for bad in ([1, 2], True, np.True_, torch.tensor(True), torch.tensor([2.0]), np.array([2.0]), "2", b"2",
-                np.array("2"), np.array(b"2")):
+                np.array("2"), np.array(b"2"), bytearray(b"2"), 2 + 0j, np.complex128(2), torch.tensor(2 + 0j)):
         with pytest.raises(ConfigError, match=r"sample: guidance=.*: one scale, a number"):
             model.sample(2, class_=7, guidance=bad)
 

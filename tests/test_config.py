@@ -488,3 +488,7 @@ def test_a_config_dict_that_names_a_preset_starts_from_it_as_a_config_file_does(
     # a whole saved config of a preset this version no longer has: its own values, as before
     saved = {**get_preset("tiny").to_dict(), "preset": "renamed-since"}
     assert _config(saved, {}).train == get_preset("tiny").train
+    # its run length replaces the preset's, as a file's does (both lengths were refused as two)
+    for length, value in (("max_steps", 100), ("max_epochs", 2.0)):
+        cfg = _config({"preset": "cpu-demo", "train": {length: value}}, {})
+        assert getattr(cfg.train, length) == value and cfg.train.max_images is None

@@ -260,6 +260,44 @@ def test_work_between_steps_and_a_signal_from_outside_are_no_stall(tmp_path):
         assert faulthandler.unregister(signal.SIGUSR1)  # still registered after the doctor
 
 
+def test_a_busy_child_process_is_no_stall_and_a_faulthandler_taken_signal_still_ends_a_stuck_script(tmp_path):
+    """A validation run in a subprocess (the child busy, the script waiting on it) was ended as STALLED, its CPU not
+    counted; a script that registered faulthandler for SIGUSR1 took the doctor's signal below Python and was never
+    ended, its stack dumped at every limit."""
+    import time
+
+    loop = textwrap.dedent("""
+        import faulthandler, signal, subprocess, sys, time
+        import torch
+
+        model = torch.nn.Linear(16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(30):
+            loss = model(torch.randn(8, 16)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 3:
+                {}
+    """)
+    child = "subprocess.run([sys.executable, '-c', 'import time\\nt = time.time()\\nwhile time.time() - t < 5: pass'])"
+    cfg = DoctorConfig(warmup_steps=2, steps=20, profile_steps=1, loader_probe_s=0, out_dir=None, time_budget_s=2.0)
+    script = tmp_path / "train.py"
+    script.write_text(loop.format(child + "  # 5 s of a child's work: longer than the limit"))
+    t0 = time.perf_counter()
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    assert report.verdict["id"] != "stalled" and "doctor ended it" not in report.text()
+    assert time.perf_counter() - t0 > 5
+    dump = tmp_path / "dump.txt"  # where faulthandler writes the stack at each signal
+    script.write_text(loop.format(f"faulthandler.register(signal.SIGUSR1, file=open({str(dump)!r}, 'w'))\n"
+                                  "        time.sleep(100000)"))
+    t0 = time.perf_counter()
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    assert time.perf_counter() - t0 < 40
+    assert report.verdict["id"] == "stalled" and report.verdict["title"].endswith("after step 4, the process idle")
+    assert f"train.py:{_line(script.read_text(), 'time.sleep(100000)')}" in report.text()
+
+
 def test_a_folder_given_as_the_script_is_said_to_be_a_folder(tmp_path, capsys):
     assert main(["doctor", "run", str(tmp_path)]) == 2
     assert f"doctor run: {tmp_path} is a folder; give the path of the .py file in it that trains" in \

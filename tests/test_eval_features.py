@@ -200,10 +200,14 @@ def test_a_feature_network_near_chance_is_said_to_measure_little(tmp_path):
                                               log=said.append)
         assert info["cached"] is cached and info["test_accuracy"] < 0.5
         assert [s for s in said if s.startswith("warning: the feature network recognises")] == [weak_features(info)]
-        assert "near chance (33.3% for 3 classes)" in weak_features(info) and "--features inception" in said[-1]
+        assert "(chance: 33.3% for 3 classes)" in weak_features(info)
+        assert "eval --features inception, train --eval-inception auto, fastddpm.evaluate(inception='auto')" in said[-1]
     assert weak_features({"num_classes": 10, "test_accuracy": 0.9, "test_set": "t"}) is None
     assert weak_features({"num_classes": 2, "test_accuracy": 0.74, "test_set": "t"}) is None  # 2 classes: 50%
     assert weak_features({"num_classes": 10, "test_accuracy": 0.3, "test_set": "t"}) is not None
+    # far above chance, yet low: said as low, not as "near chance" (20% of 100 classes is 20x chance)
+    assert "recognises only 20.0% of t's images (chance: 1.0% for 100 classes)" in weak_features(
+        {"num_classes": 100, "test_accuracy": 0.2, "test_set": "t"})
 
 
 def test_unlabelled_data_says_how_to_evaluate(tmp_path):

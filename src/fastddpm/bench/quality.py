@@ -31,6 +31,7 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -183,7 +184,10 @@ def _read_earlier(path: str, flag: str) -> dict:
     return data
 
 
-def _check_same_data(previous: dict, s: QualitySettings, given: str, identity: dict | None) -> None:
+_SUBSET = re.compile(r"data-n\d+-[0-9a-f]{12}\.npz")  # _data_source's --num-images draw, named by its content
+
+
+def _check_same_data(previous: dict, s: QualitySettings, given: str, identity: dict | None, source: str) -> None:
     """A reused reference or fast run must have trained on the same dataset: FIDs of two datasets do not compare.
     Compared by the images (`identity`, PreparedData.identity: count, shape, classes, sampled pixels) where the
     earlier result recorded them: the same images at any path are one dataset, two folders both named train/ are
@@ -191,6 +195,12 @@ def _check_same_data(previous: dict, s: QualitySettings, given: str, identity: d
     dataset reached through a local copy, e.g. .data/fashion-mnist, is fashion-mnist)."""
     theirs = previous.get("settings", {}).get("data")
     recorded = previous.get("data_identity")
+    drawn = [Path(str(p)).name for p in (previous.get("data_source"), source)]
+    if all(_SUBSET.fullmatch(name) for name in drawn) and drawn[0] != drawn[1]:
+        # the same dataset, other images of it: a quality.json of a version that took the first N drew other ones
+        raise ConfigError(f"bench quality: {given} trained on {drawn[0]} (--num-images of --data {theirs}), this run "
+                          f"on {drawn[1]}: other images, so its FIDs do not compare (an earlier fastddpm took the "
+                          "first N images; it now draws them across the data): measure a reference on this draw")
     if recorded and identity:
         if not same_images(recorded, identity, labels=True):  # FID's feature network is trained on the labels
             raise ConfigError(f"bench quality: {given} was measured on --data {theirs} ({describe_identity(recorded)}),"
@@ -344,7 +354,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
     make_writable_dir(out, flag="bench quality --out", fix=store.OUT_FIX)
     for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
         if given is not None:  # before anything is trained
-            _check_same_data(_read_earlier(given, flag), s, given, identity)
+            _check_same_data(_read_earlier(given, flag), s, given, identity, source)
     finished = FinishedRuns(out, env, log, remeasure=s.remeasure)
 
     def train_run(name: str, cfg: RunConfig, **done) -> dict:

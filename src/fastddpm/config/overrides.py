@@ -236,7 +236,7 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
         base = data["preset"]
     base_values = base if isinstance(base, dict) else {}
     if isinstance(base, dict):  # over the preset it names, as a config file's values are
-        cfg = apply_overrides(_preset_of(base), base, source="config dict")
+        cfg = apply_overrides(_preset_of(base), _file_length_replaces("config dict", base), source="config dict")
     else:
         cfg = get_preset(base) if isinstance(base, str) else (base if base is not None else RunConfig())
     layers = [(source, {qualify(k, source): v for k, v in values.items()}) for source, values in layers]
@@ -313,9 +313,9 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
 
 
 def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
-    """The config file's values, where a file that sets one run length also clears the others it leaves out, as
-    the other layers do (RUN_LENGTHS): `train: {max_steps: 100}` over cpu-demo (max_images) trains 100 steps. A
-    file that sets two lengths is still refused by TrainConfig."""
+    """A config file's (or config dict's) values, where one that sets one run length also clears the others it leaves
+    out, as the other layers do (RUN_LENGTHS): `train: {max_steps: 100}` over cpu-demo (max_images) trains 100 steps.
+    One that sets two lengths is still refused by TrainConfig."""
     train = values.get("train")
     given = {k.replace("-", "_") for k in train} if isinstance(train, dict) else set()
     given |= {qualify(k, str(file)).split(".", 1)[1] for k in values if k.startswith("train.")}
@@ -324,7 +324,6 @@ def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
     return {**values, **{f"train.{name}": None for name in RUN_LENGTHS if name not in given}}
 
 
-# DiffusionConfig fields that only DDPM's discrete process reads: EDM's and flow's noise levels are their own
 # the diffusion fields that only one objective reads (the others' noise levels are their own process)
 _OBJECTIVE_ONLY = {"schedule": "ddpm", "beta_start": "ddpm", "beta_end": "ddpm", "num_timesteps": "ddpm",
                    "sigma_data": "edm", "edm_p_mean": "edm", "edm_p_std": "edm", "flow_shift": "flow"}

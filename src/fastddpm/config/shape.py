@@ -125,13 +125,14 @@ def class_index(model_cfg: ModelConfig, name_or_id: str | int, *, said: Spelling
 
 def not_a_number(value) -> bool:
     """Whether `value`, which float() or operator.index() may read as a number, is none: a bool (Python's, numpy's,
-    a bool tensor: True would be 1), text (str, bytes: "2" would be 2), or an array or tensor that is not 0-d
-    (torch.tensor([2]) is a batch of one label, read as 2)."""
-    if isinstance(value, (bool, str, bytes)):
+    a bool tensor: True would be 1), text (str, bytes, bytearray: "2" would be 2), a complex number (its real part
+    would be read), or an array or tensor that is not 0-d (torch.tensor([2]) is a batch of one label, read as 2)."""
+    if isinstance(value, (bool, str, bytes, bytearray, memoryview, complex)):
         return True
     dtype = getattr(value, "dtype", None)
-    if dtype is not None and (str(dtype) == "torch.bool" or getattr(dtype, "kind", "") in ("b", "U", "S", "O")):
-        return True  # numpy's bool, text and object arrays (np.array("2") is text)
+    if dtype is not None and (str(dtype) in ("torch.bool", "torch.complex64", "torch.complex128")
+                              or getattr(dtype, "kind", "") in ("b", "U", "S", "O", "c")):
+        return True  # numpy's bool, text, object and complex arrays (np.array("2") is text)
     return getattr(value, "ndim", 0) != 0
 
 

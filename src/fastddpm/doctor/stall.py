@@ -1,16 +1,19 @@
 """A script that stops making steps under `doctor run`: the time budget is checked as each step ends, so a loop stuck
 between two steps (a deadlocked DataLoader worker, a wait on a queue nobody feeds, a sleep) would hold the doctor
-forever. StallWatch watches from a thread. The loop is stuck when, for the limit, no step has ended, the process has
-used no CPU (under 5% of a core) and the training thread has stood at the same line: a validation pass, a checkpoint
-save or a slow step compute, and move. The limit is the longer of the time budget (--max-seconds, or STALL_MIN_S
-without one) and STALL_STEPS of the slowest step so far; before the first step, SETUP_FACTOR times that (a dataset
-read may take minutes; the wait is said every SETUP_NOTE_S). Then it notes where the thread stands and ends the
-script with SIGUSR1, raising Stalled in it, and the doctor reports what it measured. The signal is the doctor's only
-while it runs: one sent from outside goes to the handler there was before (or ends the process, as by default), a
-faulthandler registration is put back after, and a script that takes the signal over is said to, not ended."""
+forever. StallWatch watches from a thread. The loop is stuck when, for the limit, no step has ended, the process and
+its child processes have used no CPU (under 5% of a core) and the training thread has stood at the same line: a
+validation pass (in the process or a child), a checkpoint save or a slow step compute, and move. The limit is the
+longer of the time budget (--max-seconds, or STALL_MIN_S without one) and STALL_STEPS of the slowest step so far;
+before the first step, SETUP_FACTOR times that (a dataset read may take minutes; the wait is said every
+SETUP_NOTE_S). Then it notes where the thread stands and ends the script with SIGUSR1, raising Stalled in it, and
+the doctor reports what it measured. The signal is the doctor's only while it runs: one sent from outside goes to
+the handler there was before (or ends the process, as by default), a faulthandler registration is put back after,
+and a script that takes the signal over is said to, not ended; one whose handler the signal does not reach
+(faulthandler.register inside it takes it below Python) is reached at Python's level, or said to be unreachable."""
 
 from __future__ import annotations
 
+import _thread
 import faulthandler
 import os
 import signal
@@ -27,7 +30,9 @@ STALL_MIN_S = 60.0  # without a time budget: the shortest stall
 STALL_STEPS = 10  # ... and never under this many of the slowest step so far
 SETUP_FACTOR = 3  # before the first step the limit is this many times longer
 SETUP_NOTE_S = 30.0  # before the first step: the wait is said this often
-IDLE_CPU = 0.05  # of one core: a process waiting, not working
+IDLE_CPU = 0.05  # of one core: a process (with its children) waiting, not working
+UNHEARD_S = 5.0  # a stop signal whose Python handler has not run after this long is not heard
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's CPU times are in clock ticks
 
 
 class Stalled(BaseException):
@@ -48,6 +53,7 @@ class StallWatch:
         self.steps_at_stall = 0
         self._longest = 0.0
         self._fired = False  # the watch sent the signal (an outside SIGUSR1 is not a stall)
+        self._pending = False  # ... and the script has not yet raised Stalled for it
         self._lock = threading.Lock()  # the watch fires only while the script runs
         self._running = False
         self._stop = threading.Event()
@@ -82,8 +88,11 @@ class StallWatch:
         return False
 
     def _handle(self, signum, frame) -> None:
-        if self._fired:
+        if self._pending:
+            self._pending = False
             raise Stalled()
+        if self._fired:
+            return  # the watch's own signal, delivered twice (interrupt_main and the kill)
         old = self._old_handler  # a SIGUSR1 from outside: what it would have done without the doctor
         if callable(old):
             old(signum, frame)
@@ -94,10 +103,17 @@ class StallWatch:
     def _watch(self) -> None:
         t0 = time.perf_counter()
         seen, last_step, said = 0, None, 0
-        last_cpu, busy_at = time.process_time(), t0
-        spot, still_since = None, t0
+        last_cpu, busy_at = cpu_seconds(), t0
+        spot, still_since, fired_at = None, t0, None
         while not self._stop.wait(self.poll_s):
-            now, count, cpu = time.perf_counter(), self.steps(), time.process_time()
+            now, count, cpu = time.perf_counter(), self.steps(), cpu_seconds()
+            if self._pending and now - fired_at > UNHEARD_S:
+                # the Python handler never ran: the signal is taken below Python (faulthandler.register, a C
+                # extension), or the thread is blocked where no signal wakes it
+                self.log(f"doctor run: {self.script.name} did not stop when the doctor signalled it (stuck at "
+                         f"{self.where}; its SIGUSR1 may be taken below Python, e.g. by faulthandler.register): stop "
+                         "it yourself (Ctrl-C)")
+                return
             if count != seen:
                 if last_step is not None:  # the longest gap between steps, to a poll
                     self._longest = max(self._longest, (now - last_step) / (count - seen))
@@ -127,9 +143,47 @@ class StallWatch:
                     return
                 self.where, self.steps_at_stall = stuck_at(ident, self.script), count
                 self.idle_s, self.limit_s = now - (last_step or t0), limit
-                self._fired = True
+                self._fired = self._pending = True
+                fired_at = now
+                # the handler at Python's level (heard even where faulthandler.register took the C-level signal),
+                # then the signal itself, whose EINTR wakes a blocked sleep or wait
+                _thread.interrupt_main(signal.SIGUSR1)
                 os.kill(os.getpid(), signal.SIGUSR1)
             still_since = busy_at = now  # swallowed by the script (a bare except): fired again after another limit
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its child processes, live (a validation in a subprocess, a pool, DataLoader
+    workers: read from Linux's /proc) and waited for: a process waiting on a busy child is working, not stalled.
+    Elsewhere, this process's and its waited-for children's."""
+    t = os.times()
+    total = time.process_time() + t.children_user + t.children_system
+    for pid in _descendants(os.getpid()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of stat(5)
+        except (OSError, ValueError, IndexError):  # gone since it was listed
+            continue
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    """Live descendants of `pid` from /proc/PID/task/TID/children (Linux 3.5+); [] where there is none."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                children = [int(c) for c in Path(f"/proc/{parent}/task/{tid}/children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
 
 
 def _innermost(ident: int | None) -> tuple | None:

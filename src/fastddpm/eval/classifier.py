@@ -273,10 +273,10 @@ def weak_features(info: dict) -> str | None:
     k, acc = info["num_classes"], info["test_accuracy"]
     if acc >= 1 / k + WEAK_FEATURES * (1 - 1 / k):
         return None
-    return (f"warning: the feature network recognises {acc:.1%} of {info['test_set']}'s images, near chance "
-            f"({1 / k:.1%} for {k} classes): its features tell these classes apart little, so FID, precision/recall "
-            "and class accuracy measured in them say little; --features inception (or --inception PATH) measures "
-            "in Inception-v3's")
+    return (f"warning: the feature network recognises only {acc:.1%} of {info['test_set']}'s images (chance: "
+            f"{1 / k:.1%} for {k} classes): its features tell these classes apart poorly, so FID, precision/recall "
+            "and class accuracy measured in them say little; measure in Inception-v3's features instead (fastddpm "
+            "eval --features inception, train --eval-inception auto, fastddpm.evaluate(inception='auto'))")
 
 
 def _say_if_weak(info: dict, log) -> None:
