@@ -452,6 +452,10 @@ def test_a_model_trained_without_label_dropout_draws_only_classes_at_guidance_1(
     assert "--cond-drop-prob 0 trains no unconditional prediction" in capsys.readouterr().err
     assert not run.exists()
     assert main([*base, "--sample-guidance", "1"]) == 0
+    capsys.readouterr()  # a resume (of a run trained so before the refusal) goes on, told
+    assert main([*base, "--sample-guidance", "2", "--resume", "latest", "--max-steps", "2"]) == 0
+    assert "so they draw from an untrained embedding; resume with --sample-guidance 1" in capsys.readouterr().out
+    assert main([*base, "--sample-guidance", "1", "--resume", "latest", "--max-steps", "3"]) == 0
     args = ["sample", "--checkpoint", str(run), "--num-images", "2", "--steps", "2", "--no-progress"]
     assert main([*args, "--class", "1"]) == 0  # the run's own W = 1
     for extra, says in ((["--class", "1", "--guidance", "2"], "guidance W = 2: this model was trained with "

@@ -115,6 +115,9 @@ def test_the_cards_python_runs_as_written_and_says_which_schedulers_are_fastddpm
     cfg = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, schedule=schedule, num_timesteps=T))
     write_folder(_randomised(cfg), cfg, tmp_path)
     card = model_card(cfg, {"step": 1, "images_seen": 8}, "cmd")
+    assert f"for a K that divides {T} (its step reads the level at t - {T} // K)" in card
+    assert "num_inference_steps=10" in model_card(dataclasses.replace(  # 20 does not divide 250: DDIM would differ
+        cfg, diffusion=dataclasses.replace(cfg.diffusion, num_timesteps=250)), {"step": 1}, "cmd")
     if T == 1000:  # every timestep kept: all three, and the counts where diffusers' stride adds t = -1
         assert "as do `DPMSolverMultistepScheduler` (`dpmpp-2m`) and `UniPCMultistepScheduler`" in card
         assert "at 61, 103, 121, 122," in card
@@ -304,6 +307,10 @@ def test_init_from_keeps_the_folders_dropout_says_another_task_and_is_not_used_o
     assert "says these weights learned prediction 'epsilon'; this run trains them for 'v' (as given)" in said
     saved = json.loads((new / "config.json").read_text())
     assert saved["model"]["dropout"] == 0.1 and saved["train"]["init_from"] == str(out)
+    from fastddpm.config import resolve_config  # a config dict's own dropout stays its own
+
+    assert resolve_config({"preset": "tiny", "model": {"dropout": 0.3}, "train": {"init_from": str(out)}}
+                          ).model.dropout == 0.3
     import shutil
 
     other = shutil.copytree(out, tmp_path / "other")

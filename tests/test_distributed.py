@@ -417,6 +417,8 @@ def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, two_rank
     la = [m["loss"] for m in map(json.loads, (full / "metrics.jsonl").read_text().splitlines())]
     lb = [m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     assert la == lb
+    steps = [m["step"] for m in map(json.loads, (full / "metrics.jsonl").read_text().splitlines())]
+    assert steps == sorted(set(steps))  # one line per logging step (every rank wrote its own copy)
 
     # written by 2 ranks, resumed by 1 (DCP reshards), with the global batch fixed; then back to 2
     r = torchrun(1, train_args(fmnist_npz, out, "--max-steps", "5", "--parallel", "fsdp", "--global-batch-size", "16",

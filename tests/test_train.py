@@ -275,8 +275,8 @@ def test_a_resume_given_the_preset_is_told_a_difference_is_the_presets(tmp_path,
     assert main([*args, "--preset", "tiny", "--objective", "flow", "--max-steps", "1"]) == 0
     capsys.readouterr()
     assert main([*args, "--preset", "tiny", "--resume", "latest", "--max-steps", "2"]) == 2
-    assert ("diffusion.objective was 'flow' in the checkpoint but is 'ddpm' now ('ddpm' is the tiny preset's: a "
-            "resume given --preset starts from the preset's values") in capsys.readouterr().err
+    assert ("diffusion.objective was 'flow' in the checkpoint but is 'ddpm' now ('ddpm' is the tiny preset's value: "
+            "where --preset is given, a resume starts from the preset's values") in capsys.readouterr().err
     assert main([*args, "--resume", "latest", "--max-steps", "2"]) == 0  # without --preset: the run's own config
 
 

@@ -320,9 +320,10 @@ def _few_step_section(cfg) -> list[str]:
     gaps = trailing_gaps(T)
     lines = ["", "## Fewer steps", "",
              "The scheduler config is fastddpm's: trailing timesteps and x0 predictions clamped to [-1, 1]. Built "
-             "from it, `DDIMScheduler` walks the timesteps of `fastddpm sample --sampler ddim --steps K` and from the "
-             "same starting noise draws its images (pass `use_clipped_model_output=True` to `DDIMPipeline`: "
-             "fastddpm re-derives the noise from the clamped x0)"]
+             "from it, `DDIMScheduler` walks the timesteps of `fastddpm sample --sampler ddim --steps K` and, for a "
+             f"K that divides {T} (its step reads the level at t - {T} // K), from the same starting noise draws its "
+             "images (pass `use_clipped_model_output=True` to `DDIMPipeline`: fastddpm re-derives the noise from "
+             "the clamped x0)"]
     if first == T - 1:
         lines[-1] += (", as do `DPMSolverMultistepScheduler` (`dpmpp-2m`) and `UniPCMultistepScheduler` (`unipc`).")
     else:
@@ -330,15 +331,17 @@ def _few_step_section(cfg) -> list[str]:
                       f"{LAMBDA_MIN}), below its last, clipped betas, and divide the rest evenly: diffusers' "
                       "DPM-Solver starts there too (`lambda_min_clipped`) but steps by T / K, and UniPC starts at "
                       f"{T - 1}, so their images are near fastddpm's `dpmpp-2m` and `unipc`, not the same.")
+    k = max(d for d in range(1, min(20, T) + 1) if T % d == 0)  # the example's steps: 20, or a count dividing T
     lines += ["", "```python", "from diffusers import DDIMPipeline, DPMSolverMultistepScheduler"]
     if not cfg.model.conditional:
         lines += ["ddim = DDIMPipeline(unet=pipe.unet, scheduler=pipe.scheduler)  # the scheduler config as a DDIM's",
-                  "images = ddim(batch_size=4, num_inference_steps=20, eta=0.0, use_clipped_model_output=True).images",
+                  f"images = ddim(batch_size=4, num_inference_steps={k}, eta=0.0, use_clipped_model_output=True)"
+                  ".images",
                   "pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)",
-                  "images = pipe(batch_size=4, num_inference_steps=20).images"]
+                  f"images = pipe(batch_size=4, num_inference_steps={k}).images"]
     else:
         lines += ["scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)",
-                  "# then the loop above, with scheduler.set_timesteps(20)"]
+                  f"# then the loop above, with scheduler.set_timesteps({k})"]
     lines += ["```"]
     if gaps:
         lines += ["", f"diffusers' trailing spacing adds a last step at t = -1, which spoils the images, at "

@@ -132,7 +132,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.rundir.locate import locate
     from fastddpm.rundir.state_dicts import weights_digest
-    from fastddpm.sampling import compile_for_sampling, load_for_sampling
+    from fastddpm.sampling import check_null_class_trained, compile_for_sampling, load_for_sampling
 
     device, _ = resolve_device(settings.device, setting="--device")
     ckpt = locate(settings.checkpoint, what="bench samplers:")
@@ -147,6 +147,7 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
         guidance = cfg.train.sample_guidance if settings.guidance is None else settings.guidance
     elif settings.guidance is not None:
         raise ConfigError("--guidance needs a conditional model; this checkpoint is unconditional")
+    check_null_class_trained(cfg, guidance)
     out_dir = Path(out_dir) if out_dir else Path(info["file"]).parent.parent / "bench-samplers"
     make_writable_dir(out_dir, flag="bench samplers --out", fix=store.OUT_FIX)
     env = environment_record(device)

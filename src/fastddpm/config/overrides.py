@@ -254,7 +254,10 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
             raise ConfigError(f"--init-from {folder}: a diffusers UNet2DModel is fastddpm's ddpm family (Ho et al.'s "
                               f"U-Net), so model.family={family!r} cannot take its weights: drop --family {family} "
                               f"(the folder sets the architecture)")
-        cfg = _layered(cfg, [(f"--init-from {folder}", folder_fields(folder))])
+        fields = folder_fields(folder)
+        if _last_given(base_values, [], "model", "dropout", default=_NOT_GIVEN) is not _NOT_GIVEN:
+            fields.pop("model.dropout", None)  # a config dict's own dropout: the run's choice, not the folder's
+        cfg = _layered(cfg, [(f"--init-from {folder}", fields)])
     try:
         cfg = apply_overrides(cfg, file_values, source=str(file))
     except ConfigError as e:  # a field's or a value's error names the file it is in

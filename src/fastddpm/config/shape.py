@@ -170,8 +170,8 @@ def _preset_says(current: RunConfig, section: str, key: str) -> str:
     value = getattr(getattr(make(), section), key, _NOWHERE) if make is not None else _NOWHERE
     if value is _NOWHERE or value != getattr(getattr(current, section), key):
         return ""
-    return (f" ({value!r} is the {current.preset} preset's: a resume given --preset starts from the preset's values, "
-            "not the run's; resume without --preset to go on with the run's own)")
+    return (f" ({value!r} is the {current.preset} preset's value: where --preset is given, a resume starts from the "
+            "preset's values, not the run's; without --preset it goes on with the run's own)")
 
 
 _NOWHERE = object()

@@ -271,11 +271,12 @@ class StepLog:
         now = time.perf_counter()
         images_per_s = (state.images_seen - self.images_at_log) / max(now - self.t_log, 1e-9)
         scaler = run.opt.scaler
-        self.metrics.write({"step": state.step, "images_seen": state.images_seen,
-                            "epoch": run.epochs_done,
-                            "loss": self.last_loss, "images_per_s": images_per_s, "lr": lr,
-                            "wall_s": now - self.t_start, **self.compile_counters.report(),
-                            **({"loss_scale": scaler.get_scale()} if scaler is not None else {})})
+        if run.dist.is_main:  # every rank joined the mean above; rank 0 writes the line (one per step)
+            self.metrics.write({"step": state.step, "images_seen": state.images_seen,
+                                "epoch": run.epochs_done,
+                                "loss": self.last_loss, "images_per_s": images_per_s, "lr": lr,
+                                "wall_s": now - self.t_start, **self.compile_counters.report(),
+                                **({"loss_scale": scaler.get_scale()} if scaler is not None else {})})
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{self.last_loss:.4f}", img_s=f"{images_per_s:,.0f}", refresh=False)
         self.loss_sum.zero_()

@@ -211,6 +211,13 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     identity = data.identity()
     resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
     init_note = init_from_note(resumed, cfg) if resumed is not None else []
+    untrained = _untrained_null_class(cfg)
+    if untrained and resumed is None:  # a new run; one trained so before goes on, told (below)
+        raise ConfigError(f"{untrained}: add --sample-guidance 1 (plain conditional), or keep a label dropout (0.1, "
+                          "Ho & Salimans 2022)")
+    if untrained:
+        init_note.append(f"note: {untrained}, so they draw from an untrained embedding; resume with "
+                         "--sample-guidance 1 for grids and evaluations that mean something")
     if resumed is not None:  # where the run's weights began, whatever a resume's --init-from says
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=resumed.config.train.init_from))
     cfg = _resolve_from_data(cfg, data)
@@ -310,12 +317,16 @@ def _check_before_loading(cfg: RunConfig) -> None:
     if all(getattr(cfg.train, name) is None for name in RUN_LENGTHS):
         raise ConfigError("say how long to train: --max-steps N, --max-images N or --max-epochs N (or pick a "
                           "--preset)")
+    check_sampling_steps(cfg)
+
+
+def _untrained_null_class(cfg: RunConfig) -> str | None:
+    """Why a conditional run without label dropout cannot guide its grids and evaluations, or None."""
     t = cfg.train
     if cfg.model.conditional and t.cond_drop_prob == 0 and t.sample_guidance != 1:
-        raise ConfigError(f"--cond-drop-prob 0 trains no unconditional prediction (the null class), which the grids' "
-                          f"and evaluations' guidance W = {t.sample_guidance:g} (--sample-guidance) mixes in: add "
-                          "--sample-guidance 1 (plain conditional), or keep a label dropout (0.1, Ho & Salimans 2022)")
-    check_sampling_steps(cfg)
+        return (f"--cond-drop-prob 0 trains no unconditional prediction (the null class), which the grids' and "
+                f"evaluations' guidance W = {t.sample_guidance:g} (--sample-guidance) mixes in")
+    return None
 
 
 def check_sampling_steps(cfg: RunConfig) -> None:
@@ -379,8 +390,9 @@ def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_rea
             log("torchrun restarted the workers: resuming from the newest complete checkpoint")
         elif dist.restarted and str(resume) != "latest" and saved(run_dir.checkpoints):
             # the given checkpoint again would go back to it, setting aside every step trained since
+            given = resume.path if isinstance(resume, Checkpoint) else resume
             log(f"torchrun restarted the workers: resuming from the newest complete checkpoint in "
-                f"{run_dir.checkpoints}, not --resume {resume} again")
+                f"{run_dir.checkpoints}" + ("" if isinstance(resume, Checkpoint) else f", not --resume {given} again"))
             resume = "latest"
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # graph capture, bf16 checks and new streams use the current device
