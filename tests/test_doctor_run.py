@@ -296,6 +296,10 @@ def test_a_busy_child_process_is_no_stall_and_a_faulthandler_taken_signal_still_
     assert time.perf_counter() - t0 < 40
     assert report.verdict["id"] == "stalled" and report.verdict["title"].endswith("after step 4, the process idle")
     assert f"train.py:{_line(script.read_text(), 'time.sleep(100000)')}" in report.text()
+    import faulthandler
+    import signal
+
+    assert not faulthandler.unregister(signal.SIGUSR1)  # the script's registration did not outlive it
 
 
 def test_a_folder_given_as_the_script_is_said_to_be_a_folder(tmp_path, capsys):

@@ -82,9 +82,13 @@ class StallWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            faulthandler.unregister(signal.SIGUSR1)  # the script's own registration ends with it
             signal.signal(signal.SIGUSR1, self._old_handler)
             if self._faulthandler:
-                faulthandler.register(signal.SIGUSR1, all_threads=True)
+                try:
+                    faulthandler.register(signal.SIGUSR1, all_threads=True)
+                except (OSError, ValueError):  # sys.stderr without a file descriptor now (a captured stream)
+                    pass
         return False
 
     def _handle(self, signum, frame) -> None:
