@@ -36,7 +36,8 @@ import json
 from pathlib import Path
 
 from fastddpm.config import ConfigError
-from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
+from fastddpm.diffusion import schedule_from_config
+from fastddpm.diffusion.ode_solvers import LAMBDA_MIN, first_timestep
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
                                             read_unet_config, unet_config, weights_file)
 
@@ -312,9 +313,6 @@ def trailing_gaps(num_timesteps: int, up_to: int = 250) -> list[int]:
 def _few_step_section(cfg) -> list[str]:
     """The card's few-step part: which diffusers schedulers, built from the folder's scheduler config, take fastddpm's
     timesteps and clipping (tests/test_diffusers_io.py draws the same images with both from the same noise)."""
-    from fastddpm.diffusion import schedule_from_config
-    from fastddpm.diffusion.ode_solvers import first_timestep
-
     T = cfg.diffusion.num_timesteps
     first = first_timestep(schedule_from_config(cfg.diffusion))
     gaps = trailing_gaps(T)

@@ -210,13 +210,13 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     cfg = _absolute_source(cfg, data)
     identity = data.identity()
     resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
-    init_note = init_from_note(resumed, cfg) if resumed is not None else []
+    said_on_resume = init_from_note(resumed, cfg) if resumed is not None else []
     untrained = _untrained_null_class(cfg)
     if untrained and resumed is None:  # a new run; one trained so before goes on, told (below)
         raise ConfigError(f"{untrained}: add --sample-guidance 1 (plain conditional), or keep a label dropout (0.1, "
                           "Ho & Salimans 2022)")
     if untrained:
-        init_note.append(f"note: {untrained}, so they draw from an untrained embedding; resume with "
+        said_on_resume.append(f"note: {untrained}, so they draw from an untrained embedding; resume with "
                          "--sample-guidance 1 for grids and evaluations that mean something")
     if resumed is not None:  # where the run's weights began, whatever a resume's --init-from says
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=resumed.config.train.init_from))
@@ -265,7 +265,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
             was_end_step=total_steps_for(resumed.config, steps_per_epoch, images_per_step, step=state.step,
                                          images_seen=state.images_seen))
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
-        for note in [*changed, *init_note, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
+        for note in [*changed, *said_on_resume, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
         if dist.is_main:
             _set_aside_the_abandoned(rd, checkpointer, state.step, console)
