@@ -17,17 +17,16 @@
 #   doctor-try        5-7 min      doctor run --try 3 on the seed-style script: its top fixes measured on the GPU
 #   doctor-fast       3-5 min      doctor train on the fast path (bf16, compiled, CUDA graphs): seed-1layer at
 #                                  1024, ddpm-cifar10 at 128; top kernels, MFU, % of roofline and the side that binds
-#   candidates        7-9 min (r)  bench throughput, compiled: ddpm-cifar10 at 128 with Inductor's layout optimization
-#                                  forced (-lo), with and without channels_last; seed-1layer at 1024 (channels_last
-#                                  now its default) with -lo, and with attention heads padded to 8 (the round of
-#                                  2026-11-27: channels_last 0.94x on ddpm-cifar10, 1.09x on seed-1layer; ap8 1.05x)
+#   candidates        5-7 min (r)  bench throughput, compiled: seed-1layer at 1024 with its defaults since 2026-11-28
+#                                  (channels_last, Inductor's layout forced, heads padded to 8) against channels_last
+#                                  alone (its default before); ddpm-cifar10 at 512 with the layout forced and without
 #   doctor-fast-cl    2-3 min      doctor train on the fast path with channels_last: ddpm-cifar10 at 128, seed-1layer
 #                                  at 1024 (what binds once the conversions are gone; measured 2026-11-27)
 #   attention         1-2 min      benchmarks/sdpa_shapes.py: each attention shape of seed-1layer (batch 1024) and
 #                                  ddpm-cifar10 (128), forward + backward on every SDPA backend and zero-padded to
 #                                  head dimensions 8, 16, 32 (the same function)
-#   candidates-ma     5-9 min (r)  bench throughput, seed-1layer at 1024, compiled with and without Inductor's
-#                                  max-autotune (its kernel search alone ran past 263 s on an H200)
+#   candidates-ma     5-9 min (r)  bench throughput, seed-1layer at 1024 with its defaults, compiled with and without
+#                                  Inductor's max-autotune (its kernel search alone ran past 263 s on an H200)
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
 #   quality-reference 3-5 min      the seed's recipe once (seed-1layer, 40 epochs): its final FID is the target
 #   eval              1-2 min      fastddpm eval of that reference run (only in the same call, after it)
@@ -220,17 +219,17 @@ for part in "${PARTS[@]}"; do
         --max-seconds 60 --report-dir "$RES/doctor-fast/seed-1layer-1024" &&
         limited 240 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
           --image-mode RGB --max-seconds 60 --report-dir "$RES/doctor-fast/ddpm-cifar10-128" ;;
-    candidates)  # each model's choices compile, then alternate; each against its default, first in the list
-      # (2026-11-27 on an H200, channels_last under compile: ddpm-cifar10 0.94x, seed-1layer 1.09x, and seed-1layer
-      # with heads padded to 8 1.05x; files benchmarks/gpu/2026-11-27/throughput-candidates-*). This round: Inductor's
-      # layout optimization forced (-lo), which its heuristic skips in a U-Net, with and without channels_last
-      # weights; and on seed-1layer, whose default is now channels_last, the padded heads on top of it
-      limited 270 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 128 \
-        --choices auto-compile,auto-compile-lo,auto-compile-cl-lo --out "$RES/throughput-candidates-lo-ddpm-cifar10"
-      first=$?  # a failed row of one model (exit 1) must not cost the other model's timing
+    candidates)  # the defaults auto took on 2026-11-28, together, against the defaults before them. Each was
+      # measured alone against the previous default on an H200 (benchmarks/gpu/2026-11-28/throughput-candidates-lo-*:
+      # Inductor's layout forced 1.18x on ddpm-cifar10 and 1.02x on seed-1layer, heads padded to 8 1.05x on
+      # seed-1layer); this round times seed-1layer with both (its default now) against channels_last alone (its
+      # default before), and ddpm-cifar10 at 512 with the forced layout against the heuristic
       limited 200 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-        --choices auto-compile-cl,auto-compile-cl-lo,auto-compile-cl-ap8 \
-        --out "$RES/throughput-candidates-lo-seed-1layer" && (exit $first) ;;
+        --choices auto-compile-cl,auto-compile-cl-lo-ap8 --out "$RES/throughput-candidates-auto-seed-1layer"
+      first=$?  # a failed row of one model (exit 1) must not cost the other model's timing
+      limited 250 $PY -m fastddpm bench throughput --presets ddpm-cifar10 --batch-sizes 512 \
+        --choices auto-compile,auto-compile-lo --out "$RES/throughput-candidates-auto-ddpm-cifar10-512" \
+        && (exit $first) ;;
     doctor-fast-cl)  # doctor-fast with channels_last: does the conversion go, and what binds then
       limited 150 $PY -m fastddpm doctor train --preset ddpm-cifar10 --batch-size 128 --data "$DATA" --resize 32 \
         --image-mode RGB --channels-last on --max-seconds 60 --report-dir "$RES/doctor-fast-cl/ddpm-cifar10-128" &&
@@ -242,9 +241,9 @@ for part in "${PARTS[@]}"; do
         --out "$RES/attention/seed-1layer-1024.json" &&
         limited 45 $PY benchmarks/sdpa_shapes.py --presets ddpm-cifar10 --batch-size 128 \
           --out "$RES/attention/ddpm-cifar10-128.json" ;;
-    candidates-ma)
+    candidates-ma)  # on top of seed-1layer's defaults since 2026-11-28 (channels_last, the layout forced, heads 8)
       limited 300 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
-        --choices auto-compile,auto-compile-ma --out "$RES/throughput-candidates-ma-seed-1layer" ;;
+        --choices auto-compile-cl-lo-ap8,auto-compile-cl-lo-ap8-ma --out "$RES/throughput-candidates-ma-seed-1layer" ;;
     ddp)
       mkdir -p "$RES/ddp"
       limited 360 $PY benchmarks/ddp_overhead.py --data "$DATA" --repeats 2 --parallel ddp,fsdp \

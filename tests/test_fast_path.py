@@ -341,23 +341,61 @@ def test_a_forced_inductor_layout_reaches_torch_compile_as_options_with_the_mode
         {"dynamic": False, "options": {"force_layout_optimization": True}}]
 
 
-@pytest.mark.parametrize("field,value,reason,unset", [
-    ("compile_mode", "max-autotune", "mode max-autotune", "default"),
-    ("inductor_layout", "channels-last", "Inductor's layout channels-last (forced)", "auto")])
-def test_a_setting_of_the_compiler_applies_when_compiling_and_is_refused_with_compile_off(field, value, reason, unset):
+@pytest.mark.parametrize("field,value,reason,unset,where", [
+    ("compile_mode", "max-autotune", "mode max-autotune", "default", "compile"),
+    ("inductor_layout", "channels-last", "channels-last (requested)", "heuristic", "inductor_layout")])
+def test_a_setting_of_the_compiler_applies_when_compiling_and_is_refused_with_compile_off(field, value, reason, unset,
+                                                                                            where):
     from fastddpm.config import ConfigError, TrainConfig
     from fastddpm.device import Precision
     from fastddpm.trainer.fast_path import resolve_fast_path
 
     cpu, bf16 = torch.device("cpu"), Precision("bf16", torch.bfloat16, False, "test")
     on = resolve_fast_path(TrainConfig(compile="on", **{field: value}), cpu, bf16, planned_images=1)
-    assert getattr(on, field) == value and reason in on.reasons["compile"]
+    assert getattr(on, field) == value and reason in on.reasons[where]
     unused = resolve_fast_path(TrainConfig(**{field: value}), cpu, bf16, planned_images=1)  # auto: a short CPU run
-    assert not unused.compile and getattr(unused, field) == unset and "unused" in unused.reasons["compile"]
+    assert not unused.compile and getattr(unused, field) == unset and "unused" in unused.reasons[where]
     with pytest.raises(ConfigError, match="--compile on"):
         resolve_fast_path(TrainConfig(compile="off", **{field: value}), cpu, bf16, planned_images=1)
     with pytest.raises(ConfigError, match=field):
         TrainConfig(**{field: "fast"})
+
+
+def test_inductor_layout_and_head_pad_auto_pick_what_was_measured_faster_on_a_gpu():
+    from fastddpm.config import ConfigError, TrainConfig
+    from fastddpm.device import Precision
+    from fastddpm.trainer.fast_path import resolve_fast_path
+
+    bf16 = Precision("bf16", torch.bfloat16, False, "test")
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing here touches a GPU
+
+    def fast(device, world_size=0, precision=bf16, **train):
+        return resolve_fast_path(TrainConfig(**train), device, precision, world_size=world_size, planned_images=1,
+                                 model_family="ddpm")
+
+    on = fast(gpu)  # compiled on one GPU under bf16: both measured faster there (an H200, 2026-11-28)
+    assert on.inductor_layout == "channels-last" and "1.18x" in on.reasons["inductor_layout"]
+    assert on.attention_head_pad == 8 and "1.05x" in on.reasons["attention_head_pad"]
+    fp16 = Precision("fp16", torch.float16, True, "test")
+    for off, why in ((fast(gpu, compile="off"), "not compiling"), (fast(cpu, compile="on"), "CPU"),
+                     (fast(gpu, world_size=2), "DDP"), (fast(gpu, precision=fp16), "under fp16")):
+        assert off.inductor_layout == "heuristic" and why in off.reasons["inductor_layout"], off.reasons
+    for off, why in ((fast(gpu, compile="off"), "eager"), (fast(cpu, compile="on"), "CPU"),
+                     (fast(gpu, precision=fp16), "under fp16")):
+        assert off.attention_head_pad == 0 and why in off.reasons["attention_head_pad"], off.reasons
+    # asked for: kept, whatever auto would say
+    assert fast(gpu, inductor_layout="heuristic").inductor_layout == "heuristic"
+    assert fast(gpu, attention_head_pad=0).attention_head_pad == 0
+    assert fast(cpu, compile="on", attention_head_pad=16).attention_head_pad == 16
+    with pytest.raises(ConfigError, match="inductor_layout=heuristic .* --compile on"):
+        fast(gpu, compile="off", inductor_layout="heuristic")
+    with pytest.raises(ConfigError, match="attention_head_pad='eight' is not one of auto, 0, 8"):
+        TrainConfig(attention_head_pad="eight")
+
+
+def test_the_compile_options_follow_the_resolved_layout(monkeypatch):
+    # what auto resolved reaches torch.compile: forced as options, the heuristic as the plain mode
+    assert _torch_compile_kwargs(monkeypatch, inductor_layout="heuristic") == [{"dynamic": False, "mode": None}]
 
 
 def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
@@ -366,7 +404,9 @@ def test_fast_path_choices_are_recorded(tmp_path, fmnist_npz):
     lines = []
     train(cfg, out_dir=tmp_path / "run", log=lines.append)
     info = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert set(info["fast_path"]) == {"compile", "cuda_graphs", "channels_last", "cudnn_benchmark"}
+    assert set(info["fast_path"]) == {"compile", "cuda_graphs", "channels_last", "cudnn_benchmark", "inductor_layout",
+                                      "attention_head_pad"}
+    assert info["fast_path"]["attention_head_pad"].startswith("off (auto: off on a CPU")
     assert info["data"]["placement"] == "device" and info["accum_steps"] == 2
     text = "\n".join(lines)
     for word in ("placement device", "16 x 2 accumulation = 32 images/step", "compile: off", "cuda_graphs: off"):

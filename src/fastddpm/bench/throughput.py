@@ -95,7 +95,9 @@ def parse_choice(name: str) -> dict:
     return {"train.precision": parts[0], "train.compile": {"eager": "off", "compile": "on", "auto": "auto"}[parts[1]],
             "train.channels_last": "on" if "cl" in flags else "off", "train.grad_checkpointing": "gc" in flags,
             "train.compile_mode": "max-autotune" if "ma" in flags else "default",
-            "train.inductor_layout": "channels-last" if "lo" in flags else "auto",
+            # a choice names every setting it stands for, so a row means the same whatever auto picks today
+            "train.inductor_layout": "auto" if parts[1] == "eager" else "channels-last" if "lo" in flags
+            else "heuristic",
             "train.attention_head_pad": next((pads[f] for f in flags if f in pads), 0)}
 
 

@@ -335,14 +335,15 @@ class TrainConfig:
     )
     inductor_layout: str = field(
         default="auto",
-        metadata=_doc("The layout Inductor gives the compiled step's own tensors. auto = Inductor's heuristic, which "
+        metadata=_doc("The layout Inductor gives the compiled step's own tensors. heuristic = Inductor's own, which "
                       "keeps NCHW in any graph with a convolution of at least twice as many input as output "
-                      "channels and a kernel wider than 1 (a U-Net decoder's, after its skip concatenation); on an "
-                      "H200 --channels-last on under compile measured 1.09x on seed-1layer and 0.94x on "
-                      "ddpm-cifar10, whose step then spent 12% in same-dtype copies. channels-last = force "
-                      "Inductor's layout optimization (TORCHINDUCTOR_FORCE_LAYOUT_OPT): the candidate against those "
-                      "copies, pending a GPU measurement. Needs --compile on (or auto that compiles).",
-                      choices=("auto", "channels-last")),
+                      "channels and a kernel wider than 1 (a U-Net decoder's, after its skip concatenation), so "
+                      "aten copies between its NCHW and cuDNN's NHWC. channels-last = its layout optimization "
+                      "forced (TORCHINDUCTOR_FORCE_LAYOUT_OPT). auto = forced on one CUDA device under bf16, where it "
+                      "measured 1.18x the heuristic's step on ddpm-cifar10 (batch 128) and 1.02x on seed-1layer "
+                      "(batch 1024, channels_last) on an H200; the heuristic on a CPU, under DDP/FSDP and under "
+                      "fp16/fp32 (unmeasured). Needs --compile on (or auto that compiles).",
+                      choices=("auto", "channels-last", "heuristic")),
     )
     cuda_graphs: str = field(
         default="auto",
@@ -358,12 +359,14 @@ class TrainConfig:
                       "(0.94x there, ddpm-cifar10 at 128), in eager (GroupNorm has no NHWC kernel), on a CPU, under "
                       "DDP/FSDP and under fp16/fp32 (unmeasured).", choices=("auto", "on", "off")),
     )
-    attention_head_pad: int = field(
-        default=0,
-        metadata=_doc("Zero-pad attention heads smaller than this (8, 16, 32 or 64; 0 = off) to it, with the "
+    attention_head_pad: int | str = field(
+        default="auto",
+        metadata=_doc("Zero-pad attention heads narrower than this (8, 16, 32 or 64; 0 = off) to it, with the "
                       "softmax scale kept: the same function, on kernels a tiny head dimension misses (cuDNN's "
-                      "attention needs a multiple of 8; the seed U-Net's 4 heads at 16 channels are 4 wide). "
-                      "Off until measured faster on a GPU (benchmarks/sdpa_shapes.py)."),
+                      "attention needs a multiple of 8; the seed U-Net's 4 heads at 16 channels are 4 wide). auto = "
+                      "8 on CUDA under compile and bf16 (seed-1layer at batch 1024: 1.05x on an H200, with NCHW and "
+                      "with channels_last weights), off on a CPU, in eager and under fp16/fp32 (unmeasured). "
+                      "`fastddpm sample` and `eval` build the U-Net unpadded."),
     )
     cudnn_benchmark: str = field(
         default="auto",
@@ -503,8 +506,8 @@ class TrainConfig:
                  f"train.batch_size={self.batch_size!r} must be a positive integer or auto")
         _require(self.accum_steps >= 1, f"train.accum_steps={self.accum_steps} must be >= 1")
         _require(self.ema_every >= 1, f"train.ema_every={self.ema_every} must be >= 1")
-        _require(self.attention_head_pad in ATTENTION_HEAD_PADS,
-                 f"train.attention_head_pad={self.attention_head_pad} is not one of "
+        _require(self.attention_head_pad == "auto" or self.attention_head_pad in ATTENTION_HEAD_PADS,
+                 f"train.attention_head_pad={self.attention_head_pad!r} is not one of auto, "
                  f"{', '.join(map(str, ATTENTION_HEAD_PADS))} (0 = off)")
         _require(0 < self.device_memory_budget <= 1,
                  f"train.device_memory_budget={self.device_memory_budget} must be in (0, 1]")

@@ -203,20 +203,28 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                       "not the conversions' share, as Inductor's own tensors stay NCHW and the conversions can come "
                       "back as copies (on an H200: 1.09x on seed-1layer, 0.94x on ddpm-cifar10)",
                       trial="channels-last", unpredicted=True)
+        # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28), compiled and captured under bf16: Inductor's
+        # layout optimization forced 1.18x on ddpm-cifar10's NCHW step, with channels_last weights too 1.13x
+        lo_what = ("force Inductor's layout optimization, so its own tensors are channels_last and cuDNN meets "
+                   "NHWC: torch.compile(model, options={'force_layout_optimization': True})")
+        lo = Fix("--inductor-layout channels-last", lo_what + " (on an H200: 1.18x on ddpm-cifar10 at batch 128, "
+                 "whose conversions took 23% of its step; not a prediction here)", unpredicted=True)
         force = Fix("--channels-last on --inductor-layout channels-last",
-                    "also force Inductor's layout optimization, so its own tensors are channels_last too: "
-                    "torch.compile(model, options={'force_layout_optimization': True}) (a candidate, not yet "
-                    "measured)", unpredicted=True)
+                    "both: channels_last weights and inputs, and " + lo_what + " (on an H200: 1.13x on "
+                    "ddpm-cifar10, 1.02x over channels_last alone on seed-1layer)", unpredicted=True)
     if cudnn:
         cause = ("cuDNN's tensor-core convolutions on this GPU run in NHWC, so around every convolution that meets "
                  "an NCHW tensor it converts the input, weight and gradient to NHWC and the result back"
                  + {"mixed": "; here the NCHW weights among the channels_last ones",
                     "channels_last": "; here the weights are channels_last but tensors reach them NCHW (the "
                                      "input batch, or a .contiguous() on the way)"}.get(layout, "")
-                 + ("; Inductor did not change the layout (it skips its layout optimization in a graph with a "
+                 + ("; compiled with Inductor's layout optimization forced, these conversions remain"
+                    if compiled and m.inductor_layout == "channels-last"
+                    else "; Inductor did not change the layout (it skips its layout optimization in a graph with a "
                     "convolution of at least twice as many input as output channels and a kernel wider than 1, "
                     "as a U-Net's decoder has after its skip concatenation)" if compiled else ""))
-        fixes = [to_nhwc] + ([force] if compiled and layout != "channels_last" else []) + (
+        unforced = compiled and layout in ("nchw", None) and m.inductor_layout != "channels-last"
+        fixes = ([lo] if unforced else []) + [to_nhwc] + ([force] if unforced else []) + (
             [Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
                  ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
             if layout is None else [])
@@ -232,14 +240,15 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                                          "inputs (measure both: the layout that wins depends on the GPU)")
         if compiled:
             # The copies are between cuDNN's NHWC and Inductor's NCHW: forcing Inductor to NHWC removes them where
-            # it holds (a candidate: not yet measured on a GPU), while NCHW brings cuDNN's own conversions back (an
-            # H200: channels_last 1.09x NCHW on seed-1layer, 0.94x on ddpm-cifar10). Neither is predicted from the
+            # it holds (an H200: 1.02x on seed-1layer), while NCHW brings cuDNN's own conversions back (an H200:
+            # channels_last 1.09x NCHW on seed-1layer, 0.94x on ddpm-cifar10). Neither is predicted from the
             # copies' share; `--try N` measures both where N leaves room. Already forced: only the other layout is
             # left to try.
             force_nhwc = Fix("--channels-last on --inductor-layout channels-last",
                              "keep channels_last and force Inductor's layout optimization, so its own tensors are "
                              "channels_last too: torch.compile(model, options={'force_layout_optimization': True}) "
-                             "(a candidate, not yet measured)", unpredicted=True)
+                             "(on an H200: 1.02x on seed-1layer with channels_last; not a prediction here)",
+                             unpredicted=True)
             fixes = [] if forced else [force_nhwc]
             fixes.append(Fix(off.fastddpm, off.code + "; under torch.compile NCHW brings cuDNN's format conversions "
                              "back, so only a measurement (--try) says which costs less", unpredicted=True))

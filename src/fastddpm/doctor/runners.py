@@ -386,9 +386,13 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
                              accum_steps=resolved.train.accum_steps)
     info = json.loads(RunDir(run_dir).info.read_text())
     precision = info["precision"]  # what autocast ran the matmuls in
-    channels_last = str(info.get("fast_path", {}).get("channels_last", "off")).startswith("on")
-    forced = resolved.train.inductor_layout == "channels-last" and str(
-        info.get("fast_path", {}).get("compile", "off")).startswith("on")
+    fast_path = info.get("fast_path", {})
+    channels_last = str(fast_path.get("channels_last", "off")).startswith("on")
+    # the layout the run compiled with, as resolved ("auto" forces it on a GPU); a run.json from before it was
+    # recorded gives only the setting
+    forced = (str(fast_path["inductor_layout"]).startswith("channels-last") if "inductor_layout" in fast_path
+              else resolved.train.inductor_layout == "channels-last"
+              and str(fast_path.get("compile", "off")).startswith("on"))
     # the roofline's bytes counted on the model, as bench throughput and the ladder count them (eager autograd's
     # saved set: a compiled step replayed from a CUDA graph shows the profiler no saves of its own)
     moved = count_step_bytes(model.to(device), (m.image_channels, m.image_size, m.image_size),

@@ -31,7 +31,7 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
     torch.manual_seed(derive_seed(train_cfg.seed, "init"))
     model = build_unet(cfg.model).to("cpu" if keep_on_cpu else device)
     model.grad_checkpointing = train_cfg.grad_checkpointing
-    set_attention_head_pad(model, train_cfg.attention_head_pad)
+    set_attention_head_pad(model, fast.attention_head_pad)
     if fast.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, schedule_from_config(cfg.diffusion).to(device)

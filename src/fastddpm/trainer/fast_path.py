@@ -21,10 +21,12 @@ class FastPath:
     cudnn_benchmark: bool
     reasons: dict[str, str]
     compile_mode: str = "default"  # "default" | "max-autotune" (Inductor's)
-    inductor_layout: str = "auto"  # "auto" (Inductor's heuristic) | "channels-last" (its layout optimization forced)
+    inductor_layout: str = "heuristic"  # "heuristic" (Inductor's own) | "channels-last" (layout optimization forced)
+    attention_head_pad: int = 0  # attention heads narrower than this zero-padded to it (0: off)
 
     def lines(self) -> list[str]:
-        return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark")]
+        return [f"{k}: {self.reasons[k]}" for k in ("compile", "cuda_graphs", "channels_last", "cudnn_benchmark",
+                                                    "inductor_layout", "attention_head_pad") if k in self.reasons]
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,37 @@ def _channels_last_auto(cuda: bool, compiled: bool, world_size: int, model_famil
                    "(ddpm-cifar10, batch 128)")
 
 
+def _inductor_layout_auto(cuda: bool, compiled: bool, world_size: int, precision: str) -> tuple[str, str]:
+    """`--inductor-layout auto`: Inductor's layout optimization forced where it was measured faster than Inductor's
+    heuristic in the same call; the heuristic everywhere else."""
+    if not compiled:
+        return "heuristic", "auto: unused, not compiling"
+    if not cuda:
+        return "heuristic", "auto: Inductor's heuristic on a CPU (forcing it is unmeasured there)"
+    if world_size:
+        return "heuristic", "auto: Inductor's heuristic under DDP/FSDP (forcing it was measured on one process only)"
+    if precision != "bf16":
+        return "heuristic", f"auto: Inductor's heuristic under {precision} (forcing it was measured under bf16 only)"
+    # benchmarks/RESULTS.md, "GPU session 2026-11-28": compiled, captured, bf16, each against the previous default
+    return "channels-last", ("auto: forced on CUDA under compile, where its heuristic skips a U-Net; measured 1.18x "
+                             "the heuristic's step on ddpm-cifar10 (batch 128, NCHW weights) and 1.02x on "
+                             "seed-1layer (batch 1024, channels_last) on an H200")
+
+
+def _attention_head_pad_auto(cuda: bool, compiled: bool, precision: str) -> tuple[int, str]:
+    """`--attention-head-pad auto`: heads narrower than 8 padded to 8 where that was measured faster than the
+    unpadded heads; off everywhere else. Only the seed U-Net has such heads (4 heads at 16 channels)."""
+    if not cuda:
+        return 0, "auto: off on a CPU (unmeasured there; the padded heads do twice the attention arithmetic)"
+    if not compiled:
+        return 0, "auto: off in eager (measured under compile only)"
+    if precision != "bf16":
+        return 0, f"auto: off under {precision} (measured under bf16 only)"
+    # benchmarks/RESULTS.md, "GPU session 2026-11-28" (on top of channels_last) and "GPU session 2026-11-27" (NCHW)
+    return 8, ("auto: 8 on CUDA under compile, where cuDNN's attention needs a head dimension that is a multiple of "
+               "8; seed-1layer at batch 1024 measured 1.05x the unpadded step on an H200, NCHW and channels_last")
+
+
 def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, world_size: int = 0,
                       parallel: str = "ddp", planned_images: int | None = None,
                       model_family: str | None = None) -> FastPath:
@@ -141,13 +174,16 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
             raise ConfigError(f"train.compile_mode={train_cfg.compile_mode} is a mode of torch.compile: turn "
                               f"--compile on (or auto), or leave --compile-mode default")
         why += f"; mode {train_cfg.compile_mode}" if compile_on else f"; mode {train_cfg.compile_mode} unused"
-    if train_cfg.inductor_layout != "auto":
-        if c == "off":
-            raise ConfigError(f"train.inductor_layout={train_cfg.inductor_layout} sets the layout of torch.compile's "
-                              f"own tensors: turn --compile on (or auto), or leave --inductor-layout auto")
-        why += (f"; Inductor's layout {train_cfg.inductor_layout} (forced)" if compile_on
-                else f"; Inductor's layout {train_cfg.inductor_layout} unused")
     reasons["compile"] = f"{'on' if compile_on else 'off'} ({why})"
+    il = train_cfg.inductor_layout
+    if il == "auto":
+        layout, why = _inductor_layout_auto(cuda, compile_on, world_size, precision.name)
+    elif c == "off":
+        raise ConfigError(f"train.inductor_layout={il} sets the layout of torch.compile's own tensors: turn "
+                          f"--compile on (or auto), or leave --inductor-layout auto")
+    else:
+        layout, why = (il, "requested") if compile_on else ("heuristic", f"{il} unused, not compiling")
+    reasons["inductor_layout"] = f"{layout} ({why})"
     g = train_cfg.cuda_graphs
     if g == "auto":
         if not cuda:
@@ -195,6 +231,12 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
     else:
         channels_last, why = cl == "on", "requested"
     reasons["channels_last"] = f"{'on' if channels_last else 'off'} ({why})"
+    pad = train_cfg.attention_head_pad
+    if pad == "auto":
+        pad, why = _attention_head_pad_auto(cuda, compile_on, precision.name)
+    else:
+        why = "requested"
+    reasons["attention_head_pad"] = f"{pad or 'off'} ({why})"
     cb = train_cfg.cudnn_benchmark
     bench = (cuda if cb == "auto" else cb == "on")
     reasons["cudnn_benchmark"] = f"{'on' if bench else 'off'} (" + (
@@ -202,4 +244,4 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
         else "auto: CPU") + ")"
     return FastPath(compile=compile_on, cuda_graphs=graphs, channels_last=channels_last, cudnn_benchmark=bench,
                     reasons=reasons, compile_mode=train_cfg.compile_mode if compile_on else "default",
-                    inductor_layout=train_cfg.inductor_layout if compile_on else "auto")
+                    inductor_layout=layout, attention_head_pad=pad)

@@ -75,11 +75,11 @@ def inductor_mode(compile_mode: str, cuda_graphs: str) -> str | None:
     return "reduce-overhead" if trees else None
 
 
-def compile_kwargs(compile_mode: str, cuda_graphs: str, inductor_layout: str = "auto") -> dict:
+def compile_kwargs(compile_mode: str, cuda_graphs: str, inductor_layout: str = "heuristic") -> dict:
     """torch.compile's mode, or its options where Inductor's layout is forced (torch.compile takes one or the
     other: the mode's own options are spelt out then)."""
     mode = inductor_mode(compile_mode, cuda_graphs)
-    if inductor_layout == "auto":
+    if inductor_layout != "channels-last":  # Inductor's own heuristic decides
         return {"mode": mode}
     # Inductor's layout optimization makes its convolutions' outputs (and so the ops between them) channels_last;
     # its heuristic skips it in a graph with a convolution of >= 2x as many input as output channels
@@ -99,7 +99,7 @@ class TrainStep:
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler | None, ema: EMA, schedule, prediction: str, precision: Precision,
                  grad_clip: float | None, accum_steps: int = 1, compile: bool = False,
-                 compile_mode: str = "default", cuda_graphs: str = "off", inductor_layout: str = "auto",
+                 compile_mode: str = "default", cuda_graphs: str = "off", inductor_layout: str = "heuristic",
                  ema_every: int = 1, device: torch.device, min_snr_gamma: float | None = None,
                  forward_model: torch.nn.Module | None = None):
         self.model, self.optimizer, self.scaler, self.ema = model, optimizer, scaler, ema
