@@ -280,6 +280,22 @@ def test_a_resume_given_the_preset_is_told_a_difference_is_the_presets(tmp_path,
     assert main([*args, "--resume", "latest", "--max-steps", "2"]) == 0  # without --preset: the run's own config
 
 
+def test_an_fsdp_run_resumed_in_one_process_is_told_to_use_torchrun_not_to_drop_a_flag_never_given(
+        tmp_path, fmnist_npz, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--data", str(fmnist_npz), "--out", str(run), "--no-progress", "--num-sample-images", "4",
+            "--sample-steps", "2", "--preset", "tiny", "--max-steps", "1"]
+    assert main([*args, "--parallel", "fsdp"]) == 2  # a new run: the flag given is the fix
+    assert "or drop --parallel fsdp for a single-process run" in capsys.readouterr().err
+    cfg = tiny_cfg(fmnist_npz, max_steps=1)
+    train(cfg, out_dir=run, log=quiet)
+    # a resume takes the run's own settings (its checkpoint's config), parallel=fsdp among them for an FSDP run
+    with pytest.raises(ConfigError, match=r"resumes with train.parallel=fsdp \(its config.json, or --parallel\)") as e:
+        train(apply_overrides(cfg, {"train.parallel": "fsdp", "train.max_steps": 2}), out_dir=run, resume="latest",
+              log=quiet)
+    assert "torchrun" in str(e.value) and "drop --parallel" not in str(e.value)
+
+
 def test_state_dict_keys_are_clean():
     sd = {"_orig_mod.conv_in.weight": 1, "module.conv_out.bias": 2, "module._orig_mod.t_proj.0.weight": 3}
     assert list(clean_state_dict(sd)) == ["conv_in.weight", "conv_out.bias", "t_proj.0.weight"]

@@ -373,9 +373,13 @@ def _join_ranks(cfg: RunConfig, dist: DistInfo, device: torch.device, device_rea
     torchrun restarted resumes. Returns (cfg, device reason, resume)."""
     train_cfg = cfg.train
     if train_cfg.parallel == "fsdp" and not dist.enabled:
-        raise ConfigError("train.parallel=fsdp shards the model across torchrun's processes: launch with "
-                          "`torchrun --nproc-per-node N -m fastddpm train --parallel fsdp ...` (N=1 works too), or "
-                          "drop --parallel fsdp for a single-process run")
+        launch = "`torchrun --nproc-per-node N -m fastddpm train --parallel fsdp ...` (N=1 works too)"
+        if resume is not None:  # the setting may be the resumed run's own (its config.json), not a flag given now
+            raise ConfigError(f"this run resumes with train.parallel=fsdp (its config.json, or --parallel), which "
+                              f"shards the model across torchrun's processes and writes sharded checkpoints: resume "
+                              f"it with {launch}; its ema.safetensors samples in one process")
+        raise ConfigError(f"train.parallel=fsdp shards the model across torchrun's processes: launch with {launch}, "
+                          f"or drop --parallel fsdp for a single-process run")
     fsdp = dist.enabled and train_cfg.parallel == "fsdp"
     if fsdp and train_cfg.batch_size == "auto":
         raise ConfigError("batch_size=auto measures a full replica of the model, which --parallel fsdp exists to "
