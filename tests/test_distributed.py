@@ -278,6 +278,68 @@ def test_global_batch_that_does_not_divide_is_a_clear_error(tmp_path, fmnist_npz
     assert "global_batch_size=10" in err and "accum_steps=4" in err
 
 
+_PEERS = """
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def worker(rank, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
+    try:
+        if rank == 0:
+            time.sleep(4)  # rank 0 busy alone, past the group's timeout
+        dist.all_reduce(torch.zeros(1))
+        q.put((rank, None, ""))
+    except BaseException as e:
+        q.put((rank, type(e).__name__, str(e)))
+    q.close(); q.join_thread(); os._exit(0)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, int(sys.argv[1]), q)) for r in range(2)]
+    [p.start() for p in procs]
+    print(json.dumps(sorted(q.get(timeout=60) for _ in procs)))
+    [p.join() for p in procs]
+"""
+
+
+def test_a_collective_that_failed_on_a_peer_is_said_in_one_line_per_rank(tmp_path, capsys, monkeypatch):
+    """A rank that waits past --dist-timeout-s (rank 0 alone in an evaluation's set-up) and the rank whose peer then
+    left end with one line each naming the setting or the other rank, not gloo's tracebacks. The errors are gloo's
+    own, raised by two real processes."""
+    from fastddpm.cli import main
+    from fastddpm.distributed import collective_failure
+
+    (tmp_path / "peers.py").write_text(_PEERS)
+    out = subprocess.run([sys.executable, str(tmp_path / "peers.py"), str(29000 + os.getpid() % 400)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (_, kind0, busy), (_, kind1, waited) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert kind0 == kind1 == "RuntimeError", out.stderr
+    timed_out = collective_failure(RuntimeError(waited), 1.0)
+    assert timed_out.startswith("this rank waited longer than --dist-timeout-s=1 s for the other ranks (Timed out")
+    assert "raise --dist-timeout-s" in timed_out and "pair.cc" not in timed_out and ".cc:" not in timed_out
+    left = collective_failure(RuntimeError(busy), 1.0)
+    assert left.startswith("another rank ended while this one waited for it") and "GLHF" not in left
+    assert collective_failure(RuntimeError("CUDA error: out of memory"), 1.0) is None  # keeps its traceback
+    assert collective_failure(ValueError(waited), 1.0) is None
+    # `fastddpm train` under torchrun says it on the rank's one line, exit 1
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(waited)
+
+    monkeypatch.setattr("fastddpm.trainer.loop.train", fails)
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--dist-timeout-s", "1"]) == 1
+    assert capsys.readouterr().err.startswith("error: rank 1: this rank waited longer than --dist-timeout-s=1 s")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RuntimeError, match="Timed out"):  # one process: no peer to blame, the error as raised
+        main(["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--dist-timeout-s", "1"])
+
+
 @pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, fmnist_npz):
     """What torchrun --max-restarts does after a failure, played by hand: a worker started with

@@ -271,6 +271,14 @@ def cmd_train(args, dests) -> int:
     except CudaGraphCaptureError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # under torchrun: a collective that failed on a peer is said in one line per rank
+        from fastddpm.distributed import collective_failure, launched_by_torchrun
+
+        why = collective_failure(e, cfg.train.dist_timeout_s) if launched_by_torchrun() else None
+        if why is None:
+            raise
+        print(f"error: rank {os.environ.get('RANK', '?')}: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -140,6 +141,25 @@ def shutdown(info: DistInfo) -> None:
                     if isinstance(obj, mesh_module.DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None),
                                                                               dict):
                         obj._pg_registry.clear()
+
+
+def collective_failure(e: BaseException, timeout_s: float, *, setting: str = "--dist-timeout-s") -> str | None:
+    """One line for a collective that failed on a peer (gloo raises a RuntimeError, NCCL a DistBackendError, one
+    of them): the wait ran past the process group's timeout, or the peer's end of the connection closed (it
+    ended first, and its own error says why). None for any other error, which keeps its traceback."""
+    if not isinstance(e, RuntimeError):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    said = re.sub(r"^\[[^\]]*\]\s*", "", first)  # the backend's "[/path/to/pair.cc:553] " source location
+    said = said.split(". This is typically")[0]  # gloo's advice after the fact, which the line below gives
+    if re.search(r"timed out|timeout", said, re.IGNORECASE):
+        return (f"this rank waited longer than {setting}={timeout_s:g} s for the other ranks ({said}). While the "
+                f"others wait, rank 0 works alone (an evaluation and its first set-up, a sample grid, a checkpoint): "
+                f"raise {setting} to cover it, e.g. {setting} {max(600.0, 4 * timeout_s):g}")
+    if re.search(r"connection (closed|reset) by peer|broken pipe", said, re.IGNORECASE):
+        return (f"another rank ended while this one waited for it ({said}): that rank's own error, in its output "
+                f"above, says why")
+    return None
 
 
 def barrier(info: DistInfo) -> None:
