@@ -131,10 +131,22 @@ def test_ten_second_steps_are_diagnosed_in_about_a_minute(monkeypatch):
     assert s.windows["warmup"]["seconds"] == 20.0 and s.windows["watch"]["seconds"] == 30.0
     assert _time_notes(s.notes) == [
         "warmed up for 2 of 5 planned steps: the warm-up window is bounded at 15 s (25% of the 60 s time budget, "
-        "--max-seconds / time_budget_s) and its median step took 10 s",
+        "--max-seconds / time_budget_s) and its steps took 10 s and 10 s",
         "watched 3 of 40 planned steps: the watch window is bounded at 27 s (45% of the 60 s time budget, "
         "--max-seconds / time_budget_s) and its median step took 10 s"]
     assert [r.host_ms for r in s.records] == [10_000.0] * 3
+
+
+def test_a_compiling_first_step_is_named_not_averaged_into_a_median(monkeypatch):
+    # two warm-up steps, a compile (71 s) and a replay (10 ms): their median, 35.5 s, described neither
+    clock = _Clock()
+    monkeypatch.setattr(session_module, "time", clock)
+    s = Session(DoctorConfig(warmup_steps=5, steps=40, profile_steps=0), device="cpu")
+    for step_s in (71.0, 0.01):
+        clock.t += step_s
+        s.step()
+    note = _time_notes(s.notes)[0]
+    assert note.endswith("and its steps took 71 s and 0.01 s"), note
 
 
 def test_no_time_budget_means_steps_only(monkeypatch):

@@ -283,7 +283,10 @@ class Session:
             self.notes.append(
                 f"{did} {len(steps_s)} of {planned} planned steps: the {name} window is bounded at "
                 f"{_seconds(share * budget)} s ({share:.0%} of the {budget:g} s time budget, --max-seconds / "
-                f"time_budget_s) and its median step took {_seconds(statistics.median(steps_s))} s")
+                f"time_budget_s) and " + (
+                    # two steps' median is their mean, which hides a compiling first step (71 s and 0.01 s)
+                    f"its steps took {' and '.join(_seconds(x) + ' s' for x in steps_s)}" if len(steps_s) < 3
+                    else f"its median step took {_seconds(statistics.median(steps_s))} s"))
         self._window_t0 = now
         self._window_step_s = []
 
