@@ -417,8 +417,9 @@ def test_a_resume_takes_the_adamw_settings_of_its_flags_not_the_checkpoints(tmp_
 
 
 def test_grid_and_eval_steps_a_sampler_cannot_take_are_refused_before_the_run_starts(tmp_path, fmnist_npz):
-    """The grids and --eval-every first sample hours into a run: steps their sampler cannot take on the run's
-    schedule are refused at the start, naming the flag and the largest count. At that count the run's grid works."""
+    """The grids and --eval-every first sample hours into a run: steps given that their sampler cannot take on the
+    run's schedule are refused at the start, naming the flag and the largest count; the default count is capped to
+    it, as `sample` and `eval` cap theirs. At that count the run's grid works."""
     from fastddpm.diffusion import schedule_from_config
     from fastddpm.diffusion.samplers import max_steps
 
@@ -426,13 +427,13 @@ def test_grid_and_eval_steps_a_sampler_cannot_take_are_refused_before_the_run_st
                             {"diffusion.schedule": "cosine", "diffusion.num_timesteps": 16})
     limit = max_steps(schedule_from_config(short.diffusion), "dpmpp-2m-sde")
     assert short.grid_sampling() == ("dpmpp-2m-sde", 20) and limit < 20
-    with pytest.raises(ConfigError, match=rf"--sample-steps 20 \(the default\): the grids' sampler dpmpp-2m-sde "
+    with pytest.raises(ConfigError, match=rf"--sample-steps 20: the grids' sampler dpmpp-2m-sde "
                                           rf"takes at most {limit} steps on this 16-timestep cosine schedule.*give "
                                           rf"--sample-steps {limit} or fewer, or more --num-timesteps"):
-        train(short, out_dir=tmp_path / "short", log=quiet)
+        train(apply_overrides(short, {"train.sample_steps": 20}), out_dir=tmp_path / "short", log=quiet)
     assert not (tmp_path / "short").exists()  # refused before anything was loaded or written
-    evaluated = apply_overrides(short, {"train.sample_steps": limit, "train.eval_every_images": 128})
-    with pytest.raises(ConfigError, match=rf"--eval-steps 20 \(the default\): the evaluations' sampler .*give "
+    evaluated = apply_overrides(short, {"train.eval_steps": 20, "train.eval_every_images": 128})
+    with pytest.raises(ConfigError, match=rf"--eval-steps 20: the evaluations' sampler .*give "
                                           rf"--eval-steps {limit} or fewer"):
         train(evaluated, out_dir=tmp_path / "evaluated", log=quiet)
     cosine = apply_overrides(tiny_cfg(fmnist_npz), {"diffusion.schedule": "cosine", "train.sampler": "dpmpp-2m",
@@ -441,9 +442,19 @@ def test_grid_and_eval_steps_a_sampler_cannot_take_are_refused_before_the_run_st
     with pytest.raises(ConfigError, match=rf"--sample-steps 1000: the grids' sampler dpmpp-2m takes at most "
                                           rf"{solver_limit} steps .*it starts at timestep {solver_limit - 1}"):
         train(cosine, out_dir=tmp_path / "cosine", log=quiet)
-    result = train(apply_overrides(short, {"train.sample_steps": limit, "train.max_steps": 1}),
-                   out_dir=tmp_path / "at-the-limit", log=quiet)
+    # the defaults on that short schedule: capped to the limit, said in the log and recorded in run.json
+    from fastddpm.sampling import run_sampling
+    from fastddpm.trainer.setup import check_sampling_steps
+
+    check_sampling_steps(apply_overrides(short, {"train.eval_every_images": 128}))  # both defaults: no refusal
+    assert run_sampling(short, "evaluations") == ("dpmpp-2m-sde", limit)
+    lines = []
+    result = train(apply_overrides(short, {"train.max_steps": 1}), out_dir=tmp_path / "at-the-limit",
+                   log=lines.append)
     assert result.grid is not None and result.grid.is_file()
+    info = json.loads((tmp_path / "at-the-limit" / "run.json").read_text())
+    assert info["grid_sampling"] == ["dpmpp-2m-sde", limit]
+    assert any(line.startswith(f"grids: dpmpp-2m-sde {limit} steps") for line in map(str, lines)), lines
 
 
 def test_batch_larger_than_dataset_is_a_clear_error(tmp_path, fmnist_npz, capsys):

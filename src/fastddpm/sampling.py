@@ -105,6 +105,19 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
     return sampler, steps
 
 
+def run_sampling(cfg: RunConfig, use: str) -> tuple[str, int]:
+    """A training run's (sampler, steps) for its grids (`use` "grids") or its --eval-every ("evaluations"):
+    `auto` resolved for its objective (RunConfig.grid_sampling / eval_sampling), and the default step count capped
+    to what the sampler takes on a DDPM schedule too short for it, as `sample` and `eval` cap theirs. A count
+    given is kept: the trainer refuses one too large at its start."""
+    sampler, steps = cfg.grid_sampling() if use == "grids" else cfg.eval_sampling()
+    given = cfg.train.sample_steps if use == "grids" else cfg.train.eval_steps
+    d = cfg.diffusion
+    if given is None and d.objective == "ddpm" and sampler in SAMPLERS and sampler != "ddpm":
+        steps = min(steps, max_steps(schedule_from_config(d), sampler))
+    return sampler, steps
+
+
 def compile_for_sampling(model, device: torch.device):
     """The U-Net compiled for a sampler's loop: one static shape (every batch full), and on CUDA each step's
     forward replayed as a CUDA graph (mode="reduce-overhead"): a sampler's step is one small forward whose kernel
@@ -258,7 +271,7 @@ def write_grid(ema_model, schedule, cfg: RunConfig, device, precision: Precision
         labels, per_class = grid_labels(n, model_cfg.num_classes)
         n = len(labels)
     shape = (n, model_cfg.image_channels, model_cfg.image_size, model_cfg.image_size)
-    sampler, steps = cfg.grid_sampling()
+    sampler, steps = run_sampling(cfg, "grids")
     x = sample(ema_model, schedule, shape, sampler=sampler, steps=steps,
                prediction=cfg.diffusion.prediction, seed=derive_seed(cfg.train.seed, "grid"), device=device,
                autocast_dtype=precision.autocast_dtype, labels=labels, guidance=cfg.train.sample_guidance,

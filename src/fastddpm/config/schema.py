@@ -335,14 +335,12 @@ class TrainConfig:
     )
     inductor_layout: str = field(
         default="auto",
-        metadata=_doc("The layout Inductor gives the compiled step's own tensors. heuristic = Inductor's own, which "
-                      "keeps NCHW in any graph with a convolution of at least twice as many input as output "
-                      "channels and a kernel wider than 1 (a U-Net decoder's, after its skip concatenation), so "
-                      "aten copies between its NCHW and cuDNN's NHWC. channels-last = its layout optimization "
-                      "forced (TORCHINDUCTOR_FORCE_LAYOUT_OPT). auto = forced on one CUDA device under bf16, where it "
-                      "measured 1.18x the heuristic's step on ddpm-cifar10 (batch 128) and 1.02x on seed-1layer "
-                      "(batch 1024, channels_last) on an H200; the heuristic on a CPU, under DDP/FSDP and under "
-                      "fp16/fp32 (unmeasured). Needs --compile on (or auto that compiles).",
+        metadata=_doc("The layout Inductor gives the compiled step's own tensors. heuristic = Inductor's own: NCHW in "
+                      "a graph with a convolution of >= 2x as many input as output channels and a kernel wider than "
+                      "1 (a U-Net decoder's), so aten copies between it and cuDNN's NHWC. channels-last = its layout "
+                      "optimization forced. auto = forced on one CUDA device under bf16 (on an H200: 1.18x the "
+                      "heuristic on ddpm-cifar10 at batch 128, 1.02x on seed-1layer at 1024 with channels_last), "
+                      "the heuristic elsewhere (unmeasured). Needs --compile on (or auto that compiles).",
                       choices=("auto", "channels-last", "heuristic")),
     )
     cuda_graphs: str = field(
@@ -361,12 +359,11 @@ class TrainConfig:
     )
     attention_head_pad: int | str = field(
         default="auto",
-        metadata=_doc("Zero-pad attention heads narrower than this (8, 16, 32 or 64; 0 = off) to it, with the "
-                      "softmax scale kept: the same function, on kernels a tiny head dimension misses (cuDNN's "
-                      "attention needs a multiple of 8; the seed U-Net's 4 heads at 16 channels are 4 wide). auto = "
-                      "8 on CUDA under compile and bf16 (seed-1layer at batch 1024: 1.05x on an H200, with NCHW and "
-                      "with channels_last weights), off on a CPU, in eager and under fp16/fp32 (unmeasured). "
-                      "`fastddpm sample` and `eval` build the U-Net unpadded."),
+        metadata=_doc("Zero-pad attention heads narrower than this (8, 16, 32 or 64; 0 = off) to it, the softmax "
+                      "scale kept: the same function, on kernels a tiny head misses (cuDNN's attention needs a "
+                      "multiple of 8; the seed U-Net's heads at 16 channels are 4 wide). auto = 8 on CUDA under "
+                      "compile and bf16 (1.05x on seed-1layer at 1024, H200), else off (unmeasured). `fastddpm "
+                      "sample` and `eval` build the U-Net unpadded."),
     )
     cudnn_benchmark: str = field(
         default="auto",

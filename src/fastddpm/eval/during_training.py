@@ -31,7 +31,7 @@ from fastddpm.eval.evaluate import Evaluator, as_json_safe, quiet, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
-from fastddpm.sampling import reshard
+from fastddpm.sampling import reshard, run_sampling
 
 
 def evaluation_choices(cfg: RunConfig) -> dict:
@@ -59,7 +59,7 @@ class TrainingEvaluator:
         self.rank, self.world_size = rank, world_size
         self.every = t.eval_every_images
         self.choices = evaluation_choices(cfg)
-        self.sampler, self.steps = cfg.eval_sampling()  # `auto` resolved for the run's objective
+        self.sampler, self.steps = run_sampling(cfg, "evaluations")  # `auto` resolved for the run's objective
         if rank != 0:
             # the feature network rank 0 trained or found and cached (the barrier: once it has)
             torch.distributed.barrier()

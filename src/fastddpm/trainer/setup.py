@@ -31,6 +31,7 @@ from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.files import make_writable_dir, remove_if_empty
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
+from fastddpm.sampling import run_sampling
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
 from fastddpm.trainer.build import Optimization, build_model
@@ -336,11 +337,11 @@ def check_sampling_steps(cfg: RunConfig) -> None:
     d, train_cfg = cfg.diffusion, cfg.train
     if d.objective != "ddpm":
         return  # EDM's and flow's samplers take any number of steps (>= 1, which the config checks)
-    uses = [("grids", "--sample-steps", cfg.grid_sampling(), train_cfg.sample_steps)]
+    uses = [("grids", "--sample-steps", run_sampling(cfg, "grids"))]  # a default count is capped there
     if train_cfg.eval_every_images:
-        uses.append(("evaluations", "--eval-steps", cfg.eval_sampling(), train_cfg.eval_steps))
+        uses.append(("evaluations", "--eval-steps", run_sampling(cfg, "evaluations")))
     schedule = schedule_from_config(d)
-    for what, flag, (sampler, steps), given in uses:
+    for what, flag, (sampler, steps) in uses:
         if sampler == "ddpm":
             continue  # ancestral DDPM walks all T timesteps, whatever the steps
         limit = sampler_max_steps(schedule, sampler)
@@ -348,7 +349,7 @@ def check_sampling_steps(cfg: RunConfig) -> None:
             start = ("" if limit == d.num_timesteps else
                      f" (it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN})")
             raise ConfigError(
-                f"{flag} {steps}{'' if given is not None else ' (the default)'}: the {what}' sampler {sampler} "
+                f"{flag} {steps}: the {what}' sampler {sampler} "
                 f"takes at most {limit} steps on this {d.num_timesteps}-timestep {d.schedule} schedule{start}: "
                 f"give {flag} {limit} or fewer, or more --num-timesteps")
 
@@ -555,7 +556,7 @@ def _run_record(cfg: RunConfig, choices: Choices, model: UNet, data, dist: DistI
         "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "command": sys.argv,
         # `auto` resolved for the objective (config.json keeps "auto"): the samplers this run's grids and
         # --eval-every use, as [sampler, steps]
-        "grid_sampling": list(cfg.grid_sampling()), "eval_sampling": list(cfg.eval_sampling()),
+        "grid_sampling": list(run_sampling(cfg, "grids")), "eval_sampling": list(run_sampling(cfg, "evaluations")),
     }
 
 
@@ -571,7 +572,7 @@ def _describe(run: Run) -> None:
     for line in run.choices.lines(run.dist.world_size, run.images_per_step, cfg.train.accum_steps,
                                   run.steps_per_epoch):
         log(line)
-    (grid, grid_steps), t = cfg.grid_sampling(), cfg.train
+    (grid, grid_steps), t = run_sampling(cfg, "grids"), cfg.train
     guided = f", guided at W = {t.sample_guidance:g}" if cfg.guided(t.sample_guidance) else ""
     log(f"grids: {grid} {grid_steps} steps" + (f" (sampler auto: the {cfg.diffusion.objective} objective's{guided})"
                                                if t.sampler == "auto" else ""))
