@@ -296,6 +296,40 @@ def test_an_fsdp_run_resumed_in_one_process_is_told_to_use_torchrun_not_to_drop_
     assert "torchrun" in str(e.value) and "drop --parallel" not in str(e.value)
 
 
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb"])
+def test_a_logger_that_cannot_open_is_refused_before_the_runs_set_up(tmp_path, fmnist_npz, capsys, monkeypatch,
+                                                                     logger):
+    """Rank 0 opens the loggers after the data, the model and the compile (and under torchrun the other ranks then
+    ended in a gloo traceback): a missing package, or a file where the logger's folder goes, is refused on every
+    rank before any of that, and the file is left as it was."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    installed = {"tensorboard": True, "wandb": True}
+
+    def find_spec(name, *args):  # the two loggers' packages as `installed` says, any other module as it is
+        if name in installed:
+            return object() if installed[name] else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    run = tmp_path / "run"
+    args = ["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
+            "--no-progress", "--log-to", logger]
+    installed[logger] = False
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--log-to {logger} needs the {logger} package: pip install {logger}" in err and "Traceback" not in err
+    assert not run.exists()  # before the run folder, the data and the model
+    installed[logger] = True
+    run.mkdir()
+    (run / logger).write_text("notes\n")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--log-to {logger} writes into the folder {run / logger}, which is a file here: move or delete" in err
+    assert (run / logger).read_text() == "notes\n" and sorted(p.name for p in run.iterdir()) == [logger]
+
+
 def test_state_dict_keys_are_clean():
     sd = {"_orig_mod.conv_in.weight": 1, "module.conv_out.bias": 2, "module._orig_mod.t_proj.0.weight": 3}
     assert list(clean_state_dict(sd)) == ["conv_in.weight", "conv_out.bias", "t_proj.0.weight"]

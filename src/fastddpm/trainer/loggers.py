@@ -19,6 +19,34 @@ import numpy as np
 from fastddpm.config import ConfigError, RunConfig
 from fastddpm.rundir.layout import RunDir
 
+# the package each logger needs, and how it is said when missing
+_NEEDS = {
+    "tensorboard": ("tensorboard", "--log-to tensorboard needs the tensorboard package: pip install tensorboard (or "
+                                   "pip install 'fastddpm[tensorboard]'), or drop tensorboard from --log-to"),
+    "wandb": ("wandb", "--log-to wandb needs the wandb package: pip install wandb (or pip install "
+                       "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account"),
+}
+
+
+def check_loggers(cfg: RunConfig, run_dir: Path | None) -> None:
+    """What --log-to needs, checked on every rank before the run's set-up: rank 0 opens the loggers after the
+    data, the model and the compile, and under torchrun a refusal there ended the other ranks in their next
+    collective. A missing package, and a file where the logger's folder goes, are refused by name."""
+    import importlib.util
+
+    for name in cfg.train.log_to:
+        if name in _NEEDS and importlib.util.find_spec(_NEEDS[name][0]) is None:
+            raise ConfigError(_NEEDS[name][1])
+    if run_dir is None:
+        return
+    folders = {"tensorboard": RunDir(run_dir).tensorboard, "wandb": Path(run_dir) / "wandb"}
+    for name in cfg.train.log_to:
+        folder = folders.get(name)
+        if folder is not None and (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+            raise ConfigError(f"--log-to {name} writes into the folder {folder}, which is a file here: move or "
+                              f"delete that file, or drop {name} from --log-to")
+
+
 # metrics.jsonl keys that are not measurements of the step
 _NOT_SCALARS = {"step", "event", "images_seen"}
 
@@ -51,9 +79,7 @@ class RunLoggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ConfigError("--log-to tensorboard needs the tensorboard package: pip install tensorboard "
-                                  "(or pip install 'fastddpm[tensorboard]'), or drop tensorboard from "
-                                  "--log-to") from None
+                raise ConfigError(_NEEDS["tensorboard"][1]) from None
             # A resume trains the steps after its checkpoint again: what an abandoned branch (a resume from an
             # earlier checkpoint) or a crashed run (logging past its last checkpoint) wrote from there on is
             # hidden, as metrics.jsonl sets those records aside, so that each step has one value. A new run hides
@@ -149,8 +175,7 @@ def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool):
     try:
         import wandb
     except ImportError:
-        raise ConfigError("--log-to wandb needs the wandb package: pip install wandb (or pip install "
-                          "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account") from None
+        raise ConfigError(_NEEDS["wandb"][1]) from None
     id_file = RunDir(run_dir).wandb_run_id
     run_id = id_file.read_text().strip() if resuming and id_file.is_file() else "".join(
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet

@@ -37,6 +37,7 @@ from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step
 from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
+from fastddpm.trainer.loggers import check_loggers
 from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, init_from_note, recipe_changes
 from fastddpm.trainer.state import TrainState
 
@@ -185,6 +186,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
     _check_before_loading(cfg)
+    check_loggers(cfg, run_dir)
     created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or a "
                                                            "run directory, to continue its run)")
     try:
