@@ -279,7 +279,21 @@ def test_rule_layout_thrash_names_the_layout_to_change_by_the_weights_format():
     assert settings_of(f.fixes[0].fastddpm)[1] == {"train.channels_last": "on", "train.compile": "on"}
     # mostly-cuDNN conversions with some weights NCHW: make the rest channels_last too
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="mixed", compile=compiled))
-    assert f.fixes[0].fastddpm == "--channels-last on" and "NCHW weights among" in f.cause
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last on", "--channels-last on --inductor-layout channels-last"]
+    assert "NCHW weights among" in f.cause and all(x.unpredicted for x in f.fixes)
+    f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="mixed", compile=compiled,
+                                             inductor_layout="channels-last"))
+    assert [x.fastddpm for x in f.fixes] == ["--channels-last on"]
+    # channels_last weights that cuDNN still converts around: the tensors reach it NCHW, so `--channels-last on` (in
+    # effect already) and off (cuDNN would convert everything) are no fixes; keeping the tensors NHWC is
+    for compiled_, forced_, flags in [(None, None, ["--compile on", None]),
+                                      (compiled, None, ["--inductor-layout channels-last", None]),
+                                      (compiled, "channels-last", [None])]:
+        f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=cudnn, conv_layout="channels_last",
+                                                 compile=compiled_, inductor_layout=forced_))
+        assert [x.fastddpm for x in f.fixes] == flags, (compiled_, forced_)
+        assert "x.contiguous(memory_format=torch.channels_last)" in f.fixes[-1].code
+        assert "weights are channels_last but tensors reach them NCHW" in f.cause
     # channels_last weights meeting NCHW-only ops: channels_last off, or compile where the loop is eager
     mine = gpu_trace(layout_share=0.3, layout_format_share=0.1)
     f, _ = check(rules.layout_thrash, record(device="cuda:0", trace=mine, conv_layout="channels_last"))

@@ -195,6 +195,8 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                   trial="channels-last" if compiled else None)
     compile_fix = Fix("--compile on", "torch.compile the model (Inductor fuses the ops between the convolutions "
                                       "in the tensors' own layout)", trial="compile")
+    lo_what = ("force Inductor's layout optimization, so its own tensors are channels_last and cuDNN meets "
+               "NHWC: torch.compile(model, options={'force_layout_optimization': True})")
     if cudnn and compiled and layout != "channels_last":
         # Under torch.compile the conversions' share is no estimate of channels_last's gain: measured on an H200
         # (benchmarks/RESULTS.md, 2026-11-27), 18% of seed-1layer's step gave 1.09x and 23% of ddpm-cifar10's gave
@@ -205,8 +207,6 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                       trial="channels-last", unpredicted=True)
         # Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28), compiled and captured under bf16: Inductor's
         # layout optimization forced 1.18x on ddpm-cifar10's NCHW step, with channels_last weights too 1.13x
-        lo_what = ("force Inductor's layout optimization, so its own tensors are channels_last and cuDNN meets "
-                   "NHWC: torch.compile(model, options={'force_layout_optimization': True})")
         lo = Fix("--inductor-layout channels-last", lo_what + " (on an H200: 1.18x on ddpm-cifar10 at batch 128, "
                  "whose conversions took 23% of its step; not a prediction here)", unpredicted=True)
         force = Fix("--channels-last on --inductor-layout channels-last",
@@ -223,11 +223,29 @@ def layout_thrash(m: Measurements, unavailable: dict[str, str]) -> Finding | Non
                     else "; Inductor did not change the layout (it skips its layout optimization in a graph with a "
                     "convolution of at least twice as many input as output channels and a kernel wider than 1, "
                     "as a U-Net's decoder has after its skip concatenation)" if compiled else ""))
-        unforced = compiled and layout in ("nchw", None) and m.inductor_layout != "channels-last"
-        fixes = ([lo] if unforced else []) + [to_nhwc] + ([force] if unforced else []) + (
-            [Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
-                 ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
-            if layout is None else [])
+        unforced = compiled and m.inductor_layout != "channels-last"
+        if layout == "channels_last":
+            # channels_last is already on, so the tensors reach cuDNN NCHW: turning it off would leave cuDNN
+            # converting everything; what helps keeps the tensors NHWC up to the convolutions
+            inputs = Fix(None, "keep the tensors channels_last up to the convolutions: convert each 4-D input "
+                               "batch with x.contiguous(memory_format=torch.channels_last), and drop .contiguous() "
+                               "calls between the convolutions (they return NCHW)")
+            if not compiled:
+                fixes = [Fix("--compile on", "torch.compile the model, so GroupNorm and the other ops between the "
+                                             "convolutions keep channels_last (in eager they return NCHW)",
+                             trial="compile"), inputs]
+            else:
+                fixes = ([Fix("--inductor-layout channels-last", lo_what + " (on an H200: 1.02x over "
+                              "channels_last alone on seed-1layer; not a prediction here)", unpredicted=True)]
+                         if unforced else []) + [inputs]
+        elif layout == "mixed":
+            # the NCHW weights are the likelier cause, so channels_last throughout comes first
+            fixes = [to_nhwc] + ([force] if unforced else [])
+        else:
+            fixes = ([lo] if unforced else []) + [to_nhwc] + ([force] if unforced else []) + (
+                [Fix("--channels-last off in eager, or --compile on", "if the model is channels_last: drop "
+                     ".to(memory_format=torch.channels_last) in eager mode, or compile the model")]
+                if layout is None else [])
     elif layout in ("channels_last", "mixed"):
         forced = m.inductor_layout == "channels-last"
         cause = ("channels_last tensors meet ops without an NHWC kernel (GroupNorm in eager mode, .contiguous() "
