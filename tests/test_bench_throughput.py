@@ -138,6 +138,10 @@ def test_quick_run_markdown_has_the_table(quick_run):
         (out / "throughput.json").read_text())["results"])
     column = [c.strip() for c in TABLE_HEADER.split("|")].index("compile s")
     assert [line.split("|")[column].strip() for line in rows] == ["-", "-"]
+    # each variant's line names the layout and head padding it ran, which the table does not show
+    per_variant = [line for line in md.splitlines() if line.startswith("- tiny")]
+    assert len(per_variant) == 2 and all("; inductor layout heuristic (" in line and "; head pad " in line
+                                         for line in per_variant)
 
 
 def test_the_help_names_every_column_of_the_table(capsys):

@@ -146,6 +146,10 @@ def report_markdown(result: dict) -> str:
                             f"{r['bound_us_per_image']:,.1f} us per image ({r['roofline_binds']}); "
                             if r.get("mb_per_image") is not None else "") +
                          f"compile {fp['compile']}; cuda graphs {fp['cuda_graphs']}"
+                         # rows written before the two keys existed lack them
+                         + "".join(f"; {label} {fp[k]}" for k, label in (("inductor_layout", "inductor layout"),
+                                                                        ("attention_head_pad", "head pad"))
+                                   if k in fp)
                          + (f" (capture failed: {r['cuda_graphs_failed']})" if r["cuda_graphs_failed"]
                             and fp["cuda_graphs"].startswith("capture") else "")
                          + f"; input {r['input_ms_per_step']:.3f} ms/step; "
