@@ -323,3 +323,25 @@ def test_doctor_train_try_runs_fastddpm_train_with_and_without_the_setting(fmnis
     # per image, in the base run's batch of 16: the batch-8 run's step time counts twice
     assert trial.base_ms == [base["step_ms"]] and trial.fix_ms == [pytest.approx(2 * fix["step_ms"])]
     assert trial.measured == pytest.approx(base["step_ms"] / (2 * fix["step_ms"]))
+
+
+def test_doctor_train_counts_the_roofline_bytes_on_the_model_the_run_built():
+    """Padded attention heads move their zeros through memory: the doctor's roofline counts the model with the
+    padding run.json records (bench throughput counts the trainer's own model, padded as it ran)."""
+    import dataclasses
+
+    from fastddpm.config.presets import PRESETS
+    from fastddpm.doctor.runners import recorded_head_pad, run_model
+    from fastddpm.measure import count_step_bytes
+
+    assert recorded_head_pad({"attention_head_pad": "8 (auto: CUDA, compiled, bf16)"}) == 8
+    assert recorded_head_pad({"attention_head_pad": "off (auto: no CUDA)"}) == 0
+    assert recorded_head_pad({}) == 0  # a run.json from before the padding was recorded
+    cfg = PRESETS["seed-1layer"]()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, image_channels=1, image_size=28))
+    saved = []
+    for fast_path in ({"attention_head_pad": "off (requested)"}, {"attention_head_pad": "8 (requested)"}):
+        model = run_model(cfg, fast_path)
+        saved.append(count_step_bytes(model, (1, 28, 28), images_per_step=2, device=torch.device("cpu"),
+                                      autocast_dtype=torch.bfloat16)["activation_bytes_per_image"])
+    assert saved[1] > saved[0]  # the seed U-Net's 4-wide heads padded to 8 save wider q, k, v
