@@ -604,6 +604,37 @@ def test_rule_small_batch():
     assert check(rules.small_batch, record(device="cuda:0", trace=t, batch_size=8, memory=full)) == (None, {})
 
 
+def test_rule_item_loop_costs_the_loop_and_its_backward_less_the_profilers_cost():
+    loop = {"items": 32, "indexed_per_step": 32, "shapes": [[32, 1, 28, 28]], "span_us": 2000.0, "ops_in_span": 400,
+            "step_us": 10_000.0, "per_item_ops": ["aten::mse_loss", "aten::add"], "backward_us": 1000.0,
+            "backward_ops": 200}
+    # the profiler added 1 ms over 1,000 ops: 1 us an op, so the loop is 1.6 ms and its backward 0.8 ms of 9 ms
+    t = cpu_trace(item_loops=[loop], breakdown_ops_per_step={"framework": 1000.0}, profiled_step_ms=10.0)
+    f, _ = check(rules.item_loop, record(trace=t, batch_size=32, step_stats=StepStats(steps=20, median_ms=9.0)))
+    assert f.id == "item-loop" and f.rules == (22,) and f.group == "compute" and f.kind == "bottleneck"
+    assert f.cost == pytest.approx(2.4 / 9 * 31 / 32)  # one batched op still costs one sample's share
+    assert "32 of the 32 items" in f.evidence[0] and "the batch's 32 samples" in f.evidence[0]
+    assert "each goes through aten::mse_loss, aten::add" in f.evidence[0] and "1.60 ms" in f.evidence[1]
+    assert "F.mse_loss(pred, target)" in f.fixes[0].code and f.fixes[0].fastddpm is None
+    # no profiler correction to make (no watched median): the profiled times as they are
+    f, _ = check(rules.item_loop, record(trace=cpu_trace(item_loops=[loop]), batch_size=32))
+    assert f.cost == pytest.approx(0.3 * 31 / 32)
+    # on a GPU the host's loop costs only the time the GPU waits for it
+    gpu = dataclasses.replace(gpu_trace(idle_share=0.1), item_loops=[loop])
+    f, _ = check(rules.item_loop, record(device="cuda:0", trace=gpu, batch_size=32))
+    assert f.cost == pytest.approx(0.1 * 31 / 32)
+    # a loop over 6 layers' rows in a batch of 32, the batch unknown, a loop too short to matter, none at all
+    layers = {**loop, "items": 6, "indexed_per_step": 6, "shapes": [[6, 32]]}
+    assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers]), batch_size=32)) == (None, {})
+    # the batch unseen: a loop over images (3-D items) is taken, one over a 2-D parameter's rows is not
+    f, _ = check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers, loop])))
+    assert f.cost == pytest.approx(0.3 * 31 / 32) and "the batch size was not seen" in f.evidence[0]
+    assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers]))) == (None, {})
+    short = {**loop, "span_us": 100.0, "backward_us": 50.0}
+    assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[short]), batch_size=32)) == (None, {})
+    assert check(rules.item_loop, record(trace=cpu_trace(), batch_size=32)) == (None, {})
+
+
 def test_compute_verdict_ranks_every_compute_fix_by_expected_gain():
     t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.2},
                   optimizer_kind="per-tensor", optimizer_ops_per_step=3000.0,
@@ -682,8 +713,8 @@ def test_without_a_trace_the_verdict_says_which_rules_it_rests_on():
     v = verdict(found, m)
     assert v["healthy"] and v["title"] == f"HEALTHY by the host-side rules; the compute rules were not checked: {ended}"
     assert "math" not in v["title"]  # nothing measured what the step is made of
-    assert unavailable["12, 16-20 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, "
-                       "batch)"] == ended
+    assert unavailable["12, 16-20, 22 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, "
+                       "batch, per-sample loops)"] == ended
     assert ended in unavailable["13 (MFU)"]
     # on a GPU the timeline and the syncs were not checked either, for the same reason
     found, unavailable = evaluate(dataclasses.replace(m, device="cuda:0"))
@@ -726,10 +757,11 @@ def test_every_rule_function_is_checked_in_order():
     assert [r.__name__ for r in rules.RULES] == [
         "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
         "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift", "attention_weights",
-        "eager_elementwise", "per_tensor_optimizer", "small_batch"]
+        "eager_elementwise", "per_tensor_optimizer", "small_batch", "item_loop"]
     _, unavailable = rules.evaluate(record())  # no trace: the rules that read one are listed too
-    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20 (the profiled step's ops: "
-                                 "matmul dtypes, attention, elementwise, optimizer, batch)", "13 (MFU)", "14 (memory)"]
+    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20, 22 (the profiled step's ops: "
+                                 "matmul dtypes, attention, elementwise, optimizer, batch, per-sample loops)",
+                                 "13 (MFU)", "14 (memory)"]
 
 
 # ---- the record's dict form: the JSON report's `measurements`, as users read it

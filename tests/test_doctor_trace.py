@@ -762,3 +762,62 @@ def test_cpu_native_bf16_reads_the_flags():
     assert cpu_native_bf16(frozenset({"fp", "asimd", "bf16"}))[0] is True  # Arm's FEAT_BF16
     ok, why = cpu_native_bf16(frozenset())
     assert not ok and "amx_bf16" in why
+
+
+# ---- a Python loop over the batch's samples (rule 22)
+
+def _profiled(step, steps=3) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastddpm.doctor.session import profiler_logs_muted
+
+    with profiler_logs_muted():
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(steps):
+                with torch.autograd.profiler.record_function(STEP_MARK):
+                    step()
+    return json.loads(_export(prof))["traceEvents"]
+
+
+@pytest.mark.parametrize("style", ["per-sample", "one-item slices", "micro-batches", "dataset reads", "batched",
+                                   "layer gains"])
+def test_a_loop_over_the_batchs_samples_is_found_and_nothing_else_is(style):
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(1, 4, 3, padding=1)
+    head = torch.nn.Conv2d(4, 1, 1)
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=1e-3)
+    data = torch.randn(8, 1, 6, 6)
+    gains = torch.ones(6, requires_grad=True)
+
+    def step():
+        if style == "dataset reads":  # a map-style dataset read item by item, inside the data wait
+            with torch.autograd.profiler.record_function(DATA_MARK):
+                x = torch.stack([data[i] for i in range(8)])
+        else:
+            x = data
+        pred = head(model(x))
+        if style == "per-sample":
+            loss = sum(torch.nn.functional.mse_loss(pred[i], x[i]) for i in range(8)) / 8
+        elif style == "one-item slices":
+            loss = sum(torch.nn.functional.mse_loss(pred[i:i + 1], x[i:i + 1]) for i in range(8)) / 8
+        elif style == "micro-batches":  # chunks of several samples: gradient accumulation's shape, not one by one
+            loss = sum(torch.nn.functional.mse_loss(pred[i:i + 4], x[i:i + 4]) for i in (0, 4)) / 2
+        elif style == "layer gains":  # a vector's scalars indexed in a loop (a gain per layer): no items to batch
+            loss = sum(gains[i] * pred.square().mean() for i in range(6))
+        else:
+            loss = torch.nn.functional.mse_loss(pred, x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    loops = analyze(_profiled(step)).item_loops
+    if style in ("per-sample", "one-item slices"):
+        assert len(loops) == 1
+        loop = loops[0]
+        assert loop["items"] == 8 and loop["indexed_per_step"] == 8 and loop["shapes"] == [[8, 1, 6, 6]]
+        assert "aten::mse_loss" in loop["per_item_ops"]
+        assert 0 < loop["span_us"] < loop["step_us"] and loop["ops_in_span"] >= 16
+        # the backward evaluates the loss's gradient once per sample too
+        assert loop["backward_us"] > 0 and loop["backward_ops"] >= 8
+    else:
+        assert loops == []

@@ -1,6 +1,7 @@
-"""Rules 12, 13 and 16-20 of docs/DOCTOR.md, the compute rules: the model's own arithmetic is slow, not the
-pipeline around it (Finding.group "compute"). Matmul dtypes (12, 16), MFU (13), materialised attention (17),
-eager elementwise work (18), a per-tensor optimizer (19), a small batch (20)."""
+"""Rules 12, 13, 16-20 and 22 of docs/DOCTOR.md, the step's own work: the compute rules, where the model's
+arithmetic is slow, not the pipeline around it (Finding.group "compute"): matmul dtypes (12, 16), MFU (13),
+materialised attention (17), eager elementwise work (18), a per-tensor optimizer (19), a small batch (20); and a
+Python loop over the batch's samples (22)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_
                                         CPU_LOW_MFU, CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES,
                                         FP32_GEMM_SHARE, FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR,
                                         LAYOUT_SHARE, LOW_MFU_SHARE, LOW_PRECISION_MAX_SPEEDUP,
-                                        LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS,
+                                        ITEM_LOOP_SHARE, LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS,
                                         OPTIMIZER_SHARE, OVERHEAD_SHARE, SMALL_BATCH)
 from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 
-NO_TRACE_RULES = "12, 16-20 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, batch)"
+NO_TRACE_RULES = ("12, 16-20, 22 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, batch, "
+                  "per-sample loops)")
 
 
 def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -391,4 +393,53 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
         "the arithmetic the model needs is a small part of the step: per-op overhead, memory-bound ops",
         [Fix("--compile on; a larger --batch-size", "torch.compile(model); a larger batch; fewer, larger ops",
              trial="compile")],
+        group="compute")
+
+
+def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 22: the step indexes a tensor sample by sample (x[i] for i over a first dimension as long as the
+    batch) and runs each sample's ops on their own: one op dispatch (and on a GPU one launch) per sample where one batched op would do.
+    The cost counts the loop's own time from its first index to its last and the backward's autograd nodes
+    evaluated once per sample, each less the profiler's cost for the ops recorded in it, and less one sample's
+    share (the batched op is dispatched once). On a GPU the host's loop time costs only where the GPU waits for
+    it (its idle share)."""
+    t = m.trace
+    loops = t.item_loops if t is not None else []
+    if m.batch_size is not None:
+        # as many items as the batch has samples; a loop over layers (rows of a (depth, C) parameter) is not one
+        loop = next((x for x in loops if x["items"] == m.batch_size), None)
+    else:  # the batch unseen (no DataLoader batch watched): items that are images or sequences, the longest loop
+        loop = max((x for x in loops if all(len(s) >= 3 for s in x["shapes"])), key=lambda x: x["items"],
+                   default=None)
+    if loop is None or not loop.get("step_us"):
+        return None
+    per_op_ms = m.profiler_ms_per_op()
+    step_ms = (m.step_stats.median_ms if per_op_ms is not None else None) or loop["step_us"] / 1e3
+    span_ms = max(0.0, loop["span_us"] / 1e3 - (per_op_ms or 0.0) * loop["ops_in_span"])
+    back_ms = max(0.0, loop.get("backward_us", 0.0) / 1e3 - (per_op_ms or 0.0) * loop.get("backward_ops", 0))
+    share = min(1.0, (span_ms + back_ms) / step_ms)
+    if t.has_gpu:
+        share = min(share, t.idle_share or 0.0)
+    n, indexed = loop["items"], loop["indexed_per_step"]
+    cost = share * (1 - 1 / max(indexed, 1))
+    if cost < ITEM_LOOP_SHARE:
+        return None
+    shapes = " and ".join("(" + ", ".join(map(str, s)) + ")" for s in loop["shapes"])
+    each = ", ".join(loop["per_item_ops"])
+    ev = [f"{indexed} of the {n} items along the first dimension of the tensor(s) {shapes} indexed one by one each "
+          f"step (x[i], " + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; the "
+                            "batch size was not seen)") + (f"; each goes through {each}" if each else ""),
+          f"the loop takes {span_ms:.2f} ms of a {step_ms:.2f} ms step and its backward's per-sample autograd nodes "
+          f"{back_ms:.2f} ms ({pct(share)} together"
+          + (", the profiler's own cost taken out" if per_op_ms is not None else "")
+          + ("; counted only up to the GPU's idle share, the time it waits for the host" if t.has_gpu else "")
+          + f"); one batched op costs about one sample's share, so the estimate is {pct(cost)}"]
+    return Finding(
+        "item-loop", (22,), f"PER-SAMPLE LOOP: the step handles {n} samples one at a time in Python", cost, ev,
+        "each sample's ops are dispatched on their own (and their backward nodes recorded one by one), so the "
+        "per-op overhead is paid once per sample instead of once per batch",
+        [Fix(None, "replace the loop with one op over the whole batch: F.mse_loss(pred, target) for the mean of "
+                   "equal-sized samples' losses, F.mse_loss(pred, target, reduction='none').flatten(1).mean(1) "
+                   "for each sample's own loss, a tensor index (x[idx]) or torch.where for per-sample choices, "
+                   "torch.vmap for a per-sample function" + (f" (here: {each})" if each else ""))],
         group="compute")

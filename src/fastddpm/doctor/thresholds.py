@@ -40,3 +40,4 @@ OVERHEAD_SHARE = 0.2  # ... when Python, framework and optimizer time take this 
 BATCH_DOUBLING_SAVES = 0.5  # doubling the batch spreads the per-step overhead over twice the images
 CPU_LOW_MFU = 0.3  # rule 13 on a CPU: MFU under this with less than half the step in the matmuls
 CPU_MATMUL_SHARE = 0.5
+ITEM_LOOP_SHARE = 0.03  # rule 22: a Python loop over the batch's samples taking this share of the step

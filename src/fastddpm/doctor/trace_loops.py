@@ -1,0 +1,150 @@
+"""A Python loop over the samples of a batch inside the step, read from the trace: the training thread indexes
+one tensor item by item along its first dimension (`x[i]`, `x[i:i + 1]`), op by op, where one batched op would
+do. Each index is an aten::select (or a one-item aten::slice) issued by the loop's own code, not by an op: the
+selects autograd's backward or an op's implementation makes sit inside another op and are left out, as is a
+loop over chunks of several items (gradient accumulation's micro-batches) and a dataset's per-sample reads
+inside the data wait."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from fastddpm.doctor.marks import DATA_MARK
+from fastddpm.doctor.trace_optree import TRANSPARENT_OPS, OpTree
+
+INDEX_OPS = {"aten::select", "aten::slice"}
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+MIN_ITEMS = 4  # a first dimension this long or longer, and at least this many items indexed, make a loop
+
+
+def _item_index(e: dict) -> tuple[tuple, int] | None:
+    """(the indexed tensor's shape, the item) of an op that takes one item along the first dimension, else None."""
+    args = e.get("args") or {}
+    dims, concrete = args.get("Input Dims") or [], args.get("Concrete Inputs") or []
+    if not dims or not isinstance(dims[0], list) or not dims[0] or len(concrete) < 3:
+        return None
+    shape = tuple(dims[0])
+    try:
+        dim = int(concrete[1])
+        first = int(concrete[2])
+        if e.get("name") == "aten::slice":
+            if len(concrete) < 5 or int(concrete[3]) - first != 1 or int(concrete[4]) != 1:
+                return None  # a chunk of several items, or a strided slice: not one item
+    except ValueError:
+        return None
+    if dim not in (0, -len(shape)):
+        return None
+    return shape, first % shape[0] if shape[0] else first
+
+
+def item_loops(tree: OpTree, step_bounds: list[tuple[float, float]]) -> list[dict]:
+    """The training thread's loops over the items of a tensor's first dimension, one for each length indexed so in
+    at least half the steps `step_bounds` ((start, end) in trace microseconds); the items must be tensors (a loop
+    over a vector's scalars, a layer's gain, is none). Which is over the batch's samples is rule 22's to say (it
+    knows the batch). Each: {"items": the dimension's length, "indexed_per_step": distinct items indexed,
+    "shapes": the tensors indexed, "span_us": the loop's median time per step (from its first index to its last,
+    plus one item's share, cut at the step's end), "ops_in_span": the ops recorded in that time (the profiler's
+    cost is paid per op), "step_us": the profiled steps' median, "per_item_ops": the ops each item goes through,
+    most frequent first, "backward_us" and "backward_ops": the same two for the autograd nodes the backward
+    evaluates once per item}."""
+    per_step: list[dict] = [{} for _ in step_bounds]  # shape -> {item: first ts}
+    starts = [a for a, _ in step_bounds]
+
+    def step_at(ts: float) -> int | None:
+        for i in range(len(step_bounds) - 1, -1, -1):
+            if starts[i] <= ts <= step_bounds[i][1]:
+                return i
+        return None
+
+    main = [(n, False) for n in reversed(tree.roots.get(tree.main_tid, []))]
+    while main:
+        node, in_op = main.pop()
+        name = node.e.get("name", "")
+        if name == DATA_MARK:
+            continue  # a map-style dataset's per-sample reads: the input pipeline's (rules 1 and 3)
+        is_op = node.e.get("cat") == "cpu_op"
+        if is_op and not in_op and name in INDEX_OPS:
+            found = _item_index(node.e)
+            i = step_at(node.ts)
+            if found is not None and i is not None and len(found[0]) >= 2:
+                per_step[i].setdefault(found[0], {}).setdefault(found[1], node.ts)
+        main.extend((c, in_op or is_op) for c in reversed(node.children))
+
+    by_length: dict[int, list[dict]] = {}
+    for i, shapes in enumerate(per_step):
+        for n in sorted({s[0] for s in shapes}):
+            looped = {s: items for s, items in shapes.items()
+                      if s[0] == n and n >= MIN_ITEMS and len(items) >= max(MIN_ITEMS, n // 2)}
+            if looped:
+                by_length.setdefault(n, []).append(_one_loop(tree, looped, step_bounds[i]))
+    return [_median_loop(n, found) for n, found in sorted(by_length.items()) if len(found) * 2 >= len(step_bounds)]
+
+
+def _one_loop(tree: OpTree, looped: dict, bounds: tuple[float, float]) -> dict:
+    """One step's loop over the items of the tensors `looped` ({shape: {item: when it was indexed}})."""
+    times = sorted(ts for items in looped.values() for ts in items.values())
+    indexed = max(len(items) for items in looped.values())
+    first = times[0]
+    end = min(bounds[1], first + (times[-1] - first) * indexed / max(1, indexed - 1))  # the last item's ops too
+    inside = sum(1 for n in tree.walk(tree.main_tid) if n.e.get("cat") == "cpu_op" and first <= n.ts <= end)
+    top = Counter(n.e.get("name", "") for n in _top_level(tree, first, end)
+                  if n.e.get("name", "") not in INDEX_OPS | TRANSPARENT_OPS)
+    back_us, back_ops = _per_item_backward(tree, bounds, indexed)
+    return {"indexed": indexed, "shapes": sorted(looped), "span_us": end - first, "ops": inside,
+            "step_us": bounds[1] - bounds[0], "per_item": [k for k, c in top.most_common(3) if c >= indexed * 0.9],
+            "back_us": back_us, "back_ops": back_ops}
+
+
+def _median_loop(items: int, loops: list[dict]) -> dict:
+    return {"items": items, "indexed_per_step": statistics.median_high([x["indexed"] for x in loops]),
+            "shapes": [list(s) for s in loops[0]["shapes"]],
+            "span_us": statistics.median(x["span_us"] for x in loops),
+            "ops_in_span": statistics.median(x["ops"] for x in loops),
+            "step_us": statistics.median(x["step_us"] for x in loops),
+            "per_item_ops": loops[0]["per_item"],
+            "backward_us": statistics.median(x["back_us"] for x in loops),
+            "backward_ops": statistics.median(x["back_ops"] for x in loops)}
+
+
+def _per_item_backward(tree: OpTree, bounds: tuple[float, float], indexed: int) -> tuple[float, int]:
+    """The backward's share of the loop: the autograd nodes evaluated once per sample in the step (as many times
+    as the items indexed, or more: the loop's own ops' gradients), on any thread (a CUDA backward runs on the
+    engine's device thread). Returns (their time in microseconds, the ops recorded inside them)."""
+    start, end = bounds
+    nodes: dict[str, list] = {}
+    for tid, roots in tree.roots.items():
+        todo = list(roots)
+        while todo:
+            n = todo.pop()
+            if n.end < start or n.ts > end:
+                continue
+            name = n.e.get("name", "")
+            if name.startswith(BACKWARD_NODE):
+                nodes.setdefault(name, []).append(n)
+                continue
+            todo.extend(n.children)
+    time_us, ops = 0.0, 0
+    for found in nodes.values():
+        if len(found) >= indexed * 0.9:
+            time_us += sum(n.end - n.ts for n in found)
+            ops += sum(1 + _count(n) for n in found)
+    return time_us, ops
+
+
+def _count(node) -> int:
+    return sum(1 + _count(c) for c in node.children)
+
+
+def _top_level(tree: OpTree, start: float, end: float):
+    """The training thread's outermost ops that start in [start, end]: under a mark (a step closure) too."""
+    todo = list(reversed(tree.roots.get(tree.main_tid, [])))
+    while todo:
+        n = todo.pop()
+        if n.end < start or n.ts > end:
+            continue
+        if n.e.get("cat") == "cpu_op":
+            if start <= n.ts <= end:
+                yield n
+            continue
+        todo.extend(reversed(n.children))
