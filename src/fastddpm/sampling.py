@@ -73,6 +73,16 @@ def check_null_class_trained(cfg: RunConfig, guidance: float | None, said: Spell
                       f"{said('class')} at {said('guidance', 1)} (train with cond_drop_prob 0.1 for guidance)")
 
 
+def step_limit(cfg: RunConfig, sampler: str) -> int | None:
+    """The most steps `sampler` takes on this run's DDPM schedule (a step in log-SNR from its noisiest timesteps is
+    ill-conditioned), or None where there is no limit: EDM's and flow's samplers, and ancestral DDPM (which walks
+    all T timesteps whatever the count)."""
+    d = cfg.diffusion
+    if d.objective != "ddpm" or sampler not in SAMPLERS or sampler == "ddpm":
+        return None
+    return max_steps(schedule_from_config(d), sampler)
+
+
 def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: float = 0.0, *,
                          guidance: float | None = None, said: Spelling = CLI) -> tuple[str, int]:
     """`sample`'s, `eval`'s and the API's sampler and steps for this model, its samples drawn at classifier-free
@@ -89,8 +99,8 @@ def resolve_sampler_args(cfg: RunConfig, sampler: str, steps: int | None, eta: f
                           "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
     given = steps
     sampler, steps = resolve_sampling(sampler, steps, d.objective, guided=cfg.guided(guidance))
-    if d.objective == "ddpm" and sampler in SAMPLERS and sampler != "ddpm":  # the schedule's limit, said first
-        limit = max_steps(schedule_from_config(d), sampler)
+    limit = step_limit(cfg, sampler)
+    if limit is not None:  # the schedule's limit, said first
         if given is None:  # the default count, on a schedule too short for it: as many as it takes
             steps = min(steps, limit)
         if steps > limit == d.num_timesteps:
@@ -112,9 +122,9 @@ def run_sampling(cfg: RunConfig, use: str) -> tuple[str, int]:
     given is kept: the trainer refuses one too large at its start."""
     sampler, steps = cfg.grid_sampling() if use == "grids" else cfg.eval_sampling()
     given = cfg.train.sample_steps if use == "grids" else cfg.train.eval_steps
-    d = cfg.diffusion
-    if given is None and d.objective == "ddpm" and sampler in SAMPLERS and sampler != "ddpm":
-        steps = min(steps, max_steps(schedule_from_config(d), sampler))
+    limit = step_limit(cfg, sampler)
+    if given is None and limit is not None:
+        steps = min(steps, limit)
     return sampler, steps
 
 

@@ -21,9 +21,8 @@ from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_arc
                              resolve_model_shape, save_config)
 from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
-from fastddpm.diffusion import NoiseSchedule, schedule_from_config
+from fastddpm.diffusion import NoiseSchedule
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
-from fastddpm.diffusion.samplers import max_steps as sampler_max_steps
 from fastddpm.models import UNet, count_parameters
 from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpoint import step_of
@@ -31,7 +30,7 @@ from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.files import make_writable_dir, remove_if_empty
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
-from fastddpm.sampling import run_sampling
+from fastddpm.sampling import run_sampling, step_limit
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
 from fastddpm.trainer.build import Optimization, build_model
@@ -337,17 +336,12 @@ def check_sampling_steps(cfg: RunConfig) -> None:
     are first used at the first grid or evaluation, hours into a run; the config cannot check them itself, since
     the limit is the diffusion math's (fastddpm.diffusion imports the config)."""
     d, train_cfg = cfg.diffusion, cfg.train
-    if d.objective != "ddpm":
-        return  # EDM's and flow's samplers take any number of steps (>= 1, which the config checks)
     uses = [("grids", "--sample-steps", run_sampling(cfg, "grids"))]  # a default count is capped there
     if train_cfg.eval_every_images:
         uses.append(("evaluations", "--eval-steps", run_sampling(cfg, "evaluations")))
-    schedule = schedule_from_config(d)
     for what, flag, (sampler, steps) in uses:
-        if sampler == "ddpm":
-            continue  # ancestral DDPM walks all T timesteps, whatever the steps
-        limit = sampler_max_steps(schedule, sampler)
-        if steps > limit:
+        limit = step_limit(cfg, sampler)  # None: EDM's and flow's samplers, ancestral DDPM
+        if limit is not None and steps > limit:
             start = ("" if limit == d.num_timesteps else
                      f" (it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN})")
             raise ConfigError(
