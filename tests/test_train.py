@@ -579,3 +579,19 @@ def test_a_finished_run_run_again_says_it_trained_no_step_not_loss_none(tmp_path
     lines.clear()
     assert train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, resume="latest", log=lines.append).step == 2
     assert "no step trained here (the run had already reached its length" in lines[-1] and "None" not in lines[-1]
+
+
+def test_a_step_count_the_preset_set_is_called_the_presets_in_the_refusal(fmnist_npz):
+    """`--preset tiny --num-timesteps 8`: tiny's grid count (10) is past what the sampler takes on 8 timesteps; the
+    refusal must not read as if the user passed --sample-steps."""
+    from fastddpm.trainer.setup import check_sampling_steps
+
+    cfg = apply_overrides(get_preset("tiny"), {"diffusion.schedule": "cosine", "diffusion.num_timesteps": 8,
+                                               "data.source": str(fmnist_npz)})
+    assert cfg.train.sample_steps == 10
+    with pytest.raises(ConfigError, match=r"--sample-steps 10 \(preset tiny's default, if the flag was not given\): "
+                                          r"the grids' sampler"):
+        check_sampling_steps(cfg)
+    other = apply_overrides(cfg, {"train.sample_steps": 9})  # not the preset's count: the flag's own
+    with pytest.raises(ConfigError, match=r"--sample-steps 9: the grids' sampler"):
+        check_sampling_steps(other)

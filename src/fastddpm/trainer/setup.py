@@ -20,6 +20,7 @@ import fastddpm
 from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_architecture, resolve_classes,
                              resolve_model_shape, save_config)
 from fastddpm.config.model_checks import check_attention_levels
+from fastddpm.config.presets import PRESETS
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
 from fastddpm.diffusion import NoiseSchedule
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
@@ -344,8 +345,13 @@ def check_sampling_steps(cfg: RunConfig) -> None:
         if limit is not None and steps > limit:
             start = ("" if limit == d.num_timesteps else
                      f" (it starts at timestep {limit - 1}, the noisiest whose half log-SNR is >= {LAMBDA_MIN})")
+            field_name = flag[2:].replace("-", "_")
+            preset = PRESETS[cfg.preset]() if cfg.preset in PRESETS else None
+            # a count the preset set reads as the preset's (the flag may never have been given)
+            whose = (f" (preset {cfg.preset}'s default, if the flag was not given)"
+                     if preset is not None and getattr(preset.train, field_name) == steps else "")
             raise ConfigError(
-                f"{flag} {steps}: the {what}' sampler {sampler} "
+                f"{flag} {steps}{whose}: the {what}' sampler {sampler} "
                 f"takes at most {limit} steps on this {d.num_timesteps}-timestep {d.schedule} schedule{start}: "
                 f"give {flag} {limit} or fewer, or more --num-timesteps")
 
