@@ -192,6 +192,13 @@ def test_rule_host_bound():
     assert f.id == "host-bound" and "graph replays" in f.title
     assert not any("--cuda-graphs" in (fx.fastddpm or "") for fx in f.fixes)
     assert check(rules.host_bound, record(device="cuda:0", trace=gpu_trace()))[0] is None
+    # a per-sample loop in the host's time: its part of the wait is costed once, under rule 22
+    loop = {"items": 64, "indexed_per_step": 64, "shapes": [[64, 3, 32, 32]], "span_us": 2000.0, "ops_in_span": 500,
+            "step_us": 10_000.0, "per_item_ops": ["aten::mse_loss"], "backward_us": 1000.0, "backward_ops": 300}
+    m = record(device="cuda:0", trace=gpu_trace(**waiting, item_loops=[loop]), batch_size=64)
+    f, _ = check(rules.host_bound, m)
+    assert f.cost == pytest.approx(0.4 - 0.3 * 63 / 64) and "costed under PER-SAMPLE LOOP" in f.evidence[-1]
+    assert check(rules.item_loop, m)[0].cost == pytest.approx(0.3 * 63 / 64)
     # without a GPU timeline, one entry says why for all the rules that read it
     assert check(rules.host_bound, record())[1] == {
         "4-6,8,9,11 (GPU timeline)": "no CUDA device: the GPU timeline needs a CUDA trace"}

@@ -42,8 +42,8 @@ EXPECTED = {
     "per-sample-loss": "item-loop",  # the loss summed sample by sample in a Python loop
 }
 GPU_ONLY = {"item-every-step", "pageable-h2d", "tiny-kernels", "channels-last-thrash"}
-# On a GPU a per-sample loop also leaves the GPU waiting for the host's launches: whether the loop or the
-# host-bound finding ranks first there has not been measured, so the case is not claimed on a GPU yet
+# On a GPU a per-sample loop also leaves the GPU waiting for the host's launches; the host-bound finding leaves
+# the loop's part of that wait to rule 22, but the case has not run on a GPU yet, so it is not claimed there
 CPU_ONLY = {"per-sample-loss"}
 
 

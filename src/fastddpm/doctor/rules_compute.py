@@ -396,13 +396,12 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
         group="compute")
 
 
-def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
-    """Rule 22: the step indexes a tensor sample by sample (x[i] for i over a first dimension as long as the
-    batch) and runs each sample's ops on their own: one op dispatch (and on a GPU one launch) per sample where one batched op would do.
-    The cost counts the loop's own time from its first index to its last and the backward's autograd nodes
-    evaluated once per sample, each less the profiler's cost for the ops recorded in it, and less one sample's
-    share (the batched op is dispatched once). On a GPU the host's loop time costs only where the GPU waits for
-    it (its idle share)."""
+def item_loop_cost(m: Measurements) -> dict | None:
+    """Rule 22's reading of the trace: the loop over the batch's samples (trace_loops' dict, as "loop"), its
+    time and its backward's net of the profiler ("span_ms", "back_ms", of a "step_ms" step), their "share" of the
+    step and the "cost" a batched op gives back; None without such a loop. On a GPU the share is at most the idle
+    share: the host's loop costs only where the GPU waits for it. rules_gpu's host-bound finding leaves this cost
+    to rule 22, as it leaves a per-tensor optimizer's launches to rule 19."""
     t = m.trace
     loops = t.item_loops if t is not None else []
     if m.batch_size is not None:
@@ -420,10 +419,23 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     share = min(1.0, (span_ms + back_ms) / step_ms)
     if t.has_gpu:
         share = min(share, t.idle_share or 0.0)
-    n, indexed = loop["items"], loop["indexed_per_step"]
-    cost = share * (1 - 1 / max(indexed, 1))
-    if cost < ITEM_LOOP_SHARE:
+    cost = share * (1 - 1 / max(loop["indexed_per_step"], 1))
+    return {"loop": loop, "span_ms": span_ms, "back_ms": back_ms, "step_ms": step_ms, "share": share, "cost": cost,
+            "net": per_op_ms is not None}
+
+
+def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 22: the step indexes a tensor sample by sample (x[i] for i over a first dimension as long as the
+    batch) and runs each sample's ops on their own: one op dispatch (and on a GPU one launch) per sample where
+    one batched op would do. The cost counts the loop's own time from its first index to its last and the
+    backward's autograd nodes evaluated once per sample, each less the profiler's cost for the ops recorded in
+    it, and less one sample's share (the batched op is dispatched once)."""
+    found = item_loop_cost(m)
+    if found is None or found["cost"] < ITEM_LOOP_SHARE:
         return None
+    loop, cost, share, t = found["loop"], found["cost"], found["share"], m.trace
+    span_ms, back_ms, step_ms = found["span_ms"], found["back_ms"], found["step_ms"]
+    n, indexed = loop["items"], loop["indexed_per_step"]
     shapes = " and ".join("(" + ", ".join(map(str, s)) + ")" for s in loop["shapes"])
     each = ", ".join(loop["per_item_ops"])
     ev = [f"{indexed} of the {n} items along the first dimension of the tensor(s) {shapes} indexed one by one each "
@@ -431,7 +443,7 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
                             "batch size was not seen)") + (f"; each goes through {each}" if each else ""),
           f"the loop takes {span_ms:.2f} ms of a {step_ms:.2f} ms step and its backward's per-sample autograd nodes "
           f"{back_ms:.2f} ms ({pct(share)} together"
-          + (", the profiler's own cost taken out" if per_op_ms is not None else "")
+          + (", the profiler's own cost taken out" if found["net"] else "")
           + ("; counted only up to the GPU's idle share, the time it waits for the host" if t.has_gpu else "")
           + f"); one batched op costs about one sample's share, so the estimate is {pct(cost)}"]
     return Finding(

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from fastddpm.doctor.findings import Finding, Fix, pct
 from fastddpm.doctor.measurements import Measurements
-from fastddpm.doctor.rules_compute import per_tensor_launch_share
-from fastddpm.doctor.thresholds import (GPU_IDLE_SHARE, GRAPH_KERNEL_SHARE, H2D_SHARE, LAYOUT_SHARE,
-                                        SHORT_KERNEL_SHARE, SMALL_KERNEL_US)
+from fastddpm.doctor.rules_compute import item_loop_cost, per_tensor_launch_share
+from fastddpm.doctor.thresholds import (GPU_IDLE_SHARE, GRAPH_KERNEL_SHARE, H2D_SHARE, ITEM_LOOP_SHARE,
+                                        LAYOUT_SHARE, SHORT_KERNEL_SHARE, SMALL_KERNEL_US)
 from fastddpm.doctor.trace import TraceStats
 
 
@@ -70,8 +70,15 @@ def host_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     if optimizer:
         evidence.append(f"{pct(optimizer)} of the kernels are launched by a per-tensor optimizer step: that part "
                         "of the wait is costed under PER-TENSOR OPTIMIZER")
-    return Finding("launch-bound" if tiny else "host-bound", rules, title, python_share * (1 - optimizer), evidence,
-                   cause, fixes)
+    cost = python_share * (1 - optimizer)
+    # likewise a Python loop over the batch's samples (rule 22): its share of the wait is costed there, whose fix
+    # (one batched op) removes the launches instead of replaying them
+    loop = item_loop_cost(m)
+    if loop is not None and loop["cost"] >= ITEM_LOOP_SHARE:
+        cost = max(0.0, cost - loop["cost"])
+        evidence.append(f"{pct(loop['cost'])} of the span is the host's per-sample loop: that part of the wait is "
+                        "costed under PER-SAMPLE LOOP")
+    return Finding("launch-bound" if tiny else "host-bound", rules, title, cost, evidence, cause, fixes)
 
 
 def kernel_gaps(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
