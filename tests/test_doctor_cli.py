@@ -129,6 +129,7 @@ def test_doctor_train_fast_path_is_healthy(tmp_path, fmnist_npz, capsys):
     m = report["measurements"]
     assert m["mfu"]["flops_per_step"] > 0 and 0 < m["mfu"]["mfu"] < 1
     assert m["profiled_steps"] == 2 and len(m["steps"]) == 6
+    assert m["trace"]["item_loops"] == []  # the trainer's step handles its batch whole
     assert not (out / "run" / "samples" / "final.png").exists()  # a diagnostic run draws no grid
 
 
