@@ -779,8 +779,8 @@ def _profiled(step, steps=3) -> list[dict]:
     return json.loads(_export(prof))["traceEvents"]
 
 
-@pytest.mark.parametrize("style", ["per-sample", "one-item slices", "micro-batches", "dataset reads", "batched",
-                                   "layer gains"])
+@pytest.mark.parametrize("style", ["per-sample", "one-item slices", "zip", "micro-batches", "dataset reads",
+                                   "batched", "layer gains"])
 def test_a_loop_over_the_batchs_samples_is_found_and_nothing_else_is(style):
     torch.manual_seed(0)
     model = torch.nn.Conv2d(1, 4, 3, padding=1)
@@ -800,6 +800,8 @@ def test_a_loop_over_the_batchs_samples_is_found_and_nothing_else_is(style):
             loss = sum(torch.nn.functional.mse_loss(pred[i], x[i]) for i in range(8)) / 8
         elif style == "one-item slices":
             loss = sum(torch.nn.functional.mse_loss(pred[i:i + 1], x[i:i + 1]) for i in range(8)) / 8
+        elif style == "zip":  # iterating tensors: one aten::unbind each, then the items' ops
+            loss = sum(torch.nn.functional.mse_loss(p, t) for p, t in zip(pred, x)) / 8
         elif style == "micro-batches":  # chunks of several samples: gradient accumulation's shape, not one by one
             loss = sum(torch.nn.functional.mse_loss(pred[i:i + 4], x[i:i + 4]) for i in (0, 4)) / 2
         elif style == "layer gains":  # a vector's scalars indexed in a loop (a gain per layer): no items to batch
@@ -811,7 +813,7 @@ def test_a_loop_over_the_batchs_samples_is_found_and_nothing_else_is(style):
         opt.step()
 
     loops = analyze(_profiled(step)).item_loops
-    if style in ("per-sample", "one-item slices"):
+    if style in ("per-sample", "one-item slices", "zip"):
         assert len(loops) == 1
         loop = loops[0]
         assert loop["items"] == 8 and loop["indexed_per_step"] == 8 and loop["shapes"] == [[8, 1, 6, 6]]

@@ -1,6 +1,7 @@
 """A Python loop over the samples of a batch inside the step, read from the trace: the training thread indexes
-one tensor item by item along its first dimension (`x[i]`, `x[i:i + 1]`), op by op, where one batched op would
-do. Each index is an aten::select (or a one-item aten::slice) issued by the loop's own code, not by an op: the
+one tensor item by item along its first dimension (`x[i]`, `x[i:i + 1]`, or all at once with `for x in batch`
+and `zip(pred, target)`), op by op, where one batched op would do. Each index is an aten::select (or a one-item
+aten::slice, or an aten::unbind for all the items) issued by the loop's own code, not by an op: the
 selects autograd's backward or an op's implementation makes sit inside another op and are left out, as is a
 loop over chunks of several items (gradient accumulation's micro-batches) and a dataset's per-sample reads
 inside the data wait."""
@@ -16,6 +17,20 @@ from fastddpm.doctor.trace_optree import TRANSPARENT_OPS, OpTree
 INDEX_OPS = {"aten::select", "aten::slice"}
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 MIN_ITEMS = 4  # a first dimension this long or longer, and at least this many items indexed, make a loop
+
+
+def _unbound(e: dict) -> tuple | None:
+    """The shape of a tensor split into its items along the first dimension (aten::unbind: `for x in batch`,
+    `zip(pred, target)`), else None."""
+    args = e.get("args") or {}
+    dims, concrete = args.get("Input Dims") or [], args.get("Concrete Inputs") or []
+    if not dims or not isinstance(dims[0], list) or not dims[0]:
+        return None
+    try:
+        dim = int(concrete[1]) if len(concrete) > 1 and concrete[1] != "" else 0
+    except ValueError:
+        return None
+    return tuple(dims[0]) if dim in (0, -len(dims[0])) else None
 
 
 def _item_index(e: dict) -> tuple[tuple, int] | None:
@@ -69,6 +84,12 @@ def item_loops(tree: OpTree, step_bounds: list[tuple[float, float]]) -> list[dic
             i = step_at(node.ts)
             if found is not None and i is not None and len(found[0]) >= 2:
                 per_step[i].setdefault(found[0], {}).setdefault(found[1], node.ts)
+        elif is_op and not in_op and name == "aten::unbind":  # every item at once; the loop over them follows
+            shape, i = _unbound(node.e), step_at(node.ts)
+            if shape is not None and i is not None and len(shape) >= 2:
+                items = per_step[i].setdefault(shape, {})
+                for k in range(shape[0]):
+                    items.setdefault(k, node.ts)
         main.extend((c, in_op or is_op) for c in reversed(node.children))
 
     by_length: dict[int, list[dict]] = {}
@@ -86,14 +107,24 @@ def _one_loop(tree: OpTree, looped: dict, bounds: tuple[float, float]) -> dict:
     times = sorted(ts for items in looped.values() for ts in items.values())
     indexed = max(len(items) for items in looped.values())
     first = times[0]
-    end = min(bounds[1], first + (times[-1] - first) * indexed / max(1, indexed - 1))  # the last item's ops too
+    # the ops the loop issues once an item: its end is where the last item's ones end. Looked for from the first
+    # index to the backward or the optimizer (whose per-tensor ops would repeat as often)
+    window = []
+    for n in _top_level(tree, first, bounds[1]):
+        name = n.e.get("name", "")
+        if name.startswith(BACKWARD_NODE):
+            break
+        if name not in INDEX_OPS | TRANSPARENT_OPS | {"aten::unbind"}:
+            window.append(n)
+    counts = Counter(n.e.get("name", "") for n in window)
+    per_item = [k for k, c in counts.most_common() if c >= indexed * 0.9]
+    ends = [[n.end for n in window if n.e.get("name", "") == k][min(counts[k], indexed) - 1] for k in per_item]
+    # without such ops, from the first index to the last plus one item's share
+    end = min(bounds[1], max(ends) if ends else first + (times[-1] - first) * indexed / max(1, indexed - 1))
     inside = sum(1 for n in tree.walk(tree.main_tid) if n.e.get("cat") == "cpu_op" and first <= n.ts <= end)
-    top = Counter(n.e.get("name", "") for n in _top_level(tree, first, end)
-                  if n.e.get("name", "") not in INDEX_OPS | TRANSPARENT_OPS)
     back_us, back_ops = _per_item_backward(tree, bounds, indexed)
     return {"indexed": indexed, "shapes": sorted(looped), "span_us": end - first, "ops": inside,
-            "step_us": bounds[1] - bounds[0], "per_item": [k for k, c in top.most_common(3) if c >= indexed * 0.9],
-            "back_us": back_us, "back_ops": back_ops}
+            "step_us": bounds[1] - bounds[0], "per_item": per_item[:3], "back_us": back_us, "back_ops": back_ops}
 
 
 def _median_loop(items: int, loops: list[dict]) -> dict:
@@ -137,11 +168,12 @@ def _count(node) -> int:
 
 
 def _top_level(tree: OpTree, start: float, end: float):
-    """The training thread's outermost ops that start in [start, end]: under a mark (a step closure) too."""
+    """The training thread's outermost ops that start in [start, end], in time order: under a mark (a step
+    closure) too, but not inside the optimizer's step or zero_grad."""
     todo = list(reversed(tree.roots.get(tree.main_tid, [])))
     while todo:
         n = todo.pop()
-        if n.end < start or n.ts > end:
+        if n.end < start or n.ts > end or n.e.get("name", "").startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
             continue
         if n.e.get("cat") == "cpu_op":
             if start <= n.ts <= end:
