@@ -58,8 +58,8 @@ def item_loops(tree: OpTree, step_bounds: list[tuple[float, float]]) -> list[dic
     at least half the steps `step_bounds` ((start, end) in trace microseconds); the items must be tensors (a loop
     over a vector's scalars, a layer's gain, is none). Which is over the batch's samples is rule 22's to say (it
     knows the batch). Each: {"items": the dimension's length, "indexed_per_step": distinct items indexed,
-    "shapes": the tensors indexed, "span_us": the loop's median time per step (from its first index to its last,
-    plus one item's share, cut at the step's end), "ops_in_span": the ops recorded in that time (the profiler's
+    "shapes": the tensors indexed, "span_us": the loop's median time per step (from its first index to the end
+    of the last item's ops, cut at the step's end), "ops_in_span": the ops recorded in that time (the profiler's
     cost is paid per op), "step_us": the profiled steps' median, "per_item_ops": the ops each item goes through,
     most frequent first, "backward_us" and "backward_ops": the same two for the autograd nodes the backward
     evaluates once per item}."""
