@@ -53,12 +53,37 @@ def resolve_classes(cfg: RunConfig, labels: Any, class_names: list[str], source:
             f"--conditional trains on class labels, and {source} has {what}: use a labelled source (a folder of "
             f"class sub-folders, an .npz with `labels`, mnist / fashion-mnist / cifar10), or drop --conditional"
             + folder)
+    class_names = _given_or_data_names(m.class_names, [str(c) for c in class_names], labels, source)
     n = max(int(labels.max()) + 1, len(class_names))
     names = tuple(class_names) + tuple(str(i) for i in range(len(class_names), n))
     if m.num_classes and m.num_classes != n:
         raise ConfigError(f"model.num_classes={m.num_classes} but the data has {n} classes: drop the setting (it "
                           f"comes from the data)")
     return dataclasses.replace(cfg, model=dataclasses.replace(m, num_classes=n, class_names=names))
+
+
+def _given_or_data_names(given: tuple[str, ...], data_names: list[str], labels: Any, source: str) -> list[str]:
+    """The class names to train with: the data's, or model.class_names (`--class-names`) where the data only
+    numbers its classes ("0", "1", ... or nothing: an .npz without class_names, folders named by id). Given names
+    that would rename the data's own are refused: the model would be named one way and its data another."""
+    if not given:
+        return data_names
+    given = [str(g) for g in given]
+    if given == data_names:  # a resume: config.json holds the names this resolution gave
+        return data_names
+    shown = ",".join(given)
+    if any(name != str(i) for i, name in enumerate(data_names)):
+        raise ConfigError(
+            f"--class-names {shown} (model.class_names) differs from the class names {source} carries "
+            f"({', '.join(data_names)}): a model's classes are its data's. Fix: drop --class-names to train with "
+            "the data's names, or prepare the data again under the names you want (rename its class folders, or "
+            "save an .npz with those class_names)")
+    needed = int(labels.max()) + 1
+    if len(given) < needed:
+        raise ConfigError(
+            f"--class-names {shown} (model.class_names) names {len(given)} classes, but {source} has labels up to "
+            f"{needed - 1}, {needed} classes: give one name per class id 0-{needed - 1}, in id order")
+    return given
 
 
 def _folder_is_conditional(folder: str) -> bool:

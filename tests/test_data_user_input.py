@@ -1,0 +1,51 @@
+"""A user's own data, read the way a first-time user brings it: what is refused, what is warned about, and that
+every message names the file or value and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastddpm.cli import main
+from fastddpm.config import ConfigError, apply_overrides, get_preset, resolve_classes, resolve_model_shape
+
+from data_fixtures import cache_dir, rng_images  # noqa: F401 - cache_dir is a fixture
+
+
+def _conditional(names: str | None = None):
+    over = {"model.conditional": True, **({"model.class_names": names} if names is not None else {})}
+    return resolve_model_shape(apply_overrides(get_preset("tiny"), over), (1, 1, 8, 8))
+
+
+# ------------------------------------------------------------------------------------------------ --class-names
+def test_class_names_name_unnamed_classes_and_never_silently_lose_to_the_datas() -> None:
+    labels = np.array([0, 1, 2, 1])
+    # the data only numbers its classes (an .npz without class_names, folders 0/ 1/ 2/): the given names are used
+    for data_names in ([], ["0", "1", "2"]):
+        cfg = resolve_classes(_conditional("cat,dog,bird"), labels, data_names, "x.npz")
+        assert cfg.model.class_names == ("cat", "dog", "bird") and cfg.model.num_classes == 3
+    # a resume: config.json holds the data's names, which it gave
+    same = resolve_classes(_conditional("cat,dog,bird"), labels, ["cat", "dog", "bird"], "x.npz")
+    assert same.model.class_names == ("cat", "dog", "bird")
+    with pytest.raises(ConfigError) as e:
+        resolve_classes(_conditional("a,b,c"), labels, ["cat", "dog", "bird"], "x.npz")
+    message = str(e.value)
+    assert "--class-names a,b,c" in message and "cat, dog, bird" in message and "x.npz" in message
+    assert "drop --class-names" in message and "prepare the data again" in message
+    with pytest.raises(ConfigError, match=r"names 2 classes, but x.npz has labels up to 2, 3 classes"):
+        resolve_classes(_conditional("a,b"), labels, [], "x.npz")
+    assert resolve_classes(_conditional(), labels, [], "x.npz").model.class_names == ("0", "1", "2")
+
+
+def test_train_refuses_class_names_that_differ_from_the_datas(tmp_path: Path, cache_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "named.npz"
+    np.savez(src, images=rng_images(8, 8, 8), labels=np.arange(8) % 2, class_names=np.array(["cat", "dog"]))
+    code = main(["train", "--data", str(src), "--out", str(tmp_path / "run"), "--preset", "tiny", "--conditional",
+                 "--class-names", "left,right", "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--class-names left,right" in err and "cat, dog" in err and "drop --class-names" in err
+    assert not (tmp_path / "run" / "config.json").exists()
