@@ -49,3 +49,27 @@ def test_train_refuses_class_names_that_differ_from_the_datas(tmp_path: Path, ca
     err = capsys.readouterr().err
     assert "--class-names left,right" in err and "cat, dog" in err and "drop --class-names" in err
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ dim uint8 arrays
+def test_a_uint8_array_of_zeros_and_ones_is_warned_about_once_naming_the_file_and_the_fix(
+        tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fastddpm.data import prepare
+
+    src = tmp_path / "scaled.npy"
+    np.save(src, (rng_images(6) > 127).astype(np.uint8))  # floats in [0, 1] cast to uint8: 0 and 1
+    prepared = prepare(src, cache_dir=cache_dir, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1
+    assert str(src) in err and "brightest pixel of these uint8 images is 1" in err
+    assert "(x * 255).round().astype(np.uint8)" in err
+    assert any("near-black" in n for n in prepared.meta["notes"])  # `data info` says it too
+    prepare(src, cache_dir=cache_dir, progress=False)  # the cache is reused: said once, when it was built
+    assert "warning:" not in capsys.readouterr().err
+    # the same images at 0..255, or resized on the way in, are not warned about / are
+    np.save(src, rng_images(6))
+    prepare(src, cache_dir=cache_dir, progress=False)
+    assert "warning:" not in capsys.readouterr().err
+    np.save(src, (rng_images(6) > 127).astype(np.uint8))
+    prepare(src, cache_dir=cache_dir, progress=False, resize=4)
+    assert "brightest pixel of these uint8 images is 1" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -119,10 +120,13 @@ def write_array_data(data: ArrayData, *, where: str, options: PrepareOptions, bu
 
     _check_free_space(builder, (n, out_c, out_h, out_w))
     writer = builder.open_images((n, out_c, out_h, out_w))
+    peak = 0  # the brightest source pixel, taken from the chunks as they pass: no second read of the array
     with tqdm(total=n, desc="writing cache", unit="img", disable=not progress) as bar:
         if not per_image:
             for rows in _chunks(n, 8 * _CHUNK_IMAGES):
-                writer.write(np.ascontiguousarray(data.images_nchw[rows.start:rows.stop]))
+                chunk = np.ascontiguousarray(data.images_nchw[rows.start:rows.stop])
+                peak = max(peak, int(chunk.max()))
+                writer.write(chunk)
                 bar.update(len(rows))
         else:
             def one(i: int) -> np.ndarray:
@@ -132,13 +136,28 @@ def write_array_data(data: ArrayData, *, where: str, options: PrepareOptions, bu
 
             with concurrent.futures.ThreadPoolExecutor(_DECODE_THREADS) as pool:
                 for rows in _chunks(n, _CHUNK_IMAGES):
+                    peak = max(peak, int(np.asarray(data.images_nchw[rows.start:rows.stop]).max()))
                     writer.write(np.stack(list(pool.map(one, rows))))
                     bar.update(len(rows))
     writer.close()
+    notes = list(data.notes)
+    if peak <= 1:
+        dark = dim_pixels_note(where, peak)
+        # printed even without progress, like skipped files: the run would otherwise learn black images unawares
+        print(f"warning: {dark}", file=sys.stderr, flush=True)
+        notes.append(dark)
     labels = np.asarray(data.labels, dtype=np.int64)
     return Decoded(num_images=n, channels=out_c, height=out_h, width=out_w, labels=labels,
                    class_names=list(data.class_names), labeled=bool((labels >= 0).any()), skipped=[],
-                   total_files=n, notes=list(data.notes))
+                   total_files=n, notes=notes)
+
+
+def dim_pixels_note(where: str, peak: int) -> str:
+    """What a uint8 array whose pixels are all 0 or 1 means: images scaled to [0, 1] and then cast to uint8,
+    which a prepared dataset reads as 0..255 and so as near-black."""
+    return (f"{where}: the brightest pixel of these uint8 images is {peak}, so they train as near-black images "
+            "(uint8 pixels are read as 0..255). If they were scaled to [0, 1] before the cast, save "
+            "(x * 255).round().astype(np.uint8) of the float images instead and prepare again with --rebuild")
 
 
 def _describe_mode(mode: str) -> str:
