@@ -73,3 +73,23 @@ def test_a_uint8_array_of_zeros_and_ones_is_warned_about_once_naming_the_file_an
     np.save(src, (rng_images(6) > 127).astype(np.uint8))
     prepare(src, cache_dir=cache_dir, progress=False, resize=4)
     assert "brightest pixel of these uint8 images is 1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ label ids with gaps
+def test_label_ids_with_gaps_are_warned_about_naming_the_missing_count_and_the_present_ids(
+        tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fastddpm.data import prepare
+
+    src = tmp_path / "coded.npz"
+    labels = np.array([3, 7, 42, 3, 7, 42])
+    np.savez(src, images=rng_images(6), labels=labels)
+    prepared = prepare(src, cache_dir=cache_dir, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1
+    assert str(src) in err and "3 of the class ids 0-42 (3, 7, 42)" in err and "other 40 ids have no image" in err
+    assert "np.unique(labels, return_inverse=True)[1]" in err
+    # nothing renumbered: the ids stay what the file says
+    assert np.array_equal(np.asarray(prepared.labels), labels) and len(prepared.class_names) == 43
+    np.savez(src, images=rng_images(6), labels=np.array([0, 1, 2, 2, 1, 0]))
+    prepare(src, cache_dir=cache_dir, progress=False)
+    assert "warning:" not in capsys.readouterr().err

@@ -147,9 +147,27 @@ def write_array_data(data: ArrayData, *, where: str, options: PrepareOptions, bu
         print(f"warning: {dark}", file=sys.stderr, flush=True)
         notes.append(dark)
     labels = np.asarray(data.labels, dtype=np.int64)
+    gaps = class_gaps_note(where, labels, len(data.class_names))
+    if gaps is not None:
+        print(f"warning: {gaps}", file=sys.stderr, flush=True)
+        notes.append(gaps)
     return Decoded(num_images=n, channels=out_c, height=out_h, width=out_w, labels=labels,
                    class_names=list(data.class_names), labeled=bool((labels >= 0).any()), skipped=[],
                    total_files=n, notes=notes)
+
+
+def class_gaps_note(where: str, labels: np.ndarray, num_classes: int) -> str | None:
+    """What class ids without an image mean, or None when every id from 0 up has one. The ids are kept as the
+    file gives them (class names and a model's `--class` are by id), so the fix is the user's to choose."""
+    present = np.unique(labels[labels >= 0])
+    missing = num_classes - len(present)
+    if not len(present) or missing <= 0:
+        return None
+    shown = ", ".join(str(int(i)) for i in present[:12]) + (", ..." if len(present) > 12 else "")
+    return (f"{where}: the labels use {len(present):,} of the class ids 0-{num_classes - 1} ({shown}); the other "
+            f"{missing:,} ids have no image, yet a conditional model trains a class for each of them. If the ids "
+            f"are codes rather than class numbers, save np.unique(labels, return_inverse=True)[1] as the labels "
+            f"(ids 0-{len(present) - 1}, in the same order) and prepare again with --rebuild")
 
 
 def dim_pixels_note(where: str, peak: int) -> str:
