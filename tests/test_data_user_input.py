@@ -93,3 +93,25 @@ def test_label_ids_with_gaps_are_warned_about_naming_the_missing_count_and_the_p
     np.savez(src, images=rng_images(6), labels=np.array([0, 1, 2, 2, 1, 0]))
     prepare(src, cache_dir=cache_dir, progress=False)
     assert "warning:" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ data info on floats
+@pytest.mark.parametrize("kind", ["npy", "npz", "npz-splits"])
+def test_info_says_what_prepare_will_refuse_in_a_float_array(tmp_path: Path, cache_dir: Path, kind: str) -> None:
+    from fastddpm.data import DataError, info, prepare
+
+    floats = rng_images(4).astype(np.float32) / 255
+    src = tmp_path / f"floats.{kind[:3]}"
+    if kind == "npy":
+        np.save(src, floats)
+    elif kind == "npz":
+        np.savez(src, images=floats, labels=np.arange(4))
+    else:
+        np.savez(src, x_train=floats, y_train=np.arange(4), x_test=rng_images(2), y_test=np.arange(2))
+    said = info(src, cache_dir=cache_dir)
+    with pytest.raises(DataError) as refused:
+        prepare(src, cache_dir=cache_dir, progress=False)
+    assert "`data prepare` will stop here" in said and str(refused.value) in said
+    assert "float32" in said and "(x * 255).round().astype(np.uint8)" in said
+    if kind == "npz-splits":  # the test split is uint8: nothing to say about it
+        assert "will stop here" not in info(src, cache_dir=cache_dir, split="test")

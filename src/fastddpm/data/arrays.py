@@ -20,14 +20,31 @@ CLASS_NAMES_KEY = "class_names"  # optional str array in an .npz
 LAYOUTS = "(N, H, W), (N, H, W, C) with C in 1/3/4, or (N, C, H, W) with C in 1/3"
 
 
+def dtype_problem(dtype: np.dtype, *, source: str) -> str | None:
+    """Why prepare refuses images of this dtype, with the fix; None for uint8. `data info` says it from the
+    array's header alone, before anyone waits for a prepare."""
+    if dtype == np.uint8:
+        return None
+    hint = ("if the values are in [0, 1], save (x * 255).round().astype(np.uint8); "
+            "if they are in [-1, 1], save ((x + 1) * 127.5).round().astype(np.uint8)"
+            if dtype.kind == "f" else "save x.astype(np.uint8) if the values are already 0..255")
+    return f"{source}: images are {dtype}, but a prepared dataset stores uint8 pixels. Fix: {hint}."
+
+
+def image_key(keys: list[str], split: str) -> str | None:
+    """The member of an .npz that holds the images of `split` (None: none; a missing x_<split> is the reader's
+    to explain)."""
+    split_keys = npz_split_keys(keys, split)
+    if split_keys is not None:
+        return split_keys[0]
+    return next((k for k in IMAGE_KEYS if k in keys), None)
+
+
 def to_nchw(images: np.ndarray, *, source: str) -> np.ndarray:
     """Bring a uint8 image array to (N, C, H, W); channels-last wins when the last dim could be channels."""
-    if images.dtype != np.uint8:
-        hint = ("if the values are in [0, 1], save (x * 255).round().astype(np.uint8); "
-                "if they are in [-1, 1], save ((x + 1) * 127.5).round().astype(np.uint8)"
-                if images.dtype.kind == "f" else "save x.astype(np.uint8) if the values are already 0..255")
-        raise DataError(f"{source}: images are {images.dtype}, but a prepared dataset stores uint8 pixels. "
-                        f"Fix: {hint}.")
+    problem = dtype_problem(images.dtype, source=source)
+    if problem is not None:
+        raise DataError(problem)
     if images.ndim == 3:
         return images[:, None]
     if images.ndim == 4 and images.shape[3] in (1, 3, 4):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastddpm.data import named
+from fastddpm.data import arrays, named
 from fastddpm.data.cache import PreparedData
 from fastddpm.data.errors import MAX_LISTED_BAD_FILES
 from fastddpm.data.imagefolder import (image_less_folders_note, member_path, open_zip, plan_layout,
@@ -102,21 +102,35 @@ def _idx_count(path: Path) -> str:
     return f"{n:,} images of {h}x{w}"
 
 
-def _npy_shape(path: Path) -> tuple[int, ...]:
-    return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
+def _npy_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:
+    array = np.load(path, mmap_mode="r", allow_pickle=False)
+    return tuple(array.shape), array.dtype
 
 
-def _npz_shapes(path: Path) -> str:
-    """Shapes of each array in an .npz, read from the member headers only."""
-    shapes = []
+def _npz_headers(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The shape and dtype of each array in an .npz, read from the member headers only."""
+    headers = {}
     with zipfile.ZipFile(path) as zf:
         for member in zf.namelist():
             with zf.open(member) as f:
                 version = np.lib.format.read_magic(f)
-                shape = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                         else np.lib.format.read_array_header_2_0(f))[0]
-            shapes.append(f"{member.removesuffix('.npy')} {shape}")
-    return ", ".join(shapes)
+                shape, _, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0(f))
+            headers[member.removesuffix(".npy")] = (tuple(shape), dtype)
+    return headers
+
+
+def _array_lines(src: Source) -> list[str]:
+    """An .npy's or .npz's arrays, and what `data prepare` will refuse in its images' dtype, in its own words."""
+    if src.kind == "npy":
+        shape, dtype = _npy_header(src.path)
+        lines, problem = [f"  array shape {shape}, {dtype}"], arrays.dtype_problem(dtype, source=str(src.path))
+    else:
+        headers = _npz_headers(src.path)
+        lines = [f"  arrays: {', '.join(f'{k} {shape} {dtype}' for k, (shape, dtype) in headers.items())}"]
+        key = arrays.image_key(list(headers), src.split or "train")
+        problem = None if key is None else arrays.dtype_problem(headers[key][1], source=f"{src.path}[{key}]")
+    return lines + ([f"  PROBLEM: `data prepare` will stop here: {problem}"] if problem else [])
 
 
 def _layout_notes(layout, others: list[str], *, skip_bad: bool) -> list[str]:
@@ -158,10 +172,8 @@ def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) ->
         lines += _layout_notes(layout, others, skip_bad=skip_bad)
     elif src.kind == "idx":
         lines += [f"  {f.name}: {_idx_count(f) if 'idx3' in f.name else 'labels'}" for f in src.files]
-    elif src.kind == "npy":
-        lines.append(f"  array shape {_npy_shape(src.path)}")
-    elif src.kind == "npz":
-        lines.append(f"  arrays: {_npz_shapes(src.path)}")
+    elif src.kind in ("npy", "npz"):
+        lines += _array_lines(src)
     else:
         lines += [f"  {f.name} ({_mib(f.stat().st_size)})" for f in src.files]
     return lines
