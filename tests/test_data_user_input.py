@@ -115,3 +115,37 @@ def test_info_says_what_prepare_will_refuse_in_a_float_array(tmp_path: Path, cac
     assert "float32" in said and "(x * 255).round().astype(np.uint8)" in said
     if kind == "npz-splits":  # the test split is uint8: nothing to say about it
         assert "will stop here" not in info(src, cache_dir=cache_dir, split="test")
+
+
+# ------------------------------------------------------------------------------------------------ the build lock
+def test_a_refused_prepare_leaves_no_lock_file_and_a_waiter_locks_the_file_that_is_there(
+        tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from fastddpm.data import DataError, prepare
+    from fastddpm.data import cache as cache_module
+
+    src = tmp_path / "floats.npy"
+    np.save(src, np.zeros((2, 4, 4), np.float32))
+    with pytest.raises(DataError, match="images are float32"):
+        prepare(src, cache_dir=cache_dir, progress=False)
+    assert [p.name for p in (cache_dir / "prepared").iterdir()] == []
+    np.save(src, rng_images(2, 4, 4))
+    prepare(src, cache_dir=cache_dir, progress=False)  # a good build afterwards still works
+    # a process that locked the file its holder then removed (the holder failed) takes the new one: its lock on
+    # the removed file would exclude no one
+    final = cache_dir / "prepared" / "x"
+    lock_path = final.parent / ".x.lock"
+    opened = []
+    real_open = open
+
+    def open_and_remove_once(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        if path == lock_path and not opened:
+            os.unlink(path)  # as the failed holder does, after this process opened it
+        opened.append(path)
+        return f
+
+    monkeypatch.setattr(cache_module, "open", open_and_remove_once, raising=False)
+    with cache_module.build_lock(final, say=lambda message: None):
+        assert lock_path.exists() and len(opened) == 2

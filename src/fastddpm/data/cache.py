@@ -193,36 +193,59 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
         import fcntl
     except ImportError:  # not POSIX
         fcntl = None
-    try:
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        lock_file = None if fcntl is None else open(final_dir.parent / f".{final_dir.name}.lock", "a+b")
-    except OSError as e:
-        if e.errno in _NOT_WRITABLE_ERRNOS:
-            raise _not_writable(final_dir.parent, e) from None
-        raise
-    if lock_file is None:
-        yield
-        return
-    with lock_file:
-        locked = True
+    lock_path = final_dir.parent / f".{final_dir.name}.lock"
+    while True:
         try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another process that is preparing {final_dir.name} ...")
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            final_dir.parent.mkdir(parents=True, exist_ok=True)
+            lock_file = None if fcntl is None else open(lock_path, "a+b")
         except OSError as e:
-            # Lustre mounted without -o flock answers ENOSYS, some NFS set-ups ENOLCK: build unlocked, as
-            # where there is no fcntl (the rename still never shows a partial cache).
-            if e.errno not in _NO_LOCK_ERRNOS:
-                raise
-            say(f"the file system of {final_dir.parent} has no file locks ({e.strerror or e}): preparing "
-                f"without one (another process preparing {final_dir.name} at the same time would redo the work)")
-            locked = False
-        try:
+            if e.errno in _NOT_WRITABLE_ERRNOS:
+                raise _not_writable(final_dir.parent, e) from None
+            raise
+        if lock_file is None:
             yield
-        finally:
-            if locked:
+            return
+        with lock_file:
+            locked = True
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(f"waiting for another process that is preparing {final_dir.name} ...")
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+            except OSError as e:
+                # Lustre mounted without -o flock answers ENOSYS, some NFS set-ups ENOLCK: build unlocked, as
+                # where there is no fcntl (the rename still never shows a partial cache).
+                if e.errno not in _NO_LOCK_ERRNOS:
+                    raise
+                say(f"the file system of {final_dir.parent} has no file locks ({e.strerror or e}): preparing "
+                    f"without one (another process preparing {final_dir.name} at the same time would redo the work)")
+                locked = False
+            if locked and not _is_the_file_at(lock_file, lock_path):
+                # the holder we waited for failed and removed the lock file: a lock on the removed file excludes
+                # no one who opens the path now, so lock the file that is there
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
+                continue
+            try:
+                yield
+            except BaseException:
+                # a refused or failed build leaves no cache, so no lock file either (while still holding it:
+                # processes waiting on it see it gone and lock a new one)
+                lock_path.unlink(missing_ok=True)
+                raise
+            finally:
+                if locked:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+            return
+
+
+def _is_the_file_at(opened, path: Path) -> bool:
+    """Whether the open file is still the one at `path` (not removed, nor replaced by another)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(opened.fileno())
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _fsync_path(path: Path) -> None:
