@@ -149,3 +149,27 @@ def test_a_refused_prepare_leaves_no_lock_file_and_a_waiter_locks_the_file_that_
     monkeypatch.setattr(cache_module, "open", open_and_remove_once, raising=False)
     with cache_module.build_lock(final, say=lambda message: None):
         assert lock_path.exists() and len(opened) == 2
+
+
+# ------------------------------------------------------------------------------------------------ 16-bit images
+def test_a_16_bit_png_is_given_a_fix_that_works_not_image_mode(tmp_path: Path, cache_dir: Path) -> None:
+    from PIL import Image
+
+    from fastddpm.data import DataError, prepare
+
+    root = tmp_path / "scans"
+    (root / "0").mkdir(parents=True)
+    for i, grey in enumerate(rng_images(3)):
+        Image.fromarray(grey.astype(np.uint16) * 257).save(root / "0" / f"s{i}.png")
+    assert Image.open(root / "0" / "s0.png").mode == "I;16"
+    for image_mode in (None, "L"):  # --image-mode L, the old hint, is refused just the same
+        with pytest.raises(DataError) as e:
+            prepare(root, cache_dir=cache_dir, progress=False, image_mode=image_mode)
+        fix = str(e.value).splitlines()[-1]
+        assert "16-bit/float" in str(e.value) and fix.startswith("Fix:")
+        assert "--image-mode L or RGB" not in fix and "--image-mode does not convert them" in fix
+    # the fix as written turns them into images prepare takes, the same pixels' top 8 bits
+    for p in sorted((root / "0").iterdir()):
+        Image.fromarray((np.asarray(Image.open(p)) >> 8).astype(np.uint8)).save(p)
+    prepared = prepare(root, cache_dir=cache_dir, progress=False)
+    assert np.array_equal(np.asarray(prepared.images)[:, 0], rng_images(3))

@@ -27,7 +27,7 @@ class BadFile:
     path: str  # as the user knows it: relative to the folder, or the member name inside the zip
     reason: str
     # Short category used to tailor the "Fix:" line (e.g. only suggest --resize if sizes differ).
-    kind: str = "corrupt"  # "corrupt" | "size" | "mode" | "bomb" | "layout"
+    kind: str = "corrupt"  # "corrupt" | "size" | "mode" | "depth" | "bomb" | "layout"
 
 
 def bad_files_message(
@@ -63,6 +63,12 @@ def bad_files_message(
         fixes.append("pass --resize N (resize=N) to bring mixed sizes to one")
     if "mode" in kinds:
         fixes.append("pass --image-mode L or RGB (image_mode=...) to convert mixed or unusual modes")
+    if "depth" in kinds:
+        # --image-mode cannot help here: the reader refuses 16-bit and float pixels before any conversion, as
+        # scaling them to 8 bits is a choice (which range is black and white) the user has to make
+        fixes.append("save the 16-bit/float images as 8-bit ones (--image-mode does not convert them), e.g. a "
+                     "16-bit grey PNG with Pillow: Image.fromarray((np.asarray(Image.open(p)) >> 8)"
+                     ".astype(np.uint8)).save(p), or with ImageMagick: mogrify -depth 8 FILE.png")
     if "bomb" in kinds:
         fixes.append("downscale the huge images, or if they are genuine raise the limit from Python: "
                      "fastddpm.data.prepare(SOURCE, max_image_pixels=N)")

@@ -104,7 +104,7 @@ def probe_image(open_fn: OpenFn, *, size_bytes: int, max_pixels: int) -> Probe:
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         with _open(stream, max_pixels=max_pixels) as im:
             if im.mode in HIGH_BIT_MODES:
-                raise BadImage(f"16-bit/float image (mode {im.mode}): convert it to 8-bit first", "mode")
+                raise BadImage(f"16-bit/float image (mode {im.mode}): convert it to 8-bit first", "depth")
             width, height = _upright_size(im, _orientation(im))
             return Probe(width=width, height=height, mode=im.mode)
 
