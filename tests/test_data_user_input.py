@@ -173,3 +173,24 @@ def test_a_16_bit_png_is_given_a_fix_that_works_not_image_mode(tmp_path: Path, c
         Image.fromarray((np.asarray(Image.open(p)) >> 8).astype(np.uint8)).save(p)
     prepared = prepare(root, cache_dir=cache_dir, progress=False)
     assert np.array_equal(np.asarray(prepared.images)[:, 0], rng_images(3))
+
+
+# ------------------------------------------------------------------------------------------------ a user's own tar
+def test_a_users_own_tar_is_not_called_cifar10(tmp_path: Path, cache_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import tarfile
+
+    from fastddpm.data import DataError, info, prepare
+
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    np.save(tmp_path / "imgs" / "cat" / "a.npy", rng_images(1))
+    src = tmp_path / "holiday.tar.gz"
+    with tarfile.open(src, "w:gz") as tar:
+        tar.add(tmp_path / "imgs", arcname="imgs")
+    said = info(src, cache_dir=cache_dir)
+    assert said.splitlines()[0].endswith(f"tar archive at {src}") and "cifar10" not in said
+    assert "for your own images use a folder or a .zip" in said
+    with pytest.raises(DataError, match="for your own images use a folder or a .zip"):
+        prepare(src, cache_dir=cache_dir, progress=True)
+    err = capsys.readouterr().err
+    assert f"preparing {src} (tar archive, train)" in err and "cifar10" not in err

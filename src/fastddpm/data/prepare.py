@@ -131,7 +131,7 @@ def _outdated(src: Source, meta: dict) -> str | None:
 
 def _build(src: Source, options: PrepareOptions, final_dir: Path, *, progress: bool,
            say: Callable[[str], None]) -> PreparedData:
-    say(f"preparing {src.display} ({src.kind}{', ' + src.split if src.split else ''}) -> {final_dir}")
+    say(f"preparing {src.display} ({src.label}{', ' + src.split if src.split else ''}) -> {final_dir}")
     start_s = time.monotonic()
     with CacheBuilder(final_dir) as builder:
         with read_source(src, options) as data:

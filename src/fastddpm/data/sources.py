@@ -47,6 +47,15 @@ class Source:
     backslash_paths: bool = False  # zips: member paths separated by backslashes (Windows tools), read as folders
     fingerprint: str | None = None  # changes when any file read changes; None when not local
 
+    @property
+    def label(self) -> str:
+        """The kind, as messages name it: a tar is read only as CIFAR-10's python archive, but one named otherwise
+        is more likely the user's own images, and calling it "cifar10" would blame the wrong thing."""
+        if self.kind == "cifar10" and self.path is not None and self.path.is_file() and not self.name \
+                and "cifar" not in self.path.name.lower():
+            return "tar archive"
+        return self.kind
+
     def cache_dir(self, cache_root: Path, options: PrepareOptions) -> Path:
         identity = {"name": self.name} if self.name else {"kind": self.kind, "path": str(self.path)}
         if self.name:
@@ -169,7 +178,7 @@ def resolve_source(source: str | os.PathLike, *, split: str, cache_root: Path, d
     path = path.resolve()
     src = _resolve_folder(path, display, split, None) if path.is_dir() else _resolve_file(path, display, split, None)
     if src.split is None and split != "train":
-        raise DataError(f"split={split!r}, but {display} ({src.kind}) has no splits. Fix: leave --split out, or "
+        raise DataError(f"split={split!r}, but {display} ({src.label}) has no splits. Fix: leave --split out, or "
                         "point SOURCE at the file or folder that holds that split.")
     return src
 

@@ -155,7 +155,7 @@ def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) ->
                 f"  prepare downloads {files} from {named.mirrors(ds)[0]}",
                 f"  into {named.download_dir(cache_root, ds.name)} (looked for a local copy in: "
                 + ", ".join(str(d) for d in named.search_dirs(ds, cache_root)) + ")"]
-    lines = [f"{src.display}{split}: {src.kind} at {src.path}"]
+    lines = [f"{src.display}{split}: {src.label} at {src.path}"]
     if src.kind == "image-folder":
         layout = plan_layout([s.rel for s in src.tree], split=src.split or "train", where=str(src.path),
                              strip_top=False)
@@ -176,4 +176,7 @@ def describe_source(src: Source, cache_root: Path, *, skip_bad: bool = False) ->
         lines += _array_lines(src)
     else:
         lines += [f"  {f.name} ({_mib(f.stat().st_size)})" for f in src.files]
+        if src.label != src.kind:  # a tar not named as CIFAR-10's: said before prepare opens it
+            lines.append(f"  note: a tar is read only as CIFAR-10's python archive ({named.CIFAR10_ARCHIVE}, "
+                         "with cifar-10-batches-py/ inside); for your own images use a folder or a .zip")
     return lines
