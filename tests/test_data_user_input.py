@@ -194,3 +194,24 @@ def test_a_users_own_tar_is_not_called_cifar10(tmp_path: Path, cache_dir: Path,
         prepare(src, cache_dir=cache_dir, progress=True)
     err = capsys.readouterr().err
     assert f"preparing {src} (tar archive, train)" in err and "cifar10" not in err
+
+
+def test_names_given_to_numbered_classes_are_the_runs_own_on_resume(tmp_path: Path, cache_dir: Path) -> None:
+    import json
+
+    from fastddpm.trainer.loop import train
+
+    src = tmp_path / "numbered.npz"
+    np.savez(src, images=rng_images(8, 16, 16), labels=np.arange(8) % 2)  # no class_names: classes 0 and 1
+
+    def cfg(**over):
+        # a fresh preset each time, as a resume given --preset starts from the preset's values, not the run's
+        return apply_overrides(get_preset("tiny"), {
+            "data.source": str(src), "model.conditional": True, "train.progress": False, "train.batch_size": 4,
+            "train.num_sample_images": 2, "train.sample_steps": 2, "train.checkpoint_every": 1, **over})
+
+    run = tmp_path / "run"
+    train(cfg(**{"model.class_names": "left,right", "train.max_steps": 1}), out_dir=run, log=lambda *a, **k: None)
+    assert json.loads((run / "config.json").read_text())["model"]["class_names"] == ["left", "right"]
+    train(cfg(**{"train.max_steps": 2}), out_dir=run, resume="latest", log=lambda *a, **k: None)
+    assert json.loads((run / "config.json").read_text())["model"]["class_names"] == ["left", "right"]

@@ -223,6 +223,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
                          "--sample-guidance 1 for grids and evaluations that mean something")
     if resumed is not None:  # where the run's weights began, whatever a resume's --init-from says
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=resumed.config.train.init_from))
+        cfg = _the_runs_class_names(cfg, resumed)
     cfg = _resolve_from_data(cfg, data)
     if resumed is None:  # a new model (`--resume latest` with no checkpoint too); a resumed run keeps its own
         check_attention_levels(cfg.model)
@@ -505,8 +506,17 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist:
         resumed.check_resumable(sharded_run=fsdp)
         check_same_inputs(resumed, cfg, identity, log)
         check_same_architecture(resolve_model_shape(resumed.config, data.images.shape, new_model=False),
-                                _resolve_from_data(cfg, data), resumed.path)
+                                _resolve_from_data(_the_runs_class_names(cfg, resumed), data), resumed.path)
     return resumed
+
+
+def _the_runs_class_names(cfg: RunConfig, resumed: Checkpoint) -> RunConfig:
+    """A resume given no class names keeps the run's: names given by --class-names to data that only numbers
+    its classes are the run's own, also where a resume's --preset starts from a config without them."""
+    names = resumed.config.model.class_names
+    if cfg.model.class_names or not names:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, class_names=names))
 
 
 def _settle_batch_size(cfg: RunConfig, model, schedule, precision: Precision, data, dist: DistInfo,
