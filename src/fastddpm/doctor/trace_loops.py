@@ -140,26 +140,35 @@ def _median_loop(items: int, loops: list[dict]) -> dict:
 
 def _per_item_backward(tree: OpTree, bounds: tuple[float, float], indexed: int) -> tuple[float, int]:
     """The backward's share of the loop: the autograd nodes evaluated once per sample in the step (as many times
-    as the items indexed, or more: the loop's own ops' gradients), on any thread (a CUDA backward runs on the
-    engine's device thread). Returns (their time in microseconds, the ops recorded inside them)."""
+    as the items indexed, or more: the loop's own ops' gradients), and the engine's own ops as often between them
+    (the aten::add_ that sums each sample's gradient into the batch's: a select's backward is a batch-sized
+    tensor of zeros around one sample's gradient), on any thread (a CUDA backward runs on the engine's device
+    thread). Returns (their time in microseconds, the ops recorded inside them)."""
     start, end = bounds
-    nodes: dict[str, list] = {}
+    found: list = []  # outermost ops in the step, less the optimizer's
     for tid, roots in tree.roots.items():
         todo = list(roots)
         while todo:
             n = todo.pop()
-            if n.end < start or n.ts > end:
-                continue
             name = n.e.get("name", "")
-            if name.startswith(BACKWARD_NODE):
-                nodes.setdefault(name, []).append(n)
+            if n.end < start or n.ts > end or name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
                 continue
-            todo.extend(n.children)
+            if n.e.get("cat") == "cpu_op":
+                found.append(n)
+            else:
+                todo.extend(n.children)
+    backward_from = min((n.ts for n in found if n.e.get("name", "").startswith(BACKWARD_NODE)), default=None)
+    if backward_from is None:
+        return 0.0, 0
+    nodes: dict[str, list] = {}
+    for n in found:
+        if n.ts >= backward_from:
+            nodes.setdefault(n.e.get("name", ""), []).append(n)
     time_us, ops = 0.0, 0
-    for found in nodes.values():
-        if len(found) >= indexed * 0.9:
-            time_us += sum(n.end - n.ts for n in found)
-            ops += sum(1 + _count(n) for n in found)
+    for same in nodes.values():
+        if len(same) >= indexed * 0.9:
+            time_us += sum(n.end - n.ts for n in same)
+            ops += sum(1 + _count(n) for n in same)
     return time_us, ops
 
 
