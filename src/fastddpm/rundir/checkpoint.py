@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -95,18 +96,67 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     # torch.load would report as an unpickling error about load keys.
     if not (data.startswith(b"PK\x03\x04") or data.startswith(b"\x80")):
         kind = "empty" if not data else f"it starts with {data[:8]!r}"
-        raise CheckpointError(f"{path} is not a PyTorch checkpoint file ({kind}; torch.save writes a zip archive)",
-                              ". Pass a run directory, a checkpoints/ckpt_*.pt file or an ema.safetensors export")
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint file ({kind}; torch.save writes a zip archive), so "
+                              f"not a fastddpm checkpoint", NOT_A_CHECKPOINT_FIX)
+    foreign = _foreign_zip(data)
+    if foreign:
+        raise CheckpointError(f"{path} is a zip archive ({foreign}), not a fastddpm checkpoint: torch.save's archive "
+                              "holds a data.pkl", NOT_A_CHECKPOINT_FIX)
     try:
-        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch's advice about pickle protocols is about its reader, not the file
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's weights-only reader: its message is advice about torch.load's own defaults; what the user needs is
+        # the code the file names, where it names some, and otherwise that this is no checkpoint
+        code = re.search(r"GLOBAL (\S+)", str(e))
+        if code:
+            raise CheckpointError(
+                f"could not load checkpoint {path}: it names code ({code.group(1)}), which a fastddpm checkpoint never "
+                "holds", ". fastddpm loads with weights_only=True and refuses files that carry code; pass a run folder "
+                "or a .pt written by `fastddpm train`") from None
+        raise CheckpointError(f"{path} is not a fastddpm checkpoint: it is a pickle of something other than tensors "
+                              "and settings, or cut short", NOT_A_CHECKPOINT_FIX
+                              + "; if it was one, cut short, use an earlier checkpoint") from None
     except Exception as e:
+        text = str(e)
+        if "magic number" in text:  # a pickle, but not one torch.save wrote
+            raise CheckpointError(f"{path} is not a fastddpm checkpoint: it is a pickle that torch.save did not "
+                                  "write", NOT_A_CHECKPOINT_FIX) from None
+        if "PytorchStreamReader" in text:  # torch's zip reader: the archive ends before its directory, or is damaged
+            said = "its zip archive cannot be read (cut short or damaged)"
+        else:  # the first line of the reader's message, without the C++ source location torch puts before some
+            first = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text.splitlines()[0] if text else "")
+            said = f"{type(e).__name__}: {first.rstrip(' .')}"
         raise CheckpointError(
-            f"could not load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            f"could not load checkpoint {path}: {said}",
             ". fastddpm loads with weights_only=True and refuses files that carry code; if the file is truncated, "
             "use an earlier checkpoint") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})")
+        raise CheckpointError(f"{path} is not a fastddpm checkpoint (format {CHECKPOINT_FORMAT})", NOT_A_CHECKPOINT_FIX)
     return state
+
+
+# what a path that is no checkpoint should have been
+NOT_A_CHECKPOINT_FIX = (". Pass a run folder, or a .pt written by `fastddpm train` (RUN/checkpoints/ckpt_*.pt) or its "
+                        "ema.safetensors export")
+
+
+def _foreign_zip(data: bytes) -> str | None:
+    """Its members ("2 members: a.txt, b.txt") when `data` is a readable zip archive that torch.save did not write
+    (it writes one folder holding data.pkl); None for torch's archive, or one too damaged to list, which torch.load
+    reports as cut short."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    if any(n.endswith("data.pkl") for n in names):
+        return None
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names)} member{'s' if len(names) != 1 else ''}: {shown}" if names else "empty"
 
 
 def load_latest(ckpt_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
