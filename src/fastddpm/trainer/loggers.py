@@ -24,7 +24,8 @@ _NEEDS = {
     "tensorboard": ("tensorboard", "--log-to tensorboard needs the tensorboard package: pip install tensorboard (or "
                                    "pip install 'fastddpm[tensorboard]'), or drop tensorboard from --log-to"),
     "wandb": ("wandb", "--log-to wandb needs the wandb package: pip install wandb (or pip install "
-                       "'fastddpm[wandb]'); WANDB_MODE=offline logs without an account"),
+                       "'fastddpm[wandb]'; WANDB_MODE=offline logs without an account), or drop wandb from "
+                       "--log-to"),
 }
 
 
@@ -42,7 +43,14 @@ def check_loggers(cfg: RunConfig, run_dir: Path | None) -> None:
     folders = {"tensorboard": RunDir(run_dir).tensorboard, "wandb": Path(run_dir) / "wandb"}
     for name in cfg.train.log_to:
         folder = folders.get(name)
-        if folder is not None and (folder.exists() or folder.is_symlink()) and not folder.is_dir():
+        if folder is not None and folder.is_symlink() and not folder.exists():
+            # a link to nothing is no file: said as a file, the user looks for a file that is not there
+            import os
+
+            raise ConfigError(f"--log-to {name} writes into the folder {folder}, which is a link to nothing here (its "
+                              f"target {os.readlink(folder)} does not exist): create the target folder, remove the "
+                              f"link, or drop {name} from --log-to")
+        if folder is not None and folder.exists() and not folder.is_dir():
             raise ConfigError(f"--log-to {name} writes into the folder {folder}, which is a file here: move or "
                               f"delete that file, or drop {name} from --log-to")
 
