@@ -220,6 +220,7 @@ def train_classifier(train: PreparedData, test: PreparedData | None, *, recipe: 
                         torch.from_numpy(test_y.astype(np.int64)).to(device))
     model.eval()
     info = {"name": FEATURES_NAME, "format": CLASSIFIER_FORMAT, "test_accuracy": test_acc, "test_set": test_where,
+            "test_images": int(test_x.shape[0]), "test_split": test_where.startswith("the test split"),
             "train_images": int(n), "steps": steps, "train_seconds": round(train_s, 2), "device": str(device),
             "num_classes": num_classes, "in_channels": train.channels, "image_size": train.height,
             "recipe": dataclasses.asdict(recipe), "train_data": _dataset_identity(train),

@@ -167,8 +167,20 @@ def weak_classifier(info: dict) -> str | None:
     None: under WEAK_FEATURES_ACCURACY on its test images, or trained on fewer than WEAK_FEATURES_IMAGES."""
     trained_images = info.get("train_images", WEAK_FEATURES_IMAGES)
     if info["test_accuracy"] < WEAK_FEATURES_ACCURACY or trained_images < WEAK_FEATURES_IMAGES:
-        return f"test accuracy {info['test_accuracy']:.1%}, trained on {trained_images:,} images"
+        return (f"test accuracy {info['test_accuracy']:.1%}{accuracy_measured_on(info)}, trained on "
+                f"{trained_images:,} images")
     return None
+
+
+def accuracy_measured_on(info: dict) -> str:
+    """Where the classifier's accuracy was measured, with the count (" on 14 held-out training images"): 100% on
+    14 images says little, and images held out of the train split are no test split. Empty for a network cached
+    before the count was recorded and without a record of where."""
+    if "test_images" in info:
+        where = "test-split" if info.get("test_split") else "held-out training"
+        n = info["test_images"]
+        return f" on {n:,} {where} image{'s' if n != 1 else ''}"
+    return f" on {info['test_set']}" if info.get("test_set") else ""
 
 
 def inception_choice(args: argparse.Namespace) -> str | None:
@@ -333,7 +345,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
         if cfg.model.conditional:
             info_c = evaluator.classifier.info
             log(f"conditional model: {cfg.model.num_classes} classes, sampled class-balanced; class accuracy by "
-                f"the dataset's classifier ({info_c['test_accuracy']:.2%} on real test images)")
+                f"the dataset's classifier ({info_c['test_accuracy']:.2%}{accuracy_measured_on(info_c)})")
             weak = weak_classifier(info_c)
             if weak and net.num_classes is None:  # in its own features the note above said it
                 log(f"note: a weak classifier ({weak}): its class accuracy says little about the samples; "

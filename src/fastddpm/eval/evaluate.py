@@ -295,7 +295,7 @@ class Evaluator:
                 # first, so that data without labels fails before Inception statistics are computed
                 try:
                     classifier = build_feature_net(d, device=device, inception=None, cache_root=cache_root,
-                                                   log=log, progress=progress)
+                                                   log=log, progress=progress, prepared={split: data})
                 except UnlabelledDataError as e:
                     # UnlabelledDataError's own fix, Inception features, would not help: class accuracy needs the
                     # dataset's classifier whatever the feature space of FID
@@ -309,7 +309,8 @@ class Evaluator:
                         f"evaluate against the labelled data the model was trained on (--data SOURCE), or prepare "
                         f"{fix}") from None
             net = classifier if classifier is not None and not inception else build_feature_net(
-                d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress)
+                d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress,
+                prepared={split: data})
             if not reference:
                 return cls(net=net, ref=None, classifier=classifier, class_names=class_names,
                            label_histogram=label_histogram)

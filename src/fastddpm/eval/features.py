@@ -67,27 +67,33 @@ def _weights_identity(module: torch.nn.Module) -> str:
 
 
 def dataset_splits(data_cfg, *, cache_root: Path | None, log: Callable[[str], None],
-                   progress: bool = False) -> tuple[PreparedData, PreparedData | None]:
-    """The train split and, if the source has one, the test split, prepared with the run's data options."""
+                   progress: bool = False, prepared: dict[str, PreparedData] | None = None
+                   ) -> tuple[PreparedData, PreparedData | None]:
+    """The train split and, if the source has one, the test split, prepared with the run's data options.
+    `prepared`: splits the caller already prepared with the same options, by name, used as they are: preparing a
+    split again would say its skipped files a second time."""
+    prepared = prepared or {}
     kwargs = dict(resize=data_cfg.resize, resize_mode=data_cfg.resize_mode, image_mode=data_cfg.image_mode,
                   skip_bad=data_cfg.skip_bad, cache_dir=cache_root, progress=progress)
-    train = prepare(data_cfg.source, split="train", **kwargs)
+    train = prepared["train"] if "train" in prepared else prepare(data_cfg.source, split="train", **kwargs)
     try:
-        test = prepare(data_cfg.source, split="test", **kwargs)
+        test = prepared["test"] if "test" in prepared else prepare(data_cfg.source, split="test", **kwargs)
     except DataError as e:
-        # the reason without its fix: the fix is for a user who asked for that split, and nobody did here
-        log(f"feature network: no test split ({str(e).splitlines()[0].split(' Fix:')[0][:160]}); holding out part "
-            "of train")
+        # the reason without its fix: the fix is for a user who asked for that split, and nobody did here; its
+        # closing full stop dropped, as the reason sits inside this line's parentheses
+        reason = str(e).splitlines()[0].split(" Fix:")[0][:160].rstrip(" .")
+        log(f"feature network: no test split ({reason}); holding out part of train")
         test = None
     return train, test
 
 
 def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, cache_root: Path | None,
                       log: Callable[[str], None] = print, progress: bool = False,
-                      recipe: ClassifierRecipe | None = None) -> FeatureNet:
+                      recipe: ClassifierRecipe | None = None,
+                      prepared: dict[str, PreparedData] | None = None) -> FeatureNet:
     """Inception if `inception` is given: "auto" finds the weights (fastddpm.eval.inception_weights), anything else
     is a local file; else the dataset's cached (or new) classifier (trained with `recipe`, default
-    ClassifierRecipe())."""
+    ClassifierRecipe()). `prepared`: splits already prepared with data_cfg's options (see dataset_splits)."""
     if inception:
         from fastddpm.eval.inception import load_found_inception, load_inception
         from fastddpm.eval.inception_weights import FIND
@@ -104,7 +110,7 @@ def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, 
     from fastddpm.data import default_cache_dir
 
     root = Path(cache_root) if cache_root is not None else default_cache_dir()
-    train, test = dataset_splits(data_cfg, cache_root=root, log=log, progress=progress)
+    train, test = dataset_splits(data_cfg, cache_root=root, log=log, progress=progress, prepared=prepared)
     model, info, path = load_or_train_classifier(train, test, device=device, cache_root=root,
                                                  recipe=recipe or ClassifierRecipe(), log=log)
     return FeatureNet(name=FEATURES_NAME, label=FEATURES_LABEL, comparable_to_inception_fid=False, module=model,

@@ -1,0 +1,66 @@
+"""What `fastddpm eval` says about the data it scores against: a note when the reference images are not the ones
+the checkpoint's run trained on, and the feature network's notes said once each, naming where its accuracy was
+measured and on how many images."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import read_fmnist
+from fastddpm.cli import main
+from fastddpm.config import apply_overrides, get_preset
+from fastddpm.eval import features
+from fastddpm.eval.classifier import ClassifierRecipe
+from fastddpm.trainer.loop import train
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.fixture
+def fast_feature_net(monkeypatch):
+    """A feature network trained in a few steps: these tests read what eval says, not how good its features are
+    (the recipe is part of the network's cache key, so no other test gets this one)."""
+    monkeypatch.setattr(features, "ClassifierRecipe", lambda: ClassifierRecipe(min_steps=2, epochs=0.01))
+
+
+def tiny_run(source, run, **model):
+    over = {"data.source": str(source), "train.progress": False, "train.checkpoint_every": None,
+            "train.num_sample_images": 4, "train.sample_steps": 2, "train.max_steps": 1,
+            **{f"model.{k}": v for k, v in model.items()}}
+    train(apply_overrides(get_preset("tiny"), over), out_dir=run, log=quiet)
+    return run
+
+
+EVAL = ["--num-samples", "10", "--steps", "1", "--no-progress"]
+
+
+def test_the_feature_networks_notes_are_true_and_said_once(tmp_path, fast_feature_net, capsys):
+    """A folder with no test split and a bad file: the skipped files are said once, the accuracy names how many
+    held-out training images it was measured on (not "real test images"), and no line doubles its punctuation."""
+    images, labels = read_fmnist(130)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tiny_run(src, tmp_path / "run", conditional=True)
+    root = tmp_path / "folder"
+    for i, (image, label) in enumerate(zip(images, labels)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[0]).save(root / str(label) / f"{i}.png")
+    (root / "3" / "broken.png").write_bytes(b"not an image")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--data", str(root), "--skip-bad", *EVAL]) == 0
+    said = capsys.readouterr()
+    assert said.err.count("skipped 1 of 131 files") == 1
+    out = said.out
+    assert "real test images" not in out
+    assert "(100.00% on 13 held-out training images)" in out or " on 13 held-out training images)" in out
+    assert "note: a weak feature network (test accuracy " in out
+    weak = next(line for line in out.splitlines() if line.startswith("note: a weak feature network"))
+    assert " on 13 held-out training images, trained on 117 images)" in weak
+    (no_test,) = [line for line in out.splitlines() if line.startswith("feature network: no test split (")]
+    assert no_test.endswith(" has no splits); holding out part of train"), no_test
+    for line in out.splitlines():
+        line = line.replace("...", "")  # an ellipsis is no doubled punctuation
+        assert ".)" not in line and ".;" not in line and ".." not in line, line
+
