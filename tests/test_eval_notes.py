@@ -36,6 +36,33 @@ def tiny_run(source, run, **model):
 EVAL = ["--num-samples", "10", "--steps", "1", "--no-progress"]
 
 
+def test_eval_against_data_changed_since_training_says_so_naming_both_sides(tmp_path, fast_feature_net, capsys):
+    images, labels = read_fmnist(120)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tiny_run(src, tmp_path / "run")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), *EVAL]) == 0
+    assert "learned" not in capsys.readouterr().out  # the same images: no note
+    # the same images moved elsewhere are the same data
+    moved = tmp_path / "moved.npz"
+    np.savez(moved, images=images, labels=labels)
+    assert main(["eval", "--checkpoint", str(run), "--data", str(moved), *EVAL]) == 0
+    assert "learned" not in capsys.readouterr().out
+    # the file changed under its path: scored (the user may mean it), and said, with both sides' records
+    np.savez(src, images=images[:, :, ::-1].copy(), labels=labels)
+    assert main(["eval", "--checkpoint", str(run), *EVAL]) == 0
+    out = capsys.readouterr().out
+    (note,) = [line for line in out.splitlines() if "learned" in line]
+    assert note.startswith(f"note: the images at {src} changed since the checkpoint was written: ")
+    assert "120 images (1, 28, 28)" in note and "other images than the model learned" in note
+    assert "--data SOURCE" in note
+    from fastddpm.rundir.locate import locate
+
+    saved = locate(str(run), weights="ema", what="--checkpoint").meta["data"]
+    assert saved["pixels_sha256"] in note and saved["source"] == str(src)
+
+
 def test_the_feature_networks_notes_are_true_and_said_once(tmp_path, fast_feature_net, capsys):
     """A folder with no test split and a bad file: the skipped files are said once, the accuracy names how many
     held-out training images it was measured on (not "real test images"), and no line doubles its punctuation."""

@@ -183,6 +183,35 @@ def accuracy_measured_on(info: dict) -> str:
     return f" on {info['test_set']}" if info.get("test_set") else ""
 
 
+def other_data_note(saved: dict | None, evaluator, cfg, *, trained_split: str) -> str | None:
+    """A note when the reference images are not the ones the checkpoint's run trained on: the source's files
+    changed since (a resume is refused on them), or other data was given. Said, not refused: scoring a model on
+    other data can be what the user means, but the score then says how close the samples come to that data.
+    None when they are the same images (from any path), when the checkpoint recorded no data (an
+    ema.safetensors, a checkpoint older than the record) or when another split is the reference."""
+    from fastddpm.data.cache import describe_identity, same_images
+
+    data = evaluator.reference_data
+    if not saved or data is None or (evaluator.ref.meta.get("split") or trained_split) != trained_split:
+        return None
+    labels = bool(cfg.model.conditional)  # an unconditional model read the pixels alone
+    now = data.identity()
+    if same_images(saved, now, labels=labels):
+        return None
+    key = "pixels_sha256" if not labels and "pixels_sha256" in saved else "sample_sha256"
+    digest = "pixel digest" if key == "pixels_sha256" else "digest of pixels and labels"
+    was_source, source = saved.get("source"), cfg.data.source
+    same_place = was_source == source or (was_source is not None and Path(source).exists()
+                                          and Path(source).resolve() == Path(was_source).resolve())
+    how = (f"the images at {source} changed since the checkpoint was written" if same_place else
+           "this evaluation reads other data")
+    return (f"note: {how}: the checkpoint's run trained on {was_source} ({describe_identity(saved)}) with "
+            f"sampled {digest} {saved.get(key)}, this evaluation's reference is {source} "
+            f"({describe_identity(now)}) with {now.get(key)}. The scores measure the samples against other images "
+            "than the model learned; for its score on its own data, evaluate against a copy of those images (--data "
+            "SOURCE).")
+
+
 def inception_choice(args: argparse.Namespace) -> str | None:
     """What build_feature_net's `inception` gets: None (fastddpm-features), "auto" (find the weights) or a path."""
     from fastddpm.config import ConfigError
@@ -332,6 +361,9 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
                                reference=False)
     evaluator.check_same_as_rank_0(dist.rank, dist.world_size)  # a rank that fails ends the job (torchrun)
     if dist.is_main:
+        changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained_split=trained.split)
+        if changed:
+            log(changed)
         net = evaluator.net
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "

@@ -247,6 +247,9 @@ class Evaluator:
     # ref.label_histogram is the classifier's predictions on the same images, not the labels.
     class_names: tuple[str, ...] = ()
     label_histogram: list[int] | None = None
+    # The reference split as prepared (None on a rank other than 0): `fastddpm eval` compares it with the data the
+    # checkpoint recorded, so a score against other images than the model learned is said.
+    reference_data: object | None = None
 
     @classmethod
     def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
@@ -319,7 +322,7 @@ class Evaluator:
                 # per-class covariances in the classifier's 128-d features only
                 classes = class_reference_stats(data, net, cache_root=cache_root, log=log)
         return cls(net=net, ref=ref, classifier=classifier, classes=classes, class_names=class_names,
-                   label_histogram=label_histogram)
+                   label_histogram=label_histogram, reference_data=data)
 
     def check_same_as_rank_0(self, rank: int, world_size: int) -> None:
         """Under torchrun, on every rank once each has built its Evaluator (a collective): a ConfigError where
