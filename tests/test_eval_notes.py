@@ -42,9 +42,7 @@ def test_eval_against_data_changed_since_training_says_so_naming_both_sides(tmp_
     np.savez(src, images=images, labels=labels)
     run = tiny_run(src, tmp_path / "run")
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(run), *EVAL]) == 0
-    assert "learned" not in capsys.readouterr().out  # the same images: no note
-    # the same images moved elsewhere are the same data
+    # the same images moved elsewhere are the same data: no note
     moved = tmp_path / "moved.npz"
     np.savez(moved, images=images, labels=labels)
     assert main(["eval", "--checkpoint", str(run), "--data", str(moved), *EVAL]) == 0
@@ -91,3 +89,21 @@ def test_the_feature_networks_notes_are_true_and_said_once(tmp_path, fast_featur
         line = line.replace("...", "")  # an ellipsis is no doubled punctuation
         assert ".)" not in line and ".;" not in line and ".." not in line, line
 
+
+
+def test_eval_reading_the_runs_data_with_other_options_says_which(tmp_path, fast_feature_net, capsys):
+    """The same file read another way (--resize-mode stretch where the run center-cropped) is not its files changed:
+    the note names the options and the fix is to leave them out."""
+    images, labels = read_fmnist(120)
+    src = tmp_path / "wide.npz"  # 28x40: a center crop and a stretch to 28x28 differ
+    np.savez(src, images=np.pad(images, ((0, 0), (0, 0), (0, 0), (6, 6))), labels=labels)
+    over = {"data.source": str(src), "data.resize": 28, "train.progress": False, "train.checkpoint_every": None,
+            "train.num_sample_images": 4, "train.sample_steps": 2, "train.max_steps": 1}
+    run = tmp_path / "run"
+    train(apply_overrides(get_preset("tiny"), over), out_dir=run, log=quiet)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--resize-mode", "stretch", *EVAL]) == 0
+    out = capsys.readouterr().out
+    (note,) = [line for line in out.splitlines() if "learned" in line]
+    assert note.startswith(f"note: this evaluation reads {src} with other options (--resize-mode stretch): ")
+    assert note.endswith("for its score on its own data, leave out --resize-mode.")

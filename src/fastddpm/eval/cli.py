@@ -183,7 +183,7 @@ def accuracy_measured_on(info: dict) -> str:
     return f" on {info['test_set']}" if info.get("test_set") else ""
 
 
-def other_data_note(saved: dict | None, evaluator, cfg, *, trained_split: str) -> str | None:
+def other_data_note(saved: dict | None, evaluator, cfg, *, trained) -> str | None:
     """A note when the reference images are not the ones the checkpoint's run trained on: the source's files
     changed since (a resume is refused on them), or other data was given. Said, not refused: scoring a model on
     other data can be what the user means, but the score then says how close the samples come to that data.
@@ -192,7 +192,7 @@ def other_data_note(saved: dict | None, evaluator, cfg, *, trained_split: str) -
     from fastddpm.data.cache import describe_identity, same_images
 
     data = evaluator.reference_data
-    if not saved or data is None or (evaluator.ref.meta.get("split") or trained_split) != trained_split:
+    if not saved or data is None or (evaluator.ref.meta.get("split") or trained.split) != trained.split:
         return None
     labels = bool(cfg.model.conditional)  # an unconditional model read the pixels alone
     now = data.identity()
@@ -203,13 +203,18 @@ def other_data_note(saved: dict | None, evaluator, cfg, *, trained_split: str) -
     was_source, source = saved.get("source"), cfg.data.source
     same_place = was_source == source or (was_source is not None and Path(source).exists()
                                           and Path(source).resolve() == Path(was_source).resolve())
-    how = (f"the images at {source} changed since the checkpoint was written" if same_place else
-           "this evaluation reads other data")
+    # with the run's own reading options, other images at the same place are its files changed since
+    read_as = [f"--{k.replace('_', '-')} {getattr(cfg.data, k)}" for k in ("resize", "resize_mode", "image_mode")
+               if getattr(cfg.data, k) != getattr(trained, k)]
+    how = ("this evaluation reads other data" if not same_place else
+           f"this evaluation reads {source} with other options ({' '.join(read_as)})" if read_as else
+           f"the images at {source} changed since the checkpoint was written")
+    fix = (f"leave out {' and '.join(o.split()[0] for o in read_as)}" if same_place and read_as else
+           "evaluate against a copy of those images (--data SOURCE)")
     return (f"note: {how}: the checkpoint's run trained on {was_source} ({describe_identity(saved)}) with "
             f"sampled {digest} {saved.get(key)}, this evaluation's reference is {source} "
             f"({describe_identity(now)}) with {now.get(key)}. The scores measure the samples against other images "
-            "than the model learned; for its score on its own data, evaluate against a copy of those images (--data "
-            "SOURCE).")
+            f"than the model learned; for its score on its own data, {fix}.")
 
 
 def inception_choice(args: argparse.Namespace) -> str | None:
@@ -361,7 +366,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
                                reference=False)
     evaluator.check_same_as_rank_0(dist.rank, dist.world_size)  # a rank that fails ends the job (torchrun)
     if dist.is_main:
-        changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained_split=trained.split)
+        changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained=trained)
         if changed:
             log(changed)
         net = evaluator.net
