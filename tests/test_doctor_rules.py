@@ -615,17 +615,15 @@ def test_rule_item_loop_costs_the_loop_and_its_backward_less_the_profilers_cost(
     loop = {"items": 32, "indexed_per_step": 32, "shapes": [[32, 1, 28, 28]], "span_us": 2000.0, "ops_in_span": 400,
             "step_us": 10_000.0, "per_item_ops": ["aten::mse_loss", "aten::add"], "backward_us": 1000.0,
             "backward_ops": 200}
-    # the profiler added 1 ms over 1,000 ops: 1 us an op, so the loop is 1.6 ms and its backward 0.8 ms of 9 ms
+    # 2 ms of loop and 1 ms of its backward in a 10 ms profiled step: the profiler slows them as it slows the rest
+    # (taking its average per-op cost out first under-predicted the measured gain 2-3 times: benchmarks/RESULTS.md)
     t = cpu_trace(item_loops=[loop], breakdown_ops_per_step={"framework": 1000.0}, profiled_step_ms=10.0)
     f, _ = check(rules.item_loop, record(trace=t, batch_size=32, step_stats=StepStats(steps=20, median_ms=9.0)))
     assert f.id == "item-loop" and f.rules == (22,) and f.group == "compute" and f.kind == "bottleneck"
-    assert f.cost == pytest.approx(2.4 / 9 * 31 / 32)  # one batched op still costs one sample's share
+    assert f.cost == pytest.approx(0.3 * 31 / 32)  # one batched op still costs one sample's share
     assert "32 of the 32 items" in f.evidence[0] and "the batch's 32 samples" in f.evidence[0]
-    assert "each goes through aten::mse_loss, aten::add" in f.evidence[0] and "1.60 ms" in f.evidence[1]
+    assert "each goes through aten::mse_loss, aten::add" in f.evidence[0] and "2.00 ms of a 10.00 ms" in f.evidence[1]
     assert "F.mse_loss(pred, target)" in f.fixes[0].code and f.fixes[0].fastddpm is None
-    # no profiler correction to make (no watched median): the profiled times as they are
-    f, _ = check(rules.item_loop, record(trace=cpu_trace(item_loops=[loop]), batch_size=32))
-    assert f.cost == pytest.approx(0.3 * 31 / 32)
     # on a GPU the host's loop costs only the time the GPU waits for it
     gpu = dataclasses.replace(gpu_trace(idle_share=0.1), item_loops=[loop])
     f, _ = check(rules.item_loop, record(device="cuda:0", trace=gpu, batch_size=32))

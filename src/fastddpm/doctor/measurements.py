@@ -281,17 +281,6 @@ class Measurements:
             return part / share * left[category] / (sum(left.values()) or 1.0) * (1 - measured)
         return part / share * left[category] / (sum(left.values()) or 1.0)
 
-    def profiler_ms_per_op(self) -> float | None:
-        """On a CPU trace, what the profiler added to the training thread's step for each op it recorded: the
-        profiled step's excess over the watched median, spread over its ops (unprofiled_share's correction). None
-        where either is unknown."""
-        t = self.trace
-        ops = sum((t.breakdown_ops_per_step or {}).values()) if t is not None else 0
-        if t is None or t.has_gpu or not ops or not t.profiled_step_ms or self.step_stats is None \
-                or not self.step_stats.median_ms:
-            return None
-        return max(0.0, t.profiled_step_ms - self.step_stats.median_ms) / ops
-
     def optimizer_share(self) -> float | None:
         """The median watched step's share inside torch.optim step() calls, or None where they were not timed."""
         timed = [s.optimizer_ms for s in self.steps if s.optimizer_ms is not None]
