@@ -197,8 +197,8 @@ def test_rule_host_bound():
             "step_us": 10_000.0, "per_item_ops": ["aten::mse_loss"], "backward_us": 1000.0, "backward_ops": 300}
     m = record(device="cuda:0", trace=gpu_trace(**waiting, item_loops=[loop]), batch_size=64)
     f, _ = check(rules.host_bound, m)
-    assert f.cost == pytest.approx(0.4 - 0.3 * 63 / 64) and "costed under PER-SAMPLE LOOP" in f.evidence[-1]
-    assert check(rules.item_loop, m)[0].cost == pytest.approx(0.3 * 63 / 64)
+    assert f.cost == pytest.approx(0.4 - 0.75 * 0.3 * 63 / 64) and "costed under PER-SAMPLE LOOP" in f.evidence[-1]
+    assert check(rules.item_loop, m)[0].cost == pytest.approx(0.75 * 0.3 * 63 / 64)
     # without a GPU timeline, one entry says why for all the rules that read it
     assert check(rules.host_bound, record())[1] == {
         "4-6,8,9,11 (GPU timeline)": "no CUDA device: the GPU timeline needs a CUDA trace"}
@@ -620,20 +620,20 @@ def test_rule_item_loop_costs_the_loop_and_its_backward_less_the_profilers_cost(
     t = cpu_trace(item_loops=[loop], breakdown_ops_per_step={"framework": 1000.0}, profiled_step_ms=10.0)
     f, _ = check(rules.item_loop, record(trace=t, batch_size=32, step_stats=StepStats(steps=20, median_ms=9.0)))
     assert f.id == "item-loop" and f.rules == (22,) and f.group == "compute" and f.kind == "bottleneck"
-    assert f.cost == pytest.approx(0.3 * 31 / 32)  # one batched op still costs one sample's share
+    assert f.cost == pytest.approx(0.75 * 0.3 * 31 / 32)  # three quarters of it, less one sample's share
     assert "32 of the 32 items" in f.evidence[0] and "the batch's 32 samples" in f.evidence[0]
     assert "each goes through aten::mse_loss, aten::add" in f.evidence[0] and "2.00 ms of a 10.00 ms" in f.evidence[1]
     assert "F.mse_loss(pred, target)" in f.fixes[0].code and f.fixes[0].fastddpm is None
     # on a GPU the host's loop costs only the time the GPU waits for it
     gpu = dataclasses.replace(gpu_trace(idle_share=0.1), item_loops=[loop])
     f, _ = check(rules.item_loop, record(device="cuda:0", trace=gpu, batch_size=32))
-    assert f.cost == pytest.approx(0.1 * 31 / 32)
+    assert f.cost == pytest.approx(0.75 * 0.1 * 31 / 32)
     # a loop over 6 layers' rows in a batch of 32, the batch unknown, a loop too short to matter, none at all
     layers = {**loop, "items": 6, "indexed_per_step": 6, "shapes": [[6, 32]]}
     assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers]), batch_size=32)) == (None, {})
     # the batch unseen: a loop over images (3-D items) is taken, one over a 2-D parameter's rows is not
     f, _ = check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers, loop])))
-    assert f.cost == pytest.approx(0.3 * 31 / 32) and "the batch size was not seen" in f.evidence[0]
+    assert f.cost == pytest.approx(0.75 * 0.3 * 31 / 32) and "the batch size was not seen" in f.evidence[0]
     assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[layers]))) == (None, {})
     short = {**loop, "span_us": 100.0, "backward_us": 50.0}
     assert check(rules.item_loop, record(trace=cpu_trace(item_loops=[short]), batch_size=32)) == (None, {})

@@ -10,9 +10,9 @@ from fastddpm.doctor.measurements import Measurements
 from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_SAVES, BIG_PARAMS, COMPILE_SAVES,
                                         CPU_LOW_MFU, CPU_MATMUL_SHARE, ELEMENTWISE_SHARE, FOREACH_SAVES,
                                         FP32_GEMM_SHARE, FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR,
-                                        LAYOUT_SHARE, LOW_MFU_SHARE, LOW_PRECISION_MAX_SPEEDUP,
-                                        ITEM_LOOP_SHARE, LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE, OPTIMIZER_OPS,
-                                        OPTIMIZER_SHARE, OVERHEAD_SHARE, SMALL_BATCH)
+                                        ITEM_LOOP_SAVES, ITEM_LOOP_SHARE, LAYOUT_SHARE, LOW_MFU_SHARE,
+                                        LOW_PRECISION_MAX_SPEEDUP, LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE,
+                                        OPTIMIZER_OPS, OPTIMIZER_SHARE, OVERHEAD_SHARE, SMALL_BATCH)
 from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 
@@ -412,17 +412,16 @@ def item_loop_cost(m: Measurements) -> dict | None:
                    default=None)
     if loop is None or not loop.get("step_us"):
         return None
-    # The share of the profiled step, as it is: measured against the batched loss on a 2-core CPU
-    # (benchmarks/RESULTS.md), it predicted 1.23x and 1.27x where 1.16x and 1.27x were measured, while taking the
-    # profiler's average cost per recorded op out first predicted 1.05x and 1.08x for 1.17x and 1.27x (the loop's
-    # small ops cost the profiler less than the average op, and the engine's work between its per-sample backward
-    # nodes is in neither count)
+    # The share of the profiled step, scaled by ITEM_LOOP_SAVES: measured against the batched loss on a 2-core CPU
+    # (benchmarks/RESULTS.md), taking the profiler's average cost per recorded op out first instead predicted 1.05x
+    # and not even a finding where 1.17x and 1.27x were measured (the loop's small ops cost the profiler less than
+    # the average op, and the engine's work between its per-sample backward nodes is in neither count)
     step_ms = loop["step_us"] / 1e3
     span_ms, back_ms = loop["span_us"] / 1e3, loop.get("backward_us", 0.0) / 1e3
     share = min(1.0, (span_ms + back_ms) / step_ms)
     if t.has_gpu:
         share = min(share, t.idle_share or 0.0)
-    cost = share * (1 - 1 / max(loop["indexed_per_step"], 1))
+    cost = ITEM_LOOP_SAVES * share * (1 - 1 / max(loop["indexed_per_step"], 1))
     return {"loop": loop, "span_ms": span_ms, "back_ms": back_ms, "step_ms": step_ms, "share": share, "cost": cost}
 
 
@@ -447,7 +446,8 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
           f"autograd nodes {back_ms:.2f} ms ({pct(share)} together"
           + ", the profiler slowing them as the rest of the step"
           + ("; counted only up to the GPU's idle share, the time it waits for the host" if t.has_gpu else "")
-          + f"); one batched op costs about one sample's share, so the estimate is {pct(cost)}"]
+          + f"); a profiled share reads high for many small ops, so the estimate counts {ITEM_LOOP_SAVES:.0%} of it, "
+            f"less one sample's share (a batched op still runs once): {pct(cost)}"]
     return Finding(
         "item-loop", (22,), f"PER-SAMPLE LOOP: the step handles {n} samples one at a time in Python", cost, ev,
         "each sample's ops are dispatched on their own (and their backward nodes recorded one by one), so the "

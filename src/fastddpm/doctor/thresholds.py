@@ -41,3 +41,7 @@ BATCH_DOUBLING_SAVES = 0.5  # doubling the batch spreads the per-step overhead o
 CPU_LOW_MFU = 0.3  # rule 13 on a CPU: MFU under this with less than half the step in the matmuls
 CPU_MATMUL_SHARE = 0.5
 ITEM_LOOP_SHARE = 0.03  # rule 22: a Python loop over the batch's samples taking this share of the step
+# ... of which one batched op gives back this much: the profiler slows the loop's many small ops more than the
+# step's few large ones, so its profiled share reads high (on a 2-core CPU, benchmarks/RESULTS.md, the whole share
+# predicted 1.25-1.32x where 1.09-1.25x was measured)
+ITEM_LOOP_SAVES = 0.75
