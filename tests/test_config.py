@@ -474,6 +474,25 @@ def test_a_conditional_setting_in_the_apis_config_dict_of_an_unconditional_run_i
     assert _config(cond, {}).train.cond_drop_prob == 0.2
 
 
+def test_class_names_given_to_an_unconditional_run_are_refused(tmp_path):
+    """--class-names without --conditional named classes the model never has: refused as the other conditional
+    settings are, from a flag, a config file or the API's dict; a conditional run keeps them."""
+    from fastddpm.api import _config
+    from fastddpm.config import resolve_config
+
+    with pytest.raises(ConfigError, match=r"model.class_names='a,b' \(command line\) names a conditional model's "
+                                          r"classes.*add --conditional"):
+        resolve_config("tiny", layers=[("command line", {"model.class_names": "a,b"})])
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\nmodel: {class_names: [a, b]}\n")
+    with pytest.raises(ConfigError, match=r"\(config file .*c.yaml\) names a conditional model's classes"):
+        resolve_config(file=f)
+    with pytest.raises(ConfigError, match=r"\(config dict\) names a conditional model's classes"):
+        _config({"model": {"class_names": ["a", "b"]}}, {})
+    cond = resolve_config("cpu-demo-cond", layers=[("command line", {"model.class_names": "a,b"})])
+    assert cond.model.class_names == ("a", "b")
+
+
 def test_a_config_dict_that_names_a_preset_starts_from_it_as_a_config_file_does():
     """{"preset": "cpu-demo-cond", ...} was the defaults labelled cpu-demo-cond: an unconditional model, whose
     guidance setting was then refused as a conditional model's."""

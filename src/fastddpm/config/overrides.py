@@ -289,8 +289,8 @@ _CONDITIONAL_ONLY = ("cond_drop_prob", "sample_guidance")
 
 def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]],
                              files: list[tuple[str, dict[str, Any]]] = ()) -> None:
-    """Label dropout and the guidance scale given explicitly to an unconditional run would be ignored without a
-    word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
+    """Label dropout, the guidance scale and class names given explicitly to an unconditional run would be ignored
+    without a word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
     Given by a layer, or by one of `files`: (source, values nested by section or dotted), a config file's or
     the Python API's config dict. The default (what a saved config.json holds) and 0 (no label dropout, no
     guidance: what an unconditional model does anyway, as a sweep's unconditional baseline may spell it) are no
@@ -304,8 +304,14 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
         spelt = {k.replace("-", "_"): ({n.replace("-", "_"): v for n, v in value.items()} if isinstance(value, dict)
                                        else value) for k, value in file_values.items()}
         found = {f"train.{name}": _last_given(spelt, [], "train", name, _NOT_GIVEN) for name in _CONDITIONAL_ONLY}
+        found["model.class_names"] = _last_given(spelt, [], "model", "class_names", _NOT_GIVEN)
         given.append((source, {k: v for k, v in found.items() if v is not _NOT_GIVEN}))
     for source, values in given:
+        if values.get("model.class_names"):  # names for classes an unconditional model does not have
+            raise ConfigError(
+                f"model.class_names={values['model.class_names']!r} ({source}) names a conditional model's classes, "
+                f"and this run's model is unconditional, so they would be ignored: add --conditional (on labelled "
+                f"data) to train a class-conditional model with them, or leave --class-names out")
         for name in _CONDITIONAL_ONLY:
             key = f"train.{name}"
             if key in values and coerce(values[key], float, key) not in (getattr(defaults, name), 0.0):
