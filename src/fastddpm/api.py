@@ -258,7 +258,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
-    from fastddpm.eval.cli import weak_classifier
+    from fastddpm.eval.notes import weak_classifier
 
     weak = weak_classifier(evaluator.net.info) if evaluator.net.num_classes is not None else None
     if weak:  # as `fastddpm eval` says it

@@ -290,7 +290,8 @@ _CONDITIONAL_ONLY = ("cond_drop_prob", "sample_guidance")
 def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]],
                              files: list[tuple[str, dict[str, Any]]] = ()) -> None:
     """Label dropout, the guidance scale and class names given explicitly to an unconditional run would be ignored
-    without a word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what was meant.
+    without a word: `--cond-drop-prob 0.2` without `--conditional` trains an unconditional model, likely not what
+    was meant.
     Given by a layer, or by one of `files`: (source, values nested by section or dotted), a config file's or
     the Python API's config dict. The default (what a saved config.json holds) and 0 (no label dropout, no
     guidance: what an unconditional model does anyway, as a sweep's unconditional baseline may spell it) are no
