@@ -414,11 +414,11 @@ def run_trainer(cfg, config: DoctorConfig, *, log=print, try_fixes: int = 0, try
     moved = count_step_bytes(model.to(device), (m.image_channels, m.image_size, m.image_size),
                              images_per_step=images, device=device,
                              autocast_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
+    pad = recorded_head_pad(fast_path)
     step_bytes = {"activation_bytes": moved["activation_bytes_per_image"] * images,
                   "update_bytes": moved["update_bytes_per_step"],
                   "basis": f"counted on the model: eager autograd's saved tensors in {precision}"
-                           + (f" (attention heads padded to {recorded_head_pad(fast_path)}, as the run had them)"
-                              if recorded_head_pad(fast_path) else "") + ", "
+                           + (f" (attention heads padded to {pad}, as the run had them)" if pad else "") + ", "
                            f"{moved['activation_bytes_per_image'] / 1e6:.3g} MB an image, written and read once; "
                            f"AdamW's update and the EMA over the parameters in fp32"}
     del model

@@ -16,6 +16,7 @@ from fastddpm.doctor.trace_optree import TRANSPARENT_OPS, OpTree
 
 INDEX_OPS = {"aten::select", "aten::slice"}
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
+OPTIMIZER_MARKS = ("Optimizer.step#", "Optimizer.zero_grad#")  # their ops are the optimizer's
 MIN_ITEMS = 4  # a first dimension this long or longer, and at least this many items indexed, make a loop
 
 
@@ -144,19 +145,7 @@ def _per_item_backward(tree: OpTree, bounds: tuple[float, float], indexed: int) 
     (the aten::add_ that sums each sample's gradient into the batch's: a select's backward is a batch-sized
     tensor of zeros around one sample's gradient), on any thread (a CUDA backward runs on the engine's device
     thread). Returns (their time in microseconds, the ops recorded inside them)."""
-    start, end = bounds
-    found: list = []  # outermost ops in the step, less the optimizer's
-    for tid, roots in tree.roots.items():
-        todo = list(roots)
-        while todo:
-            n = todo.pop()
-            name = n.e.get("name", "")
-            if n.end < start or n.ts > end or name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
-                continue
-            if n.e.get("cat") == "cpu_op":
-                found.append(n)
-            else:
-                todo.extend(n.children)
+    found = list(_top_level(tree, *bounds, every_thread=True))
     backward_from = min((n.ts for n in found if n.e.get("name", "").startswith(BACKWARD_NODE)), default=None)
     if backward_from is None:
         return 0.0, 0
@@ -176,16 +165,19 @@ def _count(node) -> int:
     return sum(1 + _count(c) for c in node.children)
 
 
-def _top_level(tree: OpTree, start: float, end: float):
-    """The training thread's outermost ops that start in [start, end], in time order: under a mark (a step
-    closure) too, but not inside the optimizer's step or zero_grad."""
-    todo = list(reversed(tree.roots.get(tree.main_tid, [])))
-    while todo:
-        n = todo.pop()
-        if n.end < start or n.ts > end or n.e.get("name", "").startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
+def _top_level(tree: OpTree, start: float, end: float, *, every_thread: bool = False):
+    """The training thread's (or `every_thread`'s) outermost ops that start in [start, end], in time order per
+    thread: under a mark (a step closure) too, but not inside the optimizer's step or zero_grad."""
+    for tid, roots in tree.roots.items():
+        if not every_thread and tid != tree.main_tid:
             continue
-        if n.e.get("cat") == "cpu_op":
-            if start <= n.ts <= end:
-                yield n
-            continue
-        todo.extend(reversed(n.children))
+        todo = list(reversed(roots))
+        while todo:
+            n = todo.pop()
+            if n.end < start or n.ts > end or n.e.get("name", "").startswith(OPTIMIZER_MARKS):
+                continue
+            if n.e.get("cat") == "cpu_op":
+                if start <= n.ts <= end:
+                    yield n
+                continue
+            todo.extend(reversed(n.children))
