@@ -2,6 +2,8 @@
 the checkpoint's run trained on, and the feature network's notes said once each, naming where its accuracy was
 measured and on how many images."""
 
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -107,3 +109,33 @@ def test_eval_reading_the_runs_data_with_other_options_says_which(tmp_path, fast
     (note,) = [line for line in out.splitlines() if "learned" in line]
     assert note.startswith(f"note: this evaluation reads {src} with other options (--resize-mode stretch): ")
     assert note.endswith("for its score on its own data, leave out --resize-mode.")
+
+
+def test_evaluate_from_python_warns_when_the_data_differs_from_the_runs(tmp_path, fast_feature_net):
+    """fastddpm.evaluate said nothing where `fastddpm eval` notes that the reference images are not the ones the run
+    trained on: a UserWarning now (it survives log=None), spelling the fix as the API's data='SOURCE'."""
+    import warnings
+
+    import fastddpm
+
+    images, labels = read_fmnist(120)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tiny_run(src, tmp_path / "run")
+    moved = tmp_path / "moved.npz"  # the same images elsewhere: no warning
+    np.savez(moved, images=images, labels=labels)
+    api_eval = dict(num_samples=10, steps=1, device="cpu", log=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fastddpm.evaluate(run, data=str(moved), **api_eval)
+    other = tmp_path / "other.npz"
+    np.savez(other, images=images[::-1].copy(), labels=labels[::-1].copy())
+    with pytest.warns(UserWarning, match=r"^this evaluation reads other data: the checkpoint's run trained on ") as w:
+        fastddpm.evaluate(run, data=str(other), **api_eval)
+    (note,) = [str(x.message) for x in w if "learned" in str(x.message)]
+    assert f"this evaluation's reference is {other}" in note and "120 images (1, 28, 28)" in note
+    assert note.endswith("evaluate against a copy of those images (data='SOURCE').") and "--" not in note
+    assert w[0].filename == __file__  # pointed at the caller's line, not inside fastddpm
+    np.savez(src, images=images[:, :, ::-1].copy(), labels=labels)  # the run's own file, changed under its path
+    with pytest.warns(UserWarning, match=rf"^the images at {re.escape(str(src))} changed since the checkpoint was "):
+        fastddpm.evaluate(run, **api_eval)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,11 @@ def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Mod
     """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file, or an ema.safetensors or
     `fastddpm export --format safetensors` export (the file or its folder), ready to sample on `device` (auto: CUDA
     when present), with its EMA (`weights="ema"`) or raw ("model") weights."""
+    return _load(path, device=device, weights=weights)[0]
+
+
+def _load(path: str | Path, *, device: str, weights: str):
+    """load's Model, and the Checkpoint it came from (whose record of the run's data evaluate compares)."""
     from fastddpm.device import resolve_device
     from fastddpm.rundir.locate import locate
     from fastddpm.sampling import load_for_sampling
@@ -213,7 +219,7 @@ def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Mod
                           "load a checkpoints/ckpt_*.pt file for the raw ones")
     dev, _ = resolve_device(device, setting="fastddpm.load: device")
     net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
-    return Model(net=net, cfg=cfg, device=dev)
+    return Model(net=net, cfg=cfg, device=dev), ckpt
 
 
 def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto",
@@ -225,7 +231,8 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
     guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler` and `steps` as
     in Model.sample; `inception`: "auto" (find or download pytorch-fid's weights) or a local weights file; `log`:
-    where its lines go (print; None: nowhere)."""
+    where its lines go (print; None: nowhere). Reference images other than the run trained on (other `data`, or
+    its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
 
     log = log or _silent
@@ -237,7 +244,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
     steps = None if steps is None else _whole(steps, "steps", "evaluate")
     batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
-    model = load(path, device=device)
+    model, ckpt = _load(path, device=device, weights="ema")
     cfg = model.cfg
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
@@ -258,8 +265,13 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
-    from fastddpm.eval.notes import weak_classifier
+    from fastddpm.eval.notes import other_data_note, weak_classifier
 
+    # warned, not logged: log=None silences progress lines, and a score against other images than the model learned
+    # must not pass unsaid (a pipeline can also make the warning an error)
+    changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained=model.cfg.data, said=API)
+    if changed:
+        warnings.warn(changed, stacklevel=2)
     weak = weak_classifier(evaluator.net.info) if evaluator.net.num_classes is not None else None
     if weak:  # as `fastddpm eval` says it
         log(f"note: a weak feature network ({weak}): FIDs in its features rank models poorly; evaluate against "

@@ -308,7 +308,7 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     if dist.is_main:
         changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained=trained)
         if changed:
-            log(changed)
+            log(f"note: {changed}")
         net = evaluator.net
         if net.num_classes is not None:
             log(f"features: {net.label}; classifier test accuracy {net.info['test_accuracy']:.2%} on "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastddpm.config import CLI, Spelling
+
 # Below either, the dataset's own classifier is too weak a feature space to trust its FID (it reached 87% on 2,000
 # Fashion-MNIST images, over 90% on the full set)
 WEAK_FEATURES_ACCURACY = 0.5
@@ -33,12 +35,13 @@ def accuracy_measured_on(info: dict) -> str:
     return f" on {info['test_set']}" if info.get("test_set") else ""
 
 
-def other_data_note(saved: dict | None, evaluator, cfg, *, trained) -> str | None:
+def other_data_note(saved: dict | None, evaluator, cfg, *, trained, said: Spelling = CLI) -> str | None:
     """A note when the reference images are not the ones the checkpoint's run trained on: the source's files
     changed since (a resume is refused on them), or other data was given. Said, not refused: scoring a model on
     other data can be what the user means, but the score then says how close the samples come to that data.
     None when they are the same images (from any path), when the checkpoint recorded no data (an
-    ema.safetensors, a checkpoint older than the record) or when another split is the reference."""
+    ema.safetensors, a checkpoint older than the record) or when another split is the reference. The sentence
+    names its settings as `said` spells them (`--data SOURCE` for `fastddpm eval`, data='SOURCE' for the API)."""
     from fastddpm.data.cache import describe_identity, same_images
 
     data = evaluator.reference_data
@@ -54,14 +57,14 @@ def other_data_note(saved: dict | None, evaluator, cfg, *, trained) -> str | Non
     same_place = was_source == source or (was_source is not None and Path(source).exists()
                                           and Path(source).resolve() == Path(was_source).resolve())
     # with the run's own reading options, other images at the same place are its files changed since
-    read_as = [f"--{k.replace('_', '-')} {getattr(cfg.data, k)}" for k in ("resize", "resize_mode", "image_mode")
-               if getattr(cfg.data, k) != getattr(trained, k)]
+    read_as = [k for k in ("resize", "resize_mode", "image_mode") if getattr(cfg.data, k) != getattr(trained, k)]
     how = ("this evaluation reads other data" if not same_place else
-           f"this evaluation reads {source} with other options ({' '.join(read_as)})" if read_as else
+           f"this evaluation reads {source} with other options "
+           f"({' '.join(said(k.replace('_', '-'), getattr(cfg.data, k)) for k in read_as)})" if read_as else
            f"the images at {source} changed since the checkpoint was written")
-    fix = (f"leave out {' and '.join(o.split()[0] for o in read_as)}" if same_place and read_as else
-           "evaluate against a copy of those images (--data SOURCE)")
-    return (f"note: {how}: the checkpoint's run trained on {was_source} ({describe_identity(saved)}) with "
+    fix = (f"leave out {' and '.join(said(k.replace('_', '-')) for k in read_as)}" if same_place and read_as else
+           f"evaluate against a copy of those images ({said('data', 'SOURCE')})")
+    return (f"{how}: the checkpoint's run trained on {was_source} ({describe_identity(saved)}) with "
             f"sampled {digest} {saved.get(key)}, this evaluation's reference is {source} "
             f"({describe_identity(now)}) with {now.get(key)}. The scores measure the samples against other images "
             f"than the model learned; for its score on its own data, {fix}.")
