@@ -207,3 +207,13 @@ def test_the_api_spells_its_own_arguments_and_takes_log_none(api_run, tmp_path, 
                             log=None)
     assert result.step == 1 and capsys.readouterr().out == ""
     assert "train" in dir(fastddpm) and "evaluate" in dir(fastddpm)  # tab completion lists the lazy names
+
+
+def test_load_leaves_the_callers_random_sequence_as_it_was(api_run):
+    """Building the U-Net drew its (then replaced) initial weights from the global RNG: after torch.manual_seed(0),
+    a notebook's next torch.randn differed by whether a model had been loaded in between."""
+    torch.manual_seed(0)
+    want = torch.randn(4)
+    torch.manual_seed(0)
+    fastddpm.load(api_run.run_dir, device="cpu")
+    assert torch.equal(torch.randn(4), want)

@@ -148,7 +148,10 @@ def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | st
     EMA or raw `weights`. Returns (model in eval mode on `device`, RunConfig)."""
     ckpt = source if isinstance(source, Checkpoint) else locate(source, weights=weights)
     cfg = ckpt.config
-    model = build_unet(cfg.model)
+    # building the U-Net draws initial weights, which the checkpoint's then replace, from the global RNG: forked,
+    # so that loading a model leaves the caller's torch.manual_seed sequence (a notebook's, a training run's) as it was
+    with torch.random.fork_rng(devices=[]):
+        model = build_unet(cfg.model)
     load_model_state(model, ckpt.weights(weights), what=f"{ckpt.path} ({weights} weights)")
     return model.to(device).eval(), cfg
 
