@@ -73,6 +73,21 @@ def _one_scale(guidance, where: str, several: str = "") -> float | None:
         raise error from None
 
 
+def _sampling_choices(cfg: RunConfig, sampler: str, eta, spacing: str | None, precision: str, where: str) -> float:
+    """Model.sample's and evaluate's eta (returned as a float), spacing and precision, refused as `fastddpm sample`
+    and `fastddpm eval` refuse their --eta, --spacing and --precision (resolve_sampler_args checks eta's range)."""
+    eta = _real(eta, "eta", where)
+    if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
+        raise ConfigError(f"{where}: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
+    if spacing is not None and spacing not in SPACINGS:
+        raise ConfigError(f"{where}: spacing={spacing!r} is not one of {', '.join(SPACINGS)} (or None: the "
+                          "sampler's own)")
+    if spacing is not None and sampler == "ddpm":
+        raise ConfigError(f"{where}: spacing={spacing!r}: sampler='ddpm' walks every one of the "
+                          f"{cfg.diffusion.num_timesteps} timesteps; drop spacing, or pick a few-step sampler")
+    return eta
+
+
 def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, Any], *,
             resumed: RunConfig | None = None, log=print) -> RunConfig:
     """A preset name, a YAML/JSON file, a RunConfig or its dict form; then `overrides`, each either
@@ -157,7 +172,7 @@ class Model:
         n, seed, first_image, batch_size = (_whole(v, name, "sample") for v, name in (
             (n, "n"), (seed, "seed"), (first_image, "first_image"), (batch_size, "batch_size")))
         steps = None if steps is None else _whole(steps, "steps", "sample")
-        eta = _real(eta, "eta", "sample")
+        eta = _sampling_choices(self.cfg, sampler, eta, spacing, precision, "sample")
         if n < 1:
             raise ConfigError(f"sample: n={n} must be at least 1")
         if output not in ("uint8", "pil"):
@@ -165,8 +180,6 @@ class Model:
         if batch_size < 1:
             raise ConfigError(f"sample: batch_size={batch_size} must be at least 1")
         check_first_image(first_image, class_, said=API)
-        if precision not in SAMPLE_PRECISIONS:  # resolve_precision reads any other name as fp16 or fp32
-            raise ConfigError(f"sample: precision={precision!r} is not one of {', '.join(SAMPLE_PRECISIONS)}")
         m = self.cfg.model
         guidance = _one_scale(guidance, "sample")
         if guidance is not None and not m.conditional:
@@ -176,12 +189,6 @@ class Model:
         if guidance is not None and class_ is None:
             raise ConfigError(f"sample: guidance={guidance} steers toward a class: give class_ (a name, an id or "
                               f"'all') with it; without class_ the model samples its null class, unguided")
-        if spacing is not None and spacing not in SPACINGS:
-            raise ConfigError(f"sample: spacing={spacing!r} is not one of {', '.join(SPACINGS)} (or None: the "
-                              "sampler's own)")
-        if spacing is not None and sampler == "ddpm":
-            raise ConfigError(f"sample: spacing={spacing!r}: sampler='ddpm' walks every one of the "
-                              f"{self.cfg.diffusion.num_timesteps} timesteps; drop spacing, or pick a few-step sampler")
         labels, _ = class_labels(m, class_, n, said=API)
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, eta,
@@ -225,14 +232,16 @@ def _load(path: str | Path, *, device: str, weights: str):
 def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto",
              steps: int | None = None, seed: int = 0, guidance: float | None = None,
              data: str | None = None, inception: str | None = None, device: str = "auto",
-             batch_size: int | None = None, log=print) -> dict:
+             batch_size: int | None = None, eta: float = 0.0, spacing: str | None = None, precision: str = "auto",
+             weights: str = "ema", log=print) -> dict:
     """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
     fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
-    guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler` and `steps` as
-    in Model.sample; `inception`: "auto" (find or download pytorch-fid's weights) or a local weights file; `log`:
-    where its lines go (print; None: nowhere). Reference images other than the run trained on (other `data`, or
-    its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
+    guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler`, `steps`, `eta`,
+    `spacing` and `precision` as in Model.sample, `weights` as in load (`fastddpm eval`'s --eta, --spacing,
+    --precision and --weights); `inception`: "auto" (find or download pytorch-fid's weights) or a local weights
+    file; `log`: where its lines go (print; None: nowhere). Reference images other than the run trained on (other
+    `data`, or its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
     from fastddpm.eval.evaluate import Evaluator, as_json_safe
 
     log = log or _silent
@@ -244,7 +253,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
     steps = None if steps is None else _whole(steps, "steps", "evaluate")
     batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
-    model, ckpt = _load(path, device=device, weights="ema")
+    model, ckpt = _load(path, device=device, weights=weights)
     cfg = model.cfg
     if data is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
@@ -261,7 +270,8 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
 
     # a conditional model at the run's own scale unless told, as `fastddpm eval`
     scale = (cfg.train.sample_guidance if guidance is None else guidance) if cfg.model.conditional else None
-    sampler, steps = resolve_sampler_args(cfg, sampler, steps, guidance=scale, said=API)
+    eta = _sampling_choices(cfg, sampler, eta, spacing, precision, "evaluate")
+    sampler, steps = resolve_sampler_args(cfg, sampler, steps, eta, guidance=scale, said=API)
     from fastddpm.device import resolve_precision
 
     evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
@@ -279,7 +289,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     batch = min(batch_size or (1000 if model.device.type == "cuda" else 250), num_samples)
     with torch.inference_mode():
         metrics, _ = evaluator.evaluate(model.net, cfg, num_samples=num_samples, sampler=sampler, steps=steps,
-                                        seed=seed, batch_size=batch, device=model.device,
-                                        autocast_dtype=resolve_precision("auto", model.device).autocast_dtype,
+                                        eta=eta, spacing=spacing, seed=seed, batch_size=batch, device=model.device,
+                                        autocast_dtype=resolve_precision(precision, model.device).autocast_dtype,
                                         guidance=scale)
     return as_json_safe({**metrics, "features": evaluator.describe()})

@@ -1,0 +1,52 @@
+"""fastddpm.evaluate from Python: the sampling choices `fastddpm eval` takes (--eta, --spacing, --precision,
+--weights), measured by the same code."""
+
+import json
+
+import numpy as np
+import pytest
+
+import fastddpm
+from conftest import read_fmnist
+from fastddpm.cli import main
+from fastddpm.config import ConfigError
+from fastddpm.eval import features
+from fastddpm.eval.classifier import ClassifierRecipe
+
+
+@pytest.fixture
+def fast_feature_net(monkeypatch):
+    """A feature network trained in a few steps: these tests compare the API with the command, not the features'
+    quality (the recipe is part of the network's cache key, so no other test gets this one)."""
+    monkeypatch.setattr(features, "ClassifierRecipe", lambda: ClassifierRecipe(min_steps=2, epochs=0.01))
+
+
+def test_evaluate_takes_evals_eta_spacing_precision_and_weights(tmp_path, fast_feature_net):
+    """evaluate() had no eta, spacing, precision or weights (a TypeError), where `fastddpm eval` and Model.sample
+    take them: the same choices now give the command's numbers, and a bad one is refused naming it."""
+    images, labels = read_fmnist(120)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tmp_path / "run"
+    fastddpm.train("tiny", out=run, data=str(src), max_steps=2, num_sample_images=4, sample_steps=2, progress=False,
+                   log=None)
+    choices = dict(num_samples=10, sampler="ddim", steps=2, device="cpu")
+    metrics = fastddpm.evaluate(run, eta=1.0, spacing="karras", precision="fp32", weights="model", log=None,
+                                **choices)
+    assert metrics["sampling"]["eta"] == 1.0 and metrics["sampling"]["spacing"] == "karras"
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--sampler", "ddim", "--steps", "2",
+                 "--eta", "1", "--spacing", "karras", "--precision", "fp32", "--weights", "model", "--device", "cpu",
+                 "--no-progress", "--out", str(tmp_path / "cli")]) == 0
+    (saved,) = (tmp_path / "cli").glob("*.json")
+    cli = json.loads(saved.read_text())
+    assert metrics["fid"] == cli["fid"] and metrics["precision"] == cli["precision"]
+    plain = fastddpm.evaluate(run, log=None, **choices)  # the choices were used, not dropped
+    assert plain["sampling"]["eta"] == 0.0 and plain["fid"] != metrics["fid"]
+    for kw, message in ((dict(precision="half"), r"^evaluate: precision='half' is not one of auto, fp32, bf16, fp16$"),
+                        (dict(spacing="linear"), r"^evaluate: spacing='linear' is not one of trailing, karras"),
+                        (dict(eta="1"), r"^evaluate: eta='1' must be a number$"),
+                        (dict(weights="raw"), r"^fastddpm.load: weights='raw' is not one of ema, model$")):
+        with pytest.raises(ConfigError, match=message):
+            fastddpm.evaluate(run, log=None, **choices, **kw)
+    with pytest.raises(ConfigError, match=r"^evaluate: spacing='karras': sampler='ddpm' walks every one"):
+        fastddpm.evaluate(run, num_samples=10, sampler="ddpm", spacing="karras", log=None)
