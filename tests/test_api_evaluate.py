@@ -50,3 +50,27 @@ def test_evaluate_takes_evals_eta_spacing_precision_and_weights(tmp_path, fast_f
             fastddpm.evaluate(run, log=None, **choices, **kw)
     with pytest.raises(ConfigError, match=r"^evaluate: spacing='karras': sampler='ddpm' walks every one"):
         fastddpm.evaluate(run, num_samples=10, sampler="ddpm", spacing="karras", log=None)
+
+
+def test_evaluate_of_a_run_whose_data_is_gone_names_where_it_trained_and_data_source(tmp_path, capsys):
+    """The run's data moved or deleted since training: `fastddpm eval` adds where the run trained and --data SOURCE
+    to the data's error, fastddpm.evaluate said only "no such file"; now both, each in its own spelling."""
+    from fastddpm.data import DataError
+
+    images, labels = read_fmnist(40)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tmp_path / "run"
+    fastddpm.train("tiny", out=run, data=str(src), max_steps=1, num_sample_images=4, sample_steps=2, progress=False,
+                   log=None)
+    src.unlink()
+    hint = f"(The checkpoint was trained on data.source={str(src)!r}; pass data='SOURCE' to evaluate against"
+    with pytest.raises(DataError, match="no such file") as raised:
+        fastddpm.evaluate(run, num_samples=10, steps=1, device="cpu", log=None)
+    assert hint in str(raised.value)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--steps", "1", "--no-progress"]) == 2
+    assert hint.replace("data='SOURCE'", "--data SOURCE") in capsys.readouterr().err
+    with pytest.raises(DataError, match="no such file") as raised:  # data the user named: its error alone
+        fastddpm.evaluate(run, data=str(tmp_path / "nowhere.npz"), num_samples=10, steps=1, device="cpu", log=None)
+    assert "The checkpoint was trained on" not in str(raised.value)

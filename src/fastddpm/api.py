@@ -242,7 +242,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     --precision and --weights); `inception`: "auto" (find or download pytorch-fid's weights) or a local weights
     file; `log`: where its lines go (print; None: nowhere). Reference images other than the run trained on (other
     `data`, or its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
-    from fastddpm.eval.evaluate import Evaluator, as_json_safe
+    from fastddpm.eval.evaluate import as_json_safe, evaluator_for_run
 
     log = log or _silent
     if inception not in (None, "auto") and not Path(inception).expanduser().is_file():
@@ -274,7 +274,8 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     sampler, steps = resolve_sampler_args(cfg, sampler, steps, eta, guidance=scale, said=API)
     from fastddpm.device import resolve_precision
 
-    evaluator = Evaluator.for_config(cfg, device=model.device, inception=inception, log=log)
+    evaluator = evaluator_for_run(cfg, device=model.device, trained_on=model.cfg.data.source,
+                                  data_given=data is not None, said=API, inception=inception, log=log)
     from fastddpm.eval.notes import other_data_note, weak_classifier
 
     # warned, not logged: log=None silences progress lines, and a score against other images than the model learned

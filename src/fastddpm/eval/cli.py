@@ -451,18 +451,11 @@ def _evaluator(args: argparse.Namespace, cfg, device, *, inception: str | None, 
                reference: bool = True):
     """The feature network and reference statistics for cfg.data (`reference` False: the network alone); a
     DataError about the checkpoint's own data names --data, the way to evaluate against another copy of it."""
-    from fastddpm.data import DataError
-    from fastddpm.eval.classifier import UnlabelledDataError
-    from fastddpm.eval.evaluate import Evaluator
+    from fastddpm.eval.evaluate import evaluator_for_run
 
-    try:
-        return Evaluator.for_config(cfg, device=device, inception=inception, reference_split=args.reference_split,
-                                    log=log, progress=not args.no_progress, reference=reference)
-    except DataError as e:
-        if args.data is None and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
-            raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass --data SOURCE "
-                            "to evaluate against another copy of that data.)") from None
-        raise
+    return evaluator_for_run(cfg, device=device, trained_on=trained_on, data_given=args.data is not None,
+                             inception=inception, reference_split=args.reference_split, log=log,
+                             progress=not args.no_progress, reference=reference)
 
 
 def _identity_suffix(args: argparse.Namespace, info: dict, evaluator, *, trained) -> str:

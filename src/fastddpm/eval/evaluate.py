@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastddpm.config import ConfigError, RunConfig, default_spacing
+from fastddpm.config import CLI, ConfigError, RunConfig, Spelling, default_spacing
 from fastddpm.data import DataError
 from fastddpm.diffusion import network_calls, sample, schedule_from_config, to_uint8
 from fastddpm.eval.features import (
@@ -423,6 +423,21 @@ class Evaluator:
                           classes=self.classes, class_names=m.class_names)
         metrics["score_s"] = time.perf_counter() - t0  # this rank's features, the gather and the scores
         return metrics, images
+
+
+def evaluator_for_run(cfg: RunConfig, *, device: torch.device, trained_on: str, data_given: bool,
+                      said: Spelling = CLI, **for_config) -> Evaluator:
+    """Evaluator.for_config for a checkpoint's evaluation (`fastddpm eval`, fastddpm.evaluate): a DataError about
+    the run's own data (`data_given` False: a source moved or deleted since training) adds where the run trained
+    (`trained_on`) and the way to evaluate against another copy of it, spelt by `said` (--data SOURCE,
+    data='SOURCE')."""
+    try:
+        return Evaluator.for_config(cfg, device=device, **for_config)
+    except DataError as e:
+        if not data_given and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
+            raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass "
+                            f"{said('data', 'SOURCE')} to evaluate against another copy of that data.)") from None
+        raise
 
 
 def summary_line(metrics: dict) -> str:
