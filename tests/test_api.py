@@ -217,3 +217,15 @@ def test_load_leaves_the_callers_random_sequence_as_it_was(api_run):
     torch.manual_seed(0)
     fastddpm.load(api_run.run_dir, device="cpu")
     assert torch.equal(torch.randn(4), want)
+
+
+def test_a_log_that_is_no_function_is_refused_before_the_run_folder_is_written(tmp_path, api_run):
+    """log=True (or a file name) was a TypeError from inside the trainer, after config.json and run.json were
+    written into out."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^fastddpm.train: log=True is not a function: pass one that takes a line "
+                                          r"\(print, .*or None to say nothing$"):
+        fastddpm.train("tiny", out=out, max_steps=1, log=True)
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"^evaluate: log='eval.txt' is not a function"):
+        fastddpm.evaluate(api_run.run_dir, num_samples=10, log="eval.txt")

@@ -30,6 +30,17 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
+def _log(log, where: str):
+    """`log` as a function of one line (None: nowhere), or a ConfigError before any work: a non-function (log=True,
+    a file name, an open file) was a TypeError from the first line said, after the run's folder was written."""
+    if log is None:
+        return _silent
+    if not callable(log):
+        raise ConfigError(f"{where}: log={log!r} is not a function: pass one that takes a line (print, a logger's "
+                          "info, a list's append), or None to say nothing")
+    return log
+
+
 def _whole(value, name: str, where: str) -> int:
     """An integer argument as an int (a Python or numpy int, a 0-d integer tensor, or a float with no fraction), or
     a ConfigError naming it: 2.5 steps, "3" (text) and True (a bool) are no count."""
@@ -122,7 +133,7 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     precision="bf16" (or "train.lr"-style keys)."""
     from fastddpm.trainer.loop import train as train_loop
 
-    log = log or _silent
+    log = _log(log, "fastddpm.train")
     if "preset" in overrides:  # a config field nowhere: the closest field's name would be the hint
         raise ConfigError(f"fastddpm.train: preset={overrides['preset']!r}: the preset is the first argument, "
                           f"fastddpm.train({overrides['preset']!r}, out=...)")
@@ -244,7 +255,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     `data`, or its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
     from fastddpm.eval.evaluate import as_json_safe, evaluator_for_run
 
-    log = log or _silent
+    log = _log(log, "evaluate")
     if inception not in (None, "auto") and not Path(inception).expanduser().is_file():
         raise ConfigError(f"evaluate: inception={str(inception)!r}: no such file. Pass a local copy of pytorch-fid's "
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt, or "
