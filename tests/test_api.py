@@ -229,3 +229,11 @@ def test_a_log_that_is_no_function_is_refused_before_the_run_folder_is_written(t
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"^evaluate: log='eval.txt' is not a function"):
         fastddpm.evaluate(api_run.run_dir, num_samples=10, log="eval.txt")
+
+
+def test_evaluate_with_guidance_on_an_unconditional_run_names_the_fix(api_run):
+    """It said the model was unconditional, not what to do."""
+    with pytest.raises(ConfigError, match=r"^evaluate: guidance=2 steers toward a class: it needs a conditional "
+                                          r"model \(trained with conditional=True\); this one is unconditional: "
+                                          r"drop guidance$"):
+        fastddpm.evaluate(api_run.run_dir, num_samples=10, guidance=2, log=None)

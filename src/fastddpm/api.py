@@ -272,7 +272,8 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     guidance = _one_scale(guidance, "evaluate", several="(as `fastddpm eval --guidance 0,1,2` does)")
     if guidance is not None and not cfg.model.conditional:
-        raise ConfigError("evaluate: guidance needs a conditional model; this one is unconditional")
+        raise ConfigError(f"evaluate: guidance={guidance:g} steers toward a class: it needs a conditional model "
+                          "(trained with conditional=True); this one is unconditional: drop guidance")
     if guidance is not None and guidance < 0:
         raise ConfigError(f"evaluate: guidance={guidance} must be >= 0 (1 = plain conditional)")
     if batch_size is not None and batch_size < 1:
