@@ -139,3 +139,29 @@ def test_evaluate_from_python_warns_when_the_data_differs_from_the_runs(tmp_path
     np.savez(src, images=images[:, :, ::-1].copy(), labels=labels)  # the run's own file, changed under its path
     with pytest.warns(UserWarning, match=rf"^the images at {re.escape(str(src))} changed since the checkpoint was "):
         fastddpm.evaluate(run, **api_eval)
+
+
+def test_evaluate_from_python_reads_the_data_with_evals_options_and_warns_which(tmp_path, fast_feature_net):
+    """fastddpm.evaluate had none of `fastddpm eval`'s --resize, --resize-mode, --image-mode, --skip-bad and
+    --reference-split (a TypeError): it takes them, and the run's data read another way is warned about naming the
+    option as the API spells it."""
+    import fastddpm
+    from fastddpm.config import ConfigError
+
+    images, labels = read_fmnist(120)
+    src = tmp_path / "wide.npz"  # 28x40: a center crop and a stretch to 28x28 differ
+    np.savez(src, images=np.pad(images, ((0, 0), (0, 0), (0, 0), (6, 6))), labels=labels)
+    over = {"data.source": str(src), "data.resize": 28, "train.progress": False, "train.checkpoint_every": None,
+            "train.num_sample_images": 4, "train.sample_steps": 2, "train.max_steps": 1}
+    run = tmp_path / "run"
+    train(apply_overrides(get_preset("tiny"), over), out_dir=run, log=quiet)
+    api_eval = dict(num_samples=10, steps=1, device="cpu", log=None)
+    with pytest.warns(UserWarning, match=rf"^this evaluation reads {re.escape(str(src))} with other options "
+                                         r"\(resize_mode='stretch'\): ") as w:
+        metrics = fastddpm.evaluate(run, resize_mode="stretch", reference_split="train", **api_eval)
+    assert str(w[0].message).endswith("for its score on its own data, leave out resize_mode.")
+    assert metrics["fid"] >= 0
+    with pytest.raises(ConfigError, match=r"resize_mode='sideways'"):
+        fastddpm.evaluate(run, resize_mode="sideways", **api_eval)
+    with pytest.raises(ConfigError, match=r"^evaluate: reference_split='val' is not one of train, test"):
+        fastddpm.evaluate(run, reference_split="val", **api_eval)

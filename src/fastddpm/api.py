@@ -244,15 +244,20 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
              steps: int | None = None, seed: int = 0, guidance: float | None = None,
              data: str | None = None, inception: str | None = None, device: str = "auto",
              batch_size: int | None = None, eta: float = 0.0, spacing: str | None = None, precision: str = "auto",
-             weights: str = "ema", log=print) -> dict:
+             weights: str = "ema", resize: int | None = None, resize_mode: str | None = None,
+             image_mode: str | None = None, skip_bad: bool | None = None, reference_split: str | None = None,
+             log=print) -> dict:
     """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
     fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
     guided at `guidance` (default: the run's train.sample_guidance, as `fastddpm eval`). `sampler`, `steps`, `eta`,
     `spacing` and `precision` as in Model.sample, `weights` as in load (`fastddpm eval`'s --eta, --spacing,
-    --precision and --weights); `inception`: "auto" (find or download pytorch-fid's weights) or a local weights
-    file; `log`: where its lines go (print; None: nowhere). Reference images other than the run trained on (other
-    `data`, or its files changed since) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
+    --precision and --weights); `resize`, `resize_mode`, `image_mode` and `skip_bad` read the reference data
+    another way than the run read it (None: as the run did), `reference_split` ("train", "test"; None: the run's
+    split) compares with another split, as `fastddpm eval`'s flags of those names; `inception`: "auto" (find or
+    download pytorch-fid's weights) or a local weights file; `log`: where its lines go (print; None: nowhere).
+    Reference images other than the run trained on (other `data`, its files changed since, or read with other
+    options) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
     from fastddpm.eval.evaluate import as_json_safe, evaluator_for_run
 
     log = _log(log, "evaluate")
@@ -266,8 +271,13 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
     model, ckpt = _load(path, device=device, weights=weights)
     cfg = model.cfg
-    if data is not None:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=data))
+    data_options = {k: v for k, v in (("source", data), ("resize", resize), ("resize_mode", resize_mode),
+                                      ("image_mode", image_mode), ("skip_bad", skip_bad)) if v is not None}
+    if data_options:  # checked by the data section as a config file's are
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data_options))
+    if reference_split not in (None, "train", "test"):
+        raise ConfigError(f"evaluate: reference_split={reference_split!r} is not one of train, test (or None: the "
+                          f"split the run trained on, {cfg.data.split})")
     if num_samples < 10:
         raise ConfigError(f"evaluate: num_samples={num_samples}: at least 10 (10000 is the usual count)")
     guidance = _one_scale(guidance, "evaluate", several="(as `fastddpm eval --guidance 0,1,2` does)")
@@ -287,7 +297,8 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     from fastddpm.device import resolve_precision
 
     evaluator = evaluator_for_run(cfg, device=model.device, trained_on=model.cfg.data.source,
-                                  data_given=data is not None, said=API, inception=inception, log=log)
+                                  data_given=data is not None, said=API, inception=inception,
+                                  reference_split=reference_split, log=log)
     from fastddpm.eval.notes import other_data_note, weak_classifier
 
     # warned, not logged: log=None silences progress lines, and a score against other images than the model learned
