@@ -74,3 +74,21 @@ def test_evaluate_of_a_run_whose_data_is_gone_names_where_it_trained_and_data_so
     with pytest.raises(DataError, match="no such file") as raised:  # data the user named: its error alone
         fastddpm.evaluate(run, data=str(tmp_path / "nowhere.npz"), num_samples=10, steps=1, device="cpu", log=None)
     assert "The checkpoint was trained on" not in str(raised.value)
+
+
+def test_evaluate_against_data_of_another_shape_names_a_fix_the_api_can_take(tmp_path, fast_feature_net):
+    """Reference data of another shape named only `fastddpm eval ... --resize 28 --image-mode L`, options
+    fastddpm.evaluate did not have: it names the API's spelling too, and that call scores."""
+    images, labels = read_fmnist(120)
+    src = tmp_path / "data.npz"
+    np.savez(src, images=images, labels=labels)
+    run = tmp_path / "run"
+    fastddpm.train("tiny", out=run, data=str(src), max_steps=1, num_sample_images=4, sample_steps=2, progress=False,
+                   log=None)
+    rgb = tmp_path / "rgb32.npz"  # the same images as 3x32x32
+    np.savez(rgb, images=np.pad(np.repeat(images, 3, axis=1), ((0, 0), (0, 0), (2, 2), (2, 2))), labels=labels)
+    api_eval = dict(num_samples=10, steps=1, device="cpu", log=None)
+    with pytest.raises(ConfigError, match=r"\(from Python: fastddpm.evaluate\(\.\.\., resize=28, image_mode='L'\)\)$"):
+        fastddpm.evaluate(run, data=str(rgb), **api_eval)
+    with pytest.warns(UserWarning, match="this evaluation reads other data"):
+        assert fastddpm.evaluate(run, data=str(rgb), resize=28, image_mode="L", **api_eval)["fid"] >= 0

@@ -112,9 +112,10 @@ def check_classes_to_learn(data: PreparedData, where: str) -> None:
         raise TooFewClassesError(
             f"{where} has one class ({name!r}), so fastddpm cannot train its feature network (a classifier) for "
             "it: a classifier of one class learns nothing, and its features would be random. Fix: evaluate with "
-            "Inception features: `fastddpm eval --features inception` (finds or downloads pytorch-fid's weights), "
-            "--inception PATH (a local pt_inception-2015-12-05 weights file or a TorchScript feature extractor), "
-            "or in training --eval-inception auto; or evaluate against data of 2 or more classes")
+            "Inception features: `fastddpm eval --features inception` or fastddpm.evaluate(inception='auto') "
+            "(finds or downloads pytorch-fid's weights), --inception PATH (a local pt_inception-2015-12-05 weights "
+            "file or a TorchScript feature extractor), or in training --eval-inception auto; or evaluate against "
+            "data of 2 or more classes")
 
 
 def num_classes_of(data: PreparedData, where: str) -> int:
@@ -122,10 +123,10 @@ def num_classes_of(data: PreparedData, where: str) -> int:
     if labels.size == 0 or (labels < 0).all():
         raise UnlabelledDataError(
             f"{where} has no labels, so fastddpm cannot train its feature network (a classifier) for it. Fix: "
-            "evaluate with Inception features: `fastddpm eval --features inception` (finds or downloads "
-            "pytorch-fid's weights), --inception PATH (a local pt_inception-2015-12-05 weights file or a TorchScript "
-            "feature extractor), or in training --eval-inception auto; or prepare a labelled copy (an image folder "
-            "root/<label>/*.png)"
+            "evaluate with Inception features: `fastddpm eval --features inception` or "
+            "fastddpm.evaluate(inception='auto') (finds or downloads pytorch-fid's weights), --inception PATH (a "
+            "local pt_inception-2015-12-05 weights file or a TorchScript feature extractor), or in training "
+            "--eval-inception auto; or prepare a labelled copy (an image folder root/<label>/*.png)"
         )
     return max(len(data.class_names), int(labels.max()) + 1)
 

@@ -301,5 +301,6 @@ def check_compatible(model_cfg, data: PreparedData, *, where: str) -> None:
         raise ConfigError(
             f"the model makes {want[0]}x{want[1]}x{want[2]} images but the reference data {where} is "
             f"{have[0]}x{have[1]}x{have[2]}: evaluate against the data the model was trained on (--data SOURCE), "
-            f"or prepare it to match: fastddpm eval ... --resize {want[1]} --image-mode {mode}"
+            f"or prepare it to match: fastddpm eval ... --resize {want[1]} --image-mode {mode} (from Python: "
+            f"fastddpm.evaluate(..., resize={want[1]}, image_mode={mode!r}))"
         )
