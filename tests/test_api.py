@@ -237,3 +237,10 @@ def test_evaluate_with_guidance_on_an_unconditional_run_names_the_fix(api_run):
                                           r"model \(trained with conditional=True\); this one is unconditional: "
                                           r"drop guidance$"):
         fastddpm.evaluate(api_run.run_dir, num_samples=10, guidance=2, log=None)
+
+
+def test_a_model_shows_itself_in_one_line(api_run):
+    """A notebook showing `model` printed the dataclass's repr: every layer of the U-Net and every config field."""
+    model = fastddpm.load(api_run.run_dir, device="cpu")
+    size = sum(p.numel() for p in model.net.parameters())
+    assert repr(model) == f"Model(tiny preset, {size:,} parameters, unconditional, 1x28x28 images, ddpm objective, cpu)"

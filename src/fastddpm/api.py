@@ -156,6 +156,16 @@ class Model:
     cfg: RunConfig
     device: torch.device
 
+    def __repr__(self) -> str:
+        # one line: the dataclass's own repr printed every layer of the U-Net and every config field (160 lines for
+        # the tiny preset) where a notebook shows `model`; model.net and model.cfg still show them
+        m = self.cfg.model
+        kind = f"conditional on {m.num_classes} classes" if m.conditional else "unconditional"
+        size = sum(p.numel() for p in self.net.parameters())
+        return (f"Model({self.cfg.preset or 'no'} preset, {size:,} parameters, {kind}, "
+                f"{m.image_channels}x{m.image_size}x{m.image_size} images, {self.cfg.diffusion.objective} objective, "
+                f"{self.device})")
+
     @property
     def classes(self) -> tuple[str, ...] | None:
         """A conditional model's class names, in id order (None for an unconditional one)."""
