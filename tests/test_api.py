@@ -244,3 +244,13 @@ def test_a_model_shows_itself_in_one_line(api_run):
     model = fastddpm.load(api_run.run_dir, device="cpu")
     size = sum(p.numel() for p in model.net.parameters())
     assert repr(model) == f"Model(tiny preset, {size:,} parameters, unconditional, 1x28x28 images, ddpm objective, cpu)"
+
+
+def test_train_leaves_the_callers_random_sequence_as_it_was(tmp_path, fmnist_npz):
+    """A run seeds torch's global CPU generator for its initial weights: after fastddpm.train, a notebook's
+    torch.randn continued from the run's seed, not from its own torch.manual_seed."""
+    torch.manual_seed(0)
+    want = torch.randn(4)
+    torch.manual_seed(0)
+    fastddpm.train("tiny", out=tmp_path / "run", data=str(fmnist_npz), max_steps=1, progress=False, log=None)
+    assert torch.equal(torch.randn(4), want)

@@ -143,8 +143,13 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
 
     resumed = find_resume(out, resume, said=API)
     cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None, log=log)
-    # the checkpoint found above, not a second search (which could find another and warns twice)
-    return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
+    # The run seeds torch's global CPU generator for its initial weights and draws from it: forked, so that a
+    # notebook's torch.manual_seed sequence continues after the call as it was (the run's own randomness comes from
+    # its seed and checkpoints, not from the caller's state). CUDA's generators are not forked: that would open a
+    # context on every visible GPU, and under torchrun each rank would open one on all of them.
+    with torch.random.fork_rng(devices=[]):
+        # the checkpoint found above, not a second search (which could find another and warns twice)
+        return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
 
 
 @dataclasses.dataclass
