@@ -553,3 +553,16 @@ def test_the_tensorflow_switches_are_validated():
         ModelConfig(family="ddpm", downsample_padding="same")
     with pytest.raises(ConfigError, match="norm_eps=0.0"):
         ModelConfig(family="ddpm", norm_eps=0.0)
+
+
+def test_a_diffusers_export_of_the_raw_weights_is_them_and_its_card_says_so(tmp_path, rgb_npz):
+    run, out = tmp_path / "run", tmp_path / "diffusers"
+    _train(run, rgb_npz)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(out), "--weights", "model"]) == 0
+    from fastddpm.sampling import load_for_sampling
+
+    raw, cfg = load_for_sampling(run, weights="model")
+    ema, _ = load_for_sampling(run)
+    assert _compare(raw, cfg, out) < 1e-5
+    assert _compare(ema, cfg, out) > 1e-3  # diffusers' UNet2DModel is the raw network, not the EMA one
+    assert "weights: raw" in (out / "README.md").read_text()

@@ -544,3 +544,32 @@ def test_the_exporters_dropped_stdout_works_where_there_is_none():
             "with _fd_stdout_dropped():\n    done = True\nprint('ran', done, file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ran True" in r.stderr, r.stderr
+
+
+def test_weights_model_exports_the_raw_weights_and_says_so(runs, tmp_path, capsys):
+    """`fastddpm sample --weights model` draws from the raw weights; export gave only the EMA ones, which after a
+    short run or fine-tune lag far behind. With --weights model the file computes the raw network, and the card
+    and export.json say which weights it holds (and quote no FID: the run measures its EMA's)."""
+    out = tmp_path / "raw"
+    assert main(["export", str(runs["uncond"]), "--format", "torch-export", "--out", str(out), "--weights",
+                 "model"]) == 0
+    raw, cfg = load_for_sampling(runs["uncond"], weights="model")
+    ema, _ = load_for_sampling(runs["uncond"])
+    inputs = example_inputs(cfg, 4, seed=3)
+    got = torch.export.load(str(out / "model.pt2")).module()(*inputs).detach()
+    with torch.no_grad():
+        want, other = raw(*inputs), ema(*inputs)
+    assert (want - other).abs().max() > 1e-3  # the two weight sets compute different functions
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert json.loads((out / "export.json").read_text())["checkpoint"]["weights"] == "model"
+    card = (out / "README.md").read_text()
+    assert "weights: raw" in card and "--weights model`" in card
+    assert fid_of_these_weights([{"event": "eval", "step": 3, "images_seen": 48, "fid": 9.0}],
+                                {"step": 3, "images_seen": 48, "weights": "model"}) is None
+    # an ema.safetensors holds no raw weights: refused naming the file and the fix, nothing written
+    capsys.readouterr()
+    assert main(["export", str(runs["uncond"] / "ema.safetensors"), "--format", "safetensors", "--out",
+                 str(tmp_path / "none"), "--weights", "model"]) == 2
+    err = capsys.readouterr().err
+    assert "ema.safetensors holds only the EMA weights" in err and "ckpt_*.pt" in err
+    assert not (tmp_path / "none").exists()

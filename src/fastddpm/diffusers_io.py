@@ -2,7 +2,7 @@
 
     DIR/model_index.json                           DDPMPipeline: unet + scheduler
     DIR/unet/config.json                           UNet2DModel's switches, set so it computes fastddpm's function
-    DIR/unet/diffusion_pytorch_model.safetensors   the EMA weights under UNet2DModel's names
+    DIR/unet/diffusion_pytorch_model.safetensors   the EMA (--weights model: raw) weights under UNet2DModel's names
     DIR/scheduler/scheduler_config.json            DDPMScheduler: the run's betas and what the network predicts
     DIR/README.md                                  a model card
 
@@ -270,13 +270,16 @@ def check_folder(model, cfg, out: Path) -> float | None:
 
 
 def model_card(cfg, info: dict, command: str) -> str:
+    from fastddpm.rundir.locate import WEIGHTS_LABELS
+
     m, d = cfg.model, cfg.diffusion
     lines = [f"# fastddpm denoiser for diffusers ({cfg.preset or 'custom'} preset)", "",
              "Ho et al. 2020's U-Net (fastddpm's ddpm family) as diffusers' `UNet2DModel`, with a `DDPMScheduler` "
              "for the schedule it was trained on. Loading it needs diffusers and torch only, not fastddpm.", "",
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images in "
              "[-1, 1])" + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
-             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: EMA",
+             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: "
+             f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
              f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts "
              f"{'the noise (epsilon)' if d.prediction == 'epsilon' else 'v (v_prediction)'}",
              f"- made by: `{command}`", "", "```python", "from diffusers import DDPMPipeline"]

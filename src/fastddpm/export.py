@@ -1,9 +1,10 @@
 """`fastddpm export`: a trained denoiser in a format other tools load, with what it takes to sample from it.
 
-    fastddpm export RUN_DIR --format onnx|torch-export|safetensors|diffusers [--out DIR]
+    fastddpm export RUN_DIR --format onnx|torch-export|safetensors|diffusers [--out DIR] [--weights ema|model]
 
-The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights), schedule.json (the betas
-and what the network predicts: everything a sampler needs), config.json (the resolved config) and README.md (a model
+The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights, or with --weights model a
+checkpoint's raw ones), schedule.json (the betas and what the network predicts: everything a sampler needs),
+config.json (the resolved config) and README.md (a model
 card: data, images seen, FID where the run measured one, the command that made it, and how to sample, in commands
 run from the folder itself, so that they hold wherever it is copied or uploaded); an ONNX folder also holds
 sample_onnx.py, a sampler that needs onnxruntime and numpy only (fastddpm.sample_onnx). The network is the U-Net alone,
@@ -44,7 +45,7 @@ TOLERANCE = 1e-3
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ep = subparsers.add_parser(
-        "export", help="the EMA denoiser as ONNX, torch.export (.pt2), safetensors or a diffusers folder, with its "
+        "export", help="the (EMA) denoiser as ONNX, torch.export (.pt2), safetensors or a diffusers folder, with its "
                        "schedule and a card",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Examples:\n  fastddpm export runs/fmnist --format onnx\n"
@@ -55,6 +56,9 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     ep.add_argument("--format", choices=FORMATS, required=True)
     ep.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/export-<format>)")
     ep.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18); --format onnx only")
+    ep.add_argument("--weights", choices=("ema", "model"), default="ema",
+                    help="EMA (default) or raw weights, as `fastddpm sample --weights`; raw ones need a checkpoint "
+                         "(.pt or .dcp), not an ema.safetensors")
     return ep
 
 
@@ -268,18 +272,24 @@ def _network_io(cfg) -> tuple[str, str]:
 
 def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
     """The evaluation of the exported weights: the run's record at their step (an export of an earlier checkpoint
-    must not carry a later FID), with a finite FID; None when the run measured none there."""
+    must not carry a later FID), with a finite FID; None when the run measured none there, or for raw weights (the
+    trainer evaluates the EMA ones)."""
+    if info.get("weights", "ema") != "ema":
+        return None
     same = [r for r in evals if r.get("step") == info.get("step") and r.get("images_seen") == info.get("images_seen")]
     return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
 
 
 def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str) -> str:
+    from fastddpm.rundir.locate import WEIGHTS_LABELS
+
     m, d = cfg.model, cfg.diffusion
     inputs, sampler = _network_io(cfg)
     lines = [f"# fastddpm denoiser ({cfg.preset or 'custom'} preset)", "",
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images)"
              + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
-             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: EMA",
+             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: "
+             f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
              (f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts {d.prediction} "
               "(schedule.json holds the betas)" if d.objective == "ddpm" else
               f"- diffusion: {d.objective} (schedule.json holds its parameters and the network's inputs)")]
@@ -345,21 +355,24 @@ def how_to_sample(cfg, fmt: str, sampler: str) -> list[str]:
         "images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)  # (n, C, H, W)", "```"]
 
 
-def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: int = 18,
+def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: int = 18, weights: str = "ema",
            command: str | None = None, log=print) -> dict:
-    """Export RUN (run directory, checkpoint or ema.safetensors) as `fmt`; returns what export.json records."""
+    """Export RUN (run directory, checkpoint or ema.safetensors) as `fmt`, its EMA or raw ("model") `weights`;
+    returns what export.json records."""
     import torch
 
     from fastddpm.config import ConfigError, save_config
     from fastddpm.diffusion import schedule_from_config
     from fastddpm.rundir.files import save_safetensors
-    from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, locate
+    from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, WEIGHTS_LABELS, locate
     from fastddpm.rundir.metrics import read_metrics
     from fastddpm.sampling import load_for_sampling
 
     if fmt not in FORMATS:
         raise ConfigError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
-    ckpt = locate(run, what="export:")
+    if weights not in WEIGHTS_LABELS:
+        raise ConfigError(f"export: weights {weights!r} is not one of {', '.join(WEIGHTS_LABELS)} (EMA or raw)")
+    ckpt = locate(run, weights=weights, what="export:")
     if fmt == "diffusers":
         from fastddpm.diffusers_io import check_exportable
 
@@ -371,8 +384,8 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         except ImportError:
             raise ConfigError("export --format onnx checks the file in onnxruntime: pip install onnx onnxruntime "
                               "onnxscript (or pip install 'fastddpm[onnx]')") from None
-    model, cfg = load_for_sampling(ckpt, device="cpu")
-    info, run_dir = ckpt.info(), ckpt.run_dir
+    model, cfg = load_for_sampling(ckpt, device="cpu", weights=weights)  # raw weights of an ema.safetensors: refused
+    info, run_dir = {**ckpt.info(), "weights": weights}, ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
     check_out_dir(out)
     make_out_dir(out)
@@ -408,7 +421,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         path = out / "model.safetensors"
         save_safetensors({k: v.contiguous() for k, v in model.state_dict().items()}, path,
                          {"config": cfg.to_dict(), "step": info.get("step"), "images_seen": info.get("images_seen"),
-                          "format": EMA_EXPORT_FORMAT})
+                          "format": EMA_EXPORT_FORMAT, "weights": weights})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     d = cfg.diffusion
     if d.objective == "ddpm":
@@ -543,9 +556,11 @@ def run_export(args: argparse.Namespace) -> int:
                           f"{args.format}")
     command = f"fastddpm export {shlex.quote(str(args.run))} --format {args.format}" + (
         f" --out {shlex.quote(str(args.out))}" if args.out else "") + (
-        f" --opset {args.opset}" if args.opset is not None else "")
+        f" --opset {args.opset}" if args.opset is not None else "") + (
+        f" --weights {args.weights}" if args.weights != "ema" else "")
     try:
-        export(args.run, args.format, args.out, opset=18 if args.opset is None else args.opset, command=command)
+        export(args.run, args.format, args.out, opset=18 if args.opset is None else args.opset,
+               weights=args.weights, command=command)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -19,6 +19,8 @@ from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safete
 from fastddpm.rundir.layout import RunDir
 
 EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
+# what a model card or log calls each of Checkpoint.weights' choices
+WEIGHTS_LABELS = {"ema": "EMA", "model": "raw (the trained model's own, not its EMA)"}
 WHAT_TO_PASS = ("a run directory, a checkpoints/ckpt_*.pt file, an FSDP run's checkpoints/ckpt_*.dcp directory, "
                 "or an ema.safetensors export (or its folder)")
 WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a checkpoints/ckpt_*.pt file, or an FSDP "
