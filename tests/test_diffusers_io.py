@@ -566,3 +566,44 @@ def test_a_diffusers_export_of_the_raw_weights_is_them_and_its_card_says_so(tmp_
     assert _compare(raw, cfg, out) < 1e-5
     assert _compare(ema, cfg, out) > 1e-3  # diffusers' UNet2DModel is the raw network, not the EMA one
     assert "weights: raw" in (out / "README.md").read_text()
+
+
+def test_the_conditional_cards_loop_draws_fastddpms_guided_images(tmp_path):
+    """fastddpm samples a class at the run's guidance W (2 for new runs); the card's loop for a conditional export
+    called the network once per step with the class alone, drawing other (unguided) images. Its loop, run with
+    DDIMScheduler from the folder's config (as its "Fewer steps" section says) on the same starting noise, draws
+    `fastddpm sample --sampler ddim --class` images at that W."""
+    from types import SimpleNamespace
+
+    from fastddpm.diffusers_io import model_card
+
+    cfg = _run_config(conditional=True, num_classes=3, class_names=("a", "b", "c"))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sample_guidance=3.0))
+    model = _randomised(cfg)
+    write_folder(model, cfg, tmp_path)
+    loop = model_card(cfg, {"step": 1, "images_seen": 8}, "cmd").split("```python\n")[2].split("```")[0]
+    assert "guidance = 3" in loop
+
+    class FewStepDDIM(diffusers.DDIMScheduler):  # the card's loop with 10 DDIM steps instead of 1000 DDPM ones
+        def set_timesteps(self, num_inference_steps, device=None):
+            super().set_timesteps(10, device)
+
+        def step(self, model_output, timestep, sample, **kwargs):
+            return super().step(model_output, timestep, sample, use_clipped_model_output=True)
+
+    pipe = diffusers.DDPMPipeline.from_pretrained(str(tmp_path))
+    scheduler = FewStepDDIM.from_config(pipe.scheduler.config)
+    shape, seed = (4, 3, 32, 32), 5
+    noise = ImageNoise("cpu", seed, 0, shape[0]).randn(shape)
+    ran = {"pipe": SimpleNamespace(unet=pipe.unet, scheduler=scheduler), "noise": noise}
+    assert "x = torch.randn(4, 3, 32, 32)" in loop
+    exec(loop.replace("x = torch.randn(4, 3, 32, 32)", "x = noise.clone()"), ran)
+    got = ran["x"]
+    labels = torch.arange(4) % 3
+    with torch.no_grad():
+        want = sample(model, schedule_from_config(cfg.diffusion), shape, sampler="ddim", steps=10, seed=seed,
+                      labels=labels, guidance=3.0, num_classes=3)
+        unguided = sample(model, schedule_from_config(cfg.diffusion), shape, sampler="ddim", steps=10, seed=seed,
+                          labels=labels, guidance=1.0, num_classes=3)
+    assert ((want - unguided).abs().max() * 127.5) > 5  # guidance changes the images here
+    assert ((want - got).abs().max() * 127.5).item() < 1.0

@@ -287,18 +287,23 @@ def model_card(cfg, info: dict, command: str) -> str:
         lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")',
                   f"images = pipe(batch_size=4, num_inference_steps={d.num_timesteps}).images  # PIL images", "```"]
     else:
+        g = cfg.train.sample_guidance
         lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")  # unet + scheduler; see below', "```",
                   "", f"The model is class-conditional (`num_class_embeds` = {m.num_classes + 1}): class ids 0.."
                   f"{m.num_classes - 1} in the order above, and id {m.num_classes}, the null class that fastddpm "
                   "trained for classifier-free guidance (no class). `DDPMPipeline.__call__` passes no class labels, "
-                  "which UNet2DModel refuses, and does no guidance; sample with the scheduler directly:", "",
-                  "```python", "import torch", "unet, scheduler = pipe.unet, pipe.scheduler",
+                  "which UNet2DModel refuses, and does no guidance; sample with the scheduler directly, guided as "
+                  f"`fastddpm sample --class` is, at the run's W = {g:g} (1: the class's own prediction, unguided):",
+                  "", "```python", "import torch", "unet, scheduler = pipe.unet, pipe.scheduler",
+                  f"guidance = {g:g}  # out(no class) + W (out(class) - out(no class)), as fastddpm samples",
                   f"x = torch.randn(4, {m.image_channels}, {m.image_size}, {m.image_size})",
-                  f"labels = torch.arange(4) % {m.num_classes}  # {m.num_classes} for no class",
+                  f"labels = torch.arange(4) % {m.num_classes}  # the classes to draw",
+                  f"both = torch.cat([labels, torch.full_like(labels, {m.num_classes})])  # and the null class",
                   f"scheduler.set_timesteps({d.num_timesteps})  # DDPM walks every step of the training schedule",
                   "for t in scheduler.timesteps:",
                   "    with torch.no_grad():",
-                  "        out = unet(x, t, class_labels=labels).sample",
+                  "        cond, uncond = unet(torch.cat([x, x]), t, class_labels=both).sample.chunk(2)",
+                  "    out = uncond + guidance * (cond - uncond)",
                   "    x = scheduler.step(out, t, x).prev_sample",
                   "images = (x / 2 + 0.5).clamp(0, 1)  # (B, C, H, W) in [0, 1]", "```"]
     return "\n".join(lines + _few_step_section(cfg)) + "\n"
