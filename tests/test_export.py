@@ -573,3 +573,42 @@ def test_weights_model_exports_the_raw_weights_and_says_so(runs, tmp_path, capsy
     err = capsys.readouterr().err
     assert "ema.safetensors holds only the EMA weights" in err and "ckpt_*.pt" in err
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("objective,conditional", [("edm", False), ("flow", True)])
+def test_the_pt2_cards_euler_loop_draws_fastddpms_euler_images(fmnist_npz, tmp_path, monkeypatch, objective,
+                                                              conditional):
+    """The .pt2 card of an EDM or flow export said only `out = net(x, t)`: a user with torch alone had to write
+    the sampler. Its loop, run from the folder on a fixed x_T, draws what fastddpm's Euler sampler draws with the
+    same network and levels."""
+    from fastddpm.config import default_spacing
+    from fastddpm.diffusion.samplers import continuous_sample
+
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 3, "diffusion.objective": objective,
+                                               "model.conditional": conditional, "train.num_sample_images": 4,
+                                               "train.sample_steps": 2})
+    train(cfg, out_dir=tmp_path / "run", log=quiet)
+    folder = tmp_path / "pt2"
+    assert main(["export", str(tmp_path / "run"), "--format", "torch-export", "--out", str(folder)]) == 0
+    code = card_code((folder / "README.md").read_text())
+    assert code.count("n, steps = 16, 20") == 1 and code.count("torch.randn(") == 1
+    x_T = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(4))
+    scope: dict = {"x_T": x_T}
+    monkeypatch.chdir(folder)
+    exec(code.replace("n, steps = 16, 20", "n, steps = 2, 4").replace("torch.randn(", "x_T.double() if True else "
+                                                                      "torch.randn("), scope)
+    assert scope["images"].shape == (2, 1, 28, 28) and scope["images"].dtype == torch.uint8
+
+    class Fixed:
+        def randn(self, shape):
+            return x_T.clone()
+
+    run_cfg = locate(tmp_path / "run").config
+    net = scope["net"]
+    model = (lambda x, t: net(x, t, torch.full((2,), 10))) if conditional else net
+    with torch.no_grad():
+        ours = continuous_sample(model, schedule_from_config(run_cfg.diffusion), (2, 1, 28, 28), sampler="euler",
+                                 steps=4, spacing=default_spacing("euler", objective), noise=Fixed(), device="cpu")
+    assert ours.std() > 0.1
+    torch.testing.assert_close(scope["x"].float(), ours, atol=1e-4, rtol=0)

@@ -328,15 +328,15 @@ def how_to_sample(cfg, fmt: str, sampler: str) -> list[str]:
                 "ONNX: it samples the run this came from (export.json names its checkpoint)."]
     # torch-export: torch alone loads it; fastddpm sample and the ONNX example do not read .pt2
     y = (f", torch.full((n,), {m.num_classes})" if m.conditional else "")
-    how = "Sample with torch alone" if d.objective == "ddpm" else f"Load it with torch alone and sample with {sampler}"
+    how = "Sample with torch alone" + ("" if d.objective == "ddpm" else f", by Euler's method below (or {sampler})")
     lines = [f"{how} (`fastddpm sample` does not read .pt2: it samples the run this came from, which export.json "
              "names):", "", "```python",
-             "import json, torch", 'folder = "."  # this folder',
+             "import json, torch" if d.objective == "ddpm" else "import json, math, torch",
+             'folder = "."  # this folder',
              'net = torch.export.load(f"{folder}/model.pt2").module()',
              'schedule = json.load(open(f"{folder}/schedule.json"))']
     if d.objective != "ddpm":
-        return lines + [f"out = net(x, t{', y' if m.conditional else ''})  # x, t (and y) as described above",
-                        "```"]
+        return lines + _euler_loop(d.objective, y, m.num_classes if m.conditional else None)
     x0 = ("a.sqrt() * x - (1 - a).sqrt() * out" if d.prediction == "v" else "(x - (1 - a).sqrt() * out) / a.sqrt()")
     return lines + [
         'alpha_bar = torch.cumprod(1 - torch.tensor(schedule["betas"], dtype=torch.float64), 0)',
@@ -353,6 +353,34 @@ def how_to_sample(cfg, fmt: str, sampler: str) -> list[str]:
         "        eps = (x - a.sqrt() * x0) / (1 - a).sqrt()",
         "        x = a_next.sqrt() * x0 + (1 - a_next).sqrt() * eps",
         "images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)  # (n, C, H, W)", "```"]
+
+
+def _euler_loop(objective: str, y: str, num_classes: int | None) -> list[str]:
+    """The .pt2 card's loop for an EDM or flow export: Euler's method over the levels `fastddpm sample --sampler
+    euler` walks (Karras et al.'s for EDM, the shifted even ones for flow), as sample_onnx.euler does in numpy."""
+    if objective == "edm":
+        levels = ['rho, sd = schedule["rho"], schedule["sigma_data"]',
+                  'hi, lo = schedule["sigma_max"] ** (1 / rho), schedule["sigma_min"] ** (1 / rho)',
+                  "levels = [(hi + i / max(steps - 1, 1) * (lo - hi)) ** rho for i in range(steps)]  # sigma",
+                  "alpha, sigma = [1.0] * (steps + 1), levels + [0.0]  # x = alpha x0 + sigma eps"]
+        call = ["        norm = math.sqrt(v * v + sd * sd)  # EDM's preconditioning: c_in, c_noise, c_skip, c_out",
+                f"        out = net((x / norm).float(), torch.full((n,), 250 * math.log(v)){y}).double()",
+                "        x0 = sd * sd / norm**2 * x + v * sd / norm * out"]
+    else:
+        levels = ['s = schedule["shift"]', "shift = lambda t: s * t / (1 + (s - 1) * t)",
+                  'levels = [shift(1 + i / max(steps - 1, 1) * (shift(schedule["t_min"]) - 1)) for i in '
+                  "range(steps)]  # t",
+                  "alpha, sigma = [1 - v for v in levels] + [1.0], levels + [0.0]  # x = alpha x0 + sigma eps"]
+        call = [f"        out = net(x.float(), torch.full((n,), 1000 * v){y}).double()",
+                "        x0 = x - v * out  # out: the velocity eps - x0"]
+    if num_classes is not None:
+        call[-2] += f"  # y: a class id, {num_classes} = none; guided: out(none) + W (out(y) - out(none))"
+    return ["n, steps = 16, 20  # Euler's method (DDIM's update) over 20 levels, then to 0",
+            *levels, 'x = sigma[0] * torch.randn(n, *schedule["image_shape"], dtype=torch.float64)',
+            "with torch.no_grad():", "    for i, v in enumerate(levels):", *call,
+            "        x0 = x0.clamp(-1, 1)", "        eps = (x - alpha[i] * x0) / sigma[i]",
+            "        x = alpha[i + 1] * x0 + sigma[i + 1] * eps",
+            "images = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)  # (n, C, H, W)", "```"]
 
 
 def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: int = 18, weights: str = "ema",
