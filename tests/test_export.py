@@ -612,3 +612,17 @@ def test_the_pt2_cards_euler_loop_draws_fastddpms_euler_images(fmnist_npz, tmp_p
                                  steps=4, spacing=default_spacing("euler", objective), noise=Fixed(), device="cpu")
     assert ours.std() > 0.1
     torch.testing.assert_close(scope["x"].float(), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("opset", ["0", "99"])
+def test_an_opset_onnx_does_not_know_is_refused_before_anything_runs_or_is_written(runs, tmp_path, capsys, opset):
+    """--opset 99 ran both ONNX exporters (minutes on a large model), printed torch's warning and left an empty
+    --out folder, then blamed the dynamo exporter ("it wrote opset 18, not 99")."""
+    pytest.importorskip("onnx", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    import onnx
+
+    out = tmp_path / "never"
+    assert main(["export", str(runs["uncond"]), "--format", "onnx", "--out", str(out), "--opset", opset]) == 2
+    err = capsys.readouterr().err
+    assert f"export --opset {opset}: the installed onnx knows opsets 1 to {onnx.defs.onnx_opset_version()}" in err
+    assert "Warning" not in err and not out.exists()

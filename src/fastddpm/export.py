@@ -407,11 +407,15 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         check_exportable(ckpt.config)  # before loading the weights or writing anything
     if fmt == "onnx":
         try:
-            import onnx  # noqa: F401 - checked here, before anything is written; used by onnx_opset
+            import onnx  # checked here, before anything is written
             import onnxruntime  # noqa: F401
         except ImportError:
             raise ConfigError("export --format onnx checks the file in onnxruntime: pip install onnx onnxruntime "
                               "onnxscript (or pip install 'fastddpm[onnx]')") from None
+        # an opset onnx does not know, no exporter writes: refused before both exporters are tried (minutes)
+        if not 1 <= opset <= onnx.defs.onnx_opset_version():
+            raise ConfigError(f"export --opset {opset}: the installed onnx knows opsets 1 to "
+                              f"{onnx.defs.onnx_opset_version()}; give one of those (default 18)")
     model, cfg = load_for_sampling(ckpt, device="cpu", weights=weights)  # raw weights of an ema.safetensors: refused
     info, run_dir = {**ckpt.info(), "weights": weights}, ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
