@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+import fastddpm
 from fastddpm.cli import main
+from fastddpm.config import ConfigError
 from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
 from fastddpm.diffusion import schedule_from_config
 from fastddpm.export import example_inputs, fid_of_these_weights, model_card
@@ -573,6 +575,29 @@ def test_weights_model_exports_the_raw_weights_and_says_so(runs, tmp_path, capsy
     err = capsys.readouterr().err
     assert "ema.safetensors holds only the EMA weights" in err and "ckpt_*.pt" in err
     assert not (tmp_path / "none").exists()
+
+
+def test_a_safetensors_export_of_the_raw_weights_loads_as_them_not_as_ema(runs, tmp_path, capsys):
+    """The file's metadata says it holds the raw weights; reading it back called them EMA (sample and eval label
+    them so) and refused --weights model on it. Now the default (EMA) is refused, naming --weights model, and the
+    raw weights load as what they are."""
+    out = tmp_path / "raw"
+    assert main(["export", str(runs["uncond"]), "--format", "safetensors", "--out", str(out), "--weights",
+                 "model"]) == 0
+    raw, cfg = load_for_sampling(runs["uncond"], weights="model")
+    got, _ = load_for_sampling(out, weights="model")
+    inputs = example_inputs(cfg, 2, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(got(*inputs), raw(*inputs), atol=0, rtol=0)
+    assert locate(out).held == "model" and locate(runs["uncond"] / "ema.safetensors").held == "ema"
+    with pytest.raises(ConfigError, match=r"holds only the raw weights: load it with weights='model'"):
+        fastddpm.load(out)
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(out), "--num-images", "1", "--steps", "2", "--out",
+                 str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors holds only the raw weights; use --weights model" in err
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("objective,conditional", [("edm", False), ("flow", True)])

@@ -247,9 +247,10 @@ def _load(path: str | Path, *, device: str, weights: str):
     if weights not in ("ema", "model"):
         raise ConfigError(f"fastddpm.load: weights={weights!r} is not one of ema, model")
     ckpt = locate(path, weights=weights, what="fastddpm.load:")
-    if ckpt.kind == "safetensors" and weights != "ema":
-        raise ConfigError(f"fastddpm.load: {ckpt.path} holds only the EMA weights: load it with weights='ema', or "
-                          "load a checkpoints/ckpt_*.pt file for the raw ones")
+    if ckpt.held not in (None, weights):
+        raise ConfigError(f"fastddpm.load: {ckpt.path} holds only the {'EMA' if ckpt.held == 'ema' else 'raw'} "
+                          f"weights: load it with weights={ckpt.held!r}, or load a checkpoints/ckpt_*.pt file for the "
+                          f"{'raw' if ckpt.held == 'ema' else 'EMA'} ones")
     dev, _ = resolve_device(device, setting="fastddpm.load: device")
     net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
     return Model(net=net, cfg=cfg, device=dev), ckpt

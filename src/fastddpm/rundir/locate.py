@@ -30,9 +30,9 @@ WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a c
 @dataclass
 class Checkpoint:
     """What a path holds. `kind`: "pt" (a verified training checkpoint, loaded whole), "dcp" (an FSDP run's sharded
-    checkpoint: its small metadata read, the shards on demand) or "safetensors" (EMA weights with the config in
-    the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's state; for
-    "pt" also the optimizer's and the loss scaler's (the weights are `weights()`)."""
+    checkpoint: its small metadata read, the shards on demand) or "safetensors" (one weight set, `held`, with the
+    config in the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's
+    state; for "pt" also the optimizer's and the loss scaler's (the weights are `weights()`)."""
 
     path: Path
     kind: str
@@ -42,6 +42,16 @@ class Checkpoint:
     @property
     def step(self) -> int | None:
         return None if self.meta.get("step") is None else int(self.meta["step"])
+
+    @property
+    def held(self) -> str | None:
+        """The one weight set a safetensors file holds: "ema" (an ema.safetensors, or an export of the EMA weights)
+        or "model" (`fastddpm export --weights model`, as its metadata records); None where both are held."""
+        return self.meta.get("weights", "ema") if self.kind == "safetensors" else None
+
+    @property
+    def held_label(self) -> str:
+        return "EMA" if self.held == "ema" else "raw"
 
     @property
     def images_seen(self) -> int | None:
@@ -67,12 +77,12 @@ class Checkpoint:
         """The EMA ("ema") or raw ("model") weights as a full state dict on the CPU."""
         if which not in ("ema", "model"):
             raise ValueError(f"weights: {which!r} is not ema or model")
-        if self.kind == "safetensors" and which != "ema":
-            raise CheckpointError(f"{self.path} holds only the EMA weights; use --weights ema or pass a "
-                                  f"checkpoints/ckpt_*.pt file")
+        if self.held not in (None, which):
+            raise CheckpointError(f"{self.path} holds only the {self.held_label} weights; use --weights {self.held} "
+                                  f"or pass a checkpoints/ckpt_*.pt file")
         if which not in self._weights:
             if self.kind == "safetensors":
-                self._weights["ema"] = load_safetensors(self.path)[0]
+                self._weights[which] = load_safetensors(self.path)[0]
             elif self.kind == "dcp":  # both weight sets are gathered in one read
                 full = sharded.read_sharded_checkpoint(self.path)
                 self._weights.update(ema=full["ema"], model=full["model"])
@@ -81,8 +91,8 @@ class Checkpoint:
     def check_resumable(self, *, sharded_run: bool) -> None:
         """A run resumes the format it writes: a sharded checkpoint under FSDP, a .pt file otherwise."""
         if self.kind == "safetensors":
-            raise CheckpointError(f"{self.path} holds only the EMA weights, not the optimizer and the trainer's state: "
-                                  f"resume from a checkpoints/ckpt_*.pt file or the run directory")
+            raise CheckpointError(f"{self.path} holds only the {self.held_label} weights, not the optimizer and the "
+                                  f"trainer's state: resume from a checkpoints/ckpt_*.pt file or the run directory")
         if sharded_run and self.kind != "dcp":
             raise CheckpointError(
                 f"{self.path} is a .pt checkpoint of a single-process or DDP run, and --parallel fsdp reads sharded "
@@ -164,6 +174,10 @@ def _safetensors(path: Path) -> Checkpoint:
         meta = {k: json.loads(v) for k, v in raw.items() if k in ("config", "step", "images_seen")}
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: its metadata is not fastddpm's ({e}); pass {WHAT_TO_PASS}") from None
+    if raw.get("weights", "ema") not in WEIGHTS_LABELS:
+        raise CheckpointError(f"{path}: its metadata names weights {raw['weights']!r}, neither ema nor model; it was "
+                              f"not written by this fastddpm. Pass {WHAT_TO_PASS}")
+    meta["weights"] = raw.get("weights", "ema")  # what fastddpm export --weights wrote (an ema.safetensors: EMA)
     return Checkpoint(path, "safetensors", meta)
 
 
