@@ -718,8 +718,8 @@ def test_without_a_trace_the_verdict_says_which_rules_it_rests_on():
     v = verdict(found, m)
     assert v["healthy"] and v["title"] == f"HEALTHY by the host-side rules; the compute rules were not checked: {ended}"
     assert "math" not in v["title"]  # nothing measured what the step is made of
-    assert unavailable["12, 16-20, 22 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, "
-                       "batch, per-sample loops)"] == ended
+    assert unavailable["12, 16-20, 22, 23 (the profiled step's ops: matmul dtypes, attention, elementwise, "
+                       "optimizer, batch, per-sample loops, EMA updates)"] == ended
     assert ended in unavailable["13 (MFU)"]
     # on a GPU the timeline and the syncs were not checked either, for the same reason
     found, unavailable = evaluate(dataclasses.replace(m, device="cuda:0"))
@@ -762,10 +762,11 @@ def test_every_rule_function_is_checked_in_order():
     assert [r.__name__ for r in rules.RULES] == [
         "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
         "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift", "attention_weights",
-        "eager_elementwise", "per_tensor_optimizer", "small_batch", "item_loop"]
+        "eager_elementwise", "per_tensor_optimizer", "small_batch", "item_loop", "param_loop"]
     _, unavailable = rules.evaluate(record())  # no trace: the rules that read one are listed too
-    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20, 22 (the profiled step's ops: "
-                                 "matmul dtypes, attention, elementwise, optimizer, batch, per-sample loops)",
+    assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20, 22, 23 (the profiled step's "
+                                 "ops: matmul dtypes, attention, elementwise, optimizer, batch, per-sample loops, "
+                                 "EMA updates)",
                                  "13 (MFU)", "14 (memory)"]
 
 

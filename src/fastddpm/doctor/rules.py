@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from fastddpm.doctor.findings import Finding, math_words, pct
 from fastddpm.doctor.measurements import Measurements
-from fastddpm.doctor.rules_compute import (attention_weights, eager_elementwise, item_loop, low_mfu,
+from fastddpm.doctor.rules_compute import (attention_weights, eager_elementwise, item_loop, low_mfu, param_loop,
                                            per_tensor_optimizer, precision, small_batch)
 from fastddpm.doctor.rules_gpu import host_bound, kernel_gaps, layout_thrash, sync_bound, transfer_bound
 from fastddpm.doctor.rules_input import data_bound, epoch_spikes
@@ -35,7 +35,7 @@ Rule = Callable[[Measurements, dict[str, str]], Finding | None]
 # and in the healthy verdict.
 RULES: list[Rule] = [data_bound, epoch_spikes, host_bound, kernel_gaps, sync_bound, transfer_bound, recompiles,
                      layout_thrash, precision, low_mfu, memory_headroom, drift, attention_weights,
-                     eager_elementwise, per_tensor_optimizer, small_batch, item_loop]
+                     eager_elementwise, per_tensor_optimizer, small_batch, item_loop, param_loop]
 
 
 # ---------------------------------------------------------------------------------------------- the verdict

@@ -1,7 +1,7 @@
-"""Rules 12, 13, 16-20 and 22 of docs/DOCTOR.md, the step's own work: the compute rules, where the model's
+"""Rules 12, 13, 16-20, 22 and 23 of docs/DOCTOR.md, the step's own work: the compute rules, where the model's
 arithmetic is slow, not the pipeline around it (Finding.group "compute"): matmul dtypes (12, 16), MFU (13),
 materialised attention (17), eager elementwise work (18), a per-tensor optimizer (19), a small batch (20); and a
-Python loop over the batch's samples (22)."""
+Python loop over the batch's samples (22), a per-tensor update of a copy of the parameters, an EMA (23)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from fastddpm.doctor.thresholds import (ATTENTION_WEIGHTS_SHARE, BATCH_DOUBLING_
                                         FP32_GEMM_SHARE, FUSED_ATTENTION_SAVES, GPU_IDLE_SHARE, HEALTHY_FLOOR,
                                         ITEM_LOOP_SAVES, ITEM_LOOP_SHARE, LAYOUT_SHARE, LOW_MFU_SHARE,
                                         LOW_PRECISION_MAX_SPEEDUP, LOW_PRECISION_MIN_RATIO, MEMORY_HEADROOM_SHARE,
-                                        OPTIMIZER_OPS, OPTIMIZER_SHARE, OVERHEAD_SHARE, SMALL_BATCH)
+                                        OPTIMIZER_OPS, OPTIMIZER_SHARE, OVERHEAD_SHARE, PARAM_LOOP_SAVES,
+                                        PARAM_LOOP_SHARE, SMALL_BATCH)
 from fastddpm.doctor.trace import BREAKDOWN_LABELS, TraceStats
 
 
-NO_TRACE_RULES = ("12, 16-20, 22 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, batch, "
-                  "per-sample loops)")
+NO_TRACE_RULES = ("12, 16-20, 22, 23 (the profiled step's ops: matmul dtypes, attention, elementwise, optimizer, "
+                  "batch, per-sample loops, EMA updates)")
 
 
 def precision(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -217,6 +218,9 @@ def eager_elementwise(m: Measurements, unavailable: dict[str, str]) -> Finding |
     if m.compile is not None and m.compile.compiled_graphs > 0:
         return None  # already compiled: what is left is not eager fusion's to fix
     elementwise, norm = m.unprofiled_share("elementwise"), m.unprofiled_share("norm")
+    ema = param_loop_cost(m)
+    if ema is not None:  # the EMA's updates are rule 23's: compiling the model would not touch them
+        elementwise = max(0.0, elementwise - ema["ops_share"])
     share = elementwise + norm
     if share <= ELEMENTWISE_SHARE:
         return None
@@ -456,4 +460,56 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
                    "equal-sized samples' losses, F.mse_loss(pred, target, reduction='none').flatten(1).mean(1) "
                    "for each sample's own loss, a tensor index (x[idx]) or torch.where for per-sample choices, "
                    "torch.vmap for a per-sample function" + (f" (here: {each})" if each else ""))],
+        group="compute")
+
+
+def param_loop_cost(m: Measurements) -> dict | None:
+    """Rule 23's reading of the trace: the run of in-place updates outside the optimizer (trace_loops'
+    param_update_loop, as "loop") when it writes at least half as many elements as the optimizer's parameters
+    (a loop over the parameters, not over a few activations), with its "share" of the profiled step, its ops'
+    own time's "ops_share" (elementwise time that rule 18 leaves to it) and the "cost" a foreach update gives back;
+    else None. On a GPU the share is at most the idle share: the host's loop costs only where the GPU waits."""
+    t = m.trace
+    loop = t.param_update_loop if t is not None else None
+    if loop is None or not loop.get("step_us"):
+        return None
+    if m.optimizer is not None and m.optimizer.param_count and loop["elements"] * 2 < m.optimizer.param_count:
+        return None
+    share = min(1.0, loop["span_us"] / loop["step_us"])
+    if t.has_gpu:
+        share = min(share, t.idle_share or 0.0)
+    return {"loop": loop, "share": share, "ops_share": min(share, loop["ops_us"] / loop["step_us"]),
+            "cost": PARAM_LOOP_SAVES * share}
+
+
+def param_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 23: the loop updates a copy of the parameters (an EMA of the weights) tensor by tensor after the
+    optimizer step, in ops of its own: one dispatch (on a GPU one launch) per tensor per op and a pass over each
+    tensor per op, where torch._foreach_lerp_ updates every tensor in one call and one pass. Rule 19's twin for
+    what runs outside the optimizer."""
+    found = param_loop_cost(m)
+    if found is None or found["share"] <= PARAM_LOOP_SHARE:
+        return None
+    loop, share, cost = found["loop"], found["share"], found["cost"]
+    opt = m.optimizer
+    tensors = f"{opt.param_tensors} " if opt is not None and opt.param_tensors else ""
+    names = [n.removeprefix("aten::") for n in loop["per_tensor_ops"]]
+    ev = [f"{loop['updates']} in-place updates ({', '.join(names)}) one tensor at a time each step, outside the "
+          f"optimizer, writing {loop['elements']:,} elements"
+          + (f" ({loop['elements'] / opt.param_count:.1f}x the optimizer's {opt.param_count:,} parameters)"
+             if opt is not None and opt.param_count else ""),
+          f"the loop takes {loop['span_us'] / 1e3:.2f} ms of a {loop['step_us'] / 1e3:.2f} ms profiled step "
+          f"({pct(share)}" + ("; counted only up to the GPU's idle share" if m.trace.has_gpu else "")
+          + f"); estimate: a foreach update gives back {PARAM_LOOP_SAVES:.0%} of it, {pct(cost)} of the step"]
+    return Finding(
+        "per-tensor-ema", (23,), "PER-TENSOR EMA: the weights' average is updated one tensor at a time", cost, ev,
+        f"a Python loop over the {tensors}parameter tensors after the optimizer step issues {' and '.join(names)} "
+        "for every tensor, each a dispatch of its own and a pass over that tensor's memory; the optimizer may be "
+        "fused, this loop is not",
+        [Fix("fastddpm's EMA is already three foreach ops (--ema-every k updates it every k steps)",
+             "with torch.no_grad(): torch._foreach_lerp_(ema_params, model_params, 1 - decay) in place of the "
+             "loop, the two lists built once (ema_params = list(ema.parameters()), model_params = "
+             "list(model.parameters())): one call for every tensor and one pass over each; or "
+             "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), or "
+             "diffusers' EMAModel(..., foreach=True)")],
         group="compute")

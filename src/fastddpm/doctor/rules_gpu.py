@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from fastddpm.doctor.findings import Finding, Fix, pct
 from fastddpm.doctor.measurements import Measurements
-from fastddpm.doctor.rules_compute import item_loop_cost, per_tensor_launch_share
+from fastddpm.doctor.rules_compute import item_loop_cost, param_loop_cost, per_tensor_launch_share
 from fastddpm.doctor.thresholds import (GPU_IDLE_SHARE, GRAPH_KERNEL_SHARE, H2D_SHARE, ITEM_LOOP_SHARE,
-                                        LAYOUT_SHARE, SHORT_KERNEL_SHARE, SMALL_KERNEL_US)
+                                        LAYOUT_SHARE, PARAM_LOOP_SHARE, SHORT_KERNEL_SHARE, SMALL_KERNEL_US)
 from fastddpm.doctor.trace import TraceStats
 
 
@@ -78,6 +78,12 @@ def host_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         cost = max(0.0, cost - loop["cost"])
         evidence.append(f"{pct(loop['cost'])} of the span is the host's per-sample loop: that part of the wait is "
                         "costed under PER-SAMPLE LOOP")
+    # and a per-tensor EMA loop (rule 23), whose foreach update issues a few launches instead of two per tensor
+    ema = param_loop_cost(m)
+    if ema is not None and ema["share"] > PARAM_LOOP_SHARE:
+        cost = max(0.0, cost - ema["cost"])
+        evidence.append(f"{pct(ema['cost'])} of the span is the host's per-tensor EMA update: that part of the wait "
+                        "is costed under PER-TENSOR EMA")
     return Finding("launch-bound" if tiny else "host-bound", rules, title, cost, evidence, cause, fixes)
 
 

@@ -38,7 +38,7 @@ from fastddpm.doctor.marks import CLOSURE_MARK, DATA_MARK, HOST_MARK_CATS, STEP_
 from fastddpm.doctor.trace_flops import (DTYPE, GEMM_OPS, NORM_OPS, gemm_flops_of, kernel_owner_ops, nested_ops,
                                          op_dtype)
 from fastddpm.doctor.trace_intervals import Ranges, any_between, coarsen, merge, overlap
-from fastddpm.doctor.trace_loops import item_loops
+from fastddpm.doctor.trace_loops import item_loops, param_update_loop
 from fastddpm.doctor.trace_optree import OpTree
 
 # Runtime calls that block the host until the GPU catches up (docs/DOCTOR.md rule 7): `.item()` or `float()` of a
@@ -112,6 +112,9 @@ class TraceStats:
     optimizer_ops_per_step: float | None = None  # ops inside Optimizer.step: one per tensor per op when per-tensor
     # Python loops over the items of a tensor's first dimension in the step (trace_loops.item_loops' dicts)
     item_loops: list[dict] = field(default_factory=list)
+    # the longest run of in-place updates outside the optimizer, one tensor at a time (an EMA of the weights):
+    # trace_loops.param_update_loop's dict
+    param_update_loop: dict | None = None
     # GPU
     span_us: float | None = None
     busy_us: float | None = None
@@ -234,6 +237,7 @@ def analyze(events: list[dict]) -> TraceStats:
     tree = OpTree(xs, step_of, [s.end_us for s in steps])
     stats.optimizer_kind, stats.optimizer_ops_per_step = tree.optimizer_kind()
     stats.item_loops = item_loops(tree, [(s.start_us, s.end_us) for s in steps])
+    stats.param_update_loop = param_update_loop(tree, [(s.start_us, s.end_us) for s in steps])
     if not gpu:
         stats.gemm_time_share = {k: v / total_step_us for k, v in host.gemm_time_us.items()}
         stats.groupnorm_share = host.norm_us / total_step_us

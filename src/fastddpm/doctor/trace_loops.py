@@ -181,3 +181,74 @@ def _top_level(tree: OpTree, start: float, end: float, *, every_thread: bool = F
                     yield n
                 continue
             todo.extend(reversed(n.children))
+
+
+# A loop over the parameters outside the optimizer (an EMA of the weights: `p_ema.mul_(d).add_(p, alpha=1 - d)`,
+# `p_ema.lerp_(p, 1 - d)`, diffusers' `s.sub_((1 - d) * (s - p))`): each tensor's in-place update, and the ops that
+# feed it, one tensor at a time; a forward's in-place adds are parted by its matmuls and convolutions
+UPDATE_OPS = {"aten::mul_", "aten::add_", "aten::sub_", "aten::lerp_", "aten::copy_", "aten::addcmul_",
+              "aten::div_", "aten::addcdiv_"}
+UPDATE_HELPERS = {"aten::detach", "aten::detach_", "aten::alias", "aten::view", "aten::lift_fresh", "aten::mul",
+                  "aten::add", "aten::sub", "aten::rsub", "aten::lerp", "aten::empty", "aten::empty_like",
+                  "aten::empty_strided", "aten::to", "aten::_to_copy"}
+MIN_UPDATE_OPS = 16  # in-place updates in one run: fewer are a handful of tensors, whose per-op overhead is small
+
+
+def param_update_loop(tree: OpTree, step_bounds: list[tuple[float, float]]) -> dict | None:
+    """The training thread's longest run of outermost in-place updates in each step (outside the optimizer, its
+    backward and its data wait; nothing but their feeding ops, UPDATE_HELPERS, between them), where at least half
+    the steps have one of MIN_UPDATE_OPS or more. Whether it runs over the parameters is rule 23's to say (it knows
+    the optimizer's). Medians over those steps: {"updates": in-place ops, "elements": the elements they write,
+    "span_us": from the first to the end of the last, "ops_us": the run's ops' own time, "step_us": the profiled
+    step, "per_tensor_ops": the in-place ops' names, most frequent first}; None without one."""
+    found = []
+    for start, end in step_bounds:
+        best, run = None, []
+        for n in list(_outermost(tree, start, end)) + [None]:
+            name = n.e.get("name", "") if n is not None else ""
+            if name in UPDATE_OPS or (run and name in UPDATE_HELPERS):
+                run.append(n)
+                continue
+            updates = [x for x in run if x.e.get("name") in UPDATE_OPS]
+            if len(updates) >= MIN_UPDATE_OPS and (best is None or len(updates) > len(best[1])):
+                best = (run, updates)
+            run = []
+        if best is not None:
+            run, updates = best
+            found.append({"updates": len(updates), "elements": sum(_elements(x.e) for x in updates),
+                          "span_us": min(end, updates[-1].end) - updates[0].ts,
+                          "ops_us": sum(x.end - x.ts for x in run), "step_us": end - start,
+                          "names": Counter(x.e.get("name", "") for x in updates)})
+    if not found or len(found) * 2 < len(step_bounds):
+        return None
+    names = sum((x["names"] for x in found), Counter())
+    return {"updates": statistics.median_high([x["updates"] for x in found]),
+            "elements": statistics.median_high([x["elements"] for x in found]),
+            **{k: statistics.median(x[k] for x in found) for k in ("span_us", "ops_us", "step_us")},
+            "per_tensor_ops": [k for k, _ in names.most_common()]}
+
+
+def _elements(e: dict) -> int:
+    dims = (e.get("args") or {}).get("Input Dims") or []
+    if not dims or not isinstance(dims[0], list):
+        return 0
+    count = 1
+    for d in dims[0]:
+        count *= int(d)
+    return count
+
+
+def _outermost(tree: OpTree, start: float, end: float):
+    """The training thread's outermost ops in [start, end], in time order, outside the data wait and the
+    optimizer (an autograd node of the backward is one such op: it parts a run)."""
+    todo = list(reversed(tree.roots.get(tree.main_tid, [])))
+    while todo:
+        n = todo.pop()
+        name = n.e.get("name", "")
+        if n.end < start or n.ts > end or name == DATA_MARK or name.startswith(OPTIMIZER_MARKS):
+            continue
+        if n.e.get("cat") == "cpu_op":
+            if start <= n.ts <= end:
+                yield n
+            continue
+        todo.extend(reversed(n.children))

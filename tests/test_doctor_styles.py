@@ -1,0 +1,138 @@
+"""The doctor on training-loop styles common in diffusion repos: an EMA of the weights updated by a Python loop
+over the parameters after the optimizer step is seen and costed (rule 23), its fix is a foreach update, and it is
+not mistaken for a per-sample loop (rule 22) nor left to torch.compile of the model (rule 18)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+EMA_SCRIPT = textwrap.dedent("""
+    import copy
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Denoiser(nn.Module):  # an MLP denoiser of 2-D toy data: many weights, little arithmetic per step
+        def __init__(self, d=512, depth=6):
+            super().__init__()
+            self.inp = nn.Linear(3, d)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.SiLU())
+                                        for _ in range(depth))
+            self.out = nn.Linear(d, 2)
+
+        def forward(self, x, t):
+            h = self.inp(torch.cat([x, t[:, None]], 1))
+            for block in self.blocks:
+                h = h + block(h)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # steady on a loaded CI machine: two threads wait on each other's stragglers
+    model = Denoiser()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    abar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)
+    data = torch.randn(4096, 2)
+    decay = 0.999
+    for step in range(100000):
+        x0 = data[torch.randint(0, len(data), (8,))]
+        t = torch.randint(0, 1000, (8,))
+        noise = torch.randn_like(x0)
+        a = abar[t][:, None]
+        loss = F.mse_loss(model(a.sqrt() * x0 + (1 - a).sqrt() * noise, t / 1000), noise)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            UPDATE
+""")
+PER_TENSOR = """for p_ema, p in zip(ema.parameters(), model.parameters()):
+                p_ema.mul_(decay).add_(p.detach(), alpha=1 - decay)"""
+FOREACH = "torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)"
+
+
+def _run(tmp_path, update: str):
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(EMA_SCRIPT.replace("UPDATE", update))
+    cfg = DoctorConfig(warmup_steps=2, steps=3, profile_steps=3, loader_probe_s=0, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    threads = torch.get_num_threads()
+    try:
+        return run_script(script, [], cfg, log=lambda *a: None)
+    finally:
+        torch.set_num_threads(threads)  # the script ran in this process
+
+
+def test_a_per_parameter_ema_loop_is_costed_and_its_fix_is_a_foreach_update(tmp_path):
+    """The EMA's mul_ and add_ on each of the 28 parameter tensors are one run of updates outside the optimizer,
+    writing twice the parameters' elements; the finding's fix is torch._foreach_lerp_, not the per-sample loop's
+    batched op, and the model's torch.compile is not counted to fuse them."""
+    report = _run(tmp_path, PER_TENSOR)
+    loop = report.measurements["trace"]["param_update_loop"]
+    params = report.measurements["optimizer"]["param_count"]
+    assert loop["updates"] == 2 * 28 and loop["elements"] == 2 * params
+    assert loop["per_tensor_ops"] == ["aten::mul_", "aten::add_"]
+    finding = report.finding("per-tensor-ema")
+    assert finding is not None, report.text()
+    assert finding.rules == (23,) and finding.group == "compute"
+    assert "56 in-place updates (mul_, add_) one tensor at a time" in finding.evidence[0]
+    assert "(2.0x the optimizer's" in finding.evidence[0]
+    assert "over the 28 parameter tensors after the optimizer step issues mul_ and add_ for every tensor" \
+        in finding.cause
+    assert finding.fixes[0].code.startswith("with torch.no_grad(): torch._foreach_lerp_(ema_params, model_params, "
+                                            "1 - decay) in place of the loop")
+    assert "torch._foreach_lerp_" in report.text()
+    assert report.finding("item-loop") is None  # zip over parameters is not x[i] over the batch
+    elementwise = report.finding("eager-elementwise")
+    if elementwise is not None:  # what is left for compile excludes the EMA's own ops
+        trace = report.measurements["trace"]
+        ema_ops = loop["ops_us"] / loop["step_us"]
+        assert elementwise.cost <= 0.3 * (trace["breakdown"]["elementwise"] + trace["breakdown"]["norm"]
+                                          - ema_ops) + 0.05
+
+
+def test_the_foreach_ema_it_prescribes_is_not_flagged(tmp_path):
+    """The fix applied: one _foreach_lerp_ call, whose per-tensor work runs inside it, is no loop of updates."""
+    report = _run(tmp_path, FOREACH)
+    assert report.measurements["trace"]["param_update_loop"] is None
+    assert report.finding("per-tensor-ema") is None
+
+
+def test_rule_param_loop_on_hand_built_measurements():
+    """Rule 23 fires on a loop over the parameters (half their elements or more) taking over 5% of the step, costs
+    half of it, takes its ops out of rule 18's elementwise share, and on a GPU counts only up to the idle share,
+    which the host-bound finding then leaves to it."""
+    from test_doctor_rules import check, cpu_trace, gpu_trace, record
+
+    from fastddpm.doctor import rules
+    from fastddpm.doctor.measurements import OptimizerInfo
+
+    opt = OptimizerInfo(name="AdamW", param_tensors=100, foreach=None, fused=True, param_count=1_000_000)
+    loop = {"updates": 200, "elements": 2_000_000, "span_us": 2000.0, "ops_us": 1500.0, "step_us": 10_000.0,
+            "per_tensor_ops": ["aten::mul_", "aten::add_"]}
+    f, _ = check(rules.param_loop, record(trace=cpu_trace(param_update_loop=loop), optimizer=opt))
+    assert f.id == "per-tensor-ema" and f.cost == 0.5 * 0.2 and "over the 100 parameter tensors" in f.cause
+    # a loop over a few activations, not the parameters; a loop too short to cost 5%
+    few = {**loop, "elements": 400_000}
+    assert check(rules.param_loop, record(trace=cpu_trace(param_update_loop=few), optimizer=opt))[0] is None
+    short = {**loop, "span_us": 400.0, "ops_us": 300.0}
+    assert check(rules.param_loop, record(trace=cpu_trace(param_update_loop=short), optimizer=opt))[0] is None
+    # rule 18: elementwise 30% + norm 5%, of which the EMA's ops are 15%: 20% is under its 25%
+    split = {"elementwise": 0.3, "norm": 0.05}
+    assert check(rules.eager_elementwise, record(trace=cpu_trace(split=split)))[0] is not None
+    assert check(rules.eager_elementwise,
+                 record(trace=cpu_trace(split=split, param_update_loop=loop), optimizer=opt))[0] is None
+    # a GPU waiting for the host: host-bound leaves the loop's cost to it; idle 12%: the loop's 20% counts as 12%
+    waiting = dict(idle_share=0.5, host_wait_share=0.45, kernel_wait_share=0.05,
+                   host_wait_by_cause={"data": 0.0, "sync": 0.0, "host": 0.4})
+    m = record(device="cuda:0", trace=gpu_trace(**waiting, param_update_loop=loop), optimizer=opt)
+    assert check(rules.param_loop, m)[0].cost == 0.5 * 0.2
+    host, _ = check(rules.host_bound, m)
+    assert host.cost == 0.4 - 0.1 and "costed under PER-TENSOR EMA" in host.evidence[-1]
+    idle = record(device="cuda:0", trace=gpu_trace(idle_share=0.12, param_update_loop=loop), optimizer=opt)
+    assert check(rules.param_loop, idle)[0].cost == 0.5 * 0.12
