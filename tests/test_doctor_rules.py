@@ -777,7 +777,7 @@ def full_record() -> Measurements:
                       layout_format_share=0.9)
     return Measurements(
         device="cuda:0", steps=[StepRecord(5, 10.0, 1.0, 0.5, True, data_queued_ms=0.1, gpu_ms=9.0, recompiles=1,
-                                           optimizer_ms=2.0)],
+                                           optimizer_ms=2.0, batches=4)],
         step_stats=StepStats(steps=1, median_ms=10.0, mean_ms=10.0, p10_ms=10.0, p90_ms=10.0, max_ms=10.0,
                              data_wait_ms_total=1.0, host_ms_total=10.0, epoch_starts=1,
                              first_fifth_median_ms=10.0, last_fifth_median_ms=10.0, fifths_basis="CUDA events",
@@ -807,7 +807,8 @@ def test_measurements_dict_keeps_the_report_keys():
                        "mfu", "loader_probe", "loader_workers", "batch_size", "low_precision", "attention_calls",
                        "optimizer", "attention_sites", "conv_layout", "windows"]
     assert d["steps"] == [{"index": 5, "host_ms": 10.0, "data_wait_ms": 1.0, "data_cpu_ms": 0.5, "epoch_start": True,
-                           "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1, "optimizer_ms": 2.0}]
+                           "data_queued_ms": 0.1, "gpu_ms": 9.0, "recompiles": 1, "optimizer_ms": 2.0,
+                           "batches": 4}]
     assert d["attention_sites"][0]["forward_at"] == "m.py:9"
     assert list(d["step_stats"])[-1] == "gpu_median_ms" and d["step_stats"]["p90_ms"] == 10.0
     assert d["telemetry_start"] == {"sm_clock_mhz": 1980.0, "temperature_c": 60.0, "power_w": None, "source": "nvml"}

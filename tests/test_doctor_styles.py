@@ -1,10 +1,14 @@
 """The doctor on training-loop styles common in diffusion repos: an EMA of the weights updated by a Python loop
 over the parameters after the optimizer step is seen and costed (rule 23), its fix is a foreach update, and it is
-not mistaken for a per-sample loop (rule 22) nor left to torch.compile of the model (rule 18)."""
+not mistaken for a per-sample loop (rule 22) nor left to torch.compile of the model (rule 18); a loop that
+accumulates gradients over several batches from a DataLoader built in its `for` statement has its loader probed
+against all the batches a step takes."""
 
 from __future__ import annotations
 
 import textwrap
+
+import pytest
 
 import torch
 
@@ -136,3 +140,57 @@ def test_rule_param_loop_on_hand_built_measurements():
     assert host.cost == 0.4 - 0.1 and "costed under PER-TENSOR EMA" in host.evidence[-1]
     idle = record(device="cuda:0", trace=gpu_trace(idle_share=0.12, param_update_loop=loop), optimizer=opt)
     assert check(rules.param_loop, idle)[0].cost == 0.5 * 0.12
+
+
+ACCUMULATING_SCRIPT = textwrap.dedent("""
+    import time
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Slow(Dataset):  # file-read latency, not CPU work
+        def __len__(self):
+            return 4096
+        def __getitem__(self, i):
+            time.sleep(0.002)
+            return torch.randn(64)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    accum = 4  # micro-batches per optimizer step
+    for epoch in range(100):
+        for i, x in enumerate(DataLoader(Slow(), batch_size=8)):
+            loss = model(x).square().mean() / accum
+            loss.backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad()
+""")
+
+
+def test_an_accumulating_loop_needs_a_loader_for_every_micro_batch(tmp_path):
+    """Gradients accumulated over 4 batches per optimizer step: the loader alone is compared with the 4 batches
+    each step takes, not one, and more workers are counted to give back at most what 4 batches at their rate
+    allow (one batch's time per step promised several times more than the workers can deliver)."""
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+    from fastddpm.doctor.system import usable_cores
+
+    script = tmp_path / "train.py"
+    script.write_text(ACCUMULATING_SCRIPT)
+    cfg = DoctorConfig(warmup_steps=2, steps=4, profile_steps=1, loader_probe_s=0.3, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    assert [s["batches"] for s in report.measurements["steps"]] == [4] * 4
+    assert report.measurements["batch_size"] == 8  # the loader built in the `for` is the training one
+    probe = report.measurements["loader_probe"]
+    assert probe["batches_per_step"] == 4
+    assert probe["ratio"] == pytest.approx(probe["batches_per_s"] / (4 * probe["train_steps_per_s"]))
+    finding = report.finding("data-bound")
+    assert finding is not None and report.bottleneck == "data-bound", report.text()
+    assert f"optimizer steps/s, each accumulating gradients over 4 batches; {probe['ratio']:.2f}x, want >= 1.5x)" \
+        in finding.evidence[1]
+    workers = next(f for f in finding.fixes if f.trial)
+    n = min(8, usable_cores())
+    assert workers.trial == f"loader-workers:{n}"
+    step_ms = report.measurements["step_stats"]["median_ms"]
+    assert 1.0 <= workers.gain <= step_ms / (4 * 1000 / (n * probe["batches_per_s"])) + 1e-9

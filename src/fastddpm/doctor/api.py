@@ -278,7 +278,10 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
     probe = None
     if session.loader is not None and session.records:
         compute_ms = statistics.median(r.host_ms - r.data_wait_ms for r in session.records)
-        probe = session.probe_loader(compute_ms)
+        # a loop that accumulates gradients fetches several batches per optimizer step: the loader must keep up
+        # with all of them
+        fetched = [r.batches for r in session.records if r.batches]
+        probe = session.probe_loader(compute_ms, statistics.median(fetched) if fetched else 1.0)
     try:
         m = measurements(session, flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
                          matmul_dtype=matmul_dtype, step_bytes=step_bytes, params=params)

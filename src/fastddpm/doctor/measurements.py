@@ -43,6 +43,7 @@ class StepRecord:
     gpu_ms: float | None = None  # boundary to boundary on the GPU (CUDA events)
     recompiles: int = 0  # graphs compiled during this step
     optimizer_ms: float | None = None  # of the step: inside torch.optim step() calls, host clock (watched steps)
+    batches: int = 0  # training batches fetched in the step: more than one where gradients accumulate
 
 
 @dataclass(kw_only=True)
@@ -150,8 +151,10 @@ class LoaderProbe:
     batches_per_s: float | None  # None: no batch came within the probe's time (see note)
     batches: int | None = None
     seconds: float | None = None
-    train_steps_per_s: float | None = None  # the rate the training step alone could take batches at
-    ratio: float | None = None  # batches_per_s / train_steps_per_s
+    train_steps_per_s: float | None = None  # the optimizer steps per second the training alone could take
+    # the batches each step fetches (gradient accumulation's micro-batches); None: one
+    batches_per_step: float | None = None
+    ratio: float | None = None  # batches_per_s / the batches per second training could take
     note: str | None = None
 
     def to_dict(self) -> dict:

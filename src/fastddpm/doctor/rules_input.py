@@ -27,8 +27,12 @@ def data_bound(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
           f"{statistics.median(s.host_ms for s in steady):.1f} ms "
           f"({pct(wait_share)} of step time, threshold {pct(DATA_WAIT_SHARE)})"]
     if probe is not None and probe.batches_per_s:
+        k, steps = probe.batches_per_step or 1, probe.train_steps_per_s
         ev.append(f"the loader alone gives {probe.batches_per_s:.1f} batches/s; training could take "
-                  f"{_or_nan(probe.train_steps_per_s):.1f}/s ({_or_nan(probe.ratio):.2f}x, want >= {LOADER_MARGIN}x)")
+                  f"{_or_nan(steps and steps * k):.1f}/s ("
+                  + (f"{_or_nan(steps):.1f} optimizer steps/s, each accumulating gradients over {k:g} batches; "
+                     if k != 1 else "")
+                  + f"{_or_nan(probe.ratio):.2f}x, want >= {LOADER_MARGIN}x)")
     cpu_bound, workers, cpu_ev = _loader_cpu(m, steady)
     ev += cpu_ev
     if cpu_bound:
@@ -81,7 +85,8 @@ def _workers_gain(m: Measurements, steady: list[StepRecord], workers: int) -> fl
         return 1.0  # the loader has as many already: the fix changes nothing
     step_ms = statistics.median(s.host_ms for s in steady)
     rate = probe.batches_per_s * workers / max(1, now)
-    return max(1.0, step_ms / max(1000 / probe.train_steps_per_s, 1000 / rate))
+    # a step that accumulates gradients over several batches waits for each of them
+    return max(1.0, step_ms / max(1000 / probe.train_steps_per_s, (probe.batches_per_step or 1) * 1000 / rate))
 
 
 # the most loader workers prescribed for a wait that is latency, not CPU: enough to overlap I/O waits

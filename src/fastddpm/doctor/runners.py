@@ -41,14 +41,19 @@ class _TimedIterator:
         self._it = it
         self._session = session
         self._hooks = hooks
-        self._loader = weakref.ref(loader)
+        # held while its batches are: `for x in DataLoader(...)` keeps only the iterator, and a loader gone before
+        # the first step boundary could not be chosen as the training one (no loader probe, no batch size)
+        self._loader = loader
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        batch = self._session.wait_for_data(lambda: next(self._it))
-        self._hooks.fetched(self._loader(), batch)
+        # a batch fetched with grad on is the training loop's (one under no_grad is a validation pass's), counted
+        # per step: a loop that accumulates gradients fetches several
+        train = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        batch = self._session.wait_for_data(lambda: next(self._it), batch=train)
+        self._hooks.fetched(self._loader, batch)
         return batch
 
     def __len__(self):
@@ -118,11 +123,11 @@ class ScriptHooks:
         def timed_iter(loader):
             if hooks._train_loader is None:
                 hooks._iterated.add(loader)
-                it = session.wait_for_data(lambda: orig(loader))
+                it = session.wait_for_data(lambda: orig(loader), batch=False)
             elif hooks._train_loader() is loader:
                 it = session.new_iterator(lambda: orig(loader))
             else:
-                it = session.wait_for_data(lambda: orig(loader))
+                it = session.wait_for_data(lambda: orig(loader), batch=False)
             return _TimedIterator(it, session, hooks, loader)
 
         DataLoader.__iter__ = timed_iter

@@ -200,6 +200,7 @@ class Session:
         self._t_boundary = time.perf_counter()  # until start_clocks moves it to the loop's first fetch
         self._clocks_started = False
         self._wait_s = 0.0
+        self._batches = 0  # fetched in this step
         self._wait_cpu_s = 0.0
         self._wait_queued_s = 0.0
         self._demand = _ThreadDemand()
@@ -308,9 +309,11 @@ class Session:
                 self._events.open(self.device, self._plan["watch"][0])
         self._t_boundary = self._window_t0 = time.perf_counter()
 
-    def wait_for_data(self, fetch: Callable[[], object]) -> object:
-        """Run `fetch` (a `next(iterator)`), timing how long the loop waits for it."""
+    def wait_for_data(self, fetch: Callable[[], object], *, batch: bool = True) -> object:
+        """Run `fetch` (a `next(iterator)`), timing how long the loop waits for it. `batch`: it fetches a
+        training batch, counted per step (not so an iterator's creation, or another loader's batch)."""
         self.start_clocks()
+        self._batches += batch
         profiling = self.phase == "profile" and self.profiler is not None
         rf = torch.autograd.profiler.record_function(DATA_MARK) if profiling else None
         if rf is not None:
@@ -329,7 +332,7 @@ class Session:
     def new_iterator(self, make: Callable[[], object]) -> object:
         """A fresh pass over the data (an epoch): creating it (worker start-up) counts as data wait."""
         self.mark_epoch()
-        return self.wait_for_data(make)
+        return self.wait_for_data(make, batch=False)
 
     def mark_epoch(self) -> None:
         """A new epoch begins in the current step (the first one is not a boundary)."""
@@ -352,7 +355,8 @@ class Session:
             rec = StepRecord(self.step_index, (now - self._t_boundary) * 1e3, self._wait_s * 1e3,
                              self._wait_cpu_s * 1e3, self._epoch_start, data_queued_ms=self._wait_queued_s * 1e3,
                              recompiles=graphs[0] - self._graphs_prev[0],
-                             optimizer_ms=self._opt_s * 1e3 if self._opt_hooks is not None else None)
+                             optimizer_ms=self._opt_s * 1e3 if self._opt_hooks is not None else None,
+                             batches=self._batches)
             self._opt_s = 0.0
             self._graphs_prev = graphs
             self.records.append(rec)
@@ -361,6 +365,7 @@ class Session:
         self.step_index += 1
         self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0
+        self._batches = 0
         self._epoch_start = False
         self.stop_counting()  # one step counted is enough
         if self._window_over(now):
@@ -528,8 +533,9 @@ class Session:
             self._finish()
 
     # ---------------------------------------------------------------- after the run
-    def probe_loader(self, train_step_ms: float | None) -> LoaderProbe | None:
-        """Rule 1b: the loader alone, no training, for up to loader_probe_s: batches per second."""
+    def probe_loader(self, train_step_ms: float | None, batches_per_step: float = 1.0) -> LoaderProbe | None:
+        """Rule 1b: the loader alone, no training, for up to loader_probe_s: batches per second, against the
+        batches per second the training takes (`batches_per_step` each step: accumulated micro-batches)."""
         loader = self.loader
         if loader is None or self.config.loader_probe_s <= 0:
             return None
@@ -554,7 +560,8 @@ class Session:
         out = LoaderProbe(batches_per_s=rate, batches=n, seconds=elapsed)
         if train_step_ms:
             out.train_steps_per_s = 1000.0 / train_step_ms
-            out.ratio = rate / out.train_steps_per_s
+            out.batches_per_step = batches_per_step if batches_per_step != 1 else None
+            out.ratio = rate / (out.train_steps_per_s * batches_per_step)
         return out
 
     def step_stats(self) -> StepStats | None:
