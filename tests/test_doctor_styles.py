@@ -6,6 +6,9 @@ against all the batches a step takes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -33,7 +36,7 @@ EMA_SCRIPT = textwrap.dedent("""
             return self.out(h)
 
     torch.manual_seed(0)
-    torch.set_num_threads(1)  # steady on a loaded CI machine: two threads wait on each other's stragglers
+    torch.set_num_threads(1)  # steady on a loaded machine: two threads wait on each other's stragglers
     model = Denoiser()
     ema = copy.deepcopy(model).requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -52,59 +55,61 @@ EMA_SCRIPT = textwrap.dedent("""
         with torch.no_grad():
             UPDATE
 """)
-PER_TENSOR = """for p_ema, p in zip(ema.parameters(), model.parameters()):
-                p_ema.mul_(decay).add_(p.detach(), alpha=1 - decay)"""
+# as diffusers' EMAModel.step writes it without foreach (its default)
+PER_TENSOR = """for s_param, param in zip(ema.parameters(), model.parameters()):
+                s_param.sub_((1 - decay) * (s_param - param))"""
 FOREACH = "torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)"
 
 
-def _run(tmp_path, update: str):
-    from fastddpm.doctor import DoctorConfig
-    from fastddpm.doctor.runners import run_script
-
-    script = tmp_path / "train.py"
+def _run(tmp_path, update: str) -> tuple[dict, str]:
+    """`fastddpm doctor run` on the script with `update` as its EMA step, in a fresh process (the script runs on
+    one thread, steady on a loaded machine, and its thread count must not leak into this one's later tests):
+    (report.json, report.txt)."""
+    script, rep = tmp_path / "train.py", tmp_path / "rep"
     script.write_text(EMA_SCRIPT.replace("UPDATE", update))
-    cfg = DoctorConfig(warmup_steps=2, steps=3, profile_steps=3, loader_probe_s=0, out_dir=tmp_path / "rep",
-                       time_budget_s=None)
-    threads = torch.get_num_threads()
-    try:
-        return run_script(script, [], cfg, log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)  # the script ran in this process
+    subprocess.run([sys.executable, "-m", "fastddpm", "doctor", "run", "--warmup", "2", "--steps", "3",
+                    "--profile-steps", "5", "--loader-probe-s", "0", "--max-seconds", "0", "--device", "cpu",
+                    "--report-dir", str(rep), str(script)], check=True, capture_output=True, text=True)
+    return json.loads((rep / "report.json").read_text()), (rep / "report.txt").read_text()
+
+
+def _finding(report: dict, finding_id: str) -> dict | None:
+    return next((f for f in report["findings"] if f["id"] == finding_id), None)
 
 
 def test_a_per_parameter_ema_loop_is_costed_and_its_fix_is_a_foreach_update(tmp_path):
-    """The EMA's mul_ and add_ on each of the 28 parameter tensors are one run of updates outside the optimizer,
-    writing twice the parameters' elements; the finding's fix is torch._foreach_lerp_, not the per-sample loop's
-    batched op, and the model's torch.compile is not counted to fuse them."""
-    report = _run(tmp_path, PER_TENSOR)
-    loop = report.measurements["trace"]["param_update_loop"]
-    params = report.measurements["optimizer"]["param_count"]
-    assert loop["updates"] == 2 * 28 and loop["elements"] == 2 * params
-    assert loop["per_tensor_ops"] == ["aten::mul_", "aten::add_"]
-    finding = report.finding("per-tensor-ema")
-    assert finding is not None, report.text()
-    assert finding.rules == (23,) and finding.group == "compute"
-    assert "56 in-place updates (mul_, add_) one tensor at a time" in finding.evidence[0]
-    assert "(2.0x the optimizer's" in finding.evidence[0]
-    assert "over the 28 parameter tensors after the optimizer step issues mul_ and add_ for every tensor" \
-        in finding.cause
-    assert finding.fixes[0].code.startswith("with torch.no_grad(): torch._foreach_lerp_(ema_params, model_params, "
-                                            "1 - decay) in place of the loop")
-    assert "torch._foreach_lerp_" in report.text()
-    assert report.finding("item-loop") is None  # zip over parameters is not x[i] over the batch
-    elementwise = report.finding("eager-elementwise")
+    """The EMA's sub_ on each of the 28 parameter tensors (fed by a sub and a mul each) is one run of updates
+    outside the optimizer, writing the parameters' elements; the finding's fix is torch._foreach_lerp_, not the
+    per-sample loop's batched op, and the model's torch.compile is not counted to fuse them."""
+    report, text = _run(tmp_path, PER_TENSOR)
+    loop = report["measurements"]["trace"]["param_update_loop"]
+    params = report["measurements"]["optimizer"]["param_count"]
+    assert loop["updates"] == 28 and loop["elements"] == params
+    assert loop["per_tensor_ops"] == ["aten::sub_"]
+    finding = _finding(report, "per-tensor-ema")
+    assert finding is not None, text
+    assert finding["rules"] == [23] and finding["group"] == "compute"
+    assert "28 in-place updates (sub_) one tensor at a time" in finding["evidence"][0]
+    assert "(1.0x the optimizer's" in finding["evidence"][0]
+    assert "over the 28 parameter tensors after the optimizer step issues sub_ for every tensor" \
+        in finding["cause"]
+    assert finding["fixes"][0]["code"].startswith("with torch.no_grad(): torch._foreach_lerp_(ema_params, "
+                                                  "model_params, 1 - decay) in place of the loop")
+    # the fix where the finding makes the verdict or ranks among its compute fixes, else its title
+    assert "torch._foreach_lerp_(ema_params" in text or "PER-TENSOR EMA" in text
+    assert _finding(report, "item-loop") is None  # zip over parameters is not x[i] over the batch
+    elementwise = _finding(report, "eager-elementwise")
     if elementwise is not None:  # what is left for compile excludes the EMA's own ops
-        trace = report.measurements["trace"]
+        breakdown = report["measurements"]["trace"]["breakdown"]
         ema_ops = loop["ops_us"] / loop["step_us"]
-        assert elementwise.cost <= 0.3 * (trace["breakdown"]["elementwise"] + trace["breakdown"]["norm"]
-                                          - ema_ops) + 0.05
+        assert elementwise["cost"] <= 0.3 * (breakdown["elementwise"] + breakdown["norm"] - ema_ops) + 0.05
 
 
 def test_the_foreach_ema_it_prescribes_is_not_flagged(tmp_path):
     """The fix applied: one _foreach_lerp_ call, whose per-tensor work runs inside it, is no loop of updates."""
-    report = _run(tmp_path, FOREACH)
-    assert report.measurements["trace"]["param_update_loop"] is None
-    assert report.finding("per-tensor-ema") is None
+    report, _ = _run(tmp_path, FOREACH)
+    assert report["measurements"]["trace"]["param_update_loop"] is None
+    assert _finding(report, "per-tensor-ema") is None
 
 
 def test_rule_param_loop_on_hand_built_measurements():
@@ -194,3 +199,36 @@ def test_an_accumulating_loop_needs_a_loader_for_every_micro_batch(tmp_path):
     assert workers.trial == f"loader-workers:{n}"
     step_ms = report.measurements["step_stats"]["median_ms"]
     assert 1.0 <= workers.gain <= step_ms / (4 * 1000 / (n * probe["batches_per_s"])) + 1e-9
+
+
+def test_a_small_micro_batch_is_fixed_by_accumulating_fewer_larger_ones(tmp_path):
+    """Rule 20 on a loop accumulating 4 micro-batches of 4 per optimizer step: the fix keeps the 16 images per
+    step (and the learning rate) with micro-batches of 8 accumulated over 2, and its estimate counts the overhead
+    paid per micro-batch, not the optimizer's, which runs once per step whatever the micro-batch."""
+    import fastddpm.doctor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    data = [torch.randn(4, 16) for _ in range(8)]
+    kw = dict(warmup_steps=1, steps=4, profile_steps=2, loader_probe_s=0, device="cpu", print_report=False,
+              out=tmp_path / "rep", time_budget_s=None)
+    with fastddpm.doctor.watch(data * 100, **kw) as dr:
+        for i, x in enumerate(dr.batches()):
+            (model(x).square().mean() / 4).backward()
+            if (i + 1) % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+                dr.step()
+    report = dr.report
+    m = report.measurements
+    assert [s["batches"] for s in m["steps"]] == [4] * 4 and m["batch_size"] == 4
+    finding = report.finding("small-batch")
+    assert finding is not None, report.text()
+    assert finding.title == "SMALL MICRO-BATCH: 4 images per forward, 4 accumulated per optimizer step"
+    assert finding.fixes[0].code.startswith("raise the DataLoader's batch_size and lower the accumulation steps by "
+                                            "the same factor (batch_size=8, accumulated over 2): the same 16 images "
+                                            "per optimizer step, so the same learning rate")
+    measured = fastddpm.doctor.measurements.Measurements.from_dict(m)
+    per_micro = measured.unprofiled_share("python") + measured.unprofiled_share("framework")
+    assert finding.cost == pytest.approx(0.5 * per_micro)

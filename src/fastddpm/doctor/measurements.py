@@ -253,6 +253,12 @@ class Measurements:
         """The trace when it holds a GPU timeline (rules 4-9, 11)."""
         return self.trace if self.trace is not None and self.trace.has_gpu else None
 
+    def batches_per_step(self) -> float:
+        """The training batches each watched step fetched (median over the steps that fetched any): more than one
+        where the loop accumulates gradients over micro-batches; 1 where nothing was counted."""
+        fetched = [s.batches for s in self.steps if s.batches]
+        return statistics.median(fetched) if fetched else 1.0
+
     def unprofiled_share(self, category: str, part: float | None = None) -> float:
         """The share of a watched (unprofiled) step that a breakdown `category` takes (or `part` of it: a share of
         the profiled step inside that category, e.g. its fp32 matmuls). The profiler slows the host by about a

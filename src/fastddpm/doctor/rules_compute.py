@@ -309,6 +309,9 @@ def small_batch(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     overhead = sum(m.unprofiled_share(k) for k in ("python", "framework", "optimizer"))
     if overhead <= OVERHEAD_SHARE:
         return None
+    k = m.batches_per_step()
+    if k > 1:
+        return _small_micro_batch(m, k)
     cost = BATCH_DOUBLING_SAVES * overhead
     return Finding(
         "small-batch", (20,), f"SMALL BATCH: {m.batch_size} images share each step's fixed overhead", cost,
@@ -320,6 +323,32 @@ def small_batch(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         [Fix("--batch-size auto (the throughput knee; fastddpm scales the learning rate with it)",
              "raise batch_size toward the throughput knee (not the out-of-memory edge); scale the learning rate "
              "with it")], group="compute")
+
+
+def _small_micro_batch(m: Measurements, k: float) -> Finding | None:
+    """Rule 20 on a loop that accumulates gradients over `k` micro-batches per optimizer step: the dispatch and
+    autograd overhead is paid once per micro-batch, the optimizer's once per step already. A micro-batch twice as
+    large with half the accumulation keeps the images per step (and the learning rate) and halves the first;
+    the optimizer's share stays as it is, so it is not counted."""
+    per_micro = sum(m.unprofiled_share(c) for c in ("python", "framework"))
+    if per_micro <= OVERHEAD_SHARE:
+        return None
+    cost = BATCH_DOUBLING_SAVES * per_micro
+    b = m.batch_size
+    return Finding(
+        "small-batch", (20,), f"SMALL MICRO-BATCH: {b} images per forward, {k:g} accumulated per optimizer step",
+        cost,
+        [f"micro-batch {b}, {k:g} per optimizer step ({b * k:g} images); Python and framework time, paid once per "
+         f"micro-batch whatever its size, take {pct(per_micro)} of the step",
+         f"estimate: micro-batches twice as large, half as many, halve that overhead: {pct(cost)} of the step "
+         "(the optimizer already runs once per accumulated step: not counted)"],
+        "op dispatch and autograd bookkeeping are paid once per micro-batch: accumulating many small ones pays "
+        "them many times for the same images per optimizer step",
+        [Fix("--batch-size with --accum-steps lowered by the same factor (the global batch stays)",
+             f"raise the DataLoader's batch_size and lower the accumulation steps by the same factor (batch_size="
+             f"{b * 2}, " + ("without accumulation" if k <= 2 else f"accumulated over {k / 2:g}") + f"): the same "
+             f"{b * k:g} images per optimizer step, so the same learning rate; accumulate only what memory does "
+             "not hold at once")], group="compute")
 
 
 def low_mfu(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
