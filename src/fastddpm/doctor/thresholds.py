@@ -47,5 +47,5 @@ ITEM_LOOP_SHARE = 0.03  # rule 22: a Python loop over the batch's samples taking
 ITEM_LOOP_SAVES = 0.75
 PARAM_LOOP_SHARE = 0.05  # rule 23: the loop's own update of a copy of the parameters (an EMA) over this share
 # ... of which torch._foreach_lerp_ gives back this much: one op per tensor instead of two and one pass over each
-# tensor instead of two (on a 2-core CPU the loop ran 2-4x slower than the foreach lerp alone, benchmarks/RESULTS.md)
+# tensor instead of two (on a 2-core CPU it gave back 55-70% of the loop's profiled share, benchmarks/RESULTS.md)
 PARAM_LOOP_SAVES = 0.5
