@@ -231,6 +231,21 @@ def test_a_log_that_is_no_function_is_refused_before_the_run_folder_is_written(t
         fastddpm.evaluate(api_run.run_dir, num_samples=10, log="eval.txt")
 
 
+@pytest.mark.parametrize("value", [None, "", 3])
+def test_a_path_that_is_none_empty_or_no_path_is_named_with_what_to_pass(tmp_path, monkeypatch, value):
+    """load(None) and train(out=None) were pathlib's TypeError from deep inside; out="" took the working directory
+    as the run's folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^fastddpm.load: path={value!r} is not a path: pass a run directory, "
+                                          r"a checkpoint file or a safetensors export, as a str or a pathlib.Path$"):
+        fastddpm.load(value)
+    with pytest.raises(ConfigError, match=rf"^evaluate: path={value!r} is not a path: pass a run directory"):
+        fastddpm.evaluate(value)
+    with pytest.raises(ConfigError, match=rf"^fastddpm.train: out={value!r} is not a path: pass the run's folder "):
+        fastddpm.train("tiny", out=value, max_steps=1, log=None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_evaluate_with_guidance_on_an_unconditional_run_names_the_fix(api_run):
     """It said the model was unconditional, not what to do."""
     with pytest.raises(ConfigError, match=r"^evaluate: guidance=2 steers toward a class: it needs a conditional "

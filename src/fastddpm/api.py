@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,17 @@ def _log(log, where: str):
         raise ConfigError(f"{where}: log={log!r} is not a function: pass one that takes a line (print, a logger's "
                           "info, a list's append), or None to say nothing")
     return log
+
+
+def _path(value, name: str, where: str, what: str) -> Path:
+    """A path argument as a Path, or a ConfigError naming it and `what` to pass: None, "" and a non-path (a number,
+    a Model) were pathlib's TypeError, or "" the working directory taken as the run."""
+    if isinstance(value, (str, os.PathLike)) and str(value).strip():
+        return Path(value)
+    raise ConfigError(f"{where}: {name}={value!r} is not a path: pass {what}, as a str or a pathlib.Path")
+
+
+_A_MODEL = "a run directory, a checkpoint file or a safetensors export"
 
 
 def _whole(value, name: str, where: str) -> int:
@@ -141,6 +153,7 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
         overrides = {"data.source": data, **overrides}
     from fastddpm.rundir.locate import find_resume
 
+    out = _path(out, "out", "fastddpm.train", "the run's folder (a new one, or a run directory to continue)")
     resumed = find_resume(out, resume, said=API)
     cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None, log=log)
     # The run seeds torch's global CPU generator for its initial weights and draws from it: forked, so that a
@@ -235,7 +248,7 @@ def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Mod
     """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file, or an ema.safetensors or
     `fastddpm export --format safetensors` export (the file or its folder), ready to sample on `device` (auto: CUDA
     when present), with its EMA (`weights="ema"`) or raw ("model") weights."""
-    return _load(path, device=device, weights=weights)[0]
+    return _load(_path(path, "path", "fastddpm.load", _A_MODEL), device=device, weights=weights)[0]
 
 
 def _load(path: str | Path, *, device: str, weights: str):
@@ -285,7 +298,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
     steps = None if steps is None else _whole(steps, "steps", "evaluate")
     batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
-    model, ckpt = _load(path, device=device, weights=weights)
+    model, ckpt = _load(_path(path, "path", "evaluate", _A_MODEL), device=device, weights=weights)
     cfg = model.cfg
     data_options = {k: v for k, v in (("source", data), ("resize", resize), ("resize_mode", resize_mode),
                                       ("image_mode", image_mode), ("skip_bad", skip_bad)) if v is not None}
