@@ -21,7 +21,8 @@ from fastddpm.cli import main
 from fastddpm.config import ConfigError
 from fastddpm.config import apply_overrides, get_preset, resolve_model_shape
 from fastddpm.diffusion import schedule_from_config
-from fastddpm.export import example_inputs, fid_of_these_weights, model_card
+from fastddpm.export import example_inputs
+from fastddpm.export_card import fid_of_these_weights, model_card
 from fastddpm.models import UNet
 from fastddpm.rundir.locate import locate
 from fastddpm.sampling import load_for_sampling
@@ -616,7 +617,9 @@ def test_the_pt2_cards_euler_loop_draws_fastddpms_euler_images(fmnist_npz, tmp_p
     train(cfg, out_dir=tmp_path / "run", log=quiet)
     folder = tmp_path / "pt2"
     assert main(["export", str(tmp_path / "run"), "--format", "torch-export", "--out", str(folder)]) == 0
-    code = card_code((folder / "README.md").read_text())
+    card = (folder / "README.md").read_text()
+    assert "x0 in [-1, 1]" in card  # the data range the network's input is made from
+    code = card_code(card)
     assert code.count("n, steps = 16, 20") == 1 and code.count("torch.randn(") == 1
     x_T = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(4))
     scope: dict = {"x_T": x_T}
