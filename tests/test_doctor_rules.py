@@ -534,6 +534,12 @@ def test_rule_eager_elementwise():
     assert f.id == "eager-elementwise" and f.cost == pytest.approx(0.15) and "torch.compile" in f.fixes[0].code
     assert check(rules.eager_elementwise, record(trace=t, compile=CompileCounts(compiled_graphs=2))) == (None, {})
     assert check(rules.eager_elementwise, record(trace=cpu_trace())) == (None, {})  # 15%: under the threshold
+    # the cause names the step's own ops (a LayerNorm/GELU model was told of GroupNorm and SiLU)
+    t.top_ops = [{"name": "aten::native_layer_norm", "category": "norm", "share": 0.2},
+                 {"name": "aten::addmm", "category": "matmul", "share": 0.3},
+                 {"name": "aten::gelu", "category": "elementwise", "share": 0.1}]
+    cause = check(rules.eager_elementwise, record(trace=t))[0].cause
+    assert "here native_layer_norm, gelu and the like between the matmuls" in cause and "GroupNorm" not in cause
 
 
 def test_rule_per_tensor_optimizer():
