@@ -73,11 +73,14 @@ def test_mha_case_counts_the_calls_that_asked_for_weights(cpu_case):
     line = inspect.getsource(planted_module).splitlines().index(
         "        h, _weights = self.attn(x, x, x)  # need_weights=True by default: the planted fault") + 1
     assert calls == {"calls_per_step": 1.0, "need_weights_per_step": 1.0, "modules": 1,
-                     "call_sites": [f"planted.py:{line} in forward"]}  # the line to change, not torch's own
+                     "call_sites": [f"planted.py:{line} in forward"],  # the line to change, not torch's own
+                     "call_code": ["h, _weights = self.attn(x, x, x)"]}
     impl = report.measurements["trace"]["attention_share_by_impl"]
     assert list(impl) == ["softmax(QK^T)V (materialised)"]
     finding = report.finding("attention-weights")
-    assert f"need_weights=False) at planted.py:{line} in forward" in finding.fixes[0].code
+    # the script's own call, as written there, not a generic attn(x, x, x)
+    assert finding.fixes[0].code.startswith("`h, _weights = self.attn(x, x, x)` with need_weights=False added at "
+                                            f"planted.py:{line} in forward: ")
     # the module that built the weights is the nn.MultiheadAttention itself: its fix is need_weights, and there is
     # no hand-written softmax to replace
     sites = report.measurements["attention_sites"]

@@ -188,6 +188,7 @@ class AttentionCalls:
     modules: int  # distinct nn.MultiheadAttention modules seen
     call_sites: list[str] = field(default_factory=list)  # where the loop's own code calls those
     # with need_weights=True (up to 3)
+    call_code: list[str] = field(default_factory=list)  # each call site's line of source, as written there
 
 
 @dataclass(kw_only=True)

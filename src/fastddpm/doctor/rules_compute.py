@@ -194,8 +194,11 @@ def attention_weights(m: Measurements, unavailable: dict[str, str]) -> Finding |
               f"{pct(cost)} of the step")
     mha = calls is not None and calls.need_weights_per_step > 0
     at = f" at {', '.join(calls.call_sites)}" if mha and calls.call_sites else ""
-    fixes = ([Fix(None, f"attn(x, x, x, need_weights=False){at}: nn.MultiheadAttention then runs "
-                        "F.scaled_dot_product_attention (keep the default only where you use the weights)")]
+    # the script's own call where it was seen on one line (`h, _ = self.attn(h, h, h)`), else the usual spelling
+    call = (" and ".join(f"`{c}`" for c in calls.call_code) + " with need_weights=False added"
+            if mha and calls.call_code else "attn(x, x, x, need_weights=False)")
+    fixes = ([Fix(None, f"{call}{at}: nn.MultiheadAttention then runs F.scaled_dot_product_attention (keep the "
+                        "default only where you use the weights)")]
              if mha else [])
     if sites or not mha:
         # one place per class and line: the instances of one class (a block used twice) are one edit

@@ -29,7 +29,7 @@ class AttentionWatch:
         self.calls = 0
         self.need_weights = 0
         self.modules: set[int] = set()
-        self.sites: dict[str, None] = {}  # where the loop's code calls a module with need_weights=True, in order
+        self.sites: dict[str, str] = {}  # where the loop's code calls a module with need_weights=True -> its code
         self._orig = None
 
     def __enter__(self) -> AttentionWatch:
@@ -43,7 +43,8 @@ class AttentionWatch:
                 need = kwargs.get("need_weights", args[_NEED_WEIGHTS_ARG] if len(args) > _NEED_WEIGHTS_ARG else True)
                 watch.need_weights += bool(need)
                 if need and id(module) not in watch.modules and len(watch.sites) < 3:
-                    watch.sites[_caller_outside_torch()] = None  # the line to add need_weights=False to
+                    where, code = _caller_outside_torch()
+                    watch.sites[where] = code  # the line to add need_weights=False to
                 watch.modules.add(id(module))
             return orig(module, *args, **kwargs)
 
@@ -62,23 +63,41 @@ class AttentionWatch:
         if not self.calls or steps <= 0:
             return None
         return AttentionCalls(calls_per_step=self.calls / steps, need_weights_per_step=self.need_weights / steps,
-                              modules=len(self.modules), call_sites=list(self.sites))
+                              modules=len(self.modules), call_sites=list(self.sites),
+                              call_code=[c for c in self.sites.values() if c])
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
-def _caller_outside_torch() -> str:
-    """`train.py:31 in forward`: the innermost frame of the caller's stack outside torch (nn.Module.__call__ and
-    its hooks sit between the call and the wrapped forward)."""
+def _caller_outside_torch() -> tuple[str, str]:
+    """(`train.py:31 in forward`, that line's code, "" where its source is not at hand): the innermost frame of the
+    caller's stack outside torch (nn.Module.__call__ and its hooks sit between the call and the wrapped forward)."""
+    import linecache
     import sys
 
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
         frame = frame.f_back
     if frame is None:
-        return "an unknown place"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return "an unknown place", ""
+    code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}", code
+
+
+def _without_comment(line: str) -> str:
+    """A line of code without its trailing comment (a '#' inside a string stays), stripped; "" if it does not
+    tokenize on its own (a call spread over several lines)."""
+    import io
+    import tokenize
+
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.COMMENT:
+                return line[:tok.start[1]].strip()
+    except (tokenize.TokenError, SyntaxError):
+        return ""
+    return line.strip()
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
