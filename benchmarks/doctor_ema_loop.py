@@ -13,18 +13,7 @@ to OUT as each batch size finishes.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from datetime import datetime, timezone
-from pathlib import Path
-
-import torch
+from doctor_truth import compare  # benchmarks/, this script's folder
 
 ROUNDS, STEPS = 21, 10  # short rounds: the shared machine's load moves over seconds
 SCRIPT = '''
@@ -95,73 +84,5 @@ if __name__ == "__main__":
 '''
 
 
-def predicted(script: Path, batch: int, work: Path) -> dict:
-    rep = work / f"rep{batch}"
-    subprocess.run([sys.executable, "-m", "fastddpm", "doctor", "run", "--report-dir", str(rep), str(script),
-                    str(batch)], check=True, capture_output=True, text=True)
-    report = json.loads((rep / "report.json").read_text())
-    found = [f for f in report["findings"] if f["id"] == "per-tensor-ema"]
-    return {"cost": found[0]["cost"] if found else None, "evidence": found[0]["evidence"] if found else None,
-            "step_ms": report["measurements"]["step_stats"]["median_ms"]}
-
-
-def measured(script: Path, batch: int) -> dict:
-    ns: dict = {"__name__": "bench"}
-    sys.argv = ["x", str(batch)]
-    exec(compile(script.read_text(), str(script), "exec"), ns)
-    loop_step = ns["step"]
-    ns_f: dict = {"__name__": "bench"}
-    sys.argv = ["x", str(batch), "foreach"]
-    exec(compile(script.read_text(), str(script), "exec"), ns_f)
-    foreach_step = ns_f["step"]
-    for f in (loop_step, foreach_step):
-        for _ in range(10):
-            f()
-    ratios, loop_ms, foreach_ms = [], [], []
-    for r in range(ROUNDS):
-        times = {}
-        for name, f in ((("loop", loop_step), ("foreach", foreach_step)) if r % 2 == 0
-                        else (("foreach", foreach_step), ("loop", loop_step))):
-            t = time.perf_counter()
-            for _ in range(STEPS):
-                f()
-            times[name] = (time.perf_counter() - t) / STEPS * 1e3
-        loop_ms.append(times["loop"])
-        foreach_ms.append(times["foreach"])
-        ratios.append(times["loop"] / times["foreach"])
-    return {"speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "loop_ms_median": statistics.median(loop_ms), "foreach_ms_median": statistics.median(foreach_ms)}
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    batches = [int(b) for b in sys.argv[2:]] or [32, 128]
-    out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-           "commit": commit, "cpu": platform.processor() or platform.machine(), "threads": 1,  # the script sets it
-           "avx512_bf16": "avx512_bf16" in flags, "command": " ".join([sys.executable, *sys.argv])}
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        work = Path(d)
-        script = work / "ema_loop.py"
-        script.write_text(SCRIPT)
-        for batch in batches:
-            p = predicted(script, batch, work)
-            m = measured(script, batch)
-            pred_x = 1 / (1 - p["cost"]) if p["cost"] is not None else None
-            rows.append({"batch": batch, "predicted_speedup": pred_x, **p, **m})
-            (out / "ema_loop.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-            lines = ["| batch | predicted | measured median [min-max] | loop ms | foreach ms |",
-                     "| --- | --- | --- | --- | --- |"]
-            lines += [f"| {r['batch']} | "
-                      + (f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "not found")
-                      + f" | {r['speedup_median']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}] | "
-                        f"{r['loop_ms_median']:.2f} | {r['foreach_ms_median']:.2f} |" for r in rows]
-            (out / "ema_loop.md").write_text("\n".join([f"{k}: {v}" for k, v in env.items()] + [""] + lines) + "\n")
-            print(lines[-1], flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    compare(SCRIPT, finding="per-tensor-ema", fixed="foreach", stem="ema_loop", rounds=ROUNDS, steps=STEPS, threads=1)
