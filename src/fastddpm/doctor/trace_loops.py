@@ -165,16 +165,19 @@ def _count(node) -> int:
     return sum(1 + _count(c) for c in node.children)
 
 
-def _top_level(tree: OpTree, start: float, end: float, *, every_thread: bool = False):
+def _top_level(tree: OpTree, start: float, end: float, *, every_thread: bool = False, data_wait: bool = True):
     """The training thread's (or `every_thread`'s) outermost ops that start in [start, end], in time order per
-    thread: under a mark (a step closure) too, but not inside the optimizer's step or zero_grad."""
+    thread: under a mark (a step closure) too, but not inside the optimizer's step or zero_grad, nor (`data_wait`
+    False) inside the data wait. An autograd node of the backward is one such op."""
     for tid, roots in tree.roots.items():
         if not every_thread and tid != tree.main_tid:
             continue
         todo = list(reversed(roots))
         while todo:
             n = todo.pop()
-            if n.end < start or n.ts > end or n.e.get("name", "").startswith(OPTIMIZER_MARKS):
+            name = n.e.get("name", "")
+            if (n.end < start or n.ts > end or name.startswith(OPTIMIZER_MARKS)
+                    or (not data_wait and name == DATA_MARK)):
                 continue
             if n.e.get("cat") == "cpu_op":
                 if start <= n.ts <= end:
@@ -204,7 +207,7 @@ def param_update_loop(tree: OpTree, step_bounds: list[tuple[float, float]]) -> d
     found = []
     for start, end in step_bounds:
         best, run = None, []
-        for n in list(_outermost(tree, start, end)) + [None]:
+        for n in list(_top_level(tree, start, end, data_wait=False)) + [None]:
             name = n.e.get("name", "") if n is not None else ""
             if name in UPDATE_OPS or (run and name in UPDATE_HELPERS):
                 run.append(n)
@@ -236,19 +239,3 @@ def _elements(e: dict) -> int:
     for d in dims[0]:
         count *= int(d)
     return count
-
-
-def _outermost(tree: OpTree, start: float, end: float):
-    """The training thread's outermost ops in [start, end], in time order, outside the data wait and the
-    optimizer (an autograd node of the backward is one such op: it parts a run)."""
-    todo = list(reversed(tree.roots.get(tree.main_tid, [])))
-    while todo:
-        n = todo.pop()
-        name = n.e.get("name", "")
-        if n.end < start or n.ts > end or name == DATA_MARK or name.startswith(OPTIMIZER_MARKS):
-            continue
-        if n.e.get("cat") == "cpu_op":
-            if start <= n.ts <= end:
-                yield n
-            continue
-        todo.extend(reversed(n.children))
