@@ -61,15 +61,15 @@ PER_TENSOR = """for s_param, param in zip(ema.parameters(), model.parameters()):
 FOREACH = "torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)"
 
 
-def _run(tmp_path, update: str) -> tuple[dict, str]:
+def _run(tmp_path, update: str, script: str = EMA_SCRIPT) -> tuple[dict, str]:
     """`fastddpm doctor run` on the script with `update` as its EMA step, in a fresh process (the script runs on
     one thread, steady on a loaded machine, and its thread count must not leak into this one's later tests):
     (report.json, report.txt)."""
-    script, rep = tmp_path / "train.py", tmp_path / "rep"
-    script.write_text(EMA_SCRIPT.replace("UPDATE", update))
+    path, rep = tmp_path / "train.py", tmp_path / "rep"
+    path.write_text(script.replace("UPDATE", update))
     subprocess.run([sys.executable, "-m", "fastddpm", "doctor", "run", "--warmup", "2", "--steps", "3",
                     "--profile-steps", "5", "--loader-probe-s", "0", "--max-seconds", "0", "--device", "cpu",
-                    "--report-dir", str(rep), str(script)], check=True, capture_output=True, text=True)
+                    "--report-dir", str(rep), str(path)], check=True, capture_output=True, text=True)
     return json.loads((rep / "report.json").read_text()), (rep / "report.txt").read_text()
 
 
@@ -103,6 +103,23 @@ def test_a_per_parameter_ema_loop_is_costed_and_its_fix_is_a_foreach_update(tmp_
         breakdown = report["measurements"]["trace"]["breakdown"]
         ema_ops = loop["ops_us"] / loop["step_us"]
         assert elementwise["cost"] <= 0.3 * (breakdown["elementwise"] + breakdown["norm"] - ema_ops) + 0.05
+
+
+def test_diffusers_emamodel_updated_per_tensor_is_fixed_by_its_own_foreach_argument(tmp_path):
+    """A script that keeps its EMA in diffusers' EMAModel (foreach=False by default) is told to pass foreach=True
+    where it builds it, not to write torch._foreach_lerp_ into a library's step it does not own."""
+    pytest.importorskip("diffusers")
+    script = EMA_SCRIPT.replace("ema = copy.deepcopy(model).requires_grad_(False)",
+                                "from diffusers.training_utils import EMAModel\n"
+                                "ema = EMAModel(model.parameters(), decay=0.999)")
+    line = script.splitlines().index("ema = EMAModel(model.parameters(), decay=0.999)") + 1
+    report, text = _run(tmp_path, "ema.step(model.parameters())", script=script)
+    finding = _finding(report, "per-tensor-ema")
+    assert finding is not None, text
+    assert finding["fixes"][0]["code"] == (f"EMAModel(..., foreach=True) at train.py:{line} (now foreach=False): its "
+                                           "step then updates every tensor in a few torch._foreach ops")
+    assert any(f.startswith("diffusers ") and f"EMAModel() at train.py:{line}" in f
+               for f in report["script"]["frameworks"])
 
 
 def test_the_foreach_ema_it_prescribes_is_not_flagged(tmp_path):

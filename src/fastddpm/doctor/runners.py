@@ -271,7 +271,8 @@ def in_script_terms(report: Report, script: ScriptContext, *, optimizer=None, lo
             found = (script.precision_fix(name.split("-")[1]) if name.startswith("autocast-") else
                      script.optimizer_fix(optimizer) if name == "fused-optimizer" else
                      script.dataloader_fix(int(n), loader=loader) if name == "loader-workers" else
-                     script.compile_fix() if name == "compile" else None)
+                     script.compile_fix() if name == "compile" else
+                     script.ema_fix() if f.id == "per-tensor-ema" and fix is f.fixes[0] else None)
             if found is None:
                 continue
             fix.code = found.text if found.kind != "code" else f"{found.text}; else: {fix.code}"

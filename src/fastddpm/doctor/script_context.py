@@ -6,9 +6,10 @@ object inside ("Trainer(..., amp=True) at train.py:30"), instead of raw torch th
 
 ScriptContext owns, for the length of its `with` only: wrappers on argparse's parse_args/parse_known_args,
 torch.optim.Optimizer.__init__, DataLoader.__init__ and the constructors of accelerate's Accelerator, transformers'
-TrainingArguments and Lightning's Trainer (patched at once when already imported, else right after their modules
-finish importing, through a sys.meta_path finder that wraps their loaders; a framework not installed costs
-nothing). Each wrapper calls the original with the same arguments and returns its result; exit undoes it all.
+TrainingArguments, Lightning's Trainer and diffusers' EMAModel (patched at once when already imported, else right
+after their modules finish importing, through a sys.meta_path finder that wraps their loaders; a framework not
+installed costs nothing). Each wrapper calls the original with the same arguments and returns its result; exit
+undoes it all.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _SETTINGS = {
                           "gradient_accumulation_steps", "per_device_train_batch_size"),
     "Trainer": ("precision", "accumulate_grad_batches"),  # Lightning's
     "DataLoader": ("num_workers", "pin_memory", "persistent_workers", "batch_size"),
+    "EMAModel": ("foreach",),  # diffusers'
 }
 # the module that defines each framework class -> (kind, class, method wrapped). The defining module, not the
 # package: transformers loads training_args lazily, and hooking the package would force it in.
@@ -49,6 +51,7 @@ _FRAMEWORKS = {
     "transformers.training_args": ("TrainingArguments", "TrainingArguments", "__post_init__"),
     "lightning.pytorch.trainer.trainer": ("Trainer", "Trainer", "__init__"),
     "pytorch_lightning.trainer.trainer": ("Trainer", "Trainer", "__init__"),
+    "diffusers.training_utils": ("EMAModel", "EMAModel", "__init__"),
 }
 
 
@@ -421,6 +424,15 @@ class ScriptContext:
             return None
         return ScriptFix(f"DataLoader(..., num_workers={num_workers}) at {b.place} "
                          f"(now num_workers={b.effective['num_workers']})", b.place, "argument")
+
+    def ema_fix(self) -> ScriptFix | None:
+        """diffusers' EMAModel updated tensor by tensor (its default, foreach=False) made foreach where the user's
+        code builds it."""
+        b = self._find("EMAModel", None)
+        if b is None or b.place is None or b.effective.get("foreach"):
+            return None
+        return ScriptFix(f"EMAModel(..., foreach=True) at {b.place} (now foreach={b.effective.get('foreach')!r}): "
+                         "its step then updates every tensor in a few torch._foreach ops", b.place, "argument")
 
     def compile_fix(self) -> ScriptFix | None:
         """torch.compile in the script's terms: its own switch, or TrainingArguments(torch_compile=True)."""
