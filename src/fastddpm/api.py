@@ -261,8 +261,8 @@ def _load(path: str | Path, *, device: str, weights: str):
         raise ConfigError(f"fastddpm.load: weights={weights!r} is not one of ema, model")
     ckpt = locate(path, weights=weights, what="fastddpm.load:")
     if ckpt.held not in (None, weights):
-        raise ConfigError(f"fastddpm.load: {ckpt.path} holds only the {'EMA' if ckpt.held == 'ema' else 'raw'} "
-                          f"weights: load it with weights={ckpt.held!r}, or load a checkpoints/ckpt_*.pt file for the "
+        raise ConfigError(f"fastddpm.load: {ckpt.path} holds only the {ckpt.held_label} weights: load it with "
+                          f"weights={ckpt.held!r}, or load a checkpoints/ckpt_*.pt file for the "
                           f"{'raw' if ckpt.held == 'ema' else 'EMA'} ones")
     dev, _ = resolve_device(device, setting="fastddpm.load: device")
     net, cfg = load_for_sampling(ckpt, device=dev, weights=weights)
