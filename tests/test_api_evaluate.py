@@ -21,15 +21,22 @@ def fast_feature_net(monkeypatch):
     monkeypatch.setattr(features, "ClassifierRecipe", lambda: ClassifierRecipe(min_steps=2, epochs=0.01))
 
 
-def test_evaluate_takes_evals_eta_spacing_precision_and_weights(tmp_path, fast_feature_net):
-    """evaluate() had no eta, spacing, precision or weights (a TypeError), where `fastddpm eval` and Model.sample
-    take them: the same choices now give the command's numbers, and a bad one is refused naming it."""
-    images, labels = read_fmnist(120)
+def _tiny_run(tmp_path, n_images: int, steps: int):
+    """A tiny run of `steps` steps on the first `n_images` Fashion-MNIST training images saved to data.npz:
+    (images, labels, the .npz's path, the run's folder)."""
+    images, labels = read_fmnist(n_images)
     src = tmp_path / "data.npz"
     np.savez(src, images=images, labels=labels)
     run = tmp_path / "run"
-    fastddpm.train("tiny", out=run, data=str(src), max_steps=2, num_sample_images=4, sample_steps=2, progress=False,
-                   log=None)
+    fastddpm.train("tiny", out=run, data=str(src), max_steps=steps, num_sample_images=4, sample_steps=2,
+                   progress=False, log=None)
+    return images, labels, src, run
+
+
+def test_evaluate_takes_evals_eta_spacing_precision_and_weights(tmp_path, fast_feature_net):
+    """evaluate() had no eta, spacing, precision or weights (a TypeError), where `fastddpm eval` and Model.sample
+    take them: the same choices now give the command's numbers, and a bad one is refused naming it."""
+    images, labels, src, run = _tiny_run(tmp_path, 120, 2)
     choices = dict(num_samples=10, sampler="ddim", steps=2, device="cpu")
     metrics = fastddpm.evaluate(run, eta=1.0, spacing="karras", precision="fp32", weights="model", log=None,
                                 **choices)
@@ -57,12 +64,7 @@ def test_evaluate_of_a_run_whose_data_is_gone_names_where_it_trained_and_data_so
     to the data's error, fastddpm.evaluate said only "no such file"; now both, each in its own spelling."""
     from fastddpm.data import DataError
 
-    images, labels = read_fmnist(40)
-    src = tmp_path / "data.npz"
-    np.savez(src, images=images, labels=labels)
-    run = tmp_path / "run"
-    fastddpm.train("tiny", out=run, data=str(src), max_steps=1, num_sample_images=4, sample_steps=2, progress=False,
-                   log=None)
+    images, labels, src, run = _tiny_run(tmp_path, 40, 1)
     src.unlink()
     hint = f"(The checkpoint was trained on data.source={str(src)!r}; pass data='SOURCE' to evaluate against"
     with pytest.raises(DataError, match="no such file") as raised:
@@ -79,12 +81,7 @@ def test_evaluate_of_a_run_whose_data_is_gone_names_where_it_trained_and_data_so
 def test_evaluate_against_data_of_another_shape_names_a_fix_the_api_can_take(tmp_path, fast_feature_net):
     """Reference data of another shape named only `fastddpm eval ... --resize 28 --image-mode L`, options
     fastddpm.evaluate did not have: it names the API's spelling too, and that call scores."""
-    images, labels = read_fmnist(120)
-    src = tmp_path / "data.npz"
-    np.savez(src, images=images, labels=labels)
-    run = tmp_path / "run"
-    fastddpm.train("tiny", out=run, data=str(src), max_steps=1, num_sample_images=4, sample_steps=2, progress=False,
-                   log=None)
+    images, labels, src, run = _tiny_run(tmp_path, 120, 1)
     rgb = tmp_path / "rgb32.npz"  # the same images as 3x32x32
     np.savez(rgb, images=np.pad(np.repeat(images, 3, axis=1), ((0, 0), (0, 0), (2, 2), (2, 2))), labels=labels)
     api_eval = dict(num_samples=10, steps=1, device="cpu", log=None)

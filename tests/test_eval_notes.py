@@ -93,16 +93,23 @@ def test_the_feature_networks_notes_are_true_and_said_once(tmp_path, fast_featur
 
 
 
-def test_eval_reading_the_runs_data_with_other_options_says_which(tmp_path, fast_feature_net, capsys):
-    """The same file read another way (--resize-mode stretch where the run center-cropped) is not its files changed:
-    the note names the options and the fix is to leave them out."""
+def _wide_run(tmp_path):
+    """A one-step tiny run on 120 Fashion-MNIST images padded to 28x40 (a center crop and a stretch to 28x28
+    differ), read center-cropped: (the .npz's path, the run's folder)."""
     images, labels = read_fmnist(120)
-    src = tmp_path / "wide.npz"  # 28x40: a center crop and a stretch to 28x28 differ
+    src = tmp_path / "wide.npz"
     np.savez(src, images=np.pad(images, ((0, 0), (0, 0), (0, 0), (6, 6))), labels=labels)
     over = {"data.source": str(src), "data.resize": 28, "train.progress": False, "train.checkpoint_every": None,
             "train.num_sample_images": 4, "train.sample_steps": 2, "train.max_steps": 1}
     run = tmp_path / "run"
     train(apply_overrides(get_preset("tiny"), over), out_dir=run, log=quiet)
+    return src, run
+
+
+def test_eval_reading_the_runs_data_with_other_options_says_which(tmp_path, fast_feature_net, capsys):
+    """The same file read another way (--resize-mode stretch where the run center-cropped) is not its files changed:
+    the note names the options and the fix is to leave them out."""
+    src, run = _wide_run(tmp_path)
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--resize-mode", "stretch", *EVAL]) == 0
     out = capsys.readouterr().out
@@ -148,13 +155,7 @@ def test_evaluate_from_python_reads_the_data_with_evals_options_and_warns_which(
     import fastddpm
     from fastddpm.config import ConfigError
 
-    images, labels = read_fmnist(120)
-    src = tmp_path / "wide.npz"  # 28x40: a center crop and a stretch to 28x28 differ
-    np.savez(src, images=np.pad(images, ((0, 0), (0, 0), (0, 0), (6, 6))), labels=labels)
-    over = {"data.source": str(src), "data.resize": 28, "train.progress": False, "train.checkpoint_every": None,
-            "train.num_sample_images": 4, "train.sample_steps": 2, "train.max_steps": 1}
-    run = tmp_path / "run"
-    train(apply_overrides(get_preset("tiny"), over), out_dir=run, log=quiet)
+    src, run = _wide_run(tmp_path)
     api_eval = dict(num_samples=10, steps=1, device="cpu", log=None)
     with pytest.warns(UserWarning, match=rf"^this evaluation reads {re.escape(str(src))} with other options "
                                          r"\(resize_mode='stretch'\): ") as w:
