@@ -249,3 +249,41 @@ def test_a_small_micro_batch_is_fixed_by_accumulating_fewer_larger_ones(tmp_path
     measured = fastddpm.doctor.measurements.Measurements.from_dict(m)
     per_micro = measured.unprofiled_share("python") + measured.unprofiled_share("framework")
     assert finding.cost == pytest.approx(0.5 * per_micro)
+
+
+PER_EPOCH_LOADER_SCRIPT = textwrap.dedent("""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 32))
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for epoch in range(1000):
+        for (x,) in DataLoader(data, batch_size=16, num_workers=2):  # new workers every epoch
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+""")
+
+
+def test_a_loader_built_every_epoch_starts_an_epoch_and_is_told_to_be_built_once(tmp_path):
+    """`for x in DataLoader(...)` inside the epoch loop makes a new loader each epoch: its iterators were not
+    the training loader's, so no epoch start was seen and rule 2 never fired; and its fix, persistent_workers=True,
+    changes nothing on a loader that lives one epoch."""
+    from fastddpm.doctor import DoctorConfig
+    from fastddpm.doctor.runners import run_script
+
+    script = tmp_path / "train.py"
+    script.write_text(PER_EPOCH_LOADER_SCRIPT)
+    cfg = DoctorConfig(warmup_steps=2, steps=12, profile_steps=1, loader_probe_s=0, out_dir=tmp_path / "rep",
+                       time_budget_s=None)
+    report = run_script(script, [], cfg, log=lambda *a: None)
+    steps = report.measurements["steps"]
+    assert [s["epoch_start"] for s in steps] == [s["index"] % 4 == 0 for s in steps]  # 64 images, batch 16
+    assert report.measurements["loader_per_epoch"] is True
+    finding = report.finding("epoch-spikes")
+    assert finding is not None, report.text()
+    assert "builds a new DataLoader every epoch" in finding.cause
+    assert finding.fixes[0].code.startswith("build the DataLoader once, before the epoch loop, with "
+                                            "persistent_workers=True")

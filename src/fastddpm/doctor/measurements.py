@@ -225,6 +225,7 @@ class Measurements:
     roofline_unavailable: str | None = None  # why roofline is None
     loader_probe: LoaderProbe | None = None
     loader_workers: int | None = None  # the DataLoader's own num_workers, when the doctor saw the loader
+    loader_per_epoch: bool = False  # the loop builds a new DataLoader over its dataset every epoch
     batch_size: int | None = None  # the leading dimension of the first batch seen, or the trainer's setting
     low_precision: LowPrecision | None = None
     attention_calls: AttentionCalls | None = None
@@ -328,6 +329,8 @@ class Measurements:
             d["roofline_unavailable"] = self.roofline_unavailable
         d["loader_probe"] = self.loader_probe.to_dict() if self.loader_probe is not None else None
         d["loader_workers"] = self.loader_workers
+        if self.loader_per_epoch:
+            d["loader_per_epoch"] = True
         d["batch_size"] = self.batch_size
         for key in ("low_precision", "attention_calls", "optimizer"):
             if getattr(self, key) is not None:
@@ -361,7 +364,8 @@ class Measurements:
                    flops_source=d.get("flops_source"), mfu=_typed(Mfu, d.get("mfu")),
                    mfu_unavailable=d.get("mfu_unavailable"), roofline=_typed(Roofline, d.get("roofline")),
                    roofline_unavailable=d.get("roofline_unavailable"), loader_probe=_typed(LoaderProbe, d.get("loader_probe")),
-                   loader_workers=d.get("loader_workers"), batch_size=d.get("batch_size"),
+                   loader_workers=d.get("loader_workers"), loader_per_epoch=d.get("loader_per_epoch", False),
+                   batch_size=d.get("batch_size"),
                    low_precision=_typed(LowPrecision, d.get("low_precision")),
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
                    attention_sites=[dict(site) for site in d.get("attention_sites") or []],

@@ -146,9 +146,13 @@ def epoch_spikes(m: Measurements, unavailable: dict[str, str]) -> Finding | None
          f"({worst.host_ms / median_ms:.0f}x), {worst.data_wait_ms:.0f} ms of it waiting for data",
          f"these stalls are {pct(excess_ms / watched_ms)} of the watched time; with longer epochs the share "
          f"shrinks but each stall stays"],
-        "DataLoader workers are started again at each epoch (persistent_workers=False): process start-up, "
-        "dataset pickling and the first prefetch, every epoch",
+        ("the loop builds a new DataLoader every epoch (`for x in DataLoader(...)`), whose workers start with it: "
+         if m.loader_per_epoch else "DataLoader workers are started again at each epoch (persistent_workers=False): ")
+        + "process start-up, dataset pickling and the first prefetch, every epoch",
         [Fix("--data-placement device (no workers to start)",
+             "build the DataLoader once, before the epoch loop, with persistent_workers=True: its workers then "
+             "live across epochs (persistent_workers on a loader built each epoch changes nothing)"
+             if m.loader_per_epoch else
              "DataLoader(..., persistent_workers=True) keeps the workers alive across epochs"),
          Fix(None, "or hold the dataset on the GPU and index it per epoch (no DataLoader)")])
 

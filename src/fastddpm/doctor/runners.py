@@ -63,6 +63,14 @@ class _TimedIterator:
         return getattr(self._it, name)
 
 
+def _weakrefable(obj) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:  # a list or a tuple of samples used as the dataset
+        return False
+    return True
+
+
 class ScriptHooks:
     """Install/remove the DataLoader and optimizer hooks for one session.
 
@@ -78,12 +86,14 @@ class ScriptHooks:
         self._handles = []
         self._optimizer = None  # weakref to the optimizer whose steps are the step boundaries
         self._train_loader = None  # weakref to the training DataLoader once known: its new iterators are epochs
+        self._train_dataset = None  # weakref to its dataset: a new loader over it, built each epoch, is the next
         # until the training loader is known: weakrefs to the loader of the latest fetch, and of the latest with
         # grad on (not under torch.no_grad() or inference_mode)
         self._last_fetch = self._last_grad_fetch = None
         self._first_batch = weakref.WeakKeyDictionary()  # loader -> its first batch's size
         self._iterated = weakref.WeakSet()  # loaders with an iterator made before the training loader was known
         self.optimizer_steps = 0
+        self.loader_per_epoch = False  # a new training DataLoader seen at an epoch's start
         self.step_thread: int | None = None  # the thread whose optimizer steps are the boundaries
         self.batch_size: int | None = None  # of the training loader's first batch
         self.optimizer_info = None
@@ -99,6 +109,19 @@ class ScriptHooks:
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             self._last_grad_fetch = self._last_fetch
 
+    def next_epochs_loader(self, loader) -> bool:
+        """A loop that builds a new DataLoader each epoch (`for x in DataLoader(dataset, ...)`) iterates a new
+        object over the training loader's dataset, with grad on: it is the training loader from here, and its
+        iterator starts an epoch (a validation pass iterates under no_grad, or another dataset)."""
+        train = self._train_dataset() if self._train_dataset is not None else None
+        if train is None or loader.dataset is not train or not torch.is_grad_enabled() \
+                or torch.is_inference_mode_enabled():
+            return False
+        self._train_loader = weakref.ref(loader)
+        self.session.loader = loader
+        self.loader_per_epoch = True
+        return True
+
     def _choose_train_loader(self) -> None:
         """At a step boundary: the loader of the last fetch with grad on; at the first boundary, else the loader
         of the last fetch (a loop that fetches its training batches under no_grad)."""
@@ -107,6 +130,7 @@ class ScriptHooks:
         if chosen is None:
             return
         self._train_loader = weakref.ref(chosen)
+        self._train_dataset = weakref.ref(chosen.dataset) if _weakrefable(chosen.dataset) else None
         self.session.loader = chosen
         self.batch_size = self._first_batch.get(chosen)
         if chosen in self._iterated:
@@ -124,7 +148,7 @@ class ScriptHooks:
             if hooks._train_loader is None:
                 hooks._iterated.add(loader)
                 it = session.wait_for_data(lambda: orig(loader), batch=False)
-            elif hooks._train_loader() is loader:
+            elif hooks._train_loader() is loader or hooks.next_epochs_loader(loader):
                 it = session.new_iterator(lambda: orig(loader))
             else:
                 it = session.wait_for_data(lambda: orig(loader), batch=False)
@@ -175,6 +199,7 @@ class ScriptHooks:
         """What the hooks saw, as Measurements fields (diagnose's `seen`)."""
         opt = self.optimizer
         return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
+                "loader_per_epoch": self.loader_per_epoch,
                 "attention_calls": self.attention.measured(len(self.session.records)),
                 "conv_layout": conv_layout(p for g in opt.param_groups for p in g["params"]) if opt else None}
 
