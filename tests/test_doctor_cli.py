@@ -205,7 +205,7 @@ def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
 def test_try_fits_its_rounds_and_steps_to_try_seconds_at_the_diagnosed_step_time():
     """--try ran 3 rounds of 5 + 20 steps per run whatever a step cost: a 3.9 s step made `--try 1` take about ten
     minutes past a 60 s diagnosis, with no way to bound it."""
-    from fastddpm.doctor.trials import MIN_ROUNDS, MIN_STEPS, STARTUP_S, fit_shape
+    from fastddpm.doctor.trials import MIN_ROUNDS, MIN_STEPS, MIN_WINDOW_S, STARTUP_S, fit_shape
 
     shape = fit_shape(3900.0, 2, 300.0)  # fewer timed steps first, all three rounds kept
     assert (shape.rounds, shape.warmup, shape.steps) == (3, 5, 6)
@@ -213,7 +213,13 @@ def test_try_fits_its_rounds_and_steps_to_try_seconds_at_the_diagnosed_step_time
     assert "3 rounds of 2 runs, each 5 warm-up + 6 timed steps, about 4.8 min" == shape.describe(2)
     floor = fit_shape(20000.0, 2, 300.0)  # no shape fits: the floor, said as it is
     assert (floor.rounds, floor.steps) == (MIN_ROUNDS, MIN_STEPS) and floor.estimate_s > 300
-    assert (fit_shape(10.0, 3, 300.0).rounds, fit_shape(10.0, 3, 300.0).steps) == (3, 20)  # fits as asked
+    assert (fit_shape(300.0, 3, 300.0).rounds, fit_shape(300.0, 3, 300.0).steps) == (3, 20)  # fits as asked
+    # a fast step times a second at the least (20 steps of 10 ms would time 0.2 s: a shared CPU's stall is 20%)
+    fast = fit_shape(10.0, 3, 300.0)
+    assert (fast.rounds, fast.steps) == (3, 100) and fast.steps * 10.0 >= MIN_WINDOW_S * 1e3
+    # where it does not fit, a round goes before the window shrinks, and the floor is what it was
+    assert (fit_shape(10.0, 3, 40.0).rounds, fit_shape(10.0, 3, 40.0).steps) == (2, 100)
+    assert (fit_shape(10.0, 3, 25.0).rounds, fit_shape(10.0, 3, 25.0).steps) == (MIN_ROUNDS, MIN_STEPS)
     assert fit_shape(3900.0, 2, None).steps == 20 and fit_shape(None, 2, 300.0).estimate_s is None
 
 

@@ -302,6 +302,8 @@ def in_script_terms(report: Report, script: ScriptContext, *, optimizer=None, lo
                 continue
             fix.code = found.text if found.kind != "code" else f"{found.text}; else: {fix.code}"
             fix.args = found.args
+            if f.id == "per-tensor-ema":  # the script's EMAModel: its foreach argument can be set from outside
+                fix.trial = "foreach-ema"
     report.script = script.to_dict()
 
 

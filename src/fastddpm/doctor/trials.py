@@ -19,6 +19,8 @@ counted as measured):
     loader-workers:N                DataLoaders with N worker processes (persistent, pinned on CUDA)
     channels-last                   the module's weights and its 4-D inputs in channels_last (a candidate for a
                                     model with 2-D convolutions, which no rule costs)
+    foreach-ema                     diffusers' EMAModel built with foreach=True (planned only where the script
+                                    builds one: a hand-written EMA loop cannot be changed from outside)
 A fix that is one of the script's own flags (fastddpm.doctor.script_context) runs the script with that flag.
 
 `doctor train --try N` tries fastddpm's own settings the same way: each fix's `--flag value` (Fix.fastddpm) set
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import runpy
 import statistics
@@ -53,6 +56,7 @@ WHAT = {
     "fused-optimizer": "the optimizer with fused=True",
     "loader-workers": "DataLoader worker processes (persistent; pinned memory on CUDA)",
     "channels-last": "channels_last weights and inputs",
+    "foreach-ema": "diffusers' EMAModel with foreach=True",
 }
 
 
@@ -165,6 +169,9 @@ def settings_of(text: str) -> tuple[str, dict[str, str]] | None:
 # tiny run took 11 s on a shared 2-core CPU)
 STARTUP_S, TRAINER_STARTUP_S = 5.0, 10.0
 MIN_STEPS, MIN_ROUNDS = 5, 2  # fewer timed steps or rounds measure noise, not the fix
+# the timed window a run asks for at the least (budget allowing): 20 steps of 5 ms are 0.1 s, where one of a shared
+# CPU's scheduling stalls (tens of ms) moves a run by 20% and the median of three rounds swung 0.97-1.42x
+MIN_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -182,25 +189,33 @@ class TrialShape:
 
 def fit_shape(step_ms: float | None, runs_per_round: int, budget_s: float | None, *, rounds: int = 3,
               warmup: int = 5, steps: int = 20, trainer: bool = False) -> TrialShape:
-    """The rounds and steps of a --try that fits `budget_s` (--try-seconds) at the diagnosed median step: fewer
-    timed steps first (down to MIN_STEPS), then fewer rounds (down to MIN_ROUNDS); what still does not fit runs
-    at that floor, and run_trials stops at a round's end once the budget is spent. `trainer`: the runs are
+    """The rounds and steps of a --try that fits `budget_s` (--try-seconds) at the diagnosed median step: `steps`,
+    or more where they would time less than MIN_WINDOW_S. Where that does not fit: fewer timed steps, down to
+    MIN_WINDOW_S; then fewer rounds, down to MIN_ROUNDS; then fewer steps, down to MIN_STEPS. What still does not
+    fit runs at that floor, and run_trials stops at a round's end once the budget is spent. `trainer`: the runs are
     `fastddpm train` processes (TRAINER_STARTUP_S each, timed steps in whole log intervals, _trainer_steps)."""
     timed = (lambda s: _trainer_steps(warmup, s)) if trainer else (lambda s: s)
     if not step_ms:
         return TrialShape(rounds, warmup, timed(steps), None)
+    window = max(MIN_STEPS, math.ceil(MIN_WINDOW_S * 1e3 / step_ms))  # the steps that time MIN_WINDOW_S
+    steps = max(steps, window)
 
     def cost(r: int, s: int) -> float:
         startup_s = TRAINER_STARTUP_S if trainer else STARTUP_S
         return r * runs_per_round * (startup_s + (warmup + timed(s)) * step_ms / 1e3)
 
-    while budget_s is not None and timed(steps) > MIN_STEPS and cost(rounds, steps) > budget_s:
-        fewer = timed(steps) - (warmup if trainer else 1)
-        if timed(fewer) >= timed(steps):  # one log interval already (a warm-up longer than MIN_STEPS)
-            break
-        steps = fewer
+    def fewer_steps(down_to: int) -> None:
+        nonlocal steps
+        while budget_s is not None and timed(steps) > down_to and cost(rounds, steps) > budget_s:
+            fewer = timed(steps) - (warmup if trainer else 1)
+            if timed(fewer) >= timed(steps):  # one log interval already (a warm-up longer than MIN_STEPS)
+                break
+            steps = fewer
+
+    fewer_steps(min(steps, window))  # a window of MIN_WINDOW_S kept while rounds can go instead
     while budget_s is not None and rounds > MIN_ROUNDS and cost(rounds, steps) > budget_s:
         rounds -= 1
+    fewer_steps(MIN_STEPS)
     return TrialShape(rounds, warmup, timed(steps), cost(rounds, steps))
 
 
@@ -333,6 +348,8 @@ class _Fix:
             self._fused_optimizers()
         elif self.name == "loader-workers":
             self._loader_workers(int(self.param or max(1, usable_cores() - 1)))
+        elif self.name == "foreach-ema":
+            self._foreach_ema()
         else:
             raise ValueError(f"unknown fix {self.name!r}; one of {', '.join(WHAT)}")
         return self
@@ -428,6 +445,29 @@ class _Fix:
 
         DataLoader.__init__ = with_workers
         self._undo.append(lambda: setattr(DataLoader, "__init__", init))
+
+
+    # -- diffusers' EMAModel built foreach
+    def _foreach_ema(self):
+        try:  # the script's own import then finds the module, and the class, patched
+            from diffusers.training_utils import EMAModel
+        except ImportError:
+            return  # no diffusers: the script builds no EMAModel, and `applied` stays empty
+        init = EMAModel.__init__
+
+        def foreach_init(ema, parameters, *args, **kwargs):
+            # foreach is EMAModel's eighth parameter after `parameters`: by name in practice, positionally possible
+            if len(args) > 6:
+                if not args[6]:
+                    args = (*args[:6], True, *args[7:])
+                    self.applied.append("EMAModel(foreach=True)")
+            elif not kwargs.get("foreach"):
+                kwargs["foreach"] = True
+                self.applied.append("EMAModel(foreach=True)")
+            init(ema, parameters, *args, **kwargs)
+
+        EMAModel.__init__ = foreach_init
+        self._undo.append(lambda: setattr(EMAModel, "__init__", init))
 
 
 def trial_process(spec: dict) -> None:
