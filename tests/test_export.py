@@ -173,6 +173,7 @@ def test_a_large_models_external_weights_are_named_for_the_file_they_sit_beside(
     locations = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
     assert locations == {"model.onnx.data"}
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_modelmeta().custom_metadata_map["fastddpm.weights"] == "ema"  # labelled, weights kept beside
     inputs, want, _ = reference(runs["uncond"], 2)
     np.testing.assert_allclose(session.run(None, {"x": inputs[0].numpy(), "t": inputs[1].numpy()})[0], want,
                                atol=1e-4)
@@ -519,6 +520,36 @@ def test_the_onnx_example_takes_class_names_and_refuses_what_it_cannot_draw(onnx
                           ([str(tmp_path), "--class", "1"], "holds no model.onnx")):
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("|", r"\|")):
             example.main([*argv, *small])
+
+
+def test_a_model_onnx_alone_carries_its_schedule_and_config_and_samples_as_its_folder(onnx_export, tmp_path,
+                                                                                    capsys):
+    """model.onnx copied away from its folder (an upload of the file alone) holds schedule.json and config.json in
+    its metadata, so sample_onnx.py given the file draws the folder's images with the run's guidance; a file with
+    neither beside it nor inside it is refused naming what is missing."""
+    import onnx
+
+    from fastddpm import sample_onnx as example
+
+    folder = onnx_export("cond")[0]
+    props = {p.key: p.value for p in onnx.load(str(folder / "model.onnx"), load_external_data=False).metadata_props}
+    assert json.loads(props["fastddpm.schedule"]) == json.loads((folder / "schedule.json").read_text())
+    assert json.loads(props["fastddpm.config"]) == json.loads((folder / "config.json").read_text())
+    export = json.loads((folder / "export.json").read_text())
+    assert (props["fastddpm.weights"], props["fastddpm.step"]) == ("ema", str(export["checkpoint"]["step"]))
+    alone = tmp_path / "upload" / "cond.onnx"
+    alone.parent.mkdir()
+    shutil.copyfile(folder / "model.onnx", alone)
+    small = ["--num", "3", "--steps", "2", "--class", "7", "--seed", "5"]
+    assert example.main([str(folder), *small, "--out", str(tmp_path / "folder.png")]) == 0
+    assert example.main([str(alone), *small, "--out", str(tmp_path / "alone.png")]) == 0
+    assert capsys.readouterr().out.count("class 7 at guidance W = 2,") == 2  # the run's train.sample_guidance
+    np.testing.assert_array_equal(np.load(tmp_path / "alone.npz")["images"], np.load(tmp_path / "folder.npz")["images"])
+    bare = onnx.load(str(alone))
+    del bare.metadata_props[:]  # as an export made before the metadata
+    onnx.save(bare, str(alone))
+    with pytest.raises(SystemExit, match="has no schedule.json beside it and carries none in its metadata"):
+        example.main([str(alone), *small, "--out", str(tmp_path / "bare.png")])
 
 
 def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):

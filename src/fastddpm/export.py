@@ -98,13 +98,16 @@ def example_inputs(cfg, batch: int, seed: int = 0):
 STAGING = "export.partial"
 
 
-def _staged_model(net, cfg, fmt: str, stage: Path, opset: int) -> tuple[Path, str, int | None, float | None]:
-    """Write the model file of `fmt` into `stage` and check it against PyTorch: (its path, which exporter wrote
-    it, the ONNX opset the file declares, the largest difference from PyTorch's outputs)."""
+def _staged_model(net, cfg, fmt: str, stage: Path, opset: int,
+                  labels: dict[str, str]) -> tuple[Path, str, int | None, float | None]:
+    """Write the model file of `fmt` into `stage` (an ONNX file with `labels` as its metadata) and check it against
+    PyTorch: (its path, which exporter wrote it, the ONNX opset the file declares, the largest difference from
+    PyTorch's outputs)."""
     if fmt == "onnx":
         path = stage / "model.onnx"
         with quiet_onnx_exporter():
             exporter, written = _write_onnx(net, cfg, path, opset)
+        _label_onnx(path, labels)
         return path, exporter, written, _check_onnx(net, cfg, path)
     path = stage / "model.pt2"
     return path, _export_pt2(net, cfg, path), None, _check_pt2(net, cfg, path)
@@ -206,6 +209,42 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def _label_onnx(path: Path, labels: dict[str, str]) -> None:
+    """Add `labels` to the file's metadata_props (onnxruntime's custom_metadata_map). The weights of a large model
+    stay in the external file beside it: loaded without them, the graph keeps its references to that file."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for key, value in labels.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(model, str(path))
+
+
+def schedule_of(cfg) -> dict:
+    """What schedule.json holds (and an ONNX file's metadata): the process a sampler needs, the image shape and the
+    classes."""
+    from fastddpm.diffusion import schedule_from_config
+
+    d = cfg.diffusion
+    if d.objective == "ddpm":
+        # the float64 betas the schedule derives everything from (its .betas is their float32 copy: 1e-4 as
+        # 9.9999997e-05)
+        process = {"objective": "ddpm", "betas": schedule_from_config(d).float64("betas").tolist(),
+                   "num_timesteps": d.num_timesteps, "schedule": d.schedule, "prediction": d.prediction}
+    elif d.objective == "edm":  # Karras et al. 2022, Table 1: x0_hat = c_skip x + c_out F(c_in x, c_noise)
+        process = {"objective": "edm", "sigma_data": d.sigma_data, "p_mean": d.edm_p_mean, "p_std": d.edm_p_std,
+                   "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
+                   "network_input": "F(x / sqrt(sigma^2 + sigma_data^2), 250 ln(sigma))"}
+    else:  # x_t = (1 - t) x0 + t eps; the network predicts v = eps - x0
+        process = {"objective": "flow", "shift": d.flow_shift, "t_min": 0.001, "network_input": "v(x_t, 1000 t)",
+                   "prediction": "velocity"}
+    return {**process,
+            "image_shape": [cfg.model.image_channels, cfg.model.image_size, cfg.model.image_size],
+            "num_classes": cfg.model.num_classes if cfg.model.conditional else 0,
+            "class_names": list(cfg.model.class_names) if cfg.model.conditional else []}
+
+
 def onnx_opset(path: Path) -> int | None:
     """The default-domain opset an ONNX file declares (what a runtime checks before loading it)."""
     import onnx
@@ -261,7 +300,6 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     import torch
 
     from fastddpm.config import ConfigError, save_config
-    from fastddpm.diffusion import schedule_from_config
     from fastddpm.export_card import fid_of_these_weights, model_card
     from fastddpm.rundir.files import save_safetensors
     from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, WEIGHTS_LABELS, locate
@@ -298,13 +336,18 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
                                  f"{fmt!r})", log)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
+    schedule = schedule_of(cfg)
+    # what an ONNX file carries of its own, so that it samples where it goes without its folder (sample_onnx.py)
+    labels = {"fastddpm.schedule": json.dumps(schedule), "fastddpm.config": json.dumps(cfg.to_dict()),
+              "fastddpm.weights": weights, "fastddpm.step": str(info.get("step")),
+              "fastddpm.images_seen": str(info.get("images_seen"))}
     if fmt in ("onnx", "torch-export"):
         stage = out / STAGING
         shutil.rmtree(stage, ignore_errors=True)  # a killed or failed export's
         stage.mkdir()
         try:
             staged, result["exporter"], opset_written, result["max_abs_diff"] = _staged_model(net, cfg, fmt, stage,
-                                                                                             opset)
+                                                                                             opset, labels)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -327,24 +370,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
                          {"config": cfg.to_dict(), "step": info.get("step"), "images_seen": info.get("images_seen"),
                           "format": EMA_EXPORT_FORMAT, "weights": weights})
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
-    d = cfg.diffusion
-    if d.objective == "ddpm":
-        # the float64 betas the schedule derives everything from (its .betas is their float32 copy: 1e-4 as
-        # 9.9999997e-05)
-        process = {"objective": "ddpm", "betas": schedule_from_config(d).float64("betas").tolist(),
-                   "num_timesteps": d.num_timesteps, "schedule": d.schedule, "prediction": d.prediction}
-    elif d.objective == "edm":  # Karras et al. 2022, Table 1: x0_hat = c_skip x + c_out F(c_in x, c_noise)
-        process = {"objective": "edm", "sigma_data": d.sigma_data, "p_mean": d.edm_p_mean, "p_std": d.edm_p_std,
-                   "sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0,
-                   "network_input": "F(x / sqrt(sigma^2 + sigma_data^2), 250 ln(sigma))"}
-    else:  # x_t = (1 - t) x0 + t eps; the network predicts v = eps - x0
-        process = {"objective": "flow", "shift": d.flow_shift, "t_min": 0.001, "network_input": "v(x_t, 1000 t)",
-                   "prediction": "velocity"}
-    (out / "schedule.json").write_text(json.dumps({
-        **process,
-        "image_shape": [cfg.model.image_channels, cfg.model.image_size, cfg.model.image_size],
-        "num_classes": cfg.model.num_classes if cfg.model.conditional else 0,
-        "class_names": list(cfg.model.class_names) if cfg.model.conditional else []}, indent=1) + "\n")
+    (out / "schedule.json").write_text(json.dumps(schedule, indent=1) + "\n")
     save_config(cfg, out / "config.json")
     evals = [r for r in read_metrics(run_dir.metrics) if r.get("event") == "eval"] \
         if run_dir.metrics.is_file() else []

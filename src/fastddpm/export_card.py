@@ -75,8 +75,10 @@ def how_to_sample(cfg, fmt: str, sampler: str) -> list[str]:
                "`--class` it draws unconditionally." if m.conditional else "")
         return [f"Sample from this folder with `python sample_onnx.py . --out grid.png` (fastddpm's sampler for ONNX "
                 "exports, copied here: it needs onnxruntime and numpy only: DDIM, or Euler's method for an EDM or "
-                f"flow model; `--help` lists its options), or with {sampler}.{cls} `fastddpm sample` does not read "
-                "ONNX: it samples the run this came from (export.json names its checkpoint)."]
+                f"flow model; `--help` lists its options), or with {sampler}.{cls} model.onnx carries schedule.json "
+                "and config.json in its metadata (`fastddpm.schedule`, `fastddpm.config`), so `python sample_onnx.py "
+                "model.onnx` samples the file alone too. `fastddpm sample` does not read ONNX: it samples the run "
+                "this came from (export.json names its checkpoint)."]
     # torch-export: torch alone loads it; fastddpm sample and the ONNX example do not read .pt2
     y = (f", torch.full((n,), {m.num_classes})" if m.conditional else "")
     how = "Sample with torch alone" + ("" if d.objective == "ddpm" else f", by Euler's method below (or {sampler})")

@@ -5,6 +5,9 @@ Every ONNX export folder holds a copy of this file, so the folder samples wherev
     cd EXPORT_DIR && python sample_onnx.py . [--num 64] [--steps 20] [--seed 0] [--class NAME|ID [--guidance W]]
                                             [--batch-size 256] [--out onnx_samples.png]
 
+(or `python sample_onnx.py path/to/model.onnx ...`: the file carries schedule.json and config.json in its
+metadata, for a model.onnx that travels without its folder; the folder's files, where present, come first)
+
 (with fastddpm installed, `python -m fastddpm.sample_onnx EXPORT_DIR ...` is the same). DDIM (Song et al. 2021,
 eta = 0) over `--steps` trailing timesteps of schedule.json's betas, or for an EDM or flow-matching export Euler's
 method over its levels (the same update, x' = alpha' x0_hat + sigma' eps_hat). A conditional model draws class
@@ -162,9 +165,20 @@ def class_id(schedule: dict, wanted: str) -> int:
     raise SystemExit(f"--class {wanted!r} is not one of this model's classes: {valid} (a name or its number)")
 
 
+def folder_or_model_json(model: Path, session: ort.InferenceSession, name: str) -> dict | None:
+    """`name`.json beside the model file (the export folder's, which a user may edit: class names), else the same
+    JSON from the file's own metadata (fastddpm.`name`: the model file alone, away from its folder), else None."""
+    beside = model.parent / f"{name}.json"
+    if beside.is_file():
+        return json.loads(beside.read_text())
+    carried = session.get_modelmeta().custom_metadata_map.get(f"fastddpm.{name}")
+    return None if carried is None else json.loads(carried)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("export_dir", type=Path)
+    p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR|MODEL.onnx",
+                   help="the export folder, or a model.onnx alone (its metadata holds schedule.json and config.json)")
     p.add_argument("--num", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -177,12 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num < 1 or args.steps < 1:
         raise SystemExit(f"--num {args.num} and --steps {args.steps} must both be >= 1")
-    if not (args.export_dir / "model.onnx").is_file():
+    model = args.export_dir if args.export_dir.suffix == ".onnx" and args.export_dir.is_file() else \
+        args.export_dir / "model.onnx"
+    if not model.is_file():
         raise SystemExit(f"{args.export_dir} holds no model.onnx: give the folder of a `fastddpm export --format "
-                         "onnx` (its README.md says how to sample an export of another format)")
-    schedule = json.loads((args.export_dir / "schedule.json").read_text())
-    config = args.export_dir / "config.json"
-    run_guidance = json.loads(config.read_text()).get("train", {}).get("sample_guidance") if config.is_file() else None
+                         "onnx` or its model.onnx (its README.md says how to sample an export of another format)")
+    try:  # before the grid's folder is made: a file that does not load leaves nothing behind
+        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's own error classes (InvalidProtobuf, Fail, ...) live in its C++ module
+        raise SystemExit(f"{model}: onnxruntime cannot load it ({str(e).strip() or type(e).__name__}): export it "
+                         "again with fastddpm export --format onnx") from None
+    schedule, config = folder_or_model_json(model, session, "schedule"), folder_or_model_json(model, session, "config")
+    if schedule is None:
+        raise SystemExit(f"{model} has no schedule.json beside it and carries none in its metadata (an export older "
+                         "than the metadata): sample it in its export folder, or export it again")
+    run_guidance = (config or {}).get("train", {}).get("sample_guidance")
     label = None if args.label is None else class_id(schedule, args.label)
     if args.guidance is not None and label is None:
         raise SystemExit("--guidance steers toward a class: give --class NAME|ID with it")
@@ -195,12 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         doubled = ", and a guided call doubles the batch" if most < MAX_BATCH else ""
         raise SystemExit(f"--batch-size {args.batch_size}: between 1 and {most} (the export's batch axis takes at "
                          f"most {MAX_BATCH} images{doubled})")
-    model = args.export_dir / "model.onnx"
-    try:  # before the grid's folder is made: a file that does not load leaves nothing behind
-        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime's own error classes (InvalidProtobuf, Fail, ...) live in its C++ module
-        raise SystemExit(f"{model}: onnxruntime cannot load it ({str(e).strip() or type(e).__name__}): export it "
-                         "again with fastddpm export --format onnx") from None
     try:  # the grid's folder, before any sampling
         args.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
