@@ -108,6 +108,14 @@ def test_a_per_parameter_ema_loop_is_costed_and_its_fix_is_a_foreach_update(tmp_
     assert finding is not None, text
     assert finding["rules"] == [23] and finding["group"] == "compute"
     assert "28 in-place updates (sub_) one tensor at a time" in finding["evidence"][0]
+    # the place: the loop's line, as the script has it, counted once in a warm-up step by a TorchFunctionMode
+    line = 1 + EMA_SCRIPT.replace("UPDATE", PER_TENSOR).splitlines().index(
+        "                s_param.sub_((1 - decay) * (s_param - param))")
+    assert report["measurements"]["update_site"] == {
+        "place": f"train.py:{line}", "code": "s_param.sub_((1 - decay) * (s_param - param))", "updates": 28}
+    assert f"outside the optimizer, made at train.py:{line} (`s_param.sub_((1 - decay) * (s_param - param))`)" \
+        in finding["evidence"][0]
+    assert f"in place of the loop at train.py:{line}, the two lists" in finding["fixes"][0]["code"]
     assert "(1.0x the optimizer's" in finding["evidence"][0]
     assert "over the 28 parameter tensors after the optimizer step issues sub_ for every tensor" \
         in finding["cause"]
@@ -143,6 +151,10 @@ def test_diffusers_emamodel_updated_per_tensor_is_fixed_by_its_own_foreach_argum
     assert any(f.startswith("diffusers ") and f"EMAModel() at train.py:{line}" in f
                for f in report["script"]["frameworks"])
     assert finding["fixes"][0]["trial"] == "foreach-ema"
+    # the updates run in diffusers' step: their place is the script's line that calls it
+    step_line = 1 + [s.strip() for s in script.splitlines()].index("UPDATE")
+    assert report["measurements"]["update_site"] == {"place": f"train.py:{step_line}",
+                                                     "code": "ema.step(model.parameters())", "updates": 196}
     (trial,) = report["trials"]
     assert trial["fix"] == "foreach-ema" and trial["failed"] is None and trial["rounds"] == 2
     assert trial["applied"] == ["EMAModel(foreach=True)"]
@@ -173,6 +185,7 @@ def test_the_foreach_ema_it_prescribes_is_not_flagged(tmp_path):
     """The fix applied: one _foreach_lerp_ call, whose per-tensor work runs inside it, is no loop of updates."""
     report, _ = _run(tmp_path, FOREACH)
     assert report["measurements"]["trace"]["param_update_loop"] is None
+    assert "update_site" not in report["measurements"]  # one call a step is no loop's place either
     assert _finding(report, "per-tensor-ema") is None
 
 

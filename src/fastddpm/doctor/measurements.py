@@ -16,6 +16,7 @@
       attention_calls  AttentionCalls     nn.MultiheadAttention.forward calls seen (doctor run, watch())
       attention_sites  list[dict]         the modules that built L x L attention weights (the counted step)
       optimizer        OptimizerInfo      the optimizer whose steps are the boundaries (doctor run)
+      update_site      dict               the line of the loop's in-place updates after the step (doctor run)
       conv_layout      str                the convolution weights' memory format (nchw, channels_last, mixed)
 
 A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
@@ -233,6 +234,9 @@ class Measurements:
     # defined_at and forward_at (file:line of the class and of its forward), tokens (L)
     attention_sites: list[dict] = field(default_factory=list)
     optimizer: OptimizerInfo | None = None
+    # where the loop's own code updates tensors in place after the optimizer step (rule 23's place): {"place":
+    # "train.py:57" (or "train.py:57 in main" inside a function), "code": that line, "updates": the calls counted}
+    update_site: dict | None = None
     # the memory format of the 2-D convolutions' weights: "nchw", "channels_last" or "mixed" (rule 11's cause)
     conv_layout: str | None = None
     # "channels-last": the loop compiles with Inductor's layout optimization forced (fastddpm's --inductor-layout);
@@ -337,6 +341,8 @@ class Measurements:
                 d[key] = dataclasses.asdict(getattr(self, key))
         if self.attention_sites:
             d["attention_sites"] = [dict(site) for site in self.attention_sites]
+        if self.update_site is not None:
+            d["update_site"] = dict(self.update_site)
         if self.conv_layout is not None:
             d["conv_layout"] = self.conv_layout
         if self.inductor_layout is not None:
@@ -369,7 +375,8 @@ class Measurements:
                    low_precision=_typed(LowPrecision, d.get("low_precision")),
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
                    attention_sites=[dict(site) for site in d.get("attention_sites") or []],
-                   optimizer=_typed(OptimizerInfo, d.get("optimizer")), conv_layout=d.get("conv_layout"),
+                   optimizer=_typed(OptimizerInfo, d.get("optimizer")), update_site=d.get("update_site"),
+                   conv_layout=d.get("conv_layout"),
                    inductor_layout=d.get("inductor_layout"), windows=dict(d.get("windows") or {}))
 
 

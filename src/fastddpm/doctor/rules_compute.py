@@ -535,8 +535,10 @@ def param_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     opt = m.optimizer
     tensors = f"{opt.param_tensors} " if opt is not None and opt.param_tensors else ""
     names = [n.removeprefix("aten::") for n in loop["per_tensor_ops"]]
+    site = m.update_site  # the line of the user's code that made them, where the doctor ran the script
+    at = f", made at {site['place']}" + (f" (`{site['code']}`)" if site.get("code") else "") if site else ""
     ev = [f"{loop['updates']} in-place updates ({', '.join(names)}) one tensor at a time each step, outside the "
-          f"optimizer, writing {loop['elements']:,} elements"
+          f"optimizer{at}, writing {loop['elements']:,} elements"
           + (f" ({loop['elements'] / opt.param_count:.1f}x the optimizer's {opt.param_count:,} parameters)"
              if opt is not None and opt.param_count else ""),
           f"the loop takes {loop['span_us'] / 1e3:.2f} ms of a {loop['step_us'] / 1e3:.2f} ms profiled step "
@@ -549,8 +551,9 @@ def param_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         "fused, this loop is not",
         [Fix("fastddpm's EMA is already three foreach ops (--ema-every k updates it every k steps)",
              "with torch.no_grad(): torch._foreach_lerp_(ema_params, model_params, 1 - decay) in place of the "
-             "loop, the two lists built once (ema_params = list(ema.parameters()), model_params = "
-             "list(model.parameters())): one call for every tensor and one pass over each; or "
+             f"loop{' at ' + site['place'].split(' in ')[0] if site else ''}, the two lists built once (ema_params "
+             "= list(ema.parameters()), model_params = list(model.parameters())): one call for every tensor and "
+             "one pass over each; or "
              "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), or "
              "diffusers' EMAModel(..., foreach=True)")],
         group="compute")

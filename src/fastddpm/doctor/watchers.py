@@ -1,6 +1,6 @@
 """What the doctor sees of a loop from the outside, besides its steps and data waits: calls into
-nn.MultiheadAttention and the modules that build attention weights (rule 17), the optimizer that steps (rule 19)
-and the batch size (rule 20).
+nn.MultiheadAttention and the modules that build attention weights (rule 17), the optimizer that steps (rule 19),
+the batch size (rule 20) and the line of the loop's own in-place updates after the step (rule 23).
 
 `doctor run` and `watch()` install an `AttentionWatch` for the length of the run; it wraps
 nn.MultiheadAttention.forward on the class (the way `doctor run` times DataLoader.__iter__), counts the calls
@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+import sysconfig
+from collections import Counter
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from fastddpm.doctor.marks import CLOSURE_MARK
 from fastddpm.doctor.measurements import AttentionCalls, OptimizerInfo
+from fastddpm.doctor.trace_loops import MIN_UPDATE_OPS, UPDATE_OPS
 
 _NEED_WEIGHTS_ARG = 4  # forward(query, key, value, key_padding_mask, need_weights, ...)
 
@@ -82,7 +87,9 @@ def _caller_outside_torch() -> tuple[str, str]:
     if frame is None:
         return "an unknown place", ""
     code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}", code
+    name = frame.f_code.co_name
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
+        f" in {name}" if name != "<module>" else ""), code
 
 
 def _without_comment(line: str) -> str:
@@ -98,6 +105,57 @@ def _without_comment(line: str) -> str:
     except (tokenize.TokenError, SyntaxError):
         return ""
     return line.strip()
+
+
+class UpdateSites(TorchFunctionMode):
+    """Where the loop's own code updates tensors in place outside autograd (an EMA of the weights, rule 23), by the
+    line of the user's code that led there: while active (between an optimizer step and the next module call or
+    step, once, in the warm-up), each call of one of the rule's in-place ops made from outside torch (torch's own
+    zero_grad or optimizer are not the loop's) on a tensor that autograd does not record is counted against the
+    innermost frame of the user's files (not torch, fastddpm, installed packages or the standard library: a
+    diffusers EMAModel's loop is counted at the line that calls ema.step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.code: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _UPDATE_NAMES and args and isinstance(args[0], torch.Tensor) and (
+                not torch.is_grad_enabled() or not args[0].requires_grad):
+            caller = sys._getframe(1)
+            if not caller.f_code.co_filename.startswith(_TORCH_DIR):
+                where, code = _user_frame(caller)
+                self.counts[where] += 1
+                self.code.setdefault(where, code)
+        return func(*args, **(kwargs or {}))
+
+    def found(self) -> dict | None:
+        """{"place": "train.py:57", "code": that line, "updates": calls counted there} for the place
+        with the most, where they are MIN_UPDATE_OPS or more; else None."""
+        if not self.counts:
+            return None
+        where, n = self.counts.most_common(1)[0]
+        return {"place": where, "code": self.code[where], "updates": n} if n >= MIN_UPDATE_OPS else None
+
+
+_UPDATE_NAMES = {op.removeprefix("aten::") for op in UPDATE_OPS}
+_NOT_USERS = tuple({_TORCH_DIR, os.path.dirname(os.path.dirname(__file__)) + os.sep,
+                    *(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib"))})
+
+
+def _user_frame(frame) -> tuple[str, str]:
+    """(`train.py:57 in main`, or `train.py:57` at a script's top level, and that line's code) of the innermost
+    frame from `frame` outward in the user's own files; the outermost frame where every one is elsewhere."""
+    import linecache
+
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_NOT_USERS)
+                                        or frame.f_code.co_filename.startswith("<")):
+        frame = frame.f_back
+    code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+    name = frame.f_code.co_name
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
+        f" in {name}" if name != "<module>" else ""), code
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
