@@ -20,9 +20,10 @@ from fastddpm.rundir.locate import find_resume, locate
 from fastddpm.trainer.ema import EMA
 from fastddpm.trainer.state import TrainState
 
-# The keys of a .pt checkpoint, as every fastddpm version has written them: loaders elsewhere rely on them.
+# The keys of a .pt checkpoint, as every fastddpm version has written them (ema_off_grid since the EMA's last-step
+# update; older checkpoints lack it): loaders elsewhere rely on them.
 PT_KEYS = {"format", "model", "ema", "optimizer", "scaler", "step", "images_seen", "config", "world_size",
-           "global_batch", "micro_split", "cpu_threads", "train_s", "data", "rng"}
+           "global_batch", "micro_split", "cpu_threads", "train_s", "data", "ema_off_grid", "rng"}
 
 
 def _checkpointer(run_dir: Path, *, seed: int = 0, scaler: bool = False):

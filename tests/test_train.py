@@ -595,3 +595,41 @@ def test_a_step_count_the_preset_set_is_called_the_presets_in_the_refusal(fmnist
     other = apply_overrides(cfg, {"train.sample_steps": 9})  # not the preset's count: the flag's own
     with pytest.raises(ConfigError, match=r"--sample-steps 9: the grids' sampler"):
         check_sampling_steps(other)
+
+
+def test_ema_every_k_folds_the_runs_last_steps_into_the_final_ema_and_resumes_exactly(tmp_path, fmnist_npz):
+    """--ema-every 3 over 6 steps (0..5) updated the EMA at steps 0 and 3 only: the final EMA missed steps 4 and 5.
+    The last step folds in the steps since the previous update (decay**2 here); a run stopped at step 2 and resumed
+    ends with the same EMA bit for bit; a run that ended at step 4 (decay**1) and is resumed longer folds in only
+    the step after it, not step 4 again."""
+    from fastddpm.trainer.ema import EMA
+    from fastddpm.trainer.setup import TrainHooks
+
+    cfg = tiny_cfg(fmnist_npz, max_steps=6, ema_every=3, checkpoint_every=4, num_sample_images=1, sample_steps=1)
+    beta = EMA(torch.nn.Linear(1, 1), cfg.train.ema_decay, warmup=cfg.train.ema_warmup).beta
+
+    def folded(ema, model, weight):  # EMA.update's ops: ema + (theta - ema) * (1 - beta**n), a float32 weight
+        w = torch.tensor(weight, dtype=torch.float32)
+        return {k: ema[k] + (model[k] - ema[k]) * w for k in ema}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    train(cfg, out_dir=tmp_path / "full", log=quiet)
+    at_4, end = (load_checkpoint(p) for p in list_checkpoints(tmp_path / "full" / "checkpoints"))
+    assert end["step"] == 6 and at_4["step"] == 4
+    assert same(end["ema"], folded(at_4["ema"], end["model"], 1 - beta(5) ** 2))
+
+    stopped = tmp_path / "stopped"
+    train(cfg, out_dir=stopped, log=quiet, hooks=TrainHooks(after_step=lambda step: step == 2))
+    train(cfg, out_dir=stopped, resume="latest", log=quiet)
+    _, resumed = load_latest(stopped / "checkpoints")
+    assert same(resumed["ema"], end["ema"]) and same(resumed["model"], end["model"])
+
+    longer = tmp_path / "longer"
+    train(apply_overrides(cfg, {"train.max_steps": 5}), out_dir=longer, log=quiet)
+    _, ended = load_latest(longer / "checkpoints")
+    assert ended["ema_off_grid"] == 4 and same(ended["ema"], folded(at_4["ema"], ended["model"], 1 - beta(4)))
+    train(cfg, out_dir=longer, resume="latest", log=quiet)
+    _, longer_end = load_latest(longer / "checkpoints")
+    assert same(longer_end["ema"], folded(ended["ema"], longer_end["model"], 1 - beta(5)))

@@ -46,3 +46,17 @@ class EMA:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         load_model_state(self.model, state, what="the checkpoint's EMA weights")
+
+
+def ema_steps(step: int, every: int, *, last: bool, off_grid: int | None) -> int:
+    """How many optimizer steps the EMA update after `step` (0-based) folds in, its decay raised to that power;
+    0 for no update. A step on the every-k grid (step % every == 0) folds in `every`; the run's last step folds in
+    the steps since the previous update, so the final EMA misses none of the run's last steps. `off_grid`: the
+    step of such a last-step update off the grid (TrainState.ema_off_grid: the run was then resumed longer), from
+    which the next update counts, so no step is folded in twice."""
+    if step % every and not last:
+        return 0
+    previous = step - every if step % every == 0 else step - step % every
+    if off_grid is not None:
+        previous = max(previous, off_grid)
+    return step - previous

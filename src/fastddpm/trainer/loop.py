@@ -29,6 +29,7 @@ from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import write_grid
 from fastddpm.trainer.batch_finder import is_oom
 from fastddpm.trainer.compile_counters import CompileCounters
+from fastddpm.trainer.ema import ema_steps as fold_ema_steps
 from fastddpm.distributed import SINGLE, any_rank, barrier, mean_across_ranks, shutdown
 from fastddpm.trainer.loggers import RunLoggers
 from fastddpm.trainer.setup import Run, TrainHooks, prepare_run
@@ -146,8 +147,11 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
         # the batch and the learning rate are functions of (seed, step): a resumed run draws the same ones
         micro = run.micro_batches()
         lr = run.lr_at(state.images_seen + run.images_per_step)
+        # the EMA folds in every ema_every-th step and the run's last, so the final EMA misses none of the steps
+        ema_steps = fold_ema_steps(state.step, train_cfg.ema_every, last=state.step + 1 == run.total_steps,
+                                   off_grid=state.ema_off_grid)
         try:
-            loss = run.opt.step_fn(micro, lr=lr, step=state.step)
+            loss = run.opt.step_fn(micro, lr=lr, step=state.step, ema_steps=ema_steps)
         except Exception as e:  # noqa: BLE001 - only an out-of-memory error is handled; the rest re-raise
             # A capture that failed (out of memory included) may have broken the process: it stops, naming
             # --cuda-graphs off, and never runs the step again here.
@@ -156,6 +160,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
             del micro, e  # drop the failed step's activations before trying again
             resplit_after_oom(run)
             continue  # the same step again: nothing was updated (the update and EMA come after the backward)
+        if ema_steps and state.step % train_cfg.ema_every:
+            state.ema_off_grid = state.step
         state.advance()
         out.count(loss)
         if hooks.after_step is not None and hooks.after_step(state.step):

@@ -19,7 +19,9 @@ class TrainState:
     out-of-memory step (the same data and result, a slower step), kept across a resume. world_size,
     global_batch and cpu_threads: what this run computes with, saved so that a resume under others can say what
     stops being bit-exact (`resume_notes`). data: the dataset's identity (PreparedData.identity, with its source),
-    saved so that a resume on other data is refused (trainer.setup)."""
+    saved so that a resume on other data is refused (trainer.setup). ema_off_grid: the step of the run's last EMA
+    update off the --ema-every grid (the last step of a run that ended there), so that a run resumed longer folds
+    the steps after it, not those before, into its next update (trainer.ema.ema_steps)."""
 
     device: torch.device
     world_size: int
@@ -30,6 +32,7 @@ class TrainState:
     micro_split: int = 1
     train_s: float = 0.0  # training wall time up to `step`, evaluations excluded, over every process of the run
     data: dict[str, Any] | None = None
+    ema_off_grid: int | None = None
     saved_by: dict[str, Any] = field(default_factory=dict)  # the loaded checkpoint's world and threads
 
     def advance(self) -> None:
@@ -40,7 +43,7 @@ class TrainState:
         cuda = self.device.type == "cuda"
         return {"step": self.step, "images_seen": self.images_seen, "world_size": self.world_size,
                 "global_batch": self.global_batch, "micro_split": self.micro_split, "cpu_threads": self.cpu_threads,
-                "train_s": self.train_s, "data": self.data,
+                "train_s": self.train_s, "data": self.data, "ema_off_grid": self.ema_off_grid,
                 "rng": {"torch_cpu": torch.get_rng_state(),
                         "torch_cuda": torch.cuda.get_rng_state(self.device) if cuda else None}}
 
@@ -49,6 +52,7 @@ class TrainState:
         self.step, self.images_seen = int(state["step"]), int(state["images_seen"])
         self.micro_split = int(state.get("micro_split", 1))
         self.train_s = float(state.get("train_s", 0.0))  # 0 from a checkpoint written before it was saved
+        self.ema_off_grid = state.get("ema_off_grid")  # None before: those runs updated on the grid only
         torch.set_rng_state(state["rng"]["torch_cpu"])
         if self.device.type == "cuda" and state["rng"].get("torch_cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["torch_cuda"], self.device)

@@ -207,21 +207,26 @@ class TrainStep:
         bad = int(self.first_bad_step_t)
         return None if bad < 0 else bad
 
-    def set_hyper(self, lr: float, step: int) -> None:
+    def set_hyper(self, lr: float, step: int, ema_steps: int = 1) -> None:
         self.step_t.fill_(step)
         if self.tensor_lr:
             self.lr_t.fill_(lr)
         else:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        beta = self.ema.beta(step) ** self.ema_every
+        beta = self.ema.beta(step) ** ema_steps
         self.ema_weight_t.fill_(1.0 - beta)
 
-    def __call__(self, batches: Sequence[Batch], *, lr: float, step: int) -> torch.Tensor:
-        """One optimizer step over `accum_steps` micro-batches. Returns the mean loss, on the device."""
+    def __call__(self, batches: Sequence[Batch], *, lr: float, step: int,
+                 ema_steps: int | None = None) -> torch.Tensor:
+        """One optimizer step over `accum_steps` micro-batches. Returns the mean loss, on the device. `ema_steps`:
+        how many steps the EMA update folds in (fastddpm.trainer.ema.ema_steps; 0: none); None: `ema_every` on
+        its grid, as a caller that does not know the run's last step (the benchmarks) wants."""
         assert len(batches) == self.accum_steps
-        self.set_hyper(lr, step)
-        do_ema = step % self.ema_every == 0
+        if ema_steps is None:
+            ema_steps = self.ema_every if step % self.ema_every == 0 else 0
+        self.set_hyper(lr, step, max(ema_steps, 1))
+        do_ema = ema_steps > 0
         if self.cuda_graphs == "capture" and self.graph_failed is None and self.ema_every == 1:
             if self.graph is None:
                 self._capture(batches)
