@@ -384,7 +384,7 @@ class TrainConfig:
         default=0.5, metadata=_doc("Share of free device memory the resident dataset may use (data_placement=auto).")
     )
     ema_every: int = field(
-        default=1, metadata=_doc("Update the EMA every k steps (with decay^k) and at the last step, outside CUDA graphs.")
+        default=1, metadata=_doc("Update the EMA every k steps (decay^k) and at the last step, outside CUDA graphs.")
     )
     device: str = field(default="auto", metadata=_doc("cuda, cuda:N, cpu, or auto (CUDA when present)."))
     cpu_threads: int | None = field(
