@@ -499,6 +499,32 @@ def test_the_folder_is_a_layer_under_what_is_given_explicitly(google_style_folde
         resolve_config("tiny", layers=[("command line", {"train.init_from": str(folder), "model.family": "seed"})])
 
 
+def test_init_from_a_cosine_pipeline_holds_no_betas_and_an_old_run_that_holds_them_resumes(google_style_folder,
+                                                                                          tmp_path):
+    """diffusers writes beta_start and beta_end into a squaredcos_cap_v2 scheduler config too: --init-from copied
+    them into the run's config.json, where the cosine schedule reads neither. Now the run holds none; a run saved
+    with them still resolves and resumes (a beta is refused with the cosine schedule only when a user gives one)."""
+    from fastddpm.config import from_dict, resolve_config
+
+    folder, _ = google_style_folder
+    pipeline = tmp_path / "pipeline"
+    (pipeline / "unet").mkdir(parents=True)
+    (pipeline / "scheduler").mkdir()
+    for f in folder.iterdir():
+        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
+    (pipeline / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+        "_class_name": "DDPMScheduler", "beta_schedule": "squaredcos_cap_v2", "beta_start": 0.0001,
+        "beta_end": 0.02, "num_train_timesteps": 1000}))
+    given = [("command line", {"train.init_from": str(pipeline)})]
+    cfg = resolve_config("tiny", layers=given)
+    assert (cfg.diffusion.schedule, cfg.diffusion.beta_start, cfg.diffusion.beta_end) == ("cosine", None, None)
+    old = dataclasses.replace(cfg, diffusion=dataclasses.replace(cfg.diffusion, beta_start=1e-4, beta_end=0.02))
+    assert from_dict(old.to_dict()).diffusion == old.diffusion  # a checkpoint's config, as an older version wrote it
+    assert resolve_config(old, layers=given, resumed=old).diffusion == old.diffusion  # its resume
+    with pytest.raises(ConfigError, match=r"diffusion.beta_end='0.02' \(command line\) sets the linear schedule's"):
+        resolve_config("tiny", layers=[("command line", {"train.init_from": str(pipeline), "beta_end": "0.02"})])
+
+
 def test_a_head_width_equal_to_the_channels_is_one_head():
     """attention_head_dim equal to every attention layer's channels means one head, as None does."""
     import dataclasses

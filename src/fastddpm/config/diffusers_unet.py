@@ -266,10 +266,13 @@ def scheduler_fields(sched: dict, where: str) -> dict:
     prediction = sched.get("prediction_type", "epsilon")
     if prediction not in ("epsilon", "v_prediction"):
         refuse("prediction_type", "fastddpm's DDPM networks predict epsilon or v")
+    # diffusers writes beta_start and beta_end into every scheduler config; squaredcos_cap_v2 does not read them,
+    # nor does fastddpm's cosine schedule, so the run's config holds none (as a cosine run started otherwise)
+    linear = kind == "linear"
     return {"diffusion.objective": "ddpm", "diffusion.num_timesteps": int(sched.get("num_train_timesteps", 1000)),
-            "diffusion.schedule": "linear" if kind == "linear" else "cosine",
-            "diffusion.beta_start": float(sched.get("beta_start", 1e-4)),
-            "diffusion.beta_end": float(sched.get("beta_end", 0.02)),
+            "diffusion.schedule": "linear" if linear else "cosine",
+            "diffusion.beta_start": float(sched.get("beta_start", 1e-4)) if linear else None,
+            "diffusion.beta_end": float(sched.get("beta_end", 0.02)) if linear else None,
             "diffusion.prediction": "epsilon" if prediction == "epsilon" else "v"}
 
 
