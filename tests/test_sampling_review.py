@@ -11,7 +11,7 @@ from PIL import Image
 
 import fastddpm.sampling as sampling
 from fastddpm.cli import main
-from fastddpm.config import ConfigError, ModelConfig, RunConfig, apply_overrides, get_preset
+from fastddpm.config import API, ConfigError, ModelConfig, RunConfig, apply_overrides, get_preset
 from fastddpm.sampling import class_labels
 from fastddpm.trainer.loop import train
 
@@ -48,10 +48,25 @@ def test_class_all_with_fewer_images_than_classes_draws_the_images_asked_for():
     assert labels.tolist() == [0, 3, 6] and labels.dtype == np.int64 and per_class is None
     labels, per_class = class_labels(m, "all", 1)
     assert labels.tolist() == [0] and per_class is None
-    # at least one image per class: rows of num_images // classes, as before
-    labels, per_class = class_labels(m, " All ", 25)
+    # at least one image per class: rows of num_images / classes
+    labels, per_class = class_labels(m, " All ", 20)
     assert labels.tolist() == [c for c in range(10) for _ in range(2)] and per_class == 2
     assert class_labels(m, "all", 10)[0].tolist() == list(range(10))
+
+
+def test_class_all_with_a_count_that_is_no_multiple_of_the_classes_is_refused_in_the_cli_and_the_api(runs, capsys):
+    """--class all --num-images 13 (Model.sample(13, class_="all")) on 10 classes drew 10 images without a word:
+    both refuse it, naming the counts that draw every class alike, before any sampling."""
+    import fastddpm
+
+    with pytest.raises(ConfigError, match=r"^class_='all' with n=13: 'all' draws the same number of images of each "
+                                          r"of the model's 10 classes.*would draw 10\): give n 10 or 20, or below 10"):
+        class_labels(conditional(10), "all", 13, said=API)
+    assert main(["sample", "--checkpoint", str(runs["cond"]), "--class", "all", "--num-images", "13",
+                 "--no-progress"]) == 2
+    assert "--class all with --num-images 13: 'all' draws" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"class_='all' with n=13: .* give n 10 or 20"):
+        fastddpm.load(runs["cond"]).sample(13, class_="all")
 
 
 def test_class_all_on_the_command_line_writes_n_images(runs, tmp_path):

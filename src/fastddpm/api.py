@@ -199,9 +199,9 @@ class Model:
         to float rounding in the network's batched arithmetic, bit for bit at the same batch size);
         `first_image=K` draws images K .. K + n - 1 of the seed's sequence (a share of a draw split over processes;
         of one class or none, not with class_="all").
-        `class_`: a conditional model's class (name or id; "all" for n // classes of each, or with n below the class
-        count one image each of n classes spread over the ids), guided with `guidance` (default: the run's
-        train.sample_guidance).
+        `class_`: a conditional model's class (name or id; "all" for n / classes of each, n a multiple of the class
+        count, or with n below it one image each of n classes spread over the ids), guided with `guidance`
+        (default: the run's train.sample_guidance).
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
         W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler. `eta`: DDIM's
         (0 deterministic, 1 DDPM-like); `spacing`: the timesteps (trailing, karras, logsnr; None: the sampler's

@@ -161,14 +161,24 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int, *,
     """The class of each image `fastddpm sample --class` asks for: None (unconditional, or a conditional model's
     null class), one class (a name or an id, see class_index), or "all": num_images // num_classes images of every
     class, class by class; with fewer images than classes, num_images classes spread evenly over the ids, one image
-    each (as the training grid, grid_labels), so that no more images are drawn than were asked for. Returns (labels
-    (N,) int64 or None, images per class for an "all" grid's rows, or None where the rows are not classes)."""
+    each (as the training grid, grid_labels), so that no more images are drawn than were asked for. A count above
+    the classes that is no multiple of them is refused (it drew fewer images than asked, without a word). Returns
+    (labels (N,) int64 or None, images per class for an "all" grid's rows, or None where the rows are not
+    classes). `fastddpm sample` and Model.sample both call it, so they draw the same labels and refuse alike."""
     if wanted is None:
         return None, None
     if _every_class(wanted):
         if not model_cfg.conditional:
             class_index(model_cfg, wanted, said=said)  # raises: an unconditional model has no classes
-        labels, per_class = grid_labels(num_images, model_cfg.num_classes)
+        classes = model_cfg.num_classes
+        if num_images > classes and num_images % classes:
+            fewer = num_images // classes * classes
+            raise ConfigError(
+                f"{said('class', 'all')} with {said('num-images', num_images)}: 'all' draws the same number of images "
+                f"of each of the model's {classes} classes, and {num_images} is no multiple of {classes} (it would "
+                f"draw {fewer}): give {said('num-images')} {fewer} or {fewer + classes}, or below {classes} for one "
+                f"image each of that many classes spread over the ids")
+        labels, per_class = grid_labels(num_images, classes)
         return labels.numpy().astype(np.int64), per_class
     return np.full(num_images, class_index(model_cfg, wanted, said=said), dtype=np.int64), None
 
