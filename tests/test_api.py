@@ -231,6 +231,38 @@ def test_a_log_that_is_no_function_is_refused_before_the_run_folder_is_written(t
         fastddpm.evaluate(api_run.run_dir, num_samples=10, log="eval.txt")
 
 
+def test_a_keyword_given_as_text_or_of_another_type_is_refused_not_read_as_the_command_line_reads_text(tmp_path):
+    """fastddpm.train(conditional="yes") was read as the flag's text (True; "no" False), lr="1e-3" as a number and
+    down_channels="16,32,32" as a list: a keyword of another type is refused before any work, naming it, its
+    field, what the field takes and the value to pass. Values of the field's type pass, and the command line and
+    config files still read text."""
+    import numpy as np
+
+    from fastddpm.config import check_keyword_types, resolve_config
+
+    out = tmp_path / "run"
+    for keywords, says in (
+            (dict(conditional="yes"), r"conditional='yes' is a str, and model.conditional takes True or False: pass "
+                                      r"conditional=True \(a Python keyword is taken as it is; text is read"),
+            (dict(max_steps="1000"), r"max_steps='1000' is a str, and train.max_steps takes a whole number \(an int\) "
+                                     r"or None: pass max_steps=1000 "),
+            (dict(lr="1e-3"), r"lr='1e-3' is a str, and train.lr takes a number: pass lr=0.001 "),
+            (dict(lr=True), r"lr=True is a bool, and train.lr takes a number \("),
+            (dict(down_channels="16,32,32"), r"down_channels='16,32,32' is a str, and model.down_channels takes a list "
+                                             r"or tuple of ints: pass down_channels=\(16, 32, 32\)"),
+            (dict(batch_size="8"), r"batch_size='8' is a str, and train.batch_size takes .* pass batch_size=8 "),
+            ({"data.hflip": "off"}, r"data.hflip='off' is a str, and data.hflip takes True or False: pass "
+                                    r"data.hflip=False")):
+        with pytest.raises(ConfigError, match=rf"^fastddpm.train: {says}"):
+            fastddpm.train("tiny", out=out, log=None, **keywords)
+    assert not out.exists()
+    check_keyword_types({"conditional": False, "max_steps": np.int64(3), "lr": 1, "grad_clip": None,
+                         "batch_size": "auto", "data.source": tmp_path, "compile": False, "log_to": "tensorboard",
+                         "down_channels": [16, 32, 32], "adam_betas": (0.9, 0.99)}, "fastddpm.train")
+    cfg = resolve_config("tiny", layers=[("command line", {"model.conditional": "yes", "train.lr": "1e-3"})])
+    assert cfg.model.conditional is True and cfg.train.lr == 1e-3
+
+
 @pytest.mark.parametrize("value", [None, "", 3])
 def test_a_path_that_is_none_empty_or_no_path_is_named_with_what_to_pass(tmp_path, monkeypatch, value):
     """load(None) and train(out=None) were pathlib's TypeError from deep inside; out="" took the working directory

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, default_preset, load_config_file,
-                             not_a_number, resolve_config)
+from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, check_keyword_types, default_preset,
+                             load_config_file, not_a_number, resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -142,7 +142,8 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     seed-1layer where CUDA is available, else cpu-demo-cond; a resumed run, its own config); `data`: any data
     source (default: the config's, fashion-mnist); `resume`: "latest" or a checkpoint; `log`: where the run's
     lines go (print; None: nowhere); `overrides`: config fields, e.g. max_images=20_000, lr=1e-3,
-    precision="bf16" (or "train.lr"-style keys)."""
+    precision="bf16" (or "train.lr"-style keys), each a value of its field's type (conditional=True, not "yes":
+    text is refused where a bool, a number or a list is meant)."""
     from fastddpm.trainer.loop import train as train_loop
 
     log = _log(log, "fastddpm.train")
@@ -151,6 +152,7 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
                           f"fastddpm.train({overrides['preset']!r}, out=...)")
     if data is not None:
         overrides = {"data.source": data, **overrides}
+    check_keyword_types(overrides, "fastddpm.train")  # conditional="yes" is text, not True: refused, not read
     from fastddpm.rundir.locate import find_resume
 
     out = _path(out, "out", "fastddpm.train", "the run's folder (a new one, or a run directory to continue)")
