@@ -344,7 +344,7 @@ def test_flags_are_spelt_whole_not_abbreviated(capsys, tmp_path):
 
 @pytest.mark.parametrize("rank, local_rank, prints", [("0", None, True), ("1", None, False), (None, None, True),
                                                       ("", None, True), ("8", "0", True), ("9", "1", False)])
-def test_under_torchrun_one_process_a_node_prints_a_usage_error(capsys, monkeypatch, tmp_path, rank, local_rank,
+def test_under_torchrun_one_process_a_node_prints_a_usage_or_config_error(capsys, monkeypatch, tmp_path, rank, local_rank,
                                                                 prints):
     # every rank parses the same command line: eight copies of one error help nobody; the status is every rank's.
     # The first process of each node prints it (rank 8 of a second node: LOCAL_RANK 0); an empty RANK is rank 0.
@@ -362,6 +362,11 @@ def test_under_torchrun_one_process_a_node_prints_a_usage_error(capsys, monkeypa
         assert "unrecognized arguments: --num-sample" in err
     else:
         assert err == ""
+    # so is an error in the config the command line resolves to, before the process group begins
+    assert main(["train", "--out", str(tmp_path / "run"), "--preset", "tiny", "--lr", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert ("error: " in err and "lr" in err) if prints else err == ""
+    assert not (tmp_path / "run").exists()
 
 
 def test_docs_config_reference_is_current():

@@ -98,14 +98,18 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        # Under torchrun every rank parses the same command line and would print the same usage error: the first
-        # process of each node says it (whoever reads one node's log sees why it stopped), the others exit with the
-        # same status in silence (torchrun's summary lists every rank's exit). An empty RANK is rank 0, as in
-        # rundir.files.warn_on_rank_0.
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank is not None and world is not None and os.environ.get("LOCAL_RANK", rank).strip() not in ("", "0"):
+        if a_later_process_of_its_node():  # every rank parses the same command line
             self.exit(2)
         super().error(message)
+
+
+def a_later_process_of_its_node() -> bool:
+    """Under torchrun, whether this process is not the first of its node. Every rank parses the same command line
+    and resolves the same config files: of an error there, the first process of each node says it (whoever reads
+    one node's log sees why it stopped) and the others exit with the same status in silence (torchrun's summary
+    lists every rank's exit). An empty RANK is rank 0, as in rundir.files.warn_on_rank_0."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return rank is not None and world is not None and os.environ.get("LOCAL_RANK", rank).strip() not in ("", "0")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -259,9 +263,16 @@ def cmd_train(args, dests) -> int:
                           "(created if missing; an existing run's folder with --resume latest)"
                           if not args.print_config else
                           "--print-config --resume latest reads the run in --out: give --out RUN_DIR")
+    from fastddpm.rundir.files import CheckpointError
+
     run_dir = Path(args.out) if args.out is not None else None
-    resumed = find_resume(run_dir if run_dir is not None else Path.cwd(), args.resume)
-    cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
+    try:  # the same on every rank (the process group is not begun: its own errors are each rank's to say)
+        resumed = find_resume(run_dir if run_dir is not None else Path.cwd(), args.resume)
+        cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
+    except (ConfigError, CheckpointError):
+        if a_later_process_of_its_node():
+            return 2
+        raise
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
