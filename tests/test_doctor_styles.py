@@ -189,6 +189,45 @@ def test_the_foreach_ema_it_prescribes_is_not_flagged(tmp_path):
     assert _finding(report, "per-tensor-ema") is None
 
 
+PER_SAMPLE_SCRIPT = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 32), torch.nn.SiLU(), torch.nn.Linear(32, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    abar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)
+    loader = DataLoader(TensorDataset(torch.randn(4096, 2)), batch_size=32, shuffle=True)
+    for epoch in range(1000):
+        for (x0,) in loader:
+            t = torch.randint(0, 1000, (len(x0),))
+            noise = torch.randn_like(x0)
+            a = abar[t][:, None]
+            pred = model(torch.cat([a.sqrt() * x0 + (1 - a).sqrt() * noise, t[:, None] / 1000], 1))
+            LOSS
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+""")
+
+
+def test_a_per_sample_loss_loop_is_found_at_its_line(tmp_path):
+    """The loss summed sample by sample (pred[i], noise[i] over the batch of 32) in a script the doctor runs: rule
+    22's finding names the line that indexes them, as the script has it, and its fix points there."""
+    loss = "loss = sum(F.mse_loss(pred[i], noise[i]) for i in range(len(pred))) / len(pred)"
+    report, text = _run(tmp_path, "", script=PER_SAMPLE_SCRIPT.replace("LOSS", loss))
+    line = 1 + [s.strip() for s in PER_SAMPLE_SCRIPT.splitlines()].index("LOSS")
+    assert report["measurements"]["item_sites"][0] == {"place": f"train.py:{line}", "code": loss, "items": 64,
+                                                       "length": 32}
+    assert "update_site" not in report["measurements"]  # the loss's per-sample ops are no EMA
+    finding = _finding(report, "item-loop")
+    assert finding is not None, text
+    assert f"indexed one by one each step at train.py:{line} (`{loss}`)" in finding["evidence"][0]
+    assert finding["fixes"][0]["code"].startswith(f"replace the loop at train.py:{line} with one op over the whole")
+
+
 def test_rule_param_loop_on_hand_built_measurements():
     """Rule 23 fires on a loop over the parameters (half their elements or more) taking over 5% of the step, costs
     half of it, takes its ops out of rule 18's elementwise share, and on a GPU counts only up to the idle share,

@@ -17,6 +17,7 @@
       attention_sites  list[dict]         the modules that built L x L attention weights (the counted step)
       optimizer        OptimizerInfo      the optimizer whose steps are the boundaries (doctor run)
       update_site      dict               the line of the loop's in-place updates after the step (doctor run)
+      item_sites       list[dict]         the lines that index a tensor item by item (doctor run)
       conv_layout      str                the convolution weights' memory format (nchw, channels_last, mixed)
 
 A part that was not measured is None. `Measurements.to_dict()` is the JSON report's `measurements` (users and
@@ -237,6 +238,9 @@ class Measurements:
     # where the loop's own code updates tensors in place after the optimizer step (rule 23's place): {"place":
     # "train.py:57" (or "train.py:57 in main" inside a function), "code": that line, "updates": the calls counted}
     update_site: dict | None = None
+    # where it indexes a tensor item by item (rule 22's place): [{"place", "code", "items": x[i] calls in one step,
+    # "length": the indexed tensor's first dimension}], most calls first
+    item_sites: list[dict] = field(default_factory=list)
     # the memory format of the 2-D convolutions' weights: "nchw", "channels_last" or "mixed" (rule 11's cause)
     conv_layout: str | None = None
     # "channels-last": the loop compiles with Inductor's layout optimization forced (fastddpm's --inductor-layout);
@@ -343,6 +347,8 @@ class Measurements:
             d["attention_sites"] = [dict(site) for site in self.attention_sites]
         if self.update_site is not None:
             d["update_site"] = dict(self.update_site)
+        if self.item_sites:
+            d["item_sites"] = [dict(site) for site in self.item_sites]
         if self.conv_layout is not None:
             d["conv_layout"] = self.conv_layout
         if self.inductor_layout is not None:
@@ -376,6 +382,7 @@ class Measurements:
                    attention_calls=_typed(AttentionCalls, d.get("attention_calls")),
                    attention_sites=[dict(site) for site in d.get("attention_sites") or []],
                    optimizer=_typed(OptimizerInfo, d.get("optimizer")), update_site=d.get("update_site"),
+                   item_sites=[dict(site) for site in d.get("item_sites") or []],
                    conv_layout=d.get("conv_layout"),
                    inductor_layout=d.get("inductor_layout"), windows=dict(d.get("windows") or {}))
 

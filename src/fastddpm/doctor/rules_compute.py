@@ -484,9 +484,12 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     n, indexed = loop["items"], loop["indexed_per_step"]
     shapes = " and ".join("(" + ", ".join(map(str, s)) + ")" for s in loop["shapes"])
     each = ", ".join(loop["per_item_ops"])
+    # the line of the user's code that indexes them, where the doctor ran the script
+    site = next((s for s in m.item_sites if s["length"] == n), None)
+    at = f" at {site['place']}" + (f" (`{site['code']}`)" if site.get("code") else "") if site else ""
     ev = [f"{indexed} of the {n} items along the first dimension of the tensor(s) {shapes} indexed one by one each "
-          f"step (x[i], " + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; the "
-                            "batch size was not seen)") + (f"; each goes through {each}" if each else ""),
+          f"step{at} (x[i], " + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; "
+                                "the batch size was not seen)") + (f"; each goes through {each}" if each else ""),
           f"the loop takes {span_ms:.2f} ms of a {step_ms:.2f} ms profiled step and its backward's per-sample "
           f"autograd nodes {back_ms:.2f} ms ({pct(share)} together"
           + ", the profiler slowing them as the rest of the step"
@@ -497,7 +500,8 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         "item-loop", (22,), f"PER-SAMPLE LOOP: the step handles {n} samples one at a time in Python", cost, ev,
         "each sample's ops are dispatched on their own (and their backward nodes recorded one by one), so the "
         "per-op overhead is paid once per sample instead of once per batch",
-        [Fix(None, "replace the loop with one op over the whole batch: F.mse_loss(pred, target) for the mean of "
+        [Fix(None, f"replace the loop{' at ' + site['place'].split(' in ')[0] if site else ''} with one op over "
+                   "the whole batch: F.mse_loss(pred, target) for the mean of "
                    "equal-sized samples' losses, F.mse_loss(pred, target, reduction='none').flatten(1).mean(1) "
                    "for each sample's own loss, a tensor index (x[idx]) or torch.where for per-sample choices, "
                    "torch.vmap for a per-sample function" + (f" (here: {each})" if each else ""))],

@@ -1,6 +1,7 @@
 """What the doctor sees of a loop from the outside, besides its steps and data waits: calls into
 nn.MultiheadAttention and the modules that build attention weights (rule 17), the optimizer that steps (rule 19),
-the batch size (rule 20) and the line of the loop's own in-place updates after the step (rule 23).
+the batch size (rule 20) and the lines of the loop's own per-sample indexing (rule 22) and in-place updates after
+the step (rule 23).
 
 `doctor run` and `watch()` install an `AttentionWatch` for the length of the run; it wraps
 nn.MultiheadAttention.forward on the class (the way `doctor run` times DataLoader.__iter__), counts the calls
@@ -87,9 +88,9 @@ def _caller_outside_torch() -> tuple[str, str]:
     if frame is None:
         return "an unknown place", ""
     code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
-    name = frame.f_code.co_name
+    name = frame.f_code.co_name  # a function's name; not <module>, <genexpr>, <listcomp>: the line says it
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
-        f" in {name}" if name != "<module>" else ""), code
+        f" in {name}" if not name.startswith("<") else ""), code
 
 
 def _without_comment(line: str) -> str:
@@ -107,36 +108,60 @@ def _without_comment(line: str) -> str:
     return line.strip()
 
 
-class UpdateSites(TorchFunctionMode):
-    """Where the loop's own code updates tensors in place outside autograd (an EMA of the weights, rule 23), by the
-    line of the user's code that led there: while active (between an optimizer step and the next module call or
-    step, once, in the warm-up), each call of one of the rule's in-place ops made from outside torch (torch's own
-    zero_grad or optimizer are not the loop's) on a tensor that autograd does not record is counted against the
-    innermost frame of the user's files (not torch, fastddpm, installed packages or the standard library: a
-    diffusers EMAModel's loop is counted at the line that calls ema.step)."""
+class LoopSites(TorchFunctionMode):
+    """Where the loop's own code does what rules 22 and 23 find in the trace, by the line of the user's code that
+    led there (the innermost frame in the user's files: not torch, fastddpm, installed packages or the standard
+    library, so a diffusers EMAModel's loop is counted at the line that calls ema.step). Active for one warm-up
+    step, from an optimizer step to the next (`doctor run`), it counts calls made from outside torch (torch's own
+    zero_grad and optimizer are not the loop's):
+      updates  one of rule 23's in-place ops on a tensor autograd does not record, until the first module call
+               (an EMA of the weights after the step; a forward's in-place ops are not one)
+      items    x[i] with a whole number i on a tensor (a sample indexed from the batch, rule 22), with the
+               indexed tensor's first dimension"""
 
     def __init__(self):
         super().__init__()
-        self.counts: Counter[str] = Counter()
+        self.counting_updates = True
+        self.updates: Counter[str] = Counter()
+        self.items: Counter[tuple[str, int]] = Counter()
         self.code: dict[str, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in _UPDATE_NAMES and args and isinstance(args[0], torch.Tensor) and (
-                not torch.is_grad_enabled() or not args[0].requires_grad):
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], torch.Tensor) and (
+                (name == "__getitem__" and len(args) > 1 and _whole(args[1]) and args[0].dim() > 0)
+                or (name in _UPDATE_NAMES and self.counting_updates
+                    and (not torch.is_grad_enabled() or not args[0].requires_grad))):
             caller = sys._getframe(1)
             if not caller.f_code.co_filename.startswith(_TORCH_DIR):
                 where, code = _user_frame(caller)
-                self.counts[where] += 1
+                if name == "__getitem__":
+                    self.items[where, args[0].shape[0]] += 1
+                else:
+                    self.updates[where] += 1
                 self.code.setdefault(where, code)
         return func(*args, **(kwargs or {}))
 
-    def found(self) -> dict | None:
-        """{"place": "train.py:57", "code": that line, "updates": calls counted there} for the place
-        with the most, where they are MIN_UPDATE_OPS or more; else None."""
-        if not self.counts:
+    def update_site(self) -> dict | None:
+        """{"place": "train.py:57", "code": that line, "updates": the calls there} for the place with the most,
+        where they are MIN_UPDATE_OPS or more; else None."""
+        if not self.updates:
             return None
-        where, n = self.counts.most_common(1)[0]
+        where, n = self.updates.most_common(1)[0]
         return {"place": where, "code": self.code[where], "updates": n} if n >= MIN_UPDATE_OPS else None
+
+    def item_sites(self) -> list[dict]:
+        """[{"place", "code", "items": x[i] calls there, "length": the indexed tensors' first dimension}] for the
+        places that indexed at least half of such a tensor's items one by one (a loop over it), most first."""
+        return [{"place": where, "code": self.code[where], "items": n, "length": length}
+                for (where, length), n in self.items.most_common() if n >= 2 and 2 * n >= length]
+
+
+def _whole(index) -> bool:
+    """An index that picks one item: a Python int (not a bool), or a 0-d integer tensor."""
+    if isinstance(index, torch.Tensor):
+        return index.dim() == 0 and not index.is_floating_point() and index.dtype != torch.bool
+    return isinstance(index, int) and not isinstance(index, bool)
 
 
 _UPDATE_NAMES = {op.removeprefix("aten::") for op in UPDATE_OPS}
@@ -153,9 +178,9 @@ def _user_frame(frame) -> tuple[str, str]:
                                         or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
     code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
-    name = frame.f_code.co_name
+    name = frame.f_code.co_name  # a function's name; not <module>, <genexpr>, <listcomp>: the line says it
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
-        f" in {name}" if name != "<module>" else ""), code
+        f" in {name}" if not name.startswith("<") else ""), code
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
