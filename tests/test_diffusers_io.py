@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -431,21 +432,27 @@ def diffusers_weights(folder):
     return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
 
 
+def _pipeline_folder(unet_folder: Path, tmp_path: Path, scheduler: dict) -> Path:
+    """A DDPMPipeline-style folder: `unet_folder`'s files under unet/, `scheduler` as scheduler/'s config."""
+    pipeline = tmp_path / "pipeline"
+    (pipeline / "unet").mkdir(parents=True)
+    (pipeline / "scheduler").mkdir()
+    for f in unet_folder.iterdir():
+        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
+    (pipeline / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler))
+    return pipeline
+
+
 def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_switches(google_style_folder, rgb_npz,
                                                                                      tmp_path, capsys):
     """`fastddpm train --init-from DIR` with no model options on the command line: a DDPMPipeline folder (unet/ and
     scheduler/) fine-tunes a few steps, and exports back as a UNet2DModel with the folder's switches that computes
     fastddpm's function; an explicit option that contradicts the folder is refused by name."""
     folder, _ = google_style_folder
-    pipeline = tmp_path / "pipeline"
-    (pipeline / "unet").mkdir(parents=True)
-    (pipeline / "scheduler").mkdir()
-    for f in folder.iterdir():
-        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
     # not the defaults (google's is linear epsilon), so that reading it shows
-    (pipeline / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+    pipeline = _pipeline_folder(folder, tmp_path, {
         "_class_name": "DDPMScheduler", "beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 1000,
-        "prediction_type": "v_prediction", "clip_sample": True, "variance_type": "fixed_small"}))
+        "prediction_type": "v_prediction", "clip_sample": True, "variance_type": "fixed_small"})
     run, out = tmp_path / "run", tmp_path / "export"
     assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--init-from",
                  str(pipeline), "--max-steps", "2", "--batch-size", "4", "--no-progress"]) == 0
@@ -507,14 +514,9 @@ def test_init_from_a_cosine_pipeline_holds_no_betas_and_an_old_run_that_holds_th
     from fastddpm.config import from_dict, resolve_config
 
     folder, _ = google_style_folder
-    pipeline = tmp_path / "pipeline"
-    (pipeline / "unet").mkdir(parents=True)
-    (pipeline / "scheduler").mkdir()
-    for f in folder.iterdir():
-        (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
-    (pipeline / "scheduler" / "scheduler_config.json").write_text(json.dumps({
+    pipeline = _pipeline_folder(folder, tmp_path, {
         "_class_name": "DDPMScheduler", "beta_schedule": "squaredcos_cap_v2", "beta_start": 0.0001,
-        "beta_end": 0.02, "num_train_timesteps": 1000}))
+        "beta_end": 0.02, "num_train_timesteps": 1000})
     given = [("command line", {"train.init_from": str(pipeline)})]
     cfg = resolve_config("tiny", layers=given)
     assert (cfg.diffusion.schedule, cfg.diffusion.beta_start, cfg.diffusion.beta_end) == ("cosine", None, None)
