@@ -27,7 +27,7 @@ from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
 from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
 from fastddpm.doctor.trace import TraceStats, analyze, load_trace
-from fastddpm.doctor.watchers import AttentionWatch, batch_size
+from fastddpm.doctor.watchers import AttentionWatch, SitesWindow, batch_size
 
 # the trace's names for matmul input dtypes -> the dtype a peak can be measured in
 _PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -337,6 +337,7 @@ class Watch:
         self.report: Report | None = None
         self.batch_size: int | None = None
         self.attention = AttentionWatch(lambda: self.session.phase == "watch")
+        self.sites = SitesWindow()  # from a warm-up step's dr.step() to the next one's
 
     def batches(self):
         """The loader's batches, epoch after epoch, until the planned steps are done."""
@@ -358,7 +359,10 @@ class Watch:
                 return
 
     def step(self) -> None:
+        self.sites.close()
         self.session.step()
+        if self.session.phase == "warmup" and not self.session.done:  # the next step is a warm-up one too
+            self.sites.open(after_optimizer_step=False)
 
     @property
     def done(self) -> bool:
@@ -370,6 +374,7 @@ class Watch:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.attention.__exit__()
+        self.sites.close()
         if exc_type is not None and not issubclass(exc_type, (StopIteration, GeneratorExit)):
             self.session._stop_profiler()
             self.session.release_hooks()
@@ -378,7 +383,7 @@ class Watch:
         if not self.session.done:
             self.session.finish_early("the loop ended")
         seen = {"batch_size": self.batch_size,
-                "attention_calls": self.attention.measured(len(self.session.records))}
+                "attention_calls": self.attention.measured(len(self.session.records)), **self.sites.seen()}
         self.report = diagnose(self.session, context="user", flops_per_step=self.flops_per_step, seen=seen)
         if self.print_report:
             self.report.print()

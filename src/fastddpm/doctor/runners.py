@@ -27,7 +27,7 @@ from fastddpm.doctor.rules import verdict
 from fastddpm.doctor.script_context import ScriptContext
 from fastddpm.doctor.session import DoctorConfig, DoctorDone, DoctorError, Session
 from fastddpm.doctor.stall import Stalled, StallWatch, stalled
-from fastddpm.doctor.watchers import AttentionWatch, LoopSites, batch_size, conv_layout, optimizer_info
+from fastddpm.doctor.watchers import AttentionWatch, SitesWindow, batch_size, conv_layout, optimizer_info
 
 # --try's default bound (--try-seconds): the trials' rounds and steps are fitted to it
 TRY_SECONDS = 300.0
@@ -98,9 +98,7 @@ class ScriptHooks:
         self.batch_size: int | None = None  # of the training loader's first batch
         self.optimizer_info = None
         self.attention = AttentionWatch(lambda: session.phase == "watch")
-        self.sites = LoopSites()  # active once: from a warm-up step's optimizer step to the next one's
-        self._sites_window = "ready"  # then "open", then "done"
-        self._sites_hook, self._sites_thread = None, None
+        self.sites = SitesWindow()  # from a warm-up step's optimizer step to the next one's
 
     def fetched(self, loader, batch) -> None:
         """A batch came from `loader`: remembered until the training loader is known."""
@@ -172,35 +170,15 @@ class ScriptHooks:
             session.step()
             if session.done:
                 raise DoctorDone()
-            if session.phase == "warmup" and hooks._sites_window == "ready":
-                hooks._open_sites()  # the next step is a warm-up one too: the counting costs no timed step
-
-        from torch.nn.modules.module import register_module_forward_pre_hook
+            if session.phase == "warmup":  # the next step is a warm-up one too: the counting costs no timed step
+                hooks.sites.open(after_optimizer_step=True)
 
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         def before_optimizer_step(optimizer, args, kwargs):
             if hooks._optimizer is None or hooks._optimizer() is optimizer:
-                hooks._close_sites()
+                hooks.sites.close()
                 session.start_clocks()  # a loop that fetched no batch before its first step: its step 0 starts here
-
-        def open_sites():
-            hooks.sites.__enter__()  # a mode of this thread's: closed on it (the module hook fires on any)
-            hooks._sites_window, hooks._sites_thread = "open", threading.get_ident()
-            compiled = "torch._dynamo" in sys.modules and bool(sys.modules["torch._dynamo"].utils.counters["stats"]
-                                                              .get("unique_graphs"))
-
-            def first_module_call(module, args):
-                hooks.sites.counting_updates = False  # the forward's own in-place ops are no EMA
-                if compiled:  # the model must not be traced with the mode on: its forward is left uncounted
-                    hooks._close_sites()
-                elif hooks._sites_hook is not None:
-                    hooks._sites_hook.remove()
-                    hooks._sites_hook = None
-
-            hooks._sites_hook = register_module_forward_pre_hook(first_module_call)
-
-        self._open_sites = open_sites
 
         self._handles = [register_optimizer_step_pre_hook(before_optimizer_step),
                          register_optimizer_step_post_hook(after_optimizer_step)]
@@ -213,18 +191,9 @@ class ScriptHooks:
         DataLoader.__iter__ = self._orig_iter
         for h in self._handles:
             h.remove()
-        self._close_sites()
+        self.sites.close()
         self.attention.__exit__()
         return False
-
-    def _close_sites(self) -> None:
-        """End the counting window (one in a run)."""
-        if self._sites_window == "open" and threading.get_ident() == self._sites_thread:
-            self._sites_window = "done"
-            if self._sites_hook is not None:
-                self._sites_hook.remove()
-                self._sites_hook = None
-            self.sites.__exit__(None, None, None)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -235,8 +204,7 @@ class ScriptHooks:
         """What the hooks saw, as Measurements fields (diagnose's `seen`)."""
         opt = self.optimizer
         return {"batch_size": self.batch_size, "optimizer": self.optimizer_info,
-                "loader_per_epoch": self.loader_per_epoch, "update_site": self.sites.update_site(),
-                "item_sites": self.sites.item_sites(),
+                "loader_per_epoch": self.loader_per_epoch, **self.sites.seen(),
                 "attention_calls": self.attention.measured(len(self.session.records)),
                 "conv_layout": conv_layout(p for g in opt.param_groups for p in g["params"]) if opt else None}
 

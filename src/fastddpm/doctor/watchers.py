@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import threading
 from collections import Counter
 
 import torch
@@ -110,8 +111,8 @@ def _without_comment(line: str) -> str:
 
 class LoopSites(TorchFunctionMode):
     """Where the loop's own code does what rules 22 and 23 find in the trace, by the line of the user's code that
-    led there (the innermost frame in the user's files: not torch, fastddpm, installed packages or the standard
-    library, so a diffusers EMAModel's loop is counted at the line that calls ema.step). Active for one warm-up
+    led there (the innermost frame in the user's files: not torch, installed packages or the standard library, so
+    a diffusers EMAModel's loop is counted at the line that calls ema.step). Active for one warm-up
     step, from an optimizer step to the next (`doctor run`), it counts calls made from outside torch (torch's own
     zero_grad and optimizer are not the loop's):
       updates  one of rule 23's in-place ops on a tensor autograd does not record, until the first module call
@@ -157,6 +158,58 @@ class LoopSites(TorchFunctionMode):
                 for (where, length), n in self.items.most_common() if n >= 2 and 2 * n >= length]
 
 
+class SitesWindow:
+    """LoopSites for one warm-up step, opened once and closed once on the thread that trains (a torch function mode
+    is that thread's). While open, an optimizer step starts the count of updates and a module call ends it; a
+    compiled model's first call closes the window (its forward must not be traced with the mode on)."""
+
+    def __init__(self):
+        self.sites = LoopSites()
+        self.state = "ready"  # then "open", then "done"
+        self._handles: list = []
+        self._thread: int | None = None
+        self._graphs_before = _compiled_graphs()  # the process's earlier compilations are not this loop's
+
+    def open(self, *, after_optimizer_step: bool) -> None:
+        if self.state != "ready":
+            return
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        compiled = _compiled_graphs() > self._graphs_before
+
+        def module_call(module, args):
+            self.sites.counting_updates = False  # the forward's own in-place ops are no EMA
+            if compiled:
+                self.close()
+
+        def optimizer_stepped(optimizer, args, kwargs):
+            self.sites.counting_updates = True
+
+        self.sites.counting_updates = after_optimizer_step
+        self.sites.__enter__()
+        self.state, self._thread = "open", threading.get_ident()
+        self._handles = [register_module_forward_pre_hook(module_call),
+                         register_optimizer_step_post_hook(optimizer_stepped)]
+
+    def close(self) -> None:
+        if self.state == "open" and threading.get_ident() == self._thread:
+            self.state = "done"
+            for h in self._handles:
+                h.remove()
+            self.sites.__exit__(None, None, None)
+
+    def seen(self) -> dict:
+        """What it counted, as Measurements fields."""
+        return {"update_site": self.sites.update_site(), "item_sites": self.sites.item_sites()}
+
+
+def _compiled_graphs() -> int:
+    """The graphs torch.compile has made in this process so far (0 where torch._dynamo was never imported)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return int(dynamo.utils.counters["stats"].get("unique_graphs", 0)) if dynamo is not None else 0
+
+
 def _whole(index) -> bool:
     """An index that picks one item: a Python int (not a bool), or a 0-d integer tensor."""
     if isinstance(index, torch.Tensor):
@@ -165,8 +218,9 @@ def _whole(index) -> bool:
 
 
 _UPDATE_NAMES = {op.removeprefix("aten::") for op in UPDATE_OPS}
-_NOT_USERS = tuple({_TORCH_DIR, os.path.dirname(os.path.dirname(__file__)) + os.sep,
-                    *(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib"))})
+# installed packages and the standard library; fastddpm's own code is a user's where it is the loop (a planted
+# case, a script calling its U-Net), and never the caller of an op the sites count otherwise
+_NOT_USERS = tuple({_TORCH_DIR, *(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib", "stdlib"))})
 
 
 def _user_frame(frame) -> tuple[str, str]:
