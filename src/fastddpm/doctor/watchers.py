@@ -80,14 +80,18 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 def _caller_outside_torch() -> tuple[str, str]:
     """(`train.py:31 in forward`, that line's code, "" where its source is not at hand): the innermost frame of the
     caller's stack outside torch (nn.Module.__call__ and its hooks sit between the call and the wrapped forward)."""
-    import linecache
-    import sys
-
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
         frame = frame.f_back
     if frame is None:
         return "an unknown place", ""
+    return _place(frame)
+
+
+def _place(frame) -> tuple[str, str]:
+    """(`train.py:31 in forward`, or `train.py:31` outside a function, and that line's code) of `frame`."""
+    import linecache
+
     code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
     name = frame.f_code.co_name  # a function's name; not <module>, <genexpr>, <listcomp>: the line says it
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
@@ -112,11 +116,10 @@ def _without_comment(line: str) -> str:
 class LoopSites(TorchFunctionMode):
     """Where the loop's own code does what rules 22 and 23 find in the trace, by the line of the user's code that
     led there (the innermost frame in the user's files: not torch, installed packages or the standard library, so
-    a diffusers EMAModel's loop is counted at the line that calls ema.step). Active for one warm-up
-    step, from an optimizer step to the next (`doctor run`), it counts calls made from outside torch (torch's own
-    zero_grad and optimizer are not the loop's):
-      updates  one of rule 23's in-place ops on a tensor autograd does not record, until the first module call
-               (an EMA of the weights after the step; a forward's in-place ops are not one)
+    a diffusers EMAModel's loop is counted at the line that calls ema.step). Active for one warm-up step
+    (SitesWindow), it counts calls made from outside torch (torch's own zero_grad and optimizer are not the loop's):
+      updates  one of rule 23's in-place ops on a tensor autograd does not record, from an optimizer step to the
+               next module call (an EMA of the weights after the step; a forward's in-place ops are not one)
       items    x[i] with a whole number i on a tensor (a sample indexed from the batch, rule 22), with the
                indexed tensor's first dimension"""
 
@@ -224,17 +227,12 @@ _NOT_USERS = tuple({_TORCH_DIR, *(sysconfig.get_paths()[k] + os.sep for k in ("p
 
 
 def _user_frame(frame) -> tuple[str, str]:
-    """(`train.py:57 in main`, or `train.py:57` at a script's top level, and that line's code) of the innermost
-    frame from `frame` outward in the user's own files; the outermost frame where every one is elsewhere."""
-    import linecache
-
+    """_place of the innermost frame from `frame` outward in the user's own files; of the outermost frame where
+    every one is elsewhere."""
     while frame.f_back is not None and (frame.f_code.co_filename.startswith(_NOT_USERS)
                                         or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
-    code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
-    name = frame.f_code.co_name  # a function's name; not <module>, <genexpr>, <listcomp>: the line says it
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" + (
-        f" in {name}" if not name.startswith("<") else ""), code
+    return _place(frame)
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
