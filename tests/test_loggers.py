@@ -19,11 +19,13 @@ event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.ev
 
 def logged_run(tmp_path, data, log_to: str):
     """A tiny run of 8 steps logging every 2, a grid every 4 steps and an evaluation at step 8, sent to `log_to`.
-    Returns (run dir, its CLI arguments, the metrics.jsonl train lines, its eval lines)."""
+    Returns (run dir, its CLI arguments, the metrics.jsonl train lines, its eval lines). The grids are 4 images in
+    2 sampler steps (the preset's: 16 in 10): what is checked of them is their steps and that each is an image."""
     run = tmp_path / "run"
     args = ["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
             "--log-every", "2", "--sample-every-images", "64", "--no-progress", "--log-to", log_to,
-            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2"]
+            "--eval-every", "128", "--eval-samples", "20", "--eval-steps", "2", "--num-sample-images", "4",
+            "--sample-steps", "2"]
     assert main(args) == 0
     records = read_metrics(run / "metrics.jsonl")
     return run, args, [r for r in records if r.get("event") != "eval"], [r for r in records if r.get("event") == "eval"]
