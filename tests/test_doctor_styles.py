@@ -74,9 +74,9 @@ def _run(tmp_path, update: str, script: str = EMA_SCRIPT) -> tuple[dict, str]:
 
 
 def _run_in_process(tmp_path, script: str, try_fixes: int) -> tuple[dict, str]:
-    """`_run` with `--try`, in this process (as `fastddpm doctor run` runs it), its trials exactly three rounds
-    whatever the machine's load (the command line bounds them by time only; the median of three stands one round
-    that a busy machine slowed), and the thread count put back."""
+    """`_run` with `--try`, in this process (as `fastddpm doctor run` runs it), its trials one round whatever the
+    machine's load (the command line bounds them by time only): what a fix does is checked here, what it gains is
+    measured by benchmarks/doctor_emamodel_try.py (benchmarks/RESULTS.md); the thread count put back."""
     from fastddpm.doctor import DoctorConfig
     from fastddpm.doctor.runners import run_script
 
@@ -85,7 +85,7 @@ def _run_in_process(tmp_path, script: str, try_fixes: int) -> tuple[dict, str]:
     cfg = DoctorConfig(warmup_steps=2, steps=3, profile_steps=5, loader_probe_s=0, out_dir=rep, time_budget_s=None)
     threads = torch.get_num_threads()
     try:
-        run_script(path, [], cfg, device="cpu", try_fixes=try_fixes, try_rounds=3, try_seconds=None,
+        run_script(path, [], cfg, device="cpu", try_fixes=try_fixes, try_rounds=1, try_seconds=None,
                    log=lambda *a: None)
     finally:
         torch.set_num_threads(threads)
@@ -136,8 +136,9 @@ def test_diffusers_emamodel_updated_per_tensor_is_fixed_by_its_own_foreach_argum
     """A script that keeps its EMA in diffusers' EMAModel (foreach=False by default) is told to pass foreach=True
     where it builds it, not to write torch._foreach_lerp_ into a library's step it does not own; --try runs the
     unchanged script with EMAModel built foreach=True against it. Here the EMA steps over 196 small tensors (a
-    48-block MLP of width 32), a loop of three ops and diffusers' checks per tensor: a foreach step measured
-    1.15-1.3x on a 2-core CPU, above the prediction (half the profiled loop's share, ~1.1x)."""
+    48-block MLP of width 32): benchmarks/doctor_emamodel_try.py measured 1.17-1.25x against 1.10-1.11x predicted
+    on this script (benchmarks/RESULTS.md); the test checks the trial runs the fix and reports against the
+    finding's prediction."""
     pytest.importorskip("diffusers")
     script = EMA_SCRIPT.replace("ema = copy.deepcopy(model).requires_grad_(False)",
                                 "from diffusers.training_utils import EMAModel\n"
@@ -157,12 +158,10 @@ def test_diffusers_emamodel_updated_per_tensor_is_fixed_by_its_own_foreach_argum
     assert report["measurements"]["update_site"] == {"place": f"train.py:{step_line}",
                                                      "code": "ema.step(model.parameters())", "updates": 196}
     (trial,) = report["trials"]
-    assert trial["fix"] == "foreach-ema" and trial["failed"] is None and trial["rounds"] == 3
-    assert trial["applied"] == ["EMAModel(foreach=True)"]
+    assert trial["fix"] == "foreach-ema" and trial["failed"] is None and trial["rounds"] == 1
+    assert trial["applied"] == ["EMAModel(foreach=True)"]  # the fix's run built it so; the base run did not
     assert trial["predicted"] == pytest.approx(1 / (1 - finding["cost"]), rel=1e-3)
-    # faster, and the prediction no more than the measured gain (docs/DOCTOR.md: estimates are conservative),
-    # within the 15% that alternating runs on a shared 2-core CPU move
-    assert trial["measured"] > 1.0 and trial["predicted"] <= 1.15 * trial["measured"], trial
+    assert trial["measured"] == pytest.approx(trial["base_ms"][0] / trial["fix_ms"][0])
 
 
 def test_the_foreach_ema_trial_builds_diffusers_emamodel_with_foreach():
