@@ -25,9 +25,9 @@ import torch
 from fastddpm.doctor.measurements import CompileCounts, LowPrecision, Measurements, Mfu, Roofline
 from fastddpm.doctor.report import Report
 from fastddpm.doctor.rules import evaluate, verdict
-from fastddpm.doctor.session import DoctorConfig, DoctorError, Session, _dynamo_graphs
+from fastddpm.doctor.session import DoctorConfig, DoctorError, Session
 from fastddpm.doctor.trace import TraceStats, analyze, load_trace
-from fastddpm.doctor.watchers import AttentionWatch, SitesWindow, batch_size
+from fastddpm.doctor.watchers import AttentionWatch, SitesWindow, batch_size, dynamo_graphs
 
 # the trace's names for matmul input dtypes -> the dtype a peak can be measured in
 _PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -183,9 +183,9 @@ def low_precision(device: torch.device | str, *, fp32_peak: dict | None = None,
 
 def _compile_counts(s: Session) -> CompileCounts | None:
     """Rule 10's counters; None when nothing was compiled in the whole run."""
-    warm, end = s.compile_warm, s.compile_end or _dynamo_graphs()
+    warm, end = s.compile_warm, s.compile_end or dynamo_graphs()
     # this run's own graphs: the counters are the process's, and an earlier run (a notebook, a test) counted too
-    total = tuple(a - b for a, b in zip(_dynamo_graphs(), s.compile_start))
+    total = tuple(a - b for a, b in zip(dynamo_graphs(), s.compile_start))
     if not any(total):
         return None
     w = warm or (0, 0, 0)

@@ -41,7 +41,7 @@ import torch
 from fastddpm.doctor.marks import DATA_MARK, STEP_MARK
 from fastddpm.doctor.measurements import CpuLoad, DeviceMemory, LoaderProbe, StepRecord, StepStats, Telemetry
 from fastddpm.doctor.system import CpuSampler, StepEvents, device_memory, gpu_telemetry, usable_device
-from fastddpm.doctor.watchers import AttentionSites, mark_step_closures
+from fastddpm.doctor.watchers import AttentionSites, dynamo_graphs, mark_step_closures
 from fastddpm.measure import SavedTensors
 
 
@@ -171,18 +171,6 @@ class _ThreadDemand:
             self._fd = None
 
 
-def _dynamo_graphs() -> tuple[int, int, int]:
-    """(graphs compiled, graph breaks, CUDA-graph skips) so far, from torch._dynamo's counters."""
-    try:
-        from torch._dynamo.utils import counters
-    except Exception:  # noqa: BLE001 - no dynamo in this build: nothing was compiled
-        return 0, 0, 0
-    graphs = int(counters["stats"].get("unique_graphs", 0))
-    breaks = int(sum(counters["graph_break"].values()))
-    skips = int(counters["inductor"].get("cudagraph_skips", 0))
-    return graphs, breaks, skips
-
-
 class Session:
     def __init__(self, config: DoctorConfig, *, device: torch.device | str | None = None,
                  on_done: Callable[[], None] | None = None):
@@ -207,7 +195,7 @@ class Session:
         self._epoch_start = False
         self._epochs = 0
         self._events = StepEvents()  # CUDA events on the watch's step boundaries
-        self._graphs_prev = _dynamo_graphs()
+        self._graphs_prev = dynamo_graphs()
         self.compile_start = self._graphs_prev  # dynamo's counters are per process: count from here
         self.compile_warm: tuple[int, int, int] | None = None
         self.compile_end: tuple[int, int, int] | None = None
@@ -303,7 +291,7 @@ class Session:
         self._clocks_started = True
         if self._phase == "watch" and not self.records:  # no warm-up: the watch's own clocks start here too
             self.cpu.rebase()
-            self.compile_warm = self._graphs_prev = _dynamo_graphs()
+            self.compile_warm = self._graphs_prev = dynamo_graphs()
             if self.cuda:  # the telemetry read first: the step's first event and clock start after it
                 self.telemetry_start = gpu_telemetry(self.device)
                 self._events.open(self.device, self._plan["watch"][0])
@@ -348,7 +336,7 @@ class Session:
         now = time.perf_counter()
         phase = self._phase
         if phase == "watch":
-            graphs = _dynamo_graphs()
+            graphs = dynamo_graphs()
             if self._opt_t0 is not None:  # the boundary is the optimizer's own post-hook, called before ours
                 self._opt_s += now - self._opt_t0
                 self._opt_t0 = None
@@ -386,7 +374,7 @@ class Session:
                 self.saved_unavailable = ("the loop runs under saved-tensor hooks of its own (e.g. "
                                           "torch.autograd.graph.save_on_cpu): not counted, not to hide them")
             else:
-                if _dynamo_graphs()[0] == self.compile_start[0]:  # global module hooks would make dynamo recompile
+                if dynamo_graphs()[0] == self.compile_start[0]:  # global module hooks would make dynamo recompile
                     self.attention_sites = AttentionSites().__enter__()
                 sites = self.attention_sites
                 self.saved = SavedTensors(on_pack=sites.saw if sites is not None else None).__enter__()
@@ -399,7 +387,7 @@ class Session:
         if new == "watch":
             self._time_optimizer(True)
             self._mark_closures(True)
-            self.compile_warm = _dynamo_graphs()
+            self.compile_warm = dynamo_graphs()
             self._graphs_prev = self.compile_warm
             if self.cuda:
                 self._events.open(self.device, self._plan["watch"][0])
@@ -407,7 +395,7 @@ class Session:
             self.cpu.start()
         if old == "watch":
             self._time_optimizer(False)
-            self.compile_end = _dynamo_graphs()
+            self.compile_end = dynamo_graphs()
             self.cpu_load = self.cpu.stop()
             if self.cuda:
                 self.telemetry_end = gpu_telemetry(self.device)
@@ -509,7 +497,7 @@ class Session:
             self._close_window(time.perf_counter(), ended_by_loop=True)
         self._time_optimizer(False)
         if self._phase != "done" and self.records and self.cpu_load is None:  # ended early, inside the watch
-            self.compile_end = _dynamo_graphs()
+            self.compile_end = dynamo_graphs()
             self.cpu_load = self.cpu.stop()
         self._stop_profiler()
         if self.cuda:

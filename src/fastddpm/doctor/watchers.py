@@ -171,7 +171,7 @@ class SitesWindow:
         self.state = "ready"  # then "open", then "done"
         self._handles: list = []
         self._thread: int | None = None
-        self._graphs_before = _compiled_graphs()  # the process's earlier compilations are not this loop's
+        self._graphs_before = dynamo_graphs()[0]  # the process's earlier compilations are not this loop's
 
     def open(self, *, after_optimizer_step: bool) -> None:
         if self.state != "ready":
@@ -179,7 +179,7 @@ class SitesWindow:
         from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        compiled = _compiled_graphs() > self._graphs_before
+        compiled = dynamo_graphs()[0] > self._graphs_before
 
         def module_call(module, args):
             self.sites.counting_updates = False  # the forward's own in-place ops are no EMA
@@ -207,10 +207,16 @@ class SitesWindow:
         return {"update_site": self.sites.update_site(), "item_sites": self.sites.item_sites()}
 
 
-def _compiled_graphs() -> int:
-    """The graphs torch.compile has made in this process so far (0 where torch._dynamo was never imported)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return int(dynamo.utils.counters["stats"].get("unique_graphs", 0)) if dynamo is not None else 0
+def dynamo_graphs() -> tuple[int, int, int]:
+    """(graphs compiled, graph breaks, CUDA-graph skips) so far, from torch._dynamo's counters."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001 - no dynamo in this build: nothing was compiled
+        return 0, 0, 0
+    graphs = int(counters["stats"].get("unique_graphs", 0))
+    breaks = int(sum(counters["graph_break"].values()))
+    skips = int(counters["inductor"].get("cudagraph_skips", 0))
+    return graphs, breaks, skips
 
 
 def _whole(index) -> bool:
