@@ -441,6 +441,15 @@ def _cpu_low_mfu(m: Measurements) -> Finding | None:
         group="compute")
 
 
+def _site_words(site: dict | None) -> tuple[str, str]:
+    """A loop's place in the user's code (watchers.LoopSites), as evidence says it (" train.py:57 (`code`)") and
+    as a fix points at it (" at train.py:57"); both "" where it was not counted."""
+    if site is None:
+        return "", ""
+    code = f" (`{site['code']}`)" if site.get("code") else ""
+    return f" {site['place']}{code}", f" at {site['place'].split(' in ')[0]}"
+
+
 def item_loop_cost(m: Measurements) -> dict | None:
     """Rule 22's reading of the trace: the loop over the batch's samples (trace_loops' dict, as "loop"), its
     time and its backward's in the profiled step ("span_ms", "back_ms", of a "step_ms" step), their "share" of
@@ -486,9 +495,9 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     each = ", ".join(loop["per_item_ops"])
     # the line of the user's code that indexes them, where the doctor ran the script
     site = next((s for s in m.item_sites if s["length"] == n), None)
-    at = f" at {site['place']}" + (f" (`{site['code']}`)" if site.get("code") else "") if site else ""
+    at, fix_at = _site_words(site)
     ev = [f"{indexed} of the {n} items along the first dimension of the tensor(s) {shapes} indexed one by one each "
-          f"step{at} (x[i], " + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; "
+          f"step{' at' + at if at else ''} (x[i], " + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; "
                                 "the batch size was not seen)") + (f"; each goes through {each}" if each else ""),
           f"the loop takes {span_ms:.2f} ms of a {step_ms:.2f} ms profiled step and its backward's per-sample "
           f"autograd nodes {back_ms:.2f} ms ({pct(share)} together"
@@ -500,7 +509,7 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         "item-loop", (22,), f"PER-SAMPLE LOOP: the step handles {n} samples one at a time in Python", cost, ev,
         "each sample's ops are dispatched on their own (and their backward nodes recorded one by one), so the "
         "per-op overhead is paid once per sample instead of once per batch",
-        [Fix(None, f"replace the loop{' at ' + site['place'].split(' in ')[0] if site else ''} with one op over "
+        [Fix(None, f"replace the loop{fix_at} with one op over "
                    "the whole batch: F.mse_loss(pred, target) for the mean of "
                    "equal-sized samples' losses, F.mse_loss(pred, target, reduction='none').flatten(1).mean(1) "
                    "for each sample's own loss, a tensor index (x[idx]) or torch.where for per-sample choices, "
@@ -539,10 +548,9 @@ def param_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     opt = m.optimizer
     tensors = f"{opt.param_tensors} " if opt is not None and opt.param_tensors else ""
     names = [n.removeprefix("aten::") for n in loop["per_tensor_ops"]]
-    site = m.update_site  # the line of the user's code that made them, where the doctor ran the script
-    at = f", made at {site['place']}" + (f" (`{site['code']}`)" if site.get("code") else "") if site else ""
+    at, fix_at = _site_words(m.update_site)  # the line of the user's code that made them, where it was counted
     ev = [f"{loop['updates']} in-place updates ({', '.join(names)}) one tensor at a time each step, outside the "
-          f"optimizer{at}, writing {loop['elements']:,} elements"
+          f"optimizer{', made at' + at if at else ''}, writing {loop['elements']:,} elements"
           + (f" ({loop['elements'] / opt.param_count:.1f}x the optimizer's {opt.param_count:,} parameters)"
              if opt is not None and opt.param_count else ""),
           f"the loop takes {loop['span_us'] / 1e3:.2f} ms of a {loop['step_us'] / 1e3:.2f} ms profiled step "
@@ -555,7 +563,7 @@ def param_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
         "fused, this loop is not",
         [Fix("fastddpm's EMA is already three foreach ops (--ema-every k updates it every k steps)",
              "with torch.no_grad(): torch._foreach_lerp_(ema_params, model_params, 1 - decay) in place of the "
-             f"loop{' at ' + site['place'].split(' in ')[0] if site else ''}, the two lists built once (ema_params "
+             f"loop{fix_at}, the two lists built once (ema_params "
              "= list(ema.parameters()), model_params = list(model.parameters())): one call for every tensor and "
              "one pass over each; or "
              "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), or "
