@@ -228,6 +228,43 @@ def test_a_per_sample_loss_loop_is_found_at_its_line(tmp_path):
     assert finding["fixes"][0]["code"].startswith(f"replace the loop at train.py:{line} with one op over the whole")
 
 
+def test_a_loop_iterating_the_batch_is_found_at_its_line(tmp_path):
+    """The same loss written `for p, n in zip(pred, noise):`: torch splits each tensor inside Tensor.__iter__, so
+    the line that iterates them is the script's `for` line, and rule 22's finding names it as it names an x[i]."""
+    loop = "for p, n in zip(pred, noise):"
+    loss = f"loss = 0\n        {loop}\n            loss = loss + F.mse_loss(p, n) / len(pred)"
+    script = PER_SAMPLE_SCRIPT.replace("LOSS", loss)
+    report, text = _run(tmp_path, "", script=script)
+    line = 1 + [s.strip() for s in script.splitlines()].index(loop)
+    assert report["measurements"]["item_sites"][0] == {"place": f"train.py:{line}", "code": loop, "items": 64,
+                                                       "length": 32}
+    finding = _finding(report, "item-loop")
+    assert finding is not None, text
+    assert f"indexed one by one each step at train.py:{line} (`{loop}`)" in finding["evidence"][0]
+    assert finding["fixes"][0]["code"].startswith(f"replace the loop at train.py:{line} with one op over the whole")
+
+
+def test_loop_sites_count_the_users_own_iteration_of_a_tensor_only():
+    """A tensor iterated (or unbound) by the user's own line is counted there, one item for each of its first
+    dimension's; chunks, parameters and the standard library's iteration of a tensor are not the user's loop."""
+    import statistics
+
+    from fastddpm.doctor.watchers import LoopSites
+
+    batch, model = torch.randn(8, 3), torch.nn.Linear(3, 2)
+    with LoopSites() as sites:
+        rows_line = sys._getframe().f_lineno + 1
+        rows = [row.sum() for row in batch]
+        halves = batch.chunk(2)
+        weights = [p for p in model.parameters()]
+        statistics.fmean(batch.sum(1))  # iterated inside statistics, not by this line
+        columns = batch.unbind(1)  # along the second dimension: no item of the batch
+    assert len(rows) == 8 and len(halves) == 2 and len(weights) == 2 and len(columns) == 3
+    here = f"test_doctor_styles.py:{rows_line} in test_loop_sites_count_the_users_own_iteration_of_a_tensor_only"
+    assert sites.item_sites() == [{"place": here, "code": "rows = [row.sum() for row in batch]", "items": 8,
+                                   "length": 8}]
+
+
 def test_watch_finds_the_lines_of_a_per_sample_loss_and_an_ema_loop():
     """fastddpm.doctor.watch() in the loop itself: one warm-up step counts the loss's x[i] at its line and the EMA's
     in-place updates after the optimizer step at theirs (not the forward's, which come before it)."""

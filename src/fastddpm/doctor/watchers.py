@@ -121,7 +121,12 @@ class LoopSites(TorchFunctionMode):
       updates  one of rule 23's in-place ops on a tensor autograd does not record, from an optimizer step to the
                next module call (an EMA of the weights after the step; a forward's in-place ops are not one)
       items    x[i] with a whole number i on a tensor (a sample indexed from the batch, rule 22), with the
-               indexed tensor's first dimension"""
+               indexed tensor's first dimension; and a tensor iterated (`for x in batch`, `zip(pred, target)`:
+               Tensor.__iter__ unbinds it inside torch, so the line is __iter__'s caller) or unbound along its
+               first dimension by the user's own line, as many items as that dimension. A library's or torch's
+               own iteration or unbind (an attention layer's split of its q, k, v) is not the loop's and is not
+               counted, nor is what is not a tensor (`for p in model.parameters()`, the tuple `x.chunk(2)`
+               returns)"""
 
     def __init__(self):
         super().__init__()
@@ -143,6 +148,12 @@ class LoopSites(TorchFunctionMode):
                     self.items[where, args[0].shape[0]] += 1
                 else:
                     self.updates[where] += 1
+                self.code.setdefault(where, code)
+        elif name == "unbind" and args and isinstance(args[0], torch.Tensor) and _along_first(args, kwargs):
+            frame = _iterating_user(sys._getframe(1))
+            if frame is not None:
+                where, code = _place(frame)
+                self.items[where, args[0].shape[0]] += args[0].shape[0]
                 self.code.setdefault(where, code)
         return func(*args, **(kwargs or {}))
 
@@ -239,6 +250,27 @@ def _user_frame(frame) -> tuple[str, str]:
                                         or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
     return _place(frame)
+
+
+def _along_first(args, kwargs) -> bool:
+    """An unbind call's dim (unbind(x), x.unbind(dim), dim=) is the first dimension of a tensor of 1 or more."""
+    x, dim = args[0], (kwargs or {}).get("dim", args[1] if len(args) > 1 else 0)
+    return x.dim() > 0 and isinstance(dim, int) and dim in (0, -x.dim())
+
+
+# Tensor.__iter__ is `iter(self.unbind(0))`, and skips __torch_function__ itself: a mode sees the unbind only,
+# called from this code
+_TENSOR_ITER = torch.Tensor.__iter__.__code__
+
+
+def _iterating_user(caller):
+    """The frame of the user's code that splits a tensor into its items, given the caller of an unbind: the frame
+    that iterates the tensor (the caller of Tensor.__iter__) or calls unbind itself, where that frame is in the
+    user's own files; else None (torch's, a library's or the standard library's own split)."""
+    frame = caller.f_back if caller.f_code is _TENSOR_ITER else caller
+    if frame is None or frame.f_code.co_filename.startswith(_NOT_USERS) or frame.f_code.co_filename.startswith("<"):
+        return None
+    return frame
 
 
 # Attention over fewer tokens than this is not worth a finding's place (and a 3x3 kernel is square too)
