@@ -20,11 +20,11 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
 from fastddpm.doctor.findings import Finding, Fix
+from fastddpm.doctor.watchers import place_of
 
 STALL_MIN_S = 60.0  # without a time budget: the shortest stall
 STALL_STEPS = 10  # ... and never under this many of the slowest step so far
@@ -196,23 +196,22 @@ def _innermost(ident: int | None) -> tuple | None:
 
 
 def stuck_at(thread_id: int | None, script: Path) -> str:
-    """Where the thread is: the innermost line of `script` on its stack (`train.py:23 in main`), and the call it is
-    in when that is elsewhere (`time.sleep`, a queue's get)."""
+    """Where the thread is: the innermost line of `script` on its stack (`train.py:23 in main`, worded by
+    watchers.place_of as the report words every place), and the Python call it is in when that is elsewhere (a
+    queue's get), else that line's code (a C call such as time.sleep has no frame of its own)."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return "an unknown place"
-    stack = traceback.extract_stack(frame)
-    mine = [f for f in stack if Path(f.filename).resolve() == script.resolve()]
-    inner = stack[-1]
-    if not mine:
-        return f"{inner.filename}:{inner.lineno} in {inner.name}"
-    at = mine[-1]
-    where = f"{script.name}:{at.lineno} in {at.name}"
-    if at is not inner:
-        where += f", inside {Path(inner.filename).name}:{inner.lineno} in {inner.name}"
-    elif at.line:
-        where += f" ({at.line.strip()})"
-    return where
+    mine, target = frame, script.resolve()
+    while mine is not None and Path(mine.f_code.co_filename).resolve() != target:
+        mine = mine.f_back
+    inner, _ = place_of(frame)
+    if mine is None:
+        return inner
+    where, code = place_of(mine)
+    if mine is not frame:
+        return f"{where}, inside {inner}"
+    return f"{where} ({code})" if code else where
 
 
 def stalled(watch: StallWatch) -> Finding:

@@ -85,11 +85,12 @@ def _caller_outside_torch() -> tuple[str, str]:
         frame = frame.f_back
     if frame is None:
         return "an unknown place", ""
-    return _place(frame)
+    return place_of(frame)
 
 
-def _place(frame) -> tuple[str, str]:
-    """(`train.py:31 in forward`, or `train.py:31` outside a function, and that line's code) of `frame`."""
+def place_of(frame) -> tuple[str, str]:
+    """(`train.py:31 in forward`, or `train.py:31` outside a function, and that line's code) of `frame`: how every
+    place in the user's code is worded in a report (rules 17, 22 and 23, and the stall watcher's stuck line)."""
     import linecache
 
     code = _without_comment(linecache.getline(frame.f_code.co_filename, frame.f_lineno))
@@ -152,7 +153,7 @@ class LoopSites(TorchFunctionMode):
         elif name == "unbind" and args and isinstance(args[0], torch.Tensor) and _along_first(args, kwargs):
             frame = _iterating_user(sys._getframe(1))
             if frame is not None:
-                where, code = _place(frame)
+                where, code = place_of(frame)
                 self.items[where, args[0].shape[0]] += args[0].shape[0]
                 self.code.setdefault(where, code)
         return func(*args, **(kwargs or {}))
@@ -244,12 +245,12 @@ _NOT_USERS = tuple({_TORCH_DIR, *(sysconfig.get_paths()[k] + os.sep for k in ("p
 
 
 def _user_frame(frame) -> tuple[str, str]:
-    """_place of the innermost frame from `frame` outward in the user's own files; of the outermost frame where
+    """place_of the innermost frame from `frame` outward in the user's own files; of the outermost frame where
     every one is elsewhere."""
     while frame.f_back is not None and (frame.f_code.co_filename.startswith(_NOT_USERS)
                                         or frame.f_code.co_filename.startswith("<")):
         frame = frame.f_back
-    return _place(frame)
+    return place_of(frame)
 
 
 def _along_first(args, kwargs) -> bool:
