@@ -195,7 +195,7 @@ def test_the_api_spells_its_own_arguments_and_takes_log_none(api_run, tmp_path, 
     ema = Path(api_run.run_dir) / "ema.safetensors"
     with pytest.raises(ConfigError, match=r"holds only the EMA weights: load it with weights='ema'"):
         fastddpm.load(ema, weights="model")
-    with pytest.raises(ConfigError, match=r"^evaluate: inception='/nowhere.pth': no such file.*inception='auto'"):
+    with pytest.raises(ConfigError, match=r"^inception='/nowhere.pth': no such file.*inception='auto'"):
         fastddpm.evaluate(api_run.run_dir, inception="/nowhere.pth")
     with pytest.raises(Exception, match=r"^resume='/nowhere.pt' does not exist\. Pass latest \(the newest "
                                         r"checkpoint in out\)"):
@@ -301,3 +301,28 @@ def test_train_leaves_the_callers_random_sequence_as_it_was(tmp_path, fmnist_npz
     torch.manual_seed(0)
     fastddpm.train("tiny", out=tmp_path / "run", data=str(fmnist_npz), max_steps=1, progress=False, log=None)
     assert torch.equal(torch.randn(4), want)
+
+
+@pytest.mark.parametrize("kind", ["missing", "torchvision", "no state dict"])
+def test_inception_file_errors_name_the_argument_as_the_caller_spelt_it(api_run, tmp_path, capsys, kind):
+    """fastddpm.evaluate(inception=...) was told `--inception PATH` (a flag a Python caller has none of) when the
+    file was missing or was other weights; `fastddpm eval` keeps its flag. Both spellings come from one place."""
+    weights = tmp_path / f"{kind.replace(' ', '_')}.pth"
+    if kind == "torchvision":  # torchvision's ImageNet Inception-v3 is told by its 1000-way fc, before any loading
+        torch.save({"fc.weight": torch.zeros(1000, 2048), "fc.bias": torch.zeros(1000)}, weights)
+    elif kind == "no state dict":
+        torch.save([torch.zeros(3)], weights)
+    says = {"missing": "no such file", "torchvision": "fc.weight is 1000-way: this looks like torchvision's",
+            "no state dict": "expected a state dict, got list"}[kind]
+    with pytest.raises(ConfigError) as caught:
+        fastddpm.evaluate(api_run.run_dir, inception=str(weights), num_samples=10, device="cpu", log=None)
+    text = str(caught.value)
+    assert text.startswith(f"inception={str(weights)!r}: {says}") and "--" not in text
+    if kind == "missing":  # the way to have the weights found, as the API takes it
+        assert "inception='auto' instead finds" in text
+    assert main(["eval", "--checkpoint", str(api_run.run_dir), "--inception", str(weights), "--num-samples", "10",
+                 "--device", "cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--inception {weights}: {says}" in err and "inception=" not in err
+    if kind == "missing":
+        assert "--features inception instead finds" in err

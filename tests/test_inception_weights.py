@@ -13,7 +13,7 @@ import pytest
 import torch
 from eval_fixtures import fmnist_splits  # noqa: F401 (a fixture)
 
-from fastddpm.config import ConfigError, DataConfig
+from fastddpm.config import API, ConfigError, DataConfig
 from fastddpm.eval import inception_weights as iw
 from fastddpm.eval.features import build_feature_net
 
@@ -103,6 +103,10 @@ def test_a_cached_file_is_used_without_a_download(cache, monkeypatch):
     with pytest.raises(ConfigError, match=r"pt_inception-2015-12-05-6726825d\.pth: its SHA-256 .* does not start with "
                                           r"00000000.*Delete it.*--inception PATH"):
         iw.find_inception_weights(sha256_prefix="00000000", log=quiet)
+    # fastddpm.evaluate's caller is told its own argument, not the command's flags
+    with pytest.raises(ConfigError, match=r"evaluation with inception='auto' downloads it again\), or pass a file you "
+                                          r"trust with inception='PATH'$"):
+        iw.find_inception_weights(sha256_prefix="00000000", log=quiet, said=API)
 
 
 def test_download_from_a_local_server_once_checked_and_renamed(cache, server):

