@@ -207,3 +207,30 @@ def test_only_rank_0_warns_about_the_checkpoint_folder(tmp_path, monkeypatch, ra
     assert path == ckpt
     said = [str(w.message) for w in caught if "incomplete sharded checkpoint" in str(w.message)]
     assert len(said) == (1 if rank == "0" else 0), said
+
+
+@pytest.mark.parametrize("local_rank, prints", [("0", True), ("1", False)])
+def test_an_error_every_rank_hits_before_the_group_forms_is_said_once_a_node(tmp_path, capsys, monkeypatch,
+                                                                             local_rank, prints):
+    """Until the process group forms, every process of a torchrun job runs alike on the same command line, config
+    and folder. `train` without --out, and what the trainer checks before it joins the group (the grids' sampler
+    steps, the device), were printed by each of a node's processes; now by its first alone, as a usage or config
+    error is, every process ending with status 2. Errors of the group itself stay each rank's own
+    (test_a_rank_that_cannot_reach_rank_0_names_the_address_and_the_timeout: rank 1, LOCAL_RANK 1, says it)."""
+    from fastddpm.cli import main
+
+    for name, value in {"RANK": str(8 + int(local_rank)), "WORLD_SIZE": "16", "LOCAL_RANK": local_rank}.items():
+        monkeypatch.setenv(name, value)  # the first and the second process of a second node
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # none of these reaches the rendezvous
+    out = tmp_path / "run"
+    cases = [(["train", "--preset", "tiny"], "error: train needs --out RUN_DIR"),
+             (["train", "--out", str(out), "--preset", "tiny", "--device", "cpu", "--sample-steps", "5000"],
+              "error: --sample-steps 5000: the grids' sampler"),
+             (["train", "--out", str(out), "--preset", "tiny", "--device", "tpu"],
+              "error: train.device='tpu' is not a device"),
+             (["eval", "--checkpoint", str(tmp_path), "--device", "tpu"], "error: --device tpu is not a device")]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert (says in err) if prints else err == "", (argv, err)
+    assert not out.exists()

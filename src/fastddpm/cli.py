@@ -105,9 +105,10 @@ class _Parser(argparse.ArgumentParser):
 
 def a_later_process_of_its_node() -> bool:
     """Under torchrun, whether this process is not the first of its node. Every rank parses the same command line
-    and resolves the same config files: of an error there, the first process of each node says it (whoever reads
-    one node's log sees why it stopped) and the others exit with the same status in silence (torchrun's summary
-    lists every rank's exit). An empty RANK is rank 0, as in rundir.files.warn_on_rank_0."""
+    and, until the process group forms, runs alike (fastddpm.distributed.same_on_every_rank marks that code's
+    errors): of an error there, the first process of each node says it (whoever reads one node's log sees why it
+    stopped) and the others exit with the same status in silence (torchrun's summary lists every rank's exit). An
+    empty RANK is rank 0, as in rundir.files.warn_on_rank_0."""
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     return rank is not None and world is not None and os.environ.get("LOCAL_RANK", rank).strip() not in ("", "0")
 
@@ -258,21 +259,17 @@ def cmd_train(args, dests) -> int:
     from fastddpm.trainer.loop import TrainingInterrupted, train
     from fastddpm.trainer.step import CudaGraphCaptureError
 
-    if args.out is None and not (args.print_config and str(args.resume) != "latest"):
-        raise ConfigError("train needs --out RUN_DIR, the folder for the run's checkpoints, metrics and grids "
-                          "(created if missing; an existing run's folder with --resume latest)"
-                          if not args.print_config else
-                          "--print-config --resume latest reads the run in --out: give --out RUN_DIR")
-    from fastddpm.rundir.files import CheckpointError
+    from fastddpm.distributed import same_on_every_rank
 
-    run_dir = Path(args.out) if args.out is not None else None
-    try:  # the same on every rank (the process group is not begun: its own errors are each rank's to say)
+    with same_on_every_rank():  # the command line, its config files and the run folder (the group is not begun)
+        if args.out is None and not (args.print_config and str(args.resume) != "latest"):
+            raise ConfigError("train needs --out RUN_DIR, the folder for the run's checkpoints, metrics and grids "
+                              "(created if missing; an existing run's folder with --resume latest)"
+                              if not args.print_config else
+                              "--print-config --resume latest reads the run in --out: give --out RUN_DIR")
+        run_dir = Path(args.out) if args.out is not None else None
         resumed = find_resume(run_dir if run_dir is not None else Path.cwd(), args.resume)
         cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
-    except (ConfigError, CheckpointError):
-        if a_later_process_of_its_node():
-            return 2
-        raise
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
@@ -467,6 +464,11 @@ def _run(parser, args, dests: dict, user_errors: tuple[type[Exception], ...]) ->
 
             return run_export(args)
     except user_errors as e:
+        if a_later_process_of_its_node():
+            from fastddpm.distributed import is_same_on_every_rank
+
+            if is_same_on_every_rank(e):  # the first process of this node says it
+                return 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:

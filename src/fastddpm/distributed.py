@@ -12,6 +12,7 @@ checkpoints, grids and logs; every rank computes. Nothing here is home-made comm
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -66,6 +67,28 @@ def launched_by_torchrun(command: str = "train") -> bool:
                       f"rank 0 of 1, writing the same files. Launch with `torchrun --nproc-per-node N -m fastddpm "
                       f"{command} ...` (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), set "
                       f"{missing} too, or unset {given} for a single process")
+
+
+_SAME_ON_EVERY_RANK = "fastddpm_same_on_every_rank"  # the attribute same_on_every_rank sets on an error
+
+
+@contextlib.contextmanager
+def same_on_every_rank():
+    """Marks the errors of code that every process of a torchrun job runs alike, before the process group exists:
+    the same command line, config files and run folder, read on one node. The command line prints such an error
+    once per node (fastddpm.cli.a_later_process_of_its_node), where each rank had printed the same line. Not for
+    init_distributed or anything after it: a rank that cannot join, a LOCAL_RANK without its device, a collective
+    that failed are each rank's own, and a process silenced there might be the only one that knew why."""
+    try:
+        yield
+    except Exception as e:
+        setattr(e, _SAME_ON_EVERY_RANK, True)
+        raise
+
+
+def is_same_on_every_rank(e: BaseException) -> bool:
+    """Whether `e` was raised inside same_on_every_rank()."""
+    return getattr(e, _SAME_ON_EVERY_RANK, False)
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0, *, command: str = "train",

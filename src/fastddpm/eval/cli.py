@@ -205,9 +205,10 @@ class _FirstBatchTimer:
 
 def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.device import resolve_device
-    from fastddpm.distributed import init_distributed, shutdown
+    from fastddpm.distributed import init_distributed, same_on_every_rank, shutdown
 
-    device, _ = resolve_device(args.device, setting="--device")
+    with same_on_every_rank():  # the command line, before the process group exists
+        device, _ = resolve_device(args.device, setting="--device")
     # under torchrun: this process's device (cuda:LOCAL_RANK) in a group whose ranks share the sampling
     dist, device = init_distributed(device, args.dist_timeout_s, command="eval", timeout_setting="--dist-timeout-s")
     try:

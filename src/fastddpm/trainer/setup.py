@@ -35,7 +35,7 @@ from fastddpm.sampling import run_sampling, step_limit
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
 from fastddpm.trainer.batches import Batch, choose_placement, make_batches, step_batches
 from fastddpm.trainer.build import Optimization, build_model
-from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed
+from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed, same_on_every_rank
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
 from fastddpm.trainer.loggers import check_loggers
 from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, init_from_note, recipe_changes
@@ -185,21 +185,22 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
     flag, told the process group once there is one."""
-    _check_before_loading(cfg)
-    check_loggers(cfg, run_dir)
-    created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or a "
-                                                           "run directory, to continue its run)")
+    with same_on_every_rank():  # what the config and the folder decide, before the process group exists
+        _check_before_loading(cfg)
+        check_loggers(cfg, run_dir)
+        device, device_reason = resolve_device(cfg.train.device)
+        created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or "
+                                                               "a run directory, to continue its run)")
     try:
-        return _prepare(cfg, run_dir, resume, stop=stop, log=log, hooks=hooks)
+        return _prepare(cfg, run_dir, resume, device, device_reason, stop=stop, log=log, hooks=hooks)
     except BaseException:  # refused in set-up (data, model, --init-from, batch): no empty run folder left behind
         remove_if_empty(created)
         raise
 
 
-def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, *, stop,
-             log: Callable[..., None], hooks: TrainHooks) -> Run:
+def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, device: torch.device,
+             device_reason: str, *, stop, log: Callable[..., None], hooks: TrainHooks) -> Run:
     rd = RunDir(run_dir)
-    device, device_reason = resolve_device(cfg.train.device)
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
     stop.dist = dist
     console = Console(log, enabled=dist.is_main)  # rank 0 speaks (and writes) for the job
