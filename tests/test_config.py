@@ -344,8 +344,8 @@ def test_flags_are_spelt_whole_not_abbreviated(capsys, tmp_path):
 
 @pytest.mark.parametrize("rank, local_rank, prints", [("0", None, True), ("1", None, False), (None, None, True),
                                                       ("", None, True), ("8", "0", True), ("9", "1", False)])
-def test_under_torchrun_one_process_a_node_prints_a_usage_or_config_error(capsys, monkeypatch, tmp_path, rank, local_rank,
-                                                                prints):
+def test_under_torchrun_one_process_a_node_prints_a_usage_or_config_error(capsys, monkeypatch, tmp_path, rank,
+                                                                          local_rank, prints):
     # every rank parses the same command line: eight copies of one error help nobody; the status is every rank's.
     # The first process of each node prints it (rank 8 of a second node: LOCAL_RANK 0); an empty RANK is rank 0.
     for name, value in (("RANK", rank), ("WORLD_SIZE", None if rank is None else "16"), ("LOCAL_RANK", local_rank)):

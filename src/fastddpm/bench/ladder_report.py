@@ -52,7 +52,8 @@ def table_markdown(rows: list[dict]) -> str:
             f"| {r['rung']} | {r['title']} | {r['batch_size']} | {r['precision']} | {r['images_per_s']:,.0f} "
             f"[{lo:,.0f}-{hi:,.0f}] | {r['epoch_s']:.1f} | {store.fmt(r['speedup_vs_baseline'], '.2f')} | "
             f"{store.fmt(r['speedup_vs_previous'], '.2f')} | {r['warmup_s']:.2f} | "
-            f"{store.fmt(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')} | {_mfu(r)} | {_roofline(r)} | "
+            f"{store.fmt(None if r['gpu_busy'] is None else 100 * r['gpu_busy'], '.0f')} | {_mfu(r)} | "
+            f"{_roofline(r)} | "
             f"{store.fmt(r['peak_memory_gib'], '.2f')} | {store.fmt(r['recompiles_after_warmup'], 'd', '-')} | ok |")
     return "\n".join(lines)
 

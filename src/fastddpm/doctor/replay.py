@@ -93,7 +93,8 @@ def replay(events: list[dict], dtype: torch.dtype, device: torch.device | str, *
         ops += 1
     if not ops or not low_s:
         return None
-    return Replay(ratio=fp32_s / low_s, ops=ops, covered=min(1.0, covered / total), of=of)  # a sum of the parts may round past 1
+    # min: a sum of the parts may round past 1
+    return Replay(ratio=fp32_s / low_s, ops=ops, covered=min(1.0, covered / total), of=of)
 
 
 def _concrete(args: dict, i: int):
