@@ -311,6 +311,22 @@ if __name__ == "__main__":
 """
 
 
+def test_a_resume_every_rank_refuses_alike_is_said_once_a_node(tmp_path, fmnist_npz, two_rank_runs):
+    """Every rank checks the checkpoint the ranks agreed on against the data rank 0 prepared: a resume on other data
+    was refused in the same lines by each rank (eight copies on a node of eight). The first process of the node
+    says it; the other exits with the same status in silence."""
+    run, _ = two_rank_runs("ddp")
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    with np.load(fmnist_npz) as given:
+        other = tmp_path / "other.npz"
+        np.savez(other, images=255 - given["images"], labels=given["labels"])
+    r = torchrun(2, train_args(other, out, "--max-steps", "4", "--resume", "latest"))
+    text = r.stdout + r.stderr
+    assert r.returncode != 0 and text.count("error: cannot resume from") == 1, text
+    assert "exitcode  : 2" in text  # a user error's status (torchrun may end the other rank first by SIGTERM)
+
+
 def test_a_collective_that_failed_on_a_peer_is_said_in_one_line_per_rank(tmp_path, capsys, monkeypatch):
     """A rank that waits past --dist-timeout-s (rank 0 alone in an evaluation's set-up) and the rank whose peer then
     left end with one line each naming the setting or the other rank, not gloo's tracebacks. The errors are gloo's

@@ -74,11 +74,13 @@ _SAME_ON_EVERY_RANK = "fastddpm_same_on_every_rank"  # the attribute same_on_eve
 
 @contextlib.contextmanager
 def same_on_every_rank():
-    """Marks the errors of code that every process of a torchrun job runs alike, before the process group exists:
-    the same command line, config files and run folder, read on one node. The command line prints such an error
-    once per node (fastddpm.cli.a_later_process_of_its_node), where each rank had printed the same line. Not for
-    init_distributed or anything after it: a rank that cannot join, a LOCAL_RANK without its device, a collective
-    that failed are each rank's own, and a process silenced there might be the only one that knew why."""
+    """Marks the errors of code that every process of a torchrun job runs alike on the same inputs: before the
+    process group exists (the command line, config files and run folder, read on one node), or checks of what the
+    ranks agreed on (the checkpoint to resume, against the data rank 0 prepared). The command line prints such an
+    error once per node (fastddpm.cli.a_later_process_of_its_node), where each rank had printed the same line. Not
+    for what may differ by rank: joining the group (a rank that cannot reach rank 0, a LOCAL_RANK without its
+    device), a collective that failed, anything on a rank's own device or share of the data. A process silenced
+    there might be the only one that knew why."""
     try:
         yield
     except Exception as e:

@@ -213,7 +213,8 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     data = _load_data(cfg, dist)
     cfg = _absolute_source(cfg, data)
     identity = data.identity()
-    resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
+    with same_on_every_rank():  # the same folder, checkpoint and data on every rank (the ranks agree on which)
+        resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
     said_on_resume = init_from_note(resumed, cfg) if resumed is not None else []
     untrained = _untrained_null_class(cfg)
     if untrained and resumed is None:  # a new run; one trained so before goes on, told (below)
