@@ -285,6 +285,20 @@ def test_inception_refuses_code_and_wrong_files(tmp_path):
         load_inception(other, CPU)
 
 
+def test_trains_inception_file_is_named_by_trains_own_flag(tmp_path, fmnist_npz, capsys):
+    """`train` takes the file as --eval-inception: its errors named eval's --inception PATH and --features
+    inception, flags train does not have. Nothing is left of the refused run."""
+    from fastddpm.cli import main
+
+    missing, out = tmp_path / "missing.pth", tmp_path / "run"
+    assert main(["train", "--out", str(out), "--preset", "tiny", "--data", str(fmnist_npz), "--device", "cpu",
+                 "--max-steps", "2", "--eval-every", "32", "--eval-inception", str(missing), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --eval-inception {missing}: no such file" in err, err
+    assert "(--eval-inception auto instead finds" in err and "--inception" not in err.replace("--eval-inception", "")
+    assert not out.exists()
+
+
 class _Evil:
     def __init__(self, path):
         self.path = path

@@ -18,11 +18,18 @@ class Spelling:
 
     _API_NAMES = {"class": "class_", "num-images": "n"}
 
-    def __init__(self, *, api: bool = False):
+    def __init__(self, *, api: bool = False, names: dict[str, str] | None = None):
         self.api = api
+        self.names = names or {}  # arguments a caller takes under other names (see naming)
+
+    def naming(self, name: str, as_name: str) -> "Spelling":
+        """This spelling, for a caller that takes the argument `name` as `as_name`: code shared by `eval` and
+        `train` names eval's `inception`, which train takes as `eval-inception`."""
+        return Spelling(api=self.api, names={**self.names, name: as_name})
 
     def __call__(self, name: str, *value) -> str:
         """`name` as a flag is spelt (`num-images`), with its value when one is given."""
+        name = self.names.get(name, name)
         if not self.api:
             return f"--{name}" + (f" {value[0]}" if value else "")
         return self._API_NAMES.get(name, name.replace("-", "_")) + (f"={value[0]!r}" if value else "")

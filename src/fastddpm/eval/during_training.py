@@ -25,13 +25,16 @@ from typing import Callable
 
 import torch
 
-from fastddpm.config import RunConfig
+from fastddpm.config import CLI, RunConfig
 from fastddpm.eval.curve import write_curve
 from fastddpm.eval.evaluate import Evaluator, as_json_safe, quiet, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import reshard, run_sampling
+
+# The Inception file's errors name train's flag (the trainer speaks in flags, fastddpm.train's caller included)
+_SAID = CLI.naming("inception", "eval-inception")
 
 
 def evaluation_choices(cfg: RunConfig) -> dict:
@@ -64,10 +67,10 @@ class TrainingEvaluator:
             # the feature network rank 0 trained or found and cached (the barrier: once it has)
             torch.distributed.barrier()
             self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=quiet,
-                                                  reference=False)
+                                                  reference=False, said=_SAID)
             self.evaluator.check_same_as_rank_0(rank, world_size)
             return
-        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log)
+        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log, said=_SAID)
         if world_size > 1:
             torch.distributed.barrier()
             self.evaluator.check_same_as_rank_0(rank, world_size)

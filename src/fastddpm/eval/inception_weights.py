@@ -58,9 +58,10 @@ class FoundWeights:
 
 
 def to_find_them(said: Spelling) -> str:
-    """How the caller asks for the standard weights to be found, as `said` spells it: the command's flag, or the
-    API's inception='auto' (the API has no `features` argument)."""
-    return said("inception", FIND) if said.api else "--features inception"
+    """How the caller asks for the standard weights to be found, as `said` spells it: `fastddpm eval`'s flag
+    --features inception (its --inception takes only a file), else the argument given auto: the API's
+    inception='auto', train's --eval-inception auto."""
+    return "--features inception" if said("inception") == "--inception" else said("inception", FIND)
 
 
 class DownloadFailed(Exception):
