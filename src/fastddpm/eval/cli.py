@@ -206,18 +206,21 @@ class _FirstBatchTimer:
 def run_eval(args: argparse.Namespace) -> int:
     from fastddpm.device import resolve_device
     from fastddpm.distributed import init_distributed, same_on_every_rank, shutdown
+    from fastddpm.rundir.locate import locate
 
-    with same_on_every_rank():  # the command line, before the process group exists
+    with same_on_every_rank():  # the command line and the files it names, before the process group exists
         device, _ = resolve_device(args.device, setting="--device")
+        inception = inception_choice(args)
+        ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     # under torchrun: this process's device (cuda:LOCAL_RANK) in a group whose ranks share the sampling
     dist, device = init_distributed(device, args.dist_timeout_s, command="eval", timeout_setting="--dist-timeout-s")
     try:
-        return _run_eval(args, device, dist)
+        return _run_eval(args, device, dist, ckpt, inception)
     finally:
         shutdown(dist)
 
 
-def _run_eval(args: argparse.Namespace, device, dist) -> int:
+def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | None) -> int:
     import dataclasses
 
     import torch
@@ -234,7 +237,6 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
                                    resolve_sampler_args)
 
     log = print if dist.is_main else quiet  # rank 0 speaks for the group
-    ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     if dist.enabled:  # a run still training may save a newer checkpoint between two ranks' looks: rank 0's it is
         chosen = broadcast_object(str(ckpt.path), dist)
         if chosen != str(ckpt.path):
@@ -272,7 +274,6 @@ def _run_eval(args: argparse.Namespace, device, dist) -> int:
     batch_size = args.batch_size or (1000 if device.type == "cuda" else 250)
     batch_size = min(batch_size, args.num_samples)
 
-    inception = inception_choice(args)
     if args.out and dist.is_main:  # before any sampling: a result computed for minutes has somewhere to go (the
         # folder itself is made with the result: an evaluation refused on its data leaves none)
         from fastddpm.rundir.files import check_writable_dir
