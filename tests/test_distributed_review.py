@@ -213,10 +213,11 @@ def test_only_rank_0_warns_about_the_checkpoint_folder(tmp_path, monkeypatch, ra
 def test_an_error_every_rank_hits_before_the_group_forms_is_said_once_a_node(tmp_path, capsys, monkeypatch,
                                                                              local_rank, prints):
     """Until the process group forms, every process of a torchrun job runs alike on the same command line, config
-    and folder. `train` without --out, and what the trainer checks before it joins the group (the grids' sampler
-    steps, the device), and `eval`'s --checkpoint and --inception files, were printed by each of a node's
-    processes; now by its first alone, as a usage or config error is, every process ending with status 2. Errors of the group itself stay each rank's own
-    (test_a_rank_that_cannot_reach_rank_0_names_the_address_and_the_timeout: rank 1, LOCAL_RANK 1, says it)."""
+    and folder. `train` without --out, what the trainer checks before it joins the group (the grids' sampler
+    steps, the device), and `eval`'s --device, --checkpoint and --inception, were printed by each of a node's
+    processes; now by its first alone, as a usage or config error is, every process ending with status 2. Errors
+    of the group itself stay each rank's own (test_a_rank_that_cannot_reach_rank_0_names_the_address_and_the_timeout:
+    rank 1, LOCAL_RANK 1, says it)."""
     from fastddpm.cli import main
 
     for name, value in {"RANK": str(8 + int(local_rank)), "WORLD_SIZE": "16", "LOCAL_RANK": local_rank}.items():
@@ -229,8 +230,8 @@ def test_an_error_every_rank_hits_before_the_group_forms_is_said_once_a_node(tmp
              (["train", "--out", str(out), "--preset", "tiny", "--device", "tpu"],
               "error: train.device='tpu' is not a device"),
              (["eval", "--checkpoint", str(tmp_path), "--device", "tpu"], "error: --device tpu is not a device"),
-             (["eval", "--checkpoint", str(tmp_path / "nowhere")], f"error: --checkpoint {tmp_path / 'nowhere'} does "
-              "not exist"),
+             (["eval", "--checkpoint", str(tmp_path / "nowhere")],
+              f"error: --checkpoint {tmp_path / 'nowhere'} does not exist"),
              (["eval", "--checkpoint", str(tmp_path), "--inception", str(tmp_path / "w.pth")],
               f"error: --inception {tmp_path / 'w.pth'}: no such file")]
     for argv, says in cases:
