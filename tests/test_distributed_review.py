@@ -239,3 +239,26 @@ def test_an_error_every_rank_hits_before_the_group_forms_is_said_once_a_node(tmp
         err = capsys.readouterr().err
         assert (says in err) if prints else err == "", (argv, err)
     assert not out.exists()
+
+
+def test_a_silent_process_under_torchrun_waits_for_the_first_to_say_why(tmp_path, capsys, monkeypatch):
+    """torchrun's agent stops every process of a job once one has exited with an error: a later process of a node
+    that exits in silence waits first, so that the node's first process, a moment behind on the same error, is not
+    stopped before it has printed it. Only under the agent (TORCHELASTIC_RUN_ID); RANK set by hand waits for
+    nothing."""
+    import time
+
+    import fastddpm.cli as cli
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert cli.main(["train", "--preset", "tiny"]) == 2  # no --out: the same error on every rank
+    assert capsys.readouterr().err == "" and slept == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert cli.main(["train", "--preset", "tiny"]) == 2
+    with pytest.raises(SystemExit):
+        cli.build_parser()[0].parse_args(["train", "--no-such-flag"])
+    assert capsys.readouterr().err == "" and slept == [cli.QUIET_EXIT_WAIT_S] * 2

@@ -99,6 +99,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if a_later_process_of_its_node():  # every rank parses the same command line
+            let_the_first_process_speak()
             self.exit(2)
         super().error(message)
 
@@ -111,6 +112,19 @@ def a_later_process_of_its_node() -> bool:
     empty RANK is rank 0, as in rundir.files.warn_on_rank_0."""
     rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     return rank is not None and world is not None and os.environ.get("LOCAL_RANK", rank).strip() not in ("", "0")
+
+
+QUIET_EXIT_WAIT_S = 2.0
+
+
+def let_the_first_process_speak() -> None:
+    """Before a later process of a node exits in silence: torchrun's agent stops every process of the job once one
+    has failed, so the first process of the node, a moment behind on the same error, would be stopped before it
+    said why. Only under torchrun's agent (TORCHELASTIC_RUN_ID), not where RANK is set by other means."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        import time
+
+        time.sleep(QUIET_EXIT_WAIT_S)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -468,6 +482,7 @@ def _run(parser, args, dests: dict, user_errors: tuple[type[Exception], ...]) ->
             from fastddpm.distributed import is_same_on_every_rank
 
             if is_same_on_every_rank(e):  # the first process of this node says it
+                let_the_first_process_speak()
                 return 2
         print(f"error: {e}", file=sys.stderr)
         return 2
