@@ -82,6 +82,18 @@ def test_a_bad_field_or_value_in_a_config_file_names_the_file(tmp_path, text, ma
         resolve_config(file=f)
 
 
+def test_a_config_file_that_is_no_text_or_a_folder_is_named_not_a_traceback(tmp_path):
+    """A config file saved as UTF-16 (a Windows editor's "Unicode") or a binary file given by mistake ended in a
+    UnicodeDecodeError traceback; a folder was said not to exist."""
+    f = tmp_path / "c.yaml"
+    f.write_text("preset: tiny\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match=r"config file .*c.yaml is not UTF-8 text \(byte 0\): save it as UTF-8"):
+        resolve_config(file=f)
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"config file .*d.yaml does not exist \(it is a folder\)"):
+        resolve_config(file=tmp_path / "d.yaml")
+
+
 def test_a_beta_given_with_the_cosine_schedule_is_refused_not_ignored():
     """The cosine schedule computes its own betas: ddpm-rgb64 is cosine, so `--beta-end 0.01` on it changed
     nothing. With --schedule linear (or set to none) it is a setting again."""

@@ -160,8 +160,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON config file into a dict (sections model/diffusion/data/train, optional preset)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+        raise ConfigError(f"config file {path} does not exist" + (" (it is a folder)" if path.is_dir() else ""))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # a binary file, or text saved in another encoding
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML or "
+                          "JSON") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}): check its permissions") from None
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)
