@@ -655,6 +655,22 @@ def test_cpu_breakdown_on_a_real_trace(kind):
     assert (t.optimizer_ops_per_step > 100) == (kind == "per-tensor")
 
 
+def test_an_optimizer_range_that_outlasts_its_step_is_charged_only_its_steps_part():
+    """`doctor run` ends a step in torch.optim's post-hook, inside the `Optimizer.step#` range: that range runs on
+    past the step's end, and in the last profiled step over the profiler's own stop. Made-up times (us), so the
+    share is exact: a 1,000 us step whose optimizer range starts at 800 and lasts 6,000 us is charged 200 us."""
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {}}
+
+    events = [x("user_annotation", STEP_MARK, 0, 1000),
+              x("cpu_op", "aten::mm", 100, 600),
+              x("user_annotation", "Optimizer.step#SGD.step", 800, 6000),
+              x("cpu_op", "aten::add_", 820, 100)]
+    b = analyze(events).breakdown
+    assert b["optimizer"] == pytest.approx(0.2) and b["matmul"] == pytest.approx(0.6)
+    assert sum(b.values()) == pytest.approx(1.0)
+
+
 def test_bf16_matmuls_are_split_by_dtype():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
