@@ -497,7 +497,7 @@ def item_loop(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     site = next((s for s in m.item_sites if s["length"] == n), None)
     at, fix_at = _site_words(site)
     ev = [f"{indexed} of the {n} items along the first dimension of the tensor(s) {shapes} indexed one by one each "
-          f"step{' at' + at if at else ''} (x[i], "
+          f"step{' at' + at if at else ''} ("
           + (f"the batch's {n} samples)" if m.batch_size == n else "each item itself 2-D or more; the batch size "
              "was not seen)") + (f"; each goes through {each}" if each else ""),
           f"the loop takes {span_ms:.2f} ms of a {step_ms:.2f} ms profiled step and its backward's per-sample "
