@@ -303,6 +303,31 @@ def test_train_leaves_the_callers_random_sequence_as_it_was(tmp_path, fmnist_npz
     assert torch.equal(torch.randn(4), want)
 
 
+def test_train_seeds_no_gpus_generator_but_its_own_devices(tmp_path, fmnist_npz, monkeypatch):
+    """torch.manual_seed also seeds every GPU's generator (queued until CUDA starts where it has not): a run on
+    the CPU, or on cuda:0, reset the generators a notebook draws from on its other GPUs. A run seeds the CPU's
+    and its own device's alone (rng.seed_torch)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    fastddpm.train("tiny", out=tmp_path / "run", data=str(fmnist_npz), max_steps=1, progress=False, log=None,
+                   device="cpu")
+    assert seeded == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_on_a_gpu_leaves_the_callers_cuda_random_sequence_as_it_was(tmp_path, fmnist_npz):
+    """The run seeds its device's CUDA generator (dropout draws from it) and advances it: forked, so that a
+    notebook's torch.randn on that GPU continues after fastddpm.train as it would have without it."""
+    torch.cuda.manual_seed(0)
+    want = torch.randn(4, device="cuda")
+    torch.cuda.manual_seed(0)
+    fastddpm.train("tiny", out=tmp_path / "run", data=str(fmnist_npz), max_steps=2, progress=False, log=None,
+                   device="cuda", compile="off", cuda_graphs="off")
+    assert torch.equal(torch.randn(4, device="cuda"), want)
+
+
 @pytest.mark.parametrize("kind", ["missing", "torchvision", "no state dict"])
 def test_inception_file_errors_name_the_argument_as_the_caller_spelt_it(api_run, tmp_path, capsys, kind):
     """fastddpm.evaluate(inception=...) was told `--inception PATH` (a flag a Python caller has none of) when the

@@ -158,11 +158,16 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     out = _path(out, "out", "fastddpm.train", "the run's folder (a new one, or a run directory to continue)")
     resumed = find_resume(out, resume, said=API)
     cfg = _config(config, overrides, resumed=resumed.config if resumed is not None else None, log=log)
-    # The run seeds torch's global CPU generator for its initial weights and draws from it: forked, so that a
-    # notebook's torch.manual_seed sequence continues after the call as it was (the run's own randomness comes from
-    # its seed and checkpoints, not from the caller's state). CUDA's generators are not forked: that would open a
-    # context on every visible GPU, and under torchrun each rank would open one on all of them.
-    with torch.random.fork_rng(devices=[]):
+    # The run seeds torch's global CPU generator for its initial weights and draws from it, and on a GPU its own
+    # device's generator (dropout): both forked, so that a notebook's torch.manual_seed sequence continues after
+    # the call as it was (the run's own randomness comes from its seed and checkpoints, not from the caller's
+    # state). The run's device alone: forking every GPU's would open a context on each. Under torchrun the process
+    # is the job's own, and its device is the rank's (fastddpm.distributed.init_distributed).
+    from fastddpm.device import resolve_device
+
+    device = resolve_device(cfg.train.device)[0]
+    forked = [device] if device.type == "cuda" and os.environ.get("WORLD_SIZE") is None else []
+    with torch.random.fork_rng(devices=forked):
         # the checkpoint found above, not a second search (which could find another and warns twice)
         return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
 

@@ -18,6 +18,16 @@ def derive_seed(seed: int, purpose: str, counter: int = 0) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """Seed torch's global generators for work on `device`: the CPU's, which initial weights draw from, and on a
+    CUDA device that device's own, which dropout draws from. Not torch.manual_seed: it seeds every GPU of the
+    process, so a notebook training on cuda:0 would also reset the generator it samples with on cuda:1."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()  # initialises CUDA
+        torch.cuda.default_generators[index].manual_seed(seed)
+
+
 def generator_for(device: torch.device | str, seed: int, purpose: str, counter: int = 0,
                   generator: torch.Generator | None = None) -> torch.Generator:
     """A torch.Generator on `device` seeded for (seed, purpose, counter); reuses `generator` when given."""

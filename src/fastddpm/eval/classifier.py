@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastddpm.data import DataError, PreparedData
-from fastddpm.rng import derive_seed
+from fastddpm.rng import derive_seed, seed_torch
 
 CLASSIFIER_FORMAT = "fastddpm-features-1"  # bump when the architecture or training code changes meaning
 FEATURES_NAME = "fastddpm-features"
@@ -192,7 +192,7 @@ def train_classifier(train: PreparedData, test: PreparedData | None, *, recipe: 
     x_dev = torch.from_numpy(np.ascontiguousarray(train_x)).to(device)
     y_dev = torch.from_numpy(train_y.astype(np.int64)).to(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(derive_seed(recipe.seed, "feature-net-init"))
+        seed_torch(derive_seed(recipe.seed, "feature-net-init"), device)
         model = FeatureClassifier(in_channels=train.channels, image_size=train.height, num_classes=num_classes,
                                   widths=recipe.widths, feature_dim=recipe.feature_dim).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)

@@ -14,7 +14,7 @@ from fastddpm.config import ConfigError, RunConfig
 from fastddpm.device import Precision
 from fastddpm.diffusion import NoiseSchedule, schedule_from_config
 from fastddpm.models import UNet, build_unet, set_attention_head_pad
-from fastddpm.rng import derive_seed
+from fastddpm.rng import derive_seed, seed_torch
 from fastddpm.trainer.ema import EMA
 from fastddpm.trainer.fast_path import FastPath
 from fastddpm.trainer.step import TrainStep, make_optimizer
@@ -28,7 +28,7 @@ def build_model(cfg: RunConfig, *, device: torch.device, fast: FastPath,
     train_cfg = cfg.train
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = fast.cudnn_benchmark
-    torch.manual_seed(derive_seed(train_cfg.seed, "init"))
+    seed_torch(derive_seed(train_cfg.seed, "init"), device)
     model = build_unet(cfg.model).to("cpu" if keep_on_cpu else device)
     model.grad_checkpointing = train_cfg.grad_checkpointing
     set_attention_head_pad(model, fast.attention_head_pad)
