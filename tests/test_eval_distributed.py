@@ -230,3 +230,8 @@ def test_eval_under_torchrun_ends_every_rank_with_rank_0s_setup_error(fsdp_run, 
     assert "rank 1: stopped, since rank 0 could not set up the evaluation" in text, text
     assert "exitcode  : 2" in text  # torchrun's summary: the DataError's code, on both ranks
     assert not (tmp_path / "out").exists()
+    # a choice every rank refuses alike on the checkpoint they agreed on: said by the node's first process alone
+    r = torchrun(2, _eval_args(run, tmp_path / "out", "--sampler", "ddpm"), timeout=120,
+                 env_extra={"FASTDDPM_CACHE": os.environ["FASTDDPM_CACHE"]}, entry=["-m", "fastddpm", "eval"])
+    text = r.stdout + r.stderr
+    assert r.returncode != 0 and text.count("error: --steps 2: --sampler ddpm walks every one") == 1, text

@@ -228,7 +228,7 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
     from fastddpm.config import ConfigError
     from fastddpm.device import resolve_precision
     from fastddpm.diffusion import network_calls, schedule_from_config
-    from fastddpm.distributed import any_rank, broadcast_object
+    from fastddpm.distributed import any_rank, broadcast_object, same_on_every_rank
     from fastddpm.eval.evaluate import as_json_safe, batches_per_rank, quiet, summary_line
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
@@ -241,26 +241,28 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
         chosen = broadcast_object(str(ckpt.path), dist)
         if chosen != str(ckpt.path):
             ckpt = locate(chosen, weights=args.weights, what="--checkpoint")
-    model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    info = ckpt.info()
-    if args.guidance is not None and not cfg.model.conditional:
-        raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
-                          "unconditional: drop --guidance")
-    scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
-    for scale in scales:
-        check_null_class_trained(cfg, scale)
-    # one sampler for every scale, so that a trade-off table compares scales alone: `auto` picks the guided
-    # model's sampler where any scale guides (W > 1)
-    args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
-                                                    guidance=max(scales) if cfg.model.conditional else None)
-    if args.sampler == "ddpm" and args.spacing is not None:
-        # as `fastddpm sample`: DDPM ignores a spacing, which would only end up in the file name
-        raise ConfigError(f"--spacing {args.spacing}: --sampler ddpm walks every one of the "
-                          f"{cfg.diffusion.num_timesteps} timesteps and takes no spacing; drop --spacing, or pick a "
-                          "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
-    if args.num_samples < 10:
-        raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
-                          "samples; 10000 is the usual count)")
+    # the checkpoint every rank agreed on, and the command line's choices for it: the same on every rank
+    with same_on_every_rank():
+        model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
+        info = ckpt.info()
+        if args.guidance is not None and not cfg.model.conditional:
+            raise ConfigError("--guidance needs a conditional model (trained with --conditional); this one is "
+                              "unconditional: drop --guidance")
+        scales = (args.guidance or [cfg.train.sample_guidance]) if cfg.model.conditional else [None]
+        for scale in scales:
+            check_null_class_trained(cfg, scale)
+        # one sampler for every scale, so that a trade-off table compares scales alone: `auto` picks the guided
+        # model's sampler where any scale guides (W > 1)
+        args.sampler, args.steps = resolve_sampler_args(cfg, args.sampler, args.steps, args.eta,
+                                                        guidance=max(scales) if cfg.model.conditional else None)
+        if args.sampler == "ddpm" and args.spacing is not None:
+            # as `fastddpm sample`: DDPM ignores a spacing, which would only end up in the file name
+            raise ConfigError(f"--spacing {args.spacing}: --sampler ddpm walks every one of the "
+                              f"{cfg.diffusion.num_timesteps} timesteps and takes no spacing; drop --spacing, or pick "
+                              "a few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
+        if args.num_samples < 10:
+            raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
+                              "samples; 10000 is the usual count)")
     trained = cfg.data
     trained_on = trained.source
     data_options = {k: v for k, v in (("source", args.data), ("resize", args.resize),
