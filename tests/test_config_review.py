@@ -94,6 +94,26 @@ def test_a_config_file_that_is_no_text_or_a_folder_is_named_not_a_traceback(tmp_
         resolve_config(file=tmp_path / "d.yaml")
 
 
+def test_a_path_written_relative_to_the_config_files_folder_is_refused_naming_both_readings(tmp_path, monkeypatch):
+    """A config file's relative data.source is read from the working directory, as the same path typed as a flag
+    is. One written relative to the file's own folder (configs/run.yaml naming data/x.npz beside it) named a data
+    set nowhere, and the data layer then said only that it was missing (or tried it as a data set's name)."""
+    (tmp_path / "configs" / "data").mkdir(parents=True)
+    (tmp_path / "configs" / "data" / "x.npz").write_bytes(b"")
+    f = tmp_path / "configs" / "run.yaml"
+    f.write_text("preset: tiny\ndata: {source: data/x.npz}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"run.yaml: data.source='data/x.npz' is read from the working directory "
+                                          r"\(.*\), where it does not exist; beside the config file it is "
+                                          r".*configs/data/x.npz: write that path"):
+        resolve_config(file=f)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.npz").write_bytes(b"")  # there from the working directory too: that one is read
+    assert resolve_config(file=f).data.source == "data/x.npz"
+    monkeypatch.chdir(tmp_path / "configs")  # run from the file's folder: the two readings are one
+    assert resolve_config(file=f).data.source == "data/x.npz"
+
+
 def test_a_beta_given_with_the_cosine_schedule_is_refused_not_ignored():
     """The cosine schedule computes its own betas: ddpm-rgb64 is cosine, so `--beta-end 0.01` on it changed
     nothing. With --schedule linear (or set to none) it is a setting again."""

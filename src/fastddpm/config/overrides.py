@@ -181,7 +181,27 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping (sections model/diffusion/data/train)")
+    _check_paths_found_from_here(path, data)
     return data
+
+
+# Config fields that name a file or folder: a relative one is read from the working directory, as on the command line
+_PATH_FIELDS = (("data", "source"), ("train", "init_from"))
+
+
+def _check_paths_found_from_here(path: Path, data: dict) -> None:
+    """A relative path in a config file is read from the working directory (as the same path typed as a flag is).
+    Written relative to the file's own folder instead, it names nothing from here: refused naming both readings,
+    before a data name or a download is tried under it."""
+    for section, name in _PATH_FIELDS:
+        value = data.get(section, {}).get(name) if isinstance(data.get(section), dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        here, beside = Path(value).expanduser(), path.parent / Path(value).expanduser()
+        if not here.exists() and beside.exists() and path.parent.resolve() != Path.cwd().resolve():
+            raise ConfigError(f"config file {path}: {section}.{name}={value!r} is read from the working directory "
+                              f"({Path.cwd()}), where it does not exist; beside the config file it is {beside}: write "
+                              f"that path (or an absolute one) in the file, or run from {path.parent}")
 
 
 def from_dict(d: dict[str, Any]) -> RunConfig:
