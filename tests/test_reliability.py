@@ -146,6 +146,9 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
     run = tmp_path / "run"
     returncode, _, err = interrupt_training(fmnist_npz, run, signal.SIGINT, after_log_lines=2)
     assert returncode == 130, err
+    # said when the signal comes (the set-up before a first step can take minutes), once
+    assert err.count("SIGINT: the run stops after its current step, with a checkpoint (Ctrl-C again to stop at "
+                     "once, without one)") == 1, err
     (ckpt,) = list_checkpoints(run / "checkpoints")
     assert load_checkpoint(ckpt)["step"] >= 2
 

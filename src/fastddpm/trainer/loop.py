@@ -11,6 +11,7 @@ with one collective at the same points; a foreach (CPU or FSDP) update checks th
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -76,6 +77,13 @@ class _StopFlag:
         def handle(signum, frame):
             if self.exit_code is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            if self.exit_code is None and os.environ.get("RANK", "0").strip() in ("", "0"):
+                # said at once: the set-up before the first step (the data, a feature network to train for the
+                # evaluations) can take minutes, where a Ctrl-C that seemed lost would be pressed again. os.write:
+                # the handler may run while the main thread is inside a print to the same stream
+                again = " (Ctrl-C again to stop at once, without one)" if signum == signal.SIGINT else ""
+                os.write(2, f"{signal.Signals(signum).name}: the run stops after its current step, with a "
+                            f"checkpoint{again}\n".encode())
             self.exit_code = code
         return handle
 
