@@ -23,9 +23,11 @@ TINY_DDPM = {"model.family": "ddpm", "model.base_channels": 16, "model.channel_m
              "model.num_heads": 2, "model.scale_shift_norm": True}
 TINY_DDPM_28 = {**TINY_DDPM, "model.attention_resolutions": (14,)}
 # The seed family's U-Net (the tiny preset's) with one block of each kind: a down block that halves the resolution,
-# a mid block, an up block, every one with attention. For the tests that torch.compile it: CPU Inductor compiles
-# each distinct kernel with its own C++ compiler call, so its time grows with the blocks (58 kernels against the
-# tiny preset's 70 for a step's forward and backward, and about two thirds of the time).
+# a mid block, an up block, every one with attention. For the tests whose cost grows with the blocks while what they
+# check does not: torch.compile (CPU Inductor compiles each distinct kernel with its own C++ compiler call: 58
+# kernels against the tiny preset's 70 for a step's forward and backward, in about two thirds of the time), the
+# exporters, and runs whose model is incidental (those add "model.attention": False where the attention at 28x28,
+# over 784 positions, would take most of their time).
 ONE_BLOCK_SEED = {"model.down_channels": (16, 32), "model.mid_channels": (32, 16), "model.down_sample": (True,)}
 
 
