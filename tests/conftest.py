@@ -94,23 +94,6 @@ def _process_state() -> dict:
     }
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist's --dist loadgroup (scripts/test.sh), the tests that share a session- or module-scoped
-    fixture of a test file (a trained run, a benchmark's output) go to one worker, which builds it once instead of
-    once in every worker that draws one of them. The conftest's own fixtures (a private cache, 256 images) are cheap
-    and shared by most tests: they group nothing."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        for name in info.names_closure if info else ():
-            fixturedefs = info.name2fixturedefs.get(name) or ()
-            built_once = [d for d in fixturedefs if d.scope in ("session", "module") and d.baseid.endswith(".py")
-                          and not d.baseid.endswith("conftest.py")]
-            if built_once:
-                item.add_marker(pytest.mark.xdist_group(f"{built_once[-1].baseid}::{name}"))
-                break
-
-
 @pytest.fixture(autouse=True)
 def _leaves_the_process_as_it_found_it():
     """The suite must pass in any order: a test (or the library code it calls) that changes process-wide state and
