@@ -27,11 +27,17 @@ class CheckpointError(ValueError):
         self.problem = problem
 
 
+def rank_0_by_env() -> bool:
+    """Whether this process is rank 0 by torchrun's RANK (a plain process, or an empty RANK, is): for what is said
+    before the process group exists, or outside it (a signal handler)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def warn_on_rank_0(message: str, stacklevel: int = 2) -> None:
-    """A warning about a run folder, from rank 0 alone (torchrun's RANK; a plain process is rank 0): every rank
-    reads the same folder and finds the same, and N copies of one line bury the rest of the log. Read from the
-    environment, since the checkpoint is looked for before the process group exists."""
-    if os.environ.get("RANK", "0").strip() in ("", "0"):
+    """A warning about a run folder, from rank 0 alone: every rank reads the same folder and finds the same, and N
+    copies of one line bury the rest of the log. Read from the environment, since the checkpoint is looked for
+    before the process group exists."""
+    if rank_0_by_env():
         warnings.warn(message, stacklevel=stacklevel + 1)
 
 

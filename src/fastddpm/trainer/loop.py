@@ -25,6 +25,7 @@ import torch
 
 from fastddpm.config import ConfigError, RunConfig
 from fastddpm.progress import progress_bar
+from fastddpm.rundir.files import rank_0_by_env
 from fastddpm.rundir.locate import Checkpoint
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import write_grid
@@ -77,7 +78,7 @@ class _StopFlag:
         def handle(signum, frame):
             if self.exit_code is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            if self.exit_code is None and os.environ.get("RANK", "0").strip() in ("", "0"):
+            if self.exit_code is None and rank_0_by_env():
                 # said at once: the set-up before the first step (the data, a feature network to train for the
                 # evaluations) can take minutes, where a Ctrl-C that seemed lost would be pressed again. os.write:
                 # the handler may run while the main thread is inside a print to the same stream
