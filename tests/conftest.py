@@ -91,6 +91,28 @@ def _process_state() -> dict:
         "working directory": os.getcwd(),
         "SIGTERM handler": signal.getsignal(signal.SIGTERM),
         "SIGINT handler": signal.getsignal(signal.SIGINT),
+        **_hooks_state(),
+    }
+
+
+def _hooks_state() -> dict:
+    """The process-wide hooks the doctor installs around a loop (and must remove): a hook left behind runs inside
+    every later test's optimizer steps, module calls or autograd saves, and is timed as theirs."""
+    import torch.nn.modules.module as module_mod
+    import torch.optim.optimizer as optim_mod
+    from torch.utils.data import DataLoader
+
+    module_hooks = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                    "_global_backward_hooks", "_global_module_registration_hooks",
+                    "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+    return {
+        "torch.optim's global step hooks": (len(optim_mod._global_optimizer_pre_hooks),
+                                            len(optim_mod._global_optimizer_post_hooks)),
+        "torch.nn's global module hooks": tuple(len(getattr(module_mod, name, ())) for name in module_hooks),
+        "default saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        "the autograd profiler": torch._C._autograd._profiler_enabled(),
+        "DataLoader.__iter__": DataLoader.__iter__,
+        "Tensor.__iter__": torch.Tensor.__iter__,
     }
 
 

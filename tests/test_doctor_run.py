@@ -152,7 +152,9 @@ def test_the_breakdown_adds_up_and_the_optimizer_is_not_charged_the_profilers_st
     assert sum(breakdown.values()) <= 1 + 1e-9, breakdown
     # the step() calls timed in the watched steps: the optimizer's true share (the profiler adds a little)
     watched = statistics.median(s["optimizer_ms"] / s["host_ms"] for s in m["steps"])
-    assert breakdown["optimizer"] < 2 * watched + 0.05, (breakdown["optimizer"], watched)
+    # on failure, what the next look needs: the one profiled step's length and where the rest of it went (this
+    # failed in two of three runs split between pytest-xdist workers, at 0.66 and 0.84, and never in one process)
+    assert breakdown["optimizer"] < 2 * watched + 0.05, (watched, m["trace"]["profiled_step_ms"], breakdown)
 
 
 def test_a_loop_that_ends_before_the_profile_window_says_so(tmp_path):
