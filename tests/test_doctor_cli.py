@@ -177,6 +177,31 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
     assert ((abs(img[..., 0] - 0x4A) < 4) & (abs(img[..., 1] - 0x7F) < 4) & (abs(img[..., 2] - 0xC1) < 4)).sum() > 200
 
 
+def test_the_step_chart_keeps_ordinary_steps_readable_beside_an_epoch_spike():
+    import re
+
+    from fastddpm.doctor.report import STEPS_AXIS_MEDIANS, _steps_svg
+
+    # ten 5 ms steps and one epoch start that waited 495 ms for respawned loader workers
+    steps = [{"index": i, "host_ms": 5.0, "data_wait_ms": 1.0, "epoch_start": False, "recompiles": 0}
+             for i in range(10)]
+    steps[4] = {**steps[4], "host_ms": 500.0, "data_wait_ms": 495.0, "epoch_start": True}
+    svg = _steps_svg(steps, height=180)
+    heights = [float(h) for h in re.findall(r'class="bar-compute"[^>]* height="([0-9.]+)"', svg)]
+    data = [float(h) for h in re.findall(r'class="bar-data"[^>]* height="([0-9.]+)"', svg)]
+    whole = [c + d for c, d in zip(heights, data)]
+    axis = 180 - 20 - 16  # the chart less its bottom and top margins
+    # the axis ends at 4 median steps (20 ms): an ordinary step fills a quarter of it, not 1% as on a 500 ms axis
+    assert STEPS_AXIS_MEDIANS == 4.0 and f">{20.0:.1f} ms<" in svg
+    assert all(abs(w - axis / 4) < 0.2 for i, w in enumerate(whole) if i != 4), whole
+    # the spike reaches the top, keeps its own proportions (99% data wait), is cut, and says its time
+    assert abs(whole[4] - axis) < 0.2 and abs(data[4] / whole[4] - 0.99) < 0.01
+    assert svg.count('class="bar-cut"') == 1 and 'class="bar-cut-label"' in svg and ">500 ms<" in svg
+    # no step past the axis: drawn as before, the longest step at the top, nothing cut
+    calm = _steps_svg(steps[:4] + steps[5:], height=180)
+    assert "bar-cut" not in calm and f">{5.0:.1f} ms<" in calm
+
+
 # ---------------------------------------------------------------------- doctor train --try
 def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
     from fastddpm.doctor.findings import Finding, Fix

@@ -298,7 +298,8 @@ def diagnose(session: Session, *, context: str = "user", command: list[str] | No
     found, unavailable = evaluate(m)
     dev = session.device
     env = {"device": str(dev), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-           f"CPU ({torch.get_num_threads()} threads)", "torch": torch.__version__,
+           f"CPU ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''})",
+           "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": command or sys.argv,
            "wall_s": session.wall_s or 0.0, "profile_wall_s": session.profile_wall_s,
            "config": dataclasses.asdict(session.config) | {"out_dir": str(session.config.out_dir)}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -220,38 +221,56 @@ COLORS = {"compute": "#4a7fc1", "data": "#e8912d", "gpu": "#2f9e55", "idle": "#e
           "epoch": "#8a5cc2", "recompile": "#111"}
 
 
+# The step chart's axis ends at this many median steps: an epoch start that respawns loader workers or a step that
+# compiles can take 100x a step, and an axis up to it would draw every other step a pixel or two high.
+STEPS_AXIS_MEDIANS = 4.0
+
+
 def _steps_svg(steps: list[dict], width: int = 1040, height: int = 180) -> str:
-    """Watched steps as bars: data wait (orange) under compute (blue); epoch starts and recompiles marked."""
+    """Watched steps as bars: data wait (orange) under compute (blue); epoch starts and recompiles marked. A step
+    past the axis (STEPS_AXIS_MEDIANS median steps) is drawn to its top, cut, with its time written above."""
     if not steps:
         return "<p class=muted>no watched steps</p>"
-    top = max(s["host_ms"] for s in steps) or 1.0
+    longest = max(s["host_ms"] for s in steps)
+    top = min(longest, STEPS_AXIS_MEDIANS * statistics.median(s["host_ms"] for s in steps)) or longest or 1.0
     n = len(steps)
     pad_l, pad_b = 48, 20
+    pad_t = 16 if longest > top else 8  # room for the times of the cut bars
     bw = (width - pad_l - 8) / n
-    h = height - pad_b - 8
+    h = height - pad_b - pad_t
     out = [f'<svg id="steps-chart" width="{width}" height="{height}" role="img" '
            f'aria-label="step times of {n} watched steps">']
     for frac in (0, 0.5, 1):
-        y = 8 + h * (1 - frac)
+        y = pad_t + h * (1 - frac)
         out.append(f'<line x1="{pad_l}" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eef1f4"/>'
                    f'<text x="4" y="{y + 4:.1f}">{top * frac:.1f} ms</text>')
     for i, s in enumerate(steps):
         x = pad_l + i * bw
-        dh = h * s["data_wait_ms"] / top
-        ch = h * max(0.0, s["host_ms"] - s["data_wait_ms"]) / top
-        y_data = 8 + h - dh
+        cut = s["host_ms"] > top  # its bar stops at the axis's end, in the proportions of its own two parts
+        scale = h / (s["host_ms"] if cut else top)
+        dh = scale * s["data_wait_ms"]
+        ch = scale * max(0.0, s["host_ms"] - s["data_wait_ms"])
+        y_data = pad_t + h - dh
         out.append(f'<rect class="bar-data" x="{x:.1f}" y="{y_data:.1f}" width="{max(bw - 1, 0.5):.1f}" '
                    f'height="{dh:.1f}" fill="{COLORS["data"]}"><title>step {s["index"]}: data wait '
                    f'{s["data_wait_ms"]:.2f} ms</title></rect>')
         out.append(f'<rect class="bar-compute" x="{x:.1f}" y="{y_data - ch:.1f}" width="{max(bw - 1, 0.5):.1f}" '
                    f'height="{ch:.1f}" fill="{COLORS["compute"]}"><title>step {s["index"]}: {s["host_ms"]:.2f} ms'
                    f'</title></rect>')
+        if cut:  # a white gap across the bar, and the step's own time above the axis
+            out.append(f'<rect class="bar-cut" x="{x:.1f}" y="{pad_t + h * 0.12:.1f}" width="{max(bw - 1, 0.5):.1f}" '
+                       f'height="3" fill="#fff"/><text class="bar-cut-label" x="{x + bw / 2:.1f}" y="{pad_t - 4}" '
+                       f'text-anchor="middle">{_ms_or_s(s["host_ms"])}</text>')
         if s["epoch_start"]:
             out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="{COLORS["epoch"]}">E</text>')
         if s["recompiles"]:
             out.append(f'<text x="{x:.1f}" y="{height - 4}" fill="{COLORS["recompile"]}">C</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def _ms_or_s(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
 
 
 def _timeline_svg(tl: dict, width: int = 1040, *, gpu: bool = True) -> str:
