@@ -1,6 +1,7 @@
 """Faults the trainer must survive without losing anything (see RELIABILITY.md in the shared docs)."""
 
 import copy
+import os
 import pytest
 import torch
 
@@ -151,6 +152,38 @@ def test_sigint_checkpoints_and_exits_130(tmp_path, fmnist_npz):
                      "once, without one)") == 1, err
     (ckpt,) = list_checkpoints(run / "checkpoints")
     assert load_checkpoint(ckpt)["step"] >= 2
+
+
+def test_a_signal_while_the_feature_network_trains_stops_the_run_there(tmp_path, fmnist_npz):
+    """--eval-every trains the dataset's feature network before the first step (about a minute on all of
+    Fashion-MNIST's 60,000 images): a Ctrl-C then stops the run there, not after the network and a first step."""
+    import signal
+    import subprocess
+    import sys
+
+    run, cache = tmp_path / "run", tmp_path / "cache"  # an empty cache: the network is trained here
+    env = {**os.environ, "FASTDDPM_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "fastddpm", "train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny",
+           "--max-steps", "1000", "--eval-every", "512", "--eval-samples", "16", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    said = []
+    try:
+        for line in proc.stdout:  # until the network begins to train
+            said.append(line)
+            if line.startswith("feature network: none cached"):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a run that went on is not left behind (no-op once it has exited)
+    said.append(out)
+    assert proc.returncode == 130, "".join(said) + err
+    assert ("stopped by signal while setting up the evaluations (--eval-every: the feature network, the real "
+            "images' statistics), before the first step: nothing was trained or saved") in out, out
+    assert "Traceback" not in err and "the run stops after its current step" not in err, err
+    # stopped inside the network's training: no network cached, no step taken, nothing in the run folder
+    assert not list(cache.rglob("*.safetensors")) and not (run / "checkpoints").exists()
+    assert not (run / "config.json").exists() and not (run / "metrics.jsonl").exists()
 
 
 def test_sigkill_during_a_save_resumes_from_the_newest_complete_checkpoint(tmp_path):

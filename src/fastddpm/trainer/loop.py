@@ -11,6 +11,7 @@ with one collective at the same points; a foreach (CPU or FSDP) update checks th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -41,12 +42,19 @@ EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
 
 class TrainingInterrupted(Exception):
-    """Raised after a SIGTERM/SIGINT once the checkpoint is written; `exit_code` is 143 or 130."""
+    """Raised after a SIGTERM/SIGINT once the checkpoint is written; `exit_code` is 143 or 130. `checkpoint` is
+    None where the signal stopped the set-up, before the first step: nothing was trained, nothing written."""
 
-    def __init__(self, exit_code: int, checkpoint: Path):
-        super().__init__(f"stopped by signal; checkpoint {checkpoint}")
+    def __init__(self, exit_code: int, checkpoint: Path | None):
+        super().__init__(f"stopped by signal; checkpoint {checkpoint}" if checkpoint is not None else
+                         "stopped by signal during the set-up, before the first step: nothing was saved")
         self.exit_code = exit_code
         self.checkpoint = checkpoint
+
+
+class _StoppedAtOnce(BaseException):
+    """Raised by the signal handler inside `_StopFlag.at_once` (a BaseException, as KeyboardInterrupt is: an
+    `except Exception` in the set-up must not swallow it)."""
 
 
 @dataclass
@@ -67,6 +75,7 @@ class _StopFlag:
         self.exit_code: int | None = None
         self._old = {}
         self.dist = SINGLE  # set once the process group is up; train() tears it down
+        self._at_once: str | None = None  # the set-up a signal now stops there and then (at_once)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -78,15 +87,36 @@ class _StopFlag:
         def handle(signum, frame):
             if self.exit_code is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            if self.exit_code is None and rank_0_by_env():
-                # said at once: the set-up before the first step (the data, a feature network to train for the
-                # evaluations) can take minutes, where a Ctrl-C that seemed lost would be pressed again. os.write:
-                # the handler may run while the main thread is inside a print to the same stream
+            first = self.exit_code is None
+            self.exit_code = code
+            if first and self._at_once is not None:
+                raise _StoppedAtOnce
+            if first and rank_0_by_env():
+                # said at once: the set-up before the first step (the batch size search, the model's compilation)
+                # can take minutes, where a Ctrl-C that seemed lost would be pressed again. os.write: the handler
+                # may run while the main thread is inside a print to the same stream
                 again = " (Ctrl-C again to stop at once, without one)" if signum == signal.SIGINT else ""
                 os.write(2, f"{signal.Signals(signum).name}: the run stops after its current step, with a "
                             f"checkpoint{again}\n".encode())
-            self.exit_code = code
         return handle
+
+    @contextlib.contextmanager
+    def at_once(self, what: str, log: Callable[[str], None]):
+        """While `what` runs, a signal stops the run there and then (TrainingInterrupted, no checkpoint), not after
+        a first step: for the set-up that can take minutes (a dataset cache to build, a feature network to train)
+        and leaves the run folder as it was (caches are written whole or not at all)."""
+        try:
+            if self.exit_code is not None:  # a signal came earlier in the set-up
+                raise _StoppedAtOnce
+            self._at_once = what
+            try:
+                yield
+            finally:
+                self._at_once = None
+        except _StoppedAtOnce:
+            log(f"stopped by signal while {what}, before the first step: nothing was trained or saved; the run "
+                "folder is as it was (run the same command again to go on)")
+            raise TrainingInterrupted(self.exit_code, None) from None
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():

@@ -184,7 +184,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                 log: Callable[..., None], hooks: TrainHooks) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
-    flag, told the process group once there is one."""
+    flag, told the process group once there is one; a signal stops the dataset's preparation and the evaluations'
+    set-up at once (`stop.at_once`)."""
     with same_on_every_rank():  # what the config and the folder decide, before the process group exists
         _check_before_loading(cfg)
         check_loggers(cfg, run_dir)
@@ -210,7 +211,8 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     precision = resolve_precision(cfg.train.precision, device)
     if device.type == "cuda":  # TF32 for the fp32 matmuls/convs outside autocast (10-bit mantissa, fp32 range)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    data = _load_data(cfg, dist)
+    with stop.at_once("preparing the dataset", console):
+        data = _load_data(cfg, dist)
     cfg = _absolute_source(cfg, data)
     identity = data.identity()
     with same_on_every_rank():  # the same folder, checkpoint and data on every rank (the ranks agree on which)
@@ -256,8 +258,11 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
         # data's statistics are set-up, not time-to-quality. Every rank samples its share; rank 0 scores.
         from fastddpm.eval.during_training import TrainingEvaluator
 
-        evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
-                                      log=console, rank=dist.rank, world_size=dist.world_size)
+        with stop.at_once("setting up the evaluations (--eval-every: the feature network, the real images' "
+                          "statistics)", console):
+            evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device,
+                                          autocast_dtype=precision.autocast_dtype, log=console, rank=dist.rank,
+                                          world_size=dist.world_size)
     state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
                        cpu_threads=cpu_threads, data={"source": cfg.data.source, **identity})
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
