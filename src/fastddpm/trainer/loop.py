@@ -92,9 +92,9 @@ class _StopFlag:
             if first and self._at_once is not None:
                 raise _StoppedAtOnce
             if first and rank_0_by_env():
-                # said at once: the set-up before the first step (the batch size search, the model's compilation)
-                # can take minutes, where a Ctrl-C that seemed lost would be pressed again. os.write: the handler
-                # may run while the main thread is inside a print to the same stream
+                # said at once: the first step (the model's compilation, a CUDA graph's capture) can take
+                # minutes, where a Ctrl-C that seemed lost would be pressed again. os.write: the handler may run
+                # while the main thread is inside a print to the same stream
                 again = " (Ctrl-C again to stop at once, without one)" if signum == signal.SIGINT else ""
                 os.write(2, f"{signal.Signals(signum).name}: the run stops after its current step, with a "
                             f"checkpoint{again}\n".encode())

@@ -184,8 +184,8 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                 log: Callable[..., None], hooks: TrainHooks) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
-    flag, told the process group once there is one; a signal stops the dataset's preparation and the evaluations'
-    set-up at once (`stop.at_once`)."""
+    flag, told the process group once there is one; a signal stops the dataset's preparation, the batch size search and
+    the evaluations' set-up at once (`stop.at_once`)."""
     with same_on_every_rank():  # what the config and the folder decide, before the process group exists
         _check_before_loading(cfg)
         check_loggers(cfg, run_dir)
@@ -241,7 +241,9 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
         from fastddpm.diffusers_io import load_init
 
         console(load_init(model, cfg, cfg.train.init_from))
-    cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device, console)
+    with stop.at_once("searching for the batch size (--batch-size auto)", console):  # trial steps, nothing written
+        cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device,
+                                                          console)
     train_cfg = cfg.train
     batches, placement, placement_reason = _make_batches(cfg, data, device, dist, hooks)
     steps_per_epoch = batches.steps_per_epoch // train_cfg.accum_steps
