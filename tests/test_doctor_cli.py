@@ -202,6 +202,16 @@ def test_the_step_chart_keeps_ordinary_steps_readable_beside_an_epoch_spike():
     assert "bar-cut" not in calm and f">{5.0:.1f} ms<" in calm
 
 
+def test_what_was_not_measured_reads_as_one_rule_or_several():
+    from fastddpm.doctor.report import rules_label
+    from fastddpm.doctor.rules_compute import NO_TRACE_RULES
+
+    assert rules_label("7 (syncs)") == "rule 7 (syncs)"
+    assert rules_label("15 (GPU clocks: throttling or growth)") == "rule 15 (GPU clocks: throttling or growth)"
+    assert rules_label("4-6,8,9,11 (GPU timeline)") == "rules 4-6,8,9,11 (GPU timeline)"
+    assert rules_label(NO_TRACE_RULES).startswith("rules 12, 16-20")
+
+
 # ---------------------------------------------------------------------- doctor train --try
 def test_a_fastddpm_fix_is_read_as_the_settings_it_makes():
     from fastddpm.doctor.findings import Finding, Fix

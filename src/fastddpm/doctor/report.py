@@ -128,7 +128,7 @@ class Report:
         for note in m.get("notes") or []:
             lines.append(f"note: {note}")
         for rule, why in self.unavailable.items():
-            lines.append(f"unavailable: rules {rule}: {why}")
+            lines.append(f"unavailable: {rules_label(rule)}: {why}")
         if self.files:
             lines.append("files: " + ", ".join(f"{k} {v}" for k, v in self.files.items()))
         return "\n".join(lines)
@@ -269,6 +269,12 @@ def _steps_svg(steps: list[dict], width: int = 1040, height: int = 180) -> str:
     return "".join(out)
 
 
+def rules_label(key: str) -> str:
+    """An `unavailable` key as read: "rule 7 (syncs)", "rules 4-6,8,9,11 (GPU timeline)"."""
+    several = any(c in key.split(" (", 1)[0] for c in ",-")
+    return f"{'rules' if several else 'rule'} {key}"
+
+
 def _ms_or_s(ms: float) -> str:
     return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"
 
@@ -392,7 +398,7 @@ def render_html(r: Report) -> str:
         parts.append(f"<tr><td>{e(k)}</td><td>{e(val)}</td></tr>")
     parts.append("</table>")
     if r.unavailable:
-        parts.append("<h2>Not measured</h2><ul>" + "".join(f"<li>rules {e(k)}: {e(v2)}</li>"
+        parts.append("<h2>Not measured</h2><ul>" + "".join(f"<li>{e(rules_label(k))}: {e(v2)}</li>"
                                                            for k, v2 in r.unavailable.items()) + "</ul>")
     parts.append("</body></html>\n")
     return "".join(parts)
@@ -454,7 +460,8 @@ def _breakdown(m: dict) -> list[tuple[str, str]]:
     cpu = m.get("cpu_load")
     if cpu:
         rows.append(("CPU load", f"main {cpu['main_cores']:.2f} cores, workers {cpu['workers_cores']:.2f} cores "
-                                 f"({cpu['workers_seen']} processes) of {cpu['cpu_count']}"))
+                                 f"({cpu['workers_seen']} process{'es' if cpu['workers_seen'] != 1 else ''}) of "
+                                 f"{cpu['cpu_count']}"))
     tr = m.get("trace") or {}
     for key, label in (("ops_per_step", "host ops per step"), ("syncs_per_step", "host syncs per step"),
                        ("scalar_reads_per_step", ".item() calls per step (the loop's own)"),
