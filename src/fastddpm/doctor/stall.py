@@ -149,8 +149,11 @@ class StallWatch:
                 self.idle_s, self.limit_s = now - (last_step or t0), limit
                 self._fired = self._pending = True
                 fired_at = now
-                # the handler at Python's level (heard even where faulthandler.register took the C-level signal),
-                # then the signal itself, whose EINTR wakes a blocked sleep or wait
+                # A faulthandler registration of the script's own for SIGUSR1 is removed first: its C handler
+                # dumps every thread's stack, this thread's too while it runs on, and that crashed the process (a
+                # segmentation fault, about one stall in ten); the report says where the script stood. Then the
+                # handler at Python's level, and the signal itself, whose EINTR wakes a blocked sleep or wait.
+                faulthandler.unregister(signal.SIGUSR1)
                 _thread.interrupt_main(signal.SIGUSR1)
                 os.kill(os.getpid(), signal.SIGUSR1)
             still_since = busy_at = now  # swallowed by the script (a bare except): fired again after another limit
