@@ -42,7 +42,13 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
     stats = s.step_stats()
     compiled = _compile_counts(s)
     events = load_trace(s.trace_path) if s.trace_path is not None else None
-    trace = analyze(events) if events is not None else None
+    trace = analyze(events, getattr(s, "profiled_epoch_starts", [])) if events is not None else None
+    notes = list(s.notes)
+    if trace is not None and trace.epoch_starts_left_out:
+        k = trace.epoch_starts_left_out
+        notes.append(f"the profile is read from {len(trace.steps)} of its {len(trace.steps) + k} steps: the {k} that "
+                     f"began an epoch {'is' if k == 1 else 'are'} left out (a loader's start-up would take most of "
+                     "it; rule 2 judges the epoch starts from the watched steps)")
     no_trace = why_no_trace(s) if trace is None else None
     mfu = mfu_measurements(trace, stats.to_dict() if stats is not None else {}, s.device,
                            flops_per_step=flops_per_step, peak=peak, measure_peak=measure_peak,
@@ -62,7 +68,8 @@ def measurements(session: Session, *, flops_per_step: float | None = None, peak:
         low_precision=low, windows=dict(getattr(s, "windows", {}) or {}),
         device=str(s.device), steps=list(s.records), step_stats=stats, cpu_load=s.cpu_load, memory=s.memory,
         telemetry_start=s.telemetry_start, telemetry_end=s.telemetry_end,
-        profiled_steps=len(trace.steps) if trace is not None else 0, notes=list(s.notes), compile=compiled,
+        profiled_steps=len(trace.steps) + trace.epoch_starts_left_out if trace is not None else 0, notes=notes,
+        compile=compiled,
         trace=trace, trace_unavailable=no_trace,
         trace_file=str(s.trace_path) if s.trace_path is not None and s.config.save_trace else None,
         flops_source=mfu.get("flops_source"), mfu=Mfu(**mfu["mfu"]) if "mfu" in mfu else None,

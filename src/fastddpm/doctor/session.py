@@ -194,6 +194,7 @@ class Session:
         self._demand = _ThreadDemand()
         self._epoch_start = False
         self._epochs = 0
+        self.profiled_epoch_starts: list[bool] = []  # per profiled step, in order: whether it began an epoch
         self._events = StepEvents()  # CUDA events on the watch's step boundaries
         self._graphs_prev = dynamo_graphs()
         self.compile_start = self._graphs_prev  # dynamo's counters are per process: count from here
@@ -350,6 +351,8 @@ class Session:
             self.records.append(rec)
             if self.cuda:
                 self._events.record()  # no sync: read after the run
+        elif phase == "profile":
+            self.profiled_epoch_starts.append(self._epoch_start)
         self.step_index += 1
         self._window_step_s.append(now - self._t_boundary)
         self._wait_s = self._wait_cpu_s = self._wait_queued_s = 0.0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import re
 import statistics
@@ -80,8 +81,9 @@ class StepTrace:
 class TraceStats:
     """Everything the rules read from one trace. GPU fields stay None on a CPU-only trace."""
 
-    steps: list[StepTrace]
+    steps: list[StepTrace]  # the profiled steps measured (those that began an epoch left out: epoch_starts_left_out)
     has_gpu: bool
+    epoch_starts_left_out: int = 0
     # host ops (any device)
     ops_per_step: float = 0.0
     # `.item()` and friends in the loop's own code (not the optimizer's internal ones, e.g. a per-tensor Adam's
@@ -176,14 +178,20 @@ def _step_index(steps: list[StepTrace], starts: list[float], ts: float) -> int |
     return None
 
 
-def analyze(events: list[dict]) -> TraceStats:
-    """Measure one trace. Only work inside `fastddpm::step` ranges counts."""
+def analyze(events: list[dict], epoch_starts: list[bool] = ()) -> TraceStats:
+    """Measure one trace. Only work inside `fastddpm::step` ranges counts. `epoch_starts`: per profiled step, in
+    order, whether it began an epoch. Those are left out (while another step is left): a loader's start-up (worker
+    processes, a first prefetch) would take most of the profile, and every share of where a step goes would be of
+    it; rule 2 judges them from the watched steps."""
     xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
     steps = sorted((StepTrace(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in xs
                     if e.get("name") == STEP_MARK and e.get("cat") in HOST_MARK_CATS),
                    key=lambda s: s.start_us)
     if not steps:
         raise ValueError(f"the trace has no '{STEP_MARK}' ranges: it was not recorded by fastddpm.doctor")
+    steady = [s for s, began in itertools.zip_longest(steps, epoch_starts[:len(steps)]) if not began]
+    left_out = len(steps) - len(steady)
+    steps = steady or steps
     step_of = functools.partial(_step_index, steps, [s.start_us for s in steps])  # ts -> step index, or None
     total_step_us = sum(s.dur_us for s in steps) or 1.0
     n = len(steps)
@@ -209,7 +217,7 @@ def analyze(events: list[dict]) -> TraceStats:
             steps[i].syncs += 1
             steps[i].sync_us += float(e.get("dur", 0))
 
-    stats = TraceStats(steps=steps, has_gpu=False)
+    stats = TraceStats(steps=steps, has_gpu=False, epoch_starts_left_out=left_out if steady else 0)
     stats.ops_per_step = host.ops / n
     stats.scalar_reads_per_step = host.scalar_reads / n
     if runtime:  # a CUDA trace: a sync is a runtime call that blocks the host (.item() on a GPU tensor makes one)
