@@ -4,6 +4,7 @@ Then each rule function on typed measurements built by hand, and the measurement
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -136,6 +137,31 @@ def gpu_trace(**over) -> TraceStats:
 def check(rule, m: Measurements):
     unavailable: dict[str, str] = {}
     return rule(m, unavailable), unavailable
+
+
+def test_rule_busy_machine():
+    load = functools.partial(CpuLoad, main_cores=1.0, workers_cores=0.2, workers_seen=1, cpu_count=2, wall_s=1.0)
+    f, _ = check(rules.busy_machine, record(cpu_load=load(others_cores=1.6)))
+    assert f.id == "busy-machine" and f.rules == (24,) and f.kind == "note" and f.cost == pytest.approx(0.8)
+    assert f.evidence == ["other processes kept 1.6 of the 2 cores this process may use busy while the steps were "
+                          "watched (this process 1.0, its loader workers 0.2)"]
+    assert f.fixes[1].fastddpm == "--cpu-threads 1 on a machine shared for good"
+    assert "torch.set_num_threads(1)" in f.fixes[1].code
+    # eight cores, three busy elsewhere: five left
+    assert "torch.set_num_threads(5)" in check(rules.busy_machine, record(
+        cpu_load=load(others_cores=3.0, cpu_count=8)))[0].fixes[1].code
+    # a quarter of the cores, and half a core at least
+    assert check(rules.busy_machine, record(cpu_load=load(others_cores=0.45)))[0] is None
+    assert check(rules.busy_machine, record(cpu_load=load(others_cores=1.9, cpu_count=8)))[0] is None
+    # no /proc/stat: said, not guessed; no watch at all: nothing to say
+    f, unavailable = check(rules.busy_machine, record(cpu_load=load(others_cores=None)))
+    assert f is None and unavailable == {"24 (other work on the cores)": "the cores' busy time is read from "
+                                                                       "Linux's /proc/stat"}
+    assert check(rules.busy_machine, record()) == (None, {})
+    # never the verdict, however busy
+    busy = record(cpu_load=load(others_cores=2.0))
+    found, _ = evaluate(busy)
+    assert "busy-machine" in {f.id for f in found} and verdict(found, busy)["id"] != "busy-machine"
 
 
 def test_rule_data_bound():

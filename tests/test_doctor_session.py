@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +298,26 @@ def test_a_watched_step_on_a_gpu_records_a_made_event_and_makes_none(monkeypatch
     events.open(torch.device("cpu"), 5)
     events.open(torch.device("cpu"), 5)
     assert len(made) == 6 and events.elapsed_ms() == []
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_the_cpu_sampler_tells_other_processes_work_from_this_process_trees(tmp_path):
+    """A process that is no descendant of this one (its parent exits, so it is re-parented) burns a core while
+    the sampler watches an idle process: its time is other work's, not this process's nor its loader workers'."""
+    import subprocess
+
+    from fastddpm.doctor.system import CpuSampler
+
+    started = tmp_path / "burning"
+    burner = (f"import os, time\nif os.fork() == 0:\n    open({str(started)!r}, 'w').close()\n"
+              "    end = time.time() + 3.0\n    while time.time() < end: pass\n    os._exit(0)\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", burner], check=True, timeout=30)
+    deadline = time.time() + 10
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    sampler = CpuSampler(period_s=0.05)
+    sampler.start()
+    time.sleep(1.0)
+    load = sampler.stop()
+    assert load.others_cores is not None and load.others_cores > 0.6, load  # about one core, burning
+    assert load.main_cores < 0.3 and load.workers_cores < 0.1 and load.workers_seen == 0, load

@@ -82,6 +82,9 @@ class CpuLoad:
     workers_seen: int  # the most descendants seen at once
     cpu_count: int | None
     wall_s: float
+    # every other process's busy time on this process's cores (Linux /proc/stat, the hypervisor's steal included);
+    # None where it cannot be read
+    others_cores: float | None = None
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,7 @@ from fastddpm.doctor.rules_compute import (attention_weights, eager_elementwise,
                                            per_tensor_optimizer, precision, small_batch)
 from fastddpm.doctor.rules_gpu import host_bound, kernel_gaps, layout_thrash, sync_bound, transfer_bound
 from fastddpm.doctor.rules_input import data_bound, epoch_spikes
-from fastddpm.doctor.rules_run import drift, memory_headroom, recompiles
+from fastddpm.doctor.rules_run import busy_machine, drift, memory_headroom, recompiles
 from fastddpm.doctor.thresholds import HEALTHY_FLOOR
 
 
@@ -35,7 +35,7 @@ Rule = Callable[[Measurements, dict[str, str]], Finding | None]
 # and in the healthy verdict.
 RULES: list[Rule] = [data_bound, epoch_spikes, host_bound, kernel_gaps, sync_bound, transfer_bound, recompiles,
                      layout_thrash, precision, low_mfu, memory_headroom, drift, attention_weights,
-                     eager_elementwise, per_tensor_optimizer, small_batch, item_loop, param_loop]
+                     eager_elementwise, per_tensor_optimizer, small_batch, item_loop, param_loop, busy_machine]
 
 
 # ---------------------------------------------------------------------------------------------- the verdict

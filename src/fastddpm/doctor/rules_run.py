@@ -1,11 +1,13 @@
-"""Rules 10, 14 and 15 of docs/DOCTOR.md, the run as a whole rather than one step: graphs compiled after warm-up
-(10), device memory left unused (14), steps that slow down over the watch (15)."""
+"""Rules 10, 14, 15 and 24 of docs/DOCTOR.md, the run as a whole rather than one step: graphs compiled after
+warm-up (10), device memory left unused (14), steps that slow down over the watch (15), other work on the cores
+(24)."""
 
 from __future__ import annotations
 
 from fastddpm.doctor.findings import Finding, Fix, pct, watched_time
 from fastddpm.doctor.measurements import CompileCounts, Measurements
-from fastddpm.doctor.thresholds import DRIFT_FIFTH_STEPS, DRIFT_SHARE, HEALTHY_FLOOR, MEMORY_HEADROOM_SHARE
+from fastddpm.doctor.thresholds import (BUSY_OTHERS_MIN_CORES, BUSY_OTHERS_SHARE, DRIFT_FIFTH_STEPS, DRIFT_SHARE,
+                                        HEALTHY_FLOOR, MEMORY_HEADROOM_SHARE)
 
 
 def recompiles(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
@@ -92,4 +94,32 @@ def drift(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
     return Finding("drift", (15,), title, drift_share, ev, cause,
                    [Fix(None, "check for state that grows per step; for throttling, improve "
                               "cooling or compare at fixed clocks")],
+                   kind="note")
+
+
+def busy_machine(m: Measurements, unavailable: dict[str, str]) -> Finding | None:
+    """Rule 24: other processes kept the cores busy while the steps were watched (a note, never the verdict): the
+    times, and every share and estimate read from them, are those of a contended step."""
+    c = m.cpu_load
+    if c is None:
+        return None
+    if c.others_cores is None or not c.cpu_count:
+        unavailable["24 (other work on the cores)"] = "the cores' busy time is read from Linux's /proc/stat"
+        return None
+    if c.others_cores < max(BUSY_OTHERS_MIN_CORES, BUSY_OTHERS_SHARE * c.cpu_count):
+        return None
+    left = max(1, int(c.cpu_count - c.others_cores))
+    ev = [f"other processes kept {c.others_cores:.1f} of the {c.cpu_count} cores this process may use busy while "
+          f"the steps were watched (this process {c.main_cores:.1f}, its loader workers {c.workers_cores:.1f})"]
+    cause = ("the steps competed with other work for the cores: their times, and every share and estimate here, are "
+             "a contended step's (a parallel op waits for each of its threads, and a thread the OS gives to other "
+             "work holds it up: on a 2-core CPU under such load one profiled step's small updates took 16-20 ms "
+             "each against microseconds)")
+    return Finding("busy-machine", (24,), "BUSY MACHINE: other work shared the cores while the steps were timed",
+                   c.others_cores / c.cpu_count, ev, cause,
+                   [Fix(None, "measure again with the cores to itself (the other work stopped, or on a machine of "
+                              "its own) before acting on the numbers here"),
+                    Fix(f"--cpu-threads {left} on a machine shared for good",
+                        f"on a machine shared for good: torch.set_num_threads({left}), the cores the other work "
+                        f"leaves, so that no op waits on a thread that is not running")],
                    kind="note")

@@ -57,6 +57,33 @@ def _descendants(pid: int) -> list[int]:
     return seen
 
 
+def _cores_busy_s(cpus: set[int]) -> float | None:
+    """Seconds the cores `cpus` have spent busy since boot, whoever ran on them (Linux /proc/stat: user, nice,
+    system, irq, softirq and the hypervisor's steal; not idle nor I/O wait), or None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks, seen = 0, 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            continue
+        v = [int(x) for x in rest.split()[:8]]
+        if len(v) < 8:
+            return None
+        ticks += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+        seen += 1
+    return ticks / _CLK_TCK if seen else None
+
+
+def _usable_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """The cores this process may run on: its affinity mask where the OS has one (a container or `taskset` limits
     it below os.cpu_count()), else the machine's count."""
@@ -101,6 +128,8 @@ class CpuSampler:
         self._thread: threading.Thread | None = None
         self.t0 = self.t1 = 0.0
         self.max_workers = 0
+        self._cpus = _usable_cpus()
+        self._cores_busy0: float | None = None
 
     def _sample(self, first: bool = False) -> None:
         me = os.getpid()
@@ -124,6 +153,7 @@ class CpuSampler:
             return
         self.t0 = time.perf_counter()
         self._sample(first=True)
+        self._cores_busy0 = _cores_busy_s(self._cpus)
         self._thread = threading.Thread(target=self._run, name="fastddpm-doctor-cpu", daemon=True)
         self._thread.start()
 
@@ -134,6 +164,7 @@ class CpuSampler:
         self._first.clear()
         self.t0 = time.perf_counter()
         self._sample(first=True)
+        self._cores_busy0 = _cores_busy_s(self._cpus)
 
     def stop(self) -> CpuLoad | None:
         if not self.available or self._thread is None:
@@ -141,13 +172,17 @@ class CpuSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+        busy1 = _cores_busy_s(self._cpus)
         self.t1 = time.perf_counter()
         wall = max(self.t1 - self.t0, 1e-9)
         me = os.getpid()
         main = (self._last[me] - self._first[me]) / wall
         workers = sum(self._last[p] - self._first[p] for p in self._last if p != me) / wall
+        # the cores' busy time less this process tree's (/proc counts both in clock ticks: a tick's rounding)
+        others = (None if busy1 is None or self._cores_busy0 is None else
+                  max(0.0, (busy1 - self._cores_busy0) / wall - main - workers))
         return CpuLoad(main_cores=main, workers_cores=workers, workers_seen=self.max_workers,
-                       cpu_count=usable_cores(), wall_s=wall)
+                       cpu_count=usable_cores(), wall_s=wall, others_cores=others)
 
 
 def gpu_telemetry(device: torch.device) -> Telemetry | None:

@@ -49,3 +49,7 @@ PARAM_LOOP_SHARE = 0.05  # rule 23: the loop's own update of a copy of the param
 # ... of which torch._foreach_lerp_ gives back this much: one op per tensor instead of two and one pass over each
 # tensor instead of two (on a 2-core CPU it gave back 55-70% of the loop's profiled share, benchmarks/RESULTS.md)
 PARAM_LOOP_SAVES = 0.5
+# rule 24: other processes keeping this share of the usable cores busy (and at least this many cores) while the
+# steps are watched make the report's times those of a contended step
+BUSY_OTHERS_SHARE = 0.25
+BUSY_OTHERS_MIN_CORES = 0.5
