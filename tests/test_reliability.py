@@ -178,8 +178,8 @@ def test_a_signal_while_the_feature_network_trains_stops_the_run_there(tmp_path,
         proc.kill()  # a run that went on is not left behind (no-op once it has exited)
     said.append(out)
     assert proc.returncode == 130, "".join(said) + err
-    assert ("stopped by signal while setting up the evaluations (--eval-every: the feature network, the real "
-            "images' statistics), before the first step: nothing was trained or saved") in out, out
+    assert ("stopped by signal while setting up --eval-every (its feature network, the real images' statistics), "
+            "before the first step: nothing was trained or saved") in out, out
     assert "Traceback" not in err and "the run stops after its current step" not in err, err
     # stopped inside the network's training: no network cached, no step taken, and the run folder this run
     # created is gone again, as it was

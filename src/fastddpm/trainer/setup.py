@@ -184,8 +184,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
                 log: Callable[..., None], hooks: TrainHooks) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
-    flag, told the process group once there is one; a signal stops the dataset's preparation, the batch size search and
-    the evaluations' set-up at once (`stop.at_once`)."""
+    flag, told the process group once there is one (the long parts of the set-up stop at once: `stop.at_once`)."""
     with same_on_every_rank():  # what the config and the folder decide, before the process group exists
         _check_before_loading(cfg)
         check_loggers(cfg, run_dir)
@@ -260,11 +259,9 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
         # data's statistics are set-up, not time-to-quality. Every rank samples its share; rank 0 scores.
         from fastddpm.eval.during_training import TrainingEvaluator
 
-        with stop.at_once("setting up the evaluations (--eval-every: the feature network, the real images' "
-                          "statistics)", console):
-            evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device,
-                                          autocast_dtype=precision.autocast_dtype, log=console, rank=dist.rank,
-                                          world_size=dist.world_size)
+        with stop.at_once("setting up --eval-every (its feature network, the real images' statistics)", console):
+            evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
+                                          log=console, rank=dist.rank, world_size=dist.world_size)
     state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
                        cpu_threads=cpu_threads, data={"source": cfg.data.source, **identity})
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
