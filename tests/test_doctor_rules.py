@@ -794,7 +794,7 @@ def test_every_rule_function_is_checked_in_order():
     assert [r.__name__ for r in rules.RULES] == [
         "data_bound", "epoch_spikes", "host_bound", "kernel_gaps", "sync_bound", "transfer_bound", "recompiles",
         "layout_thrash", "precision", "low_mfu", "memory_headroom", "drift", "attention_weights",
-        "eager_elementwise", "per_tensor_optimizer", "small_batch", "item_loop", "param_loop"]
+        "eager_elementwise", "per_tensor_optimizer", "small_batch", "item_loop", "param_loop", "busy_machine"]
     _, unavailable = rules.evaluate(record())  # no trace: the rules that read one are listed too
     assert list(unavailable) == ["4-6,8,9,11 (GPU timeline)", "7 (syncs)", "12, 16-20, 22, 23 (the profiled step's "
                                  "ops: matmul dtypes, attention, elementwise, optimizer, batch, per-sample loops, "
