@@ -259,3 +259,51 @@ def test_an_out_that_is_a_file_is_one_error_line(tmp_path, capsys, bench):
     assert main(["bench", bench, "--quick", "--device", "cpu", "--out", str(tmp_path / "taken")]) == 2
     assert f"bench {bench} --out {tmp_path / 'taken'}: is a file, not a folder" in capsys.readouterr().err
     assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_set_reaches_every_run_and_an_inception_file_is_named_as_set_before_any_run_trains(tmp_path, fmnist_npz,
+                                                                                            monkeypatch, capsys):
+    """`--set train.eval_inception=PATH` (the epilog's way to Inception FID) is every run's, the reference's
+    included, so the target and the fast run's FIDs are in one feature space; a bad file is refused before any run
+    trains, naming `--set train.eval_inception=...` as typed (it had been named as train's --eval-inception, after
+    the reference had trained); given to --fast alone, it would score the fast run in other features than its
+    target, and is refused naming --set."""
+    from fastddpm.cli import main
+
+    trained = []
+
+    def fake(name, cfg, out_dir, log):
+        trained.append((name, cfg.train.eval_inception))
+        return {"name": name, "run_dir": str(out_dir / name), "config": cfg.to_dict(), "evals": _evals([3.0], 256),
+                "final_fid": 3.0, "images_seen": 256, "train_wall_s": 1.0, "process_s": 2.0,
+                "images_per_s_last": 100.0}
+
+    monkeypatch.setattr(quality, "_train_run", fake)
+    argv = ["bench", "quality", "--quick", "--device", "cpu", "--data", str(fmnist_npz)]
+    missing = tmp_path / "no-such.pth"
+    assert main([*argv, "--set", f"train.eval_inception={missing}", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --set train.eval_inception={missing}: no such file" in err
+    assert "(--set train.eval_inception=auto instead finds" in err and "--eval-inception" not in err
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"no weights")
+    assert main([*argv, "--set", f"train.eval_inception={junk}", "--out", str(tmp_path / "a")]) == 2
+    assert f"error: --set train.eval_inception={junk}: not a TorchScript file" in capsys.readouterr().err
+    assert main([*argv, "--fast", f"train.eval_inception={junk}", "--out", str(tmp_path / "a")]) == 2
+    assert (f"--fast train.eval_inception={junk} would score the fast run and the options in other features than "
+            f"the reference, whose FID is their target: give it to every run with --set train.eval_inception={junk}"
+            ) in capsys.readouterr().err
+    assert trained == [] and not (tmp_path / "a").exists()
+
+    monkeypatch.setattr(quality, "_check_features", lambda cfg, log: None)  # a real Inception file is 100 MB
+    assert main([*argv, "--set", f"train.eval_inception={junk}", "--set", "train.ema_decay=0.99",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert trained == [("reference", str(junk)), ("fast", str(junk))]
+    settings = json.loads((tmp_path / "b" / "quality.json").read_text())["settings"]
+    assert settings["sets"] == [f"train.eval_inception={junk}", "train.ema_decay=0.99"]
+    # a reference measured in other features is no target for this call
+    with pytest.raises(ConfigError, match=r"was measured with sets=.*FIDs compare only at equal settings; pass "
+                                          rf"--set train.eval_inception={junk} --set train.ema_decay=0.99$"):
+        run_quality(QualitySettings(**{**QUICK, "quick": True, "device": "cpu", "data": str(fmnist_npz),
+                                       "reference_from": str(tmp_path / "b" / "quality.json")}),
+                    tmp_path / "c", log=lambda m: None)

@@ -286,6 +286,9 @@ def _add_quality_parser(commands: argparse._SubParsersAction) -> argparse.Argume
     qp.add_argument("--target-fid", type=float, default=None, metavar="X", help="skip the reference: this target")
     qp.add_argument("--fast", dest="fast_overrides", type=_csv_list, default=None, metavar="S.F=V,..",
                     help=f"the fast recipe's overrides of the preset (default {','.join(FAST_RECIPE)})")
+    qp.add_argument("--set", dest="sets", action="append", default=None, metavar="SECTION.FIELD=VALUE",
+                    help="a setting of every run, the reference's included (repeatable), e.g. "
+                         "train.eval_inception=PATH for Inception FID; the recipes' own settings win")
     qp.add_argument("--fast-max-images", type=positive_int, default=None, metavar="N",
                     help="the fast run's length (default 1200000)")
     qp.add_argument("--fast-eval-every", dest="fast_eval_every_images", type=positive_int, default=None,
@@ -309,7 +312,8 @@ def quality_settings(args: argparse.Namespace):
 
     base = _given(args, QUICK, ("data", "preset", "num_images", "eval_samples", "eval_sampler", "eval_steps",
                                 "reference_epochs", "reference_eval_every_images", "reference_from", "target_fid",
-                                "fast_overrides", "fast_max_images", "fast_eval_every_images", "options", "fast_from"))
+                                "fast_overrides", "sets", "fast_max_images", "fast_eval_every_images", "options",
+                                "fast_from"))
     return QualitySettings(**base, reference_only=args.reference_only, remeasure=args.remeasure, device=args.device,
                            quick=args.quick)
 

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Callable
 
 from fastddpm.bench import store
-from fastddpm.config import DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset, resolve_sampling
+from fastddpm.config import (CLI, DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset,
+                             resolve_sampling)
 from fastddpm.data.cache import describe_identity, same_images
 
 SCHEMA = "fastddpm-bench-quality-1"
@@ -76,6 +77,7 @@ class QualitySettings:
     reference_from: str | None = None  # a previous quality.json: reuse its reference (target) instead of training
     target_fid: float | None = None  # or give the target directly
     fast_overrides: tuple[str, ...] = FAST_RECIPE
+    sets: tuple[str, ...] = ()  # --set SECTION.FIELD=VALUE: every run's (reference, fast, options), under the recipes
     fast_max_images: int = 1_200_000
     fast_eval_every_images: int = 120_000
     options: tuple[str, ...] = ()
@@ -87,6 +89,7 @@ class QualitySettings:
     quick: bool = False
 
     def __post_init__(self) -> None:
+        self.sets = tuple(self.sets)  # argparse's append gives a list; recorded and compared as the others
         unknown = [o for o in self.options if o not in OPTIONS]
         if unknown:
             raise ConfigError(f"bench quality: unknown option(s) {', '.join(unknown)}; "
@@ -100,6 +103,13 @@ class QualitySettings:
         if self.reference_only and (self.reference_from is not None or self.target_fid is not None):
             raise ConfigError("bench quality: --reference-only trains the reference; "
                               "drop --reference-from/--target-fid")
+        for item in self.fast_overrides:
+            if item.split("=", 1)[0] in ("train.eval_inception", "eval_inception"):
+                # the target is the reference's FID: scored in other features than the fast run's, it compares
+                # with nothing
+                raise ConfigError(f"bench quality: --fast {item} would score the fast run and the options in other "
+                                  "features than the reference, whose FID is their target: give it to every run with "
+                                  f"--set {item}")
         if self.fast_from is not None:
             if self.reference_from is not None or self.target_fid is not None or self.reference_only:
                 raise ConfigError("bench quality: --fast-from reuses that file's reference and target; drop "
@@ -107,6 +117,27 @@ class QualitySettings:
             if not self.options:
                 raise ConfigError("bench quality: --fast-from reuses the fast run, so only --options are left to "
                                   f"train: name some, from {', '.join(OPTIONS)}")
+
+
+_SAID = CLI.setting("inception", "train.eval_inception")  # --set train.eval_inception=PATH is how it is given
+
+
+def _check_features(cfg: RunConfig, log) -> None:
+    """Load the Inception file that --set train.eval_inception names (or find it, for auto) before any run trains,
+    its errors naming the setting as given: each run's trainer would find a bad file only after the runs before it
+    had trained, and name it as `train --eval-inception`, a flag this command does not have."""
+    if not cfg.train.eval_inception:
+        return
+    import torch
+
+    from fastddpm.eval.inception import load_found_inception, load_inception
+    from fastddpm.eval.inception_weights import FIND
+
+    if cfg.train.eval_inception == FIND:
+        load_found_inception(torch.device("cpu"), cache_root=Path(cfg.data.cache_dir) if cfg.data.cache_dir else None,
+                             log=log, said=_SAID)
+    else:
+        load_inception(cfg.train.eval_inception, torch.device("cpu"), said=_SAID)
 
 
 def _overrides(items) -> dict[str, str]:
@@ -217,6 +248,8 @@ def _recorded(previous: dict, key: str):
     reference run's config (the sampler its evaluations used)."""
     if key == "eval_sampler" and key not in previous["settings"]:
         return (previous["reference"].get("config") or {}).get("train", {}).get("eval_sampler", "ddim")
+    if key == "sets":  # files written before --set: none
+        return previous["settings"].get(key, [])
     return previous["settings"][key]
 
 
@@ -225,7 +258,7 @@ def _config(s: QualitySettings, source: str, extra: dict) -> RunConfig:
             "train.checkpoint_every": None, "train.sample_every_images": None,
             "train.eval_samples": s.eval_samples, "train.eval_sampler": s.eval_sampler,
             "train.eval_steps": s.eval_steps}
-    return apply_overrides(get_preset(s.preset), {**base, **extra}, source="bench quality")
+    return apply_overrides(get_preset(s.preset), {**base, **_overrides(s.sets), **extra}, source="bench quality")
 
 
 class FinishedRuns:
@@ -350,6 +383,7 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
     for extra in (s.fast_overrides, *(OPTIONS[name] for name in s.options)):  # refused before any work
         _config(s, s.data, {**_overrides(s.fast_overrides), **_overrides(extra)})
+    _check_features(_config(s, s.data, {}), log)
     source, identity = _data_source(s, out, log)
     make_writable_dir(out, flag="bench quality --out", fix=store.OUT_FIX)
     for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
@@ -372,8 +406,8 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         if previous.get("fast") is None:
             raise ConfigError(f"bench quality: {s.fast_from} holds no fast run (a --reference-only file?): "
                               "use it with --reference-from instead")
-        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed", "fast_overrides",
-                    "fast_max_images", "fast_eval_every_images"):
+        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed", "sets",
+                    "fast_overrides", "fast_max_images", "fast_eval_every_images"):
             theirs, ours = _recorded(previous, key), getattr(s, key)
             if json.dumps(theirs) != json.dumps(ours):
                 raise ConfigError(f"bench quality: {s.fast_from} was measured with {key}={theirs!r}, this run has "
@@ -382,12 +416,13 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         log(f"reference and fast run: from {s.fast_from}: target FID {previous['target_fid']:.3f}")
     elif s.reference_from is not None:
         previous = _read_earlier(s.reference_from, "--reference-from")
-        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed"):
+        for key in ("preset", "num_images", "eval_samples", "eval_sampler", "eval_steps", "seed", "sets"):
             theirs = _recorded(previous, key)
-            if theirs != getattr(s, key):
+            if json.dumps(theirs) != json.dumps(getattr(s, key)):
+                fix = (f"--{key.replace('_', '-')} {theirs}" if key != "sets" else
+                       " ".join(f"--set {item}" for item in theirs) or "no --set")
                 raise ConfigError(f"bench quality: {s.reference_from} was measured with {key}={theirs!r}, this run "
-                                  f"has {getattr(s, key)!r}: FIDs compare only at equal settings; pass "
-                                  f"--{key.replace('_', '-')} {theirs}")
+                                  f"has {getattr(s, key)!r}: FIDs compare only at equal settings; pass {fix}")
         reference = previous["reference"]
         log(f"reference: from {s.reference_from}: FID {reference['final_fid']:.3f}")
     elif s.target_fid is not None:

@@ -18,17 +18,25 @@ class Spelling:
 
     _API_NAMES = {"class": "class_", "num-images": "n"}
 
-    def __init__(self, *, api: bool = False, names: dict[str, str] | None = None):
+    def __init__(self, *, api: bool = False, names: dict[str, str] | None = None, sets: dict[str, str] | None = None):
         self.api = api
         self.names = names or {}  # arguments a caller takes under other names (see naming)
+        self.sets = sets or {}  # arguments a command takes only as `--set SECTION.FIELD=VALUE` (see setting)
 
     def naming(self, name: str, as_name: str) -> "Spelling":
         """This spelling, for a caller that takes the argument `name` as `as_name`: code shared by `eval` and
         `train` names eval's `inception`, which train takes as `eval-inception`."""
-        return Spelling(api=self.api, names={**self.names, name: as_name})
+        return Spelling(api=self.api, names={**self.names, name: as_name}, sets=self.sets)
+
+    def setting(self, name: str, key: str) -> "Spelling":
+        """This spelling, for a command that takes the argument `name` only as `--set key=VALUE` (bench quality
+        takes eval's `inception` as `--set train.eval_inception=PATH`), which its errors then name."""
+        return Spelling(api=self.api, names=self.names, sets={**self.sets, name: key})
 
     def __call__(self, name: str, *value) -> str:
         """`name` as a flag is spelt (`num-images`), with its value when one is given."""
+        if not self.api and name in self.sets:
+            return f"--set {self.sets[name]}" + (f"={value[0]}" if value else "")
         name = self.names.get(name, name)
         if not self.api:
             return f"--{name}" + (f" {value[0]}" if value else "")
