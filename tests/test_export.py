@@ -283,6 +283,17 @@ def test_the_onnx_sampler_draws_the_same_images_at_any_batch_size(onnx_export, t
         sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "b7.png" / "g.png")])
     with pytest.raises(SystemExit, match=r"--out .*new is a folder: give the grid's file name"):
         sample_onnx([folder, *base, "--num", "2", "--out", str(tmp_path / "new")])
+    # a name of another kind is refused before any sampling: it was written over with the grid's PNG bytes (the
+    # export's own model.onnx, a run's config.json), and its .npz replaced the suffix
+    for name in ("model.onnx", "config.json", "grid"):
+        mine = Path(folder) / name
+        before = mine.read_bytes() if mine.is_file() else None
+        with pytest.raises(SystemExit, match=rf"--out .*{name}: the grid is a PNG .* does not end in \.png, so a file "
+                                             rf"there .* would be replaced: give a name ending in \.png, e.g. --out "
+                                             rf".*{Path(name).stem}\.png$"):
+            sample_onnx([folder, *base, "--num", "2", "--out", str(mine)])
+        assert (mine.read_bytes() if mine.is_file() else None) == before
+        assert not mine.with_suffix(".npz").exists()
 
 
 def test_the_onnx_example_says_a_model_file_that_does_not_load_and_makes_no_folder(onnx_export, tmp_path):

@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num < 1 or args.steps < 1:
         raise SystemExit(f"--num {args.num} and --steps {args.steps} must both be >= 1")
+    if args.out.suffix.lower() != ".png" and not args.out.is_dir():  # a folder is refused below, naming a file in it
+        # written as a PNG whatever its name: `--out model.onnx` or `--out config.json` replaced that file
+        raise SystemExit(f"--out {args.out}: the grid is a PNG (the images go to the .npz of the same name), and this "
+                         f"name does not end in .png, so a file there (an export's model.onnx, a run's config.json) "
+                         f"would be replaced: give a name ending in .png, e.g. --out {args.out.with_suffix('.png')}")
     model = args.export_dir if args.export_dir.suffix == ".onnx" and args.export_dir.is_file() else \
         args.export_dir / "model.onnx"
     if not model.is_file():
