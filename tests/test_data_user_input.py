@@ -215,3 +215,38 @@ def test_names_given_to_numbered_classes_are_the_runs_own_on_resume(tmp_path: Pa
     assert json.loads((run / "config.json").read_text())["model"]["class_names"] == ["left", "right"]
     train(cfg(**{"train.max_steps": 2}), out_dir=run, resume="latest", log=lambda *a, **k: None)
     assert json.loads((run / "config.json").read_text())["model"]["class_names"] == ["left", "right"]
+
+
+def test_an_output_folder_inside_the_image_folder_being_read_is_refused_before_anything_is_written(
+        tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train --out` (or `data export-images OUT_DIR`) at or under the image folder it reads: the run's sample grids
+    (the export's PNGs) landed among the dataset's images, and its next prepare read them as a class of their own
+    (under --resize, trained on without a word) or as bad files that stopped the resume. An IDX folder reads only
+    its named files: a run beside them is left alone."""
+    from PIL import Image
+
+    from data_fixtures import write_idx
+
+    images = tmp_path / "images"
+    for i, im in enumerate(rng_images(8, 8, 8)):
+        (images / str(i % 2)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(im).save(images / str(i % 2) / f"{i}.png")
+    before = sorted(p.relative_to(images) for p in images.rglob("*"))
+    monkeypatch.chdir(images)
+    for out in (images / "runs" / "a", images, Path(".")):
+        assert main(["train", "--data", ".", "--out", str(out), "--preset", "tiny", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --out {out} is" in err and f"the image folder the data is read from ({images}): its sample " \
+            f"grids (samples/*.png) would be read as images of the dataset" in err
+        assert err.rstrip().endswith(f"Fix: give --out a folder outside {images}.")
+    assert main(["data", "export-images", str(images), str(images / "png")]) == 2
+    assert f"export-images OUT_DIR {images / 'png'} is inside the image folder" in capsys.readouterr().err
+    assert sorted(p.relative_to(images) for p in images.rglob("*")) == before  # nothing written, no folder made
+    monkeypatch.chdir(tmp_path)
+    # outside it, or beside the files of an IDX folder, the run goes ahead
+    assert main(["data", "export-images", str(images / "0"), str(tmp_path / "zero")]) == 0
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    write_idx(idx / "train-images-idx3-ubyte.gz", rng_images(16, 8, 8))
+    assert main(["train", "--data", str(idx), "--out", str(idx / "run"), "--preset", "tiny", "--max-steps", "1",
+                 "--batch-size", "4", "--no-progress", "--device", "cpu"]) == 0

@@ -173,10 +173,12 @@ def export_source(source: str, root: str | Path, *, split: str = "train", limit:
     """prepare(SOURCE) (decode once into the uint8 cache, with prepare's data-reading options), then export its
     first `limit` images to ROOT."""
     from fastddpm.data.prepare import prepare
+    from fastddpm.data.sources import refuse_output_among_images
     from fastddpm.rundir.files import check_writable_dir
 
     check_writable_dir(Path(root), flag="export-images", fix="give a folder that can be created and written: new, "
                        "empty, or an earlier export's")  # before the source is decoded
+    refuse_output_among_images(source, root, flag="export-images OUT_DIR", what="the exported PNGs")
     prepared = prepare(source, split=split, cache_dir=cache_dir, progress=progress, resize=resize,
                        resize_mode=resize_mode, image_mode=image_mode, skip_bad=skip_bad)
     n = prepared.num_images if limit is None else min(limit, prepared.num_images)

@@ -21,6 +21,7 @@ from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_arc
                              resolve_model_shape, save_config)
 from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.config.presets import PRESETS
+from fastddpm.data.sources import refuse_output_among_images
 from fastddpm.device import Precision, fix_cpu_threads, resolve_device, resolve_precision
 from fastddpm.diffusion import NoiseSchedule
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN
@@ -189,6 +190,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
         _check_before_loading(cfg)
         check_loggers(cfg, run_dir)
         device, device_reason = resolve_device(cfg.train.device)
+        refuse_output_among_images(cfg.data.source, run_dir, flag="--out", what="its sample grids (samples/*.png)")
         created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or "
                                                                "a run directory, to continue its run)")
     try:
