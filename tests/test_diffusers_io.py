@@ -635,3 +635,30 @@ def test_the_conditional_cards_loop_draws_fastddpms_guided_images(tmp_path):
                           labels=labels, guidance=1.0, num_classes=3)
     assert ((want - unguided).abs().max() * 127.5) > 5  # guidance changes the images here
     assert ((want - got).abs().max() * 127.5).item() < 1.0
+
+
+def test_init_from_a_fastddpm_run_or_its_files_says_what_it_is_and_how_to_go_on(tmp_path):
+    """A fastddpm run folder (its own config.json beside checkpoints/), a checkpoint, ema.safetensors or a
+    safetensors/ONNX export given to --init-from: named as what it is, with --resume and `fastddpm export --format
+    diffusers`; it was told 'need RUN/config.json', a file that is there."""
+    from fastddpm.config.diffusers_unet import read_unet_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "checkpoints" / "ckpt_000000002.pt").write_bytes(b"pt")
+    (run / "ema.safetensors").write_bytes(b"st")
+    export = run / "export-safetensors"
+    export.mkdir()
+    for name in ("model.safetensors", "schedule.json", "config.json"):
+        (export / name).write_text("{}")
+    for given, what in ((run, "a fastddpm run folder"), (run / "checkpoints" / "ckpt_000000002.pt", "a checkpoint"),
+                        (run / "ema.safetensors", "a checkpoint"), (export, "a fastddpm export")):
+        with pytest.raises(ConfigError, match=rf"^--init-from {re.escape(str(given))}: {what}.*, not a diffusers "
+                                              r"folder: .* pass its folder or a checkpoints/ckpt_\*\.pt as --resume; "
+                                              r".*`fastddpm export RUN --format diffusers --out DIR`"):
+            read_unet_config(given)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no diffusers UNet2DModel there"):
+        read_unet_config(empty)

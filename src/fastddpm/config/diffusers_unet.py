@@ -148,6 +148,18 @@ def weights_file(unet: Path) -> Path | None:
     return None
 
 
+def _fastddpms_own(path: Path) -> str | None:
+    """What `path` is, where it is a run folder, checkpoint or weights file fastddpm wrote (for --init-from's error),
+    else None."""
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / "ema.safetensors").is_file()):
+        return "a fastddpm run folder"
+    if path.is_dir() and (path / "schedule.json").is_file() and not (path / "unet").is_dir():
+        return "a fastddpm export"
+    if path.is_file() and (path.suffix == ".pt" or path.name.endswith(".safetensors") and path.name != WEIGHTS):
+        return "a checkpoint or weights file"
+    return None
+
+
 def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
     """(the UNet2DModel folder, its config.json with UNet2DModel's defaults filled in) for FOLDER (a DDPMPipeline
     folder, with unet/, or a UNet2DModel folder); a ConfigError naming the file when it is not one."""
@@ -155,6 +167,14 @@ def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
     if not folder.exists():
         raise ConfigError(f"--init-from {folder}: no such folder (give a diffusers DDPMPipeline folder, or its unet/ "
                           "folder: config.json and the weights)")
+    own = _fastddpms_own(folder)
+    if own:
+        # a run's config.json is fastddpm's own, not UNet2DModel's: "need config.json" would name a file that is there
+        raise ConfigError(f"--init-from {folder}: {own}, not a diffusers folder: --init-from reads diffusers' "
+                          "UNet2DModel weights. To go on training a fastddpm run, pass its folder or a "
+                          "checkpoints/ckpt_*.pt as --resume; to start a new run from a run's weights, write them as "
+                          "diffusers' with `fastddpm export RUN --format diffusers --out DIR` (the ddpm family) and "
+                          "pass --init-from DIR")
     if not folder.is_dir():
         hint = (f"; this is one of its files: give {folder.parent}" if folder.name in ("config.json", WEIGHTS,
                                                                                         WEIGHTS_BIN) else "")
