@@ -435,3 +435,33 @@ def test_the_folders_made_for_a_refused_command_are_removed_only_while_empty(tmp
     remove_if_empty(created)
     assert not (tmp_path / "kept" / "a" / "b").exists() and (tmp_path / "kept" / "a" / "note.txt").is_file()
     assert make_writable_dir(tmp_path / "kept", flag="--out", fix="give another") == []
+
+
+def test_a_second_trainer_into_a_run_folder_in_use_is_refused_and_a_run_leaves_no_lock_file(tmp_path, fmnist_npz,
+                                                                                            capsys):
+    """`fastddpm train` started again into the folder of a run still training (another terminal, `--resume latest`,
+    or before the first checkpoint) is refused before it writes there, naming the process that holds it: both had
+    trained, overwriting each other's checkpoints and interleaving one metrics.jsonl. The holder here is this
+    process's own lock on another open file, which flock treats as another holder; the run that ends, or is
+    refused in set-up, leaves no lock file."""
+    from fastddpm.cli import main
+    from fastddpm.rundir.lock import RunFolderLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = ["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
+            "--device", "cpu", "--no-progress"]
+    with RunFolderLock(run) as held:
+        assert held.file is not None
+        for extra in ([], ["--resume", "latest"]):
+            assert main([*argv, *extra]) == 2
+            err = capsys.readouterr().err
+            assert f"error: --out {run}: another fastddpm train is writing this run folder (pid " in err
+            assert "wait for it to end, or stop it" in err and "--resume latest; or give another --out" in err
+            assert sorted(p.name for p in run.iterdir()) == [".train.lock"]  # nothing of a run written
+    assert not (run / ".train.lock").exists()
+    assert main(argv) == 0
+    assert not (run / ".train.lock").exists() and (run / "checkpoints").is_dir()
+    # refused in set-up (a batch larger than the data): no folder, no lock file left
+    assert main([*argv[:4], str(tmp_path / "new"), *argv[5:], "--batch-size", "1000"]) == 2
+    assert not (tmp_path / "new").exists()

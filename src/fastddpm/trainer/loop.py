@@ -76,6 +76,7 @@ class _StopFlag:
         self._old = {}
         self.dist = SINGLE  # set once the process group is up; train() tears it down
         self._at_once: str | None = None  # the set-up a signal now stops there and then (at_once)
+        self.folder_lock = None  # the run folder's RunFolderLock, set once the folder exists; train() lets it go
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -144,6 +145,8 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | Path | Checkpoin
                 # the group and its threads end in shutdown() and not during interpreter shutdown.
                 traceback.clear_frames(sys.exc_info()[2])
             shutdown(stop.dist)
+            if stop.folder_lock is not None:
+                stop.folder_lock.release()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             _set_backend_switches(switches)

@@ -31,6 +31,7 @@ from fastddpm.rundir.checkpoint import step_of
 from fastddpm.rundir.checkpointer import Checkpointer
 from fastddpm.rundir.files import make_writable_dir, remove_if_empty
 from fastddpm.rundir.layout import RunDir
+from fastddpm.rundir.lock import RunFolderLock
 from fastddpm.rundir.locate import Checkpoint, find_resume, saved
 from fastddpm.sampling import run_sampling, step_limit
 from fastddpm.trainer.batch_finder import find_batch_size, make_trial_fn
@@ -193,9 +194,11 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
         refuse_output_among_images(cfg.data.source, run_dir, flag="--out", what="its sample grids (samples/*.png)")
         created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or "
                                                                "a run directory, to continue its run)")
+    stop.folder_lock = lock = RunFolderLock(run_dir)  # rank 0's: one trainer per run folder; train() lets it go
     try:
         return _prepare(cfg, run_dir, resume, device, device_reason, stop=stop, log=log, hooks=hooks)
     except BaseException:  # refused in set-up (data, model, --init-from, batch): no empty run folder left behind
+        lock.release()
         remove_if_empty(created)
         raise
 
