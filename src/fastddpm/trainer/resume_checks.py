@@ -1,11 +1,15 @@
 """What a resume must keep from the run it continues, checked before the first step: the seed and the data (each
-step's batch, timesteps and noise are drawn from them by (seed, step)), and a run length that leaves steps to train.
+step's batch, timesteps and noise are drawn from them by (seed, step)), and a run length that leaves steps to train;
+and what it leaves behind, set aside: a later branch's checkpoints and records.
 """
 
 from __future__ import annotations
 
 from fastddpm.config import RUN_LENGTHS, ConfigError, DataConfig, RunConfig, get_preset
 from fastddpm.data.cache import describe_identity, same_images
+from fastddpm.rundir import metrics
+from fastddpm.rundir.checkpointer import Checkpointer
+from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint
 
 
@@ -153,3 +157,21 @@ def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step
     if end_step == was_end_step:  # the same end, given in other units
         return []
     return [f"note: this run now ends at step {end_step:,} ({now}); it was to end at step {was_end_step:,} ({was})"]
+
+
+def set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> None:
+    """A resume from `step` trains the later steps again: what the run wrote after it (checkpoints of a branch it
+    leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted. Done at
+    the resume, before this run writes anything: a run that then stops before its first save leaves the branch
+    point as the newest checkpoint, which is where `--resume latest` then goes."""
+    set_aside = checkpointer.set_aside_after(step)
+    if set_aside is not None:
+        folder, steps = set_aside
+        log(f"this resume starts a new branch at step {step:,}: the later checkpoints of the branch it leaves "
+            f"(steps {', '.join(f'{s:,}' for s in steps)}) moved to {folder}, so that --resume latest continues "
+            f"this one")
+    for path in (rd.metrics, rd.eval_log):
+        moved = metrics.set_aside_after(path, step)
+        if moved:
+            log(f"{path.name}: {moved} record(s) of steps after {step:,}, trained again now, moved to "
+                f"{metrics.abandoned(path).name}")

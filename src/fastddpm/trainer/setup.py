@@ -40,7 +40,8 @@ from fastddpm.trainer.build import Optimization, build_model
 from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed, same_on_every_rank
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
 from fastddpm.trainer.loggers import check_loggers
-from fastddpm.trainer.resume_checks import check_run_length, check_same_inputs, init_from_note, recipe_changes
+from fastddpm.trainer.resume_checks import (check_run_length, check_same_inputs, init_from_note, recipe_changes,
+                                            set_aside_the_abandoned)
 from fastddpm.trainer.state import TrainState
 
 
@@ -283,7 +284,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
         for note in [*changed, *said_on_resume, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
         if dist.is_main:
-            _set_aside_the_abandoned(rd, checkpointer, state.step, console)
+            set_aside_the_abandoned(rd, checkpointer, state.step, console)
     elif dist.is_main:
         # A new run: the folder holds no checkpoint (else it is refused), but may hold the logs of a run that wrote
         # none (stopped early, or its checkpoints deleted); their steps would interleave with this run's.
@@ -459,24 +460,6 @@ def _make_batches(cfg: RunConfig, data, device: torch.device, dist: DistInfo, ho
     if hooks.wrap_batches is not None:
         batches = hooks.wrap_batches(batches)
     return batches, placement, reason
-
-
-def _set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> None:
-    """A resume from `step` trains the later steps again: what the run wrote after it (checkpoints of a branch it
-    leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted. Done at
-    the resume, before this run writes anything: a run that then stops before its first save leaves the branch
-    point as the newest checkpoint, which is where `--resume latest` then goes."""
-    set_aside = checkpointer.set_aside_after(step)
-    if set_aside is not None:
-        folder, steps = set_aside
-        log(f"this resume starts a new branch at step {step:,}: the later checkpoints of the branch it leaves "
-            f"(steps {', '.join(f'{s:,}' for s in steps)}) moved to {folder}, so that --resume latest continues "
-            f"this one")
-    for path in (rd.metrics, rd.eval_log):
-        moved = metrics.set_aside_after(path, step)
-        if moved:
-            log(f"{path.name}: {moved} record(s) of steps after {step:,}, trained again now, moved to "
-                f"{metrics.abandoned(path).name}")
 
 
 def _resolve_from_data(cfg: RunConfig, data) -> RunConfig:
