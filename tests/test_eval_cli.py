@@ -25,20 +25,22 @@ def quiet(*args):
     pass
 
 
+# The tiny U-Net without its attention: at 28x28 (over 784 positions) it is most of a CPU step's and a sampler
+# step's time, and these tests are about the evaluation, not the model (tests/test_sdpa_shapes.py tests attention).
 def tiny_cfg(source, **train):
     over = {"data.source": str(source), "train.progress": False, "train.checkpoint_every": None,
-            "train.num_sample_images": 4, "train.sample_steps": 2}
+            "train.num_sample_images": 4, "train.sample_steps": 2, "model.attention": False}
     over.update({f"train.{k}": v for k, v in train.items()})
     return apply_overrides(get_preset("tiny"), over)
 
 
 @pytest.fixture(scope="session")
 def evaluated_run(fmnist_splits, tmp_path_factory):
-    """A tiny CLI run evaluated every 160 images (10 steps), 40 steps in all."""
+    """A tiny CLI run evaluated every 160 images (10 steps), 40 steps in all (without attention, as tiny_cfg)."""
     run = tmp_path_factory.mktemp("eval-run") / "run"
     rc = main(["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "40",
                "--log-every", "5", "--eval-every", "160", "--eval-samples", "32", "--eval-steps", "4",
-               "--num-sample-images", "4", "--no-progress"])
+               "--num-sample-images", "4", "--no-attention", "--no-progress"])
     assert rc == 0
     return run
 
@@ -391,14 +393,15 @@ def test_evaluation_changes_nothing_in_the_run_and_is_off_the_clock(fmnist_split
 
 def test_longer_training_scores_better_than_none(fmnist_splits, tmp_path):
     """The EMA weights after 100 steps against the untrained initial weights: FID drops, precision rises. (The
-    U-Net without attention, 70% of its CPU step at 28x28: the test is about the evaluation, not the model.)"""
+    U-Net without attention, tiny_cfg's, 70% of its CPU step at 28x28: the test is about the evaluation, not the
+    model.)"""
     from fastddpm.config import resolve_model_shape
     from fastddpm.eval.evaluate import Evaluator
     from fastddpm.models import UNet
     from fastddpm.rng import derive_seed
     from fastddpm.sampling import load_for_sampling
 
-    cfg = apply_overrides(tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50), {"model.attention": False})
+    cfg = tiny_cfg(fmnist_splits, max_steps=100, lr=2e-3, log_every=50)
     train(cfg, out_dir=tmp_path / "run", log=quiet)
     trained, cfg = load_for_sampling(tmp_path / "run")
     torch.manual_seed(derive_seed(cfg.train.seed, "init"))  # exactly the run's initial weights
@@ -427,9 +430,11 @@ def test_bench_quality_quick(fmnist_splits, tmp_path):
 
     # The whole 2,000-image slice (its feature network is already cached), a tenth of an epoch of reference,
     # measured on its own first (as a GPU session does), then the fast run against its target: 128 images, a
-    # quarter of --quick's, still evaluated twice (every 64), as the fast runs of the options below.
+    # quarter of --quick's, still evaluated twice (every 64), as the fast runs of the options below. The fast
+    # recipe drops the U-Net's attention (at 28x28 most of a CPU step's and a sampler step's time): a recipe may
+    # change the model, and what is checked is that every part runs and is recorded.
     base = {**QUICK, "num_images": None, "reference_epochs": 0.1, "fast_max_images": 128,
-            "fast_eval_every_images": 64}
+            "fast_eval_every_images": 64, "fast_overrides": (*QUICK["fast_overrides"], "model.attention=false")}
     ref = run_quality(QualitySettings(**base, data=str(fmnist_splits), device="cpu", quick=True, reference_only=True),
                       tmp_path / "ref", argv=["test"], log=quiet)
     assert ref["fast"] is None and len(ref["reference"]["evals"]) == 1
@@ -481,8 +486,9 @@ def test_cuda_eval_compiled_bf16_and_eval_every(evaluated_run, fmnist_splits, tm
     gpu = json.loads((tmp_path / "gpu" / "eval_dpmpp-2m-sde4_n64_seed0_step40.json").read_text())
     assert gpu["sampling"]["compile"] is True and gpu["sampling"]["precision"] == "bf16"
     assert gpu["fid"] > 0 and gpu["sampling"]["steady_samples_per_s"] > 0
-    result = train(tiny_cfg(fmnist_splits, max_steps=20, eval_every_images=160, eval_samples=32, eval_steps=4,
-                            device="cuda"), out_dir=tmp_path / "run", log=quiet)
+    cfg = tiny_cfg(fmnist_splits, max_steps=20, eval_every_images=160, eval_samples=32, eval_steps=4, device="cuda")
+    # with attention on a GPU, where it is cheap: the captured step and the evaluation's compiled sampler hold it
+    result = train(apply_overrides(cfg, {"model.attention": True}), out_dir=tmp_path / "run", log=quiet)
     evals = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r.get("event") == "eval"]
     assert [r["images_seen"] for r in evals] == [160, 320] and result.step == 20
 
