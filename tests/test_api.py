@@ -21,8 +21,9 @@ def quiet(*args, **kwargs):
 @pytest.fixture(scope="session")
 def api_run(tmp_path_factory, fmnist_npz):
     out = tmp_path_factory.mktemp("api") / "run"
+    # its final grid is 4 images in 2 sampler steps (the preset's: 16 in 10): no test here looks at it
     result = fastddpm.train("tiny", out=out, data=str(fmnist_npz), max_steps=6, log_every=3, progress=False,
-                            log=quiet)
+                            num_sample_images=4, sample_steps=2, log=quiet)
     return result
 
 
@@ -110,7 +111,9 @@ def test_a_resume_without_a_config_continues_the_run_with_its_own(tmp_path, fmni
     import json
 
     out = tmp_path / "run"
-    fastddpm.train("tiny", out=out, data=str(fmnist_npz), max_steps=2, lr=3e-3, progress=False, log=quiet)
+    # grids of 4 images in 2 sampler steps (the preset's: 16 in 10), kept by each resume as the run's own
+    fastddpm.train("tiny", out=out, data=str(fmnist_npz), max_steps=2, lr=3e-3, progress=False, num_sample_images=4,
+                   sample_steps=2, log=quiet)
     assert fastddpm.train(out=out, resume="latest", max_steps=3, log=quiet).step == 3
     saved = json.loads((out / "config.json").read_text())
     assert saved["preset"] == "tiny" and saved["train"]["lr"] == 3e-3

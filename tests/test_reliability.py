@@ -31,6 +31,7 @@ def test_non_finite_loss_skips_the_update_and_keeps_the_last_finite_weights(fuse
     images = read_fmnist(64)[0]
     cfg = get_preset("tiny").model
     cfg.image_channels, cfg.image_size = 1, 28
+    cfg.attention = False  # at 28x28 most of a CPU step; what is followed is the optimizer's and the EMA's update
     torch.manual_seed(0)
     model = UNet(cfg)
     opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, device=CPU, tensor_lr=fused,
@@ -274,9 +275,11 @@ def _same_draws(a, b):
 def _no_replay_cfg(src, resume_at):
     from fastddpm.config import apply_overrides
 
+    # without attention, at 28x28 most of a CPU step: what is compared is the batches drawn, not what is learnt
     return apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,
                                                 "train.max_steps": 20, "train.checkpoint_every": resume_at,
-                                                "train.num_sample_images": 1, "train.sample_steps": 1})
+                                                "train.num_sample_images": 1, "train.sample_steps": 1,
+                                                "model.attention": False})
 
 
 @pytest.fixture(scope="session")
@@ -316,7 +319,8 @@ def test_resume_does_not_depend_on_the_loader(tmp_path, fmnist_npz, monkeypatch)
     from fastddpm.trainer.loop import train
 
     base = {"data.source": str(fmnist_npz), "train.progress": False, "train.max_steps": 10,
-            "train.checkpoint_every": 5, "train.num_sample_images": 1, "train.sample_steps": 1}
+            "train.checkpoint_every": 5, "train.num_sample_images": 1, "train.sample_steps": 1,
+            "model.attention": False}  # at 28x28 most of a CPU step, and the same weights need no attention
     resident = apply_overrides(get_preset("tiny"), {**base, "train.data_placement": "device"})
     streaming = apply_overrides(get_preset("tiny"), {**base, "train.data_placement": "stream",
                                                      "train.max_steps": 5})
@@ -350,8 +354,11 @@ def _oom_above(monkeypatch, limit: int):
 
 
 def _tiny_args(src, out, *extra):
+    # without attention (at 28x28 most of a CPU step) and with a final grid of 4 images in 2 sampler steps (the
+    # preset's: 16 in 10): what is followed is the micro-batches of the training step
     return ["train", "--preset", "tiny", "--data", str(src), "--out", str(out), "--device", "cpu", "--no-progress",
-            "--batch-size", "16", "--checkpoint-every", "2", *extra]
+            "--batch-size", "16", "--checkpoint-every", "2", "--no-attention", "--num-sample-images", "4",
+            "--sample-steps", "2", *extra]
 
 
 def test_oom_in_training_halves_the_micro_batch_and_keeps_the_global_batch(tmp_path, fmnist_npz, monkeypatch,

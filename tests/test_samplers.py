@@ -266,10 +266,12 @@ def test_every_sampler_draws_an_image_the_same_in_any_batch(objective):
 
 
 def tiny_run(tmp_path, source):
+    """2 steps of the tiny preset without attention (at 28x28, over 784 positions, most of a sampler step's time):
+    what the tests below follow is the samplers' steps and records, not the model."""
     run = tmp_path / "run"
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(source), "train.progress": False,
                                                "train.max_steps": 2, "train.num_sample_images": 2,
-                                               "train.sample_steps": 2})
+                                               "train.sample_steps": 2, "model.attention": False})
     train(cfg, out_dir=run, log=lambda *a, **k: None)
     return run
 

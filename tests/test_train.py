@@ -33,6 +33,16 @@ def quiet(*args, **kwargs):
     pass
 
 
+# a cheap final grid: for tests about a run's counts, files and resumes, not its samples
+QUICK = dict(sample_steps=2, num_sample_images=4)
+
+
+def plain_cfg(source, **train_overrides):
+    """tiny_cfg with QUICK's grid and without attention (at 28x28, over 784 positions, most of a CPU step's and a
+    sampler step's time): for the tests of a run's bookkeeping, whose model is incidental."""
+    return apply_overrides(tiny_cfg(source, **{**QUICK, **train_overrides}), {"model.attention": False})
+
+
 def test_tiny_model_overfits_a_handful_of_real_images(tmp_path, fmnist_npz):
     """8 real Fashion-MNIST images at batch 8: the mean loss of the last 25 steps is at most a third of the first 25.
     Without attention, which at 28x28 is 70% of this U-Net's CPU step (37 s against 11 s for the 300 steps) and
@@ -102,18 +112,18 @@ def test_a_resume_on_another_cpu_thread_count_says_it_is_not_bit_exact(tmp_path,
     leaves the caller's own thread count as it found it."""
     threads = torch.get_num_threads()
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2, cpu_threads=threads + 1), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=2, checkpoint_every=2, cpu_threads=threads + 1), out_dir=run, log=quiet)
     assert torch.get_num_threads() == threads
     assert load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["cpu_threads"] == threads + 1
     assert json.loads((run / "run.json").read_text())["cpu_threads"] == threads + 1
     lines = []
-    train(tiny_cfg(fmnist_npz, max_steps=3, cpu_threads=threads), out_dir=run, resume="latest", log=lines.append)
+    train(plain_cfg(fmnist_npz, max_steps=3, cpu_threads=threads), out_dir=run, resume="latest", log=lines.append)
     assert torch.get_num_threads() == threads
     note = [x for x in lines if "CPU thread" in x]
     assert note and f"written with {threads + 1} CPU thread(s), this run has {threads}" in note[0], lines
     assert f"--cpu-threads {threads + 1}" in note[0]
     lines.clear()  # the same count: no note
-    train(tiny_cfg(fmnist_npz, max_steps=4), out_dir=run, resume="latest", log=lines.append)
+    train(plain_cfg(fmnist_npz, max_steps=4), out_dir=run, resume="latest", log=lines.append)
     assert not [x for x in lines if "written with" in x], lines
 
 
@@ -185,7 +195,7 @@ def test_cli_end_to_end_writes_everything(tmp_path, fmnist_npz, capsys):
 
 def test_sample_cli_is_deterministic_for_a_seed(tmp_path, fmnist_npz):
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
     outs = []
     for i, seed in enumerate((5, 5, 6)):
         out = tmp_path / f"o{i}"
@@ -198,7 +208,7 @@ def test_sample_cli_is_deterministic_for_a_seed(tmp_path, fmnist_npz):
 
 def test_corrupted_newest_checkpoint_falls_back(tmp_path, fmnist_npz):
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=4, checkpoint_every=2), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=4, checkpoint_every=2), out_dir=run, log=quiet)
     ckpts = list_checkpoints(run / "checkpoints")
     data = bytearray(ckpts[-1].read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -218,10 +228,10 @@ def test_a_resume_from_an_older_checkpoint_branches_and_a_new_run_never_mixes_wi
     does not overwrite the old one's and `--resume latest` continues the new branch. A new run (no --resume) in a
     folder that holds checkpoints is refused before it writes anything."""
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=6, checkpoint_every=2), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=6, checkpoint_every=2), out_dir=run, log=quiet)
     old = {p.name: p.read_bytes() for p in list_checkpoints(run / "checkpoints")}
     lines = []
-    train(tiny_cfg(fmnist_npz, max_steps=4, checkpoint_every=2, lr=3e-3), out_dir=run,
+    train(plain_cfg(fmnist_npz, max_steps=4, checkpoint_every=2, lr=3e-3), out_dir=run,
           resume=run / "checkpoints" / "ckpt_000000002.pt", log=lines.append)
     (aside,) = (run / "checkpoints").glob("abandoned-after-000000002-*")
     assert [x for x in lines if "new branch at step 2" in x and "steps 4, 6" in x and str(aside) in x], lines
@@ -230,7 +240,7 @@ def test_a_resume_from_an_older_checkpoint_branches_and_a_new_run_never_mixes_wi
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000000002.pt", "ckpt_000000004.pt"]
     assert load_checkpoint(run / "checkpoints" / "ckpt_000000004.pt")["config"]["train"]["lr"] == 3e-3
     lines.clear()
-    train(tiny_cfg(fmnist_npz, max_steps=5, checkpoint_every=2, lr=3e-3), out_dir=run, resume="latest",
+    train(plain_cfg(fmnist_npz, max_steps=5, checkpoint_every=2, lr=3e-3), out_dir=run, resume="latest",
           log=lines.append)
     assert [x for x in lines if "resumed from" in x and "ckpt_000000004.pt at step 4" in x], lines
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
@@ -239,11 +249,11 @@ def test_a_resume_from_an_older_checkpoint_branches_and_a_new_run_never_mixes_wi
 
     before = sorted(p.name for p in run.rglob("*"))
     with pytest.raises(ConfigError, match=r"already holds a run's checkpoints \(steps 2 to 5.*--resume latest"):
-        train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+        train(plain_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
     other = tmp_path / "other"
-    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2), out_dir=other, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=2, checkpoint_every=2), out_dir=other, log=quiet)
     with pytest.raises(ConfigError, match=r"is another run's checkpoint, and .* already holds"):
-        train(tiny_cfg(fmnist_npz, max_steps=4), out_dir=run, resume=other / "checkpoints" / "ckpt_000000002.pt",
+        train(plain_cfg(fmnist_npz, max_steps=4), out_dir=run, resume=other / "checkpoints" / "ckpt_000000002.pt",
               log=quiet)
     assert sorted(p.name for p in run.rglob("*")) == before
 
@@ -264,7 +274,7 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path):
 
 def test_resume_with_changed_architecture_names_the_field(tmp_path, fmnist_npz):
     run = tmp_path / "run"
-    cfg = tiny_cfg(fmnist_npz, max_steps=2)
+    cfg = plain_cfg(fmnist_npz, max_steps=2)
     train(cfg, out_dir=run, log=quiet)
     changed = apply_overrides(cfg, {"model.time_emb_dim": 64, "train.max_steps": 4})
     with pytest.raises(ConfigError, match="model.time_emb_dim was 32 in the checkpoint but is 64 now; drop"):
@@ -292,7 +302,7 @@ def test_an_fsdp_run_resumed_in_one_process_is_told_to_use_torchrun_not_to_drop_
             "--sample-steps", "2", "--preset", "tiny", "--max-steps", "1"]
     assert main([*args, "--parallel", "fsdp"]) == 2  # a new run: the flag given is the fix
     assert "or drop --parallel fsdp for a single-process run" in capsys.readouterr().err
-    cfg = tiny_cfg(fmnist_npz, max_steps=1)
+    cfg = plain_cfg(fmnist_npz, max_steps=1)
     train(cfg, out_dir=run, log=quiet)
     # a resume takes the run's own settings (its checkpoint's config), parallel=fsdp among them for an FSDP run
     with pytest.raises(ConfigError, match=r"resumes with train.parallel=fsdp \(its config.json, or --parallel\)") as e:
@@ -403,9 +413,6 @@ def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path, fmnist_npz):
     assert read_metrics(metrics)[-2]["wall_s"] > saved["train_s"]
 
 
-# a cheap final grid: the tests below are about the run's counts, not its samples
-QUICK = dict(sample_steps=2, num_sample_images=4)
-
 
 def test_a_run_length_in_images_or_epochs_holds_across_a_resume_at_another_batch(tmp_path, fmnist_npz):
     """--max-images and --max-epochs count images: a run resumed at a larger global batch trains the images still
@@ -414,15 +421,14 @@ def test_a_run_length_in_images_or_epochs_holds_across_a_resume_at_another_batch
     256 images at batch 32 is 8 steps of 256 images. --max-steps keeps counting steps."""
     for length in ({"max_images": 256}, {"max_epochs": 1}):
         run = tmp_path / next(iter(length))
-        train(tiny_cfg(fmnist_npz, max_steps=None, max_images=64, checkpoint_every=None, **QUICK), out_dir=run,
-              log=quiet)
+        train(plain_cfg(fmnist_npz, max_steps=None, max_images=64, checkpoint_every=None), out_dir=run, log=quiet)
         lines = []
-        result = train(tiny_cfg(fmnist_npz, max_steps=None, batch_size=32, checkpoint_every=None, **QUICK,
-                                **length), out_dir=run, resume="latest", log=lines.append)
+        result = train(plain_cfg(fmnist_npz, max_steps=None, batch_size=32, checkpoint_every=None, **length),
+                       out_dir=run, resume="latest", log=lines.append)
         assert (result.step, result.images_seen) == (10, 256), length
         assert [x for x in lines if x.startswith("training to step 10 (256 images)")], lines
         assert json.loads((run / "run.json").read_text())["total_steps"] == 10
-    result = train(tiny_cfg(fmnist_npz, max_steps=12, batch_size=32, checkpoint_every=None, **QUICK), out_dir=run,
+    result = train(plain_cfg(fmnist_npz, max_steps=12, batch_size=32, checkpoint_every=None), out_dir=run,
                    resume="latest", log=quiet)
     assert (result.step, result.images_seen) == (12, 320)
 
@@ -431,8 +437,8 @@ def test_the_epoch_in_metrics_counts_the_passes_the_loop_makes(tmp_path, fmnist_
     """256 images at batch 100: a pass is 2 steps of 200 images (the ragged 56 are dropped), so --max-epochs 2
     trains 4 steps and its last record says epoch 2, not 400 / 256."""
     run = tmp_path / "run"
-    result = train(tiny_cfg(fmnist_npz, max_steps=None, max_epochs=2, batch_size=100, log_every=1,
-                            checkpoint_every=None, **QUICK), out_dir=run, log=quiet)
+    result = train(plain_cfg(fmnist_npz, max_steps=None, max_epochs=2, batch_size=100, log_every=1,
+                             checkpoint_every=None), out_dir=run, log=quiet)
     assert result.step == 4
     assert [r["epoch"] for r in read_metrics(run / "metrics.jsonl")] == [0.5, 1.0, 1.5, 2.0]
 
@@ -441,16 +447,16 @@ def test_a_resume_takes_the_adamw_settings_of_its_flags_not_the_checkpoints(tmp_
     """Optimizer.load_state_dict restores the saved betas and weight decay: a resume with --weight-decay or
     --adam-betas puts the flags' values back, and says which changed."""
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=2, checkpoint_every=2, **QUICK), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=2, checkpoint_every=2), out_dir=run, log=quiet)
     lines = []
-    train(tiny_cfg(fmnist_npz, max_steps=3, weight_decay=0.1, adam_betas=(0.5, 0.9), **QUICK), out_dir=run,
+    train(plain_cfg(fmnist_npz, max_steps=3, weight_decay=0.1, adam_betas=(0.5, 0.9)), out_dir=run,
           resume="latest", log=lines.append)
     groups = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])["optimizer"]["param_groups"]
     assert all(g["weight_decay"] == 0.1 and tuple(g["betas"]) == (0.5, 0.9) for g in groups), groups
     note = [x for x in lines if "AdamW settings replace the checkpoint's" in x]
     assert note and "betas (0.9, 0.999) -> (0.5, 0.9)" in note[0] and "weight_decay 0.0 -> 0.1" in note[0], lines
     lines.clear()  # the same settings: no note
-    train(tiny_cfg(fmnist_npz, max_steps=4, weight_decay=0.1, adam_betas=(0.5, 0.9), **QUICK), out_dir=run,
+    train(plain_cfg(fmnist_npz, max_steps=4, weight_decay=0.1, adam_betas=(0.5, 0.9)), out_dir=run,
           resume="latest", log=lines.append)
     assert not [x for x in lines if "AdamW settings" in x], lines
 
@@ -542,11 +548,11 @@ def test_a_new_run_sets_aside_the_logs_of_an_earlier_run_that_left_no_checkpoint
     import shutil
 
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
+    train(plain_cfg(fmnist_npz, max_steps=3), out_dir=run, log=quiet)
     old_steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     shutil.rmtree(run / "checkpoints")
     lines = []
-    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
+    train(plain_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert steps == sorted(set(steps)) and steps[-1] == 2
     assert [r["step"] for r in read_metrics(run / "metrics.abandoned.jsonl")] == old_steps
@@ -567,11 +573,11 @@ def test_a_signal_stop_between_logging_steps_writes_the_losses_since_the_last_li
 
     run = tmp_path / "run"
     with pytest.raises(TrainingInterrupted):
-        train(tiny_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, log=quiet,
+        train(plain_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, log=quiet,
               hooks=TrainHooks(after_step=sigterm_at_7))
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [5, 7]
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000000007.pt"]
-    train(tiny_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, resume="latest",
+    train(plain_cfg(fmnist_npz, max_steps=12, log_every=5, checkpoint_every=None), out_dir=run, resume="latest",
           log=quiet)
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [5, 7, 10, 12]
 
@@ -579,10 +585,10 @@ def test_a_signal_stop_between_logging_steps_writes_the_losses_since_the_last_li
 def test_a_finished_run_run_again_says_it_trained_no_step_not_loss_none(tmp_path, fmnist_npz):
     run = tmp_path / "run"
     lines = []
-    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
+    train(plain_cfg(fmnist_npz, max_steps=2), out_dir=run, log=lines.append)
     assert re.search(r"done: step 2, 32 images, loss \d+\.\d{4}; grid", lines[-1]), lines[-1]
     lines.clear()
-    assert train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, resume="latest", log=lines.append).step == 2
+    assert train(plain_cfg(fmnist_npz, max_steps=2), out_dir=run, resume="latest", log=lines.append).step == 2
     assert "no step trained here (the run had already reached its length" in lines[-1] and "None" not in lines[-1]
 
 
