@@ -28,7 +28,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from fastddpm.data.errors import DataError
-from fastddpm.rundir.files import NO_LOCK_ERRNOS
 
 CACHE_FORMAT_VERSION = 1  # bump when the layout or meaning of a cache changes; old caches then rebuild
 IMAGES_FILE = "images.npy"
@@ -146,6 +145,7 @@ class CacheNotWritable(DataError):
 
 
 _NOT_WRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+_NO_LOCK_ERRNOS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 def _not_writable(folder: Path, e: OSError) -> CacheNotWritable:
@@ -215,7 +215,7 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
             except OSError as e:
                 # Lustre mounted without -o flock answers ENOSYS, some NFS set-ups ENOLCK: build unlocked, as
                 # where there is no fcntl (the rename still never shows a partial cache).
-                if e.errno not in NO_LOCK_ERRNOS:
+                if e.errno not in _NO_LOCK_ERRNOS:
                     raise
                 say(f"the file system of {final_dir.parent} has no file locks ({e.strerror or e}): preparing "
                     f"without one (another process preparing {final_dir.name} at the same time would redo the work)")

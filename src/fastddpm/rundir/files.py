@@ -16,10 +16,6 @@ from typing import Any
 
 import torch
 
-# flock's answers where the file system has no locks: Lustre mounted without -o flock (ENOSYS), some NFS set-ups
-# (ENOLCK), others (EOPNOTSUPP); the callers go on unlocked
-NO_LOCK_ERRNOS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
-
 
 class CheckpointError(ValueError):
     """A checkpoint or weights file that cannot be used; the message names the file and what to do. `problem` is

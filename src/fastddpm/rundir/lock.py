@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import os
 import platform
 from pathlib import Path
 
-from fastddpm.rundir.files import NO_LOCK_ERRNOS, rank_0_by_env
+from fastddpm.rundir.files import rank_0_by_env
+
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # Lustre without -o flock, some NFS set-ups
 
 
 class RunFolderLock:
@@ -42,7 +45,7 @@ class RunFolderLock:
                               "continue with --resume latest; or give another --out") from None
         except OSError as e:
             file.close()
-            if e.errno in NO_LOCK_ERRNOS:
+            if e.errno in _NO_LOCKS:
                 return
             raise
         file.seek(0)
