@@ -688,6 +688,36 @@ def test_compute_verdict_ranks_every_compute_fix_by_expected_gain():
     assert v["id"] == "data-bound" and "kind" not in v
 
 
+def test_a_compute_fix_worth_under_one_percent_is_named_once_not_ranked_or_tried():
+    # materialised attention is the step; the fp32 matmuls are 1.5% of it: autocast at 2x gives back 0.75%, under
+    # the spread of the step times that would measure it
+    from fastddpm.doctor.report import Report
+    from fastddpm.doctor.trials import plan
+
+    sliver = {"fp32": 0.015}
+    t = cpu_trace(attention_share_by_impl={"softmax(QK^T)V (materialised)": 0.6}, gemm_time_share=sliver,
+                  matmul_share_by_dtype=sliver, split={"matmul": 0.015, "attention": 0.6, "framework": 0.235})
+    m = record(trace=t, low_precision=lowp(8.0))
+    found, _ = evaluate(m)
+    fp32 = {f.id: f for f in found}["fp32"]
+    assert fp32.kind == "bottleneck" and fp32.cost == pytest.approx(0.0075) and fp32.negligible
+    v = verdict(found, m)
+    assert v["id"] == "attention-weights" and v["ranked"] == ["attention-weights"]
+    assert [t.finding for t in plan(found, 3)] == ["attention-weights"] * len(plan(found, 3))
+    text = Report(verdict=v, findings=found, measurements=m.to_dict(), unavailable={},
+                  environment={"device_name": "cpu", "torch": "2.13"}).text()
+    assert "[~1%] FP32" not in text and "[~0%]" not in text
+    assert ("[negligible] checked, each under 1% of the step (no change worth making): FP32 MATMULS on hardware "
+            "with native bf16 (0.8%)") in text
+    # from 1% a fix is ranked again
+    more = {"fp32": 0.03}
+    t2 = dataclasses.replace(t, gemm_time_share=more, matmul_share_by_dtype=more,
+                             breakdown={**t.breakdown, "matmul": 0.03, "framework": 0.22})
+    m2 = record(trace=t2, low_precision=lowp(8.0))
+    found2, _ = evaluate(m2)
+    assert verdict(found2, m2)["ranked"] == ["attention-weights", "fp32"]
+
+
 def test_cpu_healthy_needs_the_step_to_be_the_math():
     mfu = Mfu(mfu=0.1, flops_per_step=1e9, step_ms=10.0, peak_tflops=1.0, peak_label="measured",
               peak_dtype="fp32", peak_dtype_basis="b")

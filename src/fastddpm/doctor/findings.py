@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from fastddpm.doctor.measurements import StepRecord
+from fastddpm.doctor.thresholds import NEGLIGIBLE_SHARE
 
 
 @dataclass
@@ -45,6 +46,12 @@ class Finding:
     group: str = "pipeline"  # or "compute": the model's own arithmetic is slow (rules 12, 13, 16-20)
 
     @property
+    def negligible(self) -> bool:
+        """A compute fix that would give back under NEGLIGIBLE_SHARE of the step: checked, but not ranked, tried
+        or listed as a finding (the report names it in one line)."""
+        return self.kind == "bottleneck" and self.group == "compute" and self.cost < NEGLIGIBLE_SHARE
+
+    @property
     def speedup(self) -> float:
         """The step-rate gain the cost estimate promises: 1 / (1 - cost)."""
         return 1.0 / max(1e-9, 1.0 - self.cost)
@@ -52,7 +59,7 @@ class Finding:
     def to_dict(self) -> dict:
         return {"id": self.id, "rules": list(self.rules), "title": self.title, "cost": self.cost,
                 "expected_speedup": self.speedup, "evidence": self.evidence, "cause": self.cause,
-                "kind": self.kind, "group": self.group,
+                "kind": self.kind, "group": self.group, **({"negligible": True} if self.negligible else {}),
                 "fixes": [{"fastddpm": f.fastddpm, "code": f.code, **({"trial": f.trial} if f.trial else {}),
                            **({"args": list(f.args)} if f.args else {}),
                            **({"expected_speedup": f.gain} if f.gain is not None else {}),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastddpm.doctor.rules import Finding
+from fastddpm.doctor.thresholds import NEGLIGIBLE_SHARE
 from fastddpm.doctor.trace import BREAKDOWN, BREAKDOWN_LABELS
 from fastddpm.doctor.trials import MIN_ROUNDS
 
@@ -84,13 +85,17 @@ class Report:
                 for i, fx in enumerate(self._fix_lines(top), 1):
                     lines.append(f"    {i}. {fx}")
         shown = {top.id} | {f.id for f in ranked} if top is not None else set()
-        others = [f for f in self.findings if f.id not in shown]
-        if others:
+        others = [f for f in self.findings if f.id not in shown and not f.negligible]
+        negligible = [f for f in self.findings if f.id not in shown and f.negligible]
+        if others or negligible:
             lines.append("")
             lines.append("also found:")
             for f in others:
                 tag = {"opportunity": "opportunity", "note": "note"}.get(f.kind, f"~{100 * f.cost:.0f}%")
                 lines.append(f"  - [{tag}] {f.title}: {f.evidence[0]}")
+            if negligible:
+                lines.append(f"  - [negligible] checked, each under {NEGLIGIBLE_SHARE:.0%} of the step (no change worth "
+                             "making): " + "; ".join(f"{f.title} ({100 * f.cost:.1f}%)" for f in negligible))
         lines.append("")
         # where every step has CUDA events, they time it: a loop that never syncs queues steps faster than the GPU
         # runs them, so its host times (0.3 ms against the GPU's 11 ms on an H200) say nothing of the step
@@ -388,7 +393,8 @@ def render_html(r: Report) -> str:
     parts.append(_timeline_svg(tl, gpu=gpu))
     parts.append("<h2>All findings</h2><table><tr><th>finding</th><th>rules</th><th>cost</th><th>evidence</th></tr>")
     for f in r.findings:
-        cost = f.kind if f.kind != "bottleneck" else f"{100 * f.cost:.0f}%"
+        cost = (f.kind if f.kind != "bottleneck" else
+                f"{100 * f.cost:.1f}% (negligible)" if f.negligible else f"{100 * f.cost:.0f}%")
         parts.append(f"<tr><td>{e(f.title)}</td><td>{', '.join(map(str, f.rules))}</td><td>{e(cost)}</td>"
                      f"<td>{'<br>'.join(e(x) for x in f.evidence)}</td></tr>")
     if not r.findings:

@@ -64,7 +64,7 @@ def verdict(found: list[Finding], m: Measurements | dict) -> dict:
         if top.group != "compute":
             return {"healthy": False, "id": top.id, "title": top.title, "cost": top.cost}
         # the model's own arithmetic is the bottleneck: every compute fix, ranked by the gain it promises
-        ranked = [f for f in found if f.group == "compute" and f.kind == "bottleneck" and f.cost > 0]
+        ranked = [f for f in found if f.group == "compute" and f.kind == "bottleneck" and not f.negligible]
         return {"healthy": False, "id": top.id, "kind": "compute", "cost": top.cost,
                 "title": f"COMPUTE-BOUND: {top.title}", "ranked": [f.id for f in ranked]}
     t = m.gpu_trace

@@ -109,7 +109,8 @@ def _ranked_fixes(findings: list[Finding], tryable) -> tuple[list[tuple[Finding,
     and then the findings' alternatives in the same order (so that `--try 2` on one finding with two fixes,
     e.g. two layouts neither predicted, measures both)."""
     ranked = [(f, [x for x in f.fixes if tryable(x)])
-              for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0), key=lambda f: -f.cost)]
+              for f in sorted((f for f in findings if f.kind == "bottleneck" and f.cost > 0 and not f.negligible),
+                              key=lambda f: -f.cost)]
     return ([(f, fixes[0]) for f, fixes in ranked if fixes],
             [(f, x) for f, fixes in ranked for x in fixes[1:]])
 
