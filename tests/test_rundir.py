@@ -465,3 +465,37 @@ def test_a_second_trainer_into_a_run_folder_in_use_is_refused_and_a_run_leaves_n
     # refused in set-up (a batch larger than the data): no folder, no lock file left
     assert main([*argv[:4], str(tmp_path / "new"), *argv[5:], "--batch-size", "1000"]) == 2
     assert not (tmp_path / "new").exists()
+
+
+def test_a_trainer_that_locks_the_file_its_holder_removed_as_it_let_go_takes_the_new_one(tmp_path, monkeypatch):
+    """Three trainers into one folder: B opens the lock file while A holds it; A ends (removing the file, then
+    closing it); C opens the path, creating a new file, and locks it; B's lock on the removed file then succeeds.
+    Without a check B and C would both train there: B must see its file is no longer the one at the path, open the
+    path again, and be refused by C's lock."""
+    import fcntl
+    import os
+
+    from fastddpm.config import ConfigError
+    from fastddpm.rundir.lock import RunFolderLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    a = RunFolderLock(run)
+    real_flock, held = fcntl.flock, {}
+
+    def flock_after_a_lets_go_and_c_locks(file, op):
+        if not held:  # B's first try, after opening the file A holds
+            held["b"] = True
+            a.release()
+            held["c"] = RunFolderLock(run)
+        return real_flock(file, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_lets_go_and_c_locks)
+    with pytest.raises(ConfigError, match=f"--out {run}: another fastddpm train is writing this run folder "
+                                          f"\\(pid {os.getpid()} on "):
+        RunFolderLock(run)  # B
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    c = held["c"]
+    assert c.file is not None and (run / ".train.lock").exists()
+    c.release()
+    assert not (run / ".train.lock").exists()

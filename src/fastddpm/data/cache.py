@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from fastddpm.data.errors import DataError
+from fastddpm.rundir.flock import NO_LOCK_ERRNOS, is_the_file_at
 
 CACHE_FORMAT_VERSION = 1  # bump when the layout or meaning of a cache changes; old caches then rebuild
 IMAGES_FILE = "images.npy"
@@ -145,7 +146,6 @@ class CacheNotWritable(DataError):
 
 
 _NOT_WRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
-_NO_LOCK_ERRNOS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
 def _not_writable(folder: Path, e: OSError) -> CacheNotWritable:
@@ -215,12 +215,12 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
             except OSError as e:
                 # Lustre mounted without -o flock answers ENOSYS, some NFS set-ups ENOLCK: build unlocked, as
                 # where there is no fcntl (the rename still never shows a partial cache).
-                if e.errno not in _NO_LOCK_ERRNOS:
+                if e.errno not in NO_LOCK_ERRNOS:
                     raise
                 say(f"the file system of {final_dir.parent} has no file locks ({e.strerror or e}): preparing "
                     f"without one (another process preparing {final_dir.name} at the same time would redo the work)")
                 locked = False
-            if locked and not _is_the_file_at(lock_file, lock_path):
+            if locked and not is_the_file_at(lock_file, lock_path):
                 # the holder we waited for failed and removed the lock file: a lock on the removed file excludes
                 # no one who opens the path now, so lock the file that is there
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
@@ -236,16 +236,6 @@ def build_lock(final_dir: Path, *, say: Callable[[str], None]) -> Iterator[None]
                 if locked:
                     fcntl.flock(lock_file, fcntl.LOCK_UN)
             return
-
-
-def _is_the_file_at(opened, path: Path) -> bool:
-    """Whether the open file is still the one at `path` (not removed, nor replaced by another)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(opened.fileno())
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _fsync_path(path: Path) -> None:

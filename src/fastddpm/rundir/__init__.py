@@ -13,4 +13,6 @@ Ground floor: imports nothing of fastddpm but the config, so every package may i
     checkpointer.py  Checkpointer: what a save writes (model, EMA, optimizer, scaler, train state), and its load
     locate.py        locate(path) -> Checkpoint: step, config and weights of whatever a path points to
     metrics.py       metrics.jsonl (and eval.jsonl): one JSON record per line, one history across resumes
+    lock.py          RunFolderLock: one trainer per run folder (an flock on RUN/.train.lock)
+    flock.py         what fastddpm's file locks share (no torch: the dataset cache's build lock imports it)
 """

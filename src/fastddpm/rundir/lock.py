@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import os
 import platform
 from pathlib import Path
 
 from fastddpm.rundir.files import rank_0_by_env
-
-_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)  # Lustre without -o flock, some NFS set-ups
+from fastddpm.rundir.flock import NO_LOCK_ERRNOS, is_the_file_at
 
 
 class RunFolderLock:
@@ -31,23 +29,29 @@ class RunFolderLock:
             return
         if not rank_0_by_env():
             return
-        file = open(self.path, "a+")
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "a process"
-            file.close()
-            from fastddpm.config import ConfigError
+        while True:
+            file = open(self.path, "a+")
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.seek(0)
+                holder = file.read().strip() or "a process"
+                file.close()
+                from fastddpm.config import ConfigError
 
-            raise ConfigError(f"--out {run_dir}: another fastddpm train is writing this run folder ({holder}): "
-                              "wait for it to end, or stop it (Ctrl-C, or kill -TERM: it saves a checkpoint) and "
-                              "continue with --resume latest; or give another --out") from None
-        except OSError as e:
+                raise ConfigError(f"--out {run_dir}: another fastddpm train is writing this run folder ({holder}): "
+                                  "wait for it to end, or stop it (Ctrl-C, or kill -TERM: it saves a checkpoint) "
+                                  "and continue with --resume latest; or give another --out") from None
+            except OSError as e:
+                file.close()
+                if e.errno in NO_LOCK_ERRNOS:
+                    return
+                raise
+            if is_the_file_at(file, self.path):
+                break
+            # the holder let go (removing the file) between our open and our lock: another trainer may already hold
+            # the file now at the path, so lock that one instead
             file.close()
-            if e.errno in _NO_LOCKS:
-                return
-            raise
         file.seek(0)
         file.truncate()
         since = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
