@@ -212,6 +212,25 @@ def test_the_api_spells_its_own_arguments_and_takes_log_none(api_run, tmp_path, 
     assert "train" in dir(fastddpm) and "evaluate" in dir(fastddpm)  # tab completion lists the lazy names
 
 
+def test_train_names_the_run_folder_and_resume_as_its_keywords(api_run, tmp_path):
+    """fastddpm.train's refusals about the run folder named the command's flags (--resume latest, another --out)
+    to a caller who passes out= and resume=."""
+    from fastddpm.rundir.lock import RunFolderLock
+
+    run_dir, data = Path(api_run.run_dir), fastddpm.load(api_run.run_dir, device="cpu").cfg.data.source
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(ConfigError, match=r"already holds a run's checkpoints .* continue that run with "
+                                          r"resume='latest', or start the new one in another out \(") as e:
+        fastddpm.train("tiny", out=run_dir, data=data, max_steps=1, progress=False, log=None)
+    assert "--" not in str(e.value) and sorted(p.name for p in run_dir.iterdir()) == before
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with RunFolderLock(busy), pytest.raises(ConfigError) as e:
+        fastddpm.train("tiny", out=busy, data=data, max_steps=1, progress=False, log=None)
+    assert str(e.value).startswith(f"out={str(busy)!r}: another fastddpm train is writing this run folder (pid ")
+    assert "continue with resume='latest'; or give another out" in str(e.value) and "--" not in str(e.value)
+
+
 def test_load_leaves_the_callers_random_sequence_as_it_was(api_run):
     """Building the U-Net drew its (then replaced) initial weights from the global RNG: after torch.manual_seed(0),
     a notebook's next torch.randn differed by whether a model had been loaded in between."""

@@ -169,7 +169,8 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     forked = [device] if device.type == "cuda" and os.environ.get("WORLD_SIZE") is None else []
     with torch.random.fork_rng(devices=forked):
         # the checkpoint found above, not a second search (which could find another and warns twice)
-        return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log)
+        return train_loop(cfg, out_dir=Path(out), resume=resumed if resumed is not None else resume, log=log,
+                          said=API)
 
 
 @dataclasses.dataclass

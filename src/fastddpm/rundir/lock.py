@@ -21,7 +21,9 @@ class RunFolderLock:
 
     NAME = ".train.lock"
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, *, said=None):
+        """`said`: how the refusal names the run's folder and resume (config.Spelling; the command's flags if
+        None)."""
         self.path, self.file = Path(run_dir) / self.NAME, None
         try:
             import fcntl
@@ -37,11 +39,13 @@ class RunFolderLock:
                 file.seek(0)
                 holder = file.read().strip() or "a process"
                 file.close()
-                from fastddpm.config import ConfigError
+                from fastddpm.config import CLI, ConfigError
 
-                raise ConfigError(f"--out {run_dir}: another fastddpm train is writing this run folder ({holder}): "
-                                  "wait for it to end, or stop it (Ctrl-C, or kill -TERM: it saves a checkpoint) "
-                                  "and continue with --resume latest; or give another --out") from None
+                said = said or CLI
+                raise ConfigError(f"{said('out', str(run_dir))}: another fastddpm train is writing this run folder "
+                                  f"({holder}): wait for it to end, or stop it (Ctrl-C, or kill -TERM: it saves a "
+                                  f"checkpoint) and continue with {said('resume', 'latest')}; or give another "
+                                  f"{said('out')}") from None
             except OSError as e:
                 file.close()
                 if e.errno in NO_LOCK_ERRNOS:

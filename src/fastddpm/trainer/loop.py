@@ -24,7 +24,7 @@ from typing import Callable, NoReturn
 
 import torch
 
-from fastddpm.config import ConfigError, RunConfig
+from fastddpm.config import CLI, ConfigError, RunConfig, Spelling
 from fastddpm.progress import progress_bar
 from fastddpm.rundir.files import rank_0_by_env
 from fastddpm.rundir.locate import Checkpoint
@@ -126,10 +126,11 @@ class _StopFlag:
 
 
 def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | Path | Checkpoint | None = None,
-          log: Callable[[str], None] = print, hooks: TrainHooks | None = None) -> TrainResult:
+          log: Callable[[str], None] = print, hooks: TrainHooks | None = None, said: Spelling = CLI) -> TrainResult:
     """Train per `cfg` into `out_dir`. `resume`: "latest", a checkpoint path, a run directory, or a Checkpoint
     already located (fastddpm.rundir.locate). SIGTERM/SIGINT at any point, set-up included, end the run after the
-    current step with a checkpoint (TrainingInterrupted, exit code 143 / 130)."""
+    current step with a checkpoint (TrainingInterrupted, exit code 143 / 130). `said`: how errors and notes name
+    the run's arguments (`--resume latest` to the command's user, `resume='latest'` to fastddpm.train's)."""
     # A run sets torch's process-wide switches for itself (CPU threads: train.cpu_threads; on CUDA TF32 and
     # cudnn.benchmark): the caller's come back when it ends, so a notebook or test that trains in-process keeps its own.
     threads = torch.get_num_threads()
@@ -137,7 +138,7 @@ def train(cfg: RunConfig, *, out_dir: str | Path, resume: str | Path | Checkpoin
     hooks = hooks or TrainHooks()
     with _StopFlag() as stop:
         try:
-            return _prepare_and_loop(cfg, Path(out_dir), resume, stop, log, hooks)
+            return _prepare_and_loop(cfg, Path(out_dir), resume, stop, log, hooks, said)
         finally:
             if stop.dist.enabled and sys.exc_info()[2] is not None:
                 # A run that ends in an exception (a SIGTERM's TrainingInterrupted included) leaves its frames in
@@ -162,10 +163,10 @@ def _set_backend_switches(switches: tuple[bool, bool, bool]) -> None:
          torch.backends.cudnn.benchmark) = switches
 
 
-def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, log, hooks: TrainHooks
-                      ) -> TrainResult:
+def _prepare_and_loop(cfg: RunConfig, out_dir: Path, resume, stop: _StopFlag, log, hooks: TrainHooks,
+                      said: Spelling) -> TrainResult:
     # Its own frame: once it returns nothing holds the Run (the model, and under torchrun the process group).
-    run = prepare_run(cfg, out_dir, resume, stop=stop, log=log, hooks=hooks)
+    run = prepare_run(cfg, out_dir, resume, stop=stop, log=log, hooks=hooks, said=said)
     out = StepLog(run)  # metrics.jsonl (+ --log-to), the progress bar, the loss summed on the device
     try:
         return _loop(run, stop, hooks, out)
@@ -238,7 +239,8 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
 def _stopped(run: Run, out: StepLog, stop_code: int, checkpoint: Path) -> NoReturn:
     barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
     out.close_bar()
-    run.log(f"stopped by signal at step {run.state.step:,}; checkpoint {checkpoint}; resume with --resume latest")
+    run.log(f"stopped by signal at step {run.state.step:,}; checkpoint {checkpoint}; resume with "
+            f"{run.said('resume', 'latest')}")
     raise TrainingInterrupted(stop_code, checkpoint)
 
 
@@ -387,15 +389,15 @@ def check_health(run: Run, out: StepLog) -> None:
     """Stop a run that can no longer learn, naming the step, the last checkpoint and the fix. Note: both checks
     read the device (host syncs): the loop calls this on logging steps and before a save only (every step on a
     CPU)."""
-    train_cfg = run.cfg.train
+    train_cfg, said = run.cfg.train, run.said
     bad = run.opt.step_fn.first_bad_step()
     if bad is not None:
         out.close_bar()
         raise FloatingPointError(
             f"the loss or the gradients became NaN/Inf at step {bad + 1:,}; that step's update and all later ones "
-            f"were skipped, so the weights and EMA keep their values from step {bad:,}. Try a lower --lr (now "
-            f"{train_cfg.lr:g}), keep --grad-clip on, or --precision fp32/bf16 instead of fp16; then resume from the "
-            f"last checkpoint with --resume latest ({_last_saved(run)})")
+            f"were skipped, so the weights and EMA keep their values from step {bad:,}. Try a lower {said('lr')} "
+            f"(now {train_cfg.lr:g}), keep {said('grad-clip')} on, or {said('precision')} fp32/bf16 instead of fp16; "
+            f"then resume from the last checkpoint with {said('resume', 'latest')} ({_last_saved(run)})")
     # fp16: the GradScaler skips an overflowing step and halves its scale; that is routine. A scale below 1 means
     # the gradients overflow even unscaled: a diverged run that would otherwise skip every step silently.
     scaler = run.opt.scaler
@@ -403,9 +405,9 @@ def check_health(run: Run, out: StepLog) -> None:
         out.close_bar()
         raise FloatingPointError(
             f"the fp16 loss scale fell to {scaler.get_scale():.3g} by step {run.state.step:,}: the gradients are "
-            f"NaN/Inf at every scale, so every recent step was skipped (not an fp16 overflow). Try --precision "
-            f"bf16 or fp32, or a lower --lr (now {train_cfg.lr:g}); then resume from the last checkpoint with --resume "
-            f"latest ({_last_saved(run)})")
+            f"NaN/Inf at every scale, so every recent step was skipped (not an fp16 overflow). Try "
+            f"{said('precision')} bf16 or fp32, or a lower {said('lr')} (now {train_cfg.lr:g}); then resume from the "
+            f"last checkpoint with {said('resume', 'latest')} ({_last_saved(run)})")
 
 
 def _last_saved(run: Run) -> Path | str:
@@ -416,17 +418,18 @@ def _last_saved(run: Run) -> Path | str:
 def resplit_after_oom(run: Run) -> None:
     """Out of memory in a step: twice as many micro-batches of half the size (the same images, timesteps and
     noise: the global batch and the result are unchanged, the step is slower), or a clear stop at the minimum."""
-    train_cfg, split, step = run.cfg.train, run.state.micro_split, run.state.step
+    train_cfg, split, step, said = run.cfg.train, run.state.micro_split, run.state.step, run.said
     size = train_cfg.batch_size // split
     if run.dist.enabled:
         raise ConfigError(
             f"out of memory at step {step + 1:,} on rank {run.dist.rank} with micro-batches of {size}: under "
-            f"torchrun the ranks cannot re-plan alone; restart with a smaller --batch-size (or --accum-steps "
-            f"{2 * split} with half the batch) and --resume latest")
+            f"torchrun the ranks cannot re-plan alone; restart with a smaller {said('batch-size')} (or "
+            f"{said('accum-steps', 2 * split)} with half the batch) and {said('resume', 'latest')}")
     if size == 1:
         raise ConfigError(
-            f"out of memory at step {step + 1:,} even with micro-batches of 1 image: turn on --grad-checkpointing, "
-            f"train a smaller model, lower --precision to bf16, or free device memory")
+            f"out of memory at step {step + 1:,} even with micro-batches of 1 image: turn on "
+            f"{said('grad-checkpointing')}, train a smaller model, lower {said('precision')} to bf16, or free device "
+            "memory")
     new = split * 2
     if train_cfg.batch_size % new:
         raise ConfigError(

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 import fastddpm
-from fastddpm.config import (RUN_LENGTHS, ConfigError, RunConfig, check_same_architecture, resolve_classes,
-                             resolve_model_shape, save_config)
+from fastddpm.config import (CLI, RUN_LENGTHS, ConfigError, RunConfig, Spelling, check_same_architecture,
+                             resolve_classes, resolve_model_shape, save_config)
 from fastddpm.config.model_checks import check_attention_levels
 from fastddpm.config.presets import PRESETS
 from fastddpm.data.sources import refuse_output_among_images
@@ -148,6 +148,7 @@ class Run:
     total_steps: int
     info: RunInfo
     log: Console
+    said: Spelling = CLI  # how the run's errors and notes name its arguments: flags, or fastddpm.train's keywords
 
     @property
     def precision(self) -> Precision:
@@ -184,20 +185,22 @@ class Run:
 
 
 def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, *, stop,
-                log: Callable[..., None], hooks: TrainHooks) -> Run:
+                log: Callable[..., None], hooks: TrainHooks, said: Spelling = CLI) -> Run:
     """Device and ranks, data, model shape, resumed state, model and batch size, optimisation: the run as the
     loop will see it, written to config.json and run.json and described in the log. `stop`: the loop's signal
-    flag, told the process group once there is one (the long parts of the set-up stop at once: `stop.at_once`)."""
+    flag, told the process group once there is one (the long parts of the set-up stop at once: `stop.at_once`).
+    `said`: how errors name the run's arguments (config.Spelling)."""
     with same_on_every_rank():  # what the config and the folder decide, before the process group exists
         _check_before_loading(cfg)
         check_loggers(cfg, run_dir)
         device, device_reason = resolve_device(cfg.train.device)
-        refuse_output_among_images(cfg.data.source, run_dir, flag="--out", what="its sample grids (samples/*.png)")
-        created = make_writable_dir(run_dir, flag="--out", fix="pass a folder that can be created and written (or "
-                                                               "a run directory, to continue its run)")
-    stop.folder_lock = lock = RunFolderLock(run_dir)  # rank 0's: one trainer per run folder; train() lets it go
+        out = said("out")
+        refuse_output_among_images(cfg.data.source, run_dir, flag=out, what="its sample grids (samples/*.png)")
+        created = make_writable_dir(run_dir, flag=out, fix="pass a folder that can be created and written (or a "
+                                                           "run directory, to continue its run)")
+    stop.folder_lock = lock = RunFolderLock(run_dir, said=said)  # rank 0's: one trainer per folder; train() frees it
     try:
-        return _prepare(cfg, run_dir, resume, device, device_reason, stop=stop, log=log, hooks=hooks)
+        return _prepare(cfg, run_dir, resume, device, device_reason, stop=stop, log=log, hooks=hooks, said=said)
     except BaseException:  # refused in set-up (data, model, --init-from, batch): no empty run folder left behind
         lock.release()
         remove_if_empty(created)
@@ -205,7 +208,7 @@ def prepare_run(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint |
 
 
 def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | None, device: torch.device,
-             device_reason: str, *, stop, log: Callable[..., None], hooks: TrainHooks) -> Run:
+             device_reason: str, *, stop, log: Callable[..., None], hooks: TrainHooks, said: Spelling) -> Run:
     rd = RunDir(run_dir)
     dist, device = init_distributed(device, cfg.train.dist_timeout_s)  # under torchrun: this rank's device
     stop.dist = dist
@@ -221,15 +224,15 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     cfg = _absolute_source(cfg, data)
     identity = data.identity()
     with same_on_every_rank():  # the same folder, checkpoint and data on every rank (the ranks agree on which)
-        resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console)
+        resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console, said)
     said_on_resume = init_from_note(resumed, cfg) if resumed is not None else []
     untrained = _untrained_null_class(cfg)
     if untrained and resumed is None:  # a new run; one trained so before goes on, told (below)
-        raise ConfigError(f"{untrained}: add --sample-guidance 1 (plain conditional), or keep a label dropout (0.1, "
-                          "Ho & Salimans 2022)")
+        raise ConfigError(f"{untrained}: add {said('sample-guidance', 1)} (plain conditional), or keep a label "
+                          "dropout (0.1, Ho & Salimans 2022)")
     if untrained:
         said_on_resume.append(f"note: {untrained}, so they draw from an untrained embedding; resume with "
-                         "--sample-guidance 1 for grids and evaluations that mean something")
+                              f"{said('sample-guidance', 1)} for grids and evaluations that mean something")
     if resumed is not None:  # where the run's weights began, whatever a resume's --init-from says
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=resumed.config.train.init_from))
         cfg = _the_runs_class_names(cfg, resumed)
@@ -306,7 +309,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
                                         total_steps), write=dist.is_main)
     run = Run(cfg=cfg, run_dir=rd, dist=dist, device=device, choices=choices, data=data, model=model,
               schedule=schedule, batches=batches, opt=opt, state=state, checkpointer=checkpointer, evaluator=evaluator,
-              steps_per_epoch=steps_per_epoch, total_steps=total_steps, info=info, log=console)
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps, info=info, log=console, said=said)
     _describe(run)
     return run
 
@@ -469,7 +472,7 @@ def _resolve_from_data(cfg: RunConfig, data) -> RunConfig:
 
 
 def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist: DistInfo, device: torch.device,
-                 fsdp: bool, log) -> Checkpoint | None:
+                 fsdp: bool, log, said: Spelling) -> Checkpoint | None:
     """The checkpoint to resume (None: a new run). Every rank looks for itself, and all must find the same one
     (2 tiny collectives); it must be in the format this run writes, of the same data and seed (checked before
     the model's shape is taken from the data: other data would otherwise be blamed on a model setting) and of the
@@ -479,23 +482,25 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist:
     if resume is None and held:
         raise ConfigError(
             f"{rd.path} already holds a run's checkpoints (steps {step_of(held[0]):,} to {step_of(held[-1]):,} in "
-            f"{rd.checkpoints}), which a new run there would mix with its own: continue that run with --resume "
-            f"latest, or start the new one in another --out (or delete {rd.checkpoints} first)")
+            f"{rd.checkpoints}), which a new run there would mix with its own: continue that run with "
+            f"{said('resume', 'latest')}, or start the new one in another {said('out')} (or delete {rd.checkpoints} "
+            "first)")
     if resumed is not None and held and rd.checkpoints.resolve() not in resumed.path.resolve().parents:
         # (a checkpoint of this run, set aside with an abandoned branch included: going back to that branch)
         raise ConfigError(
-            f"--resume {resumed.path} is another run's checkpoint, and {rd.path} already holds a run's checkpoints "
-            f"(steps {step_of(held[0]):,} to {step_of(held[-1]):,}): the two runs' checkpoints would mix. Continue "
-            f"it into a new --out, or resume the run in {rd.path} with --resume latest")
+            f"{said('resume', str(resumed.path))} is another run's checkpoint, and {rd.path} already holds a run's "
+            f"checkpoints (steps {step_of(held[0]):,} to {step_of(held[-1]):,}): the two runs' checkpoints would mix. "
+            f"Continue it into a new {said('out')}, or resume the run in {rd.path} with {said('resume', 'latest')}")
     if str(resume) == "latest" and resumed is None:
-        log(f"--resume latest: no checkpoint in {rd.checkpoints} yet, starting a new run")
+        log(f"{said('resume', 'latest')}: no checkpoint in {rd.checkpoints} yet, starting a new run")
     if dist.enabled:
         found_step = resumed.step if resumed is not None else -1
         lowest, highest = -any_rank(-found_step, dist, device), any_rank(found_step, dist, device)
         if lowest != highest:
             raise ConfigError(
                 f"the ranks found different checkpoints to resume in {rd.path} (steps {lowest} to {highest}; -1 = "
-                f"none): every rank must see the same run directory, so put --out on a filesystem all nodes share")
+                f"none): every rank must see the same run directory, so put {said('out')} on a filesystem all nodes "
+                "share")
     if resumed is not None:
         resumed.check_resumable(sharded_run=fsdp)
         check_same_inputs(resumed, cfg, identity, log)
