@@ -141,3 +141,22 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path, cache_dir: Path)
     finally:
         os.close(write)
     assert r.returncode == 141 and r.stderr == "", r.stderr
+
+
+def test_prepare_into_a_pipe_writes_whole_lines_not_carriage_return_bars(tmp_path: Path, cache_dir: Path) -> None:
+    """`fastddpm data prepare X 2>&1 | tee log` (a log file, CI): tqdm redrew its bars with carriage returns into
+    the pipe, as `train` and `sample` do not (fastddpm.progress: whole lines where there is no terminal). Both
+    passes of an image folder and the copy of an array source say where they ended, one line each."""
+    import subprocess
+    import sys
+
+    make_class_folder(tmp_path / "root", {"a": rng_images(3, 6, 6, seed=1), "b": rng_images(3, 6, 6, seed=2)})
+    make_idx_folder(tmp_path / "m")
+    for source, bars in (("root", ("checking headers", "decoding")), ("m", ("writing cache",))):
+        r = subprocess.run([sys.executable, "-m", "fastddpm", "data", "prepare", str(tmp_path / source)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120,
+                           env={**os.environ, "FASTDDPM_CACHE": str(cache_dir)})
+        assert r.returncode == 0, r.stderr
+        assert "\r" not in r.stderr and "%|" not in r.stderr, r.stderr
+        for bar in bars:
+            assert f"{bar} | img " in r.stderr and "(100%)" in r.stderr, r.stderr

@@ -2,8 +2,8 @@
 elsewhere (nohup, CI, `2> train.log`) a plain line every `every_s` seconds. A bar redrawn with carriage returns
 leaves one line of tens of thousands of characters in a log file; these lines are whole and few.
 
-`progress_bar(total, ...)` picks one; all three take update(n), set_postfix(**values), close(), and are
-context managers. Imports nothing of fastddpm (a ground-floor module).
+`progress_bar(total, ...)` picks one (or, with disable=True, one that shows nothing); all take update(n),
+set_postfix(**values), close(), and are context managers. Imports nothing of fastddpm (a ground-floor module).
 """
 
 from __future__ import annotations
@@ -85,6 +85,28 @@ class PlainProgress:
         self.close()
 
 
+class NoProgress:
+    """What `progress_bar(..., disable=True)` returns (a command's --no-progress): the same calls, nothing shown."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, refresh: bool = False, **values) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def external_write_mode(self, file=None):
+        return contextlib.nullcontext()
+
+    def __enter__(self) -> NoProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (where tqdm's notebook bar draws a widget)."""
     ipython = sys.modules.get("IPython")
@@ -98,19 +120,24 @@ def in_notebook() -> bool:
 
 
 def progress_bar(total: int | None, *, initial: int = 0, unit: str = "step", desc: str | None = None,
-                 file: TextIO | None = None, every_s: float = EVERY_S):
+                 file: TextIO | None = None, every_s: float = EVERY_S, unit_scale: bool = False,
+                 disable: bool = False):
     """The progress display for `file` (default stderr, where tqdm draws): the notebook bar in Jupyter, tqdm's bar
-    on a terminal, else PlainProgress lines."""
+    on a terminal, else PlainProgress lines; NoProgress with `disable`. `unit_scale`: the bars show counts as k, M,
+    G (bytes of a download); the plain lines keep whole counts."""
+    if disable:
+        return NoProgress()
     file = file if file is not None else sys.stderr
     if in_notebook():
         with contextlib.suppress(ImportError):  # tqdm's notebook bar needs ipywidgets
             import ipywidgets  # noqa: F401
             from tqdm.notebook import tqdm as notebook_tqdm
 
-            return notebook_tqdm(total=total, initial=initial, unit=unit, desc=desc)
+            return notebook_tqdm(total=total, initial=initial, unit=unit, desc=desc, unit_scale=unit_scale)
     isatty = getattr(file, "isatty", None)
     if callable(isatty) and isatty():
         from tqdm import tqdm
 
-        return tqdm(total=total, initial=initial, unit=unit, desc=desc, file=file, dynamic_ncols=True, leave=True)
+        return tqdm(total=total, initial=initial, unit=unit, desc=desc, file=file, dynamic_ncols=True, leave=True,
+                    unit_scale=unit_scale)
     return PlainProgress(total, initial=initial, unit=unit, desc=desc, file=file, every_s=every_s)

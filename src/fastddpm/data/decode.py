@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from fastddpm.data.errors import MAX_LISTED_BAD_FILES, BadFile, DataError, bad_files_message
 from fastddpm.data.images import (
@@ -33,6 +32,7 @@ from fastddpm.data.images import (
     probe_image,
 )
 from fastddpm.data.options import PrepareOptions
+from fastddpm.progress import progress_bar
 
 if TYPE_CHECKING:
     from fastddpm.data.cache import CacheBuilder
@@ -121,7 +121,7 @@ def write_array_data(data: ArrayData, *, where: str, options: PrepareOptions, bu
     _check_free_space(builder, (n, out_c, out_h, out_w))
     writer = builder.open_images((n, out_c, out_h, out_w))
     peak = 0  # the brightest source pixel, taken from the chunks as they pass: no second read of the array
-    with tqdm(total=n, desc="writing cache", unit="img", disable=not progress) as bar:
+    with progress_bar(n, desc="writing cache", unit="img", disable=not progress) as bar:
         if not per_image:
             for rows in _chunks(n, 8 * _CHUNK_IMAGES):
                 chunk = np.ascontiguousarray(data.images_nchw[rows.start:rows.stop])
@@ -233,11 +233,13 @@ def write_image_listing(listing: ImageListing, *, options: PrepareOptions, build
     #    Kept on the main thread: it is I/O-light, and Pillow's bomb-warning filter is not thread-safe.
     probes: dict[int, Probe] = {}
     bad: dict[int, BadImage] = {}
-    for i, entry in enumerate(tqdm(entries, desc="checking headers", unit="img", disable=not progress)):
-        try:
-            probes[i] = probe_image(entry.open, size_bytes=entry.size_bytes, max_pixels=options.max_image_pixels)
-        except BadImage as e:
-            bad[i] = e
+    with progress_bar(len(entries), desc="checking headers", unit="img", disable=not progress) as bar:
+        for i, entry in enumerate(entries):
+            try:
+                probes[i] = probe_image(entry.open, size_bytes=entry.size_bytes, max_pixels=options.max_image_pixels)
+            except BadImage as e:
+                bad[i] = e
+            bar.update(1)
     target, shape_bad = _choose_target(probes, options)
     bad.update(shape_bad)
 
@@ -269,7 +271,7 @@ def write_image_listing(listing: ImageListing, *, options: PrepareOptions, build
             return e
 
     with concurrent.futures.ThreadPoolExecutor(_DECODE_THREADS) as pool, \
-            tqdm(total=len(good), desc="decoding", unit="img", disable=not progress) as bar:
+            progress_bar(len(good), desc="decoding", unit="img", disable=not progress) as bar:
         for rows in _chunks(len(good), _CHUNK_IMAGES):
             indices = [good[j] for j in rows]
             ok: list[np.ndarray] = []

@@ -17,10 +17,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from fastddpm.data import cifar, idx
 from fastddpm.data.errors import DataError
+from fastddpm.progress import progress_bar
 
 DOWNLOAD_TIMEOUT_S = 30  # per socket operation, not for the whole file
 _USER_AGENT = "fastddpm-data/1 (python urllib)"
@@ -141,7 +140,7 @@ def _fetch(url: str, dest: Path, *, expected_md5: str, progress: bool) -> None:
         try:
             with urllib.request.urlopen(request, timeout=DOWNLOAD_TIMEOUT_S) as response, open(temp, "wb") as f:
                 total = int(response.headers.get("Content-Length") or 0) or None
-                with tqdm(total=total, desc=dest.name, unit="B", unit_scale=True, disable=not progress) as bar:
+                with progress_bar(total, desc=dest.name, unit="B", unit_scale=True, disable=not progress) as bar:
                     while chunk := response.read(1 << 20):
                         f.write(chunk)
                         md5.update(chunk)
