@@ -157,6 +157,16 @@ def test_steps_with_ddpm_are_refused_not_ignored(runs, capsys):
         fastddpm.load(runs["plain"], device="cpu").sample(1, sampler="ddpm", steps=5)
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--num-images", "0"], "error: --num-images 0: must be >= 1"),
+    (["--batch-size", "-2"], "error: --batch-size -2: must be >= 1"),
+    (["--num-images", "0", "--batch-size", "0"], "error: --num-images 0 and --batch-size 0: each must be >= 1")])
+def test_a_count_below_1_is_named_alone_with_its_value(runs, capsys, flags, says):
+    """`--num-images 0` was told "--num-images and --batch-size must be >= 1", naming a flag that was fine."""
+    assert main(["sample", "--checkpoint", str(runs["plain"]), *flags, "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == says
+
+
 def test_a_large_draw_says_what_it_holds_and_how_to_split_it(runs, tmp_path, monkeypatch, capsys):
     import fastddpm.cli as cli
 

@@ -317,11 +317,14 @@ def cmd_sample(args) -> int:
     from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, resolve_sampler_args,
                                    sample_to_files)
 
+    # before the checkpoint is read: a count below 1 is wrong whatever the model
+    bad = [f"{flag} {count}" for flag, count in (("--num-images", args.num_images), ("--batch-size", args.batch_size))
+           if count < 1]
+    if bad:
+        raise ConfigError(f"{' and '.join(bad)}: {'each ' if len(bad) > 1 else ''}must be >= 1")
     device, _ = resolve_device(args.device, setting="--device")
     ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
     model, cfg = load_for_sampling(ckpt, device=device, weights=args.weights)
-    if args.num_images < 1 or args.batch_size < 1:
-        raise ConfigError("--num-images and --batch-size must be >= 1")
     check_first_image(args.first_image, args.klass)
     if args.out is not None and not args.out.strip():
         raise ConfigError('--out "": give the folder for the grid and the .npz (or leave --out out: '
