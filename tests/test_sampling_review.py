@@ -360,3 +360,32 @@ def test_the_default_step_count_fits_a_short_schedule_and_an_explicit_one_is_tol
                                  ("ddim", 20, "--steps 20 must be between 1 and 15, the model's timesteps")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             resolve_sampler_args(cfg, sampler, steps)
+
+
+def test_a_conditional_model_sampled_without_a_class_says_its_images_are_unconditional(runs, tmp_path, capsys):
+    """`fastddpm sample` of a class-conditional run without --class drew its null class (unconditional images) with
+    no word, where its grids show rows of classes. It still draws them, legitimate for a classifier-free model,
+    and says so in one line naming --class and the guidance it would draw at; Model.sample warns the same."""
+    import warnings
+
+    import fastddpm
+
+    base = ["--num-images", "2", "--sampler", "ddim", "--steps", "2", "--no-progress", "--out"]
+    assert main(["sample", "--checkpoint", str(runs["cond"]), *base, str(tmp_path)]) == 0
+    note = ("note: no --class: these images are unconditional (the model's null class, unguided); --class NAME|ID|all "
+            "draws its 10 classes with guidance at W = 2, the run's sample_guidance")
+    assert note in capsys.readouterr().err.splitlines()
+    assert (tmp_path / "ddim2_n2_seed0_step2.npz").is_file()  # drawn all the same
+    for run, flags in ((runs["cond"], ["--class", "3"]), (runs["plain"], [])):  # a class asked for, or no classes
+        assert main(["sample", "--checkpoint", str(run), *flags, *base, str(tmp_path / "others")]) == 0
+        assert "unconditional" not in capsys.readouterr().err
+    model = fastddpm.load(runs["cond"])
+    with pytest.warns(UserWarning, match=r"^sample: no class_: these images are unconditional \(the model's null "
+                                         r"class, unguided\); class_ \(a name, an id or 'all'\) draws its 10 classes "
+                                         r"with guidance at W = 2"):
+        unconditional = model.sample(2, sampler="ddim", steps=2)
+    assert np.array_equal(unconditional, np.load(tmp_path / "ddim2_n2_seed0_step2.npz")["images"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.sample(1, sampler="ddim", steps=2, class_=3)
+        fastddpm.load(runs["plain"]).sample(1, sampler="ddim", steps=2)

@@ -209,12 +209,14 @@ class Model:
         of one class or none, not with class_="all").
         `class_`: a conditional model's class (name or id; "all" for n / classes of each, n a multiple of the class
         count, or with n below it one image each of n classes spread over the ids), guided with `guidance`
-        (default: the run's train.sample_guidance).
+        (default: the run's train.sample_guidance). Without it a conditional model draws its null class, unguided
+        (unconditional images), with a UserWarning that says so, as `fastddpm sample` notes it.
         `sampler="auto"` is the model's objective's best (heun, 10 steps, for flow; unipc, 10, for flow guided at
         W > 1; dpmpp-2m-sde, 20, otherwise); `steps=None` its steps, or 20 for a named sampler. `eta`: DDIM's
         (0 deterministic, 1 DDPM-like); `spacing`: the timesteps (trailing, karras, logsnr; None: the sampler's
         own), as `fastddpm sample --eta/--spacing`."""
-        from fastddpm.sampling import check_first_image, class_labels, resolve_sampler_args, sample_images
+        from fastddpm.sampling import (check_first_image, class_labels, null_class_note, resolve_sampler_args,
+                                       sample_images)
 
         n, seed, first_image, batch_size = (_whole(v, name, "sample") for v, name in (
             (n, "n"), (seed, "seed"), (first_image, "first_image"), (batch_size, "batch_size")))
@@ -240,6 +242,9 @@ class Model:
         scale = guidance if guidance is not None else (self.cfg.train.sample_guidance if labels is not None else 1.0)
         sampler, steps = resolve_sampler_args(self.cfg, sampler, steps, eta,
                                               guidance=scale if labels is not None else None, said=API)
+        unconditional = null_class_note(self.cfg, class_, said=API)
+        if unconditional:  # warned, not printed: the API prints nothing of its own (evaluate's notes are warnings)
+            warnings.warn(f"sample: {unconditional}", stacklevel=2)
         with torch.inference_mode():
             images = sample_images(self.net, self.cfg, num_images=n, sampler=sampler, steps=steps, seed=seed,
                                    first_image=first_image, batch_size=batch_size, device=self.device,

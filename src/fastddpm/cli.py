@@ -314,8 +314,8 @@ def cmd_sample(args) -> int:
     from fastddpm.device import resolve_device, resolve_precision
     from fastddpm.rundir.files import make_writable_dir
     from fastddpm.rundir.locate import locate
-    from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, resolve_sampler_args,
-                                   sample_to_files)
+    from fastddpm.sampling import (check_first_image, class_labels, load_for_sampling, null_class_note,
+                                   resolve_sampler_args, sample_to_files)
 
     # before the checkpoint is read: a count below 1 is wrong whatever the model
     bad = [f"{flag} {count}" for flag, count in (("--num-images", args.num_images), ("--batch-size", args.batch_size))
@@ -348,6 +348,9 @@ def cmd_sample(args) -> int:
         raise ConfigError(f"--spacing {args.spacing}: --sampler ddpm walks every one of the "
                           f"{cfg.diffusion.num_timesteps} timesteps and takes no spacing; drop --spacing, or pick a "
                           "few-step sampler (ddim, dpmpp-2m, dpmpp-2m-sde, unipc, heun)")
+    unconditional = null_class_note(cfg, args.klass)
+    if unconditional:
+        print(f"note: {unconditional}", file=sys.stderr)
     steps = cfg.diffusion.num_timesteps if args.sampler == "ddpm" else args.steps
     num_images = len(labels) if labels is not None else args.num_images
     own_spacing = default_spacing(args.sampler, cfg.diffusion.objective)

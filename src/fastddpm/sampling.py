@@ -183,6 +183,19 @@ def class_labels(model_cfg, wanted: str | int | None, num_images: int, *,
     return np.full(num_images, class_index(model_cfg, wanted, said=said), dtype=np.int64), None
 
 
+def null_class_note(cfg: RunConfig, wanted: str | int | None, *, said: Spelling = CLI) -> str | None:
+    """What a conditional model draws without a class, said where `fastddpm sample` (a note on stderr) and
+    Model.sample (a UserWarning) draw it: the null class, unguided, which is legitimate for a classifier-free
+    model but is not what a user who trained on classes expects to see. None with a class, or for an unconditional
+    model."""
+    if not cfg.model.conditional or wanted is not None:
+        return None
+    how = "class_ (a name, an id or 'all')" if said.api else said("class", "NAME|ID|all")
+    return (f"no {said('class')}: these images are unconditional (the model's null class, unguided); {how} draws its "
+            f"{cfg.model.num_classes} classes with guidance at W = {cfg.train.sample_guidance:g}, the run's "
+            "sample_guidance")
+
+
 def _every_class(wanted: str | int | None) -> bool:
     return isinstance(wanted, str) and wanted.strip().lower() == "all"
 
