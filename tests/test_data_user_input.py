@@ -250,3 +250,46 @@ def test_an_output_folder_inside_the_image_folder_being_read_is_refused_before_a
     write_idx(idx / "train-images-idx3-ubyte.gz", rng_images(16, 8, 8))
     assert main(["train", "--data", str(idx), "--out", str(idx / "run"), "--preset", "tiny", "--max-steps", "1",
                  "--batch-size", "4", "--no-progress", "--device", "cpu"]) == 0
+
+
+def test_sample_and_eval_out_inside_the_image_folder_of_the_run_are_refused_before_anything_is_written(
+        tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`sample --out` and `eval --out` at or under the image folder the run trained on (or `eval --data` reads)
+    wrote their grids there, where the folder's next prepare (the run's resume) read them as images of the dataset;
+    `train --out` and `data export-images` refuse it already. Outside it, both go ahead."""
+    from PIL import Image
+
+    images = tmp_path / "images"
+    for i, im in enumerate(rng_images(8, 8, 8)):
+        (images / str(i % 2)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(im).save(images / str(i % 2) / f"{i}.png")
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(images), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
+                 "--batch-size", "4", "--no-attention", "--num-sample-images", "2", "--sample-steps", "2",
+                 "--no-progress", "--device", "cpu"]) == 0
+    other = tmp_path / "other"
+    (other / "a").mkdir(parents=True)
+    Image.fromarray(rng_images(1, 8, 8, seed=3)[0]).save(other / "a" / "x.png")
+    before = sorted(p.relative_to(tmp_path) for p in (*images.rglob("*"), *other.rglob("*")))
+    capsys.readouterr()
+    sample = ["sample", "--checkpoint", str(run), "--num-images", "2", "--sampler", "ddim", "--steps", "2",
+              "--no-progress", "--out"]
+    for out, named in ((images, images), (images / "samples", images / "samples"), (images / "0" / "grid.png",
+                                                                                     images / "0")):
+        assert main([*sample, str(out)]) == 2
+        err = capsys.readouterr().err
+        where = "is" if named == images else "is inside"
+        assert f"error: --out {named} {where} the image folder the data is read from ({images}): the grid and the " \
+               ".npz would be read as images of the dataset" in err
+        assert err.rstrip().endswith(f"Fix: give --out a folder outside {images}.")
+    evaluate = ["eval", "--checkpoint", str(run), "--num-samples", "10", "--steps", "2", "--no-progress", "--out"]
+    assert main([*evaluate, str(images / "eval")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {images / 'eval'} is inside the image folder the data is read from ({images}): the " \
+           "result's grid and .json would be read" in err
+    assert main([*evaluate, str(other / "eval"), "--data", str(other)]) == 2  # the folder eval reads, too
+    assert f"--out {other / 'eval'} is inside the image folder the data is read from ({other})" in \
+        capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in (*images.rglob("*"), *other.rglob("*"))) == before
+    assert main([*sample, str(tmp_path / "s")]) == 0  # outside it
+    assert (tmp_path / "s" / "ddim2_n2_seed0_step1.png").is_file()

@@ -263,6 +263,12 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
         if args.num_samples < 10:
             raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                               "samples; 10000 is the usual count)")
+        if args.out:  # as train --out: a grid among the images the run trained on (or is scored against) would be
+            # read as one of them by the folder's next prepare
+            from fastddpm.data.sources import refuse_output_among_images
+
+            for source in dict.fromkeys(s for s in (cfg.data.source, args.data) if s is not None):
+                refuse_output_among_images(source, args.out, flag="--out", what="the result's grid and .json")
     trained = cfg.data
     trained_on = trained.source
     data_options = {k: v for k, v in (("source", args.data), ("resize", args.resize),
