@@ -701,3 +701,38 @@ def test_an_opset_onnx_does_not_know_is_refused_before_anything_runs_or_is_writt
     err = capsys.readouterr().err
     assert f"export --opset {opset}: the installed onnx knows opsets 1 to {onnx.defs.onnx_opset_version()}" in err
     assert "Warning" not in err and not out.exists()
+
+
+def test_the_card_quotes_fastddpm_evals_fid_of_exactly_the_exported_weights(fmnist_npz, tmp_path, monkeypatch):
+    """After `fastddpm eval` of a checkpoint, its export's card said "FID: not measured for these weights by the
+    run". It quotes eval's result where the record is of exactly these weights (eval records their digest), naming
+    the record and how it was measured; an earlier checkpoint or the raw weights are other weights, and get none."""
+    from fastddpm.eval import classifier, features
+
+    # the feature network eval trains once per dataset, on a short recipe: the FID's value is not what is checked
+    monkeypatch.setattr(features, "ClassifierRecipe", lambda: classifier.ClassifierRecipe(epochs=0.05, min_steps=20))
+    run = tmp_path / "run"
+    cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
+                                               "train.max_steps": 2, "train.checkpoint_every": 1,
+                                               "model.attention": False, "train.num_sample_images": 2,
+                                               "train.sample_steps": 2})
+    train(cfg, out_dir=run, log=quiet)
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--sampler", "ddim", "--steps", "2",
+                 "--no-progress"]) == 0
+    record = json.loads(next((run / "eval").glob("eval_*.json")).read_text())
+    assert record["checkpoint"]["step"] == 2 and len(record["checkpoint"]["weights_sha256"]) == 64
+    name = "eval/eval_ddim2_n10_seed0_step2.json"
+    assert (run / name).is_file()
+    assert main(["export", str(run), "--format", "safetensors", "--out", str(tmp_path / "e")]) == 0
+    card = (tmp_path / "e" / "README.md").read_text()
+    assert (f"- FID {record['fid']:.2f} by `fastddpm eval` of these weights (the run's {name}): ddim 2 steps, 10 "
+            f"samples, {record['features']['label']}\n") in card, card
+    assert "not measured" not in card
+    # the same weights from another file (the run's ema.safetensors, written at step 2) are still these weights
+    assert main(["export", str(run / "ema.safetensors"), "--format", "safetensors", "--out", str(tmp_path / "f")]) == 0
+    assert f"by `fastddpm eval` of these weights (the run's {name})" in (tmp_path / "f" / "README.md").read_text()
+    for other, flags in ((run / "checkpoints" / "ckpt_000000001.pt", []), (run, ["--weights", "model"])):
+        out = tmp_path / f"other{len(flags)}"
+        assert main(["export", str(other), "--format", "safetensors", "--out", str(out), *flags]) == 0
+        card = (out / "README.md").read_text()
+        assert "fastddpm eval` of these" not in card and "- FID: not measured for these weights" in card

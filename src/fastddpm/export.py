@@ -5,7 +5,7 @@
 The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights, or with --weights model a
 checkpoint's raw ones), schedule.json (the betas and what the network predicts: everything a sampler needs),
 config.json (the resolved config) and README.md (a model card, fastddpm.export_card: data, images seen, FID where
-the run measured one, the command that made it, and how to sample, in commands run from the folder itself, so
+the run or `fastddpm eval` measured these weights, the command that made it, and how to sample, in commands run from the folder itself, so
 that they hold wherever it is copied or uploaded); an ONNX folder also holds
 sample_onnx.py, a sampler that needs onnxruntime and numpy only (fastddpm.sample_onnx). The network is the U-Net alone,
 eps_theta(x (B, C, H, W) float32 in [-1, 1], t (B,) int64) -> (B, C, H, W), plus y (B,) int64 for a conditional
@@ -300,10 +300,11 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     import torch
 
     from fastddpm.config import ConfigError, save_config
-    from fastddpm.export_card import fid_of_these_weights, model_card
+    from fastddpm.export_card import eval_of_these_weights, fid_of_these_weights, model_card
     from fastddpm.rundir.files import save_safetensors
     from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, WEIGHTS_LABELS, locate
     from fastddpm.rundir.metrics import read_metrics
+    from fastddpm.rundir.state_dicts import weights_digest
     from fastddpm.sampling import load_for_sampling
 
     if fmt not in FORMATS:
@@ -327,6 +328,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
             raise ConfigError(f"export --opset {opset}: the installed onnx knows opsets 1 to "
                               f"{onnx.defs.onnx_opset_version()}; give one of those (default 18)")
     model, cfg = load_for_sampling(ckpt, device="cpu", weights=weights)  # raw weights of an ema.safetensors: refused
+    digest = weights_digest(model)  # as loaded, as `fastddpm eval` digests them: the card finds its results by it
     info, run_dir = {**ckpt.info(), "weights": weights}, ckpt.run_dir
     out = Path(out) if out is not None else run_dir.export(fmt)
     check_out_dir(out)
@@ -379,7 +381,8 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     if fmt == "onnx":  # the folder samples wherever it goes, with no fastddpm installed
         shutil.copyfile(Path(__file__).with_name("sample_onnx.py"), out / "sample_onnx.py")
         files.append("sample_onnx.py")
-    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command))
+    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command,
+                                              evaluated=eval_of_these_weights(run_dir.eval_dir, digest)))
     result.update(out=str(Path(out).absolute()), files=files, torch=torch.__version__)
     removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -1,8 +1,12 @@
 """The model card (README.md) of a `fastddpm export` folder: what the run trained on and for how long, what the
-network's inputs and output are, the FID the run measured for these weights, and how to sample from the folder in
-this format, in code that runs from the folder itself."""
+network's inputs and output are, the FID the run (or `fastddpm eval`) measured for these weights, and how to sample
+from the folder in this format, in code that runs from the folder itself."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 
 def _network_io(cfg) -> tuple[str, str]:
@@ -31,7 +35,39 @@ def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
     return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
 
 
-def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str) -> str:
+def eval_of_these_weights(eval_dir: Path, digest: str) -> dict | None:
+    """`fastddpm eval`'s result for exactly the exported weights, from the run's eval/ folder (where eval writes
+    unless --out): a record whose weights_sha256 (fastddpm.rundir.state_dicts.weights_digest) is `digest`, with a
+    finite FID. A step number alone would not do: a resume from an earlier checkpoint trains the same steps again to
+    other weights. Of several, the one of the most samples, then the newest. Returns what the card names: fid, the
+    record's file (relative to the run), sampler, steps, num_samples, guidance (None: unconditional) and the
+    features' label; None where eval measured none of these weights (or recorded no digest: before it did)."""
+    found = []
+    for path in sorted(eval_dir.glob("eval_*.json")) if eval_dir.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            when = path.stat().st_mtime
+        except (OSError, ValueError):  # unreadable, or being written: no result to quote
+            continue
+        if not isinstance(record, dict) or record.get("schema") != "fastddpm-eval-1":
+            continue
+        fid = record.get("fid")
+        if (record.get("checkpoint") or {}).get("weights_sha256") != digest or not isinstance(fid, (int, float)) \
+                or not math.isfinite(fid):
+            continue
+        sampling = record.get("sampling") or {}
+        found.append(((sampling.get("num_samples") or 0, when), {
+            "fid": fid, "file": f"{eval_dir.name}/{path.name}", "sampler": sampling.get("sampler"),
+            "steps": sampling.get("steps"), "num_samples": sampling.get("num_samples"),
+            "guidance": record.get("headline_guidance"),
+            "features_label": (record.get("features") or {}).get("label", "features unknown")}))
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str, *,
+               evaluated: dict | None = None) -> str:
+    """The card's text. `fid`: the run's own evaluation of these weights (fid_of_these_weights); `evaluated`:
+    `fastddpm eval`'s (eval_of_these_weights)."""
     from fastddpm.rundir.locate import WEIGHTS_LABELS
 
     m, d = cfg.model, cfg.diffusion
@@ -47,7 +83,12 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
     if fid:
         lines.append(f"- FID {fid['fid']:.2f} at {fid.get('images_seen', 0):,} images "
                      f"({fid.get('features_label', 'features unknown')})")
-    else:
+    if evaluated:
+        e = evaluated
+        guided = "" if e["guidance"] is None else f", guidance {e['guidance']:g}"
+        lines.append(f"- FID {e['fid']:.2f} by `fastddpm eval` of these weights (the run's {e['file']}): "
+                     f"{e['sampler']} {e['steps']} steps, {e['num_samples']:,} samples{guided}, {e['features_label']}")
+    if not fid and not evaluated:
         lines.append("- FID: not measured for these weights by the run (`fastddpm eval` measures it)")
     lines += [f"- format: {fmt}; files: {', '.join(files)}",
               f"- inputs: x (B, {m.image_channels}, {m.image_size}, {m.image_size}), t"

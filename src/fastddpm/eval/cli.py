@@ -233,6 +233,7 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
     from fastddpm.grid import save_grid
     from fastddpm.measure import environment_record
     from fastddpm.rundir.locate import locate
+    from fastddpm.rundir.state_dicts import weights_digest
     from fastddpm.sampling import (check_null_class_trained, compile_for_sampling, load_for_sampling,
                                    resolve_sampler_args)
 
@@ -402,7 +403,9 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
                                                                 "num_images", "cached", "file")},
                       "label_histogram": evaluator.label_histogram,
                       "predicted_label_histogram": evaluator.ref.meta.get("label_histogram")},
-        "checkpoint": {**info, "weights": args.weights, "preset": cfg.preset, "trained_on": trained_on},
+        # weights_sha256: what tells an export of these very weights that this result is theirs (export_card)
+        "checkpoint": {**info, "weights": args.weights, "weights_sha256": weights_digest(model), "preset": cfg.preset,
+                       "trained_on": trained_on},
         "sampling": {**s, "num_samples": args.num_samples, "precision": precision.name, "compile": compile_on,
                      "device": str(device)},
         "pr": {"k": metrics["pr_k"], "num_images": metrics["pr_num_images"]},
