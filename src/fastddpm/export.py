@@ -5,8 +5,8 @@
 The folder holds the model (model.onnx, model.pt2 or model.safetensors: the EMA weights, or with --weights model a
 checkpoint's raw ones), schedule.json (the betas and what the network predicts: everything a sampler needs),
 config.json (the resolved config) and README.md (a model card, fastddpm.export_card: data, images seen, FID where
-the run or `fastddpm eval` measured these weights, the command that made it, and how to sample, in commands run from the folder itself, so
-that they hold wherever it is copied or uploaded); an ONNX folder also holds
+the run or `fastddpm eval` measured these weights, the command that made it, and how to sample, in commands run
+from the folder itself, so that they hold wherever it is copied or uploaded); an ONNX folder also holds
 sample_onnx.py, a sampler that needs onnxruntime and numpy only (fastddpm.sample_onnx). The network is the U-Net alone,
 eps_theta(x (B, C, H, W) float32 in [-1, 1], t (B,) int64) -> (B, C, H, W), plus y (B,) int64 for a conditional
 model (its last id is the null class); for --objective edm or flow t is a float32 noise input and the output is

@@ -94,8 +94,8 @@ class Report:
                 tag = {"opportunity": "opportunity", "note": "note"}.get(f.kind, f"~{100 * f.cost:.0f}%")
                 lines.append(f"  - [{tag}] {f.title}: {f.evidence[0]}")
             if negligible:
-                lines.append(f"  - [negligible] checked, each under {NEGLIGIBLE_SHARE:.0%} of the step (no change worth "
-                             "making): " + "; ".join(f"{f.title} ({100 * f.cost:.1f}%)" for f in negligible))
+                lines.append(f"  - [negligible] checked, each under {NEGLIGIBLE_SHARE:.0%} of the step (no change "
+                             "worth making): " + "; ".join(f"{f.title} ({100 * f.cost:.1f}%)" for f in negligible))
         lines.append("")
         # where every step has CUDA events, they time it: a loop that never syncs queues steps faster than the GPU
         # runs them, so its host times (0.3 ms against the GPU's 11 ms on an H200) say nothing of the step
