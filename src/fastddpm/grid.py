@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import shutil
+import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -58,13 +62,10 @@ def label_rows(grid_HWC: np.ndarray, labels: list[str], *, row_pitch: int, first
     size = max(10, min(20, row_pitch // 3))
     font = ImageFont.load_default(size=size)
     if not all(text.isascii() for text in labels):
-        # Pillow's default font (Aileron) has no accented letters: "Ünïcode" came out as boxes. matplotlib, a
-        # dependency, ships DejaVu Sans (Latin, Greek, Cyrillic; CJK needs a font of its own)
-        import matplotlib
-
-        dejavu = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"
-        if dejavu.is_file():
-            font = ImageFont.truetype(str(dejavu), size)
+        # Pillow's default font (Aileron) has no accented letters: "Ünïcode" came out as boxes
+        found = label_font_file(frozenset("".join(labels)) - frozenset(" "))
+        if found is not None:
+            font = ImageFont.truetype(found, size)
     measure = ImageDraw.Draw(Image.new("L", (1, 1)))
     width = 8 + max(int(measure.textlength(text, font=font)) for text in labels)
     h, w, c = grid_HWC.shape
@@ -74,3 +75,54 @@ def label_rows(grid_HWC: np.ndarray, labels: list[str], *, row_pitch: int, first
         draw.text((4, first_row + r * row_pitch + row_pitch // 2), text, fill=0, font=font, anchor="lm")
     strip_HWC = np.asarray(strip)[:, :, None].repeat(c, axis=2)
     return np.concatenate([strip_HWC, grid_HWC], axis=1)
+
+
+# where macOS and Windows keep fonts with CJK glyphs (DejaVu has none), for machines without fontconfig
+KNOWN_FONT_FILES = ("/System/Library/Fonts/PingFang.ttc", "/System/Library/Fonts/Hiragino Sans GB.ttc",
+                    "/System/Library/Fonts/AppleSDGothicNeo.ttc", "/Library/Fonts/Arial Unicode.ttf",
+                    "C:/Windows/Fonts/msyh.ttc", "C:/Windows/Fonts/YuGothM.ttc", "C:/Windows/Fonts/malgun.ttf")
+
+
+@functools.lru_cache(maxsize=16)
+def label_font_file(chars: frozenset[str]) -> str | None:
+    """A font file with a glyph for every character of `chars` (class names): matplotlib's DejaVu Sans (a
+    dependency's; Latin, Greek, Cyrillic), else one fontconfig lists as having them all (`fc-list :charset=...`,
+    sans-serif first: Noto Sans CJK where installed), else one of KNOWN_FONT_FILES that has them. None, with a
+    warning that names the missing characters and the fix, where no font here has them: the labels are then drawn
+    in DejaVu Sans, those characters as boxes."""
+    import matplotlib
+
+    dejavu = str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf")
+    if _has_glyphs(dejavu, chars):
+        return dejavu
+    fc_list = shutil.which("fc-list")
+    listed = []
+    if fc_list is not None:
+        charset = " ".join(f"{ord(ch):x}" for ch in sorted(chars))
+        try:
+            out = subprocess.run([fc_list, f":charset={charset}", "file"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        listed = sorted((line.rsplit(":", 1)[0].strip() for line in out.splitlines() if line.strip()),
+                        key=lambda f: ("Sans" not in Path(f).name, "Bold" in Path(f).name, f))
+    for path in (*listed, *KNOWN_FONT_FILES):
+        if _has_glyphs(path, chars):
+            return path
+    missing = "".join(sorted(ch for ch in chars if not _has_glyphs(dejavu, frozenset(ch))))
+    warnings.warn(f"no font on this machine has the characters {missing!r} of the class names: the grid's labels "
+                  "show them as boxes; install a font that has them (CJK: fonts-noto-cjk on Debian/Ubuntu, "
+                  "google-noto-sans-cjk-fonts on Fedora)", stacklevel=3)
+    return dejavu if Path(dejavu).is_file() else None
+
+
+def _has_glyphs(path: str, chars: frozenset[str]) -> bool:
+    """Whether the font file (the first font of a .ttc collection) maps every character of `chars`."""
+    from fontTools.ttLib import TTFont
+
+    try:
+        with TTFont(path, fontNumber=0, lazy=True) as font:
+            cmap = font.getBestCmap() or {}
+    except Exception:  # noqa: BLE001 - missing, unreadable or not a font: not this one
+        return False
+    return all(ord(ch) in cmap for ch in chars)
