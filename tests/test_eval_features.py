@@ -297,6 +297,15 @@ def test_trains_inception_file_is_named_by_trains_own_flag(tmp_path, fmnist_npz,
     assert f"error: --eval-inception {missing}: no such file" in err, err
     assert "(--eval-inception auto instead finds" in err and "--inception" not in err.replace("--eval-inception", "")
     assert not out.exists()
+    # fastddpm.train takes it as eval_inception=, and its errors say so (they said --eval-inception)
+    import fastddpm
+    from fastddpm.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        fastddpm.train("tiny", out=out, data=str(fmnist_npz), device="cpu", max_steps=2, eval_every_images=32,
+                       eval_inception=str(missing), progress=False, log=None)
+    assert str(e.value).startswith(f"eval_inception={str(missing)!r}: no such file") and "--" not in str(e.value)
+    assert not out.exists()
 
 
 class _Evil:

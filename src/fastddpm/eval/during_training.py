@@ -25,17 +25,13 @@ from typing import Callable
 
 import torch
 
-from fastddpm.config import CLI, RunConfig
+from fastddpm.config import CLI, RunConfig, Spelling
 from fastddpm.eval.curve import write_curve
 from fastddpm.eval.evaluate import Evaluator, as_json_safe, quiet, summary_line
 from fastddpm.rng import derive_seed
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.metrics import MetricsLog, read_metrics
 from fastddpm.sampling import reshard, run_sampling
-
-# The Inception file's errors name train's flag (the trainer speaks in flags, fastddpm.train's caller included)
-_SAID = CLI.naming("inception", "eval-inception")
-
 
 def evaluation_choices(cfg: RunConfig) -> dict:
     """The sampling choices every evaluation of cfg's run makes, as keywords of `Evaluator.evaluate`: the sample
@@ -56,8 +52,10 @@ class TrainingEvaluator:
     and scores them, alone holding the reference statistics and the logs."""
 
     def __init__(self, cfg: RunConfig, *, run_dir: Path, device: torch.device, autocast_dtype: torch.dtype | None,
-                 log: Callable[[str], None] = print, rank: int = 0, world_size: int = 1):
+                 log: Callable[[str], None] = print, rank: int = 0, world_size: int = 1, said: Spelling = CLI):
         t = cfg.train
+        # the Inception file's errors name train's own argument: --eval-inception, or fastddpm.train's eval_inception
+        said = said.naming("inception", "eval-inception")
         self.cfg, self.device, self.autocast_dtype, self.log = cfg, device, autocast_dtype, log
         self.rank, self.world_size = rank, world_size
         self.every = t.eval_every_images
@@ -67,10 +65,10 @@ class TrainingEvaluator:
             # the feature network rank 0 trained or found and cached (the barrier: once it has)
             torch.distributed.barrier()
             self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=quiet,
-                                                  reference=False, said=_SAID)
+                                                  reference=False, said=said)
             self.evaluator.check_same_as_rank_0(rank, world_size)
             return
-        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log, said=_SAID)
+        self.evaluator = Evaluator.for_config(cfg, device=device, inception=t.eval_inception, log=log, said=said)
         if world_size > 1:
             torch.distributed.barrier()
             self.evaluator.check_same_as_rank_0(rank, world_size)

@@ -270,7 +270,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
 
         with stop.at_once("setting up --eval-every (its feature network, the real images' statistics)", console):
             evaluator = TrainingEvaluator(cfg, run_dir=run_dir, device=device, autocast_dtype=precision.autocast_dtype,
-                                          log=console, rank=dist.rank, world_size=dist.world_size)
+                                          log=console, rank=dist.rank, world_size=dist.world_size, said=said)
     state = TrainState(device=device, world_size=dist.world_size, global_batch=images_per_step,
                        cpu_threads=cpu_threads, data={"source": cfg.data.source, **identity})
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
