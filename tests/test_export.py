@@ -736,3 +736,16 @@ def test_the_card_quotes_fastddpm_evals_fid_of_exactly_the_exported_weights(fmni
         assert main(["export", str(other), "--format", "safetensors", "--out", str(out), *flags]) == 0
         card = (out / "README.md").read_text()
         assert "fastddpm eval` of these" not in card and "- FID: not measured for these weights" in card
+
+
+def test_the_onnx_example_says_a_conditional_model_drawn_without_a_class_is_unconditional(onnx_export, tmp_path,
+                                                                                          capsys):
+    """As `fastddpm sample` notes it: the null class's images, and how to draw a class."""
+    from fastddpm import sample_onnx as example
+
+    small = ["--num", "2", "--steps", "2", "--out", str(tmp_path / "g.png")]
+    assert example.main([str(onnx_export("cond")[0]), *small]) == 0
+    assert ", unconditional (the null class; --class NAME|ID draws one of the model's 10 classes, guided at W = 2)" \
+        in capsys.readouterr().out
+    assert example.main([str(onnx_export("uncond")[0]), *small]) == 0
+    assert "unconditional" not in capsys.readouterr().out

@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     npz = args.out.with_suffix(".npz")
     np.savez(npz, images=images, **({} if label is None else {"labels": np.full(args.num, label, dtype=np.int64),
                                                                "guidance": np.float64(guidance)}))
-    drawn = "" if label is None else f", class {label} at guidance W = {guidance:g}"
+    classes = schedule.get("num_classes", 0)
+    drawn = (f", class {label} at guidance W = {guidance:g}" if label is not None else
+             f", unconditional (the null class; --class NAME|ID draws one of the model's {classes} classes, guided at "
+             f"W = {guidance:g})" if "y" in [i.name for i in session.get_inputs()] else "")
     print(f"wrote {args.out} ({len(shown)} images) and {npz} (all {args.num}, uint8 (N, C, H, W)){drawn}, "
           f"{sampler.__name__.upper()} {args.steps} steps, onnxruntime {ort.__version__}")
     return 0
