@@ -180,3 +180,55 @@ def test_wandb_that_cannot_start_a_run_is_one_error_line_naming_the_ways_on(tmp_
     assert "--log-to wandb: W&B could not start a run (No API key configured." in err
     assert "wandb login" in err and "WANDB_MODE=offline" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def wandb_runs(run_dir) -> dict[str, list]:
+    """{W&B run id: its records, from every offline run file of RUN_DIR/wandb}."""
+    runs: dict[str, list] = {}
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        runs.setdefault(path.stem.removeprefix("run-"), []).extend(wandb_records(path))
+    return runs
+
+
+def run_loss(records) -> list[tuple[int, float]]:
+    return [(r.history.step.num, json.loads(item.value_json)) for r in records
+            if r.WhichOneof("record_type") == "history" for item in r.history.item
+            if (item.key or "/".join(item.nested_key)) == "train/loss"]
+
+
+def test_a_resume_from_an_earlier_checkpoint_logs_its_branch_to_a_w_and_b_run_of_its_own(tmp_path, fmnist_splits,
+                                                                                        monkeypatch):
+    """W&B keeps a run's first value of a step: a branch from an earlier checkpoint (here at another learning rate)
+    continued the W&B run, whose steps after the branch point kept the abandoned branch's losses. The branch gets
+    its own W&B run, holding the history up to the branch point and the branch's own steps, as metrics.jsonl does;
+    and a run that starts logging to W&B on a resume gets the steps before it too."""
+    pytest.importorskip("wandb", reason="wandb is an extra (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    args = ["train", "--data", str(fmnist_splits), "--out", str(run), "--preset", "tiny", "--max-steps", "8",
+            "--log-every", "2", "--checkpoint-every", "4", "--keep-checkpoints", "5", "--no-progress",
+            "--num-sample-images", "4", "--sample-steps", "2", "--no-attention"]
+    assert main([*args, "--log-to", "jsonl,wandb"]) == 0
+    first_id = (run / "wandb_run_id").read_text().strip()
+    first = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert run_loss(wandb_runs(run)[first_id]) == first
+    at_4 = next(p for p in (run / "checkpoints").glob("ckpt_*4.pt"))
+    assert main([*args, "--log-to", "jsonl,wandb", "--resume", str(at_4), "--lr", "3e-3"]) == 0
+    branch_id = (run / "wandb_run_id").read_text().strip()
+    assert branch_id != first_id
+    branch = [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [s for s, _ in branch] == [2, 4, 6, 8] and branch[:2] == first[:2] and branch[2:] != first[2:]
+    runs = wandb_runs(run)
+    assert run_loss(runs[branch_id]) == branch  # its whole history, the branch's own steps
+    assert run_loss(runs[first_id]) == first  # the first W&B run as it was: the branch it leaves
+    notes = [r.run.notes for r in runs[branch_id] if r.WhichOneof("record_type") == "run"]
+    assert f"resumed at step 4 from W&B run {first_id}" in notes[0]
+
+    # W&B added on a resume: the W&B run holds the steps logged before it too
+    other = tmp_path / "other"
+    plain = [a if a != str(run) else str(other) for a in args]
+    assert main([*plain[:plain.index("--max-steps") + 1], "4", *plain[plain.index("--max-steps") + 2:]]) == 0
+    assert main([*plain, "--log-to", "jsonl,wandb", "--resume", "latest"]) == 0
+    (only,) = wandb_runs(other).values()
+    assert run_loss(only) == [(r["step"], r["loss"]) for r in read_metrics(other / "metrics.jsonl") if "loss" in r]

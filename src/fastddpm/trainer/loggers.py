@@ -6,7 +6,9 @@ numbers, a grid written to disk), so logging adds no device sync to the steps be
 train/<key> and eval/<key> at x = the step; a grid is the image `samples` at the step it was drawn; the resolved
 config is TensorBoard's text `config` and hyperparameters, and W&B's run config. W&B also gets ema.safetensors as a
 model artifact when the run ends, runs offline with WANDB_MODE=offline, and a resumed run continues the same W&B
-run (its id is kept in RUN_DIR/wandb_run_id)."""
+run (its id is kept in RUN_DIR/wandb_run_id), unless it resumes from before its newest checkpoint: W&B keeps a
+run's first value of a step, so the new branch gets a W&B run of its own (a run killed after its last checkpoint
+continues its W&B run: the steps it logged again are equal, exact resume, and W&B drops them)."""
 
 from __future__ import annotations
 
@@ -74,7 +76,10 @@ class RunLoggers:
     to the same folder: TensorBoard shows one curve, continued from the resumed step (`resumed_step`; None: a new
     run)."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, *, enabled: bool = True, resumed_step: int | None = None):
+    def __init__(self, run_dir: Path, cfg: RunConfig, *, enabled: bool = True, resumed_step: int | None = None,
+                 branched: bool = False):
+        """`branched`: the resume leaves a branch of steps after `resumed_step` (its later checkpoints set aside),
+        whose values the loggers hold."""
         self.tb = None
         self.wandb = None
         self.run_dir = Path(run_dir)
@@ -82,7 +87,16 @@ class RunLoggers:
             import os
 
             self._wandb_service = os.environ.get("WANDB_SERVICE")  # a caller's own W&B service, left running
-            self.wandb = _open_wandb(self.run_dir, cfg, resuming=resumed_step is not None)
+            self.wandb, continued = _open_wandb(self.run_dir, cfg, resuming=resumed_step is not None,
+                                                branch_at=resumed_step if branched else None)
+            if resumed_step is not None and not continued:
+                # a W&B run of the resume's own (a branch; or the first W&B run of a run that logged none before):
+                # it gets the history up to the resumed step, as metrics.jsonl holds it
+                from fastddpm.rundir.metrics import read_metrics
+
+                metrics = RunDir(run_dir).metrics
+                for record in read_metrics(metrics) if metrics.is_file() else []:
+                    self._log_to_wandb(record)
         if enabled and "tensorboard" in cfg.train.log_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -118,6 +132,12 @@ class RunLoggers:
             self.evaluation(record["step"], record)
         elif "step" in record:
             self.train(record)
+
+    def _log_to_wandb(self, record: dict) -> None:
+        """A metrics.jsonl record of an earlier process, to W&B alone (TensorBoard's files still hold it)."""
+        if "step" in record:
+            prefix = "eval" if record.get("event") == "eval" else "train"
+            self.wandb.log({f"{prefix}/{k}": v for k, v in _scalars(record).items()}, step=record["step"])
 
     def train(self, record: dict) -> None:
         """A metrics.jsonl line of a logging step, at x = its step."""
@@ -171,11 +191,14 @@ class RunLoggers:
                 wandb.teardown()
 
 
-def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool):
+def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool, branch_at: int | None = None) -> tuple:
     """A W&B run in RUN_DIR/wandb: the project from WANDB_PROJECT (default fastddpm), named after the run folder;
     the same W&B run again when the fastddpm run is resumed (the id is in RUN_DIR/wandb_run_id). A new run gets a
     new id even where the file is left by an earlier run that wrote no checkpoint: W&B drops the steps of a resumed
-    W&B run up to its last logged one, so continuing that run would lose this one's history up to there."""
+    W&B run up to its last logged one, so continuing that run would lose this one's history up to there. For the
+    same reason a resume that leaves a branch (`branch_at`: the step it resumes from, before the newest
+    checkpoint) gets a new id, its notes naming the W&B run it branches from. Returns (the W&B run, whether it
+    continues the fastddpm run's W&B run)."""
     import os
     import secrets
     import string
@@ -185,13 +208,17 @@ def _open_wandb(run_dir: Path, cfg: RunConfig, *, resuming: bool):
     except ImportError:
         raise ConfigError(_NEEDS["wandb"][1]) from None
     id_file = RunDir(run_dir).wandb_run_id
-    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else "".join(
+    before = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    run_id = before if branch_at is None and before else "".join(
         secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # W&B's own id alphabet
+    notes = (f"resumed at step {branch_at:,} from W&B run {before}, whose records of later steps belong to the "
+             "branch this run leaves" if branch_at is not None and before else None)
     run_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id + "\n")
     try:
         return wandb.init(project=os.environ.get("WANDB_PROJECT", "fastddpm"), dir=str(run_dir), name=run_dir.name,
-                          id=run_id, resume="allow", config=cfg.to_dict(), settings=wandb.Settings(silent=True))
+                          id=run_id, resume="allow", config=cfg.to_dict(), notes=notes,
+                          settings=wandb.Settings(silent=True)), run_id == before
     except wandb.errors.Error as e:  # no API key, no network, a project it may not write: before any step
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"--log-to wandb: W&B could not start a run ({first}): run `wandb login` (or set "

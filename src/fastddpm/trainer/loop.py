@@ -286,7 +286,7 @@ class StepLog:
     def __init__(self, run: Run):
         self.run = run
         self.loggers = RunLoggers(run.run_dir.path, run.cfg, enabled=run.dist.is_main,
-                                  resumed_step=run.state.step if run.state.step else None)
+                                  resumed_step=run.state.step if run.state.step else None, branched=run.branched)
         self.loggers.hparams(run.cfg, run.info.record)
         self.metrics = MetricsLog(run.run_dir.metrics, also=self.loggers.record)
         self.compile_counters = CompileCounters(enabled=run.fast.compile)

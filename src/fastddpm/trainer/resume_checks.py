@@ -159,11 +159,12 @@ def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step
     return [f"note: this run now ends at step {end_step:,} ({now}); it was to end at step {was_end_step:,} ({was})"]
 
 
-def set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> None:
+def set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, log) -> bool:
     """A resume from `step` trains the later steps again: what the run wrote after it (checkpoints of a branch it
     leaves; the metrics of steps a killed run logged after its last checkpoint) is moved aside, not deleted. Done at
     the resume, before this run writes anything: a run that then stops before its first save leaves the branch
-    point as the newest checkpoint, which is where `--resume latest` then goes."""
+    point as the newest checkpoint, which is where `--resume latest` then goes. Returns whether the resume leaves
+    a branch (checkpoints of later steps set aside): its later steps differ from what the loggers hold of them."""
     set_aside = checkpointer.set_aside_after(step)
     if set_aside is not None:
         folder, steps = set_aside
@@ -175,3 +176,4 @@ def set_aside_the_abandoned(rd: RunDir, checkpointer: Checkpointer, step: int, l
         if moved:
             log(f"{path.name}: {moved} record(s) of steps after {step:,}, trained again now, moved to "
                 f"{metrics.abandoned(path).name}")
+    return set_aside is not None

@@ -149,6 +149,7 @@ class Run:
     info: RunInfo
     log: Console
     said: Spelling = CLI  # how the run's errors and notes name its arguments: flags, or fastddpm.train's keywords
+    branched: bool = False  # a resume from before the newest checkpoint: the loggers hold the branch it leaves
 
     @property
     def precision(self) -> Precision:
@@ -276,6 +277,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     checkpointer = Checkpointer(run_dir, model=model, ema=opt.ema, optimizer=opt.optimizer, scaler=opt.scaler,
                                 train_state=state, config=cfg.to_dict(), sharded=fsdp,
                                 keep=train_cfg.keep_checkpoints, is_main=dist.is_main)
+    branched = False  # whether the resume leaves a branch of later checkpoints
     if resumed is not None:
         changed = checkpointer.load(resumed)  # weights, EMA, optimizer, scaler, counters; the global RNG last
         changed += check_run_length(  # before anything in the run directory moves
@@ -286,8 +288,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
         for note in [*changed, *said_on_resume, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
-        if dist.is_main:
-            set_aside_the_abandoned(rd, checkpointer, state.step, console)
+        branched = dist.is_main and set_aside_the_abandoned(rd, checkpointer, state.step, console)
     elif dist.is_main:
         # A new run: the folder holds no checkpoint (else it is refused), but may hold the logs of a run that wrote
         # none (stopped early, or its checkpoints deleted); their steps would interleave with this run's.
@@ -309,7 +310,8 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
                                         total_steps), write=dist.is_main)
     run = Run(cfg=cfg, run_dir=rd, dist=dist, device=device, choices=choices, data=data, model=model,
               schedule=schedule, batches=batches, opt=opt, state=state, checkpointer=checkpointer, evaluator=evaluator,
-              steps_per_epoch=steps_per_epoch, total_steps=total_steps, info=info, log=console, said=said)
+              steps_per_epoch=steps_per_epoch, total_steps=total_steps, info=info, log=console, said=said,
+              branched=branched)
     _describe(run)
     return run
 
