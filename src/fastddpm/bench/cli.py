@@ -22,7 +22,7 @@ and the device, driver, library versions, git commit and command written next to
                for each preset x batch size, with the trainer's own fast path
   ladder       the seed's optimisation ladder, one change per rung (PNG files -> workers ->
                RAM -> AMP -> batch 192 -> compile -> resident -> fused -> CUDA graphs ->
-               auto batch), then the MLP ladder of seed 002
+               auto batch -> the layouts auto picks on a GPU), then the MLP ladder of seed 002
   quality      time to quality: wall time (compile included) for a fast recipe to reach the FID
                that the seed's recipe reaches at its end; options compared by FID at equal images
   samplers     FID (and class accuracy) against network calls per image for every sampler at

@@ -50,11 +50,12 @@ class Switches:
     fused: bool = False  # fastddpm TrainStep: fused AdamW + foreach EMA
     cuda_graphs: bool = False  # fastddpm TrainStep: the whole step captured in one CUDA graph
     auto_batch: bool = False  # batch size = the throughput knee (find_batch_size)
+    layout: bool = False  # channels_last, Inductor's layout forced, heads padded: where fastddpm's auto picks them
 
 
 @dataclass(frozen=True)
 class Rung:
-    key: str  # "0".."9", "3b"
+    key: str  # "0".."10", "3b"
     title: str  # short name for tables and the chart
     change: str  # the one change this rung makes, in words
     delta: dict  # the Switches fields it changes
@@ -85,6 +86,10 @@ DDPM_RUNGS: list[Rung] = [
          "inf check is a host sync, so graphs switch the precision to bf16)", {"cuda_graphs": True},
          needs_cuda="CUDA graphs need a CUDA device"),
     Rung("9", "auto batch", "batch size = the throughput knee (fastddpm find_batch_size)", {"auto_batch": True}),
+    Rung("10", "NHWC+heads", "channels_last weights, Inductor's layout optimization forced and attention heads "
+         "padded to 8, each where --channels-last/--inductor-layout/--attention-head-pad auto picks it (one GPU, "
+         "compiled, bf16)", {"layout": True},
+         needs_cuda="auto picks none of them on a CPU (channels_last measured 0.77x there)"),
 ]
 
 
@@ -300,6 +305,20 @@ def _user_rung(sw: Switches, ctx: Context) -> Prepared:
                     images_seen=None if sw.resident else (lambda: seen[0]))
 
 
+def _auto_layout(cfg: RunConfig, fast: FastPath, device: torch.device, precision: Precision) -> tuple[FastPath, str]:
+    """The rung's fast path with the layout settings `auto` picks for this model, device and precision (as
+    `fastddpm train` resolves them), and a note of what they are."""
+    from fastddpm.trainer.fast_path import resolve_fast_path
+
+    train = dataclasses.replace(cfg.train, compile="on" if fast.compile else "off", cuda_graphs=fast.cuda_graphs,
+                                channels_last="auto", inductor_layout="auto", attention_head_pad="auto")
+    auto = resolve_fast_path(train, device, precision, model_family=cfg.model.family)
+    fast = dataclasses.replace(fast, channels_last=auto.channels_last, inductor_layout=auto.inductor_layout,
+                               attention_head_pad=auto.attention_head_pad)
+    return fast, (f"auto picks: channels_last {'on' if auto.channels_last else 'off'}, Inductor layout "
+                  f"{auto.inductor_layout}, heads padded to {auto.attention_head_pad or 'none'}")
+
+
 def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
     import time
 
@@ -328,6 +347,9 @@ def _fastddpm_rung(sw: Switches, ctx: Context) -> Prepared:
                           source="bench ladder")
     graphs = "capture" if sw.cuda_graphs and cuda else "off"
     fast = FastPath(compile=sw.compile, cuda_graphs=graphs, channels_last=False, cudnn_benchmark=cuda, reasons={})
+    if sw.layout:
+        fast, picked = _auto_layout(cfg, fast, device, precision)
+        notes.append(picked)
     model, schedule = build_model(cfg, device=device, fast=fast)
     step_fn = Optimization(cfg, model, schedule, device=device, precision=precision, fast=fast).build_step()
     batches = ResidentBatches(ctx.images_NCHW, batch_size=batch_size, num_timesteps=cfg.diffusion.num_timesteps,
