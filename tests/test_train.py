@@ -78,7 +78,9 @@ def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz, family):
     the CPU GEMMs' summation order between the two (the 8th digit of the 8th loss)."""
     torch.set_num_threads(torch.get_num_threads())
     n = 6
-    cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n)
+    # QUICK's final grid: each of the three runs draws one from the EMA after its last step, and the checkpoints
+    # and losses compared here are written before it
+    cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n, **QUICK)
     if family == "ddpm":
         from conftest import TINY_DDPM_28
 
@@ -358,7 +360,7 @@ def test_a_module_wrapped_by_torch_compile_has_clean_keys_and_loads_both_ways(tm
     from fastddpm.sampling import load_for_sampling
 
     run = tmp_path / "run"
-    train(tiny_cfg(fmnist_npz, max_steps=2), out_dir=run, log=quiet)
+    train(tiny_cfg(fmnist_npz, max_steps=2, **QUICK), out_dir=run, log=quiet)  # the weights are what is read
     trained = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])
     cfg = get_preset("tiny").model
     cfg.image_channels, cfg.image_size = 1, 28
