@@ -158,9 +158,14 @@ def rgb_npz(tmp_path_factory):
     return path
 
 
+# A final grid of 4 images in 2 sampler steps, not the tiny preset's 16 in 10: these runs are read for their weights,
+# configs and exports, never for their grids.
+SMALL_GRIDS = ("--num-sample-images", "4", "--sample-steps", "2")
+
+
 def _train(run, npz, *extra) -> None:
     assert main(["train", "--data", str(npz), "--out", str(run), "--preset", "tiny", *flags(TINY_DDPM), *extra,
-                 "--max-steps", "2", "--no-progress"]) == 0
+                 *SMALL_GRIDS, "--max-steps", "2", "--no-progress"]) == 0
 
 
 def _fastddpm_model(run):
@@ -247,7 +252,7 @@ def test_a_conditional_export_keeps_its_classes_and_says_the_pipeline_does_no_gu
 def test_what_diffusers_cannot_express_is_refused_by_name(tmp_path, rgb_npz, capsys):
     run = tmp_path / "seed"
     assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
-                 "--no-progress"]) == 0
+                 *SMALL_GRIDS, "--no-progress"]) == 0
     assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "x")]) == 2
     assert "model.family=seed" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -455,7 +460,7 @@ def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_swit
         "prediction_type": "v_prediction", "clip_sample": True, "variance_type": "fixed_small"})
     run, out = tmp_path / "run", tmp_path / "export"
     assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--init-from",
-                 str(pipeline), "--max-steps", "2", "--batch-size", "4", "--no-progress"]) == 0
+                 str(pipeline), "--max-steps", "2", "--batch-size", "4", *SMALL_GRIDS, "--no-progress"]) == 0
     assert "init: weights of the diffusers UNet2DModel" in capsys.readouterr().out
     assert main(["export", str(run), "--format", "diffusers", "--out", str(out)]) == 0
     config = json.loads((out / "unet" / "config.json").read_text())
@@ -471,7 +476,8 @@ def test_init_from_a_google_ddpm_folder_trains_and_exports_back_to_the_same_swit
                  "--no-progress"]) == 0
     # the README's command again, with --resume: the same, though it names the preset and the folder
     assert main(["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", "--init-from",
-                 str(pipeline), "--max-steps", "4", "--batch-size", "4", "--resume", "latest", "--no-progress"]) == 0
+                 str(pipeline), "--max-steps", "4", "--batch-size", "4", *SMALL_GRIDS, "--resume", "latest",
+                 "--no-progress"]) == 0
     (pipeline / "unet").mkdir()
     for f in folder.iterdir():
         (pipeline / "unet" / f.name).write_bytes(f.read_bytes())
