@@ -193,10 +193,11 @@ sys.exit(code)
 
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory, fmnist_npz):
-    """The 2-rank, 2-step run of each parallel mode, launched once per session through the exit probe: a
-    torchrun launch costs seconds of process start-up, and test_checkpoint_moves_between_world_sizes and
-    test_fsdp_resume_is_exact_and_reshards_across_world_sizes begin from these same runs (they resume copies).
-    FSDP's fixes the global batch (16, 8 per rank) as the resumes on 1 rank need. Returns (run dir, result)."""
+    """A 2-rank run of each parallel mode, launched once per session through the exit probe: a torchrun launch
+    costs seconds of process start-up, and the tests that resume or compare a 2-rank run begin from these same
+    runs (they resume copies). DDP's trains 2 steps. FSDP's is fsdp_run's: 4 steps (checkpoints at 2 and 4, grids
+    after steps 1, 2 and 3), the global batch fixed (16, 8 per rank) as the resumes on 1 rank need. Returns
+    (run dir, result)."""
     runs = {}
 
     def get(parallel: str):
@@ -204,10 +205,10 @@ def two_rank_runs(tmp_path_factory, fmnist_npz):
             root = tmp_path_factory.mktemp(f"two-ranks-{parallel}")
             probe = root / "exit_probe.py"
             probe.write_text(_EXIT_PROBE)
-            batch = ("--global-batch-size", "16") if parallel == "fsdp" else ()
+            steps = ("--max-steps", "4", "--global-batch-size", "16", "--sample-every-images", "16") \
+                if parallel == "fsdp" else ("--max-steps", "2")
             out = root / "run"
-            r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "2", "--parallel", parallel, *batch),
-                         entry=[str(probe)])
+            r = torchrun(2, train_args(fmnist_npz, out, *steps, "--parallel", parallel), entry=[str(probe)])
             runs[parallel] = out, r
         return runs[parallel]
 
@@ -387,11 +388,10 @@ def test_torchrun_restart_resumes_from_the_newest_checkpoint(tmp_path, fmnist_np
 
 # ---------------------------------------------------------------------- FSDP2 on gloo
 @pytest.fixture(scope="session")
-def fsdp_run(tmp_path_factory, fmnist_npz):
-    """2 ranks, --parallel fsdp, 4 steps uninterrupted (checkpoints at 2 and 4, grids after steps 1, 2 and 3)."""
-    out = tmp_path_factory.mktemp("fsdp") / "full"
-    r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--sample-every-images",
-                               "16"))
+def fsdp_run(two_rank_runs):
+    """2 ranks, --parallel fsdp, 4 steps uninterrupted (checkpoints at 2 and 4, grids after steps 1, 2 and 3):
+    two_rank_runs' FSDP run. Returns (run dir, its output)."""
+    out, r = two_rank_runs("fsdp")
     assert r.returncode == 0, r.stdout + r.stderr
     return out, r.stdout + r.stderr
 
@@ -475,20 +475,19 @@ def test_fsdp_grids_sample_the_current_ema(fsdp_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, two_rank_runs, fmnist_npz, tmp_path,
-                                                              capsys):
+def test_fsdp_resume_is_exact_and_reshards_across_world_sizes(fsdp_run, fmnist_npz, tmp_path, capsys):
     from fastddpm.cli import main
     from fastddpm.rundir.sharded import read_sharded_checkpoint
 
     full, _ = fsdp_run
     # 2 ranks: 2 steps, then 2 more after a restart equal 4 uninterrupted (bit for bit); a half-written save
     # (what a SIGKILL mid-save leaves) is skipped
-    # (the global batch fixed at the 2 x 8 it is, for the resume on 1 rank below). The 2 steps are the FSDP run of
-    # test_no_process_group_thread_outlives_the_run, copied: this test writes into its run.
+    # (the global batch fixed at the 2 x 8 it is, for the resume on 1 rank below). The 2 steps are the uninterrupted
+    # run's, copied without its step-4 checkpoint (a run killed after step 2's save): the restart trains steps 3
+    # and 4 again, and sets their log lines aside first. This test writes into the copy.
     out = tmp_path / "resumed"
-    first, r = two_rank_runs("fsdp")
-    assert r.returncode == 0, r.stdout + r.stderr
-    shutil.copytree(first, out)
+    shutil.copytree(full, out)
+    shutil.rmtree(_dcp(out, 4))
     (out / "checkpoints" / ".ckpt_000000003.dcp.tmp").mkdir()
     r = torchrun(2, train_args(fmnist_npz, out, "--max-steps", "4", "--parallel", "fsdp", "--global-batch-size", "16",
                                "--resume", "latest"))
