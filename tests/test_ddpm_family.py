@@ -28,8 +28,10 @@ def rgb_npz(tmp_path_factory):
 
 def test_a_tiny_ddpm_family_model_trains_resumes_samples_and_exports_on_rgb(tmp_path, rgb_npz):
     run = tmp_path / "run"
+    # a final grid of 4 images in 2 steps, not the preset's 16 in 10: `sample` below is what draws images checked
     args = ["train", "--data", str(rgb_npz), "--out", str(run), "--preset", "tiny", *flags(TINY_DDPM),
-            "--resblock-updown", "--dropout", "0.1", "--hflip", "--log-every", "1", "--no-progress"]
+            "--resblock-updown", "--dropout", "0.1", "--hflip", "--log-every", "1", "--num-sample-images", "4",
+            "--sample-steps", "2", "--no-progress"]
     assert main([*args, "--max-steps", "3"]) == 0
     assert main([*args, "--max-steps", "5", "--resume", "latest"]) == 0
     cfg = json.loads((run / "config.json").read_text())
