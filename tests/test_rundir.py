@@ -449,8 +449,9 @@ def test_a_second_trainer_into_a_run_folder_in_use_is_refused_and_a_run_leaves_n
 
     run = tmp_path / "run"
     run.mkdir()
+    # (a final grid of 4 images in 2 steps, not the preset's 16 in 10: the run's folder and lock are what is read)
     argv = ["train", "--data", str(fmnist_npz), "--out", str(run), "--preset", "tiny", "--max-steps", "1",
-            "--device", "cpu", "--no-progress"]
+            "--device", "cpu", "--no-progress", "--num-sample-images", "4", "--sample-steps", "2"]
     with RunFolderLock(run) as held:
         assert held.file is not None
         for extra in ([], ["--resume", "latest"]):
