@@ -158,9 +158,7 @@ def rgb_npz(tmp_path_factory):
     return path
 
 
-# A final grid of 4 images in 2 sampler steps, not the tiny preset's 16 in 10: these runs are read for their weights,
-# configs and exports, never for their grids.
-SMALL_GRIDS = ("--num-sample-images", "4", "--sample-steps", "2")
+SMALL_GRIDS = ("--num-sample-images", "4", "--sample-steps", "2")  # not the preset's 16 in 10: no grid is read
 
 
 def _train(run, npz, *extra) -> None:

@@ -657,8 +657,7 @@ def test_the_pt2_cards_euler_loop_draws_fastddpms_euler_images(fmnist_npz, tmp_p
     from fastddpm.config import default_spacing
     from fastddpm.diffusion.samplers import continuous_sample
 
-    # the seed U-Net with one block of each kind, without attention: the card's loop calls whatever network the
-    # folder holds, and torch.export's time grows with the blocks
+    # one block of each kind, no attention: the card's loop calls whatever network the folder holds
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(fmnist_npz), "train.progress": False,
                                                "train.max_steps": 3, "diffusion.objective": objective,
                                                "model.conditional": conditional, "train.num_sample_images": 4,

@@ -207,9 +207,8 @@ def test_batch_finder_trials_leave_the_model_untouched():
 def test_auto_batch_size_in_a_run(tmp_path, real_images, family):
     src = tmp_path / "64.npz"
     np.savez(src, images=real_images)  # 64 images: the search stops at the dataset size (trials 32, 64)
-    # each trial trains seven steps at batch 32 or 64: the seed family's U-Net without its attention at 28x28
-    # (over 784 positions: most of a step's time), and the DDPM family's without its attention at 14x14, neither
-    # of which is what this test checks
+    # each trial trains seven steps at batch 32 or 64, without attention (the seed U-Net's at 28x28, over 784
+    # positions, most of a step's time; the DDPM U-Net's at 14x14), which is not what this test checks
     seed = {**ONE_BLOCK_SEED, "model.attention": False}
     ddpm = {**TINY_DDPM_28, "model.attention_resolutions": ()}
     cfg = apply_overrides(get_preset("tiny"), {"data.source": str(src), "train.progress": False,

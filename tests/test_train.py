@@ -78,8 +78,7 @@ def test_exact_resume_in_a_new_process(tmp_path, fmnist_npz, family):
     the CPU GEMMs' summation order between the two (the 8th digit of the 8th loss)."""
     torch.set_num_threads(torch.get_num_threads())
     n = 6
-    # QUICK's final grid: each of the three runs draws one from the EMA after its last step, and the checkpoints
-    # and losses compared here are written before it
+    # QUICK's final grid: each run draws it after the checkpoints and losses compared here are written
     cfg = tiny_cfg(fmnist_npz, max_steps=2 * n, log_every=1, checkpoint_every=n, **QUICK)
     if family == "ddpm":
         from conftest import TINY_DDPM_28
