@@ -14,7 +14,7 @@ from fastddpm.bench.cli import main as bench_main
 from fastddpm.bench.ladder import QUICK, LadderSettings, run_ladder
 from fastddpm.config import ConfigError
 
-RUNG_KEYS = ["0", "1", "2", "3", "3b", "4", "5", "6", "7", "8", "9"]
+RUNG_KEYS = ["0", "1", "2", "3", "3b", "4", "5", "6", "7", "8", "9", "10"]
 PLANTED = "2"  # this rung's builder raises; rungs after it must still run
 
 
@@ -143,6 +143,32 @@ def test_bf16_rungs_follow_native_bf16(monkeypatch, name, capability, native):
         with pytest.raises(ConfigError, match="emulated"):
             ladder_rungs.precision_of("bf16", cuda)
     assert ladder_rungs.precision_of("fp16", cuda).use_grad_scaler
+
+
+def test_rung_10_runs_the_layouts_auto_picks_for_the_model_on_a_gpu_and_is_skipped_on_a_cpu():
+    """The ladder's top rung is what `fastddpm train` runs: on one GPU, compiled under bf16, auto turns on
+    channels_last for the seed U-Net (not the DDPM family), forces Inductor's layout and pads narrow heads to 8."""
+    import torch
+
+    from fastddpm.config import get_preset
+    from fastddpm.device import resolve_precision
+    from fastddpm.trainer.fast_path import FastPath
+
+    bf16 = resolve_precision("bf16", torch.device("cpu"))  # its dtype is what the choice reads
+    compiled = FastPath(compile=True, cuda_graphs="capture", channels_last=False, cudnn_benchmark=True, reasons={})
+    cuda = torch.device("cuda")  # never touched: only its type is read
+    fast, note = ladder_rungs._auto_layout(get_preset("seed-1layer"), compiled, cuda, bf16)
+    assert (fast.channels_last, fast.inductor_layout, fast.attention_head_pad) == (True, "channels-last", 8)
+    assert fast.compile and fast.cuda_graphs == "capture" and fast.cudnn_benchmark  # the rung's own, kept
+    assert note == "auto picks: channels_last on, Inductor layout channels-last, heads padded to 8"
+    fast, _ = ladder_rungs._auto_layout(get_preset("ddpm-cifar10"), compiled, cuda, bf16)
+    assert not fast.channels_last and fast.inductor_layout == "channels-last"
+    eager = dataclasses.replace(compiled, compile=False, cuda_graphs="off")
+    fast, _ = ladder_rungs._auto_layout(get_preset("seed-1layer"), eager, cuda, bf16)
+    assert (fast.channels_last, fast.inductor_layout) == (False, "heuristic")  # auto needs the compiled step
+    plan = {rung.key: (sw, skip) for rung, sw, skip in ladder_rungs.plan(torch.device("cpu"), workers=2, quick=False)}
+    assert plan["10"][0].layout and plan["10"][1] == "skipped on cpu: auto picks none of them on a CPU " \
+                                                      "(channels_last measured 0.77x there)"
 
 
 @pytest.mark.parametrize("flags, native", [("avx512f amx_tile amx_bf16", True), ("avx512f avx512_vnni", False)])
