@@ -10,7 +10,7 @@
 #   throughput-cifar10 6-10 min (r) bench throughput, ddpm-cifar10 (35.7M, 3x32x32) at 128 and 512: plain, with
 #                                  gradient checkpointing (peak memory saved vs step time), channels_last (two calls)
 #   ladder            3-5 min (r)  bench ladder rungs 0-5 (PNG files ... compile) and the MLP ladder
-#   ladder-fast       4-6 min (r)  bench ladder rungs 6-9 (resident ... auto batch), into the same ladder.json
+#   ladder-fast       4-6 min (r)  bench ladder rungs 6-10 (resident ... auto batch, auto layouts), same ladder.json
 #   doctor            4-6 min      planted faults on the GPU; watch overhead; a full `doctor train` profile
 #   doctor-overhead   2-4 min      the watch overhead and the full profile alone (what `doctor` runs after the
 #                                  planted faults)
@@ -194,7 +194,7 @@ for part in "${PARTS[@]}"; do
       limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 0,1,2,3,3b,4,5 --out "$RES/ladder" ;;
     ladder-fast)
       # the MLP ladder's rows are reused from `ladder` (measured here only if that call did not get to them)
-      limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 6,7,8,9 --out "$RES/ladder" ;;
+      limited 120 $PY -m fastddpm bench ladder --data "$DATA" --rungs 6,7,8,9,10 --out "$RES/ladder" ;;
     doctor)
       mkdir -p "$RES/doctor"
       limited 300 $PY -m fastddpm.doctor.planted --device cuda --out "$RES/doctor/planted" 2>&1 |
