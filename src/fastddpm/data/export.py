@@ -152,18 +152,26 @@ def _count_pngs(root: Path, class_folders: list[str]) -> int:
 
 def _clear_export(root: Path, class_folders: list[str]) -> None:
     """Remove what an export writes (PNG files, class folders of PNGs: integer ones and those its record names,
-    the marker), nothing else."""
+    the marker), nothing else. Anything else in ROOT is refused before a file is removed: a refusal after the
+    removal left the folder without the earlier export and still not written."""
+    foreign = []
+    for path in sorted(root.iterdir()):
+        if _ours(path, class_folders):
+            foreign += [f for f in sorted(path.iterdir()) if not (f.is_file() and f.suffix.lower() == ".png")]
+        elif not (path.is_file() and path.suffix.lower() == ".png" or path.name == MARKER):
+            foreign.append(path)
+    if foreign:
+        named = ", ".join(str(p.relative_to(root)) for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DataError(f"export-images --overwrite: {root} holds {len(foreign)} file(s) or folder(s) an export "
+                        f"never writes ({named}); nothing was removed. Move them out of it, or choose an empty "
+                        "folder")
     for path in root.iterdir():
         if path.is_file() and path.suffix.lower() == ".png" or path.name == MARKER:
             path.unlink()
         elif _ours(path, class_folders):
             for f in path.iterdir():
-                if f.is_file() and f.suffix.lower() == ".png":
-                    f.unlink()
-            if not any(path.iterdir()):
-                path.rmdir()
-    if any(root.iterdir()):
-        raise DataError(f"export-images --overwrite: {root} holds files an export never writes; clear it by hand")
+                f.unlink()
+            path.rmdir()
 
 
 def export_source(source: str, root: str | Path, *, split: str = "train", limit: int | None = None,
