@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from fastddpm.rundir import checkpoint, sharded
-from fastddpm.rundir.files import CheckpointError, fsync_dir, save_safetensors
+from fastddpm.rundir.files import CheckpointError, fsync_dir, read_safetensors_metadata, save_safetensors
 from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import EMA_EXPORT_FORMAT, Checkpoint, newest, saved
 from fastddpm.rundir.state_dicts import (clean_state_dict, configured_optimizer_settings, full_state_dict,
@@ -68,6 +68,18 @@ class Checkpointer:
 
     def latest(self) -> Checkpoint | None:
         return newest(self.dir)
+
+    def kept(self, step: int) -> Path | None:
+        """The complete checkpoint of `step` in this run's folder, where ema.safetensors is of the same step (not an
+        abandoned branch's): a resume that trains no step keeps both as they are. Saved again, they recorded the
+        resuming command's settings (another --lr, --batch-size) as those that trained the weights. None otherwise:
+        a run resumed from another folder or a branch's checkpoint writes its own."""
+        same = [p for p in self.saved() if checkpoint.step_of(p) == step]
+        try:
+            ema_step = read_safetensors_metadata(self.run.ema).get("step")
+        except CheckpointError:  # none, or unreadable: written again
+            return None
+        return same[-1] if same and ema_step == str(step) else None
 
     def set_aside_after(self, step: int) -> tuple[Path, list[int]] | None:
         """A resume from step `step` when the folder holds later checkpoints starts a new branch: move the later

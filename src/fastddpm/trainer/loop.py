@@ -248,8 +248,8 @@ def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> Train
     """After the last step: a checkpoint if none was written (resumed at or past the end), the final grid, and
     what the fast path ended up doing."""
     state = run.state
-    if out.checkpoint is None:
-        out.checkpoint = run.checkpointer.save()
+    if out.checkpoint is None:  # no step trained here: the checkpoint resumed from stays the run's record
+        out.checkpoint = run.checkpointer.kept(state.step) or run.checkpointer.save()
     stop_code = any_rank(stop.exit_code or 0, run.dist, run.device) or None
     if stop_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
         barrier(run.dist)
