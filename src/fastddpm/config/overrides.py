@@ -170,11 +170,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}): check its permissions") from None
     try:
         if path.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(path, pairs))
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_keys_yaml_loader(path))  # noqa: S506 - a SafeLoader subclass
+    except ConfigError:
+        raise
     except Exception as e:  # the parser's own message says where
         raise ConfigError(f"could not parse config file {path}: {e}") from None
     if data is None:
@@ -183,6 +185,35 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must hold a mapping (sections model/diffusion/data/train)")
     _check_paths_found_from_here(path, data)
     return data
+
+
+def _unique_keys(path: Path, pairs: list[tuple[Any, Any]], lines: list[int] | None = None) -> dict:
+    """A mapping of a config file whose keys are all distinct. YAML and JSON parsers keep the last of a key written
+    twice (two `train:` sections), dropping every field the first one set without a word."""
+    seen: dict[Any, int] = {}
+    for i, (key, _) in enumerate(pairs):
+        if key in seen:
+            where = f" (lines {seen[key]} and {lines[i]})" if lines else ""
+            raise ConfigError(f"config file {path}: {key!r} is written twice in one mapping{where}, and only the "
+                              f"last would count: merge them into one {key!r}")
+        seen[key] = lines[i] if lines else i
+    return dict(pairs)
+
+
+def _unique_keys_yaml_loader(path: Path):
+    """yaml.SafeLoader whose mappings refuse a key written twice (see _unique_keys)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):  # the keys written here: a merge key's (<<) may be overridden
+                written = [k for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"]
+                keys = [self.construct_object(k, deep=deep) for k in written]
+                if all(isinstance(key, (str, int, float, bool, type(None))) for key in keys):
+                    _unique_keys(path, [(key, None) for key in keys], [k.start_mark.line + 1 for k in written])
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 # Config fields that name a file or folder: a relative one is read from the working directory, as on the command line
