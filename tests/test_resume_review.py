@@ -35,3 +35,29 @@ def test_a_resume_that_trains_no_step_keeps_the_checkpoint_and_its_settings(tmp_
     assert _digest(ckpt) == before and _digest(run / "ema.safetensors") == ema_before
     saved = load_checkpoint(ckpt)
     assert saved["config"]["train"]["lr"] == 1e-3 and saved["global_batch"] == 8
+
+
+def test_a_resume_from_python_names_keywords_not_flags(tmp_path, fmnist_npz):
+    """fastddpm.train(..., resume="latest") with a length that ends before the checkpoint, or on other data: the
+    refusal names fastddpm.train's keywords (max_steps=1, data=...), not the command line's flags, which the
+    Python caller never typed."""
+    import numpy as np
+    import pytest
+
+    import fastddpm
+    from fastddpm.config import ConfigError
+
+    run = tmp_path / "run"
+    train(_cfg(fmnist_npz, max_steps=2, batch_size=8), out_dir=run, log=lambda *a, **k: None)
+    keywords = dict(out=run, resume="latest", log=None, progress=False, batch_size=8, max_steps=2,
+                    attention=False, sample_steps=2, num_sample_images=4)
+    with pytest.raises(ConfigError, match=r"^max_steps=1 ends this run at step 1, .*\(the run was to train to step 2, "
+                                          r"max_steps=2\)") as e:
+        fastddpm.train("tiny", data=str(fmnist_npz), **{**keywords, "max_steps": 1})
+    assert "--" not in str(e.value)
+    other = tmp_path / "other.npz"
+    np.savez(other, images=np.zeros((16, 28, 28), np.uint8), labels=np.zeros(16, np.int64))
+    with pytest.raises(ConfigError, match=rf"Resume on its data \(data='{fmnist_npz}'\), or train on this data in a "
+                                          r"new out") as e:
+        fastddpm.train("tiny", data=str(other), **keywords)
+    assert "--" not in str(e.value)

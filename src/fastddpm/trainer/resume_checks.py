@@ -6,6 +6,7 @@ and what it leaves behind, set aside: a later branch's checkpoints and records.
 from __future__ import annotations
 
 from fastddpm.config import RUN_LENGTHS, ConfigError, DataConfig, RunConfig, get_preset
+from fastddpm.config.errors import CLI, Spelling
 from fastddpm.data.cache import describe_identity, same_images
 from fastddpm.rundir import metrics
 from fastddpm.rundir.checkpointer import Checkpointer
@@ -13,7 +14,7 @@ from fastddpm.rundir.layout import RunDir
 from fastddpm.rundir.locate import Checkpoint
 
 
-def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) -> None:
+def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log, said: Spelling = CLI) -> None:
     """Step k's batch, timesteps and noise are drawn from the data by (seed, k): a resume on other data or with
     another seed would be another run, not this one continued. Refused naming what changed and the ways on; the
     same images read from another path (a moved folder, a named dataset's own files) are the same run, said in a
@@ -28,14 +29,15 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
             + (f"A --preset (here {cfg.preset}, from the command line or a config file) replaces the run's whole "
                f"config on resume, its seed and data included: resume without it, or start a new run directory"
                if preset else
-               f"Pass --seed {was_seed} (or resume without --seed"
+               f"Pass {said('seed', was_seed)} (or resume without {said('seed')}"
                + (f" and without --preset {cfg.preset}: a preset given on resume replaces the run's whole config, its "
                   f"seed included" if _presets_seed(cfg) else "") + "), or start a new run directory"))
     was_flip = resumed.config.data.hflip
     if was_flip != cfg.data.hflip:  # an augmentation switched on or off: the run goes on, no longer as it began
         log(f"note: data.hflip was {'on' if was_flip else 'off'} in the checkpoint's run and is "
             f"{'on' if cfg.data.hflip else 'off'} now: the steps from here see other flips than an uninterrupted "
-            f"run would (--{'hflip' if was_flip else 'no-hflip'} keeps its own)")
+            f"run would ({said('hflip', was_flip) if said.api else '--' + ('hflip' if was_flip else 'no-hflip')} "
+            "keeps its own)")
     saved = resumed.meta.get("data")
     if not saved or same_images(saved, identity, labels=cfg.model.conditional):
         if saved and saved.get("source") != cfg.data.source:
@@ -45,23 +47,25 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log) 
         return
     was = resumed.config.data
     # the run's own reading options: those it set, and those this resume changed (--split train for a --split test)
-    options = " ".join(f"--{k.replace('_', '-')} {getattr(was, k)}" for k in _READ_AS
-                       if getattr(was, k) is not None and (k != "resize_mode" or was.resize)
-                       and (getattr(was, k) != getattr(DataConfig(), k) or getattr(was, k) != getattr(cfg.data, k)))
-    dropped = [f"--{k.replace('_', '-')}" for k in ("resize", "image_mode") if getattr(was, k) is None
+    options = [said(k.replace('_', '-'), getattr(was, k)) for k in _READ_AS
+               if getattr(was, k) is not None and (k != "resize_mode" or was.resize)
+               and (getattr(was, k) != getattr(DataConfig(), k) or getattr(was, k) != getattr(cfg.data, k))]
+    dropped = [said(k.replace('_', '-')) for k in ("resize", "image_mode") if getattr(was, k) is None
                and getattr(cfg.data, k) is not None]  # options this resume added that the run did not have
     if saved.get("source") == cfg.data.source and _read_as(was) == _read_as(cfg.data):
         what = (f"the images at {cfg.data.source} changed since the checkpoint was written "
                 f"({_changes(saved, identity, labels=cfg.model.conditional)}: files added, removed, edited or "
                 f"replaced, or the cache rebuilt by another decoder)")
-        ways = "Put its images back, or train on these in a new --out"
+        ways = f"Put its images back, or train on these in a new {said('out')}"
     else:
         what = (f"its run trained on {saved.get('source')} ({describe_identity(saved)}), this one's data is "
                 f"{cfg.data.source} ({describe_identity(identity)})")
-        ways = (f"Resume on its data (--data {saved.get('source')}{' ' + options if options else ''}"
-                f"{', without ' + ' and '.join(dropped) if dropped else ''}), or train on this data in a new --out")
+        ways = (f"Resume on its data ({(', ' if said.api else ' ').join([said('data', saved.get('source')), *options])}"
+                f"{', without ' + ' and '.join(dropped) if dropped else ''}), or train on this data in a new "
+                f"{said('out')}")
     if cfg.model.family == "ddpm" and cfg.diffusion.objective == "ddpm":
-        ways += (" (from these weights: `fastddpm export --format diffusers`, then --init-from that folder)")
+        ways += (f" (from these weights: `fastddpm export --format diffusers`, then {said('init-from')} that "
+                 "folder)")
     raise ConfigError(f"cannot resume from {resumed.path}: {what}; each step's batch is drawn from the data, so "
                       f"this would be another run, not this one continued. {ways}")
 
@@ -120,33 +124,36 @@ def recipe_changes(resumed: Checkpoint, cfg: RunConfig) -> list[str]:
             f"{'s' if len(changed) > 1 else ''} (config.json now holds them; {resumed.path} keeps the run's own)"]
 
 
-def init_from_note(resumed: Checkpoint, cfg: RunConfig) -> list[str]:
+def init_from_note(resumed: Checkpoint, cfg: RunConfig, said: Spelling = CLI) -> list[str]:
     """--init-from on a resume: the weights are the checkpoint's, whatever folder it names. A note when it names
     another folder than the run started from (config.json keeps the run's own)."""
     given, own = cfg.train.init_from, resumed.config.train.init_from
     if not given or given == own:
         return []
     began = f"started from {own}" if own else "started from fresh weights"
-    return [f"note: --init-from {given} is not used when resuming: the run {began}, and its weights are in "
-            f"{resumed.path} (to start a new run from {given}, give another --out)"]
+    return [f"note: {said('init-from', given)} is not used when resuming: the run {began}, and its weights are "
+            f"in {resumed.path} (to start a new run from {given}, give another {said('out')})"]
 
 
-def run_length(cfg: RunConfig) -> str:
-    """The run's length as its flag spells it: "--max-steps 500", "--max-images 60,000", "--max-epochs 2.5"."""
+def run_length(cfg: RunConfig, said: Spelling = CLI) -> str:
+    """The run's length as its flag spells it: "--max-steps 500", "--max-images 60,000", "--max-epochs 2.5"
+    (fastddpm.train's keyword: "max_steps=500")."""
     name = next(name for name in RUN_LENGTHS if getattr(cfg.train, name) is not None)
     value = getattr(cfg.train, name)
+    if said.api:
+        return said(name, value)
     return f"--{name.replace('_', '-')} {value:,}" if isinstance(value, int) else f"--{name.replace('_', '-')} {value}"
 
 
-def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step: int, was_end_step: int
-                     ) -> list[str]:
+def check_run_length(resumed: Checkpoint, cfg: RunConfig, *, step: int, end_step: int, was_end_step: int,
+                     said: Spelling = CLI) -> list[str]:
     """A resume that sets another length: `end_step` is the step the run now ends at, `was_end_step` the one its
     checkpoint's run was to end at (both at this run's batch). A length that ends the run at or before the
     checkpoint's `step` would train nothing and leave the shorter length in config.json, where a later plain resume
     reads it as the run being done: refused. Otherwise a note says where the end moved, if it did."""
     if all(getattr(resumed.config.train, name) == getattr(cfg.train, name) for name in RUN_LENGTHS):
         return []
-    was, now = run_length(resumed.config), run_length(cfg)
+    was, now = run_length(resumed.config, said), run_length(cfg, said)
     if end_step <= step:
         finish = (" (the run as it began is done; its weights are in the checkpoint)" if was_end_step <= step else
                   ", or resume without this length (from a flag or a config file) to finish the run as it began")

@@ -226,7 +226,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     identity = data.identity()
     with same_on_every_rank():  # the same folder, checkpoint and data on every rank (the ranks agree on which)
         resumed = _find_resume(rd, resume, cfg, data, identity, dist, device, fsdp, console, said)
-    said_on_resume = init_from_note(resumed, cfg) if resumed is not None else []
+    said_on_resume = init_from_note(resumed, cfg, said) if resumed is not None else []
     untrained = _untrained_null_class(cfg)
     if untrained and resumed is None:  # a new run; one trained so before goes on, told (below)
         raise ConfigError(f"{untrained}: add {said('sample-guidance', 1)} (plain conditional), or keep a label "
@@ -284,7 +284,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
             resumed, cfg, step=state.step, end_step=total_steps_for(cfg, steps_per_epoch, images_per_step,
                                                                    step=state.step, images_seen=state.images_seen),
             was_end_step=total_steps_for(resumed.config, steps_per_epoch, images_per_step, step=state.step,
-                                         images_seen=state.images_seen))
+                                         images_seen=state.images_seen), said=said)
         console(f"resumed from {resumed.path} at step {state.step:,} ({state.images_seen:,} images)")
         for note in [*changed, *said_on_resume, *recipe_changes(resumed, cfg), *state.resume_notes(batch_fixed)]:
             console(note)
@@ -505,7 +505,7 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist:
                 "share")
     if resumed is not None:
         resumed.check_resumable(sharded_run=fsdp)
-        check_same_inputs(resumed, cfg, identity, log)
+        check_same_inputs(resumed, cfg, identity, log, said)
         check_same_architecture(resolve_model_shape(resumed.config, data.images.shape, new_model=False),
                                 _resolve_from_data(_the_runs_class_names(cfg, resumed), data), resumed.path)
     return resumed
