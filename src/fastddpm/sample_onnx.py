@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num < 1 or args.steps < 1:
         raise SystemExit(f"--num {args.num} and --steps {args.steps} must both be >= 1")
+    if args.seed < 0:  # numpy's generator takes none: it ended in a ValueError traceback, after the model loaded
+        raise SystemExit(f"--seed {args.seed}: the noise's seed is a whole number >= 0, e.g. --seed {-args.seed}")
     if args.out.suffix.lower() != ".png" and not args.out.is_dir():  # a folder is refused below, naming a file in it
         # written as a PNG whatever its name: `--out model.onnx` or `--out config.json` replaced that file
         raise SystemExit(f"--out {args.out}: the grid is a PNG (the images go to the .npz of the same name), and this "

@@ -1,0 +1,15 @@
+"""Export folders as a user samples them: sample_onnx.py's arguments."""
+
+import pytest
+
+
+def test_the_onnx_sampler_refuses_a_negative_seed_before_loading_or_writing_anything(tmp_path):
+    """`python sample_onnx.py . --seed -1` (fastddpm sample takes any integer seed) ended in numpy's ValueError
+    traceback after the model had loaded and --out's folder had been made."""
+    pytest.importorskip("onnxruntime", reason="onnx export is an extra: pip install 'fastddpm[onnx]'")
+    from fastddpm.sample_onnx import main as sample_onnx
+
+    out = tmp_path / "grids" / "g.png"
+    with pytest.raises(SystemExit, match=r"^--seed -1: the noise's seed is a whole number >= 0, e.g. --seed 1$"):
+        sample_onnx([str(tmp_path), "--seed", "-1", "--out", str(out)])
+    assert not out.parent.exists()
