@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastddpm.config import (API, SPACINGS, ConfigError, RunConfig, check_keyword_types, default_preset,
+from fastddpm.config import (API, PRESETS, SPACINGS, ConfigError, RunConfig, check_keyword_types, default_preset,
                              load_config_file, not_a_number, resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
@@ -131,8 +131,22 @@ def _config(config: str | Path | RunConfig | dict | None, overrides: dict[str, A
     if isinstance(config, (str, Path)) and Path(config).suffix.lower() in (".yaml", ".yml", ".json"):
         base = resumed if resumed is not None and not load_config_file(config).get("preset") else None
         return resolve_config(base, file=config, layers=layers, resumed=resumed)
+    if isinstance(config, (str, Path)) and str(config) not in PRESETS and (
+            isinstance(config, Path) or os.sep in str(config) or Path(config).exists()):
+        _refuse_config_path(Path(config))
     return resolve_config(config if isinstance(config, RunConfig) else str(config), layers=layers,
                           resumed=resumed)
+
+
+def _refuse_config_path(path: Path) -> None:
+    """A path given as fastddpm.train's config that is no config file: a run's folder (to train like it, or to go
+    on with it) most often. It was called an unknown preset."""
+    what = ("a folder" if path.is_dir() else "a file that does not end in .yaml, .yml or .json" if path.is_file()
+            else "no file or folder")
+    go_on = (f"; to continue the run in it, fastddpm.train(out={str(path)!r}, resume='latest')"
+             if (path / "config.json").is_file() else "")
+    raise ConfigError(f"fastddpm.train: config={str(path)!r} is {what}: pass a preset's name ({', '.join(PRESETS)}), "
+                      f"a YAML or JSON config file (a run's own is RUN/config.json), or a RunConfig{go_on}")
 
 
 def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Path, data: str | None = None,

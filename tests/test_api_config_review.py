@@ -1,0 +1,28 @@
+"""fastddpm.train's first argument given a path that is no config file."""
+
+import pytest
+
+import fastddpm
+from fastddpm.config import ConfigError
+
+
+def test_a_run_folder_or_another_file_given_as_the_config_is_named_as_such_not_as_an_unknown_preset(tmp_path):
+    """fastddpm.train(RUN_DIR, out=...) (to train like a run, or to go on with it) was told "unknown preset
+    '/path/to/run'"; nothing is written to `out`."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    out = tmp_path / "new"
+    with pytest.raises(ConfigError, match=rf"^fastddpm.train: config='{run}' is a folder: pass a preset's name \(tiny, "
+                                          rf".*a YAML or JSON config file \(a run's own is RUN/config.json\), or a "
+                                          rf"RunConfig; to continue the run in it, fastddpm.train\(out='{run}', "
+                                          r"resume='latest'\)$"):
+        fastddpm.train(run, out=out, log=None)
+    (tmp_path / "notes.txt").write_text("lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"notes.txt' is a file that does not end in .yaml, .yml or .json"):
+        fastddpm.train(str(tmp_path / "notes.txt"), out=out, log=None)
+    with pytest.raises(ConfigError, match=r"gone' is no file or folder"):
+        fastddpm.train(tmp_path / "gone", out=out, log=None)
+    with pytest.raises(ConfigError, match=r"^unknown preset 'tiny2' \(did you mean 'tiny'\?\)"):
+        fastddpm.train("tiny2", out=out, log=None)
+    assert not out.exists()
