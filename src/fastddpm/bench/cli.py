@@ -235,8 +235,9 @@ def ladder_settings(args: argparse.Namespace):
 
 
 def _run_ladder(args: argparse.Namespace) -> int:
-    from fastddpm.bench.ladder import run_ladder
+    from fastddpm.bench.ladder import default_out_dir, run_ladder
 
+    args.out = args.out or default_out_dir()  # named here, so that a Ctrl-C can say where the rungs are
     result = run_ladder(ladder_settings(args), args.out)
     return 0 if any(r["status"] == "ok" for r in result["rungs"]) else 1
 
@@ -319,8 +320,9 @@ def quality_settings(args: argparse.Namespace):
 
 
 def _run_quality(args: argparse.Namespace) -> int:
-    from fastddpm.bench.quality import run_quality
+    from fastddpm.bench.quality import default_out_dir, run_quality
 
+    args.out = args.out or default_out_dir()  # named here, so that a Ctrl-C can say where the runs are
     run_quality(quality_settings(args), args.out)
     return 0
 
@@ -406,8 +408,9 @@ def throughput_settings(args: argparse.Namespace):
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
-    from fastddpm.bench.throughput import run_throughput
+    from fastddpm.bench.throughput import default_out_dir, run_throughput
 
+    args.out = args.out or default_out_dir()  # named here, so that a Ctrl-C can say where the variants are
     result = run_throughput(throughput_settings(args), args.out)
     return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
 
@@ -425,6 +428,11 @@ def run_bench(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: Python's traceback said nothing of what was kept or how to go on
+        where = f"--out {args.out}" if args.out else "its --out folder (RUN_DIR/bench-samplers)"
+        print(f"\nbench {args.bench_command}: stopped by Ctrl-C; what was measured before it is kept in {where}, and "
+              f"the same command with that --out goes on from there, reusing it", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C ended
 
 
 def main(argv: list[str] | None = None) -> int:
