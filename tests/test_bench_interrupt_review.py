@@ -31,3 +31,24 @@ def test_ctrl_c_in_a_bench_names_the_folder_its_results_are_kept_in_and_exits_13
     assert said, err
     assert main(["bench", command, "--quick", "--out", "mine"]) == 130
     assert "kept in --out mine," in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code, said", [(130, "Ctrl-C"), (143, "SIGTERM")])
+def test_a_signal_that_stops_bench_qualitys_training_run_is_said_as_the_bench_not_as_train(tmp_path, monkeypatch,
+                                                                                             capsys, code, said):
+    """A signal during one of bench quality's training runs ended in the trainer's TrainingInterrupted traceback
+    and exit 1, after the run's line had said "resume with --resume latest", which bench quality does not take (the
+    same command trains that run again from its start)."""
+    import fastddpm.bench.quality as quality
+    from fastddpm.trainer.loop import TrainingInterrupted
+
+    def stopped(*args, **kwargs):
+        raise TrainingInterrupted(code, tmp_path / "q" / "reference" / "checkpoints" / "ckpt_000000001.pt")
+
+    monkeypatch.setattr(quality, "run_quality", stopped)
+    assert main(["bench", "quality", "--quick", "--out", str(tmp_path / "q")]) == code
+    err = capsys.readouterr().err
+    assert (f"bench quality: stopped by {said}; what was measured before it is kept in --out {tmp_path / 'q'}, and "
+            "the same command with that --out goes on from there, reusing it (the training run it stopped is trained "
+            "again from its start)") in err, err
+    assert "Traceback" not in err

@@ -422,17 +422,24 @@ _COMMANDS = {"throughput": _run_throughput, "ladder": _run_ladder, "quality": _r
 def run_bench(args: argparse.Namespace) -> int:
     """Run `bench <command>`; a config error becomes `error: ...` on stderr and exit code 2."""
     from fastddpm.config import ConfigError
+    from fastddpm.trainer.loop import TrainingInterrupted  # bench quality's runs stop at a signal with it
 
     try:
         return _COMMANDS[args.bench_command](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: Python's traceback said nothing of what was kept or how to go on
+    except (KeyboardInterrupt, TrainingInterrupted) as e:
+        # Ctrl-C, or a signal a training run (bench quality's) stopped at: Python's traceback said nothing of what
+        # was kept or how to go on, and the run's own line named train's --resume, which no bench takes
+        code = getattr(e, "exit_code", 130)  # 128 + SIGINT (or SIGTERM), what a shell reports
         where = f"--out {args.out}" if args.out else "its --out folder (RUN_DIR/bench-samplers)"
-        print(f"\nbench {args.bench_command}: stopped by Ctrl-C; what was measured before it is kept in {where}, and "
-              f"the same command with that --out goes on from there, reusing it", file=sys.stderr)
-        return 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C ended
+        again = " (the training run it stopped is trained again from its start)" if isinstance(
+            e, TrainingInterrupted) else ""
+        print(f"\nbench {args.bench_command}: stopped by {'Ctrl-C' if code == 130 else 'SIGTERM'}; what was measured "
+              f"before it is kept in {where}, and the same command with that --out goes on from there, reusing it"
+              f"{again}", file=sys.stderr)
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
