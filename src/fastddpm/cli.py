@@ -422,6 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _plain_warnings():
             return _run(parser, args, dests, (ConfigError, DataError, CheckpointError))
+    except KeyboardInterrupt:
+        if args.command == "doctor":
+            raise  # the traceback points into the user's own script, which the doctor runs
+        # Ctrl-C where the command has no stop of its own (sample, eval, export, data; train's second Ctrl-C): one
+        # line, as a shell tool ends, not Python's traceback of wherever the signal landed (a convolution, say)
+        print(f"\nfastddpm {args.command}: stopped by Ctrl-C", file=sys.stderr)
+        return 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C ended
     except BrokenPipeError:  # `fastddpm data info X | head`: the reader left; end quietly, as `cat` does
         if not _stdout_closed():
             raise  # another pipe (a subprocess's) broke: not the reader of this command's output
