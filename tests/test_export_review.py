@@ -13,3 +13,17 @@ def test_the_onnx_sampler_refuses_a_negative_seed_before_loading_or_writing_anyt
     with pytest.raises(SystemExit, match=r"^--seed -1: the noise's seed is a whole number >= 0, e.g. --seed 1$"):
         sample_onnx([str(tmp_path), "--seed", "-1", "--out", str(out)])
     assert not out.parent.exists()
+
+
+def test_a_diffusers_folder_given_to_sample_names_diffusers_and_init_from(tmp_path):
+    """`fastddpm sample --checkpoint` (fastddpm.load) of a diffusers folder was told it "holds an export (unet)",
+    a folder's name, without what reads it: diffusers, and `fastddpm train --init-from`."""
+    import fastddpm
+    from fastddpm.rundir.files import CheckpointError
+
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint and no ema.safetensors. It is a diffusers folder "
+                                              r"\(unet/\), which diffusers loads \(DDPMPipeline.from_pretrained\); "
+                                              r"`fastddpm train --init-from` it starts a new run from its weights"):
+        fastddpm.load(tmp_path)

@@ -150,9 +150,13 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
                 f"{', '.join(p.name for p in broken[-3:])}: the warnings above say why) and it has no ema.safetensors. "
                 "Restore a checkpoint (each .pt has its .sha256 beside it), or train again")
         else:
-            other = next((p.name for p in (path / "model.onnx", path / "model.pt2", path / "unet") if p.exists()), None)
+            other = next((p.name for p in (path / "model.onnx", path / "model.pt2") if p.exists()), None)
             hint = (f" It holds an export ({other}), which other runtimes load; fastddpm loads the run it came from "
                     "(export.json names its checkpoint) or a --format safetensors export." if other else "")
+            if not other and (path / "unet").is_dir():  # said as "an export (unet)", a folder name, without its uses
+                hint = (" It is a diffusers folder (unet/), which diffusers loads (DDPMPipeline.from_pretrained); "
+                        "`fastddpm train --init-from` it starts a new run from its weights, and fastddpm samples the "
+                        "run a `fastddpm export --format diffusers` came from (its export.json names the checkpoint).")
             raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors.{hint} Pass {WHAT_TO_PASS}")
     if path.is_dir():
         return Checkpoint(path, "dcp", sharded.read_meta(path))
