@@ -302,7 +302,7 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
              batch_size: int | None = None, eta: float = 0.0, spacing: str | None = None, precision: str = "auto",
              weights: str = "ema", resize: int | None = None, resize_mode: str | None = None,
              image_mode: str | None = None, skip_bad: bool | None = None, reference_split: str | None = None,
-             log=print) -> dict:
+             features: str | None = None, log=print) -> dict:
     """FID, precision/recall and class coverage of a run or checkpoint's samples, as `fastddpm eval` measures
     them (the dataset's feature network unless `inception` names Inception weights). Returns the metrics dict:
     fid, precision, recall, coverage, sampling timings, and for a conditional model class accuracy, its samples
@@ -311,12 +311,20 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     --precision and --weights); `resize`, `resize_mode`, `image_mode` and `skip_bad` read the reference data
     another way than the run read it (None: as the run did), `reference_split` ("train", "test"; None: the run's
     split) compares with another split, as `fastddpm eval`'s flags of those names; `inception`: "auto" (find or
-    download pytorch-fid's weights) or a local weights file; `log`: where its lines go (print; None: nowhere).
+    download pytorch-fid's weights) or a local weights file; `features`: "inception" (inception="auto") or
+    "fastddpm" (the default), as `fastddpm eval --features`; `log`: where its lines go (print; None: nowhere).
     Reference images other than the run trained on (other `data`, its files changed since, or read with other
     options) are scored, with a UserWarning that says so, as `fastddpm eval` notes it."""
     from fastddpm.eval.evaluate import as_json_safe, evaluator_for_run
 
     log = _log(log, "evaluate")
+    if features not in (None, "fastddpm", "inception"):
+        raise ConfigError(f"evaluate: features={features!r} is not one of 'fastddpm', 'inception'")
+    if features == "fastddpm" and inception is not None:
+        raise ConfigError(f"evaluate: features='fastddpm' and inception={inception!r} contradict each other: drop "
+                          "inception for the dataset's own features, or features for Inception from the file")
+    if features == "inception" and inception is None:  # `fastddpm eval --features inception`: find the weights
+        inception = "auto"
     if inception not in (None, "auto"):  # a missing file before the checkpoint is read, as `fastddpm eval` does
         from fastddpm.eval.inception import inception_file
 
