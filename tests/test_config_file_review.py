@@ -12,7 +12,8 @@ from fastddpm.config.overrides import _unique_keys_yaml_loader
 @pytest.mark.parametrize("name, text, match", [
     ("c.yaml", "train:\n  max_steps: 3\nmodel:\n  attention: false\ntrain:\n  lr: 0.01\n",
      r"c.yaml: 'train' is written twice in one mapping \(lines 1 and 5\), and only the last would count: merge them"),
-    ("c.yaml", "train:\n  lr: 0.01\n  max_steps: 3\n  lr: 0.02\n", r"c.yaml: 'lr' is written twice .*\(lines 2 and 4\)"),
+    ("c.yaml", "train:\n  lr: 0.01\n  max_steps: 3\n  lr: 0.02\n",
+     r"c.yaml: 'lr' is written twice .*\(lines 2 and 4\)"),
     ("c.json", '{"train": {"max_steps": 3}, "train": {"lr": 0.01}}', r"c.json: 'train' is written twice"),
 ])
 def test_a_key_written_twice_in_a_config_file_is_refused_not_dropped(tmp_path, name, text, match):
