@@ -32,3 +32,21 @@ def test_a_yaml_merge_key_may_still_be_overridden(tmp_path):
     assert resolve_config("tiny", file=f).train.lr == 0.01
     text = "a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n"
     assert yaml.load(text, Loader=_unique_keys_yaml_loader(f)) == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}
+
+
+def test_a_preset_on_the_command_line_over_a_config_files_own_is_said(tmp_path, capsys):
+    """`--preset tiny` with a config file that says `preset: cpu-demo`: the command line wins, as its flags do, and
+    the file's values went over tiny without a word."""
+    import json
+
+    from fastddpm.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: cpu-demo\ntrain:\n  lr: 0.001\n")
+    assert main(["train", "--config", str(path), "--preset", "tiny", "--print-config"]) == 0
+    out, err = capsys.readouterr()
+    cfg = json.loads(out)
+    assert cfg["preset"] == "tiny" and cfg["train"]["lr"] == 0.001
+    assert f"note: --preset tiny replaces the preset {path} names (cpu-demo): the file's values go over tiny" in err
+    assert main(["train", "--config", str(path), "--preset", "cpu-demo", "--print-config"]) == 0
+    assert "replaces" not in capsys.readouterr().err  # the same preset: nothing to say

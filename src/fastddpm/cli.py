@@ -245,7 +245,11 @@ def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) ->
     (fastddpm.config.resolve_config, which the Python API shares)."""
     import torch
 
-    preset = args.preset or (load_config_file(args.config).get("preset") if args.config else None)
+    in_file = load_config_file(args.config).get("preset") if args.config else None
+    preset = args.preset or in_file
+    if args.preset and in_file and in_file != args.preset:  # the command line wins, as its flags do: said
+        print(f"note: --preset {args.preset} replaces the preset {args.config} names ({in_file}): the file's values "
+              f"go over {args.preset}", file=sys.stderr if getattr(args, "print_config", False) else sys.stdout)
     if resumed is not None and preset is None:
         base = resumed
     else:
