@@ -27,3 +27,17 @@ def test_export_images_overwrite_over_a_folder_with_other_files_refuses_before_r
     (root / stray).unlink()
     assert not export_images(*_images(6, 200), root, overwrite=True).reused
     assert len(list(root.glob("*/*.png"))) == 6
+
+
+def test_class_folders_holding_only_subfolders_of_images_are_named_in_a_note():
+    """`ROOT/animals/{cat,dog}/` reads as the one class `animals` (as torchvision's ImageFolder reads it), where the
+    subfolders may have been meant as the classes: said, with the way to read them so."""
+    from fastddpm.data.imagefolder import plan_layout
+
+    paths = ["animals/cat/1.png", "animals/dog/2.png", "plants/3.png", "plants/old/4.png", "rocks/granite/5.png"]
+    layout = plan_layout(paths, split="train", where="ROOT", strip_top=False)
+    assert layout.class_names == ["animals", "plants", "rocks"]  # the layout read as before
+    assert layout.notes == ["1 class folder(s) hold their images only in subfolders, each read as one class: "
+                            "animals/ (cat, dog); to train on the subfolders as the classes, give the class folder "
+                            "itself as the source (e.g. animals/ under the folder given)"]
+    assert plan_layout(["a/1.png", "b/2.png"], split="train", where="ROOT", strip_top=False).notes == []

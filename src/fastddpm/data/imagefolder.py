@@ -186,12 +186,31 @@ def plan_layout(rel_paths: list[str], *, split: str, where: str, strip_top: bool
     if missing:
         notes.append(f"{len(missing)} class(es) have images only in the other splits: "
                      f"{', '.join(missing[:10])}{', ...' if len(missing) > 10 else ''} (0 images here)")
+    notes += _nested_classes_note(parts)
     class_names = class_order(class_dirs | split_classes)
     label_of = {name: i for i, name in enumerate(class_names)}
     items = sorted(((p, label_of[ps[0]]) for p, ps in parts.items() if len(ps) >= 2), key=lambda t: (t[1], t[0]))
     stray = sorted(p for p, ps in parts.items() if len(ps) == 1)
     return Layout(split=chosen_split, split_dir=chosen_dir, class_names=class_names, labeled=True, items=items,
                   stray=stray, notes=notes)
+
+
+def _nested_classes_note(parts: dict[str, list[str]]) -> list[str]:
+    """A note naming the class folders whose images all sit in two or more subfolders (`animals/cat/`,
+    `animals/dog/`): each is read as one class, as torchvision's ImageFolder reads it, where the subfolders may have
+    been meant as the classes."""
+    subfolders: dict[str, set[str | None]] = {}
+    for ps in parts.values():
+        if len(ps) >= 2:
+            subfolders.setdefault(ps[0], set()).add(ps[1] if len(ps) >= 3 else None)
+    nested = sorted(c for c, subs in subfolders.items() if None not in subs and len(subs) >= 2)
+    if not nested:
+        return []
+    shown = "; ".join(f"{c}/ ({', '.join(sorted(subfolders[c])[:3])}{', ...' if len(subfolders[c]) > 3 else ''})"
+                      for c in nested[:3]) + ("; ..." if len(nested) > 3 else "")
+    return [f"{len(nested)} class folder(s) hold their images only in subfolders, each read as one class: {shown}; "
+            f"to train on the subfolders as the classes, give the class folder itself as the source (e.g. "
+            f"{nested[0]}/ under the folder given)"]
 
 
 def _stray_bad(stray: list[str]) -> list[BadFile]:
