@@ -91,12 +91,13 @@ class RunLoggers:
                                                 branch_at=resumed_step if branched else None)
             if resumed_step is not None and not continued:
                 # a W&B run of the resume's own (a branch; or the first W&B run of a run that logged none before):
-                # it gets the history up to the resumed step, as metrics.jsonl holds it
+                # it gets the history up to the resumed step, as metrics.jsonl holds it. TensorBoard opens below,
+                # so these records reach W&B alone (TensorBoard's files hold them already)
                 from fastddpm.rundir.metrics import read_metrics
 
                 metrics = RunDir(run_dir).metrics
                 for record in read_metrics(metrics) if metrics.is_file() else []:
-                    self._log_to_wandb(record)
+                    self.record(record)
         if enabled and "tensorboard" in cfg.train.log_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -132,12 +133,6 @@ class RunLoggers:
             self.evaluation(record["step"], record)
         elif "step" in record:
             self.train(record)
-
-    def _log_to_wandb(self, record: dict) -> None:
-        """A metrics.jsonl record of an earlier process, to W&B alone (TensorBoard's files still hold it)."""
-        if "step" in record:
-            prefix = "eval" if record.get("event") == "eval" else "train"
-            self.wandb.log({f"{prefix}/{k}": v for k, v in _scalars(record).items()}, step=record["step"])
 
     def train(self, record: dict) -> None:
         """A metrics.jsonl line of a logging step, at x = its step."""
