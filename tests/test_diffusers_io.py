@@ -546,7 +546,7 @@ def test_a_head_width_equal_to_the_channels_is_one_head():
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"flip_sin_to_cos": True}, "flip_sin_to_cos=True"),
+    ({"time_embedding_type": "fourier"}, "time_embedding_type='fourier'"),
     ({"resnet_time_scale_shift": "scale_shift"}, "attn_norm_num_groups=None"),
     ({"freq_shift": 2}, "freq_shift=2"),
     ({"downsample_padding": 2}, "downsample_padding=2"),

@@ -15,15 +15,15 @@ def test_the_onnx_sampler_refuses_a_negative_seed_before_loading_or_writing_anyt
     assert not out.parent.exists()
 
 
-def test_a_diffusers_folder_given_to_sample_names_diffusers_and_init_from(tmp_path):
+def test_an_incomplete_diffusers_folder_given_to_sample_is_named_with_the_file_it_lacks(tmp_path):
     """`fastddpm sample --checkpoint` (fastddpm.load) of a diffusers folder was told it "holds an export (unet)",
-    a folder's name, without what reads it: diffusers, and `fastddpm train --init-from`."""
+    a folder's name; a whole one now loads (tests/test_diffusers_checkpoint.py), one without unet/config.json is
+    named as a diffusers folder with the file it lacks."""
     import fastddpm
     from fastddpm.rundir.files import CheckpointError
 
     (tmp_path / "unet").mkdir()
     (tmp_path / "model_index.json").write_text("{}")
-    with pytest.raises(CheckpointError, match=r"holds no checkpoint and no ema.safetensors. It is a diffusers folder "
-                                              r"\(unet/\), which diffusers loads \(DDPMPipeline.from_pretrained\); "
-                                              r"`fastddpm train --init-from` it starts a new run from its weights"):
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint and no ema.safetensors. It looks like a "
+                                              r"diffusers folder \(unet/\), but unet/config.json is missing"):
         fastddpm.load(tmp_path)

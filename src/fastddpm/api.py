@@ -50,7 +50,7 @@ def _path(value, name: str, where: str, what: str) -> Path:
     raise ConfigError(f"{where}: {name}={value!r} is not a path: pass {what}, as a str or a pathlib.Path")
 
 
-_A_MODEL = "a run directory, a checkpoint file or a safetensors export"
+_A_MODEL = "a run directory, a checkpoint file, a safetensors export or a diffusers folder"
 
 
 def _whole(value, name: str, where: str) -> int:
@@ -273,8 +273,9 @@ class Model:
 
 def load(path: str | Path, *, device: str = "auto", weights: str = "ema") -> Model:
     """A run directory (its newest checkpoint, or ema.safetensors), a checkpoint file, or an ema.safetensors or
-    `fastddpm export --format safetensors` export (the file or its folder), ready to sample on `device` (auto: CUDA
-    when present), with its EMA (`weights="ema"`) or raw ("model") weights."""
+    `fastddpm export --format safetensors` export (the file or its folder), or a diffusers DDPMPipeline or
+    UNet2DModel folder, ready to sample on `device` (auto: CUDA when present), with its EMA (`weights="ema"`) or raw
+    ("model") weights."""
     return _load(_path(path, "path", "fastddpm.load", _A_MODEL), device=device, weights=weights)[0]
 
 

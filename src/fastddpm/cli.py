@@ -187,8 +187,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
                "fewer (with --class all, N decides each image's class).",
     )
     sp.add_argument("--checkpoint", required=True, metavar="PATH",
-                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
-                         "ema.safetensors")
+                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, "
+                         "ema.safetensors, or a diffusers DDPMPipeline (or UNet2DModel) folder")
     sp.add_argument("--num-images", type=int, default=64, metavar="N", help="images to draw (default 64)")
     sp.add_argument("--sampler", choices=SAMPLER_CHOICES, default="auto", help=SAMPLER_HELP)
     sp.add_argument("--steps", type=int, default=None, metavar="K", help=STEPS_HELP)

@@ -25,12 +25,11 @@ that make the two compute the same function, each read from diffusers' source:
   * Downsample2D: a stride-2 3x3 conv with downsample_padding 1 (symmetric), or 0: one row and column of zeros
     after, TensorFlow's SAME (model.downsample_padding tf-same); Upsample2D: nearest x2, then a 3x3 conv.
   * GroupNorm eps: model.norm_eps everywhere (1e-5, torch's default; Ho et al.'s 1e-6).
-The config half of this (the switches, both ways) is fastddpm.config.diffusers_unet; here are the weights.
+The config half of this (the switches, both ways) is fastddpm.config.diffusers_unet, the weights' names
+fastddpm.models.diffusers_names; here is the folder.
 """
 
 from __future__ import annotations
-
-import re
 
 import json
 from pathlib import Path
@@ -40,6 +39,8 @@ from fastddpm.diffusion import schedule_from_config
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN, first_timestep
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
                                             read_unet_config, unet_config, weights_file)
+from fastddpm.models.diffusers_names import from_diffusers_state_dict, to_diffusers_state_dict
+from fastddpm.rundir.diffusers_folder import read_weights
 
 # diffusers against fastddpm, both eager fp32 on the CPU: the same operations in a different order; measured on
 # the tiny test models at ~1e-6 of an output of unit scale
@@ -89,124 +90,6 @@ def scheduler_config(cfg, version: str = DIFFUSERS_VERSION) -> dict:
         "lambda_min_clipped": LAMBDA_MIN,
         "rescale_betas_zero_snr": False,
     }
-
-
-def _layer_names(model) -> list[tuple[object, str]]:
-    """(fastddpm layer, UNet2DModel module prefix) for every block of a DDPMUNet, in diffusers' order."""
-    from fastddpm.models.ddpm_unet import Attention, ResBlock
-
-    out = []
-    for group, name in ((model.downs, "down_blocks"), (model.mids, "mid_block"), (model.ups, "up_blocks")):
-        for i, level in enumerate(group):
-            prefix = f"{name}.{i}" if name != "mid_block" else name
-            counts = {"resnets": 0, "attentions": 0}
-            for layer in level.layers:
-                if isinstance(layer, ResBlock):
-                    kind = "resnets"
-                elif isinstance(layer, Attention):
-                    kind = "attentions"
-                else:  # Resample: Downsample2D / Upsample2D, named conv inside
-                    out.append((layer, f"{prefix}.{'upsamplers' if layer.up else 'downsamplers'}.0"))
-                    continue
-                out.append((layer, f"{prefix}.{kind}.{counts[kind]}"))
-                counts[kind] += 1
-    return out
-
-
-def to_diffusers_state_dict(model) -> dict:
-    """A DDPMUNet's weights under UNet2DModel's parameter names (float32, contiguous)."""
-    ours = model.state_dict()
-    sd = {}
-    for name, (key, chunk) in _name_table(model).items():
-        t = ours[key].detach().float()
-        if chunk is not None:  # the qkv conv's (3C, C, 1, 1) rows: q, k, v, heads contiguous in each
-            t = t.chunk(3, dim=0)[chunk]
-        if t.ndim == 4 and ".attentions." in name:  # a 1x1 conv as diffusers' Linear
-            t = t.flatten(1)
-        sd[name] = t.contiguous().clone()
-    return sd
-
-
-def from_diffusers_state_dict(model, sd: dict) -> dict:
-    """The inverse of to_diffusers_state_dict, for loading a UNet2DModel's weights (diffusion_pytorch_model.safetensors)
-    into `model`, a DDPMUNet: its state_dict; ConfigError naming the first weight that is missing, left over or of
-    another shape. (The config switches are not compared here: unet_config(cfg) is what they must equal.)"""
-    import torch
-
-    ours = model.state_dict()
-    table = _name_table(model)
-    sd = _current_attention_names(sd)
-    missing = [n for n in table if n not in sd]
-    if missing:
-        _refuse_mismatch(f"it has no weight {missing[0]} ({len(missing)} missing)")
-    extra = sorted(set(sd) - set(table))
-    if extra:
-        _refuse_mismatch(f"weight {extra[0]} has no place in this run's model ({len(extra)} such)")
-    parts: dict = {}
-    for name, (key, chunk) in table.items():
-        parts.setdefault(key, {})[chunk] = sd[name]
-    state = {}
-    for key, got in parts.items():
-        t = torch.cat([got[j] for j in range(3)]) if None not in got else got[None]
-        want = ours[key].shape
-        if t.numel() != want.numel():
-            name = next(n for n, (k, _) in table.items() if k == key)
-            _refuse_mismatch(f"{name} has shape {tuple(sd[name].shape)}, where this run's model has {key} of shape "
-                             f"{tuple(want)}")
-        state[key] = t.reshape(want).to(ours[key].dtype)
-    return state
-
-
-# Attention weights as diffusers named them before 0.15 (google/ddpm-* and other early hub folders still ship them);
-# diffusers renames them on load (ModelMixin's deprecated-attention-block conversion), and so does this.
-_LEGACY_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
-_LEGACY_ATTENTION_KEY = re.compile(r"(\.attentions\.\d+\.)(query|key|value|proj_attn)\.")
-
-
-def _current_attention_names(sd: dict) -> dict:
-    """`sd` with pre-0.15 attention names (query/key/value/proj_attn) renamed to today's (to_q/to_k/to_v/to_out.0)."""
-    return {_LEGACY_ATTENTION_KEY.sub(lambda m: m.group(1) + _LEGACY_ATTENTION[m.group(2)] + ".", k): v
-            for k, v in sd.items()}
-
-
-def _refuse_mismatch(detail: str) -> None:
-    raise ConfigError(f"the diffusers UNet2DModel's weights do not match this fastddpm model: {detail}")
-
-
-def _name_table(model) -> dict:
-    """UNet2DModel parameter name -> (DDPMUNet state_dict key, which third of the qkv rows or None)."""
-    from fastddpm.models.ddpm_unet import Attention, ResBlock
-
-    table: dict = {}
-    ours = model.state_dict()
-
-    def module(src_prefix, dst_prefix):
-        for k in ours:
-            if k.startswith(src_prefix + "."):
-                table[f"{dst_prefix}.{k[len(src_prefix) + 1:]}"] = (k, None)
-
-    names = {id(mod): n for n, mod in model.named_modules()}
-    module("t_proj.0", "time_embedding.linear_1")
-    module("t_proj.2", "time_embedding.linear_2")
-    module("conv_in", "conv_in")
-    module("class_emb", "class_embedding")
-    for layer, p in _layer_names(model):
-        n = names[id(layer)]
-        if isinstance(layer, ResBlock):  # skip: a 1x1 conv only when the channels change, as conv_shortcut
-            for src, dst in (("norm1", "norm1"), ("conv1", "conv1"), ("emb", "time_emb_proj"), ("norm2", "norm2"),
-                             ("conv2", "conv2"), ("skip", "conv_shortcut")):
-                module(f"{n}.{src}", f"{p}.{dst}")
-        elif isinstance(layer, Attention):
-            module(f"{n}.norm", f"{p}.group_norm")
-            for j, name in enumerate(("to_q", "to_k", "to_v")):
-                for kind in ("weight", "bias"):
-                    table[f"{p}.{name}.{kind}"] = (f"{n}.qkv.{kind}", j)
-            module(f"{n}.proj", f"{p}.to_out.0")
-        else:
-            module(f"{n}.conv", f"{p}.conv")
-    module("norm_out", "conv_norm_out")
-    module("conv_out", "conv_out")
-    return table
 
 
 def _version() -> str:
@@ -377,7 +260,8 @@ def load_init(model, cfg, folder: str | Path) -> str:
                    f"of {n - 1} classes")
         raise ConfigError(f"--init-from {unet / 'config.json'}: {differs}{hint}; the two would not compute the same "
                           f"function ({fix})")
-    model.load_state_dict(from_diffusers_state_dict(model, read_weights(weights_file(unet))))
+    model.load_state_dict(from_diffusers_state_dict(model, read_weights(weights_file(unet)),
+                                                    flip_sin_to_cos=bool(theirs["flip_sin_to_cos"])))
     return "\n".join([f"init: weights of the diffusers UNet2DModel in {unet}", *_other_task(cfg, folder)])
 
 
@@ -392,29 +276,3 @@ def _other_task(cfg, folder: str | Path) -> list[str]:
             f"trains them for {getattr(cfg.diffusion, key)!r} (as given): expect the loss to start higher"
             for key in ("prediction", "schedule", "num_timesteps") if key in theirs and
             theirs[key] != getattr(cfg.diffusion, key)]
-
-
-def read_weights(path: Path) -> dict:
-    """The tensors of a UNet2DModel weights file: safetensors, or the .bin pickle read as diffusers reads it,
-    torch.load(weights_only=True), which runs no code from the file. A ConfigError names the file it cannot read."""
-    import torch
-
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            sd = load_file(str(path))
-        else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors' and torch's errors for a damaged file share no base class
-        with open(path, "rb") as f:
-            lfs = f.read(40).startswith(b"version https://git-lfs")
-        # the first line only: torch's weights_only message goes on to suggest weights_only=False
-        first = (str(e).strip().splitlines() or [""])[0]
-        why = ("it is a git-lfs pointer, not the weights: run `git lfs pull` in the clone" if lfs else
-               f"{type(e).__name__}: {first}" + ("; a .bin is read with torch.load(weights_only=True), which refuses "
-                                                 "pickles that carry code" if path.suffix == ".bin" else ""))
-        raise ConfigError(f"--init-from {path}: cannot read the weights ({why})") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise ConfigError(f"--init-from {path}: not a state dict of tensors (a {type(sd).__name__}); diffusers' "
-                          "save_pretrained writes one")
-    return sd

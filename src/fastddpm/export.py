@@ -52,7 +52,8 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                "  fastddpm export runs/fmnist --format torch-export --out exports/fmnist-pt2\n"
                "  fastddpm export runs/cifar --format diffusers --out exports/cifar-diffusers   # DDPMPipeline\n"
                "  python exports/fmnist-onnx/sample_onnx.py exports/fmnist-onnx --out grid.png   # onnxruntime, numpy")
-    ep.add_argument("run", metavar="RUN", help="a run directory, a checkpoint (.pt) or an ema.safetensors")
+    ep.add_argument("run", metavar="RUN",
+                    help="a run directory, a checkpoint (.pt), an ema.safetensors or a diffusers DDPMPipeline folder")
     ep.add_argument("--format", choices=FORMATS, required=True)
     ep.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/export-<format>)")
     ep.add_argument("--opset", type=int, default=None, help="ONNX opset (default 18); --format onnx only")

@@ -152,7 +152,15 @@ def load_for_sampling(source: str | Path | Checkpoint, device: torch.device | st
     # so that loading a model leaves the caller's torch.manual_seed sequence (a notebook's, a training run's) as it was
     with torch.random.fork_rng(devices=[]):
         model = build_unet(cfg.model)
-    load_model_state(model, ckpt.weights(weights), what=f"{ckpt.path} ({weights} weights)")
+    state = ckpt.weights(weights)
+    if ckpt.kind == "diffusers":  # a UNet2DModel's weights, under its names
+        from fastddpm.models.diffusers_names import from_diffusers_state_dict
+
+        try:
+            state = from_diffusers_state_dict(model, state, flip_sin_to_cos=ckpt.meta["flip_sin_to_cos"])
+        except ConfigError as e:
+            raise ConfigError(f"{ckpt.meta['named_by']} {ckpt.path}: {e}") from None
+    load_model_state(model, state, what=f"{ckpt.path} ({weights} weights)")
     return model.to(device).eval(), cfg
 
 

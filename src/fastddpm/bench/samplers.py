@@ -136,6 +136,10 @@ def run_samplers(settings: SamplerBenchSettings, out_dir: str | Path | None = No
 
     device, _ = resolve_device(settings.device, setting="--device")
     ckpt = locate(settings.checkpoint, what="bench samplers:")
+    if ckpt.kind == "diffusers":  # its FIDs would need data it does not record, and this bench reads the run's own
+        raise ConfigError(f"bench samplers: {ckpt.path} is a diffusers folder, which records no dataset to score "
+                          f"against: `fastddpm eval --checkpoint {ckpt.path} --data SOURCE --sampler NAME --steps K` "
+                          "scores its samplers one at a time")
     model, cfg = load_for_sampling(ckpt, device=device)
     info = ckpt.info()
     T = cfg.diffusion.num_timesteps

@@ -202,7 +202,7 @@ def model_fields(theirs: dict, where: str) -> dict:
         raise ConfigError(f"--init-from {where}: {key}={theirs.get(key)!r}: {why}; fastddpm's ddpm family cannot "
                           "compute this UNet2DModel's function")
 
-    fixed = {"time_embedding_type": "positional", "flip_sin_to_cos": False, "act_fn": "silu",
+    fixed = {"time_embedding_type": "positional", "act_fn": "silu",
              "center_input_sample": False, "mid_block_scale_factor": 1, "downsample_type": "conv",
              "upsample_type": "conv", "class_embed_type": None, "add_attention": True,
              "mid_block_type": "UNetMidBlock2D"}
@@ -315,10 +315,15 @@ def folder_fields(folder: str | Path) -> dict:
 
 
 def _same_function_form(c: dict) -> dict:
-    """`c` with the entries that mean the same thing written one way: time_embedding_dim None is 4 x the first
+    """`c` with the entries that mean the same thing written one way: flip_sin_to_cos is the weights' concern,
+    time_embedding_dim None is 4 x the first
     block's channels, an attention_head_dim equal to every attention layer's channels is None (one head), and
     attn_norm_num_groups None under the "default" time shift is norm_num_groups."""
     c = dict(c)
+    # flip_sin_to_cos (diffusers' default) orders the embedding [cos, sin], fastddpm's is [sin, cos]: the same
+    # function once the time MLP's first layer takes its input columns in the other order, which the weights'
+    # renaming does (models.diffusers_names.from_diffusers_state_dict)
+    c["flip_sin_to_cos"] = False
     boc = list(c.get("block_out_channels") or [])
     if c.get("time_embedding_dim") is None and boc:
         c["time_embedding_dim"] = 4 * boc[0]

@@ -69,8 +69,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                                description=_DESCRIPTION, epilog=_EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ev.add_argument("--checkpoint", required=True, metavar="PATH",
-                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, or "
-                         "ema.safetensors")
+                    help="run directory (newest checkpoint), ckpt_*.pt, an FSDP run's ckpt_*.dcp directory, "
+                         "ema.safetensors, or a diffusers DDPMPipeline (or UNet2DModel) folder")
     ev.add_argument("--num-samples", type=positive_int, default=10_000, metavar="N",
                     help="images to sample and score (default 10000; FID is biased upward at small counts, so "
                          "compare models at equal N)")
@@ -212,6 +212,12 @@ def run_eval(args: argparse.Namespace) -> int:
         device, _ = resolve_device(args.device, setting="--device")
         inception = inception_choice(args)
         ckpt = locate(args.checkpoint, weights=args.weights, what="--checkpoint")
+        if ckpt.kind == "diffusers" and args.data is None:
+            from fastddpm.config import ConfigError
+
+            raise ConfigError(f"--checkpoint {args.checkpoint} is a diffusers folder, which records no dataset: pass "
+                              "--data SOURCE, the images its model was trained on (--data cifar10 for "
+                              "google/ddpm-cifar10-32)")
     # under torchrun: this process's device (cuda:LOCAL_RANK) in a group whose ranks share the sampling
     dist, device = init_distributed(device, args.dist_timeout_s, command="eval", timeout_setting="--dist-timeout-s")
     try:
@@ -270,6 +276,8 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
 
             for source in dict.fromkeys(s for s in (cfg.data.source, args.data) if s is not None):
                 refuse_output_among_images(source, args.out, flag="--out", what="the result's grid and .json")
+    if ckpt.kind == "diffusers":  # its config's data is a preset's placeholder: --data is what it was trained on
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
     trained = cfg.data
     trained_on = trained.source
     data_options = {k: v for k, v in (("source", args.data), ("resize", args.resize),

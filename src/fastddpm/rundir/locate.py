@@ -1,5 +1,5 @@
 """`locate(path)`: whatever a user passes as a checkpoint (a run directory, checkpoints/ckpt_<step>.pt, an FSDP
-run's ckpt_<step>.dcp directory, an ema.safetensors export) turned into one `Checkpoint`, with one clear error
+run's ckpt_<step>.dcp directory, an ema.safetensors export, a diffusers folder) turned into one `Checkpoint`, with one clear error
 for each way a path can be wrong. `fastddpm sample`, `eval`, `export`, `--resume` and the Python API all come
 through here, so they accept the same paths and fail the same way.
 """
@@ -15,6 +15,7 @@ import torch
 
 from fastddpm.config import CLI, ConfigError, Spelling
 from fastddpm.rundir import checkpoint, sharded
+from fastddpm.rundir.diffusers_folder import HELD, diffusers_meta, diffusers_weights, is_diffusers_folder
 from fastddpm.rundir.files import CheckpointError, load_safetensors, read_safetensors_metadata, refuse_dangling_link
 from fastddpm.rundir.layout import RunDir
 
@@ -22,7 +23,7 @@ EMA_EXPORT_FORMAT = "fastddpm-ema-1"  # ema.safetensors' "format" metadata
 # what a model card or log calls each of Checkpoint.weights' choices
 WEIGHTS_LABELS = {"ema": "EMA", "model": "raw (the trained model's own, not its EMA)"}
 WHAT_TO_PASS = ("a run directory, a checkpoints/ckpt_*.pt file, an FSDP run's checkpoints/ckpt_*.dcp directory, "
-                "or an ema.safetensors export (or its folder)")
+                "an ema.safetensors export (or its folder), or a diffusers DDPMPipeline or UNet2DModel folder")
 WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a checkpoints/ckpt_*.pt file, or an FSDP "
                   "run's checkpoints/ckpt_*.dcp directory")
 
@@ -30,8 +31,9 @@ WHAT_TO_RESUME = ("latest (the newest checkpoint in --out), a run directory, a c
 @dataclass
 class Checkpoint:
     """What a path holds. `kind`: "pt" (a verified training checkpoint, loaded whole), "dcp" (an FSDP run's sharded
-    checkpoint: its small metadata read, the shards on demand) or "safetensors" (one weight set, `held`, with the
-    config in the metadata). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's
+    checkpoint: its small metadata read, the shards on demand), "safetensors" (one weight set, `held`, with the
+    config in the metadata) or "diffusers" (a diffusers UNet2DModel or DDPMPipeline folder: one weight set, the
+    config built from its config.json and scheduler, no step; rundir.diffusers_folder). `meta`: step, images_seen, config (a dict) and, for "pt" and "dcp", the trainer's
     state; for "pt" also the optimizer's and the loss scaler's (the weights are `weights()`)."""
 
     path: Path
@@ -47,7 +49,8 @@ class Checkpoint:
     def held(self) -> str | None:
         """The one weight set a safetensors file holds: "ema" (an ema.safetensors, or an export of the EMA weights)
         or "model" (`fastddpm export --weights model`, as its metadata records); None where both are held."""
-        return self.meta.get("weights", "ema") if self.kind == "safetensors" else None
+        return self.meta.get("weights", "ema") if self.kind == "safetensors" else HELD if self.kind == "diffusers" \
+            else None
 
     @property
     def held_label(self) -> str:
@@ -74,15 +77,21 @@ class Checkpoint:
         return {"file": str(self.path.absolute()), "step": self.step, "images_seen": self.images_seen}
 
     def weights(self, which: str = "ema") -> dict[str, torch.Tensor]:
-        """The EMA ("ema") or raw ("model") weights as a full state dict on the CPU."""
+        """The EMA ("ema") or raw ("model") weights as a full state dict on the CPU (of a diffusers folder: its
+        UNet2DModel's, under diffusers' names, which sampling.load_for_sampling renames)."""
         if which not in ("ema", "model"):
             raise ValueError(f"weights: {which!r} is not ema or model")
+        if self.held not in (None, which) and self.kind == "diffusers":
+            raise CheckpointError(f"{self.path} is a diffusers folder, which holds one weight set (served as the EMA "
+                                  "weights): leave out --weights model")
         if self.held not in (None, which):
             raise CheckpointError(f"{self.path} holds only the {self.held_label} weights; use --weights {self.held} "
                                   f"or pass a checkpoints/ckpt_*.pt file")
         if which not in self._weights:
             if self.kind == "safetensors":
                 self._weights[which] = load_safetensors(self.path)[0]
+            elif self.kind == "diffusers":
+                self._weights[which] = diffusers_weights(self.meta)
             elif self.kind == "dcp":  # both weight sets are gathered in one read
                 full = sharded.read_sharded_checkpoint(self.path)
                 self._weights.update(ema=full["ema"], model=full["model"])
@@ -90,6 +99,9 @@ class Checkpoint:
 
     def check_resumable(self, *, sharded_run: bool) -> None:
         """A run resumes the format it writes: a sharded checkpoint under FSDP, a .pt file otherwise."""
+        if self.kind == "diffusers":
+            raise CheckpointError(f"{self.path} is a diffusers folder: its weights, without an optimizer or a "
+                                  "trainer's state, start a new run with --init-from, not a resume")
         if self.kind == "safetensors":
             raise CheckpointError(f"{self.path} holds only the {self.held_label} weights, not the optimizer and the "
                                   f"trainer's state: resume from a checkpoints/ckpt_*.pt file or the run directory")
@@ -153,10 +165,11 @@ def locate(path: str | Path, *, weights: str = "ema", what: str | None = None) -
             other = next((p.name for p in (path / "model.onnx", path / "model.pt2") if p.exists()), None)
             hint = (f" It holds an export ({other}), which other runtimes load; fastddpm loads the run it came from "
                     "(export.json names its checkpoint) or a --format safetensors export." if other else "")
+            if not other and is_diffusers_folder(path):
+                return Checkpoint(path, "diffusers", diffusers_meta(path, what or "checkpoint"))
             if not other and (path / "unet").is_dir():  # said as "an export (unet)", a folder name, without its uses
-                hint = (" It is a diffusers folder (unet/), which diffusers loads (DDPMPipeline.from_pretrained); "
-                        "`fastddpm train --init-from` it starts a new run from its weights, and fastddpm samples the "
-                        "run a `fastddpm export --format diffusers` came from (its export.json names the checkpoint).")
+                hint = (" It looks like a diffusers folder (unet/), but unet/config.json is missing or not a "
+                        "UNet2DModel's, which fastddpm reads (as diffusers' DDPMPipeline.from_pretrained does).")
             raise CheckpointError(f"{named} holds no checkpoint and no ema.safetensors.{hint} Pass {WHAT_TO_PASS}")
     if path.is_dir():
         return Checkpoint(path, "dcp", sharded.read_meta(path))
@@ -211,6 +224,9 @@ def find_resume(run_dir: str | Path, resume: str | Path | Checkpoint | None, *,
     if path.is_dir() and path.suffix != ".dcp":
         searched = RunDir.of(path).checkpoints
         found = newest(searched)
+        if found is None and is_diffusers_folder(path):
+            raise CheckpointError(f"{what} is a diffusers folder: its weights, without an optimizer or a trainer's "
+                                  f"state, start a new run with {said('init-from')}, not a resume")
         if found is None:
             raise CheckpointError(f"{what}: no usable checkpoint in {searched}: start without {said('resume')}, or "
                                   f"pass a checkpoints/ckpt_*.pt file of another run")
