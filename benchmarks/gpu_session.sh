@@ -25,6 +25,9 @@
 #   attention         1-2 min      benchmarks/sdpa_shapes.py: each attention shape of seed-1layer (batch 1024) and
 #                                  ddpm-cifar10 (128), forward + backward on every SDPA backend and zero-padded to
 #                                  head dimensions 8, 16, 32 (the same function)
+#   vs-diffusers      2-3 min      benchmarks/vs_diffusers.py: ddpm-cifar10's network at 128, fastddpm's step against
+#                                  diffusers' train_unconditional.py step (bf16 both), alternating; diffusers
+#                                  travels as wheels in .whl where the machine lacks it (RESULTS.md, how to run)
 #   candidates-ma     5-9 min (r)  bench throughput, seed-1layer at 1024 with its defaults, compiled with and without
 #                                  Inductor's max-autotune (its kernel search alone ran past 263 s on an H200)
 #   ddp               5-7 min      DDP and FSDP at world size 1 vs the plain path (2 repeats)
@@ -79,7 +82,7 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export FASTDDPM_COMMIT=$COMMIT  # every record names this commit, not the copied tree's .git (it can be stale)
 PARTS=("$@")
 AGAIN=()
-ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-overhead doctor-try doctor-fast candidates doctor-fast-cl attention candidates-ma ddp
+ALL="tests throughput throughput-2layer throughput-cifar10 ladder ladder-fast doctor doctor-overhead doctor-try doctor-fast candidates doctor-fast-cl attention vs-diffusers candidates-ma ddp
      quality-reference eval samplers
      samplers-sde quality-fast
      quality-options quality-options-2 quality-objectives summarize"
@@ -244,6 +247,12 @@ for part in "${PARTS[@]}"; do
         --out "$RES/attention/seed-1layer-1024.json" &&
         limited 45 $PY benchmarks/sdpa_shapes.py --presets ddpm-cifar10 --batch-size 128 \
           --out "$RES/attention/ddpm-cifar10-128.json" ;;
+    vs-diffusers)  # diffusers is not on the device machine's image: its wheel (pure Python) travels in .whl
+      if ! $PY -c "import diffusers" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+          export PYTHONPATH=$PYTHONPATH:/tmp/site
+      fi
+      limited 150 $PY benchmarks/vs_diffusers.py --device cuda --batch-sizes 128 --out "$RES/vs-diffusers" ;;
     candidates-ma)  # on top of seed-1layer's defaults since 2026-11-28 (channels_last, the layout forced, heads 8)
       limited 300 $PY -m fastddpm bench throughput --presets seed-1layer --batch-sizes 1024 \
         --choices auto-compile-cl-lo-ap8,auto-compile-cl-lo-ap8-ma --out "$RES/throughput-candidates-ma-seed-1layer" ;;

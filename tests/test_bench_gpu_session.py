@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 PARTS = ["tests", "throughput", "throughput-2layer", "throughput-cifar10", "ladder", "ladder-fast", "doctor",
-         "doctor-overhead", "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "candidates-ma",
+         "doctor-overhead", "doctor-try", "doctor-fast", "candidates", "doctor-fast-cl", "attention", "vs-diffusers",
+         "candidates-ma",
          "ddp",
          "quality-reference", "eval", "samplers", "samplers-sde", "quality-fast", "quality-options",
          "quality-options-2", "quality-objectives", "summarize"]
@@ -111,7 +112,8 @@ def test_every_parts_command_parses(tmp_path, monkeypatch):
             assert args.out
             seen.add(name)
     assert seen == {"bench throughput", "bench ladder", "bench quality", "bench samplers", "eval", "planted", "pytest",
-                    "doctor_overhead", "ddp_overhead", "sdpa_shapes", "data", "doctor run", "doctor train"}
+                    "doctor_overhead", "ddp_overhead", "sdpa_shapes", "vs_diffusers", "data", "doctor run",
+                    "doctor train"}
     ladder = [c for c in commands if c[3:5] == ["bench", "ladder"]]
     assert len(ladder) == 2 and len({c[c.index("--out") + 1] for c in ladder}) == 1  # one folder: resumed, merged
     res = tmp_path / "res"
