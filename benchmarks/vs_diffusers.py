@@ -172,7 +172,8 @@ def markdown(record: dict) -> str:
              f"{record['diffusers']}, accelerate {record['accelerate']}, {record['environment']['date_utc']}, commit "
              f"{record['environment'].get('git_commit')}", "", f"command: `{record['command']}`", "",
              "| batch | diffusers ms/step | fastddpm ms/step | diffusers img/s | fastddpm img/s | fastddpm / diffusers "
-             "(median [min-max] of rounds) | precision (diffusers / fastddpm) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "(median [min-max] of rounds) | precision (diffusers / fastddpm) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in record["rows"]:
         d, f = r["diffusers"], r["fastddpm"]
         lines.append(f"| {r['batch_size']} | {d['ms_median']:.1f} | {f['ms_median']:.1f} | {d['images_per_s']:,.0f} | "
