@@ -31,6 +31,7 @@ import shlex
 import shutil
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 FORMATS = ("onnx", "torch-export", "safetensors", "diffusers")
@@ -60,6 +61,10 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     ep.add_argument("--weights", choices=("ema", "model"), default="ema",
                     help="EMA (default) or raw weights, as `fastddpm sample --weights`; raw ones need a checkpoint "
                          "(.pt or .dcp), not an ema.safetensors")
+    ep.add_argument("--eval-results", metavar="PATH", action="append", default=[],
+                    help="a `fastddpm eval` result (.json) or a folder of them, whose FID the card quotes where it "
+                         "was measured of these weights; the run's eval/ and the results `eval --out` recorded "
+                         "there are read without it (repeatable)")
     return ep
 
 
@@ -295,9 +300,10 @@ def _check_pt2(net, cfg, path: Path) -> float:
 
 
 def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: int = 18, weights: str = "ema",
-           command: str | None = None, log=print) -> dict:
+           command: str | None = None, eval_results: Sequence[str | Path] = (), log=print) -> dict:
     """Export RUN (run directory, checkpoint or ema.safetensors) as `fmt`, its EMA or raw ("model") `weights`;
-    returns what export.json records."""
+    `eval_results`: `fastddpm eval` result files (or folders of them) the card may quote besides the run's own
+    (export_card.result_files). Returns what export.json records."""
     import torch
 
     from fastddpm.config import ConfigError, save_config
@@ -312,6 +318,10 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         raise ConfigError(f"export: format {fmt!r} is not one of {', '.join(FORMATS)}")
     if weights not in WEIGHTS_LABELS:
         raise ConfigError(f"export: weights {weights!r} is not one of {', '.join(WEIGHTS_LABELS)} (EMA or raw)")
+    for given in eval_results:  # before the weights are read: a misspelt path would only leave the FID out
+        if not Path(given).exists():
+            raise ConfigError(f"export --eval-results {given}: no such file or folder; give a result fastddpm eval "
+                              "wrote (its .json, in RUN_DIR/eval/ or eval's --out) or the folder that holds it")
     ckpt = locate(run, weights=weights, what="export:")
     if fmt == "diffusers":
         from fastddpm.diffusers_io import check_exportable
@@ -334,6 +344,14 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
     out = Path(out) if out is not None else run_dir.export(fmt)
     check_out_dir(out)
     make_out_dir(out)
+    evals = [r for r in read_metrics(run_dir.metrics) if r.get("event") == "eval"] \
+        if run_dir.metrics.is_file() else []
+    # the FIDs measured of these weights, which every format's card quotes: the run's own, and `fastddpm eval`'s
+    fid = fid_of_these_weights(evals, info)
+    evaluated = eval_of_these_weights(run_dir, digest, info, extra=eval_results)
+    if eval_results and evaluated is None:
+        log(f"note: --eval-results {' '.join(map(str, eval_results))}: no result there (nor in the run's eval/) is of "
+            "these weights with a finite FID, so the card quotes none; `fastddpm eval` of this checkpoint measures it")
     if fmt == "diffusers":
         return _export_diffusers(model.float(), cfg, info, out, command or f"fastddpm.export.export({str(run)!r}, "
                                  f"{fmt!r})", log)
@@ -375,15 +393,12 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
         result["exporter"] = "safetensors (the U-Net's state_dict; build fastddpm.models.build_unet(config.model))"
     (out / "schedule.json").write_text(json.dumps(schedule, indent=1) + "\n")
     save_config(cfg, out / "config.json")
-    evals = [r for r in read_metrics(run_dir.metrics) if r.get("event") == "eval"] \
-        if run_dir.metrics.is_file() else []
     command = command or f"fastddpm.export.export({str(run)!r}, {fmt!r})"
     files = [path.name, "schedule.json", "config.json", "README.md"]
     if fmt == "onnx":  # the folder samples wherever it goes, with no fastddpm installed
         shutil.copyfile(Path(__file__).with_name("sample_onnx.py"), out / "sample_onnx.py")
         files.append("sample_onnx.py")
-    (out / "README.md").write_text(model_card(cfg, info, fid_of_these_weights(evals, info), fmt, files, command,
-                                              evaluated=eval_of_these_weights(run_dir.eval_dir, digest)))
+    (out / "README.md").write_text(model_card(cfg, info, fid, fmt, files, command, evaluated=evaluated))
     result.update(out=str(Path(out).absolute()), files=files, torch=torch.__version__)
     removed = remove_other_exports(out, files)
     (out / "export.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -491,10 +506,11 @@ def run_export(args: argparse.Namespace) -> int:
     command = f"fastddpm export {shlex.quote(str(args.run))} --format {args.format}" + (
         f" --out {shlex.quote(str(args.out))}" if args.out else "") + (
         f" --opset {args.opset}" if args.opset is not None else "") + (
-        f" --weights {args.weights}" if args.weights != "ema" else "")
+        f" --weights {args.weights}" if args.weights != "ema" else "") + "".join(
+        f" --eval-results {shlex.quote(p)}" for p in args.eval_results)
     try:
         export(args.run, args.format, args.out, opset=18 if args.opset is None else args.opset,
-               weights=args.weights, command=command)
+               weights=args.weights, command=command, eval_results=args.eval_results)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

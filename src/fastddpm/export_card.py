@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -35,15 +36,68 @@ def fid_of_these_weights(evals: list[dict], info: dict) -> dict | None:
     return same[-1] if same and isinstance(same[-1].get("fid"), (int, float)) else None
 
 
-def eval_of_these_weights(eval_dir: Path, digest: str) -> dict | None:
-    """`fastddpm eval`'s result for exactly the exported weights, from the run's eval/ folder (where eval writes
-    unless --out): a record whose weights_sha256 (fastddpm.rundir.state_dicts.weights_digest) is `digest`, with a
-    finite FID. A step number alone would not do: a resume from an earlier checkpoint trains the same steps again to
-    other weights. Of several, the one of the most samples, then the newest. Returns what the card names: fid, the
-    record's file (relative to the run), sampler, steps, num_samples, guidance (None: unconditional) and the
-    features' label; None where eval measured none of these weights (or recorded no digest: before it did)."""
-    found = []
-    for path in sorted(eval_dir.glob("eval_*.json")) if eval_dir.is_dir() else []:
+def result_files(run_dir, extra: Sequence[str | Path] = ()) -> list[Path]:
+    """Where `fastddpm eval`'s results of a run are: its eval/eval_*.json (eval's default --out), each one
+    `eval --out DIR` wrote elsewhere (listed in eval/results_elsewhere.jsonl), and `extra` (`export --eval-results`:
+    a result's .json, or a folder of them)."""
+    files = sorted(run_dir.eval_dir.glob("eval_*.json")) if run_dir.eval_dir.is_dir() else []
+    try:
+        listed = run_dir.eval_elsewhere.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):  # none written elsewhere, or the list unreadable: nothing to add
+        listed = []
+    for line in listed:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("result"), str):
+            files.append(Path(entry["result"]))
+    for path in map(Path, extra):
+        files += sorted(path.glob("eval_*.json")) if path.is_dir() else [path]
+    return list(dict.fromkeys(p.absolute() for p in files))  # a result both listed and given: read once
+
+
+def _digest_now(checkpoint: dict, measured_at: float, cache: dict) -> str | None:
+    """The weights digest of the checkpoint file an older result names (eval recorded no digest before), computed
+    now as eval computes it; None where the file is gone or no longer loads, or was written after the result: the
+    path may hold other weights than were measured (a resume from an earlier checkpoint saves the same step again
+    at the same path, and ema.safetensors is rewritten with every checkpoint)."""
+    file, weights = checkpoint.get("file"), checkpoint.get("weights", "ema")
+    if not isinstance(file, str) or weights not in ("ema", "model"):
+        return None
+    try:
+        written = Path(file).stat().st_mtime
+    except OSError:
+        return None
+    if written > measured_at:
+        return None
+    if (file, weights) not in cache:
+        from fastddpm.config import ConfigError
+        from fastddpm.rundir.files import CheckpointError
+        from fastddpm.rundir.locate import locate
+        from fastddpm.rundir.state_dicts import weights_digest
+        from fastddpm.sampling import load_for_sampling
+
+        try:
+            model, _ = load_for_sampling(locate(file, weights=weights), weights=weights)
+            cache[file, weights] = weights_digest(model)
+        except (ConfigError, CheckpointError, OSError):  # damaged or replaced by something else since
+            cache[file, weights] = None
+    return cache[file, weights]
+
+
+def eval_of_these_weights(run_dir, digest: str, info: dict, *, extra: Sequence[str | Path] = ()) -> dict | None:
+    """`fastddpm eval`'s result for exactly the exported weights, from result_files: a record whose weights_sha256
+    (fastddpm.rundir.state_dicts.weights_digest) is `digest`, with a finite FID. A step number alone would not do:
+    a resume from an earlier checkpoint trains the same steps again to other weights. A result written before eval
+    recorded the digest is matched by the digest of the checkpoint file it names, computed now (_digest_now), where
+    its step and images seen are the exported weights' (the others cannot be these weights' result, and are not
+    loaded). Of several, the one of the most samples, then the newest. Returns what the card names: fid, where the
+    record is (the run's eval/... or its absolute path), sampler, steps, num_samples, guidance (None:
+    unconditional) and the features' label; None where eval measured none of these weights."""
+    found, digests_now = [], {}
+    run_path = run_dir.path.absolute()
+    for path in result_files(run_dir, extra):
         try:
             record = json.loads(path.read_text())
             when = path.stat().st_mtime
@@ -51,17 +105,40 @@ def eval_of_these_weights(eval_dir: Path, digest: str) -> dict | None:
             continue
         if not isinstance(record, dict) or record.get("schema") != "fastddpm-eval-1":
             continue
-        fid = record.get("fid")
-        if (record.get("checkpoint") or {}).get("weights_sha256") != digest or not isinstance(fid, (int, float)) \
-                or not math.isfinite(fid):
+        fid, checkpoint = record.get("fid"), record.get("checkpoint") or {}
+        if not isinstance(fid, (int, float)) or not math.isfinite(fid) or not isinstance(checkpoint, dict):
+            continue
+        measured = checkpoint.get("weights_sha256")
+        if measured is None and (checkpoint.get("step"), checkpoint.get("images_seen")) == (
+                info.get("step"), info.get("images_seen")):
+            measured = _digest_now(checkpoint, when, digests_now)
+        if measured != digest:
             continue
         sampling = record.get("sampling") or {}
+        where = f"the run's {path.relative_to(run_path)}" if run_path in path.parents else str(path)
         found.append(((sampling.get("num_samples") or 0, when), {
-            "fid": fid, "file": f"{eval_dir.name}/{path.name}", "sampler": sampling.get("sampler"),
+            "fid": fid, "where": where, "sampler": sampling.get("sampler"),
             "steps": sampling.get("steps"), "num_samples": sampling.get("num_samples"),
             "guidance": record.get("headline_guidance"),
             "features_label": (record.get("features") or {}).get("label", "features unknown")}))
     return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def fid_lines(fid: dict | None, evaluated: dict | None) -> list[str]:
+    """The card's FID lines, every format's: `fid`, the run's own evaluation of these weights
+    (fid_of_these_weights); `evaluated`, `fastddpm eval`'s (eval_of_these_weights); or that none measured them."""
+    lines = []
+    if fid:
+        lines.append(f"- FID {fid['fid']:.2f} at {fid.get('images_seen', 0):,} images "
+                     f"({fid.get('features_label', 'features unknown')})")
+    if evaluated:
+        e = evaluated
+        guided = "" if e["guidance"] is None else f", guidance {e['guidance']:g}"
+        lines.append(f"- FID {e['fid']:.2f} by `fastddpm eval` of these weights ({e['where']}): "
+                     f"{e['sampler']} {e['steps']} steps, {e['num_samples']:,} samples{guided}, {e['features_label']}")
+    if not fid and not evaluated:
+        lines.append("- FID: not measured for these weights by the run (`fastddpm eval` measures it)")
+    return lines
 
 
 def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], command: str, *,
@@ -79,17 +156,8 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
              f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
              (f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts {d.prediction} "
               "(schedule.json holds the betas)" if d.objective == "ddpm" else
-              f"- diffusion: {d.objective} (schedule.json holds its parameters and the network's inputs)")]
-    if fid:
-        lines.append(f"- FID {fid['fid']:.2f} at {fid.get('images_seen', 0):,} images "
-                     f"({fid.get('features_label', 'features unknown')})")
-    if evaluated:
-        e = evaluated
-        guided = "" if e["guidance"] is None else f", guidance {e['guidance']:g}"
-        lines.append(f"- FID {e['fid']:.2f} by `fastddpm eval` of these weights (the run's {e['file']}): "
-                     f"{e['sampler']} {e['steps']} steps, {e['num_samples']:,} samples{guided}, {e['features_label']}")
-    if not fid and not evaluated:
-        lines.append("- FID: not measured for these weights by the run (`fastddpm eval` measures it)")
+              f"- diffusion: {d.objective} (schedule.json holds its parameters and the network's inputs)"),
+             *fid_lines(fid, evaluated)]
     lines += [f"- format: {fmt}; files: {', '.join(files)}",
               f"- inputs: x (B, {m.image_channels}, {m.image_size}, {m.image_size}), t"
               + (f", y int64 (B,) in [0, {m.num_classes}] ({m.num_classes} = no class)" if m.conditional else "")

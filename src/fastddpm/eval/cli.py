@@ -423,6 +423,8 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(as_json_safe(result), indent=2) + "\n")
+    if args.out:
+        _record_elsewhere(ckpt.run_dir, json_path, result["checkpoint"]["weights_sha256"], log)
     steady = s.get("steady_samples_per_s")
     if cfg.model.conditional:
         log(guidance_table(result["guidance"]))
@@ -445,6 +447,22 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
                 if cfg.model.conditional and len(per_scale) > 1 else "")
     log(f"wrote {json_path} and {grid}{headline}")
     return 0
+
+
+def _record_elsewhere(run_dir, json_path: Path, digest: str, log) -> None:
+    """A line in the run's eval/results_elsewhere.jsonl naming a result `--out` put outside the run's eval/ folder,
+    where `fastddpm export` looks for the FID of the weights it exports (export_card.result_files). A run's folder
+    that cannot be written (a shared, read-only copy) gets none, and the log says how export finds it then."""
+    if run_dir.eval_dir.resolve() == json_path.parent.resolve():
+        return
+    line = json.dumps({"result": str(json_path.absolute()), "weights_sha256": digest}) + "\n"
+    try:
+        run_dir.eval_dir.mkdir(exist_ok=True)
+        with open(run_dir.eval_elsewhere, "a") as f:
+            f.write(line)
+    except OSError as e:
+        log(f"note: could not list this result in {run_dir.eval_elsewhere} ({e.strerror or e}), where `fastddpm "
+            f"export` of these weights looks for it; give it to export as --eval-results {json_path}")
 
 
 def _user_error(e: BaseException) -> bool:

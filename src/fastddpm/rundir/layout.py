@@ -78,3 +78,7 @@ class RunDir:
     @property
     def eval_dir(self) -> Path:  # `fastddpm eval`'s default output
         return self.path / "eval"
+
+    @property
+    def eval_elsewhere(self) -> Path:  # `fastddpm eval --out DIR`: a line per result written there, for export's card
+        return self.eval_dir / "results_elsewhere.jsonl"
