@@ -1,5 +1,5 @@
 """The FID an export's card quotes from `fastddpm eval`: found wherever eval wrote it (its --out, an older result
-without the weights' digest)."""
+without the weights' digest) and quoted in every format's card, the diffusers folder's included."""
 
 from __future__ import annotations
 
@@ -102,3 +102,13 @@ def test_a_result_written_before_eval_recorded_the_digest_is_quoted_where_its_ch
     (run / name).write_text(json.dumps(old))
     assert NOT_MEASURED in _card(run, tmp_path / "g")
 
+
+def test_the_diffusers_card_quotes_the_fid_as_the_other_cards_do(evaluated, tmp_path, fmnist_npz):
+    """`export --format diffusers` wrote a card without any FID line, measured or not."""
+    run, path, result = evaluated
+    card = _card(run, tmp_path / "d", fmt="diffusers")
+    assert _quoted(result, str(path)) in card and "not measured" not in card
+    fresh = tmp_path / "fresh"  # never evaluated
+    assert main(["train", "--data", str(fmnist_npz), "--out", str(fresh), "--preset", "tiny", *flags(TINY_DDPM_28),
+                 "--max-steps", "1", "--num-sample-images", "2", "--sample-steps", "2", "--no-progress"]) == 0
+    assert NOT_MEASURED in _card(fresh, tmp_path / "f", fmt="diffusers")

@@ -152,7 +152,10 @@ def check_folder(model, cfg, out: Path) -> float | None:
     return worst
 
 
-def model_card(cfg, info: dict, command: str) -> str:
+def model_card(cfg, info: dict, command: str, *, fid: dict | None = None, evaluated: dict | None = None) -> str:
+    """The folder's README.md. `fid` and `evaluated`: the FIDs measured of these weights, as every export's card
+    quotes them (fastddpm.export_card.fid_lines)."""
+    from fastddpm.export_card import fid_lines
     from fastddpm.rundir.locate import WEIGHTS_LABELS
 
     m, d = cfg.model, cfg.diffusion
@@ -165,6 +168,7 @@ def model_card(cfg, info: dict, command: str) -> str:
              f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
              f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts "
              f"{'the noise (epsilon)' if d.prediction == 'epsilon' else 'v (v_prediction)'}",
+             *fid_lines(fid, evaluated),
              f"- made by: `{command}`", "", "```python", "from diffusers import DDPMPipeline"]
     if not m.conditional:
         lines += ['pipe = DDPMPipeline.from_pretrained("path/to/this/folder")',

@@ -354,7 +354,7 @@ def export(run: str | Path, fmt: str, out: str | Path | None = None, *, opset: i
             "these weights with a finite FID, so the card quotes none; `fastddpm eval` of this checkpoint measures it")
     if fmt == "diffusers":
         return _export_diffusers(model.float(), cfg, info, out, command or f"fastddpm.export.export({str(run)!r}, "
-                                 f"{fmt!r})", log)
+                                 f"{fmt!r})", log, fid=fid, evaluated=evaluated)
     net = _denoiser(model.float(), cfg.model.conditional)
     result = {"format": fmt, "checkpoint": info, "max_abs_diff": None, "tolerance": TOLERANCE}
     schedule = schedule_of(cfg)
@@ -473,13 +473,14 @@ def make_out_dir(out: Path) -> None:
                                                     "an earlier export's")
 
 
-def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log) -> dict:
+def _export_diffusers(model, cfg, info: dict, out: Path, command: str, log, *, fid: dict | None,
+                      evaluated: dict | None) -> dict:
     import torch
 
     from fastddpm import diffusers_io
 
     files = diffusers_io.write_folder(model, cfg, out)
-    (out / "README.md").write_text(diffusers_io.model_card(cfg, info, command))
+    (out / "README.md").write_text(diffusers_io.model_card(cfg, info, command, fid=fid, evaluated=evaluated))
     files.append("README.md")
     result = {"format": "diffusers", "checkpoint": info, "exporter": "fastddpm.diffusers_io (UNet2DModel, "
               "DDPMScheduler, DDPMPipeline)", "max_abs_diff": diffusers_io.check_folder(model, cfg, out),
