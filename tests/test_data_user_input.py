@@ -293,3 +293,36 @@ def test_sample_and_eval_out_inside_the_image_folder_of_the_run_are_refused_befo
     assert sorted(p.relative_to(tmp_path) for p in (*images.rglob("*"), *other.rglob("*"))) == before
     assert main([*sample, str(tmp_path / "s")]) == 0  # outside it
     assert (tmp_path / "s" / "ddim2_n2_seed0_step1.png").is_file()
+
+
+def test_sample_and_eval_without_out_refuse_a_run_folder_inside_the_image_folder_it_trained_on(
+        tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run trained before `train --out` inside its image folder was refused can sit there; `sample` and `eval`
+    without --out wrote their grids into RUN_DIR/samples and RUN_DIR/eval, among the images, where `--out` there
+    is refused. The default goes through the same check, and the error says --out was not given."""
+    import shutil
+
+    from PIL import Image
+
+    images = tmp_path / "images"
+    for i, im in enumerate(rng_images(8, 8, 8)):
+        (images / str(i % 2)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(im).save(images / str(i % 2) / f"{i}.png")
+    assert main(["train", "--data", str(images), "--out", str(tmp_path / "run"), "--preset", "tiny", "--max-steps",
+                 "1", "--batch-size", "4", "--no-attention", "--num-sample-images", "2", "--sample-steps", "2",
+                 "--no-progress", "--device", "cpu"]) == 0
+    run = images / "run"  # where an older fastddpm let `train --out` put it (data.source is absolute: still read)
+    shutil.move(tmp_path / "run", run)
+    before = sorted(p.relative_to(tmp_path) for p in images.rglob("*"))
+    capsys.readouterr()
+    for command, default, what in (
+            (["sample", "--num-images", "2"], run / "samples", "the grid and the .npz"),
+            (["eval", "--num-samples", "10"], run / "eval", "the result's grid and .json")):
+        assert main([*command, "--checkpoint", str(run), "--sampler", "ddim", "--steps", "2", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --out was not given, and its default, {default}, is inside the image folder the data is " \
+               f"read from ({images}): {what} would be read as images of the dataset" in err, err
+        assert err.rstrip().endswith(f"Fix: give --out a folder outside {images}.")
+    assert sorted(p.relative_to(tmp_path) for p in images.rglob("*")) == before
+    assert main(["sample", "--checkpoint", str(run), "--num-images", "2", "--sampler", "ddim", "--steps", "2",
+                 "--no-progress", "--out", str(tmp_path / "s")]) == 0  # outside it

@@ -337,10 +337,11 @@ def cmd_sample(args) -> int:
     named = out.suffix.lower() in (".png", ".npz") and not out.is_dir()  # --out grid.png: the files' own name
     if named:
         out, named = out.parent, out.stem
-    if args.out:  # as train --out: a grid among the run's images would be read as one of them by its next prepare
-        from fastddpm.data.sources import refuse_output_among_images
+    # as train --out: a grid among the run's images would be read as one of them by its next prepare; the default
+    # RUN_DIR/samples too, for a run whose folder sits inside its images (trained before train --out refused that)
+    from fastddpm.data.sources import refuse_output_among_images
 
-        refuse_output_among_images(cfg.data.source, out, flag="--out", what="the grid and the .npz")
+    refuse_output_among_images(cfg.data.source, out, flag="--out", what="the grid and the .npz", given=bool(args.out))
     if args.guidance is not None and args.guidance < 0:
         raise ConfigError(f"--guidance {args.guidance} must be >= 0 (1 = plain conditional)")
     if args.guidance is not None and not cfg.model.conditional:

@@ -183,12 +183,13 @@ def resolve_source(source: str | os.PathLike, *, split: str, cache_root: Path, d
     return src
 
 
-def refuse_output_among_images(source: str | os.PathLike, out: str | os.PathLike, *, flag: str, what: str) -> None:
+def refuse_output_among_images(source: str | os.PathLike, out: str | os.PathLike, *, flag: str, what: str,
+                               given: bool = True) -> None:
     """A DataError where `out` is, or is under, the image folder `source` names: `what` is written there (a run's
     sample grids, an export's PNGs), and the next prepare of the folder reads every image file under it, split
     folders or not: a class of their own (trained on without a word under --resize), or bad files of another size
     that stop the run's resume. A named dataset, a file (zip, .npz, IDX, tar) or an IDX or CIFAR-10 folder reads
-    only the files it names."""
+    only the files it names. `given`: False where `out` is `flag`'s default, which the message then says."""
     display = os.fspath(source)
     if isinstance(source, str) and not any(sep in display for sep in ("/", "\\")) and named.canonical_name(display):
         return
@@ -199,7 +200,8 @@ def refuse_output_among_images(source: str | os.PathLike, out: str | os.PathLike
     folder, target = folder.resolve(), Path(out).expanduser().resolve()
     if target == folder or folder in target.parents:
         where = "is" if target == folder else "is inside"
-        raise DataError(f"{flag} {out} {where} the image folder the data is read from ({folder}): {what} would be "
+        said = f"{flag} {out}" if given else f"{flag} was not given, and its default, {out},"
+        raise DataError(f"{said} {where} the image folder the data is read from ({folder}): {what} would be "
                         "read as images of the dataset the next time it is prepared (a class of their own, or bad "
                         f"files of another size). Fix: give {flag} a folder outside {folder}.")
 

@@ -270,12 +270,14 @@ def _run_eval(args: argparse.Namespace, device, dist, ckpt, inception: str | Non
         if args.num_samples < 10:
             raise ConfigError(f"--num-samples {args.num_samples}: at least 10 (a covariance and 3-NN radii need a few "
                               "samples; 10000 is the usual count)")
-        if args.out:  # as train --out: a grid among the images the run trained on (or is scored against) would be
-            # read as one of them by the folder's next prepare
-            from fastddpm.data.sources import refuse_output_among_images
+        # as train --out: a grid among the images the run trained on (or is scored against) would be read as one of
+        # them by the folder's next prepare; the default RUN_DIR/eval too, for a run whose folder sits inside its
+        # images (trained before train --out refused that)
+        from fastddpm.data.sources import refuse_output_among_images
 
-            for source in dict.fromkeys(s for s in (cfg.data.source, args.data) if s is not None):
-                refuse_output_among_images(source, args.out, flag="--out", what="the result's grid and .json")
+        for source in dict.fromkeys(s for s in (cfg.data.source, args.data) if s is not None):
+            refuse_output_among_images(source, args.out or ckpt.run_dir.eval_dir, flag="--out",
+                                       what="the result's grid and .json", given=bool(args.out))
     if ckpt.kind == "diffusers":  # its config's data is a preset's placeholder: --data is what it was trained on
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=args.data))
     trained = cfg.data
