@@ -583,7 +583,7 @@ def test_the_onnx_examples_guidance_is_fastddpms(runs, onnx_export):
     for w in (2.5, 1.0, 0.0):
         with torch.no_grad():
             want = guided(model, labels, w, cfg.model.num_classes)(x, t).numpy()
-        got = network(session, 3, 4, w, cfg.model.num_classes)(x.numpy(), t.numpy())
+        got = network(session, 3, 4, w, cfg.model.num_classes, conditional=True)(x.numpy(), t.numpy())
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"W = {w}")
 
 

@@ -43,11 +43,11 @@ def trailing(T: int, steps: int) -> np.ndarray:
     return np.round(np.arange(T, 0, -T / steps))[:steps].astype(np.int64) - 1
 
 
-def network(session: ort.InferenceSession, num: int, label: int | None, guidance: float, null_class: int):
+def network(session: ort.InferenceSession, num: int, label: int | None, guidance: float, null_class: int, *,
+            conditional: bool):
     """The model as the samplers call it, f(x (N, C, H, W) float32, t (N,)) -> its output as float64, with the class
     and the guidance folded in as in fastddpm.diffusion.guidance: one call of the 2N batch [x; x] with labels
-    [label; null] when W is neither 0 nor 1."""
-    conditional = "y" in [i.name for i in session.get_inputs()]
+    [label; null] when W is neither 0 nor 1. `conditional`: the model takes the class input y."""
 
     def run(x, t, y):
         feed = {"x": x, "t": t, **({"y": y} if conditional else {})}
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{model}: onnxruntime cannot load it ({str(e).strip() or type(e).__name__}): export it "
                          "again with fastddpm export --format onnx") from None
     schedule, config = folder_or_model_json(model, session, "schedule"), folder_or_model_json(model, session, "config")
+    conditional = "y" in [i.name for i in session.get_inputs()]  # the class input: a conditional model's export
     if schedule is None:
         raise SystemExit(f"{model} has no schedule.json beside it and carries none in its metadata (an export older "
                          "than the metadata): sample it in its export folder, or export it again")
@@ -235,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ddim if schedule.get("objective", "ddpm") == "ddpm" else euler
     noise = np.random.default_rng(args.seed).standard_normal((args.num, *schedule["image_shape"]))
     images = to_uint8(np.concatenate([
-        sampler(network(session, len(chunk), label, guidance, schedule.get("num_classes", 0)), schedule, chunk,
-                args.steps)
+        sampler(network(session, len(chunk), label, guidance, schedule.get("num_classes", 0), conditional=conditional),
+                schedule, chunk, args.steps)
         for chunk in np.split(noise, range(args.batch_size, args.num, args.batch_size))]))
     shown = images[:GRID_IMAGES]
     write_png(args.out, grid_uint8(shown, nrow=int(np.ceil(np.sqrt(len(shown))))))
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = schedule.get("num_classes", 0)
     drawn = (f", class {label} at guidance W = {guidance:g}" if label is not None else
              f", unconditional (the null class; --class NAME|ID draws one of the model's {classes} classes, guided at "
-             f"W = {guidance:g})" if "y" in [i.name for i in session.get_inputs()] else "")
+             f"W = {guidance:g})" if conditional else "")
     print(f"wrote {args.out} ({len(shown)} images) and {npz} (all {args.num}, uint8 (N, C, H, W)){drawn}, "
           f"{sampler.__name__.upper()} {args.steps} steps, onnxruntime {ort.__version__}")
     return 0
