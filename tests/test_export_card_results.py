@@ -112,3 +112,24 @@ def test_the_diffusers_card_quotes_the_fid_as_the_other_cards_do(evaluated, tmp_
     assert main(["train", "--data", str(fmnist_npz), "--out", str(fresh), "--preset", "tiny", *flags(TINY_DDPM_28),
                  "--max-steps", "1", "--num-sample-images", "2", "--sample-steps", "2", "--no-progress"]) == 0
     assert NOT_MEASURED in _card(fresh, tmp_path / "f", fmt="diffusers")
+
+
+def test_a_run_folder_eval_cannot_list_its_result_in_gets_a_note_naming_export_eval_results(evaluated, tmp_path,
+                                                                                             capsys, monkeypatch):
+    """A run folder eval cannot write (read-only, shared; here its eval/ is a file) keeps the result where --out
+    says, and the log names the way export still quotes it."""
+    from fastddpm.eval import classifier, features
+
+    monkeypatch.setattr(features, "ClassifierRecipe", lambda: classifier.ClassifierRecipe(epochs=0.05, min_steps=20))
+    run = tmp_path / "run"
+    shutil.copytree(evaluated[0], run)
+    shutil.rmtree(run / "eval")
+    (run / "eval").write_text("not a folder")
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--num-samples", "10", "--sampler", "ddim", "--steps", "2",
+                 "--no-progress", "--out", str(tmp_path / "elsewhere")]) == 0
+    [path] = (tmp_path / "elsewhere").glob("eval_*.json")
+    assert (f"note: could not list this result in {run / 'eval' / 'results_elsewhere.jsonl'} (File exists), where "
+            f"`fastddpm export` of these weights looks for it; give it to export as --eval-results {path}") in \
+        capsys.readouterr().out
+    assert _quoted(json.loads(path.read_text()), str(path)) in _card(run, tmp_path / "e", "--eval-results", str(path))
