@@ -109,6 +109,16 @@ def test_fastddpm_sample_draws_a_diffusers_pipeline_with_its_few_step_samplers(p
     assert out.stat().st_size > 100
 
 
+def test_an_export_of_a_diffusers_folder_says_its_training_was_not_recorded(pipeline, tmp_path):
+    folder, _ = pipeline
+    out = tmp_path / "export"
+    assert main(["export", str(folder), "--format", "safetensors", "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "- trained on: `(not recorded: a diffusers folder)` (1x28x28 images)" in card
+    assert "- images seen: not recorded (weights read from a diffusers folder); weights: EMA" in card
+    assert "step None" not in card
+
+
 def test_a_unet_folder_alone_takes_ddpm_schedulers_defaults_and_says_so(pipeline, capsys):
     folder, unet = pipeline
     import fastddpm

@@ -155,8 +155,7 @@ def check_folder(model, cfg, out: Path) -> float | None:
 def model_card(cfg, info: dict, command: str, *, fid: dict | None = None, evaluated: dict | None = None) -> str:
     """The folder's README.md. `fid` and `evaluated`: the FIDs measured of these weights, as every export's card
     quotes them (fastddpm.export_card.fid_lines)."""
-    from fastddpm.export_card import fid_lines
-    from fastddpm.rundir.locate import WEIGHTS_LABELS
+    from fastddpm.export_card import fid_lines, seen_line
 
     m, d = cfg.model, cfg.diffusion
     lines = [f"# fastddpm denoiser for diffusers ({cfg.preset or 'custom'} preset)", "",
@@ -164,8 +163,7 @@ def model_card(cfg, info: dict, command: str, *, fid: dict | None = None, evalua
              "for the schedule it was trained on. Loading it needs diffusers and torch only, not fastddpm.", "",
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images in "
              "[-1, 1])" + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
-             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: "
-             f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
+             seen_line(info),
              f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts "
              f"{'the noise (epsilon)' if d.prediction == 'epsilon' else 'v (v_prediction)'}",
              *fid_lines(fid, evaluated),

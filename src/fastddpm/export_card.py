@@ -124,6 +124,16 @@ def eval_of_these_weights(run_dir, digest: str, info: dict, *, extra: Sequence[s
     return max(found, key=lambda f: f[0])[1] if found else None
 
 
+def seen_line(info: dict) -> str:
+    """The card's line of how long the weights trained and which they are; weights read from a diffusers folder
+    (no step, no images seen recorded) are said to be that, not "0 images"."""
+    from fastddpm.rundir.locate import WEIGHTS_LABELS
+
+    seen = ("not recorded (weights read from a diffusers folder)" if info.get("step") is None else
+            f"{info.get('images_seen') or 0:,} (step {info['step']})")
+    return f"- images seen: {seen}; weights: {WEIGHTS_LABELS[info.get('weights', 'ema')]}"
+
+
 def fid_lines(fid: dict | None, evaluated: dict | None) -> list[str]:
     """The card's FID lines, every format's: `fid`, the run's own evaluation of these weights
     (fid_of_these_weights); `evaluated`, `fastddpm eval`'s (eval_of_these_weights); or that none measured them."""
@@ -145,15 +155,12 @@ def model_card(cfg, info: dict, fid: dict | None, fmt: str, files: list[str], co
                evaluated: dict | None = None) -> str:
     """The card's text. `fid`: the run's own evaluation of these weights (fid_of_these_weights); `evaluated`:
     `fastddpm eval`'s (eval_of_these_weights)."""
-    from fastddpm.rundir.locate import WEIGHTS_LABELS
-
     m, d = cfg.model, cfg.diffusion
     inputs, sampler = _network_io(cfg)
     lines = [f"# fastddpm denoiser ({cfg.preset or 'custom'} preset)", "",
              f"- trained on: `{cfg.data.source}` ({m.image_channels}x{m.image_size}x{m.image_size} images)"
              + (f", {m.num_classes} classes: {', '.join(m.class_names)}" if m.conditional else ""),
-             f"- images seen: {info.get('images_seen') or 0:,} (step {info.get('step')}); weights: "
-             f"{WEIGHTS_LABELS[info.get('weights', 'ema')]}",
+             seen_line(info),
              (f"- diffusion: {d.num_timesteps} steps, {d.schedule} schedule, predicts {d.prediction} "
               "(schedule.json holds the betas)" if d.objective == "ddpm" else
               f"- diffusion: {d.objective} (schedule.json holds its parameters and the network's inputs)"),
