@@ -104,7 +104,7 @@ def test_fast_from_refuses_other_settings_and_needs_options(tmp_path, monkeypatc
         run_quality(QualitySettings(**{**base, "fast_max_images": 1024}, fast_from=earlier, options=("lr-x2",)),
                     tmp_path / "x", log=lambda m: None)
     # a result that recorded no data identity (written before it was): compared by the dataset's name
-    monkeypatch.setattr(quality, "_data_source", lambda s, out, log: (s.data, None))  # (no data is read here)
+    monkeypatch.setattr(quality, "_data_source", lambda s, cache_root, log: (s.data, None))  # (no data is read here)
     with pytest.raises(ConfigError, match=r"measured on --data fashion-mnist, this run has --data mnist"):
         run_quality(QualitySettings(**{**base, "data": "mnist"}, fast_from=earlier, options=("lr-x2",)),
                     tmp_path / "y", log=lambda m: None)
@@ -216,12 +216,12 @@ def test_a_capped_dataset_is_drawn_across_it_with_its_class_names(tmp_path, fmni
 
     source, classes = _sorted_by_class(tmp_path, fmnist_npz)
     s = QualitySettings(**dict(QUICK, num_images=64), data=str(source), device="cpu", quick=True)
-    path, identity = quality._data_source(s, tmp_path / "out", log=lambda m: None)
+    path, identity = quality._data_source(s, tmp_path / "cache", log=lambda m: None)
     subset = np.load(path)
     assert len(subset["y_train"]) == 64 and len(np.unique(subset["y_train"])) >= classes - 2
     assert list(subset["class_names"]) == [f"c{i}" for i in range(10)]
     assert identity["num_images"] == 256
-    again, _ = quality._data_source(s, tmp_path / "out", log=lambda m: None)
+    again, _ = quality._data_source(s, tmp_path / "cache", log=lambda m: None)
     assert again == path  # the same draw: a rerun reuses its finished runs
     # a quality.json of another draw of the same data (an earlier version took the first N) does not compare
     earlier = {"settings": {"data": str(source)}, "data_identity": identity,
@@ -307,3 +307,52 @@ def test_set_reaches_every_run_and_an_inception_file_is_named_as_set_before_any_
         run_quality(QualitySettings(**{**QUICK, "quick": True, "device": "cpu", "data": str(fmnist_npz),
                                        "reference_from": str(tmp_path / "b" / "quality.json")}),
                     tmp_path / "c", log=lambda m: None)
+
+
+def test_the_feature_network_is_trained_once_per_dataset_whatever_the_out_folder(tmp_path, fmnist_npz, monkeypatch):
+    """A --num-images draw was written into --out, so its cache, and the feature network keyed by it, were new for
+    every --out (each timestamped default): the network trained again (~130 s on a CPU) and each call scored its
+    FIDs in a network of its own. The draw is named by its content in the cache folder: the same images reuse the
+    network whatever the --out, other images train their own."""
+    import numpy as np
+    import torch
+
+    from fastddpm.eval import classifier
+    from fastddpm.eval.features import build_feature_net
+
+    monkeypatch.setenv("FASTDDPM_CACHE", str(tmp_path / "cache"))  # no network another test trained
+    trainings, nets = [], []
+    real = classifier.train_classifier
+
+    def counted(*args, **kwargs):
+        trainings.append(args[0].cache_path.name)
+        return real(*args, **kwargs)
+
+    def fake(name, cfg, out_dir, log):  # what a run's --eval-every builds, without training the run
+        net = build_feature_net(cfg.data, device=torch.device("cpu"), inception=None,
+                                cache_root=Path(cfg.data.cache_dir) if cfg.data.cache_dir else None,
+                                log=lambda m: None)
+        nets.append(net.identity)
+        return {"name": name, "run_dir": str(out_dir / name), "config": cfg.to_dict(), "evals": _evals([3.0], 256),
+                "final_fid": 3.0, "images_seen": 256, "train_wall_s": 1.0, "process_s": 2.0,
+                "images_per_s_last": 100.0}
+
+    monkeypatch.setattr(classifier, "train_classifier", counted)
+    monkeypatch.setattr(quality, "_train_run", fake)
+    base = dict(QUICK, device="cpu", quick=True, data=str(fmnist_npz), reference_only=True)
+    first = run_quality(QualitySettings(**base), tmp_path / "a", log=lambda m: None)
+    second = run_quality(QualitySettings(**base), tmp_path / "b", log=lambda m: None)
+    assert len(trainings) == 1 and nets[0] == nets[1]
+    assert first["data_source"] == second["data_source"]
+    assert not any(Path(first["data_source"]).is_relative_to(tmp_path / out) for out in ("a", "b"))
+    # the same command into the same --out reuses the draw as it is (rewritten, its new mtime retrained it)
+    run_quality(QualitySettings(**base, remeasure=True), tmp_path / "a", log=lambda m: None)
+    assert len(trainings) == 1 and nets[2] == nets[0]
+
+    data = np.load(fmnist_npz)
+    images = data["images"].copy()
+    images[::2] = 255 - images[::2]  # other pixels, the same labels
+    changed = tmp_path / "changed.npz"
+    np.savez(changed, images=images, labels=data["labels"])
+    third = run_quality(QualitySettings(**{**base, "data": str(changed)}), tmp_path / "c", log=lambda m: None)
+    assert len(trainings) == 2 and nets[3] != nets[0] and third["data_source"] != first["data_source"]

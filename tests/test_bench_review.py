@@ -62,11 +62,11 @@ def test_quality_capped_data_of_two_sources_gets_two_files(tmp_path):
         np.savez(path, x_train=rng.integers(0, 256, (80, 1, 28, 28), dtype=np.uint8),
                  y_train=rng.integers(0, 10, 80).astype(np.int64))
         sources.append(path)
-    out = tmp_path / "out"
-    out.mkdir()
-    got = [quality._data_source(QualitySettings(data=str(p), num_images=64), out, lambda m: None)[0] for p in sources]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    got = [quality._data_source(QualitySettings(data=str(p), num_images=64), cache, lambda m: None)[0] for p in sources]
     assert got[0] != got[1]
-    again = quality._data_source(QualitySettings(data=str(sources[0]), num_images=64), out, lambda m: None)[0]
+    again = quality._data_source(QualitySettings(data=str(sources[0]), num_images=64), cache, lambda m: None)[0]
     assert again == got[0]
     with np.load(got[0]) as a, np.load(sources[0]) as src:  # 64 of the source's images and labels, in its order
         rows = {img.tobytes(): i for i, img in enumerate(src["x_train"])}

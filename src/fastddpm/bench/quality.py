@@ -21,7 +21,9 @@ Time resolution is the evaluation interval (time-to-target is the first evaluati
 Writes OUT/quality.json, quality.md and quality.png; environment with every number. Each run is written to
 OUT/quality.partial.json as it finishes: the same command again into the same OUT (after a time limit cut a call
 short, say) reuses the runs finished there with the same config, device and torch, and trains the rest
-(--remeasure trains them all again).
+(--remeasure trains them all again). A --num-images draw is kept in the cache folder, named by its images: its
+feature network (trained once, ~130 s on a CPU) and reference statistics serve every call that draws them, whatever
+its --out.
 This module imports no torch at the top, so `fastddpm --help` stays fast.
 """
 
@@ -31,7 +33,9 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import os
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ from typing import Callable
 from fastddpm.bench import store
 from fastddpm.config import (CLI, DEFAULT_SAMPLER, ConfigError, RunConfig, apply_overrides, get_preset,
                              resolve_sampling)
-from fastddpm.data.cache import describe_identity, same_images
+from fastddpm.data.cache import default_cache_dir, describe_identity, same_images
 
 SCHEMA = "fastddpm-bench-quality-1"
 FAST_RECIPE = ("train.batch_size=512", "train.lr=4e-4", "train.warmup_images=50000", "train.ema_decay=0.999")
@@ -150,15 +154,15 @@ def _overrides(items) -> dict[str, str]:
     return out
 
 
-def _data_source(s: QualitySettings, out_dir: Path, log) -> tuple[str, dict]:
+def _data_source(s: QualitySettings, cache_root: Path, log) -> tuple[str, dict]:
     """The source the runs train on: s.data, or num_images of it (and a quarter as many of its test split, at
-    least 64), drawn across it, as an .npz; and the identity of s.data's training images (PreparedData.identity),
-    by which a reused result's data is compared."""
+    least 64), drawn across it, as an .npz in the cache folder (`cache_root`, the runs' data.cache_dir); and the
+    identity of s.data's training images (PreparedData.identity), by which a reused result's data is compared."""
     import numpy as np
 
     from fastddpm.data import DataError, prepare
 
-    train = prepare(s.data, split="train", progress=False)
+    train = prepare(s.data, split="train", cache_dir=cache_root, progress=False)
     classes = np.unique(train.labels[train.labels >= 0])
     if len(classes) < 2:
         raise ConfigError(f"bench quality --data {s.data}: "
@@ -179,21 +183,28 @@ def _data_source(s: QualitySettings, out_dir: Path, log) -> tuple[str, dict]:
     if train.class_names:
         arrays["class_names"] = np.array(train.class_names)
     try:
-        test = prepare(s.data, split="test", progress=False)
+        test = prepare(s.data, split="test", cache_dir=cache_root, progress=False)
         k = min(max(n // 4, 64), test.num_images)
         arrays.update(zip(("x_test", "y_test"), subset(test, k, seed=1)))
     except DataError:
         pass
-    # Named by its content: a run's config names its data by this path, and the runs an earlier call finished in
-    # this folder are reused when their config is equal, so another --data capped at the same count must not
-    # write (and reuse) the same path.
+    # Named by its content, beside the caches derived from it: its prepared cache, and so the feature network
+    # (cached by that cache's name and fingerprint, the file's path and mtime) and the reference statistics, are
+    # the same for every call that draws these images, whatever its --out (written into --out, each new folder
+    # trained the network again). Another --data capped at the same count names another file; an existing file is
+    # left as it is, since a rewrite's new mtime is a new fingerprint.
     digest = hashlib.sha256()
     for key in sorted(arrays):
         digest.update(f"{key}{arrays[key].dtype}{arrays[key].shape}".encode())
         digest.update(np.ascontiguousarray(arrays[key]).tobytes())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"data-n{n}-{digest.hexdigest()[:12]}.npz"
-    np.savez(path, **arrays)
+    path = cache_root / "subsets" / f"data-n{n}-{digest.hexdigest()[:12]}.npz"
+    if path.is_file():
+        log(f"data: {n:,} images of {s.data}, drawn across it: {path} (drawn before)")
+        return str(path), train.identity()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp.npz")  # whole, or not there
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
     log(f"data: {n:,} images of {s.data}, drawn across it -> {path}")
     return str(path), train.identity()
 
@@ -383,8 +394,10 @@ def run_quality(s: QualitySettings, out_dir: str | Path | None = None, *, argv: 
         log("note: CPU run: the numbers describe this CPU and a check of the pipeline, not GPU time-to-quality")
     for extra in (s.fast_overrides, *(OPTIONS[name] for name in s.options)):  # refused before any work
         _config(s, s.data, {**_overrides(s.fast_overrides), **_overrides(extra)})
-    _check_features(_config(s, s.data, {}), log)
-    source, identity = _data_source(s, out, log)
+    base_cfg = _config(s, s.data, {})
+    _check_features(base_cfg, log)
+    cache_root = Path(base_cfg.data.cache_dir) if base_cfg.data.cache_dir else default_cache_dir()
+    source, identity = _data_source(s, cache_root, log)
     make_writable_dir(out, flag="bench quality --out", fix=store.OUT_FIX)
     for flag, given in (("--fast-from", s.fast_from), ("--reference-from", s.reference_from)):
         if given is not None:  # before anything is trained
