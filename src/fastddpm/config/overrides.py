@@ -312,6 +312,10 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
                               f"U-Net), so model.family={family!r} cannot take its weights: drop --family {family} "
                               f"(the folder sets the architecture)")
         fields = folder_fields(folder)
+        if not fields["model.conditional"]:
+            # a model without a class embedding drops no labels: its config records none, not the label dropout
+            # of a class-conditional preset under it (cpu-demo-cond, the CPU's default), which it never reads
+            fields["train.cond_drop_prob"] = 0.0
         if _last_given(base_values, [], "model", "dropout", default=_NOT_GIVEN) is not _NOT_GIVEN:
             fields.pop("model.dropout", None)  # a config dict's own dropout: the run's choice, not the folder's
         cfg = _layered(cfg, [(f"--init-from {folder}", fields)])

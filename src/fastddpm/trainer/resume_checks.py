@@ -5,7 +5,7 @@ and what it leaves behind, set aside: a later branch's checkpoints and records.
 
 from __future__ import annotations
 
-from fastddpm.config import RUN_LENGTHS, ConfigError, DataConfig, RunConfig, get_preset
+from fastddpm.config import PRESETS, RUN_LENGTHS, ConfigError, DataConfig, RunConfig, get_preset
 from fastddpm.config.errors import CLI, Spelling
 from fastddpm.data.cache import describe_identity, same_images
 from fastddpm.rundir import metrics
@@ -133,6 +133,21 @@ def init_from_note(resumed: Checkpoint, cfg: RunConfig, said: Spelling = CLI) ->
     began = f"started from {own}" if own else "started from fresh weights"
     return [f"note: {said('init-from', given)} is not used when resuming: the run {began}, and its weights are "
             f"in {resumed.path} (to start a new run from {given}, give another {said('out')})"]
+
+
+def unconditional_init_note(cfg: RunConfig, said: Spelling = CLI) -> list[str]:
+    """A new run from a folder whose UNet2DModel has no class embedding, over a class-conditional preset (the
+    CPU's default, cpu-demo-cond): the folder sets the architecture, so the run trains an unconditional model,
+    which the preset's name would not say. Conditioning cannot be added to such weights: the embedding has no
+    rows to load."""
+    if not cfg.train.init_from or cfg.model.conditional or cfg.preset not in PRESETS \
+            or not get_preset(cfg.preset).model.conditional:
+        return []
+    return [f"note: {said('init-from', cfg.train.init_from)} holds an unconditional UNet2DModel (no num_class_embeds) "
+            f"and sets the model: this run trains an unconditional model, not the {cfg.preset} preset's "
+            "class-conditional one (config.json: model.conditional false, train.cond_drop_prob 0). For a "
+            f"class-conditional model, leave {said('init-from')} out, or start from a conditional model's folder "
+            "(`fastddpm export RUN --format diffusers` of a conditional run)"]
 
 
 def run_length(cfg: RunConfig, said: Spelling = CLI) -> str:

@@ -41,7 +41,7 @@ from fastddpm.distributed import DistInfo, any_rank, barrier, init_distributed, 
 from fastddpm.trainer.fast_path import FastPath, resolve_fast_path
 from fastddpm.trainer.loggers import check_loggers
 from fastddpm.trainer.resume_checks import (check_run_length, check_same_inputs, init_from_note, recipe_changes,
-                                            set_aside_the_abandoned)
+                                            set_aside_the_abandoned, unconditional_init_note)
 from fastddpm.trainer.state import TrainState
 
 
@@ -249,7 +249,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     if cfg.train.init_from and resumed is None:  # before the EMA copies the weights
         from fastddpm.diffusers_io import load_init
 
-        console(load_init(model, cfg, cfg.train.init_from))
+        console("\n".join([load_init(model, cfg, cfg.train.init_from), *unconditional_init_note(cfg, said)]))
     with stop.at_once("searching for the batch size (--batch-size auto)", console):  # trial steps, nothing written
         cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device,
                                                           console)
