@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastddpm.config import ConfigError
+from fastddpm.config import CLI, ConfigError, Spelling
 from fastddpm.diffusion import schedule_from_config
 from fastddpm.diffusion.ode_solvers import LAMBDA_MIN, first_timestep
 from fastddpm.config.diffusers_unet import (DIFFUSERS_VERSION, WEIGHTS, check_exportable, mismatch,
@@ -241,27 +241,28 @@ def _few_step_section(cfg) -> list[str]:
     return lines
 
 
-def load_init(model, cfg, folder: str | Path) -> str:
+def load_init(model, cfg, folder: str | Path, said: Spelling = CLI) -> str:
     """Put a diffusers UNet2DModel folder's weights (FOLDER/unet/ or FOLDER itself: config.json and
     diffusion_pytorch_model.safetensors, or the .bin of older diffusers) into `model`, a fresh run's DDPMUNet built
     from `cfg` (whose model options resolve_config took from the folder, unless the command line set them). A
-    ConfigError names the first detail that differs (a config switch, or a weight). Returns a line for the log."""
+    ConfigError names the first detail that differs (a config switch, or a weight), and the fix as the caller gives
+    it (`said`: the command's flags, or fastddpm.train's keywords). Returns a line for the log."""
     unet, theirs = read_unet_config(folder)
     check_exportable(cfg, f"--init-from {unet}")  # the families and switches that have a UNet2DModel equivalent
     differs = mismatch(theirs, cfg)
     if differs:
         hint = (" (the data's image side places the attention layers: the folder's sample_size is "
                 f"{theirs.get('sample_size')}, this run's {cfg.model.image_size})" if "block_types" in differs else "")
-        fix = ("leave the model options out of the command line: they are read from the folder, or set them to "
-               "match")
+        fix = (f"leave the model options out of {'fastddpm.train' if said.api else 'the command line'}: they are "
+               "read from the folder, or set them to match")
         if differs.startswith("num_class_embeds") and theirs.get("num_class_embeds") and cfg.model.conditional:
             # the rows come from the data's classes, which no model option on the command line sets
             n = theirs["num_class_embeds"]
             fix = (f"fastddpm's class embedding has a row per class of the data and one for the null class: the "
                    f"folder's model has {n - 1} classes and this run's data {cfg.model.num_classes}; train on data "
                    f"of {n - 1} classes")
-        raise ConfigError(f"--init-from {unet / 'config.json'}: {differs}{hint}; the two would not compute the same "
-                          f"function ({fix})")
+        raise ConfigError(f"{said('init-from', str(unet / 'config.json'))}: {differs}{hint}; the two would not "
+                          f"compute the same function ({fix})")
     model.load_state_dict(from_diffusers_state_dict(model, read_weights(weights_file(unet)),
                                                     flip_sin_to_cos=bool(theirs["flip_sin_to_cos"])))
     return "\n".join([f"init: weights of the diffusers UNet2DModel in {unet}", *_other_task(cfg, folder)])

@@ -171,9 +171,10 @@ def _list_classes(names: tuple[str, ...]) -> str:
     return ", ".join(f"{i} {n!r}" for i, n in enumerate(names))
 
 
-def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) -> None:
-    """Resuming with a different model or diffusion process cannot be exact: name the field that changed."""
-    _check_same_betas(saved.diffusion, current.diffusion, path)
+def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path, said: Spelling = CLI) -> None:
+    """Resuming with a different model or diffusion process cannot be exact: name the field that changed, and the
+    fix as the caller gives it (`said`: the command's flags, or fastddpm.train's arguments)."""
+    _check_same_betas(saved.diffusion, current.diffusion, path, said)
     for section in ("model", "diffusion"):
         a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(current, section))
         for key in a:
@@ -182,19 +183,24 @@ def check_same_architecture(saved: RunConfig, current: RunConfig, path: Path) ->
             if a[key] != b[key]:
                 raise ConfigError(
                     f"cannot resume from {path}: {section}.{key} was {a[key]!r} in the checkpoint but is {b[key]!r} "
-                    f"now{_preset_says(current, section, key)}; drop the change, or start a new run directory"
+                    f"now{_preset_says(current, section, key, said)}; drop the change, or start a new run directory"
                 )
 
 
-def _preset_says(current: RunConfig, section: str, key: str) -> str:
+def _preset_says(current: RunConfig, section: str, key: str, said: Spelling = CLI) -> str:
     """Where the new value is the preset's: a resume given --preset starts from the preset, not from the run's own
-    config, so a value the user never typed differs (the run's --objective flow against the preset's ddpm)."""
+    config, so a value the user never typed differs (the run's --objective flow against the preset's ddpm).
+    fastddpm.train takes the preset as its first argument (a preset= keyword is refused), which `said.api` names."""
     from fastddpm.config.presets import PRESETS
 
     make = PRESETS.get(current.preset or "")
     value = getattr(getattr(make(), section), key, _NOWHERE) if make is not None else _NOWHERE
     if value is _NOWHERE or value != getattr(getattr(current, section), key):
         return ""
+    if said.api:
+        return (f" ({value!r} is the {current.preset} preset's value: where a preset is given (fastddpm.train's first "
+                "argument, or a config file's `preset`), a resume starts from the preset's values, not the run's; "
+                "without one, fastddpm.train(out=..., resume='latest') goes on with the run's own)")
     return (f" ({value!r} is the {current.preset} preset's value: where --preset is given, a resume starts from the "
             "preset's values, not the run's; without --preset it goes on with the run's own)")
 
@@ -202,14 +208,16 @@ def _preset_says(current: RunConfig, section: str, key: str) -> str:
 _NOWHERE = object()
 
 
-def _check_same_betas(saved, current, path: Path) -> None:
+def _check_same_betas(saved, current, path: Path, said: Spelling = CLI) -> None:
     """The linear schedule's betas as they come out (unset and Ho et al.'s written out are the same at T = 1000).
     A run saved with betas written out at another T trained them unscaled: name the flags that resume it."""
     if saved.schedule != "linear" or current.schedule != "linear" or saved.num_timesteps != current.num_timesteps:
         return  # the schedule or T differs: the field comparison names it
     was, now = saved.linear_beta_range(), current.linear_beta_range()
     if was != now:
+        betas = (f"beta_start={was[0]:g}, beta_end={was[1]:g}" if said.api else
+                 f"--beta-start {was[0]:g} --beta-end {was[1]:g}")
         raise ConfigError(
             f"cannot resume from {path}: its linear betas run from {was[0]:g} to {was[1]:g} and this run's from "
-            f"{now[0]:g} to {now[1]:g} (unset, they are Ho et al.'s scaled by 1000 / T): resume with --beta-start "
-            f"{was[0]:g} --beta-end {was[1]:g}, or start a new run directory")
+            f"{now[0]:g} to {now[1]:g} (unset, they are Ho et al.'s scaled by 1000 / T): resume with {betas}, or "
+            "start a new run directory")

@@ -23,15 +23,19 @@ def check_same_inputs(resumed: Checkpoint, cfg: RunConfig, identity: dict, log, 
     was_seed = resumed.config.train.seed
     if was_seed != cfg.train.seed:
         preset = cfg.preset is not None and cfg.preset != resumed.config.preset
+        # fastddpm.train takes the preset as its first argument (a preset= keyword is refused)
+        given = ("fastddpm.train's first argument or a config file's `preset`" if said.api else
+                 "from the command line or a config file")
         raise ConfigError(
             f"cannot resume from {resumed.path}: train.seed was {was_seed} in the checkpoint but is {cfg.train.seed} "
             f"now; every step's data order, timesteps and noise come from the seed. "
-            + (f"A --preset (here {cfg.preset}, from the command line or a config file) replaces the run's whole "
+            + (f"A {'preset' if said.api else '--preset'} (here {cfg.preset}, {given}) replaces the run's whole "
                f"config on resume, its seed and data included: resume without it, or start a new run directory"
                if preset else
                f"Pass {said('seed', was_seed)} (or resume without {said('seed')}"
-               + (f" and without --preset {cfg.preset}: a preset given on resume replaces the run's whole config, its "
-                  f"seed included" if _presets_seed(cfg) else "") + "), or start a new run directory"))
+               + (f" and without {'the preset ' + repr(cfg.preset) if said.api else '--preset ' + cfg.preset}: a "
+                  "preset given on resume replaces the run's whole config, its seed included"
+                  if _presets_seed(cfg) else "") + "), or start a new run directory"))
     was_flip = resumed.config.data.hflip
     if was_flip != cfg.data.hflip:  # an augmentation switched on or off: the run goes on, no longer as it began
         log(f"note: data.hflip was {'on' if was_flip else 'off'} in the checkpoint's run and is "

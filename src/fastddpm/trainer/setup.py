@@ -249,7 +249,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resume: str | Path | Checkpoint | No
     if cfg.train.init_from and resumed is None:  # before the EMA copies the weights
         from fastddpm.diffusers_io import load_init
 
-        console("\n".join([load_init(model, cfg, cfg.train.init_from), *unconditional_init_note(cfg, said)]))
+        console("\n".join([load_init(model, cfg, cfg.train.init_from, said), *unconditional_init_note(cfg, said)]))
     with stop.at_once("searching for the batch size (--batch-size auto)", console):  # trial steps, nothing written
         cfg, batch_note, batch_fixed = _settle_batch_size(cfg, model, schedule, precision, data, dist, device,
                                                           console)
@@ -507,7 +507,7 @@ def _find_resume(rd: RunDir, resume, cfg: RunConfig, data, identity: dict, dist:
         resumed.check_resumable(sharded_run=fsdp)
         check_same_inputs(resumed, cfg, identity, log, said)
         check_same_architecture(resolve_model_shape(resumed.config, data.images.shape, new_model=False),
-                                _resolve_from_data(_the_runs_class_names(cfg, resumed), data), resumed.path)
+                                _resolve_from_data(_the_runs_class_names(cfg, resumed), data), resumed.path, said)
     return resumed
 
 

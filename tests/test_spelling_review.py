@@ -1,0 +1,79 @@
+"""Refusals of a run whose architecture differs (a resume's, --init-from's) name the fix as the caller gives it: the
+command's flags to `fastddpm train`, fastddpm.train's arguments to the Python API (it takes the preset as its first
+argument and refuses a preset= keyword)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fastddpm
+from conftest import TINY_DDPM
+from fastddpm.cli import main
+from fastddpm.config import ConfigError, DiffusionConfig, ModelConfig, RunConfig
+from fastddpm.diffusers_io import write_folder
+from fastddpm.models import build_unet
+
+SMALL = dict(num_sample_images=4, sample_steps=2, batch_size=8, progress=False, log=None)
+SMALL_FLAGS = ["--num-sample-images", "4", "--sample-steps", "2", "--batch-size", "8", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def rgb_npz(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("rgb") / "rgb32.npz"
+    np.savez(path, images=rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8), labels=rng.integers(0, 2, 16))
+    return path
+
+
+def test_a_resume_whose_architecture_or_seed_differs_names_the_preset_as_the_caller_gives_it(tmp_path, rgb_npz,
+                                                                                               capsys):
+    """fastddpm.train(PRESET, resume='latest') was told `--preset`, `--beta-start`, flags it has no way to give."""
+    run = tmp_path / "run"
+    fastddpm.train("tiny", out=run, data=str(rgb_npz), max_steps=1, seed=5, beta_end=0.01, attention=False, **SMALL)
+
+    def api(**over):
+        with pytest.raises(ConfigError) as e:
+            fastddpm.train("tiny", out=run, data=str(rgb_npz), resume="latest", max_steps=2, **SMALL, **over)
+        assert "--" not in str(e.value).replace(str(tmp_path), "")
+        return str(e.value)
+
+    def cli(*flags):
+        assert main(["train", "--preset", "tiny", "--out", str(run), "--data", str(rgb_npz), "--resume", "latest",
+                     "--max-steps", "2", *SMALL_FLAGS, *flags]) == 2
+        return capsys.readouterr().err
+
+    assert ("Pass seed=5 (or resume without seed and without the preset 'tiny': a preset given on resume replaces "
+            "the run's whole config, its seed included)") in api()
+    assert "Pass --seed 5 (or resume without --seed and without --preset tiny: a preset" in cli()
+    assert "resume with beta_start=0.0001, beta_end=0.01, or start a new run directory" in api(seed=5)
+    assert "resume with --beta-start 0.0001 --beta-end 0.01, or start" in cli("--seed", "5")
+    said = api(seed=5, beta_end=0.01)
+    assert "model.attention was False in the checkpoint but is True now (True is the tiny preset's value" in said
+    assert ("where a preset is given (fastddpm.train's first argument, or a config file's `preset`), a resume starts "
+            "from the preset's values, not the run's; without one, fastddpm.train(out=..., resume='latest') goes on "
+            "with the run's own)") in said
+    assert ("where --preset is given, a resume starts from the preset's values, not the run's; without --preset it "
+            "goes on with the run's own)") in cli("--seed", "5", "--beta-end", "0.01")
+
+
+def test_an_init_from_folder_of_another_width_names_init_from_as_the_caller_gives_it(tmp_path, rgb_npz, capsys):
+    over = {k.split(".", 1)[1]: v for k, v in TINY_DDPM.items()}
+    over.update(image_channels=3, image_size=32)
+    cfg = RunConfig(model=ModelConfig(**over), diffusion=DiffusionConfig())
+    torch.manual_seed(0)
+    folder = tmp_path / "folder"
+    write_folder(build_unet(cfg.model).eval(), cfg, folder)
+    with pytest.raises(ConfigError) as e:
+        fastddpm.train("tiny", out=tmp_path / "a", data=str(rgb_npz), init_from=str(folder), base_channels=32,
+                       max_steps=1, **SMALL)
+    assert str(e.value).startswith(f"init_from={str(folder / 'unet' / 'config.json')!r}: block_out_channels is "
+                                   "[16, 32] there and [32, 64] in this run's model")
+    assert str(e.value).endswith("(leave the model options out of fastddpm.train: they are read from the folder, or "
+                                 "set them to match)")
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "b"), "--data", str(rgb_npz), "--init-from",
+                 str(folder), "--base-channels", "32", "--max-steps", "1", *SMALL_FLAGS]) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {folder / 'unet' / 'config.json'}: block_out_channels is [16, 32] there" in err
+    assert "(leave the model options out of the command line: they are read from the folder" in err
