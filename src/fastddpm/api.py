@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastddpm.config import (API, PRESETS, SPACINGS, ConfigError, RunConfig, check_keyword_types, default_preset,
-                             load_config_file, not_a_number, resolve_config)
+                             device_setting, load_config_file, not_a_number, resolve_config)
 
 __all__ = ["train", "load", "evaluate", "Model"]
 
@@ -179,7 +179,9 @@ def train(config: str | Path | RunConfig | dict | None = None, *, out: str | Pat
     # is the job's own, and its device is the rank's (fastddpm.distributed.init_distributed).
     from fastddpm.device import resolve_device
 
-    device = resolve_device(cfg.train.device)[0]
+    # a config file's device is named by the file in errors (the run resolves it again, knowing no file)
+    device = resolve_device(cfg.train.device, setting=device_setting(cfg, config if isinstance(config, (str, Path))
+                                                                     else None))[0]
     forked = [device] if device.type == "cuda" and os.environ.get("WORLD_SIZE") is None else []
     with torch.random.fork_rng(devices=forked):
         # the checkpoint found above, not a second search (which could find another and warns twice)

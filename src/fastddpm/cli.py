@@ -20,7 +20,7 @@ from pathlib import Path
 from fastddpm import __version__
 from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
                              RunConfig, TrainConfig, class_index, class_slug, default_preset, default_spacing,
-                             flag_name, load_config_file, preset_summaries, resolve_config)
+                             device_setting, flag_name, load_config_file, preset_summaries, resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -288,6 +288,10 @@ def cmd_train(args, dests) -> int:
         run_dir = Path(args.out) if args.out is not None else None
         resumed = find_resume(run_dir if run_dir is not None else Path.cwd(), args.resume)
         cfg = resolve_train_config(args, dests, resumed=resumed.config if resumed else None)
+        if not args.print_config:  # a config file's device, named by the file (the run knows no file)
+            from fastddpm.device import resolve_device
+
+            resolve_device(cfg.train.device, setting=device_setting(cfg, args.config))
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0

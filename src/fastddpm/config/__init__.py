@@ -21,7 +21,7 @@ No module here imports any other part of fastddpm: every package may import the 
 
 from fastddpm.config.errors import API, CLI, Spelling
 from fastddpm.config.keywords import check_keyword_types
-from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, field_types, from_dict,
+from fastddpm.config.overrides import (RUN_LENGTHS, apply_overrides, coerce, device_setting, field_types, from_dict,
                                        load_config_file, positive_int, qualify, resolve_config, save_config)
 from fastddpm.config.presets import PRESETS, default_preset, get_preset, preset_summaries
 from fastddpm.config.reference import flag_name, reference_markdown
@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_SAMPLER_STEPS", "default_spacing", "resolve_sampling",
     "PRESETS", "default_preset", "get_preset", "preset_summaries",
     "resolve_config", "apply_overrides", "qualify", "RUN_LENGTHS", "coerce", "field_types", "load_config_file",
+    "device_setting",
     "from_dict", "save_config", "positive_int", "check_keyword_types",
     "resolve_model_shape", "resolve_classes", "class_index", "class_slug", "not_a_number",
     "check_same_architecture",

@@ -464,6 +464,16 @@ def _last_given(file_values: dict, layers: list[tuple[str, dict[str, Any]]], sec
     return value
 
 
+def device_setting(cfg: RunConfig, file: str | Path | None) -> str:
+    """How an error of the run's device names it: by the config `file` and key where the device is the file's (no
+    flag, --set or keyword replaced it), else as the field, train.device. The device is resolved where the run
+    starts, which knows no file: a `device: cuda` on a machine without one had been refused naming no file."""
+    if file is None or Path(file).suffix.lower() not in (".yaml", ".yml", ".json"):
+        return "train.device"
+    given = _last_given(load_config_file(file), [], "train", "device")
+    return f"config file {file}: train.device" if given is not None and given == cfg.train.device else "train.device"
+
+
 def _init_from(cfg: RunConfig, file_values: dict, layers: list[tuple[str, dict[str, Any]]]) -> str | None:
     """train.init_from as the layers leave it: the last layer's, else the file's, else `cfg`'s."""
     given = _last_given(file_values, layers, "train", "init_from", default=_NOT_GIVEN)
