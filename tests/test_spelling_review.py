@@ -77,3 +77,21 @@ def test_an_init_from_folder_of_another_width_names_init_from_as_the_caller_give
     err = capsys.readouterr().err
     assert f"--init-from {folder / 'unet' / 'config.json'}: block_out_channels is [16, 32] there" in err
     assert "(leave the model options out of the command line: they are read from the folder" in err
+
+
+def test_an_inception_file_given_by_set_is_named_as_set_as_typed(tmp_path, rgb_npz, capsys):
+    """`train --set train.eval_inception=BAD` was told `--eval-inception BAD: no such file ... (--eval-inception auto
+    instead ...)`, a flag never typed; the flag itself, or one over the --set, is still named as the flag."""
+    missing = tmp_path / "no-such.pth"
+    argv = ["train", "--preset", "tiny", "--data", str(rgb_npz), "--max-steps", "1", "--eval-every", "16",
+            *SMALL_FLAGS]
+    for key in ("train.eval_inception", "eval_inception"):
+        assert main([*argv, "--out", str(tmp_path / "a"), "--set", f"{key}={missing}"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --set {key}={missing}: no such file" in err
+        assert f"(--set {key}=auto instead finds or downloads" in err and "--eval-inception" not in err
+    assert main([*argv, "--out", str(tmp_path / "a"), "--set", f"eval_inception={tmp_path / 'other.pth'}",
+                 "--eval-inception", str(missing)]) == 2  # the flag wins over --set, and is named
+    err = capsys.readouterr().err
+    assert f"error: --eval-inception {missing}: no such file" in err and "--set" not in err
+    assert not (tmp_path / "a").exists()

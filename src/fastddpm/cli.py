@@ -18,9 +18,10 @@ import warnings
 from pathlib import Path
 
 from fastddpm import __version__
-from fastddpm.config import (PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP, ConfigError,
-                             RunConfig, TrainConfig, class_index, class_slug, default_preset, default_spacing,
-                             device_setting, flag_name, load_config_file, preset_summaries, resolve_config)
+from fastddpm.config import (CLI, PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIONS, SPACINGS, STEPS_HELP,
+                             ConfigError, RunConfig, Spelling, TrainConfig, class_index, class_slug, default_preset,
+                             default_spacing, device_setting, flag_name, load_config_file, preset_summaries, qualify,
+                             resolve_config)
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -270,6 +271,20 @@ def resolve_train_config(args, dests: dict, resumed: RunConfig | None = None) ->
                           resumed=resumed)
 
 
+def _spelling(args, dests: dict) -> Spelling:
+    """How train's errors name a setting: by the `--set KEY` typed where --set alone gave it (no flag over it), else
+    by its flag. `--set train.eval_inception=BAD` had been named as --eval-inception, a flag never typed."""
+    flagged = {dests[dest] for dest in dests if getattr(args, dest) is not None}
+    fields = {(section, f.name): f for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    said = CLI
+    for item in args.overrides:  # each SECTION.FIELD=VALUE, as resolve_train_config has checked
+        key = item.split("=", 1)[0]
+        section, name = qualify(key, "--set").split(".", 1)
+        if (section, name) in fields and (section, name) not in flagged:
+            said = said.setting(flag_name(fields[section, name])[2:], key)
+    return said
+
+
 def cmd_train(args, dests) -> int:
     import json
 
@@ -296,7 +311,8 @@ def cmd_train(args, dests) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     try:
-        train(cfg, out_dir=run_dir, resume=resumed if resumed is not None else args.resume)
+        train(cfg, out_dir=run_dir, resume=resumed if resumed is not None else args.resume,
+              said=_spelling(args, dests))
     except TrainingInterrupted as e:
         return e.exit_code
     except CudaGraphCaptureError as e:

@@ -35,9 +35,12 @@ class Spelling:
 
     def __call__(self, name: str, *value) -> str:
         """`name` as a flag is spelt (`num-images`), with its value when one is given."""
-        if not self.api and name in self.sets:
-            return f"--set {self.sets[name]}" + (f"={value[0]}" if value else "")
-        name = self.names.get(name, name)
+        name, given = self.names.get(name, name), name
+        # by the name the code gives or the one the caller takes it as: train's `--set train.eval_inception=PATH` is
+        # the `inception` its evaluator names
+        for key in (given, name):
+            if not self.api and key in self.sets:
+                return f"--set {self.sets[key]}" + (f"={value[0]}" if value else "")
         if not self.api:
             return f"--{name}" + (f" {value[0]}" if value else "")
         return self._API_NAMES.get(name, name.replace("-", "_")) + (f"={value[0]!r}" if value else "")
