@@ -76,7 +76,7 @@ def test_a_setting_of_another_objective_is_refused_not_ignored(tmp_path):
         resolve_train_config(*_args(["--out", "r", "--preset", "cpu-demo", "--set", "diffusion.num_timesteps=500"]))
     # and the other way round: each continuous objective's own knobs on another objective
     with pytest.raises(ConfigError, match=r"flow_shift=3.0 \(fastddpm.train\) is a flow-matching setting, and this "
-                                          r"run's objective is ddpm.*add --objective flow"):
+                                          r"run's objective is ddpm.*add objective='flow'"):
         _config("cpu-demo", {"objective": "ddpm", "flow_shift": 3.0})
     with pytest.raises(ConfigError, match=r"edm_p_mean=-0.4 \(fastddpm.train\) is an EDM setting.*objective is flow"):
         _config("cpu-demo", {"edm_p_mean": -0.4})

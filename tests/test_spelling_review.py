@@ -95,3 +95,20 @@ def test_an_inception_file_given_by_set_is_named_as_set_as_typed(tmp_path, rgb_n
     err = capsys.readouterr().err
     assert f"error: --eval-inception {missing}: no such file" in err and "--set" not in err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"objective": "ddpm", "flow_shift": 3.0}, "add objective='flow' to train a flow-matching model with it"),
+    ({"objective": "ddpm", "schedule": "cosine", "beta_end": 0.01}, "add schedule='linear' to train with it"),
+    ({"dropout": 0.1}, "train a ddpm-family U-Net with it (family='ddpm', or the preset 'ddpm-cifar10' / "
+                       "'ddpm-rgb64' as fastddpm.train's first argument), or leave it out"),
+    ({"cond_drop_prob": 0.2}, "add conditional=True (on labelled data) to train a class-conditional model"),
+    ({"class_names": ("a", "b")}, "add conditional=True (on labelled data) to train a class-conditional model "
+                                  "with them, or leave class_names out"),
+], ids=["objective", "schedule", "family", "cond-drop-prob", "class-names"])
+def test_a_setting_the_run_would_ignore_names_the_fix_as_fastddpm_train_takes_it(tmp_path, given, says):
+    """A keyword fastddpm.train's run would not read (another objective's, family's, a conditional model's) was
+    refused naming the fix as the command's flag (--objective flow, --preset ddpm-cifar10, --conditional)."""
+    with pytest.raises(ConfigError) as e:
+        fastddpm.train("tiny", out=tmp_path / "run", log=None, **given)
+    assert says in str(e.value) and "--" not in str(e.value) and not (tmp_path / "run").exists()

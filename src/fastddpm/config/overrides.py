@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable
 
+from fastddpm.config.errors import API, CLI, Spelling
 from fastddpm.config.model_checks import FAMILY_ONLY
 from fastddpm.config.presets import PRESETS, get_preset
 from fastddpm.config.schema import SECTIONS, ConfigError, RunConfig
@@ -369,17 +370,18 @@ def _refuse_conditional_only(cfg: RunConfig, layers: list[tuple[str, dict[str, A
         found["model.class_names"] = _last_given(spelt, [], "model", "class_names", _NOT_GIVEN)
         given.append((source, {k: v for k, v in found.items() if v is not _NOT_GIVEN}))
     for source, values in given:
+        conditional = "conditional=True" if _said(source).api else "--conditional"
         if values.get("model.class_names"):  # names for classes an unconditional model does not have
             raise ConfigError(
                 f"model.class_names={values['model.class_names']!r} ({source}) names a conditional model's classes, "
-                f"and this run's model is unconditional, so they would be ignored: add --conditional (on labelled "
-                f"data) to train a class-conditional model with them, or leave --class-names out")
+                f"and this run's model is unconditional, so they would be ignored: add {conditional} (on labelled "
+                f"data) to train a class-conditional model with them, or leave {_said(source)('class-names')} out")
         for name in _CONDITIONAL_ONLY:
             key = f"train.{name}"
             if key in values and coerce(values[key], float, key) not in (getattr(defaults, name), 0.0):
                 raise ConfigError(
                     f"{key}={values[key]!r} ({source}) is a conditional model's setting, and this run's model is "
-                    f"unconditional, so it would be ignored: add --conditional (on labelled data) to train a "
+                    f"unconditional, so it would be ignored: add {conditional} (on labelled data) to train a "
                     f"class-conditional model with it, or leave it out")
 
 
@@ -393,6 +395,12 @@ def _file_length_replaces(file, values: dict[str, Any]) -> dict[str, Any]:
     if not given & set(RUN_LENGTHS):
         return values
     return {**values, **{f"train.{name}": None for name in RUN_LENGTHS if name not in given}}
+
+
+def _said(source: str) -> Spelling:
+    """How a refusal of the layer `source` names its fix: by fastddpm.train's keywords for its own layers (its
+    keywords, a config dict), else by the command's flags."""
+    return API if source in ("fastddpm.train", "config dict") else CLI
 
 
 # the diffusion fields that only one objective reads (the others' noise levels are their own process)
@@ -413,8 +421,9 @@ def _refuse_other_objectives(cfg: RunConfig, layers: list[tuple[str, dict[str, A
             if owner != objective and f"diffusion.{name}" in values:
                 raise ConfigError(
                     f"diffusion.{name}={values[f'diffusion.{name}']!r} ({source}) is {_OBJECTIVE_NAMES[owner][0]}, "
-                    f"and this run's objective is {objective}, so it would be ignored: add --objective {owner} to "
-                    f"train {_OBJECTIVE_NAMES[owner][1]} with it, or leave it out")
+                    f"and this run's objective is {objective}, so it would be ignored: add "
+                    f"{_said(source)('objective', owner)} to train {_OBJECTIVE_NAMES[owner][1]} with it, or leave it "
+                    "out")
 
 
 def _refuse_unread_betas(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
@@ -430,7 +439,7 @@ def _refuse_unread_betas(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]
                 raise ConfigError(
                     f"diffusion.{name}={value!r} ({source}) sets the linear schedule's betas, and this run's "
                     f"schedule is {cfg.diffusion.schedule}, which computes its own, so it would be ignored: add "
-                    f"--schedule linear to train with it, or leave it out")
+                    f"{_said(source)('schedule', 'linear')} to train with it, or leave it out")
 
 
 def _refuse_other_families(cfg: RunConfig, layers: list[tuple[str, dict[str, Any]]]) -> None:
@@ -443,10 +452,14 @@ def _refuse_other_families(cfg: RunConfig, layers: list[tuple[str, dict[str, Any
         for name, owner in FAMILY_ONLY.items():
             if owner != family and f"model.{name}" in values:
                 presets = [preset for preset in PRESETS if get_preset(preset).model.family == owner]
+                said = _said(source)
+                # fastddpm.train takes the preset as its first argument (a preset= keyword is refused)
+                preset = (f"the preset {' / '.join(map(repr, presets))} as fastddpm.train's first argument"
+                          if said.api else f"--preset {' / '.join(presets)}")
                 raise ConfigError(
                     f"model.{name}={values[f'model.{name}']!r} ({source}) is read only by the {owner} family's U-Net, "
                     f"and this run's model.family is {family}, so it would be ignored: train a {owner}-family U-Net "
-                    f"with it (--family {owner}, or --preset {' / '.join(presets)}), or leave it out")
+                    f"with it ({said('family', owner)}, or {preset}), or leave it out")
 
 
 _NOT_GIVEN = object()
