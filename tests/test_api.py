@@ -295,7 +295,8 @@ def test_a_path_that_is_none_empty_or_no_path_is_named_with_what_to_pass(tmp_pat
     as the run's folder."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=rf"^fastddpm.load: path={value!r} is not a path: pass a run directory, "
-                                          r"a checkpoint file or a safetensors export, as a str or a pathlib.Path$"):
+                                          r"a checkpoint file, a safetensors export or a diffusers folder, as a str "
+                                          r"or a pathlib.Path$"):
         fastddpm.load(value)
     with pytest.raises(ConfigError, match=rf"^evaluate: path={value!r} is not a path: pass a run directory"):
         fastddpm.evaluate(value)
