@@ -22,6 +22,7 @@ from fastddpm.config import (CLI, PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIO
                              ConfigError, RunConfig, Spelling, TrainConfig, class_index, class_slug, default_preset,
                              default_spacing, device_setting, flag_name, load_config_file, preset_summaries, qualify,
                              resolve_config)
+from fastddpm.pipes import EXIT_READER_GONE, silence_closed_streams
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -42,7 +43,8 @@ Examples:
 
 Run directory: config.json, run.json, metrics.jsonl, checkpoints/ckpt_<step>.pt (+ .sha256),
 ema.safetensors (EMA weights), samples/grid_<images>.png and samples/final.png.
-Exit codes: 0 done, 2 bad input or config, 130 SIGINT / 143 SIGTERM (after writing a checkpoint).
+Exit codes: 0 done, 2 bad input or config, 130 SIGINT / 143 SIGTERM / 141 the reader of stdout or stderr left
+(`| head`), each after writing a checkpoint.
 """
 
 
@@ -310,6 +312,10 @@ def cmd_train(args, dests) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    # each line of the log as it is written, in a pipe too (`| tee run.log`, `| head -8`), not 8 KiB at a time:
+    # a run's few lines would otherwise wait for its end, and a reader that left be found only then
+    if hasattr(sys.stdout, "reconfigure"):  # a TextIOWrapper (a notebook's stream, main() called there, is not)
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         train(cfg, out_dir=run_dir, resume=resumed if resumed is not None else args.resume,
               said=_spelling(args, dests))
@@ -436,6 +442,22 @@ def class_tag(model_cfg, wanted: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command, ended quietly with 141 when the reader of its output leaves (`fastddpm ... | head`), as `cat`
+    ends: no traceback, nothing more written (a training run stops at its step's end with a checkpoint first)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # what is still buffered (argparse's --help, a command's last lines) is written here, where a reader
+            # that left is caught, not by the interpreter's exit ("Exception ignored ... BrokenPipeError")
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not silence_closed_streams():
+            raise  # another pipe (a subprocess's) broke: not the reader of this command's output
+        return EXIT_READER_GONE
+
+
+def _main(argv: list[str] | None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)  # --help answers here, before anything imports torch
     if args.command is None:
@@ -454,23 +476,6 @@ def main(argv: list[str] | None = None) -> int:
         # line, as a shell tool ends, not Python's traceback of wherever the signal landed (a convolution, say)
         print(f"\nfastddpm {args.command}: stopped by Ctrl-C", file=sys.stderr)
         return 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C ended
-    except BrokenPipeError:  # `fastddpm data info X | head`: the reader left; end quietly, as `cat` does
-        if not _stdout_closed():
-            raise  # another pipe (a subprocess's) broke: not the reader of this command's output
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
-        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
-
-
-def _stdout_closed() -> bool:
-    """Whether standard output is a pipe whose reader is gone (poll says POLLERR on its write end)."""
-    import select
-
-    try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
-    except (OSError, ValueError, AttributeError):  # no poll, no descriptor: not known to be closed
-        return False
 
 
 @contextlib.contextmanager

@@ -432,11 +432,12 @@ def run_bench(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, TrainingInterrupted) as e:
         # Ctrl-C, or a signal a training run (bench quality's) stopped at: Python's traceback said nothing of what
         # was kept or how to go on, and the run's own line named train's --resume, which no bench takes
-        code = getattr(e, "exit_code", 130)  # 128 + SIGINT (or SIGTERM), what a shell reports
+        code = getattr(e, "exit_code", 130)  # 128 + SIGINT (or SIGTERM, SIGPIPE), what a shell reports
         where = f"--out {args.out}" if args.out else "its --out folder (RUN_DIR/bench-samplers)"
         again = " (the training run it stopped is trained again from its start)" if isinstance(
             e, TrainingInterrupted) else ""
-        print(f"\nbench {args.bench_command}: stopped by {'Ctrl-C' if code == 130 else 'SIGTERM'}; what was measured "
+        cause = {130: "Ctrl-C", 143: "SIGTERM"}.get(code, "the closed pipe its output went to")
+        print(f"\nbench {args.bench_command}: stopped by {cause}; what was measured "
               f"before it is kept in {where}, and the same command with that --out goes on from there, reusing it"
               f"{again}", file=sys.stderr)
         return code

@@ -25,6 +25,7 @@ from typing import Callable, NoReturn
 import torch
 
 from fastddpm.config import CLI, ConfigError, RunConfig, Spelling
+from fastddpm.pipes import EXIT_READER_GONE, ReaderWatch
 from fastddpm.progress import progress_bar
 from fastddpm.rundir.files import rank_0_by_env
 from fastddpm.rundir.locate import Checkpoint
@@ -42,19 +43,25 @@ EXIT_SIGTERM, EXIT_SIGINT = 143, 130
 
 
 class TrainingInterrupted(Exception):
-    """Raised after a SIGTERM/SIGINT once the checkpoint is written; `exit_code` is 143 or 130. `checkpoint` is
-    None where the signal stopped the set-up, before the first step: nothing was trained, nothing written."""
+    """Raised after a SIGTERM/SIGINT (or the reader of stdout or stderr leaving) once the checkpoint is written;
+    `exit_code` is 143, 130 (or 141). `checkpoint` is None where the stop came in the set-up, before the first
+    step: nothing was trained, nothing written."""
 
     def __init__(self, exit_code: int, checkpoint: Path | None):
-        super().__init__(f"stopped by signal; checkpoint {checkpoint}" if checkpoint is not None else
-                         "stopped by signal during the set-up, before the first step: nothing was saved")
+        cause = _cause(exit_code)
+        super().__init__(f"stopped by {cause}; checkpoint {checkpoint}" if checkpoint is not None else
+                         f"stopped by {cause} during the set-up, before the first step: nothing was saved")
         self.exit_code = exit_code
         self.checkpoint = checkpoint
 
 
+def _cause(exit_code: int | None) -> str:
+    return "the closed pipe its output went to" if exit_code == EXIT_READER_GONE else "signal"
+
+
 class _StoppedAtOnce(BaseException):
-    """Raised by the signal handler inside `_StopFlag.at_once` (a BaseException, as KeyboardInterrupt is: an
-    `except Exception` in the set-up must not swallow it)."""
+    """Raised by the signal handler (or the print that finds the reader gone) inside `_StopFlag.at_once` (a
+    BaseException, as KeyboardInterrupt is: an `except Exception` in the set-up must not swallow it)."""
 
 
 @dataclass
@@ -69,7 +76,9 @@ class TrainResult:
 
 class _StopFlag:
     """SIGTERM/SIGINT set a flag; the loop finishes the current step, checkpoints and exits (143 / 130).
-    A second SIGINT falls through to Python's default (KeyboardInterrupt) for an impatient user."""
+    A second SIGINT falls through to Python's default (KeyboardInterrupt) for an impatient user. The reader of
+    stdout or stderr leaving (`fastddpm train | head`) stops the run as SIGTERM does, exit 141: a write into the
+    closed pipe, or the poll at each step's end (`readers`), finds it."""
 
     def __init__(self):
         self.exit_code: int | None = None
@@ -77,12 +86,22 @@ class _StopFlag:
         self.dist = SINGLE  # set once the process group is up; train() tears it down
         self._at_once: str | None = None  # the set-up a signal now stops there and then (at_once)
         self.folder_lock = None  # the run folder's RunFolderLock, set once the folder exists; train() lets it go
+        self.readers = ReaderWatch(self._reader_left)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig, code in ((signal.SIGTERM, EXIT_SIGTERM), (signal.SIGINT, EXIT_SIGINT)):
                 self._old[sig] = signal.signal(sig, self._handler(code))
+        self.readers.__enter__()
         return self
+
+    def _reader_left(self, stream: str) -> None:
+        """The reader of `stream` left: stop as a SIGTERM stops; in a set-up that stops at once, there and then
+        (raised from the print that found it, in the main thread, where a signal's handler would raise)."""
+        if self.exit_code is None:
+            self.exit_code = EXIT_READER_GONE
+            if self._at_once is not None and threading.current_thread() is threading.main_thread():
+                raise _StoppedAtOnce
 
     def _handler(self, code):
         def handle(signum, frame):
@@ -97,8 +116,9 @@ class _StopFlag:
                 # minutes, where a Ctrl-C that seemed lost would be pressed again. os.write: the handler may run
                 # while the main thread is inside a print to the same stream
                 again = " (Ctrl-C again to stop at once, without one)" if signum == signal.SIGINT else ""
-                os.write(2, f"{signal.Signals(signum).name}: the run stops after its current step, with a "
-                            f"checkpoint{again}\n".encode())
+                with contextlib.suppress(OSError):  # stderr's reader gone: the run stops all the same
+                    os.write(2, f"{signal.Signals(signum).name}: the run stops after its current step, with a "
+                                f"checkpoint{again}\n".encode())
         return handle
 
     @contextlib.contextmanager
@@ -115,11 +135,12 @@ class _StopFlag:
             finally:
                 self._at_once = None
         except _StoppedAtOnce:
-            log(f"stopped by signal while {what}, before the first step: nothing was trained or saved; the run "
-                "folder is as it was (run the same command again to go on)")
+            log(f"stopped by {_cause(self.exit_code)} while {what}, before the first step: nothing was trained or "
+                "saved; the run folder is as it was (run the same command again to go on)")
             raise TrainingInterrupted(self.exit_code, None) from None
 
     def __exit__(self, *exc):
+        self.readers.__exit__(*exc)
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()  # the handlers close over this flag: drop them, so nothing keeps the run alive
@@ -239,7 +260,7 @@ def _loop(run: Run, stop: _StopFlag, hooks: TrainHooks, out: StepLog) -> TrainRe
 def _stopped(run: Run, out: StepLog, stop_code: int, checkpoint: Path) -> NoReturn:
     barrier(run.dist)  # no rank exits (and makes torchrun kill the others) before rank 0 has written
     out.close_bar()
-    run.log(f"stopped by signal at step {run.state.step:,}; checkpoint {checkpoint}; resume with "
+    run.log(f"stopped by {_cause(stop_code)} at step {run.state.step:,}; checkpoint {checkpoint}; resume with "
             f"{run.said('resume', 'latest')}")
     raise TrainingInterrupted(stop_code, checkpoint)
 
@@ -253,7 +274,7 @@ def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> Train
     stop_code = any_rank(stop.exit_code or 0, run.dist, run.device) or None
     if stop_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
         barrier(run.dist)
-        run.log(f"stopped by signal after the last step; checkpoint {out.checkpoint}")
+        run.log(f"stopped by {_cause(stop_code)} after the last step; checkpoint {out.checkpoint}")
         raise TrainingInterrupted(stop_code, out.checkpoint)
     if hooks.final_outputs:
         out.grid("final.png")
@@ -376,8 +397,10 @@ class StepLog:
 
 
 def _agreed_stop(run: Run, stop: _StopFlag, logging_step: bool) -> int | None:
-    """The exit code of a SIGTERM/SIGINT (None: go on). Under torchrun every rank must stop at the same step:
-    the ranks agree with a collective, on a GPU only on logging steps (a signal waits until the next one)."""
+    """The exit code of a SIGTERM/SIGINT or of the reader's leaving (None: go on). Under torchrun every rank must
+    stop at the same step: the ranks agree with a collective, on a GPU only on logging steps (a signal waits
+    until the next one)."""
+    stop.readers.poll()  # a system call, no device sync
     if not run.dist.enabled:
         return stop.exit_code
     if not (logging_step or run.device.type == "cpu"):
@@ -468,7 +491,8 @@ def maybe_evaluate(run: Run, out: StepLog, done: bool, stop: _StopFlag) -> bool:
                                   should_stop=None if run.dist.enabled else lambda: stop.exit_code is not None))
     except EvaluationStopped:
         out.exclude(time.perf_counter() - t_eval)
-        run.log(f"evaluation at {state.images_seen:,} images stopped by the signal: it runs on resume, from this "
+        cause = "the signal" if stop.exit_code != EXIT_READER_GONE else _cause(stop.exit_code)
+        run.log(f"evaluation at {state.images_seen:,} images stopped by {cause}: it runs on resume, from this "
                 "step's weights")
         return True
     return False
