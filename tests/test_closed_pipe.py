@@ -109,3 +109,22 @@ def test_help_and_other_output_into_a_closed_pipe_end_quietly_with_141(tmp_path)
     for args in (["--help"], ["train", "--preset", "tiny", "--print-config"]):
         code, _ = read_then_leave(args, tmp_path / "err", lines=0)
         assert code == 141 and (tmp_path / "err").read_text() == "", (args, (tmp_path / "err").read_text())
+
+
+def test_a_reader_that_leaves_while_the_dataset_is_prepared_stops_the_run_there(tmp_path):
+    """The reader of stderr (the preparation's progress lines) gone in the set-up that stops at once on SIGTERM:
+    the run stops there, exit 141, nothing trained or saved (the print into the closed pipe had ended it in a
+    traceback)."""
+    import numpy as np
+
+    data, run = tmp_path / "new.npz", tmp_path / "run"  # a source no other test prepared: its preparation runs
+    np.savez(data, images=np.random.default_rng(0).integers(0, 256, (64, 28, 28), dtype=np.uint8))
+    train = [a if a != "--no-progress" else "--progress" for a in TRAIN]
+    code, _ = read_then_leave([*train, "--data", str(data), "--out", str(run)], tmp_path / "out", lines=0,
+                              stream="stderr")
+    out = (tmp_path / "out").read_text()
+    assert code == 141, out
+    assert_quiet(out)
+    assert ("stopped by the closed pipe its output went to while preparing the dataset, before the first step: "
+            "nothing was trained or saved") in out
+    assert not (run / "checkpoints").exists()
