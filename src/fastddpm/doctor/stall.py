@@ -112,11 +112,15 @@ class StallWatch:
         while not self._stop.wait(self.poll_s):
             now, count, cpu = time.perf_counter(), self.steps(), cpu_seconds()
             if self._pending and now - fired_at > UNHEARD_S:
-                # the Python handler never ran: the signal is taken below Python (faulthandler.register, a C
-                # extension), or the thread is blocked where no signal wakes it
-                self.log(f"doctor run: {self.script.name} did not stop when the doctor signalled it (stuck at "
-                         f"{self.where}; its SIGUSR1 may be taken below Python, e.g. by faulthandler.register): stop "
-                         "it yourself (Ctrl-C)")
+                # The Python handler never ran: the thread is blocked in C code that waits on after a signal (a
+                # C++ condition variable, a CUDA or NCCL wait: only its return would run the handler), or the
+                # signal is taken below Python (a C extension's handler). Nothing in the process can unwind such a
+                # wait; Ctrl-C's handler runs in Python too, so the way out is a signal Python does not handle.
+                self.log(f"doctor run: {self.script.name} did not stop when the doctor signalled it: it stands at "
+                         f"{self.where}, in C code that no signal interrupts (a C++ library's wait), or with SIGUSR1 "
+                         f"taken below Python. Ctrl-C may not stop it either: end it with Ctrl-\\ (SIGQUIT) or "
+                         f"`kill -9 {os.getpid()}`, then run that line without the doctor to see why it waits; "
+                         "nothing was reported")
                 return
             if count != seen:
                 if last_step is not None:  # the longest gap between steps, to a poll
@@ -135,8 +139,8 @@ class StallWatch:
                          "its imports and set-up are not timed)")
             limit = self.limit(last_step is not None)
             quiet_since = max(last_step or t0, busy_at, still_since)
-            if now - quiet_since <= limit:
-                continue
+            if now - quiet_since <= limit or self._pending:
+                continue  # one signal at a time: another would restart the wait for it (fired_at), never said
             with self._lock:
                 if not self._running:
                     return
