@@ -128,3 +128,15 @@ def test_a_reader_that_leaves_while_the_dataset_is_prepared_stops_the_run_there(
     assert ("stopped by the closed pipe its output went to while preparing the dataset, before the first step: "
             "nothing was trained or saved") in out
     assert not (run / "checkpoints").exists()
+
+
+def test_doctor_train_into_a_closed_pipe_ends_quietly_with_141(tmp_path, fmnist_npz):
+    """`fastddpm doctor train ... | head`: the trainer inside the doctor stops when the reader leaves, and the
+    doctor does not catch the trainer's stop: it reached the command line as a TrainingInterrupted traceback. Its
+    stop is a BrokenPipeError too (trainer.loop.ReaderLeft), so the command ends as any other does."""
+    code, _ = read_then_leave(["doctor", "train", "--preset", "tiny", "--data", str(fmnist_npz), "--compile", "off",
+                               "--max-seconds", "10", "--report-dir", str(tmp_path / "doctor")], tmp_path / "err",
+                              lines=0)
+    err = (tmp_path / "err").read_text()
+    assert code == 141, err
+    assert_quiet(err)

@@ -22,7 +22,7 @@ from fastddpm.config import (CLI, PRESETS, SAMPLER_CHOICES, SAMPLER_HELP, SECTIO
                              ConfigError, RunConfig, Spelling, TrainConfig, class_index, class_slug, default_preset,
                              default_spacing, device_setting, flag_name, load_config_file, preset_summaries, qualify,
                              resolve_config)
-from fastddpm.pipes import EXIT_READER_GONE, silence_closed_streams
+from fastddpm.pipes import EXIT_READER_GONE, ReaderGone, silence_closed_streams
 
 TRAIN_EPILOG = """\
 Presets (--preset NAME; later layers override: preset < --config FILE < --set < flags):
@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             # what is still buffered (argparse's --help, a command's last lines) is written here, where a reader
             # that left is caught, not by the interpreter's exit ("Exception ignored ... BrokenPipeError")
             sys.stdout.flush()
-    except BrokenPipeError:
-        if not silence_closed_streams():
+    except BrokenPipeError as e:
+        if not (silence_closed_streams() or isinstance(e, ReaderGone)):
             raise  # another pipe (a subprocess's) broke: not the reader of this command's output
         return EXIT_READER_GONE
 

@@ -20,6 +20,11 @@ from typing import Callable, TextIO
 EXIT_READER_GONE = 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
 
 
+class ReaderGone(BrokenPipeError):
+    """Raised where a reader that left ends more than a write (fastddpm.trainer.loop.ReaderLeft: the training run),
+    the streams already silenced: fastddpm.cli.main ends the command with 141 as for any BrokenPipeError."""
+
+
 def reader_gone(stream: TextIO | None) -> bool:
     """Whether `stream` writes into a pipe or socket whose reader is gone: poll says POLLERR on such a write end
     (a file or a terminal never does). False where it cannot be told (no descriptor, no poll)."""

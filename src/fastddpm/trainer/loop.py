@@ -25,7 +25,7 @@ from typing import Callable, NoReturn
 import torch
 
 from fastddpm.config import CLI, ConfigError, RunConfig, Spelling
-from fastddpm.pipes import EXIT_READER_GONE, ReaderWatch
+from fastddpm.pipes import EXIT_READER_GONE, ReaderGone, ReaderWatch
 from fastddpm.progress import progress_bar
 from fastddpm.rundir.files import rank_0_by_env
 from fastddpm.rundir.locate import Checkpoint
@@ -53,6 +53,16 @@ class TrainingInterrupted(Exception):
                          f"stopped by {cause} during the set-up, before the first step: nothing was saved")
         self.exit_code = exit_code
         self.checkpoint = checkpoint
+
+
+class ReaderLeft(TrainingInterrupted, ReaderGone):
+    """The stop of a run whose reader of stdout or stderr left (exit 141): a BrokenPipeError too, so a command that
+    lets the trainer's stop through (`fastddpm doctor train | head`) ends as any command whose reader left does, in
+    fastddpm.cli.main, not in a traceback."""
+
+
+def _interrupted(exit_code: int, checkpoint: Path | None) -> TrainingInterrupted:
+    return (ReaderLeft if exit_code == EXIT_READER_GONE else TrainingInterrupted)(exit_code, checkpoint)
 
 
 def _cause(exit_code: int | None) -> str:
@@ -137,7 +147,7 @@ class _StopFlag:
         except _StoppedAtOnce:
             log(f"stopped by {_cause(self.exit_code)} while {what}, before the first step: nothing was trained or "
                 "saved; the run folder is as it was (run the same command again to go on)")
-            raise TrainingInterrupted(self.exit_code, None) from None
+            raise _interrupted(self.exit_code, None) from None
 
     def __exit__(self, *exc):
         self.readers.__exit__(*exc)
@@ -262,7 +272,7 @@ def _stopped(run: Run, out: StepLog, stop_code: int, checkpoint: Path) -> NoRetu
     out.close_bar()
     run.log(f"stopped by {_cause(stop_code)} at step {run.state.step:,}; checkpoint {checkpoint}; resume with "
             f"{run.said('resume', 'latest')}")
-    raise TrainingInterrupted(stop_code, checkpoint)
+    raise _interrupted(stop_code, checkpoint)
 
 
 def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> TrainResult:
@@ -275,7 +285,7 @@ def _finish(run: Run, out: StepLog, stop: _StopFlag, hooks: TrainHooks) -> Train
     if stop_code is not None:  # a signal after the last step: the checkpoint is written, skip the grid
         barrier(run.dist)
         run.log(f"stopped by {_cause(stop_code)} after the last step; checkpoint {out.checkpoint}")
-        raise TrainingInterrupted(stop_code, out.checkpoint)
+        raise _interrupted(stop_code, out.checkpoint)
     if hooks.final_outputs:
         out.grid("final.png")
     if run.fast.compile:
