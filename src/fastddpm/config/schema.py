@@ -340,7 +340,7 @@ class TrainConfig:
                       "1 (a U-Net decoder's), so aten copies between it and cuDNN's NHWC. channels-last = its layout "
                       "optimization forced. auto = forced on one CUDA device under bf16 (on an H200: 1.18x the "
                       "heuristic on ddpm-cifar10 at batch 128, 1.02x on seed-1layer at 1024 with channels_last), "
-                      "the heuristic elsewhere (unmeasured). Needs --compile on (or auto that compiles).",
+                      "the heuristic elsewhere (unmeasured). channels-last needs --compile on (or auto that compiles).",
                       choices=("auto", "channels-last", "heuristic")),
     )
     cuda_graphs: str = field(

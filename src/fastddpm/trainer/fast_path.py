@@ -178,7 +178,7 @@ def resolve_fast_path(train_cfg, device: torch.device, precision: Precision, wor
     il = train_cfg.inductor_layout
     if il == "auto":
         layout, why = _inductor_layout_auto(cuda, compile_on, world_size, precision.name)
-    elif c == "off":
+    elif c == "off" and il == "channels-last":  # the heuristic asks for nothing: uncompiled, nothing differs
         raise ConfigError(f"train.inductor_layout={il} sets the layout of torch.compile's own tensors: turn "
                           f"--compile on (or auto), or leave --inductor-layout auto")
     else:
