@@ -36,3 +36,16 @@ def test_a_device_this_machine_lacks_in_a_config_file_is_refused_naming_the_file
                           gpu) == "train.device"
     assert device_setting(resolve_config("tiny", file=gpu), gpu) == f"config file {gpu}: train.device"
     assert device_setting(resolve_config("tiny"), None) == "train.device"
+
+
+def test_doctor_train_names_the_config_file_of_a_device_this_machine_lacks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = tmp_path / "d.npz"
+    np.savez(data, images=np.zeros((8, 1, 8, 8), np.uint8))
+    cuda = tmp_path / "cuda.yaml"
+    cuda.write_text("train:\n  device: cuda\n")
+    assert main(["doctor", "train", "--preset", "tiny", "--data", str(data), "--config", str(cuda),
+                 "--report-dir", str(tmp_path / "rep")]) == 2
+    assert f"config file {cuda}: train.device='cuda', but CUDA is not available here: use cpu or auto" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "rep").exists()

@@ -178,8 +178,13 @@ def _run(args, resolve_train_config, DoctorConfig) -> int:
         if args.doctor_command == "train":
             from fastddpm.doctor.runners import run_trainer
 
+            from fastddpm.config import device_setting
+            from fastddpm.device import resolve_device
+
             args.resume = None
             train_cfg = resolve_train_config(args, args.train_dests)
+            # here, where the file is known: a config file's device this machine lacks is named by the file
+            resolve_device(train_cfg.train.device, setting=device_setting(train_cfg, args.config))
             report = run_trainer(train_cfg, cfg, log=lambda *a: None, try_fixes=args.try_fixes,
                                  try_seconds=try_seconds, try_log=_stderr)
         else:
