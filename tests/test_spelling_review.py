@@ -79,6 +79,24 @@ def test_an_init_from_folder_of_another_width_names_init_from_as_the_caller_give
     assert "(leave the model options out of the command line: they are read from the folder" in err
 
 
+def test_init_from_under_another_family_names_both_as_the_caller_gives_them(tmp_path, rgb_npz, capsys):
+    """fastddpm.train(init_from=..., family='seed') was told `--init-from` and `drop --family seed`."""
+    over = {k.split(".", 1)[1]: v for k, v in TINY_DDPM.items()}
+    over.update(image_channels=3, image_size=32)
+    cfg = RunConfig(model=ModelConfig(**over), diffusion=DiffusionConfig())
+    folder = tmp_path / "folder"
+    write_folder(build_unet(cfg.model).eval(), cfg, folder)
+    with pytest.raises(ConfigError) as e:
+        fastddpm.train("tiny", out=tmp_path / "a", data=str(rgb_npz), init_from=str(folder), family="seed",
+                       max_steps=1, **SMALL)
+    assert str(e.value).startswith(f"init_from={str(folder)!r}: a diffusers UNet2DModel is fastddpm's ddpm family")
+    assert str(e.value).endswith("drop family='seed' (the folder sets the architecture)")
+    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "b"), "--data", str(rgb_npz), "--init-from",
+                 str(folder), "--family", "seed", "--max-steps", "1", *SMALL_FLAGS]) == 2
+    assert f"--init-from {folder}: a diffusers UNet2DModel" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_an_inception_file_given_by_set_is_named_as_set_as_typed(tmp_path, rgb_npz, capsys):
     """`train --set train.eval_inception=BAD` was told `--eval-inception BAD: no such file ... (--eval-inception auto
     instead ...)`, a flag never typed; the flag itself, or one over the --set, is still named as the flag."""

@@ -248,7 +248,7 @@ def load_init(model, cfg, folder: str | Path, said: Spelling = CLI) -> str:
     ConfigError names the first detail that differs (a config switch, or a weight), and the fix as the caller gives
     it (`said`: the command's flags, or fastddpm.train's keywords). Returns a line for the log."""
     unet, theirs = read_unet_config(folder)
-    check_exportable(cfg, f"--init-from {unet}")  # the families and switches that have a UNet2DModel equivalent
+    check_exportable(cfg, said("init-from", str(unet)))  # the families and switches that have a UNet2DModel equivalent
     differs = mismatch(theirs, cfg)
     if differs:
         hint = (" (the data's image side places the attention layers: the folder's sample_size is "

@@ -309,9 +309,11 @@ def resolve_config(base: RunConfig | str | dict | None = None, *, file: str | Pa
 
         family = _last_given(file_values, layers, "model", "family")
         if family not in (None, "ddpm"):
-            raise ConfigError(f"--init-from {folder}: a diffusers UNet2DModel is fastddpm's ddpm family (Ho et al.'s "
-                              f"U-Net), so model.family={family!r} cannot take its weights: drop --family {family} "
-                              f"(the folder sets the architecture)")
+            # named as the caller gave it: the command's flag, or fastddpm.train's keyword
+            said = _said(next((source for source, values in reversed(layers) if "model.family" in values), ""))
+            raise ConfigError(f"{said('init-from', folder)}: a diffusers UNet2DModel is fastddpm's ddpm family (Ho et "
+                              f"al.'s U-Net), so model.family={family!r} cannot take its weights: drop "
+                              f"{said('family', family)} (the folder sets the architecture)")
         fields = folder_fields(folder)
         if not fields["model.conditional"]:
             # a model without a class embedding drops no labels: its config records none, not the label dropout
