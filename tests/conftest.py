@@ -158,6 +158,16 @@ def read_fmnist(n: int, split: str = "train") -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="session")
+def rgb_npz(tmp_path_factory) -> Path:
+    """16 random RGB 32x32 images with labels 0-1: the DDPM family's CIFAR-10 shape, for runs whose loss is not read
+    (test_ddpm_family.py has its own, smooth images whose loss can fall)."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("rgb") / "rgb32.npz"
+    np.savez(path, images=rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8), labels=rng.integers(0, 2, 16))
+    return path
+
+
+@pytest.fixture(scope="session")
 def fmnist_npz(tmp_path_factory) -> Path:
     """256 real Fashion-MNIST training images as an .npz source."""
     images, labels = read_fmnist(256)

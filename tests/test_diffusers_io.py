@@ -149,15 +149,6 @@ def test_the_diffusers_names_map_back_to_the_same_fastddpm_weights():
         from_diffusers_state_dict(build_unet(_run_config().model), to_diffusers_state_dict(model))
 
 
-@pytest.fixture(scope="module")
-def rgb_npz(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8)
-    path = tmp_path_factory.mktemp("rgb") / "rgb32.npz"
-    np.savez(path, images=images, labels=rng.integers(0, 2, 16))
-    return path
-
-
 SMALL_GRIDS = ("--num-sample-images", "4", "--sample-steps", "2")  # not the preset's 16 in 10: no grid is read
 
 

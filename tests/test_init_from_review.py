@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,14 +23,6 @@ def _folder(path, **model):
     cfg = RunConfig(model=ModelConfig(**over), diffusion=DiffusionConfig())
     torch.manual_seed(0)
     write_folder(build_unet(cfg.model).eval(), cfg, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def rgb_npz(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("rgb") / "rgb32.npz"
-    np.savez(path, images=rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8), labels=rng.integers(0, 2, 16))
     return path
 
 

@@ -4,7 +4,6 @@ argument and refuses a preset= keyword)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,14 +16,6 @@ from fastddpm.models import build_unet
 
 SMALL = dict(num_sample_images=4, sample_steps=2, batch_size=8, progress=False, log=None)
 SMALL_FLAGS = ["--num-sample-images", "4", "--sample-steps", "2", "--batch-size", "8", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def rgb_npz(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("rgb") / "rgb32.npz"
-    np.savez(path, images=rng.integers(0, 256, (16, 3, 32, 32), dtype=np.uint8), labels=rng.integers(0, 2, 16))
-    return path
 
 
 def test_a_resume_whose_architecture_or_seed_differs_names_the_preset_as_the_caller_gives_it(tmp_path, rgb_npz,
