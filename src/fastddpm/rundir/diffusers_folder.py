@@ -1,7 +1,8 @@
 """A diffusers folder read as a checkpoint: a DDPMPipeline folder (model_index.json, unet/, scheduler/) or a
 UNet2DModel folder alone, such as a local copy of google/ddpm-cifar10-32 or a model trained with diffusers'
-train_unconditional.py. `fastddpm sample`, `eval`, `export`, `bench samplers` and `fastddpm.load` take one where
-they take a run, so a diffusers model gets fastddpm's few-step samplers and FID without being retrained.
+train_unconditional.py. `fastddpm sample`, `eval` (with --data: a folder records no dataset), `export` and
+`fastddpm.load` take one where they take a run, so a diffusers model gets fastddpm's few-step samplers and FID
+without being retrained.
 
 The network is fastddpm's ddpm family (Ho et al.'s U-Net) built from the folder's config.json by the same table
 `train --init-from` reads (fastddpm.config.diffusers_unet), its weights renamed by fastddpm.models.diffusers_names;
