@@ -147,6 +147,26 @@ def test_fastddpm_eval_scores_a_diffusers_folder_against_the_data_it_is_given(pi
     assert results[0]["checkpoint"]["file"] == str(folder.absolute())
 
 
+def test_fastddpm_evaluate_of_a_diffusers_folder_needs_data_and_says_nothing_of_other_data(pipeline,
+                                                                                          fmnist_splits):
+    """As `fastddpm eval`: data= is the data the model learned (the folder records none), so no UserWarning says
+    the reference images are not the run's."""
+    import warnings
+
+    import fastddpm
+    from fastddpm.config import ConfigError
+
+    folder, _ = pipeline
+    with pytest.raises(ConfigError, match=r"^evaluate: .* is a diffusers folder, which records no dataset: pass "
+                                          r"data=SOURCE"):
+        fastddpm.evaluate(folder, num_samples=20, device="cpu", log=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a note about other data would be a UserWarning
+        metrics = fastddpm.evaluate(folder, data=str(fmnist_splits), num_samples=40, sampler="ddim", steps=2,
+                                    device="cpu", log=None)
+    assert np.isfinite(metrics["fid"]) and metrics["fid"] > 0
+
+
 def test_what_a_diffusers_folder_cannot_be_is_refused_by_name(pipeline, tmp_path, capsys):
     folder, _ = pipeline
     assert main(["sample", "--checkpoint", str(folder), "--weights", "model", "--num-images", "4",

@@ -337,6 +337,13 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     steps = None if steps is None else _whole(steps, "steps", "evaluate")
     batch_size = None if batch_size is None else _whole(batch_size, "batch_size", "evaluate")
     model, ckpt = _load(_path(path, "path", "evaluate", _A_MODEL), device=device, weights=weights)
+    trained = model.cfg.data  # the data the model learned, which the reference images are compared with
+    if ckpt.kind == "diffusers":  # its config's data is a placeholder: data= is what it was trained on
+        if data is None:
+            raise ConfigError(f"evaluate: {ckpt.path} is a diffusers folder, which records no dataset: pass "
+                              "data=SOURCE, the images its model was trained on (data='cifar10' for "
+                              "google/ddpm-cifar10-32)")
+        trained = dataclasses.replace(trained, source=data)
     cfg = model.cfg
     data_options = {k: v for k, v in (("source", data), ("resize", resize), ("resize_mode", resize_mode),
                                       ("image_mode", image_mode), ("skip_bad", skip_bad)) if v is not None}
@@ -363,14 +370,14 @@ def evaluate(path: str | Path, *, num_samples: int = 2_000, sampler: str = "auto
     sampler, steps = resolve_sampler_args(cfg, sampler, steps, eta, guidance=scale, said=API)
     from fastddpm.device import resolve_precision
 
-    evaluator = evaluator_for_run(cfg, device=model.device, trained_on=model.cfg.data.source,
+    evaluator = evaluator_for_run(cfg, device=model.device, trained_on=trained.source,
                                   data_given=data is not None, said=API, inception=inception,
                                   reference_split=reference_split, log=log)
     from fastddpm.eval.notes import other_data_note, weak_classifier
 
     # warned, not logged: log=None silences progress lines, and a score against other images than the model learned
     # must not pass unsaid (a pipeline can also make the warning an error)
-    changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained=model.cfg.data, said=API)
+    changed = other_data_note(ckpt.meta.get("data"), evaluator, cfg, trained=trained, said=API)
     if changed:
         warnings.warn(changed, stacklevel=2)
     weak = weak_classifier(evaluator.net.info) if evaluator.net.num_classes is not None else None
