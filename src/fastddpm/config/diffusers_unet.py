@@ -160,17 +160,18 @@ def _fastddpms_own(path: Path) -> str | None:
     return None
 
 
-def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
+def read_unet_config(folder: str | Path, flag: str = "--init-from") -> tuple[Path, dict]:
     """(the UNet2DModel folder, its config.json with UNet2DModel's defaults filled in) for FOLDER (a DDPMPipeline
-    folder, with unet/, or a UNet2DModel folder); a ConfigError naming the file when it is not one."""
+    folder, with unet/, or a UNet2DModel folder); a ConfigError naming the file when it is not one, after `flag`
+    (what gave the folder: --init-from, or --checkpoint where a diffusers folder is sampled)."""
     folder = Path(folder).expanduser()
     if not folder.exists():
-        raise ConfigError(f"--init-from {folder}: no such folder (give a diffusers DDPMPipeline folder, or its unet/ "
+        raise ConfigError(f"{flag} {folder}: no such folder (give a diffusers DDPMPipeline folder, or its unet/ "
                           "folder: config.json and the weights)")
     own = _fastddpms_own(folder)
     if own:
         # a run's config.json is fastddpm's own, not UNet2DModel's: "need config.json" would name a file that is there
-        raise ConfigError(f"--init-from {folder}: {own}, not a diffusers folder: --init-from reads diffusers' "
+        raise ConfigError(f"{flag} {folder}: {own}, not a diffusers folder: --init-from reads diffusers' "
                           "UNet2DModel weights. To go on training a fastddpm run, pass its folder or a "
                           "checkpoints/ckpt_*.pt as --resume; to start a new run from a run's weights, write them as "
                           "diffusers' with `fastddpm export RUN --format diffusers --out DIR` (the ddpm family) and "
@@ -178,28 +179,28 @@ def read_unet_config(folder: str | Path) -> tuple[Path, dict]:
     if not folder.is_dir():
         hint = (f"; this is one of its files: give {folder.parent}" if folder.name in ("config.json", WEIGHTS,
                                                                                         WEIGHTS_BIN) else "")
-        raise ConfigError(f"--init-from {folder}: a file, not a folder (a diffusers DDPMPipeline folder or its unet/ "
+        raise ConfigError(f"{flag} {folder}: a file, not a folder (a diffusers DDPMPipeline folder or its unet/ "
                           f"folder holds config.json and the weights{hint})")
     unet = folder / "unet" if (folder / "unet" / "config.json").is_file() else folder
     path = unet / "config.json"
     if not path.is_file() or weights_file(unet) is None:
-        raise ConfigError(f"--init-from {folder}: no diffusers UNet2DModel there (need {unet}/config.json and "
+        raise ConfigError(f"{flag} {folder}: no diffusers UNet2DModel there (need {unet}/config.json and "
                           f"{unet}/{WEIGHTS} or {WEIGHTS_BIN}; a DDPMPipeline folder has them under unet/)")
     try:
         theirs = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--init-from {path}: not valid JSON ({e})") from None
+        raise ConfigError(f"{flag} {path}: not valid JSON ({e})") from None
     if not isinstance(theirs, dict) or theirs.get("_class_name", "UNet2DModel") != "UNet2DModel":
         name = theirs.get("_class_name") if isinstance(theirs, dict) else type(theirs).__name__
-        raise ConfigError(f"--init-from {path}: a {name}, not a UNet2DModel config")
+        raise ConfigError(f"{flag} {path}: a {name}, not a UNet2DModel config")
     return unet, {**UNET2D_DEFAULTS, **theirs}
 
 
-def model_fields(theirs: dict, where: str) -> dict:
+def model_fields(theirs: dict, where: str, flag: str = "--init-from") -> dict:
     """The ddpm family's model options ("model.field": value) that build the network of a UNet2DModel config.json
     (defaults filled in); a ConfigError naming the first entry fastddpm's U-Net cannot compute, and why."""
     def refuse(key: str, why: str) -> None:
-        raise ConfigError(f"--init-from {where}: {key}={theirs.get(key)!r}: {why}; fastddpm's ddpm family cannot "
+        raise ConfigError(f"{flag} {where}: {key}={theirs.get(key)!r}: {why}; fastddpm's ddpm family cannot "
                           "compute this UNet2DModel's function")
 
     fixed = {"time_embedding_type": "positional", "act_fn": "silu",
@@ -268,12 +269,12 @@ def model_fields(theirs: dict, where: str) -> dict:
     }
 
 
-def scheduler_fields(sched: dict, where: str) -> dict:
+def scheduler_fields(sched: dict, where: str, flag: str = "--init-from") -> dict:
     """The diffusion options ("diffusion.field": value) of a DDPMScheduler's scheduler_config.json (any scheduler
     of DDPM's discrete betas: DDIM's, PNDM's, ... share the keys); a ConfigError naming what fastddpm has no
     equivalent for."""
     def refuse(key: str, why: str) -> None:
-        raise ConfigError(f"--init-from {where}: {key}={sched.get(key)!r}: {why} (set the diffusion options on the "
+        raise ConfigError(f"{flag} {where}: {key}={sched.get(key)!r}: {why} (set the diffusion options on the "
                           "command line to train another schedule)")
 
     if sched.get("trained_betas") is not None:
@@ -296,11 +297,11 @@ def scheduler_fields(sched: dict, where: str) -> dict:
             "diffusion.prediction": "epsilon" if prediction == "epsilon" else "v"}
 
 
-def folder_fields(folder: str | Path) -> dict:
-    """What FOLDER sets for train --init-from: model_fields of its UNet2DModel and, for a DDPMPipeline folder,
-    scheduler_fields of its scheduler/scheduler_config.json."""
-    unet, theirs = read_unet_config(folder)
-    fields = model_fields(theirs, str(unet / "config.json"))
+def folder_fields(folder: str | Path, flag: str = "--init-from") -> dict:
+    """What FOLDER sets for train --init-from (or a diffusers folder given as `flag`, a checkpoint): model_fields
+    of its UNet2DModel and, for a DDPMPipeline folder, scheduler_fields of its scheduler/scheduler_config.json."""
+    unet, theirs = read_unet_config(folder, flag)
+    fields = model_fields(theirs, str(unet / "config.json"), flag)
     given = json.loads((unet / "config.json").read_text())  # read_unet_config filled in the defaults
     if "dropout" in given:  # a folder that records its dropout keeps it (google/ddpm-* record none)
         fields["model.dropout"] = given["dropout"]
@@ -309,8 +310,8 @@ def folder_fields(folder: str | Path) -> dict:
         try:
             sched = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--init-from {path}: not valid JSON ({e})") from None
-        fields.update(scheduler_fields(sched, str(path)))
+            raise ConfigError(f"{flag} {path}: not valid JSON ({e})") from None
+        fields.update(scheduler_fields(sched, str(path), flag))
     return fields
 
 

@@ -43,11 +43,8 @@ def diffusers_meta(folder: Path, what: str) -> dict:
     """A Checkpoint's meta for a diffusers folder: the run config that builds its network and schedule (the ddpm
     family's preset under the folder's architecture and scheduler), no step, no images seen. A ConfigError, its
     message led by `what` and the folder, names what fastddpm cannot compute."""
-    try:
-        unet, theirs = read_unet_config(folder)
-        fields = folder_fields(folder)
-    except ConfigError as e:  # the table's errors are worded for --init-from, the flag that reads it for training
-        raise ConfigError(_said_as(e, what)) from None
+    unet, theirs = read_unet_config(folder, what)
+    fields = folder_fields(folder, what)
     if fields["model.conditional"]:
         # fastddpm's class embedding keeps its last row for the null class of classifier-free guidance; a
         # diffusers model's num_class_embeds rows are all classes, with no null class to guide from
@@ -109,9 +106,3 @@ def read_weights(path: Path, what: str = "--init-from") -> dict:
         raise ConfigError(f"{what} {path}: not a state dict of tensors (a {type(sd).__name__}); diffusers' "
                           "save_pretrained writes one")
     return sd
-
-
-def _said_as(error: ConfigError, what: str) -> str:
-    """`error`'s message with --init-from, the flag it names, replaced by `what`."""
-    message = str(error)
-    return what + message[len("--init-from"):] if message.startswith("--init-from") else f"{what}: {message}"
